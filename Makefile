@@ -1,0 +1,44 @@
+# Octo: one entry point for tests and the demo.
+#   make test   create .venv, install Octo with its test extra, make sure RabbitMQ
+#               answers on 127.0.0.1:5672, then ruff, mypy --strict and pytest.
+#   make demo   the main job end to end (see README).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PACKAGES := octo_common octo_worker octo_host
+
+.PHONY: test lint typecheck pytest venv rabbitmq demo bench clean
+
+test: venv rabbitmq lint typecheck pytest
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+rabbitmq:
+	sh deploy/ensure-rabbitmq.sh
+
+lint: venv
+	$(VENV)/bin/ruff check $(PACKAGES) tests bench
+	$(VENV)/bin/ruff format --check $(PACKAGES) tests bench
+
+typecheck: venv
+	$(VENV)/bin/mypy --strict $(PACKAGES)
+
+pytest: venv
+	$(PY) -m pytest -q
+
+demo: venv rabbitmq
+	$(PY) -m octo_worker.demo
+
+bench: venv rabbitmq
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) bench/frames.py
+	$(PY) bench/journal.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

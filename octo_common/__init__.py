@@ -1,0 +1,1 @@
+"""Octo protocol core: pure (no asyncio, no I/O)."""

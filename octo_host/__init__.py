@@ -1,0 +1,1 @@
+"""Octo host: plans, ledger, compensation policy and approvals, ledger store, client."""

@@ -1,0 +1,1 @@
+"""Octo worker: journal, adapters, sessions, SQLite store, RabbitMQ daemon."""
