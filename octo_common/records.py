@@ -1,0 +1,728 @@
+"""Keyed storage records: identifiers, keyring, envelope, payload encryption, anchor format.
+
+This module owns the byte-level rules of authenticated storage (H§17.1-17.2,
+H§17.4 steps 1-14, H§17.9, H§17.10/H§18A.5) shared by the host ledger store
+and the worker journal store:
+
+* ``StorageKey``, ``StorageKeyId``, ``StorageRecordKey``, ``StorageKeyring``;
+* the backend value types ``StoredRecord``, ``StorageSnapshot``, ``Stored``,
+  ``Conflict`` and the opened ``AuthenticatedRecord``;
+* ``seal_record`` / ``open_record`` (the envelope and its keyed BLAKE3 tag),
+  ``validate_revision_pair`` (the floor rule);
+* ``encrypt_document`` / ``decrypt_document`` (optional ChaCha20-Poly1305
+  payload encryption of worker rows);
+* ``encode_anchor`` / ``decode_anchor`` (the rollback anchor file content).
+
+It is pure: it must never open files, touch a database or import asyncio.
+Loading a key from a file lives in the stores (``octo_host.store``). Keys
+never appear in a repr, an error, a pickle or a copy; errors never echo
+payloads.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn
+
+import blake3
+import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from octo_common.errors import (
+    ActiveKeyCannotBeRetired,
+    DuplicateKeyId,
+    InvalidEnvelope,
+    InvalidKeyId,
+    InvalidRecordAuthenticationTag,
+    InvalidRecordName,
+    InvalidRecordNamespace,
+    InvalidRevision,
+    InvalidStorageKey,
+    PayloadTooLarge,
+    RecordTooLarge,
+    RevisionExhausted,
+    RevisionFloorMismatch,
+    RevisionMismatch,
+    RollbackAnchorInvalid,
+    RollbackDetected,
+    UnknownKeyId,
+    UnsupportedRecordFormat,
+)
+from octo_common.ids import is_token
+from octo_common.limits import (
+    AUTHENTICATED_RECORD_FORMAT_VERSION,
+    MAX_AUTHENTICATED_PAYLOAD_BYTES,
+    MAX_AUTHENTICATED_RECORD_BYTES,
+    MAX_STORAGE_KEY_ID_BYTES,
+    MAX_STORAGE_RECORD_NAME_BYTES,
+    MAX_STORAGE_RECORD_NAMESPACE_BYTES,
+    MAX_U64,
+    ROLLBACK_ANCHOR_FORMAT_VERSION,
+    STORAGE_KEY_BYTES,
+)
+
+__all__ = [
+    "STORAGE_RECORD_DOMAIN",
+    "AuthenticatedRecord",
+    "Conflict",
+    "StorageKey",
+    "StorageKeyId",
+    "StorageKeyring",
+    "StorageRecordKey",
+    "StorageSnapshot",
+    "Stored",
+    "StoredRecord",
+    "decode_anchor",
+    "decrypt_document",
+    "encode_anchor",
+    "encrypt_document",
+    "open_record",
+    "seal_record",
+    "storage_record_tag",
+    "validate_revision_pair",
+]
+
+STORAGE_RECORD_DOMAIN = b"octo-storage-record-v1"
+_NONCE_BYTES = 12
+_POLY1305_TAG_BYTES = 16
+_TAG_HEX = re.compile(r"[0-9a-f]{64}")
+_BASE64_TEXT = re.compile(r"[A-Za-z0-9+/]*")
+
+
+def _is_storage_token(value: object, maximum: int) -> bool:
+    # W§3 token syntax (ASCII only, so characters are bytes) with a tighter bound.
+    return is_token(value) and len(value) <= maximum  # type: ignore[arg-type]
+
+
+def _lp(data: bytes) -> bytes:
+    return len(data).to_bytes(8, "big") + data
+
+
+def _be64(value: int) -> bytes:
+    return value.to_bytes(8, "big")
+
+
+def _is_u64(value: object) -> bool:
+    # bool is an int subclass; JSON true is never a revision.
+    return type(value) is int and 0 <= value <= MAX_U64
+
+
+def _as_bytes(value: object, what: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes")
+
+
+# Keys and identifiers (H§17.1) ----------------------------------------------
+
+
+class StorageKey:
+    """A 32-byte storage key (any value, all-zero included).
+
+    Never serialized, pickled, copied or shown: the repr is
+    ``StorageKey([redacted])``. ``reveal()`` hands the raw bytes to the one
+    place that needs them (keyed BLAKE3, the AEAD).
+    """
+
+    __slots__ = ("__key",)
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, bytes | bytearray | memoryview):
+            raise InvalidStorageKey()
+        raw = bytes(key)
+        if len(raw) != STORAGE_KEY_BYTES:
+            raise InvalidStorageKey()
+        self.__key = raw
+
+    def reveal(self) -> bytes:
+        """The raw key bytes. Callers must not log, store or copy them."""
+        return self.__key
+
+    def __repr__(self) -> str:
+        return "StorageKey([redacted])"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StorageKey):
+            return NotImplemented
+        return hmac.compare_digest(self.__key, other.__key)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("StorageKey cannot be pickled")
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError("StorageKey cannot be pickled")
+
+    def __copy__(self) -> NoReturn:
+        raise TypeError("StorageKey cannot be copied")
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        raise TypeError("StorageKey cannot be copied")
+
+
+class StorageKeyId(str):
+    """A storage key id: a token of at most 64 bytes, else ``InvalidKeyId``."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str) -> StorageKeyId:
+        if not _is_storage_token(value, MAX_STORAGE_KEY_ID_BYTES):
+            raise InvalidKeyId()
+        return super().__new__(cls, value)
+
+
+class StorageRecordKey(msgspec.Struct, frozen=True, order=True):
+    """Where a record lives: ``(namespace, name)``, ordered by that pair.
+
+    The namespace is checked first (token of at most 64 bytes, else
+    ``InvalidRecordNamespace``), then the name (token of at most 128 bytes,
+    else ``InvalidRecordName``). The host ledger of run ``r`` is
+    ``StorageRecordKey("workflow-ledger", r)``; a worker row is tagged under
+    ``StorageRecordKey(<row namespace>, <scope>)``.
+    """
+
+    namespace: str
+    name: str
+
+    def __post_init__(self) -> None:
+        if not _is_storage_token(self.namespace, MAX_STORAGE_RECORD_NAMESPACE_BYTES):
+            raise InvalidRecordNamespace()
+        if not _is_storage_token(self.name, MAX_STORAGE_RECORD_NAME_BYTES):
+            raise InvalidRecordName()
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _key_id(value: object) -> StorageKeyId:
+    if isinstance(value, StorageKeyId):
+        return value
+    if not isinstance(value, str):
+        raise InvalidKeyId()
+    return StorageKeyId(value)
+
+
+def _storage_key(value: object) -> StorageKey:
+    if isinstance(value, StorageKey):
+        return value
+    return StorageKey(value)  # type: ignore[arg-type]
+
+
+class StorageKeyring:
+    """One active write key plus any number of verification keys (H§17.1).
+
+    Changed in place by ``add_read_key``, ``rotate_to`` and ``retire``. Not
+    picklable or copyable; the repr shows only the active id and key count.
+    """
+
+    __slots__ = ("__active", "__keys")
+
+    def __init__(self, active_id: str, active_key: StorageKey | bytes) -> None:
+        key_id = _key_id(active_id)
+        key = _storage_key(active_key)
+        self.__keys: dict[StorageKeyId, StorageKey] = {key_id: key}
+        self.__active = key_id
+
+    @property
+    def active_id(self) -> StorageKeyId:
+        """The id that every new envelope is sealed under."""
+        return self.__active
+
+    @property
+    def active_key(self) -> StorageKey:
+        """The key that every new envelope is sealed with."""
+        return self.__keys[self.__active]
+
+    @property
+    def key_ids(self) -> tuple[StorageKeyId, ...]:
+        """Every id this keyring can verify, in insertion order."""
+        return tuple(self.__keys)
+
+    def add_read_key(self, key_id: str, key: StorageKey | bytes) -> None:
+        """Add a verification key; an id already present → ``DuplicateKeyId``."""
+        checked = _key_id(key_id)
+        material = _storage_key(key)
+        if checked in self.__keys:
+            raise DuplicateKeyId(str(checked))
+        self.__keys[checked] = material
+
+    def rotate_to(self, key_id: str, key: StorageKey | bytes) -> None:
+        """Add ``key`` (same rule as ``add_read_key``) and make it active.
+
+        The previous active key stays for verification until ``retire``.
+        """
+        self.add_read_key(key_id, key)
+        self.__active = StorageKeyId(key_id)
+
+    def retire(self, key_id: str) -> None:
+        """Forget a verification key; records it signed become ``UnknownKeyId``."""
+        if key_id == self.__active:
+            raise ActiveKeyCannotBeRetired()
+        if not isinstance(key_id, str) or key_id not in self.__keys:
+            raise UnknownKeyId(key_id)
+        del self.__keys[key_id]  # type: ignore[arg-type]
+
+    def key_for(self, key_id: str) -> StorageKey:
+        """The key with this id (retired ids included in the miss) or ``UnknownKeyId``."""
+        if not isinstance(key_id, str):
+            raise UnknownKeyId(key_id)
+        key = self.__keys.get(key_id)  # type: ignore[call-overload]
+        if key is None:
+            raise UnknownKeyId(key_id)
+        return key  # type: ignore[no-any-return]
+
+    def __contains__(self, key_id: object) -> bool:
+        return key_id in self.__keys
+
+    def __len__(self) -> int:
+        return len(self.__keys)
+
+    def __iter__(self) -> Iterator[StorageKeyId]:
+        return iter(tuple(self.__keys))
+
+    def __repr__(self) -> str:
+        return f"StorageKeyring(active_id={self.__active!r}, keys={len(self.__keys)})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("StorageKeyring cannot be pickled")
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError("StorageKeyring cannot be pickled")
+
+    def __copy__(self) -> NoReturn:
+        raise TypeError("StorageKeyring cannot be copied")
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        raise TypeError("StorageKeyring cannot be copied")
+
+
+# Backend value types (H§17.3) -----------------------------------------------
+
+
+class StoredRecord(msgspec.Struct, frozen=True):
+    """What a backend holds for a record: its revision and envelope bytes."""
+
+    revision: int
+    data: bytes
+
+    def __repr__(self) -> str:
+        return f"StoredRecord(revision={self.revision}, data=<{len(self.data)} bytes>)"
+
+
+class StorageSnapshot(msgspec.Struct, frozen=True):
+    """A record (or None) and its revision floor, read in one atomic snapshot."""
+
+    record: StoredRecord | None
+    revision_floor: int
+
+
+class Stored(msgspec.Struct, frozen=True):
+    """A successful backend compare-and-swap; the floor is the new revision."""
+
+    revision_floor: int
+
+
+class Conflict(msgspec.Struct, frozen=True):
+    """A failed backend compare-and-swap: what the backend actually holds."""
+
+    actual_revision: int | None
+    revision_floor: int
+
+
+class AuthenticatedRecord(msgspec.Struct, frozen=True):
+    """An opened record: revision, the key id that signed it, the payload."""
+
+    revision: int
+    key_id: str
+    payload: bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"AuthenticatedRecord(revision={self.revision}, key_id={self.key_id!r}, "
+            f"payload=<{len(self.payload)} bytes>)"
+        )
+
+
+# Floor rule (H§17.4 step 1) --------------------------------------------------
+
+
+def validate_revision_pair(record_revision: int | None, floor: int) -> None:
+    """Check a record revision (None when absent) against its revision floor.
+
+    * absent, floor 0 → fine; absent, floor > 0 → ``RollbackDetected(None, floor)``;
+    * revision 0 → ``InvalidRevision``;
+    * below the floor → ``RollbackDetected(r, floor)``;
+    * above the floor → ``RevisionFloorMismatch(r, floor)``.
+
+    For a multi-row record (H§17.8) pass the head revision and the anchored
+    or expected head revision.
+    """
+    if record_revision is None:
+        if floor > 0:
+            raise RollbackDetected(None, floor)
+        return
+    if record_revision == 0:
+        raise InvalidRevision()
+    if record_revision < floor:
+        raise RollbackDetected(record_revision, floor)
+    if record_revision > floor:
+        raise RevisionFloorMismatch(record_revision, floor)
+
+
+# Envelope and tag (H§17.2) ---------------------------------------------------
+
+
+def storage_record_tag(
+    key: StorageKey,
+    record: StorageRecordKey,
+    key_id: str,
+    revision: int,
+    payload: bytes,
+) -> str:
+    """The envelope tag: keyed BLAKE3 (64 lowercase hex) over
+
+    ``"octo-storage-record-v1" ‖ u8(1) ‖ LP(namespace) ‖ LP(name) ‖ LP(key_id)
+    ‖ BE64(revision) ‖ LP(payload)``.
+
+    The location is in the tag, so an envelope moved to another record key
+    (or, for worker rows, another scope or row namespace) fails to open.
+    """
+    message = b"".join(
+        (
+            STORAGE_RECORD_DOMAIN,
+            bytes((AUTHENTICATED_RECORD_FORMAT_VERSION,)),
+            _lp(record.namespace.encode("utf-8")),
+            _lp(record.name.encode("utf-8")),
+            _lp(key_id.encode("utf-8")),
+            _be64(revision),
+            _lp(payload),
+        )
+    )
+    return str(blake3.blake3(message, key=key.reveal()).hexdigest())
+
+
+def _b64encode(payload: bytes) -> str:
+    return base64.b64encode(payload).decode("ascii").rstrip("=")
+
+
+def seal_record(
+    keyring: StorageKeyring,
+    record_key: StorageRecordKey,
+    revision: int,
+    payload: bytes,
+) -> bytes:
+    """Seal ``payload`` at ``revision`` under the keyring's active key.
+
+    Returns the compact envelope
+    ``{"format_version":1,"key_id":…,"revision":n,"payload":"<base64>","auth_tag":"<hex>"}``
+    (standard base64 alphabet, no padding). ``PayloadTooLarge`` is checked
+    before anything else; revision 0 → ``InvalidRevision``; above 2^64 - 1 →
+    ``RevisionExhausted``; an envelope over 3 MiB → ``RecordTooLarge``.
+    """
+    data = _as_bytes(payload, "payload")
+    if len(data) > MAX_AUTHENTICATED_PAYLOAD_BYTES:
+        raise PayloadTooLarge(len(data), MAX_AUTHENTICATED_PAYLOAD_BYTES)
+    if type(revision) is not int:
+        raise TypeError("revision must be an int")
+    if revision <= 0:
+        raise InvalidRevision()
+    if revision > MAX_U64:
+        raise RevisionExhausted()
+    key_id = keyring.active_id
+    tag = storage_record_tag(keyring.active_key, record_key, key_id, revision, data)
+    # Fixed shape: the key id is a token and the other values are digits,
+    # base64 and hex, so none of them needs JSON escaping.
+    envelope = (
+        f'{{"format_version":{AUTHENTICATED_RECORD_FORMAT_VERSION},"key_id":"{key_id}",'
+        f'"revision":{revision},"payload":"{_b64encode(data)}","auth_tag":"{tag}"}}'
+    ).encode("ascii")
+    if len(envelope) > MAX_AUTHENTICATED_RECORD_BYTES:
+        raise RecordTooLarge(len(envelope), MAX_AUTHENTICATED_RECORD_BYTES)
+    return envelope
+
+
+class _StrictJsonError(Exception):
+    """Internal: the text is not strict JSON of the expected shape."""
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise _StrictJsonError(f"{name} is not allowed")
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in result:
+            raise _StrictJsonError("duplicate field")
+        result[name] = value
+    return result
+
+
+def _strict_json_object(data: bytes) -> dict[str, Any]:
+    """Parse UTF-8 JSON text whose top level is an object (W§5.1 rules).
+
+    Duplicate keys, NaN/Infinity, raw control characters, lone surrogates and
+    non-UTF-8 bytes are refused. Numbers with a fraction or exponent come back
+    as floats, so a typed field that wants an int refuses them.
+    """
+    try:
+        text = data.decode("utf-8")
+        value = json.loads(
+            text,
+            object_pairs_hook=_unique_object,
+            parse_constant=_reject_constant,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _StrictJsonError("not strict JSON") from exc
+    if not isinstance(value, dict):
+        raise _StrictJsonError("top level is not an object")
+    return value
+
+
+def _has_lone_surrogate(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_ENVELOPE_FIELDS = ("format_version", "key_id", "revision", "payload", "auth_tag")
+
+
+def _parse_envelope(data: bytes) -> tuple[int, str, int, str, str]:
+    """H§17.4 step 3: strict envelope parse (fields, types, ranges)."""
+    try:
+        fields = _strict_json_object(data)
+    except _StrictJsonError as exc:
+        raise InvalidEnvelope(str(exc)) from None
+    if set(fields) != set(_ENVELOPE_FIELDS):
+        raise InvalidEnvelope("unknown or missing field")
+    version = fields["format_version"]
+    key_id = fields["key_id"]
+    revision = fields["revision"]
+    payload = fields["payload"]
+    tag = fields["auth_tag"]
+    # format_version is a u8 (it is hashed as one byte); revision is a u64.
+    if type(version) is not int or not 0 <= version <= 255:
+        raise InvalidEnvelope("format_version must be an unsigned 8-bit integer")
+    if not _is_u64(revision):
+        raise InvalidEnvelope("revision must be an unsigned 64-bit integer")
+    for text in (key_id, payload, tag):
+        if not isinstance(text, str) or _has_lone_surrogate(text):
+            raise InvalidEnvelope("key_id, payload and auth_tag must be strings")
+    return version, key_id, revision, payload, tag
+
+
+def _b64decode_strict(text: str) -> bytes:
+    if not _BASE64_TEXT.fullmatch(text) or len(text) % 4 == 1:
+        raise InvalidEnvelope("payload is not unpadded standard base64")
+    try:
+        return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidEnvelope("payload is not unpadded standard base64") from None
+
+
+def open_record(
+    keyring: StorageKeyring,
+    record_key: StorageRecordKey,
+    stored: bytes,
+    backend_revision: int,
+) -> AuthenticatedRecord:
+    """Open an envelope read at ``backend_revision`` under ``record_key``.
+
+    Runs H§17.4 steps 2-14 in order (the floor check of step 1 is
+    ``validate_revision_pair``, done by the caller first):
+    ``RecordTooLarge`` → ``InvalidEnvelope`` (strict parse, wrong types) →
+    ``UnsupportedRecordFormat`` → ``InvalidRevision`` → ``RevisionMismatch``
+    → ``InvalidKeyId`` → ``InvalidEnvelope`` (base64) → ``PayloadTooLarge`` →
+    ``InvalidEnvelope`` (non-canonical base64) →
+    ``InvalidRecordAuthenticationTag`` (tag syntax) → ``UnknownKeyId`` →
+    ``InvalidRecordAuthenticationTag`` (constant-time mismatch).
+
+    For a worker row pass the row's tag location
+    (``StorageRecordKey(row namespace, scope)``) and the row's revision.
+    """
+    data = _as_bytes(stored, "stored record")
+    if len(data) > MAX_AUTHENTICATED_RECORD_BYTES:  # step 2
+        raise RecordTooLarge(len(data), MAX_AUTHENTICATED_RECORD_BYTES)
+    version, key_id, revision, payload_text, tag = _parse_envelope(data)  # step 3
+    if version != AUTHENTICATED_RECORD_FORMAT_VERSION:  # step 4
+        raise UnsupportedRecordFormat(version)
+    if revision == 0:  # step 5
+        raise InvalidRevision()
+    if revision != backend_revision:  # step 6
+        raise RevisionMismatch(backend_revision, revision)
+    if not _is_storage_token(key_id, MAX_STORAGE_KEY_ID_BYTES):  # step 7
+        raise InvalidKeyId()
+    payload = _b64decode_strict(payload_text)  # step 8
+    if len(payload) > MAX_AUTHENTICATED_PAYLOAD_BYTES:  # step 9
+        raise PayloadTooLarge(len(payload), MAX_AUTHENTICATED_PAYLOAD_BYTES)
+    if _b64encode(payload) != payload_text:  # step 10
+        raise InvalidEnvelope("payload base64 is not canonical")
+    if not _TAG_HEX.fullmatch(tag):  # step 11
+        raise InvalidRecordAuthenticationTag()
+    key = keyring.key_for(key_id)  # step 12
+    expected = storage_record_tag(key, record_key, key_id, revision, payload)
+    if not hmac.compare_digest(expected.encode("ascii"), tag.encode("ascii")):  # step 13
+        raise InvalidRecordAuthenticationTag()
+    return AuthenticatedRecord(revision, StorageKeyId(key_id), payload)  # step 14
+
+
+# Optional payload encryption (H§17.9) ------------------------------------------
+
+
+def _document_aad(namespace: str, name: str, item: str, revision: int) -> bytes:
+    if not _is_u64(revision):
+        raise TypeError("revision must be an unsigned 64-bit int")
+    return b"".join(
+        (
+            _lp(namespace.encode("utf-8")),
+            _lp(name.encode("utf-8")),
+            _lp(item.encode("utf-8")),
+            _be64(revision),
+        )
+    )
+
+
+def encrypt_document(  # noqa: PLR0917 (signature fixed by H§17.9 users)
+    data_keyring: StorageKeyring,
+    namespace: str,
+    name: str,
+    item: str,
+    revision: int,
+    document: bytes,
+) -> bytes:
+    """Encrypt a row document with the data keyring's active key.
+
+    Returns ``LP(utf8(data_key_id)) ‖ nonce(12) ‖ ChaCha20-Poly1305 ciphertext``
+    with ``aad = LP(namespace) ‖ LP(name) ‖ LP(item) ‖ BE64(revision)``: the
+    ciphertext only decrypts at the same row location and revision. The
+    result is then the payload of a normal envelope (``seal_record``).
+    """
+    plain = _as_bytes(document, "document")
+    aad = _document_aad(namespace, name, item, revision)
+    key_id = data_keyring.active_id
+    nonce = os.urandom(_NONCE_BYTES)
+    sealed = ChaCha20Poly1305(data_keyring.active_key.reveal()).encrypt(nonce, plain, aad)
+    return _lp(key_id.encode("utf-8")) + nonce + sealed
+
+
+def decrypt_document(  # noqa: PLR0917 (signature fixed by H§17.9 users)
+    data_keyring: StorageKeyring,
+    namespace: str,
+    name: str,
+    item: str,
+    revision: int,
+    payload: bytes,
+) -> bytes:
+    """Reverse ``encrypt_document`` for the same location and revision.
+
+    A malformed payload or a failed decryption → ``InvalidEnvelope``; a data
+    key id not in the keyring (retired included) → ``UnknownKeyId``.
+    """
+    data = _as_bytes(payload, "payload")
+    aad = _document_aad(namespace, name, item, revision)
+    if len(data) < 8:
+        raise InvalidEnvelope("encrypted payload is truncated")
+    id_length = int.from_bytes(data[:8], "big")
+    if id_length > MAX_STORAGE_KEY_ID_BYTES or len(data) < 8 + id_length:
+        raise InvalidEnvelope("encrypted payload has a malformed key id")
+    try:
+        key_id = data[8 : 8 + id_length].decode("ascii")
+    except UnicodeDecodeError:
+        raise InvalidEnvelope("encrypted payload has a malformed key id") from None
+    if not _is_storage_token(key_id, MAX_STORAGE_KEY_ID_BYTES):
+        raise InvalidEnvelope("encrypted payload has a malformed key id")
+    rest = data[8 + id_length :]
+    if len(rest) < _NONCE_BYTES + _POLY1305_TAG_BYTES:
+        raise InvalidEnvelope("encrypted payload is truncated")
+    key = data_keyring.key_for(key_id)
+    try:
+        return ChaCha20Poly1305(key.reveal()).decrypt(rest[:_NONCE_BYTES], rest[_NONCE_BYTES:], aad)
+    except InvalidTag:
+        raise InvalidEnvelope("encrypted payload does not decrypt") from None
+
+
+# Rollback anchor format (H§17.10, H§18A.5) -------------------------------------
+
+
+def encode_anchor(revisions: Mapping[StorageRecordKey, int]) -> bytes:
+    """The anchor file content for ``revisions`` (record key → last committed revision).
+
+    Compact JSON ``{"format_version":1,"records":[{"namespace":…,"name":…,"revision":n},…]}``,
+    entries sorted by (namespace, name); records at revision 0 are left out.
+    """
+    entries = []
+    for record_key in sorted(revisions):
+        revision = revisions[record_key]
+        if not _is_u64(revision):
+            raise TypeError("anchor revisions must be unsigned 64-bit ints")
+        if revision > 0:
+            entries.append(
+                f'{{"namespace":"{record_key.namespace}","name":"{record_key.name}",'
+                f'"revision":{revision}}}'
+            )
+    body = ",".join(entries)
+    return (f'{{"format_version":{ROLLBACK_ANCHOR_FORMAT_VERSION},"records":[{body}]}}').encode(
+        "ascii"
+    )
+
+
+_ANCHOR_FIELDS = frozenset(("format_version", "records"))
+_ANCHOR_ENTRY_FIELDS = frozenset(("namespace", "name", "revision"))
+
+
+def decode_anchor(data: bytes) -> dict[StorageRecordKey, int]:
+    """Parse anchor file content strictly, else ``RollbackAnchorInvalid``.
+
+    Requires format_version 1, exactly the fields above, valid record keys,
+    revisions in 1..2^64 - 1, and entries strictly sorted by (namespace, name)
+    (so no duplicates).
+    """
+    raw = _as_bytes(data, "anchor")
+    try:
+        document = _strict_json_object(raw)
+    except _StrictJsonError:
+        raise RollbackAnchorInvalid("not strict JSON") from None
+    if set(document) != _ANCHOR_FIELDS:
+        raise RollbackAnchorInvalid("unknown or missing field")
+    version = document["format_version"]
+    if type(version) is not int:
+        raise RollbackAnchorInvalid("format_version must be an integer")
+    if version != ROLLBACK_ANCHOR_FORMAT_VERSION:
+        raise RollbackAnchorInvalid("unsupported format_version")
+    entries = document["records"]
+    if not isinstance(entries, list):
+        raise RollbackAnchorInvalid("records must be a list")
+    result: dict[StorageRecordKey, int] = {}
+    previous: StorageRecordKey | None = None
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) != _ANCHOR_ENTRY_FIELDS:
+            raise RollbackAnchorInvalid("malformed record entry")
+        revision = entry["revision"]
+        if not _is_u64(revision) or revision == 0:
+            raise RollbackAnchorInvalid("record revision must be in 1..2^64-1")
+        try:
+            record_key = StorageRecordKey(entry["namespace"], entry["name"])
+        except (InvalidRecordNamespace, InvalidRecordName):
+            raise RollbackAnchorInvalid("malformed record key") from None
+        if previous is not None and not previous < record_key:
+            raise RollbackAnchorInvalid("records are not sorted or repeat a key")
+        previous = record_key
+        result[record_key] = revision
+    return result
