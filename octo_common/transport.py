@@ -1,0 +1,363 @@
+"""The RabbitMQ mapping of frames, as pure values (W§12, H§16.2-16.3, D8).
+
+This module owns every name of the broker topology (exchanges, queues,
+policy pattern), the AMQP header names, the properties of one publish
+(:class:`FrameEnvelope`) and the first two steps of the worker's delivery
+pipeline (:func:`check_delivery`, W§12.2 steps 1-2). It also defines the
+errors a confirmed publish can end with, so that the worker daemon and the
+host client name the same failures.
+
+It must never do I/O: no asyncio, no sockets, no aio-pika import. The
+daemon and the client turn a :class:`FrameEnvelope` into an AMQP publish
+and feed :func:`check_delivery` with what the broker delivered.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar, Final
+
+import blake3
+
+from octo_common.errors import (
+    InvalidFrameHeaders,
+    InvalidKeyNonce,
+    OctoError,
+    ScopeMismatch,
+    WireFrameTooLarge,
+)
+from octo_common.ids import is_token, parse_key_nonce_hex, validate_key_nonce, validate_token
+from octo_common.limits import MAX_WIRE_FRAME_BYTES
+
+__all__ = [
+    "CONTENT_TYPE",
+    "DEAD_EXCHANGE",
+    "DEAD_QUEUE",
+    "DEFAULT_DELIVERY_LIMIT",
+    "DELIVERY_MODE_PERSISTENT",
+    "EXCHANGE",
+    "HEADER_KEY_NONCE",
+    "HEADER_REASON",
+    "HEADER_SCOPE",
+    "HEADER_SESSION",
+    "REPLY_QUEUE_PREFIX",
+    "WORKER_POLICY_NAME",
+    "WORKER_POLICY_PATTERN",
+    "WORKER_QUEUE_PREFIX",
+    "DeliveryHeaders",
+    "FrameEnvelope",
+    "PublishChannelClosed",
+    "PublishFailed",
+    "PublishNacked",
+    "PublishReturned",
+    "PublishTimedOut",
+    "build_dead_letter_headers",
+    "build_host_publish",
+    "build_worker_reply",
+    "check_delivery",
+    "frame_message_id",
+    "host_id_of_reply_queue",
+    "reply_queue",
+    "scope_of_worker_queue",
+    "worker_queue",
+]
+
+# Topology names (W§12.5).
+EXCHANGE: Final = "octo.v5"
+DEAD_EXCHANGE: Final = "octo.v5.dead"
+DEAD_QUEUE: Final = "octo.v5.dead"
+WORKER_QUEUE_PREFIX: Final = "octo.v5.worker."
+REPLY_QUEUE_PREFIX: Final = "octo.v5.reply."
+
+# The broker policy that gives every worker queue its delivery limit and
+# dead-letter exchange (policies can change later; queue arguments cannot).
+WORKER_POLICY_NAME: Final = "octo-v5-worker"
+WORKER_POLICY_PATTERN: Final = r"^octo\.v5\.worker\."
+DEFAULT_DELIVERY_LIMIT: Final = 5
+
+# Properties and headers of every publish (W§12.1).
+CONTENT_TYPE: Final = "application/vnd.octo.frame+json"
+DELIVERY_MODE_PERSISTENT: Final = 2
+HEADER_SCOPE: Final = "octo-scope"
+HEADER_SESSION: Final = "octo-session"
+HEADER_KEY_NONCE: Final = "octo-key-nonce"
+HEADER_REASON: Final = "octo-reason"
+
+# A dead-letter reason is an error code: the rejection-code syntax (D6).
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+# Publish failures -------------------------------------------------------------
+
+
+class PublishFailed(OctoError):
+    """A publish the broker did not confirm: it is a failed publish (W§12.1).
+
+    A failed publish says nothing about whether a consumer will see the
+    frame; the caller may retry with the same frame bytes (H§16.2) or, on
+    the worker, reject the delivery it was answering (W§12.3).
+    """
+
+    _fields: ClassVar[tuple[str, ...]] = ("routing_key",)
+    _text = "publish was not confirmed"
+    routing_key: str
+
+
+class PublishReturned(PublishFailed):
+    """The broker returned the mandatory publish: no queue is bound to it."""
+
+    _fields = ("routing_key", "reply_code")
+    _defaults = {"reply_code": 312}
+    _text = "publish was returned as unroutable"
+    routing_key: str
+    reply_code: int
+
+
+class PublishNacked(PublishFailed):
+    """The broker answered the publish with ``basic.nack``."""
+
+    _text = "publish was negatively confirmed"
+
+
+class PublishTimedOut(PublishFailed):
+    """No confirm arrived in time; the frame may or may not be enqueued."""
+
+    _fields = ("routing_key", "timeout")
+    _text = "publish confirm timed out"
+    routing_key: str
+    timeout: float
+
+
+class PublishChannelClosed(PublishFailed):
+    """The channel or connection was closed before the confirm arrived."""
+
+    _text = "channel closed before the publish was confirmed"
+
+
+# Names ------------------------------------------------------------------------
+
+
+def worker_queue(scope: str) -> str:
+    """The queue of tenant scope ``scope``: ``octo.v5.worker.<scope>``.
+
+    Raises ``InvalidToken("tenant scope", scope)`` unless ``scope`` is a token.
+    """
+    validate_token("tenant scope", scope)
+    return WORKER_QUEUE_PREFIX + scope
+
+
+def reply_queue(host_id: str) -> str:
+    """The reply queue of host ``host_id``: ``octo.v5.reply.<host_id>``.
+
+    A host id has token syntax; a bad one raises ``InvalidToken("host id", …)``.
+    """
+    validate_token("host id", host_id)
+    return REPLY_QUEUE_PREFIX + host_id
+
+
+def scope_of_worker_queue(name: str) -> str | None:
+    """The scope a worker queue name belongs to, or None if it is not one."""
+    if not name.startswith(WORKER_QUEUE_PREFIX):
+        return None
+    scope = name[len(WORKER_QUEUE_PREFIX) :]
+    return scope if is_token(scope) else None
+
+
+def host_id_of_reply_queue(name: object) -> str | None:
+    """The host id of a reply queue name, or None if ``name`` is not one.
+
+    ``reply_to`` is unauthenticated (W§12.1); a worker can use this to refuse
+    replies to anything but a host reply queue.
+    """
+    if not isinstance(name, str) or not name.startswith(REPLY_QUEUE_PREFIX):
+        return None
+    host_id = name[len(REPLY_QUEUE_PREFIX) :]
+    return host_id if is_token(host_id) else None
+
+
+def frame_message_id(body: bytes) -> str:
+    """``message_id`` of a publish: hex BLAKE3 (unkeyed) of the frame bytes."""
+    return str(blake3.blake3(body).hexdigest())
+
+
+# Publishing -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FrameEnvelope:
+    """Everything one publish of a frame needs (W§12.1).
+
+    ``exchange`` and ``routing_key`` say where it goes; ``headers`` are the
+    three ``octo-*`` headers. Every publish is persistent
+    (:data:`DELIVERY_MODE_PERSISTENT`), mandatory and publisher-confirmed,
+    with :data:`CONTENT_TYPE`. The body never appears in ``repr``.
+    """
+
+    body: bytes = field(repr=False)
+    message_id: str
+    correlation_id: str | None
+    reply_to: str | None
+    headers: Mapping[str, str]
+    routing_key: str
+    exchange: str = EXCHANGE
+    content_type: str = CONTENT_TYPE
+    delivery_mode: int = DELIVERY_MODE_PERSISTENT
+
+
+def _frame_headers(scope: str, session_id: str, key_nonce: bytes) -> Mapping[str, str]:
+    validate_token("tenant scope", scope)
+    validate_token("session id", session_id)
+    validate_key_nonce(key_nonce)
+    return MappingProxyType(
+        {
+            HEADER_SCOPE: scope,
+            HEADER_SESSION: session_id,
+            HEADER_KEY_NONCE: bytes(key_nonce).hex(),
+        }
+    )
+
+
+def _check_body(body: bytes) -> bytes:
+    if not isinstance(body, bytes):
+        raise TypeError("a frame body is bytes")
+    if len(body) > MAX_WIRE_FRAME_BYTES:
+        raise WireFrameTooLarge(len(body), MAX_WIRE_FRAME_BYTES)
+    return body
+
+
+def _check_correlation_id(correlation_id: str | None) -> str | None:
+    # The request id (or cancellation id) of the message: token syntax.
+    if correlation_id is not None:
+        validate_token("request id", correlation_id)
+    return correlation_id
+
+
+def build_host_publish(
+    scope: str,
+    session_id: str,
+    key_nonce: bytes,
+    body: bytes,
+    *,
+    reply_to: str,
+    correlation_id: str | None,
+) -> FrameEnvelope:
+    """The publish of a host→worker frame (H§16.2).
+
+    Routed to ``octo.v5.worker.<scope>`` through ``octo.v5``; ``reply_to``
+    must be a host reply queue (:func:`reply_queue`); ``correlation_id`` is
+    the request id, None for ``open_session`` and ``close_session``.
+    """
+    headers = _frame_headers(scope, session_id, key_nonce)
+    if host_id_of_reply_queue(reply_to) is None:
+        raise ValueError("reply_to must be a host reply queue (octo.v5.reply.<host-id>)")
+    body = _check_body(body)
+    return FrameEnvelope(
+        body=body,
+        message_id=frame_message_id(body),
+        correlation_id=_check_correlation_id(correlation_id),
+        reply_to=reply_to,
+        headers=headers,
+        routing_key=worker_queue(scope),
+    )
+
+
+def build_worker_reply(
+    scope: str,
+    session_id: str,
+    key_nonce: bytes,
+    body: bytes,
+    *,
+    reply_to: str,
+    correlation_id: str | None,
+) -> FrameEnvelope:
+    """The publish of a worker→host reply (W§12.1, W§12.5).
+
+    ``reply_to`` is the reply queue recorded from the session's accepted
+    ``open_session`` delivery; it becomes the routing key. A reply carries no
+    ``reply_to`` of its own.
+    """
+    headers = _frame_headers(scope, session_id, key_nonce)
+    if host_id_of_reply_queue(reply_to) is None:
+        raise ValueError("a reply is routed to a host reply queue (octo.v5.reply.<host-id>)")
+    body = _check_body(body)
+    return FrameEnvelope(
+        body=body,
+        message_id=frame_message_id(body),
+        correlation_id=_check_correlation_id(correlation_id),
+        reply_to=None,
+        headers=headers,
+        routing_key=reply_to,
+    )
+
+
+def build_dead_letter_headers(
+    headers: Mapping[str, object] | None, reason: str
+) -> dict[str, object]:
+    """The headers of a dead-letter copy: the delivery's own plus ``octo-reason``.
+
+    ``reason`` is the error code that dead-lettered the frame (W§12.3); it
+    replaces any ``octo-reason`` the delivery already carried.
+    """
+    if not (isinstance(reason, str) and _REASON.fullmatch(reason)):
+        raise ValueError("a dead-letter reason is an error code ([a-z][a-z0-9_]{0,63})")
+    copied: dict[str, object] = dict(headers or {})
+    copied[HEADER_REASON] = reason
+    return copied
+
+
+# Receiving --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryHeaders:
+    """The validated ``octo-session`` and ``octo-key-nonce`` of a delivery."""
+
+    session_id: str
+    key_nonce: bytes
+
+
+def _header_text(value: object) -> str | None:
+    # pamqp decodes an AMQP long string as str, or as bytes when it is not
+    # UTF-8; anything else (numbers, tables, byte arrays) is not a header text.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def check_delivery(
+    scope: str, body_len: int, headers: Mapping[str, object] | None
+) -> DeliveryHeaders:
+    """W§12.2 steps 1-2 for a delivery on the queue of scope ``scope``, in order.
+
+    1. ``body_len`` over 1 MiB raises ``WireFrameTooLarge``;
+    2. ``octo-scope`` absent or different from ``scope`` raises
+       ``ScopeMismatch``; ``octo-session`` not a token or ``octo-key-nonce``
+       not 64 lowercase hex raises ``InvalidFrameHeaders``.
+
+    Each error's ``code`` is the dead-letter reason. Header values may be
+    ``str`` or ``bytes``; any other type is malformed.
+    """
+    if body_len > MAX_WIRE_FRAME_BYTES:
+        raise WireFrameTooLarge(body_len, MAX_WIRE_FRAME_BYTES)
+    found = headers or {}
+    if _header_text(found.get(HEADER_SCOPE)) != scope:
+        raise ScopeMismatch()
+    session_id = _header_text(found.get(HEADER_SESSION))
+    if session_id is None or not is_token(session_id):
+        raise InvalidFrameHeaders()
+    nonce_text = _header_text(found.get(HEADER_KEY_NONCE))
+    if nonce_text is None:
+        raise InvalidFrameHeaders()
+    try:
+        key_nonce = parse_key_nonce_hex(nonce_text)
+    except InvalidKeyNonce:
+        raise InvalidFrameHeaders() from None
+    return DeliveryHeaders(session_id=session_id, key_nonce=key_nonce)
