@@ -1,0 +1,1003 @@
+"""Authenticated, rollback-protected record storage for the host (H§17).
+
+This module owns the I/O side of authenticated storage:
+
+* the backend contract (H§17.3) and its two backends: ``VolatileMemoryStore``
+  (H§17.6, tests and development) and ``SqliteRecordBackend`` (H§17.7, one
+  SQLite database file, WAL, ``synchronous=FULL``, optional rollback anchor
+  file, H§17.10);
+* ``AuthenticatedStore`` (H§17.4-17.5): opens every snapshot fully before
+  returning or overwriting it, seals writes with the keyring's active key;
+* ``SqliteLedgerStore``: the host ledger store, an ``AuthenticatedStore`` over
+  a ``SqliteRecordBackend``;
+* ``load_storage_key`` (the W§7.1 file rule) and ``initialise_anchor``.
+
+The envelope, tag, keyring and anchor format are pure and live in
+``octo_common.records``. This module never logs, returns or raises key
+material or payload bytes, and never interprets a payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import aiosqlite
+import structlog
+
+from octo_common.errors import (
+    FencingRequired,
+    FencingTokenExhausted,
+    FencingTokenRejected,
+    InvalidFencingToken,
+    InvalidReplacementRevision,
+    InvalidStorageKey,
+    OctoError,
+    PayloadTooLarge,
+    RevisionExhausted,
+    RevisionFloorMismatch,
+    RollbackAnchorInvalid,
+    RollbackAnchorMissing,
+    RollbackDetected,
+    StorageBackendError,
+    WriteConflict,
+)
+from octo_common.limits import (
+    MAX_AUTHENTICATED_PAYLOAD_BYTES,
+    MAX_U64,
+    SQLITE_BUSY_TIMEOUT_SECONDS,
+    SQLITE_MAX_INTEGER,
+    STORAGE_KEY_BYTES,
+)
+from octo_common.records import (
+    AuthenticatedRecord,
+    Conflict,
+    StorageKey,
+    StorageKeyring,
+    StorageRecordKey,
+    StorageSnapshot,
+    Stored,
+    StoredRecord,
+    decode_anchor,
+    encode_anchor,
+    open_record,
+    seal_record,
+    validate_revision_pair,
+)
+
+__all__ = [
+    "LEDGER_NAMESPACE",
+    "AuthenticatedStore",
+    "RecordBackend",
+    "SqliteLedgerStore",
+    "SqliteRecordBackend",
+    "VolatileMemoryStore",
+    "initialise_anchor",
+    "ledger_record_key",
+    "load_storage_key",
+]
+
+LEDGER_NAMESPACE = "workflow-ledger"
+_EMPTY_ANCHOR = b'{"format_version":1,"records":[]}'
+_SINGLE_ITEM = ""  # a single record is its head plus the item "" (H§17.7)
+
+_log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
+
+
+def ledger_record_key(run: str) -> StorageRecordKey:
+    """The record key of a workflow run's ledger: ``("workflow-ledger", run)``."""
+    return StorageRecordKey(LEDGER_NAMESPACE, run)
+
+
+# Keys from files (W§7.1 rule, H§17.1) --------------------------------------------
+
+
+def _key_file_error(reason: str) -> InvalidStorageKey:
+    error = InvalidStorageKey()
+    error.add_note(f"storage key file: {reason}")
+    return error
+
+
+def load_storage_key(path: str | os.PathLike[str]) -> StorageKey:
+    """Read a 32-byte storage key from a file.
+
+    The file must be a regular file not readable or writable by group or
+    others (``mode & 0o077 == 0``); its content is exactly 32 raw bytes, or
+    64 hex characters optionally followed by one ``\\n``. Every failure is
+    ``InvalidStorageKey`` with a note naming the problem (unreadable,
+    permissions, format), never the content.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        raise _key_file_error("unreadable") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077:
+            raise _key_file_error("permissions")
+        chunks: list[bytes] = []
+        remaining = 2 * STORAGE_KEY_BYTES + 2  # one byte more than any valid file
+        while remaining > 0:
+            chunk = os.read(fd, remaining)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        content = b"".join(chunks)
+    except OSError:
+        raise _key_file_error("unreadable") from None
+    finally:
+        os.close(fd)
+    if len(content) == STORAGE_KEY_BYTES:
+        return StorageKey(content)
+    text = content[:-1] if content.endswith(b"\n") else content
+    if len(text) == 2 * STORAGE_KEY_BYTES and all(c in b"0123456789abcdefABCDEF" for c in text):
+        return StorageKey(bytes.fromhex(text.decode("ascii")))
+    raise _key_file_error("format")
+
+
+# Rollback anchor file (H§17.10) ----------------------------------------------------
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_anchor_file(path: Path, content: bytes) -> None:
+    """Replace the anchor atomically: ``<path>.tmp``, fsync, rename, fsync dir."""
+    temporary = path.with_name(path.name + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have removed bits; never add any
+        view = memoryview(content)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    _fsync_directory(path.parent)
+
+
+def initialise_anchor(path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    """Write the explicit empty anchor ``{"format_version":1,"records":[]}`` (0o600).
+
+    This is the operator's explicit initialisation (H§18A.5): a configured
+    anchor must exist before the first open. A database that already holds
+    records is accepted on open and the anchor rises to it. An existing
+    anchor file is only replaced with ``overwrite=True``.
+    """
+    target = Path(os.fspath(path))
+    if target.exists() and not overwrite:
+        raise StorageBackendError("rollback anchor file already exists")
+    try:
+        _write_anchor_file(target, _EMPTY_ANCHOR)
+    except OSError as exc:
+        raise StorageBackendError(f"rollback anchor write failed: {exc.strerror}") from exc
+
+
+def _read_anchor_file(path: Path) -> dict[StorageRecordKey, int]:
+    try:
+        content = path.read_bytes()
+    except FileNotFoundError:
+        raise RollbackAnchorMissing() from None
+    except OSError as exc:
+        raise RollbackAnchorInvalid(f"unreadable: {exc.strerror}") from None
+    return decode_anchor(content)
+
+
+# Backend contract (H§17.3) ----------------------------------------------------------
+
+
+class RecordBackend(Protocol):
+    """Per record key: a record, a revision floor and a fence (H§17.3)."""
+
+    async def load(self, key: StorageRecordKey) -> StorageSnapshot:
+        """The record (or None) and its floor, from one atomic snapshot."""
+        ...
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        """Unfenced CAS; ``FencingRequired`` once the key's fence is nonzero."""
+        ...
+
+    async def compare_and_swap_fenced(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        token: int,
+    ) -> Stored | Conflict:
+        """CAS whose token must equal the current fence, checked atomically."""
+        ...
+
+    async def current_fence(self, key: StorageRecordKey) -> int:
+        """The current fence (inspection only)."""
+        ...
+
+    async def reserve_fence(self, key: StorageRecordKey) -> int:
+        """Atomically store and return current fence + 1."""
+        ...
+
+    async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
+        """Raise the fence to ``token`` (equal: no-op; lower: rejected)."""
+        ...
+
+    async def close(self) -> None:
+        """Release resources; idempotent."""
+        ...
+
+
+def _check_key(key: object) -> StorageRecordKey:
+    if not isinstance(key, StorageRecordKey):
+        raise TypeError("record key must be a StorageRecordKey")
+    return key
+
+
+def _check_expected(expected: object) -> int | None:
+    if expected is not None and type(expected) is not int:
+        raise TypeError("expected revision must be an int or None")
+    return expected
+
+
+def _check_token(token: object) -> int:
+    if type(token) is not int:
+        raise TypeError("fencing token must be an int")
+    return token
+
+
+def _check_replacement(replacement: object) -> StoredRecord:
+    if not isinstance(replacement, StoredRecord) or type(replacement.revision) is not int:
+        raise TypeError("replacement must be a StoredRecord with an int revision")
+    return replacement
+
+
+def _cas_decision(
+    actual: int | None,
+    floor: int,
+    expected: int | None,
+    replacement: StoredRecord,
+    ceiling: int,
+) -> Conflict | None:
+    """The unfenced CAS rule of H§17.6; None means "write it"."""
+    if actual != expected or (actual or 0) != floor:
+        return Conflict(actual, floor)
+    new_revision = (expected or 0) + 1
+    if new_revision > ceiling:
+        raise RevisionExhausted()
+    if replacement.revision != new_revision:
+        raise InvalidReplacementRevision(new_revision, replacement.revision)
+    return None
+
+
+def _establish_decision(current: int, token: int, ceiling: int) -> bool:
+    """H§17.5 ``establish_fence`` rule; True when the fence must be raised."""
+    if token == 0:
+        raise InvalidFencingToken()
+    if token > ceiling:
+        raise FencingTokenExhausted()
+    if token < current:
+        raise FencingTokenRejected(current, token)
+    return token > current
+
+
+def _fenced_check(current: int, token: int) -> None:
+    if token == 0:
+        raise InvalidFencingToken()
+    if token != current:
+        raise FencingTokenRejected(current, token)
+
+
+# VolatileMemoryStore (H§17.6) -------------------------------------------------------
+
+
+class VolatileMemoryStore:
+    """In-memory backend with exactly the H§17.6 semantics.
+
+    Its three maps (``records``, ``floors``, ``fences``) are public so tests
+    can simulate tampering, deletion and rollback; nothing survives the
+    process. Revisions and fences stop at 2^64 - 1.
+    """
+
+    ceiling = MAX_U64
+
+    def __init__(self) -> None:
+        self.records: dict[StorageRecordKey, StoredRecord] = {}
+        self.floors: dict[StorageRecordKey, int] = {}
+        self.fences: dict[StorageRecordKey, int] = {}
+
+    async def load(self, key: StorageRecordKey) -> StorageSnapshot:
+        key = _check_key(key)
+        return StorageSnapshot(self.records.get(key), self.floors.get(key, 0))
+
+    def _unfenced(
+        self, key: StorageRecordKey, expected: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        record = self.records.get(key)
+        actual = None if record is None else record.revision
+        conflict = _cas_decision(
+            actual, self.floors.get(key, 0), expected, replacement, self.ceiling
+        )
+        if conflict is not None:
+            return conflict
+        self.records[key] = replacement
+        self.floors[key] = replacement.revision
+        return Stored(replacement.revision)
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        key = _check_key(key)
+        expected = _check_expected(expected_revision)
+        checked = _check_replacement(replacement)
+        fence = self.fences.get(key, 0)
+        if fence != 0:
+            raise FencingRequired(fence)
+        return self._unfenced(key, expected, checked)
+
+    async def compare_and_swap_fenced(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        token: int,
+    ) -> Stored | Conflict:
+        key = _check_key(key)
+        expected = _check_expected(expected_revision)
+        checked = _check_replacement(replacement)
+        _fenced_check(self.fences.get(key, 0), _check_token(token))
+        return self._unfenced(key, expected, checked)
+
+    async def current_fence(self, key: StorageRecordKey) -> int:
+        return self.fences.get(_check_key(key), 0)
+
+    async def reserve_fence(self, key: StorageRecordKey) -> int:
+        key = _check_key(key)
+        current = self.fences.get(key, 0)
+        if current >= self.ceiling:
+            raise FencingTokenExhausted()
+        self.fences[key] = current + 1
+        return current + 1
+
+    async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
+        key = _check_key(key)
+        if _establish_decision(self.fences.get(key, 0), _check_token(token), self.ceiling):
+            self.fences[key] = token
+
+    async def close(self) -> None:
+        """Nothing to release; present so every backend can be closed alike."""
+
+
+# SqliteRecordBackend (H§17.7) -------------------------------------------------------
+
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """
+        CREATE TABLE heads (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            revision INTEGER NOT NULL CHECK (revision >= 0),
+            fence INTEGER NOT NULL CHECK (fence >= 0),
+            PRIMARY KEY (namespace, name)
+        )
+        """,
+        """
+        CREATE TABLE items (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            item TEXT NOT NULL,
+            revision INTEGER NOT NULL,
+            envelope BLOB NOT NULL,
+            PRIMARY KEY (namespace, name, item),
+            FOREIGN KEY (namespace, name) REFERENCES heads (namespace, name)
+        )
+        """,
+    ),
+)
+"""Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
+
+_SCHEMA_VERSION = len(_MIGRATIONS)
+
+_SELECT_RECORD = """
+    SELECT heads.revision, heads.fence, items.revision, items.envelope
+    FROM heads LEFT JOIN items
+      ON items.namespace = heads.namespace AND items.name = heads.name AND items.item = ?
+    WHERE heads.namespace = ? AND heads.name = ?
+"""
+
+
+def _sqlite_detail(operation: str, exc: sqlite3.Error) -> str:
+    # The SQLite error name is stable and never contains bound values.
+    name = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+    return f"{operation}: {name}"
+
+
+class _Head:
+    """One record's row pair as read inside a transaction or snapshot."""
+
+    __slots__ = ("fence", "floor", "record")
+
+    def __init__(self, floor: int, fence: int, record: StoredRecord | None) -> None:
+        self.floor = floor
+        self.fence = fence
+        self.record = record
+
+
+def _head_from_row(row: Any) -> _Head:
+    if row is None:
+        return _Head(0, 0, None)
+    floor, fence, item_revision, envelope = row
+    if type(floor) is not int or type(fence) is not int:
+        raise StorageBackendError("malformed head row")
+    if item_revision is None and envelope is None:
+        return _Head(floor, fence, None)
+    if type(item_revision) is not int or not isinstance(envelope, bytes):
+        raise StorageBackendError("malformed item row")
+    return _Head(floor, fence, StoredRecord(item_revision, envelope))
+
+
+def _prepare_files(database: Path) -> None:
+    """Directory 0o700 when created (warn if group/other-readable), db file 0o600."""
+    directory = database.parent
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+    else:
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        if mode & 0o077:
+            _log.warning("storage_directory_not_private", directory=str(directory), mode=oct(mode))
+    if not database.exists():
+        fd = os.open(database, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    _secure_database_files(database)
+
+
+def _secure_database_files(database: Path) -> None:
+    """Force the database, ``-wal`` and ``-shm`` files to 0o600 and verify it."""
+    for candidate in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):
+        try:
+            info = candidate.lstat()
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise StorageBackendError("database path is not a regular file")
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            os.chmod(candidate, 0o600)
+            if stat.S_IMODE(candidate.lstat().st_mode) != 0o600:
+                raise StorageBackendError("database file permissions could not be set")
+
+
+class SqliteRecordBackend:
+    """The H§17.6 semantics with the state in one SQLite database (H§17.7).
+
+    No I/O in the constructor: the first awaited call creates the directory
+    (0o700) and the database (0o600, WAL, ``synchronous=FULL``, busy timeout
+    5 s, ``foreign_keys=ON``), migrates the schema forward and checks the
+    rollback anchor. Each CAS and fence change is one ``BEGIN IMMEDIATE``
+    transaction; operations of one backend object are serialised and
+    shielded from cancellation, so a submitted write always completes or
+    fails, and with an anchor configured the anchor file is rewritten after
+    the ``COMMIT`` and before the caller is released.
+
+    Revisions and fences stop at 2^63 - 1 (SQLite ``INTEGER``). Use one
+    backend object per database when an anchor is configured: the anchor is
+    kept in memory from the open and rewritten whole on each commit.
+    """
+
+    ceiling = SQLITE_MAX_INTEGER
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        anchor_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._path = Path(os.fspath(path)).absolute()
+        self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path)).absolute()
+        self._anchor: dict[StorageRecordKey, int] | None = None
+        self._db: aiosqlite.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self._path
+
+    def __repr__(self) -> str:
+        return f"SqliteRecordBackend(path={str(self._path)!r})"
+
+    # Opening --------------------------------------------------------------
+
+    async def _open(self) -> aiosqlite.Connection:
+        anchor = None
+        if self._anchor_path is not None:
+            # Before creating anything: a configured anchor must already exist.
+            anchor = await asyncio.to_thread(_read_anchor_file, self._anchor_path)
+        try:
+            await asyncio.to_thread(_prepare_files, self._path)
+        except OSError as exc:
+            raise StorageBackendError(f"open: {exc.strerror}") from exc
+        connection = await aiosqlite.connect(self._path, isolation_level=None)
+        try:
+            busy_ms = int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)
+            await connection.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            cursor = await connection.execute("PRAGMA journal_mode = WAL")
+            row = await cursor.fetchone()
+            if row is None or str(row[0]).lower() != "wal":
+                raise StorageBackendError("open: WAL journal mode unavailable")
+            await connection.execute("PRAGMA synchronous = FULL")
+            await connection.execute("PRAGMA foreign_keys = ON")
+            await self._migrate(connection)
+            await asyncio.to_thread(_secure_database_files, self._path)
+            if anchor is not None:
+                await self._check_anchor_at_open(connection, anchor)
+        except BaseException:
+            await connection.close()
+            raise
+        self._anchor = anchor
+        return connection
+
+    @staticmethod
+    async def _migrate(connection: aiosqlite.Connection) -> None:
+        async def body() -> None:
+            await connection.execute(
+                "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"
+            )
+            cursor = await connection.execute("SELECT version FROM schema_version")
+            rows = list(await cursor.fetchall())
+            if len(rows) > 1 or (rows and type(rows[0][0]) is not int):
+                raise StorageBackendError("open: malformed schema_version table")
+            version = rows[0][0] if rows else 0
+            if version > _SCHEMA_VERSION:
+                raise StorageBackendError(f"open: schema version {version} is newer than supported")
+            for statements in _MIGRATIONS[version:]:
+                for statement in statements:
+                    await connection.execute(statement)
+            if not rows:
+                await connection.execute(
+                    "INSERT INTO schema_version (version) VALUES (?)", (_SCHEMA_VERSION,)
+                )
+            elif version != _SCHEMA_VERSION:
+                await connection.execute(
+                    "UPDATE schema_version SET version = ?", (_SCHEMA_VERSION,)
+                )
+
+        await _transaction(connection, body)
+
+    async def _check_anchor_at_open(
+        self, connection: aiosqlite.Connection, anchor: dict[StorageRecordKey, int]
+    ) -> None:
+        cursor = await connection.execute(
+            "SELECT heads.namespace, heads.name, heads.revision, items.revision "
+            "FROM heads LEFT JOIN items ON items.namespace = heads.namespace "
+            "AND items.name = heads.name AND items.item = ?",
+            (_SINGLE_ITEM,),
+        )
+        found: dict[StorageRecordKey, tuple[int, int | None]] = {}
+        for namespace, name, floor, item_revision in await cursor.fetchall():
+            try:
+                key = StorageRecordKey(namespace, name)
+            except OctoError:
+                raise StorageBackendError("malformed head row") from None
+            found[key] = (floor, item_revision)
+        for key, anchored in anchor.items():
+            floor, item_revision = found.get(key, (0, None))
+            _compare_with_anchor(anchored, floor, item_revision)
+        for key, (floor, _) in found.items():
+            if type(floor) is int and floor > anchor.get(key, 0):
+                anchor[key] = floor  # a crash between COMMIT and anchor write
+
+    def _check_anchor(self, key: StorageRecordKey, head: _Head) -> None:
+        if self._anchor is None:
+            return
+        anchored = self._anchor.get(key, 0)
+        record_revision = None if head.record is None else head.record.revision
+        _compare_with_anchor(anchored, head.floor, record_revision)
+        if head.floor > anchored:
+            self._anchor[key] = head.floor
+
+    async def _advance_anchor(self, key: StorageRecordKey, revision: int) -> None:
+        if self._anchor is None or self._anchor_path is None:
+            return
+        self._anchor[key] = max(revision, self._anchor.get(key, 0))
+        content = encode_anchor(self._anchor)
+        try:
+            await asyncio.to_thread(_write_anchor_file, self._anchor_path, content)
+        except OSError as exc:
+            # The database holds the commit, but the caller must not proceed.
+            raise StorageBackendError(f"rollback anchor write failed: {exc.strerror}") from exc
+
+    # Running operations -----------------------------------------------------
+
+    async def _connection(self) -> aiosqlite.Connection:
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        if self._db is None:
+            self._db = await self._open()
+        return self._db
+
+    async def _locked(
+        self, operation: str, body: Callable[[aiosqlite.Connection], Awaitable[_T]]
+    ) -> _T:
+        async with self._lock:
+            try:
+                connection = await self._connection()
+                return await body(connection)
+            except sqlite3.Error as exc:
+                raise StorageBackendError(_sqlite_detail(operation, exc)) from exc
+            except OSError as exc:
+                raise StorageBackendError(f"{operation}: {exc.strerror}") from exc
+
+    async def _run(
+        self, operation: str, body: Callable[[aiosqlite.Connection], Awaitable[_T]]
+    ) -> _T:
+        # Shielded: a cancelled caller never leaves a transaction half-done
+        # or an anchor unwritten; the operation finishes on its own.
+        task = asyncio.ensure_future(self._locked(operation, body))
+        task.add_done_callback(_retrieve_outcome)
+        return await asyncio.shield(task)
+
+    async def _read_head(self, connection: aiosqlite.Connection, key: StorageRecordKey) -> _Head:
+        cursor = await connection.execute(_SELECT_RECORD, (_SINGLE_ITEM, key.namespace, key.name))
+        return _head_from_row(await cursor.fetchone())
+
+    # Contract ---------------------------------------------------------------
+
+    async def load(self, key: StorageRecordKey) -> StorageSnapshot:
+        key = _check_key(key)
+
+        async def body(connection: aiosqlite.Connection) -> StorageSnapshot:
+            head = await self._read_head(connection, key)  # one statement: one snapshot
+            self._check_anchor(key, head)
+            return StorageSnapshot(head.record, head.floor)
+
+        return await self._run("load", body)
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        return await self._swap(
+            "compare_and_swap",
+            _check_key(key),
+            _check_expected(expected_revision),
+            _check_replacement(replacement),
+            None,
+        )
+
+    async def compare_and_swap_fenced(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        token: int,
+    ) -> Stored | Conflict:
+        return await self._swap(
+            "compare_and_swap_fenced",
+            _check_key(key),
+            _check_expected(expected_revision),
+            _check_replacement(replacement),
+            _check_token(token),
+        )
+
+    async def _swap(
+        self,
+        operation: str,
+        key: StorageRecordKey,
+        expected: int | None,
+        replacement: StoredRecord,
+        token: int | None,
+    ) -> Stored | Conflict:
+        if not isinstance(replacement.data, bytes):
+            raise TypeError("replacement data must be bytes")
+
+        async def transaction(connection: aiosqlite.Connection) -> Stored | Conflict:
+            head = await self._read_head(connection, key)
+            if token is None:
+                if head.fence != 0:
+                    raise FencingRequired(head.fence)
+            else:
+                _fenced_check(head.fence, token)
+            self._check_anchor(key, head)
+            actual = None if head.record is None else head.record.revision
+            conflict = _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+            if conflict is not None:
+                return conflict
+            await connection.execute(
+                "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
+                "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
+                (key.namespace, key.name, replacement.revision),
+            )
+            await connection.execute(
+                "INSERT INTO items (namespace, name, item, revision, envelope) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name, item) DO UPDATE "
+                "SET revision = excluded.revision, envelope = excluded.envelope",
+                (key.namespace, key.name, _SINGLE_ITEM, replacement.revision, replacement.data),
+            )
+            return Stored(replacement.revision)
+
+        async def body(connection: aiosqlite.Connection) -> Stored | Conflict:
+            outcome = await _transaction(connection, lambda: transaction(connection))
+            if isinstance(outcome, Stored):
+                await self._advance_anchor(key, outcome.revision_floor)
+            return outcome
+
+        return await self._run(operation, body)
+
+    async def current_fence(self, key: StorageRecordKey) -> int:
+        key = _check_key(key)
+
+        async def body(connection: aiosqlite.Connection) -> int:
+            return (await self._read_head(connection, key)).fence
+
+        return await self._run("current_fence", body)
+
+    async def reserve_fence(self, key: StorageRecordKey) -> int:
+        key = _check_key(key)
+
+        async def transaction(connection: aiosqlite.Connection) -> int:
+            current = (await self._read_head(connection, key)).fence
+            if current >= self.ceiling:
+                raise FencingTokenExhausted()
+            await _store_fence(connection, key, current + 1)
+            return current + 1
+
+        return await self._run(
+            "reserve_fence",
+            lambda connection: _transaction(connection, lambda: transaction(connection)),
+        )
+
+    async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
+        key = _check_key(key)
+        token = _check_token(token)
+        _establish_decision(0, token, self.ceiling)  # token 0 / overflow before any I/O
+
+        async def transaction(connection: aiosqlite.Connection) -> None:
+            current = (await self._read_head(connection, key)).fence
+            if _establish_decision(current, token, self.ceiling):
+                await _store_fence(connection, key, token)
+
+        await self._run(
+            "establish_fence",
+            lambda connection: _transaction(connection, lambda: transaction(connection)),
+        )
+
+    async def integrity_check(self) -> list[str]:
+        """``PRAGMA integrity_check``: ``["ok"]`` for a sound database."""
+
+        async def body(connection: aiosqlite.Connection) -> list[str]:
+            cursor = await connection.execute("PRAGMA integrity_check")
+            return [str(row[0]) for row in await cursor.fetchall()]
+
+        return await self._run("integrity_check", body)
+
+    async def close(self) -> None:
+        """Close the connection (after any running operation); idempotent."""
+        async with self._lock:
+            self._closed = True
+            connection, self._db = self._db, None
+            if connection is not None:
+                try:
+                    await connection.close()
+                except sqlite3.Error as exc:
+                    raise StorageBackendError(_sqlite_detail("close", exc)) from exc
+
+
+def _compare_with_anchor(anchored: int, floor: int, record_revision: int | None) -> None:
+    """H§17.10 check: a database below its anchor was rolled back."""
+    if anchored == 0:
+        return
+    if record_revision is None:
+        raise RollbackDetected(None, anchored)
+    if floor < anchored or record_revision < anchored:
+        raise RollbackDetected(record_revision, anchored)
+
+
+async def _store_fence(connection: aiosqlite.Connection, key: StorageRecordKey, fence: int) -> None:
+    await connection.execute(
+        "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 0, ?) "
+        "ON CONFLICT (namespace, name) DO UPDATE SET fence = excluded.fence",
+        (key.namespace, key.name, fence),
+    )
+
+
+async def _transaction(connection: aiosqlite.Connection, body: Callable[[], Awaitable[_T]]) -> _T:
+    """Run ``body`` inside ``BEGIN IMMEDIATE`` … ``COMMIT``; roll back on any failure."""
+    await connection.execute("BEGIN IMMEDIATE")
+    try:
+        result = await body()
+        await connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                await connection.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _retrieve_outcome(task: asyncio.Future[Any]) -> None:
+    # A shielded operation whose caller was cancelled still finishes; read its
+    # outcome so asyncio does not report an unretrieved exception.
+    if not task.cancelled():
+        task.exception()
+
+
+# AuthenticatedStore (H§17.4-17.5) ----------------------------------------------------
+
+
+class AuthenticatedStore:
+    """Keyed, revisioned, fenced records over a backend (H§17.4-17.5).
+
+    Every load and every write first opens the backend's current snapshot
+    fully (floor rule, envelope, key id, tag): a tampered, moved, rolled
+    back or retired-key record blocks both. Writes are sealed with the
+    keyring's active key.
+    """
+
+    def __init__(self, backend: RecordBackend, keyring: StorageKeyring) -> None:
+        if not isinstance(keyring, StorageKeyring):
+            raise TypeError("keyring must be a StorageKeyring")
+        self._backend = backend
+        self._keyring = keyring
+
+    @property
+    def backend(self) -> RecordBackend:
+        """The backend this store writes through."""
+        return self._backend
+
+    @property
+    def keyring(self) -> StorageKeyring:
+        """The keyring (rotate and retire in place)."""
+        return self._keyring
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self._backend!r}, keyring={self._keyring!r})"
+
+    def _open_snapshot(
+        self, key: StorageRecordKey, snapshot: StorageSnapshot
+    ) -> AuthenticatedRecord | None:
+        record = snapshot.record
+        validate_revision_pair(None if record is None else record.revision, snapshot.revision_floor)
+        if record is None:
+            return None
+        return open_record(self._keyring, key, record.data, record.revision)
+
+    async def load(self, key: StorageRecordKey) -> AuthenticatedRecord | None:
+        """The authenticated record at ``key``, or None if it never existed."""
+        key = _check_key(key)
+        return self._open_snapshot(key, await self._backend.load(key))
+
+    async def create(self, key: StorageRecordKey, payload: bytes) -> AuthenticatedRecord:
+        """Write revision 1; the record must be absent."""
+        return await self.compare_and_swap(key, None, payload)
+
+    async def replace(
+        self, key: StorageRecordKey, expected: int, payload: bytes
+    ) -> AuthenticatedRecord:
+        """Write revision ``expected + 1`` over the record at ``expected``."""
+        return await self.compare_and_swap(key, expected, payload)
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected: int | None, payload: bytes
+    ) -> AuthenticatedRecord:
+        """The unfenced write of H§17.4 (``FencingRequired`` on a fenced key)."""
+        key = _check_key(key)
+        expected = _check_expected(expected)
+        data = _payload_bytes(payload)
+        replacement, key_id = await self._prepare(key, expected, data)
+        outcome = await self._backend.compare_and_swap(key, expected, replacement)
+        return self._finish(expected, replacement, key_id, data, outcome)
+
+    async def compare_and_swap_fenced(
+        self, key: StorageRecordKey, expected: int | None, payload: bytes, token: int
+    ) -> AuthenticatedRecord:
+        """The fenced write of H§17.5: establish ``token`` first, then CAS under it."""
+        key = _check_key(key)
+        expected = _check_expected(expected)
+        # Establishing first means a later refusal (even PayloadTooLarge)
+        # still leaves the higher token in place.
+        await self._backend.establish_fence(key, _check_token(token))
+        data = _payload_bytes(payload)
+        replacement, key_id = await self._prepare(key, expected, data)
+        outcome = await self._backend.compare_and_swap_fenced(key, expected, replacement, token)
+        return self._finish(expected, replacement, key_id, data, outcome)
+
+    async def current_fence(self, key: StorageRecordKey) -> int:
+        """The key's current fence; inspection only, never a token source."""
+        return await self._backend.current_fence(_check_key(key))
+
+    async def reserve_fence(self, key: StorageRecordKey) -> int:
+        """Atomically raise the fence by one and return it."""
+        return await self._backend.reserve_fence(_check_key(key))
+
+    async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
+        """Raise the fence to ``token`` (H§17.5)."""
+        await self._backend.establish_fence(_check_key(key), _check_token(token))
+
+    async def close(self) -> None:
+        """Close the backend; idempotent."""
+        await self._backend.close()
+
+    async def _prepare(
+        self, key: StorageRecordKey, expected: int | None, payload: bytes
+    ) -> tuple[StoredRecord, str]:
+        if len(payload) > MAX_AUTHENTICATED_PAYLOAD_BYTES:
+            raise PayloadTooLarge(len(payload), MAX_AUTHENTICATED_PAYLOAD_BYTES)
+        current = self._open_snapshot(key, await self._backend.load(key))
+        if current is None:
+            if expected is not None:
+                raise WriteConflict(expected, None, 0)
+        elif expected != current.revision:
+            raise WriteConflict(expected, current.revision, current.revision)
+        new_revision = (expected or 0) + 1
+        if new_revision > MAX_U64:
+            raise RevisionExhausted()
+        # Read the id with the seal: both come from the same active key.
+        key_id = self._keyring.active_id
+        envelope = seal_record(self._keyring, key, new_revision, payload)
+        return StoredRecord(new_revision, envelope), key_id
+
+    def _finish(
+        self,
+        expected: int | None,
+        replacement: StoredRecord,
+        key_id: str,
+        payload: bytes,
+        outcome: Stored | Conflict,
+    ) -> AuthenticatedRecord:
+        if isinstance(outcome, Stored):
+            if outcome.revision_floor != replacement.revision:
+                raise RevisionFloorMismatch(replacement.revision, outcome.revision_floor)
+            return AuthenticatedRecord(replacement.revision, key_id, payload)
+        validate_revision_pair(outcome.actual_revision, outcome.revision_floor)
+        raise WriteConflict(expected, outcome.actual_revision, outcome.revision_floor)
+
+
+def _payload_bytes(payload: object) -> bytes:
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, bytearray | memoryview):
+        return bytes(payload)
+    raise TypeError("payload must be bytes")
+
+
+class SqliteLedgerStore(AuthenticatedStore):
+    """The host ledger store: an ``AuthenticatedStore`` over a ``SqliteRecordBackend``.
+
+    ``SqliteLedgerStore(path, keyring, anchor_path=a)`` behaves exactly as
+    ``AuthenticatedStore(SqliteRecordBackend(path, anchor_path=a), keyring)``.
+
+    No I/O in the constructor; the first awaited call opens the database and
+    checks the anchor. ``close()`` is idempotent. Ledger records live at
+    ``ledger_record_key(run)``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        keyring: StorageKeyring,
+        *,
+        anchor_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._sqlite = SqliteRecordBackend(path, anchor_path=anchor_path)
+        super().__init__(self._sqlite, keyring)
+
+    async def integrity_check(self) -> list[str]:
+        """``PRAGMA integrity_check`` of the database: ``["ok"]`` when sound."""
+        return await self._sqlite.integrity_check()
