@@ -1,0 +1,1171 @@
+"""The worker's durable store: ``SqliteJournalStore`` (W§11, H§17.7-17.10, D7, D10).
+
+What it owns
+------------
+One SQLite database holds the journals of many tenant scopes. Per scope there
+is one **head** (``heads`` row ``worker-journal``/scope: scope revision and
+fence) and any number of **rows** (``items``) in the namespaces
+``worker-journal`` (operation key → ``JournalRow``), ``worker-session``
+(session id → state document), ``worker-session-open`` (session id → opening
+document) and ``worker-outbox`` (message id → outbox document). Every row is a
+keyed storage envelope (``octo_common.records.seal_record``) tagged under
+(row namespace, scope) at the revision of the commit that last wrote it; with
+a data keyring its document is encrypted first (H§17.9). On load the store
+checks the floor rule against the head, opens the envelope, decrypts, and
+checks that the document names the row's scope and item.
+
+Commits follow W§11.2 steps 1-5 inside one ``BEGIN IMMEDIATE`` transaction.
+**Group commit** (ARCHITECTURE.md decision 5): concurrent ``commit`` calls are
+queued; one writer task drains the queue and applies every waiting change set
+in ONE transaction and ONE fsync, each under its own ``SAVEPOINT`` so a change
+set that fails its checks is rolled back alone. A lone caller is committed at
+once (no batching delay). Each caller awaits its own, shielded outcome.
+
+Threads
+-------
+aiosqlite runs each statement as its own hand-off into its thread and has no
+public way to run a whole function there; hand-offs, not fsync, dominate the
+cost of a commit on this kind of machine. So the store owns two dedicated
+single-thread executors running the stdlib ``sqlite3`` module: a writer (all
+writes, fence reservations, schema, anchor) and a reader (loads, which WAL
+lets run beside a commit's fsync). Every transaction, read or write, is ONE
+call into its thread. Connections never leave their thread.
+
+What it must never do
+---------------------
+Interpret documents beyond their location fields, decide protocol outcomes,
+log or raise with keys, payloads, documents or frames, or let a caller's
+cancellation leave a submitted commit's outcome unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import os
+import re
+import sqlite3
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, NoReturn, TypeVar
+
+import msgspec
+import structlog
+
+from octo_common.codec import decode_struct, encode_struct
+from octo_common.digest import message_id as frame_message_id
+from octo_common.errors import (
+    FencingTokenExhausted,
+    FencingTokenRejected,
+    InvalidJournalLease,
+    InvalidRevision,
+    InvalidToken,
+    OctoError,
+    OperationJournalScopeMismatch,
+    RecordLocationMismatch,
+    RevisionExhausted,
+    RevisionFloorMismatch,
+    RollbackAnchorMissing,
+    RollbackDetected,
+    SerializationError,
+    SessionReplay,
+    StorageBackendError,
+    WriteConflict,
+)
+from octo_common.ids import validate_token
+from octo_common.limits import (
+    SQLITE_BUSY_TIMEOUT_SECONDS,
+    SQLITE_MAX_INTEGER,
+    WORKER_SESSION_FORMAT_VERSION,
+)
+from octo_common.records import (
+    StorageKeyring,
+    StorageRecordKey,
+    decode_anchor,
+    decrypt_document,
+    encode_anchor,
+    encrypt_document,
+    open_record,
+    seal_record,
+)
+from octo_worker.journal import JournalChangeset, WorkerOperationRecord
+
+__all__ = [
+    "NS_JOURNAL",
+    "NS_OUTBOX",
+    "NS_SESSION",
+    "NS_SESSION_OPEN",
+    "OutboxEntry",
+    "PersistedSession",
+    "SessionDocuments",
+    "SqliteJournalStore",
+    "StoreStats",
+    "WorkerCommit",
+    "WorkerJournalLease",
+]
+
+_log = structlog.get_logger("octo_worker.store")
+
+NS_JOURNAL: Final = "worker-journal"
+NS_SESSION: Final = "worker-session"
+NS_SESSION_OPEN: Final = "worker-session-open"
+NS_OUTBOX: Final = "worker-outbox"
+_HEAD_NAMESPACE: Final = NS_JOURNAL
+_SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
+_OUTBOX_FORMAT_VERSION: Final = 1
+_MESSAGE_ID = re.compile(r"[0-9a-f]{64}")
+_SCHEMA_VERSION: Final = 1
+_BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item IN "
+_SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
+
+# Forward-only migrations: index i moves the schema from version i to i + 1.
+_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (
+        """CREATE TABLE heads (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            revision INTEGER NOT NULL CHECK (revision >= 0),
+            fence INTEGER NOT NULL CHECK (fence >= 0),
+            PRIMARY KEY (namespace, name)
+        ) WITHOUT ROWID""",
+        # A rowid table: envelopes can be large, and the rowid orders the
+        # outbox rows one commit inserted.
+        """CREATE TABLE items (
+            id INTEGER PRIMARY KEY,
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            item TEXT NOT NULL,
+            revision INTEGER NOT NULL,
+            envelope BLOB NOT NULL,
+            UNIQUE (namespace, name, item)
+        )""",
+    ),
+)
+
+T = TypeVar("T")
+
+
+# Value types -------------------------------------------------------------------
+
+
+class WorkerJournalLease:
+    """A scope's fencing token (W§10.1, W§11.3).
+
+    Only ``SqliteJournalStore.reserve_fence`` makes one; it is frozen,
+    compares by token, cannot be pickled, and its repr is redacted.
+    """
+
+    __slots__ = ("_token",)
+    _token: int
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a WorkerJournalLease comes only from SqliteJournalStore.reserve_fence")
+
+    @classmethod
+    def _issue(cls, token: int) -> WorkerJournalLease:
+        if type(token) is not int or token < 1:
+            raise InvalidJournalLease()
+        lease = object.__new__(cls)
+        object.__setattr__(lease, "_token", token)
+        return lease
+
+    @property
+    def token(self) -> int:
+        """The fence this lease was reserved as (>= 1)."""
+        return self._token
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError("WorkerJournalLease is frozen")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError("WorkerJournalLease is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WorkerJournalLease):
+            return NotImplemented
+        return self._token == other._token
+
+    def __hash__(self) -> int:
+        return hash((WorkerJournalLease, self._token))
+
+    def __repr__(self) -> str:
+        return "WorkerJournalLease([redacted])"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("WorkerJournalLease cannot be pickled")
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError("WorkerJournalLease cannot be pickled")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDocuments:
+    """A session's documents for one commit (W§10.3).
+
+    ``state``/``opening`` are compact JSON written by the session module; both
+    carry ``format_version`` 1, ``scope`` and ``session_id`` (the state also
+    ``status``). ``base_revision`` is the revision the state row was last
+    written at; None means a new session, which must supply ``opening``.
+    """
+
+    state: bytes = field(repr=False)
+    opening: bytes | None = field(default=None, repr=False)
+    base_revision: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedSession:
+    """A session as loaded: ``revision`` is its state row's revision."""
+
+    session_id: str
+    status: str
+    opening: bytes = field(repr=False)
+    state: bytes = field(repr=False)
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    """A committed reply frame waiting for its publish confirmation (W§11.4).
+
+    ``message_id`` is the hex BLAKE3 of ``frame``. Pass ``revision=0`` on
+    insert; loads return the revision of the commit that inserted it.
+    """
+
+    message_id: str
+    session_id: str
+    reply_to: str
+    correlation_id: str | None
+    frame: bytes = field(repr=False)
+    revision: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCommit:
+    """The ``changes`` argument of ``SqliteJournalStore.commit`` (W§10.11 rule 12)."""
+
+    journal: JournalChangeset | None = None
+    sessions: dict[str, SessionDocuments] = field(default_factory=dict)
+    outbox_insert: list[OutboxEntry] = field(default_factory=list)
+    outbox_delete: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters for observability: a snapshot, not a live view."""
+
+    transactions: int
+    change_sets: int
+    committed_change_sets: int
+    failed_change_sets: int
+    largest_batch: int
+
+
+# Private documents ----------------------------------------------------------------
+
+
+class _SessionHeader(msgspec.Struct, frozen=True):
+    # Only the location fields and status; the rest belongs to the session module.
+    format_version: int
+    scope: str
+    session_id: str
+    status: str | None = None
+
+
+class _OutboxDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format_version: int
+    scope: str
+    session_id: str
+    reply_to: str
+    correlation_id: str | None
+    frame: str
+
+
+def _b64encode(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii").rstrip("=")
+
+
+def _b64decode(text: str) -> bytes:
+    # Standard alphabet, no padding, canonical: re-encoding must give the text back.
+    try:
+        data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise SerializationError("outbox frame is not unpadded standard base64") from None
+    if _b64encode(data) != text:
+        raise SerializationError("outbox frame base64 is not canonical")
+    return data
+
+
+def _session_header(document: bytes, scope: str, session_id: str) -> _SessionHeader:
+    header = decode_struct(document, _SessionHeader)
+    if header.format_version != WORKER_SESSION_FORMAT_VERSION:
+        raise SerializationError("session document format_version must be 1")
+    if header.scope != scope:
+        raise RecordLocationMismatch(scope, header.scope)
+    if header.session_id != session_id:
+        raise RecordLocationMismatch(session_id, header.session_id)
+    return header
+
+
+def _state_status(document: bytes, scope: str, session_id: str) -> str:
+    status = _session_header(document, scope, session_id).status
+    if status not in _SESSION_STATUSES:
+        raise SerializationError("session state document needs a valid status")
+    return status
+
+
+# Prepared change sets ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _RowWrite:
+    namespace: str
+    item: str
+    document: bytes
+    # The revision the row must currently have; None: the row must be absent.
+    base_revision: int | None
+
+
+@dataclass(slots=True)
+class _Pending:
+    scope: str
+    token: int
+    writes: tuple[_RowWrite, ...]
+    new_sessions: tuple[str, ...]
+    outbox_delete: tuple[str, ...]
+    future: asyncio.Future[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    item: str
+    revision: int
+    envelope: bytes
+
+
+def _check_base_revision(value: object) -> None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise InvalidRevision()
+
+
+def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], tuple[str, ...]]:
+    """Validate a change set and render its documents, before any I/O."""
+    writes: list[_RowWrite] = []
+    new_sessions: list[str] = []
+    journal = changes.journal
+    if journal is not None:
+        if journal.scope != scope:
+            raise OperationJournalScopeMismatch(scope, journal.scope)
+        for key, change in journal.rows.items():
+            if change.record.operation_key != key:
+                raise RecordLocationMismatch(key, change.record.operation_key)
+            _check_base_revision(change.base_revision)
+            document = change.record.to_row_json(scope)
+            writes.append(_RowWrite(NS_JOURNAL, key, document, change.base_revision))
+    for session_id, documents in changes.sessions.items():
+        validate_token("session id", session_id)
+        _check_base_revision(documents.base_revision)
+        _state_status(documents.state, scope, session_id)
+        writes.append(_RowWrite(NS_SESSION, session_id, documents.state, documents.base_revision))
+        if documents.base_revision is None:
+            if documents.opening is None:
+                raise ValueError("a new session must supply its opening document")
+            _session_header(documents.opening, scope, session_id)
+            writes.append(_RowWrite(NS_SESSION_OPEN, session_id, documents.opening, None))
+            new_sessions.append(session_id)
+        elif documents.opening is not None:
+            raise ValueError("a session's opening document is written once, when it opens")
+    for entry in changes.outbox_insert:
+        validate_token("session id", entry.session_id)
+        expected_id = frame_message_id(entry.frame)
+        if entry.message_id != expected_id:
+            raise RecordLocationMismatch(expected_id, entry.message_id)
+        document = encode_struct(
+            _OutboxDocument(
+                _OUTBOX_FORMAT_VERSION,
+                scope,
+                entry.session_id,
+                entry.reply_to,
+                entry.correlation_id,
+                _b64encode(entry.frame),
+            )
+        )
+        writes.append(_RowWrite(NS_OUTBOX, entry.message_id, document, None))
+    for message in changes.outbox_delete:
+        if not isinstance(message, str) or _MESSAGE_ID.fullmatch(message) is None:
+            raise InvalidToken("message id", message)
+    return tuple(writes), tuple(new_sessions)
+
+
+# Errors -------------------------------------------------------------------------------
+
+
+def _backend_error(exc: BaseException) -> StorageBackendError:
+    """Describe a sqlite/OS failure by class and code only (no paths, no data)."""
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorname", None) or "unknown"
+        return StorageBackendError(f"sqlite {type(exc).__name__} {code}")
+    if isinstance(exc, OSError):
+        name = os.strerror(exc.errno) if exc.errno is not None else "unknown"
+        return StorageBackendError(f"os {type(exc).__name__} {name}")
+    return StorageBackendError(type(exc).__name__)
+
+
+def _guarded(function: Callable[[], T]) -> T:
+    try:
+        return function()
+    except OctoError:
+        raise
+    except (sqlite3.Error, OSError) as exc:
+        raise _backend_error(exc) from None
+
+
+def _consume_outcome(future: asyncio.Future[int]) -> None:
+    # A cancelled caller never reads its outcome; reading it here keeps
+    # asyncio from reporting an unretrieved exception.
+    if not future.cancelled():
+        future.exception()
+
+
+# The store ------------------------------------------------------------------------------
+
+
+class SqliteJournalStore:
+    """Rows, CAS revisions, fences, group commit and the outbox (W§11).
+
+    ``SqliteJournalStore(path, keyring, *, anchor_path=None, data_keyring=None,
+    group_commit=True)`` does no I/O; the first awaited call opens the
+    database (created 0o600, WAL) and checks the rollback anchor. With
+    ``group_commit=False`` every change set gets its own transaction (for
+    benchmarks). Keyrings are used by reference, so a rotation done on them
+    takes effect at the next commit.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        keyring: StorageKeyring,
+        *,
+        anchor_path: str | os.PathLike[str] | None = None,
+        data_keyring: StorageKeyring | None = None,
+        group_commit: bool = True,
+    ) -> None:
+        if not isinstance(keyring, StorageKeyring):
+            raise TypeError("keyring must be a StorageKeyring")
+        if data_keyring is not None and not isinstance(data_keyring, StorageKeyring):
+            raise TypeError("data_keyring must be a StorageKeyring")
+        self._path = Path(os.fspath(path))
+        self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path))
+        self._keyring = keyring
+        self._data_keyring = data_keyring
+        self._group_commit = group_commit
+        self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix="octo-journal-writer")
+        self._reader_pool = ThreadPoolExecutor(1, thread_name_prefix="octo-journal-reader")
+        # Owned by the writer thread: its connection and the commit baselines.
+        self._writer: sqlite3.Connection | None = None
+        self._baselines: dict[str, int] = {}
+        # Owned by the reader thread.
+        self._reader: sqlite3.Connection | None = None
+        # The anchor as last written; replaced (never mutated) by the writer thread.
+        self._anchor: Mapping[StorageRecordKey, int] = {}
+        # Event-loop state.
+        self._open_lock = asyncio.Lock()
+        self._opened = False
+        self._closed = False
+        self._queue: list[_Pending] = []
+        self._writer_task: asyncio.Task[None] | None = None
+        self._transactions = 0
+        self._change_sets = 0
+        self._committed = 0
+        self._failed = 0
+        self._largest_batch = 0
+
+    def __repr__(self) -> str:
+        return f"SqliteJournalStore(path={os.fspath(self._path)!r})"
+
+    # Public API ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> StoreStats:
+        """How many transactions ran and how many change sets they carried."""
+        return StoreStats(
+            self._transactions,
+            self._change_sets,
+            self._committed,
+            self._failed,
+            self._largest_batch,
+        )
+
+    async def reserve_fence(self, scope: str) -> WorkerJournalLease:
+        """Create the head if absent, add 1 to its fence, return it (W§11.3).
+
+        The head revision read in the same transaction becomes this store
+        instance's commit baseline for the scope.
+        """
+        validate_token("operation journal scope", scope)
+        token = await self._write_call(lambda: self._reserve_in_thread(scope))
+        return WorkerJournalLease._issue(token)
+
+    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
+        """Commit one change set (W§11.2); returns the new scope revision.
+
+        Concurrent calls share transactions (group commit); each caller gets
+        the outcome it would have had alone. The outcome is shielded from the
+        caller's cancellation.
+        """
+        if not isinstance(lease, WorkerJournalLease):
+            raise InvalidJournalLease()
+        validate_token("operation journal scope", scope)
+        if not isinstance(changes, WorkerCommit):
+            raise TypeError("changes must be a WorkerCommit")
+        writes, new_sessions = _prepare(scope, changes)
+        await self._ensure_open()
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        future.add_done_callback(_consume_outcome)
+        self._queue.append(
+            _Pending(
+                scope,
+                lease.token,
+                writes,
+                new_sessions,
+                tuple(changes.outbox_delete),
+                future,
+            )
+        )
+        self._change_sets += 1
+        if self._writer_task is None:
+            self._writer_task = loop.create_task(self._drain())
+        return await asyncio.shield(future)
+
+    async def load_records(
+        self, scope: str, keys: Iterable[str]
+    ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
+        """The rows of ``keys`` (None for a key without a row), W§9.2's ``records``."""
+        validate_token("operation journal scope", scope)
+        wanted = list(dict.fromkeys(keys))
+        for key in wanted:
+            validate_token("operation key", key)
+        rows = await self._read_call(lambda: self._read_items(scope, NS_JOURNAL, wanted))
+        result: dict[str, tuple[WorkerOperationRecord, int] | None] = dict.fromkeys(wanted)
+        for row in rows:
+            document = self._open_row(scope, NS_JOURNAL, row)
+            record = WorkerOperationRecord.from_row_json(document, scope, row.item)
+            result[row.item] = (record, row.revision)
+        return result
+
+    async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
+        """Every journal row of ``scope``, by operation key (operator helper)."""
+        validate_token("operation journal scope", scope)
+        rows = await self._read_call(lambda: self._read_items(scope, NS_JOURNAL, None))
+        records: list[tuple[WorkerOperationRecord, int]] = []
+        for row in rows:
+            document = self._open_row(scope, NS_JOURNAL, row)
+            record = WorkerOperationRecord.from_row_json(document, scope, row.item)
+            records.append((record, row.revision))
+        return records
+
+    async def load_sessions(self, scope: str) -> dict[str, PersistedSession]:
+        """Every session of ``scope`` (every status), keyed by session id."""
+        validate_token("operation journal scope", scope)
+        states, openings = await self._read_call(lambda: self._read_sessions(scope))
+        opened: dict[str, tuple[bytes, int]] = {}
+        for row in openings:
+            document = self._open_row(scope, NS_SESSION_OPEN, row)
+            _session_header(document, scope, row.item)
+            opened[row.item] = (document, row.revision)
+        sessions: dict[str, PersistedSession] = {}
+        for row in states:
+            document = self._open_row(scope, NS_SESSION, row)
+            status = _state_status(document, scope, row.item)
+            opening = opened.pop(row.item, None)
+            if opening is None:
+                # Both rows are written by the session's first commit: a
+                # missing half was deleted.
+                raise RollbackDetected(None, row.revision)
+            sessions[row.item] = PersistedSession(
+                row.item, status, opening[0], document, row.revision
+            )
+        for _item, (_document, revision) in opened.items():
+            raise RollbackDetected(None, revision)
+        return sessions
+
+    async def load_outbox(self, scope: str) -> list[OutboxEntry]:
+        """Every outbox row of ``scope``, oldest revision first (W§11.4)."""
+        validate_token("operation journal scope", scope)
+        rows = await self._read_call(lambda: self._read_items(scope, NS_OUTBOX, None))
+        entries: list[OutboxEntry] = []
+        for row in rows:
+            document = decode_struct(self._open_row(scope, NS_OUTBOX, row), _OutboxDocument)
+            if document.format_version != _OUTBOX_FORMAT_VERSION:
+                raise SerializationError("outbox document format_version must be 1")
+            if document.scope != scope:
+                raise RecordLocationMismatch(scope, document.scope)
+            frame = _b64decode(document.frame)
+            actual_id = frame_message_id(frame)
+            if actual_id != row.item:
+                raise RecordLocationMismatch(row.item, actual_id)
+            entries.append(
+                OutboxEntry(
+                    row.item,
+                    document.session_id,
+                    document.reply_to,
+                    document.correlation_id,
+                    frame,
+                    row.revision,
+                )
+            )
+        return entries
+
+    async def head_revision(self, scope: str) -> int:
+        """The scope's committed revision (0 without a head)."""
+        validate_token("operation journal scope", scope)
+        return await self._read_call(lambda: self._read_head(scope))
+
+    async def scopes(self) -> list[str]:
+        """Every scope with a head, sorted (operator helper)."""
+        return await self._read_call(self._read_scopes)
+
+    async def integrity_check(self) -> list[str]:
+        """``PRAGMA integrity_check``: ``["ok"]`` when the database is healthy."""
+        return await self._read_call(self._integrity_in_thread)
+
+    async def initialize_anchor(self) -> None:
+        """Write the anchor file from the current database (explicit operator step).
+
+        A configured anchor that is missing or malformed fails every open
+        (H§17.10); this is the one way to (re)create it. Call it before any
+        other method of this store instance.
+        """
+        if self._anchor_path is None:
+            raise ValueError("this store has no anchor_path")
+        if self._opened:
+            raise ValueError("initialize_anchor must run before the store is opened")
+        await self._ensure_open(check_anchor=False)
+
+    async def close(self) -> None:
+        """Finish queued commits, close both connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        task = self._writer_task
+        if task is not None:
+            await asyncio.shield(task)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._writer_pool, self._close_writer)
+            await loop.run_in_executor(self._reader_pool, self._close_reader)
+        finally:
+            self._writer_pool.shutdown(wait=False)
+            self._reader_pool.shutdown(wait=False)
+
+    # Event-loop plumbing ---------------------------------------------------------------
+
+    async def _ensure_open(self, *, check_anchor: bool = True) -> None:
+        if self._opened:
+            return
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        async with self._open_lock:
+            if self._opened:  # another task opened it while this one waited
+                return  # type: ignore[unreachable]
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._writer_pool, _guarded, lambda: self._open_writer(check_anchor)
+            )
+            await loop.run_in_executor(self._reader_pool, _guarded, self._open_reader)
+            self._opened = True
+
+    async def _write_call(self, function: Callable[[], T]) -> T:
+        await self._ensure_open()
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._writer_pool, _guarded, function)
+
+    async def _read_call(self, function: Callable[[], T]) -> T:
+        await self._ensure_open()
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._reader_pool, _guarded, function)
+
+    async def _drain(self) -> None:
+        """The writer task: apply queued change sets, batch after batch."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queue:
+                if self._group_commit:
+                    batch, self._queue = self._queue, []
+                else:
+                    batch = [self._queue.pop(0)]
+                work = loop.run_in_executor(self._writer_pool, self._apply_batch, batch)
+                try:
+                    await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    # Only loop shutdown cancels this task: the transaction
+                    # still finishes in its thread, and its callers hear of it.
+                    await asyncio.wait([work])
+                    self._release(batch, work)
+                    raise
+                self._release(batch, work)
+        except BaseException as exc:
+            failure = exc if isinstance(exc, OctoError) else _backend_error(exc)
+            for pending in self._queue:
+                pending.future.set_exception(failure)
+            self._queue = []
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._writer_task = None
+
+    def _release(
+        self, batch: Sequence[_Pending], work: asyncio.Future[list[int | OctoError]]
+    ) -> None:
+        try:
+            outcomes: Sequence[int | OctoError] = work.result()
+        except Exception as exc:  # a defect in the batch function: fail the batch, not the loop
+            outcomes = [_backend_error(exc)] * len(batch)
+        self._transactions += 1
+        self._largest_batch = max(self._largest_batch, len(batch))
+        for pending, outcome in zip(batch, outcomes, strict=True):
+            if pending.future.done():
+                continue
+            if isinstance(outcome, OctoError):
+                self._failed += 1
+                pending.future.set_exception(outcome)
+            else:
+                self._committed += 1
+                pending.future.set_result(outcome)
+
+    # Writer thread ------------------------------------------------------------------------
+
+    def _open_writer(self, check_anchor: bool) -> None:
+        directory = self._path.parent
+        if not directory.exists():
+            directory.mkdir(mode=0o700, parents=True)
+            os.chmod(directory, 0o700)
+        elif directory.stat().st_mode & 0o077:
+            _log.warning("journal_directory_permissive", mode=oct(directory.stat().st_mode & 0o777))
+        if not self._path.exists():
+            descriptor = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(descriptor)
+        os.chmod(self._path, 0o600)
+        connection = sqlite3.connect(
+            self._path,
+            timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        try:
+            self._configure(connection)
+            self._migrate(connection)
+            self._tighten_side_files()
+            if self._anchor_path is not None:
+                heads = self._all_heads(connection)
+                if check_anchor:
+                    anchor = self._read_anchor_file()
+                    self._check_anchor(anchor, heads)
+                else:
+                    anchor = {}
+                raised = dict(anchor)
+                for name, revision in heads.items():
+                    record_key = StorageRecordKey(_HEAD_NAMESPACE, name)
+                    if revision > raised.get(record_key, 0):
+                        raised[record_key] = revision
+                if raised != anchor or not check_anchor:
+                    self._write_anchor_file(raised)
+                self._anchor = raised
+        except BaseException:
+            connection.close()
+            raise
+        self._writer = connection
+
+    def _configure(self, connection: sqlite3.Connection) -> None:
+        mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()
+        if mode is None or str(mode[0]).lower() != "wal":
+            raise StorageBackendError("sqlite could not enable WAL")
+        connection.execute("PRAGMA synchronous=FULL")
+        connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+        connection.execute("PRAGMA foreign_keys=ON")
+
+    def _migrate(self, connection: sqlite3.Connection) -> None:
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            connection.execute(
+                "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"
+            )
+            row = connection.execute("SELECT version FROM schema_version").fetchone()
+            version = 0 if row is None else int(row[0])
+            if version > _SCHEMA_VERSION:
+                raise StorageBackendError(
+                    f"database schema version {version} is newer than this store"
+                )
+            for step in _MIGRATIONS[version:]:
+                for statement in step:
+                    connection.execute(statement)
+            if row is None:
+                connection.execute(
+                    "INSERT INTO schema_version (version) VALUES (?)", (_SCHEMA_VERSION,)
+                )
+            elif version != _SCHEMA_VERSION:
+                connection.execute("UPDATE schema_version SET version = ?", (_SCHEMA_VERSION,))
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+
+    def _tighten_side_files(self) -> None:
+        # SQLite gives -wal/-shm the main file's mode; this only repairs
+        # files left by an older, looser process.
+        for suffix in ("-wal", "-shm"):
+            side = Path(os.fspath(self._path) + suffix)
+            try:
+                if stat.S_IMODE(side.stat().st_mode) != 0o600:
+                    os.chmod(side, 0o600)
+            except FileNotFoundError:
+                continue
+
+    @staticmethod
+    def _all_heads(connection: sqlite3.Connection) -> dict[str, int]:
+        rows = connection.execute(
+            "SELECT name, revision FROM heads WHERE namespace = ?", (_HEAD_NAMESPACE,)
+        ).fetchall()
+        return {str(name): int(revision) for name, revision in rows}
+
+    def _read_anchor_file(self) -> dict[StorageRecordKey, int]:
+        assert self._anchor_path is not None
+        try:
+            data = self._anchor_path.read_bytes()
+        except FileNotFoundError:
+            raise RollbackAnchorMissing() from None
+        return decode_anchor(data)
+
+    @staticmethod
+    def _check_anchor(anchor: Mapping[StorageRecordKey, int], heads: Mapping[str, int]) -> None:
+        for record_key, anchored in anchor.items():
+            actual = heads.get(record_key.name) if record_key.namespace == _HEAD_NAMESPACE else None
+            if actual is None:
+                raise RollbackDetected(None, anchored)
+            if actual < anchored:
+                raise RollbackDetected(actual, anchored)
+
+    def _write_anchor_file(self, revisions: Mapping[StorageRecordKey, int]) -> None:
+        assert self._anchor_path is not None
+        data = encode_anchor(revisions)
+        temporary = Path(os.fspath(self._anchor_path) + ".tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(descriptor, view) :]
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, self._anchor_path)
+        directory = os.open(self._anchor_path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._writer is None:
+            raise StorageBackendError("store is closed")
+        return self._writer
+
+    def _reserve_in_thread(self, scope: str) -> int:
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            # One statement creates the head or adds 1 to its fence; it refuses
+            # (returns no row) instead of overflowing SQLite's integer range.
+            row = connection.execute(
+                "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 0, 1) "
+                "ON CONFLICT (namespace, name) DO UPDATE SET fence = fence + 1 "
+                "WHERE fence < ? RETURNING revision, fence",
+                (_HEAD_NAMESPACE, scope, SQLITE_MAX_INTEGER),
+            ).fetchone()
+            if row is None:
+                raise FencingTokenExhausted()
+            revision, fence = int(row[0]), int(row[1])
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+        self._baselines[scope] = revision
+        return fence
+
+    def _apply_batch(self, batch: Sequence[_Pending]) -> list[int | OctoError]:
+        """One transaction, one fsync, for every change set of ``batch``.
+
+        Runs entirely in the writer thread. A change set that fails its own
+        checks is rolled back to its savepoint; a failure of the transaction
+        (or of the anchor write) fails every change set in it.
+        """
+        outcomes: list[int | OctoError] = []
+        advanced: dict[str, int] = {}
+        use_savepoints = len(batch) > 1
+        try:
+            connection = self._connection()
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                for pending in batch:
+                    if use_savepoints:
+                        connection.execute("SAVEPOINT change_set")
+                    try:
+                        revision = self._apply_one(connection, pending, advanced)
+                    except OctoError as exc:
+                        if use_savepoints:
+                            connection.execute("ROLLBACK TO change_set")
+                            connection.execute("RELEASE change_set")
+                        outcomes.append(exc)
+                        continue
+                    if use_savepoints:
+                        connection.execute("RELEASE change_set")
+                    advanced[pending.scope] = revision
+                    outcomes.append(revision)
+                if advanced:
+                    connection.execute("COMMIT")
+                else:
+                    connection.execute("ROLLBACK")
+            except BaseException:
+                if connection.in_transaction:
+                    connection.execute("ROLLBACK")
+                raise
+        except (sqlite3.Error, OSError, OctoError) as exc:
+            failure: OctoError = exc if isinstance(exc, OctoError) else _backend_error(exc)
+            failed: list[int | OctoError] = [
+                o if isinstance(o, OctoError) else failure for o in outcomes
+            ]
+            return failed + [failure] * (len(batch) - len(outcomes))
+        # Committed: the database is the truth for this instance's baselines,
+        # even if the anchor write below fails its callers.
+        self._baselines.update(advanced)
+        if advanced and self._anchor_path is not None:
+            anchor = dict(self._anchor)
+            for scope, revision in advanced.items():
+                anchor[StorageRecordKey(_HEAD_NAMESPACE, scope)] = revision
+            try:
+                self._write_anchor_file(anchor)
+            except OSError as exc:
+                failure = _backend_error(exc)
+                return [o if isinstance(o, OctoError) else failure for o in outcomes]
+            finally:
+                # Readers compare against the newest anchor the disk may hold.
+                self._anchor = anchor
+        return outcomes
+
+    def _apply_one(
+        self, connection: sqlite3.Connection, pending: _Pending, advanced: Mapping[str, int]
+    ) -> int:
+        """W§11.2 steps 1-4 for one change set, inside the open transaction."""
+        scope = pending.scope
+        head = connection.execute(
+            "SELECT revision, fence FROM heads WHERE namespace = ? AND name = ?",
+            (_HEAD_NAMESPACE, scope),
+        ).fetchone()
+        head_revision, fence = (0, 0) if head is None else (int(head[0]), int(head[1]))
+        if fence != pending.token:  # step 1
+            raise FencingTokenRejected(fence, pending.token)
+        baseline = advanced.get(scope, self._baselines.get(scope))
+        if baseline != head_revision:  # step 2
+            raise WriteConflict(baseline, head_revision, head_revision)
+        for session_id in pending.new_sessions:  # step 3, new sessions
+            if self._row_revisions(connection, scope, session_id):
+                raise SessionReplay(session_id)
+        for write in pending.writes:  # step 3, every row
+            row = connection.execute(
+                "SELECT revision FROM items WHERE namespace = ? AND name = ? AND item = ?",
+                (write.namespace, scope, write.item),
+            ).fetchone()
+            actual = None if row is None else int(row[0])
+            if actual != write.base_revision:
+                raise WriteConflict(write.base_revision, actual, head_revision)
+        if head_revision >= SQLITE_MAX_INTEGER:  # step 4
+            raise RevisionExhausted()
+        revision = head_revision + 1
+        sealed = [(write, self._seal(scope, write, revision)) for write in pending.writes]
+        for message in pending.outbox_delete:
+            connection.execute(
+                "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ?",
+                (NS_OUTBOX, scope, message),
+            )
+        for write, envelope in sealed:
+            if write.base_revision is None:
+                connection.execute(
+                    "INSERT INTO items (namespace, name, item, revision, envelope) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (write.namespace, scope, write.item, revision, envelope),
+                )
+            else:
+                connection.execute(
+                    "UPDATE items SET revision = ?, envelope = ? "
+                    "WHERE namespace = ? AND name = ? AND item = ?",
+                    (revision, envelope, write.namespace, scope, write.item),
+                )
+        connection.execute(
+            "UPDATE heads SET revision = ? WHERE namespace = ? AND name = ?",
+            (revision, _HEAD_NAMESPACE, scope),
+        )
+        return revision
+
+    @staticmethod
+    def _row_revisions(connection: sqlite3.Connection, scope: str, session_id: str) -> list[int]:
+        rows = connection.execute(
+            "SELECT revision FROM items WHERE namespace IN (?, ?) AND name = ? AND item = ?",
+            (NS_SESSION, NS_SESSION_OPEN, scope, session_id),
+        ).fetchall()
+        return [int(row[0]) for row in rows]
+
+    def _seal(self, scope: str, write: _RowWrite, revision: int) -> bytes:
+        payload = write.document
+        if self._data_keyring is not None:
+            payload = encrypt_document(
+                self._data_keyring, write.namespace, scope, write.item, revision, payload
+            )
+        return seal_record(
+            self._keyring, StorageRecordKey(write.namespace, scope), revision, payload
+        )
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # Reader thread -------------------------------------------------------------------------
+
+    def _open_reader(self) -> None:
+        connection = sqlite3.connect(
+            self._path,
+            timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        try:
+            connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+            connection.execute("PRAGMA foreign_keys=ON")
+            connection.execute("PRAGMA query_only=ON")
+        except BaseException:
+            connection.close()
+            raise
+        self._reader = connection
+
+    def _reading(self) -> sqlite3.Connection:
+        if self._reader is None:
+            raise StorageBackendError("store is closed")
+        return self._reader
+
+    def _snapshot_head(self, connection: sqlite3.Connection, scope: str) -> int:
+        """The head revision inside the current read transaction, anchor-checked."""
+        row = connection.execute(
+            "SELECT revision FROM heads WHERE namespace = ? AND name = ?",
+            (_HEAD_NAMESPACE, scope),
+        ).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def _read_transaction(
+        self, function: Callable[[sqlite3.Connection], T], scope: str | None
+    ) -> tuple[int, T]:
+        # Read the anchor before the snapshot: the anchor is only raised after
+        # a COMMIT, so the snapshot is never older than the anchor read here.
+        anchor = self._anchor
+        connection = self._reading()
+        connection.execute("BEGIN")
+        try:
+            head = 0 if scope is None else self._snapshot_head(connection, scope)
+            result = function(connection)
+        finally:
+            connection.execute("COMMIT")
+        if scope is not None and self._anchor_path is not None:
+            anchored = anchor.get(StorageRecordKey(_HEAD_NAMESPACE, scope), 0)
+            if head < anchored:
+                raise RollbackDetected(head or None, anchored)
+        return head, result
+
+    def _read_head(self, scope: str) -> int:
+        head, _ = self._read_transaction(lambda _connection: None, scope)
+        return head
+
+    def _read_items(self, scope: str, namespace: str, items: Sequence[str] | None) -> list[_Row]:
+        def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            if items is None:
+                return connection.execute(
+                    "SELECT item, revision, envelope FROM items "
+                    "WHERE namespace = ? AND name = ? ORDER BY revision, id",
+                    (namespace, scope),
+                ).fetchall()
+            found: list[tuple[Any, ...]] = []
+            for start in range(0, len(items), _SQL_CHUNK):
+                chunk = items[start : start + _SQL_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                # Only "?" placeholders are formatted in; every value is bound.
+                sql = f"SELECT item, revision, envelope FROM items {_BY_ITEMS}({marks})"  # noqa: S608
+                found.extend(connection.execute(sql, (namespace, scope, *chunk)).fetchall())
+            return found
+
+        head, rows = self._read_transaction(select, scope)
+        return self._checked_rows(rows, head)
+
+    def _read_sessions(self, scope: str) -> tuple[list[_Row], list[_Row]]:
+        def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            return connection.execute(
+                "SELECT namespace, item, revision, envelope FROM items "
+                "WHERE namespace IN (?, ?) AND name = ? ORDER BY item",
+                (NS_SESSION, NS_SESSION_OPEN, scope),
+            ).fetchall()
+
+        head, rows = self._read_transaction(select, scope)
+        states = [row[1:] for row in rows if row[0] == NS_SESSION]
+        openings = [row[1:] for row in rows if row[0] == NS_SESSION_OPEN]
+        return self._checked_rows(states, head), self._checked_rows(openings, head)
+
+    @staticmethod
+    def _checked_rows(rows: Iterable[tuple[Any, ...]], head: int) -> list[_Row]:
+        checked: list[_Row] = []
+        for item, revision, envelope in rows:
+            if type(revision) is not int or revision < 1:
+                raise InvalidRevision()
+            if revision > head:
+                raise RevisionFloorMismatch(revision, head)
+            checked.append(_Row(str(item), revision, bytes(envelope)))
+        return checked
+
+    def _read_scopes(self) -> list[str]:
+        rows = (
+            self._reading()
+            .execute("SELECT name FROM heads WHERE namespace = ? ORDER BY name", (_HEAD_NAMESPACE,))
+            .fetchall()
+        )
+        return [str(row[0]) for row in rows]
+
+    def _integrity_in_thread(self) -> list[str]:
+        rows = self._reading().execute("PRAGMA integrity_check").fetchall()
+        return [str(row[0]) for row in rows]
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    # Rows, on the event loop -----------------------------------------------------------------
+
+    def _open_row(self, scope: str, namespace: str, row: _Row) -> bytes:
+        """Authenticate (and decrypt) one row; the caller checks its document."""
+        record = open_record(
+            self._keyring, StorageRecordKey(namespace, scope), row.envelope, row.revision
+        )
+        if self._data_keyring is None:
+            return record.payload
+        return decrypt_document(
+            self._data_keyring, namespace, scope, row.item, row.revision, record.payload
+        )
