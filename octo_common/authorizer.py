@@ -1,0 +1,666 @@
+"""The per-session authorizer: budgets and request identities (W§8).
+
+A :class:`SessionAuthorizer` owns one session's manifest, its call and
+compensation budgets, the compensation identities it has admitted and the
+request ids it retains (at most 1024, each with a ``completed`` flag). Every
+``authorize_*`` method checks a request in the exact order of W§8.1-8.3 and
+returns an in-process authorization token; every ``validate_*`` method checks
+a result against such a token in the order of W§8.4.
+
+Rules this module keeps:
+
+* Every method is all-or-nothing: all checks run before the first mutation, so
+  an error leaves the state (``export_state()``) unchanged.
+* Tokens carry the provenance (object identity) of the issuing instance; a
+  validator refuses a token of another instance first. A restored authorizer
+  is a new instance and refuses the old instance's tokens.
+* Tokens are never serialized: pickling raises ``TypeError``; ``copy`` keeps
+  the provenance.
+
+This module is pure: it must never do I/O, log, touch asyncio or keep keys.
+It has no cancellation methods (D9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, NoReturn, TypeVar
+
+import msgspec
+
+from octo_common.digest import worker_input_fingerprint
+from octo_common.errors import (
+    AuthorizationProvenanceMismatch,
+    CallBudgetExhausted,
+    CompensationBudgetExhausted,
+    CompensationGrantMismatch,
+    CompensationNotGranted,
+    CompensationResultMismatch,
+    DuplicateRequest,
+    DuplicateResult,
+    InputTooLarge,
+    OperationResultMismatch,
+    OutputTooLarge,
+    RequestMismatch,
+    SerializationError,
+    SessionRequestLimitExceeded,
+    UnknownSession,
+    UnknownTool,
+)
+from octo_common.grants import CapabilityGrant, CapabilityManifest
+from octo_common.ids import is_fingerprint, is_token, validate_token
+from octo_common.limits import MAX_SESSION_REQUEST_IDS
+from octo_common.messages import (
+    OperationCompensationRequest,
+    OperationCompensationResult,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    OperationReconcileResult,
+    ToolInvocation,
+    ToolResult,
+)
+from octo_common.payload import ToolPayload
+from octo_common.states import validate_operation_status_for_grant
+
+__all__ = [
+    "AuthorizedInvocation",
+    "AuthorizedOperationCompensation",
+    "AuthorizedOperationInvocation",
+    "AuthorizedOperationReconciliation",
+    "AuthorizerState",
+    "CompensationIdentity",
+    "RetainedRequestId",
+    "SessionAuthorizer",
+]
+
+_MAX_U32 = 2**32 - 1
+
+
+# Exported state -------------------------------------------------------------
+
+
+class CompensationIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, order=True):
+    """One admitted compensation identity (W§8.3 step 8).
+
+    Field order is the sort order of ``AuthorizerState.compensation_identities``.
+    """
+
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    input_fingerprint: str
+
+
+class RetainedRequestId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A retained request id and whether its result was validated."""
+
+    request_id: str
+    completed: bool = False
+
+
+class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a :class:`SessionAuthorizer` persists except provenance (D4).
+
+    ``calls_by_tool`` and ``compensations_by_tool`` hold only non-zero
+    counters, keys sorted; ``compensation_identities`` is sorted;
+    ``request_ids`` is in retention order.
+    """
+
+    calls_by_tool: dict[str, int] = msgspec.field(default_factory=dict)
+    compensations_by_tool: dict[str, int] = msgspec.field(default_factory=dict)
+    compensation_identities: tuple[CompensationIdentity, ...] = ()
+    request_ids: tuple[RetainedRequestId, ...] = ()
+
+
+# Tokens ---------------------------------------------------------------------
+
+
+class _Provenance:
+    """The identity of one authorizer instance; compared with ``is`` only."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<authorizer provenance>"
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError("authorizer provenance cannot be serialized")
+
+
+RequestT = TypeVar(
+    "RequestT",
+    ToolInvocation,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    OperationCompensationRequest,
+)
+
+
+class _AuthorizationToken(Generic[RequestT]):
+    """Common behaviour of the four authorization tokens (W§8).
+
+    Tokens are immutable, in-process values issued only by a
+    :class:`SessionAuthorizer`. They are equal only when their type, request,
+    grant and provenance are equal; a copy is the same token.
+    """
+
+    __slots__ = ("_grant", "_provenance", "_request")
+
+    _request: RequestT
+    _grant: CapabilityGrant
+    _provenance: _Provenance
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{type(self).__name__} is issued by SessionAuthorizer only")
+
+    @classmethod
+    def _issue(cls, request: RequestT, grant: CapabilityGrant, provenance: _Provenance) -> Any:
+        token = object.__new__(cls)
+        object.__setattr__(token, "_request", request)
+        object.__setattr__(token, "_grant", grant)
+        object.__setattr__(token, "_provenance", provenance)
+        return token
+
+    @property
+    def request(self) -> RequestT:
+        """The authorized request, exactly as it was authorized."""
+        return self._request
+
+    @property
+    def grant(self) -> CapabilityGrant:
+        """The manifest's grant for the request's tool."""
+        return self._grant
+
+    @property
+    def session_id(self) -> str:
+        return self._request.session_id
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def tool(self) -> str:
+        return self._request.tool
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _AuthorizationToken)
+        return (
+            self._provenance is other._provenance
+            and self._request == other._request
+            and self._grant == other._grant
+        )
+
+    def __hash__(self) -> int:
+        # Payload values may be unhashable (JSON objects); the request id and
+        # provenance are enough for a hash that agrees with equality.
+        return hash((type(self).__name__, self._request.request_id, id(self._provenance)))
+
+    def __copy__(self) -> _AuthorizationToken[RequestT]:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AuthorizationToken[RequestT]:
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(f"{type(self).__name__} is an in-process value and cannot be pickled")
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(f"{type(self).__name__} is an in-process value and cannot be pickled")
+
+    def __repr__(self) -> str:
+        # Never the payload: only identifiers.
+        return (
+            f"{type(self).__name__}(session_id={self.session_id!r}, "
+            f"request_id={self.request_id!r}, tool={self.tool!r})"
+        )
+
+
+class AuthorizedInvocation(_AuthorizationToken[ToolInvocation]):
+    """Token for an ordinary ``invoke`` (W§8.1)."""
+
+    __slots__ = ()
+
+
+class AuthorizedOperationInvocation(_AuthorizationToken[OperationDispatchRequest]):
+    """Token for a durable ``dispatch_operation`` (W§8.1)."""
+
+    __slots__ = ()
+
+    @property
+    def operation_key(self) -> str:
+        return self._request.operation_key
+
+
+class AuthorizedOperationReconciliation(_AuthorizationToken[OperationReconcileRequest]):
+    """Token for a ``reconcile_operation`` (W§8.2)."""
+
+    __slots__ = ()
+
+    @property
+    def operation_key(self) -> str:
+        return self._request.operation_key
+
+
+class AuthorizedOperationCompensation(_AuthorizationToken[OperationCompensationRequest]):
+    """Token for a ``compensate_operation`` (W§8.3)."""
+
+    __slots__ = ("_identity",)
+
+    _identity: CompensationIdentity
+
+    @property
+    def operation_key(self) -> str:
+        return self._request.operation_key
+
+    @property
+    def compensation_key(self) -> str:
+        return self._request.compensation_key
+
+    @property
+    def identity(self) -> CompensationIdentity:
+        """The six-value compensation identity this token was admitted under."""
+        return self._identity
+
+
+# The authorizer ---------------------------------------------------------------
+
+
+class SessionAuthorizer:
+    """Budgets and request identities of one session (W§8)."""
+
+    __slots__ = (
+        "_calls",
+        "_compensation_fingerprints",
+        "_compensations",
+        "_identities",
+        "_manifest",
+        "_provenance",
+        "_request_ids",
+    )
+
+    def __init__(self, manifest: CapabilityManifest) -> None:
+        manifest.validate()
+        self._manifest = manifest
+        # The grant fingerprint depends only on the immutable grant.
+        self._compensation_fingerprints: dict[str, str] = {}
+        self._calls: dict[str, int] = {}
+        self._compensations: dict[str, int] = {}
+        self._identities: set[CompensationIdentity] = set()
+        # Insertion order is retention order; the value is the completed flag.
+        self._request_ids: dict[str, bool] = {}
+        self._provenance = _Provenance()
+
+    def __repr__(self) -> str:
+        return (
+            f"SessionAuthorizer(session_id={self._manifest.session_id!r}, "
+            f"request_ids={len(self._request_ids)})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError("SessionAuthorizer is persisted through export_state() only")
+
+    # -- read-only views -------------------------------------------------------
+
+    @property
+    def manifest(self) -> CapabilityManifest:
+        return self._manifest
+
+    @property
+    def session_id(self) -> str:
+        return self._manifest.session_id
+
+    def calls_for(self, tool: str) -> int:
+        """Ordinary calls spent on ``tool`` (invoke and dispatch); 0 when none."""
+        return self._calls.get(tool, 0)
+
+    def compensations_for(self, tool: str) -> int:
+        """Compensation identities admitted for ``tool``; 0 when none."""
+        return self._compensations.get(tool, 0)
+
+    def request_id_count(self) -> int:
+        """How many request ids this authorizer retains (at most 1024)."""
+        return len(self._request_ids)
+
+    def is_retained(self, request_id: str) -> bool:
+        return request_id in self._request_ids
+
+    def is_completed(self, request_id: str) -> bool:
+        """Whether a result for ``request_id`` was validated."""
+        return self._request_ids.get(request_id, False)
+
+    # -- request ids -----------------------------------------------------------
+
+    def reserve_request_id(self, request_id: str) -> None:
+        """Retain ``request_id`` (W§8): duplicate first, then capacity."""
+        validate_token("request id", request_id)
+        self._check_request_id_free(request_id)
+        self._check_request_capacity()
+        self._request_ids[request_id] = False
+
+    def _check_request_id_free(self, request_id: str) -> None:
+        if request_id in self._request_ids:
+            raise DuplicateRequest(request_id)
+
+    def _check_request_capacity(self) -> None:
+        if len(self._request_ids) >= MAX_SESSION_REQUEST_IDS:
+            raise SessionRequestLimitExceeded(MAX_SESSION_REQUEST_IDS)
+
+    # -- authorization ---------------------------------------------------------
+
+    def _active_grant(self, session_id: str, tool: str) -> CapabilityGrant:
+        if session_id != self._manifest.session_id:
+            raise UnknownSession(session_id)
+        grant = self._manifest.grant(tool)
+        if grant is None:
+            raise UnknownTool(tool)
+        return grant
+
+    @staticmethod
+    def _check_input(payload: ToolPayload, grant: CapabilityGrant) -> None:
+        size = payload.validate_for(grant.format)
+        if size > grant.max_input_bytes:
+            raise InputTooLarge(size, grant.max_input_bytes)
+
+    def _spend_call(self, request: ToolInvocation | OperationDispatchRequest) -> CapabilityGrant:
+        # W§8.1 steps 1-8; every check precedes the two mutations at the end.
+        grant = self._active_grant(request.session_id, request.tool)
+        self._check_input(request.payload, grant)
+        self._check_request_id_free(request.request_id)
+        spent = self._calls.get(request.tool, 0)
+        if spent >= grant.max_calls:
+            raise CallBudgetExhausted(request.tool, grant.max_calls)
+        self._check_request_capacity()
+        self._request_ids[request.request_id] = False
+        self._calls[request.tool] = spent + 1
+        return grant
+
+    def authorize(self, invocation: ToolInvocation) -> AuthorizedInvocation:
+        """Authorize an ordinary invocation, spending one call (W§8.1)."""
+        invocation.validate()
+        grant = self._spend_call(invocation)
+        token: AuthorizedInvocation = AuthorizedInvocation._issue(
+            invocation, grant, self._provenance
+        )
+        return token
+
+    def authorize_operation(
+        self, request: OperationDispatchRequest
+    ) -> AuthorizedOperationInvocation:
+        """Authorize a durable dispatch; it spends a call like ``invoke`` (W§8.1)."""
+        # The payload is checked against the grant's format in step 3.
+        request.validate_header()
+        grant = self._spend_call(request)
+        token: AuthorizedOperationInvocation = AuthorizedOperationInvocation._issue(
+            request, grant, self._provenance
+        )
+        return token
+
+    def authorize_reconciliation(
+        self, request: OperationReconcileRequest
+    ) -> AuthorizedOperationReconciliation:
+        """Authorize a reconciliation: one request id, no call budget (W§8.2)."""
+        request.validate()
+        grant = self._active_grant(request.session_id, request.tool)
+        self._check_request_id_free(request.request_id)
+        self._check_request_capacity()
+        self._request_ids[request.request_id] = False
+        token: AuthorizedOperationReconciliation = AuthorizedOperationReconciliation._issue(
+            request, grant, self._provenance
+        )
+        return token
+
+    def _compensation_fingerprint(self, grant: CapabilityGrant) -> str:
+        fingerprint = self._compensation_fingerprints.get(grant.tool)
+        if fingerprint is None:
+            fingerprint = grant.compensation_fingerprint()
+            self._compensation_fingerprints[grant.tool] = fingerprint
+        return fingerprint
+
+    def authorize_compensation(
+        self, request: OperationCompensationRequest
+    ) -> AuthorizedOperationCompensation:
+        """Authorize a compensation against the compensation budget (W§8.3).
+
+        An identity this authorizer already admitted costs a request id but no
+        budget; a new identity needs budget. The call budget is never spent.
+        """
+        # Tokens, ``cmp-`` key and fingerprint syntax; the payload comes in step 6.
+        request.validate_header()
+        grant = self._active_grant(request.session_id, request.tool)
+        if grant.max_compensations == 0:
+            raise CompensationNotGranted(request.tool)
+        if self._compensation_fingerprint(grant) != request.grant_fingerprint:
+            raise CompensationGrantMismatch()
+        self._check_input(request.payload, grant)
+        self._check_request_id_free(request.request_id)
+        identity = CompensationIdentity(
+            tool=request.tool,
+            operation_key=request.operation_key,
+            compensation_key=request.compensation_key,
+            tenant_scope=request.tenant_scope,
+            grant_fingerprint=request.grant_fingerprint,
+            input_fingerprint=worker_input_fingerprint(request.payload),
+        )
+        is_new = identity not in self._identities
+        spent = self._compensations.get(request.tool, 0)
+        if is_new and spent >= grant.max_compensations:
+            raise CompensationBudgetExhausted(request.tool, grant.max_compensations)
+        self._check_request_capacity()
+        self._request_ids[request.request_id] = False
+        if is_new:
+            self._identities.add(identity)
+            self._compensations[request.tool] = spent + 1
+        token: AuthorizedOperationCompensation = AuthorizedOperationCompensation._issue(
+            request, grant, self._provenance
+        )
+        object.__setattr__(token, "_identity", identity)
+        return token
+
+    # -- result validation -----------------------------------------------------
+
+    def _check_provenance(self, auth: _AuthorizationToken[Any], kind: type[Any]) -> None:
+        if not isinstance(auth, kind):
+            raise TypeError(f"expected {kind.__name__}, got {type(auth).__name__}")
+        if auth._provenance is not self._provenance:
+            raise AuthorizationProvenanceMismatch()
+
+    def _check_result_session(self, session_id: str) -> None:
+        if session_id != self._manifest.session_id:
+            raise UnknownSession(session_id)
+
+    def _check_not_completed(self, request_id: str) -> None:
+        if self._request_ids.get(request_id, False):
+            raise DuplicateResult(request_id)
+
+    def _mark_completed(self, request_id: str) -> None:
+        # A token of this instance always names a retained id; assigning keeps
+        # its position in retention order.
+        self._request_ids[request_id] = True
+
+    def validate_result(self, auth: AuthorizedInvocation, result: ToolResult) -> None:
+        """Check an invocation result and mark its request completed (W§8.4)."""
+        self._check_provenance(auth, AuthorizedInvocation)
+        result.validate()
+        self._check_result_session(result.session_id)
+        if result.request_id != auth.request_id:
+            raise RequestMismatch(auth.request_id, result.request_id)
+        self._check_not_completed(auth.request_id)
+        grant = auth.grant
+        size = result.payload.validate_for(grant.format)
+        if size > grant.max_output_bytes:
+            raise OutputTooLarge(size, grant.max_output_bytes)
+        self._mark_completed(auth.request_id)
+
+    def validate_operation_result(
+        self, auth: AuthorizedOperationInvocation, result: OperationReconcileResult
+    ) -> None:
+        """Check a dispatch's ``operation_result`` (W§8.4)."""
+        self._check_provenance(auth, AuthorizedOperationInvocation)
+        result.validate()
+        self._check_result_session(result.session_id)
+        if not result.matches_dispatch(auth.request):
+            raise OperationResultMismatch()
+        self._check_not_completed(auth.request_id)
+        validate_operation_status_for_grant(result.status, auth.grant)
+        self._mark_completed(auth.request_id)
+
+    def validate_reconciliation_result(
+        self, auth: AuthorizedOperationReconciliation, result: OperationReconcileResult
+    ) -> None:
+        """Check a ``reconciled_operation`` result (W§8.4)."""
+        self._check_provenance(auth, AuthorizedOperationReconciliation)
+        result.validate()
+        self._check_result_session(result.session_id)
+        if not result.matches_request(auth.request):
+            raise OperationResultMismatch()
+        self._check_not_completed(auth.request_id)
+        validate_operation_status_for_grant(result.status, auth.grant)
+        self._mark_completed(auth.request_id)
+
+    def validate_compensation_result(
+        self, auth: AuthorizedOperationCompensation, result: OperationCompensationResult
+    ) -> None:
+        """Check a ``compensation_result`` (W§8.4)."""
+        self._check_provenance(auth, AuthorizedOperationCompensation)
+        result.validate()
+        self._check_result_session(result.session_id)
+        if not result.matches_request(auth.request):
+            raise CompensationResultMismatch()
+        self._check_not_completed(auth.request_id)
+        validate_operation_status_for_grant(result.status, auth.grant)
+        self._mark_completed(auth.request_id)
+
+    # -- persistence -----------------------------------------------------------
+
+    def export_state(self) -> AuthorizerState:
+        """Everything but provenance, in a canonical order (D4)."""
+        return AuthorizerState(
+            calls_by_tool={t: n for t, n in sorted(self._calls.items()) if n},
+            compensations_by_tool={t: n for t, n in sorted(self._compensations.items()) if n},
+            compensation_identities=tuple(sorted(self._identities)),
+            request_ids=tuple(
+                RetainedRequestId(request_id, completed)
+                for request_id, completed in self._request_ids.items()
+            ),
+        )
+
+    @classmethod
+    def restore(cls, manifest: CapabilityManifest, state: AuthorizerState) -> SessionAuthorizer:
+        """Rebuild an authorizer from ``export_state()`` as a NEW instance.
+
+        The manifest is validated as by the constructor; a state that no
+        sequence of authorizations under this manifest can produce raises
+        ``SerializationError`` and builds nothing. Tokens of the exported
+        instance are not accepted by the restored one.
+        """
+        authorizer = cls(manifest)
+        if not isinstance(state, AuthorizerState):
+            _bad_state("not an AuthorizerState")
+        calls = _restore_counters(manifest, state.calls_by_tool, "calls_by_tool", "max_calls")
+        compensations = _restore_counters(
+            manifest, state.compensations_by_tool, "compensations_by_tool", "max_compensations"
+        )
+        identities = _restore_identities(manifest, state.compensation_identities)
+        per_tool: dict[str, int] = {}
+        for identity in identities:
+            per_tool[identity.tool] = per_tool.get(identity.tool, 0) + 1
+        if per_tool != compensations:
+            # Every admitted identity spent exactly one unit of its tool's budget.
+            _bad_state("compensation counters disagree with the identities")
+        request_ids = _restore_request_ids(state.request_ids)
+        # Every spent call and every new identity retained its own request id,
+        # and retained ids are never released.
+        if sum(calls.values()) + sum(compensations.values()) > len(request_ids):
+            _bad_state("more budget spent than request ids retained")
+        authorizer._calls = calls
+        authorizer._compensations = compensations
+        authorizer._identities = identities
+        authorizer._request_ids = request_ids
+        return authorizer
+
+
+# State validation helpers -----------------------------------------------------
+
+
+def _bad_state(detail: str) -> NoReturn:
+    raise SerializationError(f"authorizer state: {detail}")
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_U32
+
+
+def _restore_counters(
+    manifest: CapabilityManifest, counters: object, name: str, limit: str
+) -> dict[str, int]:
+    if not isinstance(counters, Mapping):
+        _bad_state(f"{name} is not a map")
+    restored: dict[str, int] = {}
+    for tool, count in counters.items():
+        if not isinstance(tool, str) or not _is_count(count):
+            _bad_state(f"{name} holds a malformed entry")
+        grant = manifest.grant(tool)
+        if grant is None:
+            _bad_state(f"{name} names a tool without a grant")
+        if count > getattr(grant, limit):
+            _bad_state(f"{name} exceeds the grant's {limit}")
+        if count:
+            restored[tool] = count
+    return restored
+
+
+def _restore_identities(
+    manifest: CapabilityManifest, identities: object
+) -> set[CompensationIdentity]:
+    if not isinstance(identities, Sequence) or isinstance(identities, str | bytes):
+        _bad_state("compensation_identities is not a list")
+    restored: set[CompensationIdentity] = set()
+    for identity in identities:
+        if not isinstance(identity, CompensationIdentity):
+            _bad_state("compensation identity is malformed")
+        tokens = (identity.tool, identity.operation_key, identity.tenant_scope)
+        if not all(isinstance(value, str) and is_token(value) for value in tokens):
+            _bad_state("compensation identity holds a malformed token")
+        key = identity.compensation_key
+        if not (isinstance(key, str) and is_token(key) and key.startswith("cmp-")):
+            _bad_state("compensation identity holds a malformed compensation key")
+        fingerprints = (identity.grant_fingerprint, identity.input_fingerprint)
+        if not all(isinstance(value, str) and is_fingerprint(value) for value in fingerprints):
+            _bad_state("compensation identity holds a malformed fingerprint")
+        if manifest.grant(identity.tool) is None:
+            _bad_state("compensation identity names a tool without a grant")
+        if identity in restored:
+            _bad_state("compensation identity repeated")
+        restored.add(identity)
+    return restored
+
+
+def _restore_request_ids(entries: object) -> dict[str, bool]:
+    if not isinstance(entries, Sequence) or isinstance(entries, str | bytes):
+        _bad_state("request_ids is not a list")
+    if len(entries) > MAX_SESSION_REQUEST_IDS:
+        _bad_state("more request ids than a session retains")
+    restored: dict[str, bool] = {}
+    for entry in entries:
+        if not isinstance(entry, RetainedRequestId):
+            _bad_state("retained request id is malformed")
+        request_id, completed = entry.request_id, entry.completed
+        if not (isinstance(request_id, str) and is_token(request_id)):
+            _bad_state("retained request id is not a token")
+        if type(completed) is not bool:
+            _bad_state("completed flag is not a boolean")
+        if request_id in restored:
+            _bad_state("request id retained twice")
+        restored[request_id] = completed
+    return restored
