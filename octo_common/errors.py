@@ -18,8 +18,6 @@ from typing import Any, ClassVar
 
 from octo_common.limits import MAX_ERROR_PREVIEW_BYTES
 
-__all__ = ["OctoError", "escape_untrusted"]  # extended at the bottom
-
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
 
@@ -1033,5 +1031,3 @@ ERROR_CLASSES: dict[str, type[OctoError]] = {
     cls.__name__: cls for cls in _all_error_classes() if cls.__module__ == __name__
 }
 """Every error class of this module by name (tests and docs use it)."""
-
-__all__ += sorted(ERROR_CLASSES) + ["ERROR_CLASSES"]

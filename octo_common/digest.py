@@ -1,0 +1,151 @@
+"""Every BLAKE3 derivation, each with its own domain (W§5.8, W§7, H§4–§8, H§17.2).
+
+Domain strings are raw ASCII at the start of the hashed input, with no length
+prefix. ``LP(x)`` is the 8-byte big-endian length of ``x`` followed by ``x``.
+This module computes digests only; it validates nothing but argument types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final, Protocol
+
+import blake3
+
+if TYPE_CHECKING:
+    from octo_common.payload import ToolPayload
+
+WORKER_INPUT_DOMAIN: Final = b"octo-worker-operation-input-v1"
+GRANT_DOMAIN: Final = b"octo-compensation-grant-v1"
+PLAN_DOMAIN: Final = b"octo-workflow-plan-v1"
+LEDGER_INPUT_DOMAIN: Final = b"octo-workflow-operation-input-v1"
+OPERATION_KEY_DOMAIN: Final = b"octo-workflow-operation-key-v1"
+COMPENSATION_KEY_DOMAIN: Final = b"octo-workflow-compensation-key-v1"
+STORAGE_RECORD_DOMAIN: Final = b"octo-storage-record-v1"
+FRAME_AUTH_DOMAIN: Final = "octo-worker-auth-v5"
+SESSION_KEY_CONTEXT: Final = "octo 2026-12 worker session key v1"
+
+
+def be64(n: int) -> bytes:
+    """The 8-byte big-endian form of ``n``."""
+    return n.to_bytes(8, "big")
+
+
+def lp(data: bytes) -> bytes:
+    """``LP(x)``: 8-byte big-endian length, then ``x``."""
+    return len(data).to_bytes(8, "big") + data
+
+
+def blake3_hex(data: bytes) -> str:
+    """Unkeyed 32-byte BLAKE3 as 64 lowercase hex."""
+    return str(blake3.blake3(data).hexdigest())
+
+
+def keyed_blake3(key: bytes, data: bytes) -> bytes:
+    """Keyed 32-byte BLAKE3."""
+    return bytes(blake3.blake3(data, key=key).digest())
+
+
+def derive_key(context: str, material: bytes) -> bytes:
+    """BLAKE3 ``derive_key`` with a context string, 32 bytes."""
+    return bytes(blake3.blake3(material, derive_key_context=context).digest())
+
+
+def worker_input_fingerprint(payload: ToolPayload) -> str:
+    """W§5.8: ``BLAKE3("octo-worker-operation-input-v1" ‖ canonical bytes)``."""
+    from octo_common.payload import canonical_operation_input_bytes
+
+    return blake3_hex(WORKER_INPUT_DOMAIN + canonical_operation_input_bytes(payload))
+
+
+def ledger_input_fingerprint(input_bytes: bytes) -> str:
+    """H§5: ``BLAKE3("octo-workflow-operation-input-v1" ‖ LP(input))``."""
+    return blake3_hex(LEDGER_INPUT_DOMAIN + lp(bytes(input_bytes)))
+
+
+def grant_fingerprint_of_encoding(encoded_grant: bytes) -> str:
+    """W§5.8: ``BLAKE3("octo-compensation-grant-v1" ‖ LP(E))`` over the compact grant."""
+    return blake3_hex(GRANT_DOMAIN + lp(encoded_grant))
+
+
+class _Step(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+
+def plan_fingerprint(steps: Iterable[_Step]) -> str:
+    """H§4: ``BLAKE3(domain ‖ BE64(count) ‖ for each step: LP(id) ‖ LP(source))``."""
+    steps = list(steps)
+    parts = [PLAN_DOMAIN, be64(len(steps))]
+    for step in steps:
+        parts.append(lp(step.id.encode("utf-8")))
+        parts.append(lp(step.source.encode("utf-8")))
+    return blake3_hex(b"".join(parts))
+
+
+def operation_key_for(
+    plan_fingerprint_hex: str, step_id: str, tool: str, input_bytes: bytes, nonce: bytes
+) -> str:
+    """H§6: ``"op-"`` + hex BLAKE3 over the plan, step, tool, input and nonce."""
+    data = b"".join(
+        (
+            OPERATION_KEY_DOMAIN,
+            lp(plan_fingerprint_hex.encode("ascii")),
+            lp(step_id.encode("utf-8")),
+            lp(tool.encode("utf-8")),
+            lp(bytes(input_bytes)),
+            lp(bytes(nonce)),
+        )
+    )
+    return "op-" + blake3_hex(data)
+
+
+def compensation_key_for(
+    plan_fingerprint_hex: str,
+    operation_key: str,
+    tool: str,
+    tenant_scope: str,
+    grant_fingerprint_hex: str,
+    input_bytes: bytes,
+    nonce: bytes,
+) -> str:
+    """H§8: ``"cmp-"`` + hex BLAKE3 over the original, tenant, grant, input, nonce."""
+    data = b"".join(
+        (
+            COMPENSATION_KEY_DOMAIN,
+            lp(plan_fingerprint_hex.encode("ascii")),
+            lp(operation_key.encode("utf-8")),
+            lp(tool.encode("utf-8")),
+            lp(tenant_scope.encode("utf-8")),
+            lp(grant_fingerprint_hex.encode("ascii")),
+            lp(bytes(input_bytes)),
+            lp(bytes(nonce)),
+        )
+    )
+    return "cmp-" + blake3_hex(data)
+
+
+def storage_record_tag(
+    key: bytes, namespace: str, name: str, key_id: str, revision: int, payload: bytes
+) -> str:
+    """H§17.2: keyed BLAKE3 over the record location, key id, revision and payload."""
+    data = b"".join(
+        (
+            STORAGE_RECORD_DOMAIN,
+            b"\x01",
+            lp(namespace.encode("utf-8")),
+            lp(name.encode("utf-8")),
+            lp(key_id.encode("utf-8")),
+            be64(revision),
+            lp(payload),
+        )
+    )
+    return keyed_blake3(key, data).hex()
+
+
+def message_id(frame: bytes) -> str:
+    """W§12.1: the AMQP ``message_id`` of a frame, hex BLAKE3 of its bytes."""
+    return blake3_hex(frame)

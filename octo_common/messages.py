@@ -1,0 +1,708 @@
+"""Wire structs and the ``WorkerMessage`` tagged union (W§4, D6, D9).
+
+Every struct here is a frozen value that compares by value. Built by user
+code, a struct sets ``protocol_version = 5`` and validates itself (W§4.4);
+decoded from bytes, it is validated by ``decode_message`` in the order of
+W§4.2. Field order is the serialization order of W§4.1, which tags, sizes
+and fingerprints are computed over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+import msgspec
+
+from octo_common._struct import ProtocolStruct
+from octo_common.codec import convert_tree, decode_fast, encode_struct, parse_tree
+from octo_common.errors import (
+    CancellationIdMatchesRequest,
+    InvalidCompensationGrantFingerprint,
+    SerializationError,
+    UnsupportedVersion,
+    WireFrameTooLarge,
+)
+from octo_common.grants import CapabilityManifest
+from octo_common.ids import (
+    is_fingerprint,
+    validate_compensation_key,
+    validate_rejection_code,
+    validate_token,
+)
+from octo_common.limits import MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION
+from octo_common.payload import ToolPayload
+from octo_common.states import OperationStatus
+
+__all__ = [
+    "Cancel",
+    "CancellationResult",
+    "CloseSession",
+    "CompensateOperation",
+    "CompensationResult",
+    "DispatchOperation",
+    "Invoke",
+    "OpenSession",
+    "OperationCompensationBinding",
+    "OperationCompensationRequest",
+    "OperationCompensationResult",
+    "OperationDispatchRequest",
+    "OperationReconcileRequest",
+    "OperationReconcileResult",
+    "OperationResult",
+    "ReconcileOperation",
+    "ReconciledOperation",
+    "RequestRejected",
+    "Result",
+    "ToolInvocation",
+    "ToolResult",
+    "WorkerCancellationRequest",
+    "WorkerCancellationResult",
+    "WorkerMessage",
+    "decode_message",
+    "encode_message",
+    "message_type",
+    "request_id_of",
+    "session_id_of",
+]
+
+U16 = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_V: Final = PROTOCOL_VERSION
+
+
+def _check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(version)
+
+
+def _check_fingerprint(value: str) -> None:
+    if not is_fingerprint(value):
+        raise InvalidCompensationGrantFingerprint()
+
+
+class _Versioned(ProtocolStruct, frozen=True):
+    __versioned__ = True
+
+
+# Requests and results (W§4.1) -----------------------------------------------
+
+
+class ToolInvocation(_Versioned, frozen=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            payload: ToolPayload,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        """Header only: an invocation's payload is checked by the authorizer."""
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+
+
+class ToolResult(_Versioned, frozen=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            payload: ToolPayload,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+
+
+class WorkerCancellationRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
+    """Reserved (D9): decodes and validates; a worker refuses it."""
+
+    protocol_version: U16
+    session_id: str
+    cancellation_id: str
+    request_id: str
+    tool: str
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            cancellation_id: str,
+            request_id: str,
+            tool: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("cancellation id", self.cancellation_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        if self.cancellation_id == self.request_id:
+            raise CancellationIdMatchesRequest()
+
+
+class WorkerCancellationResult(_Versioned, frozen=True, forbid_unknown_fields=True):
+    """Reserved (D9)."""
+
+    protocol_version: U16
+    session_id: str
+    cancellation_id: str
+    request_id: str
+    tool: str
+    outcome: Literal["acknowledged", "too_late", "unsupported"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            cancellation_id: str,
+            request_id: str,
+            tool: str,
+            outcome: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("cancellation id", self.cancellation_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        if self.cancellation_id == self.request_id:
+            raise CancellationIdMatchesRequest()
+
+
+class OperationDispatchRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            payload: ToolPayload,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate_header(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+
+    def validate(self) -> None:
+        self.validate_header()
+        self.payload.validate_for(self.payload.format)
+
+
+class OperationReconcileRequest(_Versioned, frozen=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+
+
+class OperationReconcileResult(_Versioned, frozen=True):
+    """The result of a dispatch (``operation_result``) or a reconciliation."""
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    status: OperationStatus
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            status: OperationStatus,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+        self.status.validate()
+
+    def matches_request(self, request: Any) -> bool:
+        """W§4.3: equal version, session, request id, tool and operation key."""
+        return bool(
+            self.protocol_version == request.protocol_version
+            and self.session_id == request.session_id
+            and self.request_id == request.request_id
+            and self.tool == request.tool
+            and self.operation_key == request.operation_key
+        )
+
+    def matches_dispatch(self, dispatch: Any) -> bool:
+        return self.matches_request(dispatch)
+
+
+class OperationCompensationBinding(ProtocolStruct, frozen=True):
+    """What a compensation is bound to (W§4.4)."""
+
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+
+    def validate(self) -> None:
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+        validate_compensation_key(self.compensation_key)
+        validate_token("tenant scope", self.tenant_scope)
+        _check_fingerprint(self.grant_fingerprint)
+
+
+def _binding_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], last: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Turn ``(session_id, request_id, binding, <last>)`` into the flat fields."""
+    names = ("session_id", "request_id", "binding", last)
+    flat_names = ("tool", "operation_key", "compensation_key", "tenant_scope")
+    if "binding" not in kwargs and len(args) < 3 and all(n in kwargs for n in flat_names):
+        return args, kwargs  # already flat (keyword form)
+    values = dict(zip(names, args, strict=False))
+    for name in names:
+        if name in kwargs:
+            values[name] = kwargs.pop(name)
+    binding = values.get("binding")
+    if not isinstance(binding, OperationCompensationBinding):
+        raise TypeError("binding must be an OperationCompensationBinding")
+    kwargs.update(
+        session_id=values.get("session_id"),
+        request_id=values.get("request_id"),
+        tool=binding.tool,
+        operation_key=binding.operation_key,
+        compensation_key=binding.compensation_key,
+        tenant_scope=binding.tenant_scope,
+        grant_fingerprint=binding.grant_fingerprint,
+    )
+    kwargs[last] = values.get(last)
+    kwargs.setdefault("protocol_version", PROTOCOL_VERSION)
+    return (), kwargs
+
+
+class _CompensationFields(_Versioned, frozen=True):
+    def _validate_header(self) -> None:
+        _check_version(self.protocol_version)  # type: ignore[attr-defined]
+        validate_token("session id", self.session_id)  # type: ignore[attr-defined]
+        validate_token("request id", self.request_id)  # type: ignore[attr-defined]
+        validate_token("tool", self.tool)  # type: ignore[attr-defined]
+        validate_token("operation key", self.operation_key)  # type: ignore[attr-defined]
+        validate_compensation_key(self.compensation_key)  # type: ignore[attr-defined]
+        validate_token("tenant scope", self.tenant_scope)  # type: ignore[attr-defined]
+        _check_fingerprint(self.grant_fingerprint)  # type: ignore[attr-defined]
+
+    @property
+    def binding(self) -> OperationCompensationBinding:
+        return OperationCompensationBinding(
+            self.tool,  # type: ignore[attr-defined]
+            self.operation_key,  # type: ignore[attr-defined]
+            self.compensation_key,  # type: ignore[attr-defined]
+            self.tenant_scope,  # type: ignore[attr-defined]
+            self.grant_fingerprint,  # type: ignore[attr-defined]
+        )
+
+
+class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            binding: OperationCompensationBinding,
+            payload: ToolPayload,
+        ) -> None: ...
+
+    @classmethod
+    def _build_arguments(
+        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return _binding_arguments(args, kwargs, "payload")
+
+    def validate_header(self) -> None:
+        self._validate_header()
+
+    def validate(self) -> None:
+        self._validate_header()
+        self.payload.validate_for(self.payload.format)
+
+
+class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    status: OperationStatus
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            binding: OperationCompensationBinding,
+            status: OperationStatus,
+        ) -> None: ...
+
+    @classmethod
+    def _build_arguments(
+        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return _binding_arguments(args, kwargs, "status")
+
+    def validate(self) -> None:
+        self._validate_header()
+        self.status.validate()
+
+    def matches_request(self, request: Any) -> bool:
+        """W§4.3: the five operation fields plus key, tenant and fingerprint."""
+        return bool(
+            self.protocol_version == request.protocol_version
+            and self.session_id == request.session_id
+            and self.request_id == request.request_id
+            and self.tool == request.tool
+            and self.operation_key == request.operation_key
+            and self.compensation_key == request.compensation_key
+            and self.tenant_scope == request.tenant_scope
+            and self.grant_fingerprint == request.grant_fingerprint
+        )
+
+
+# Messages (W§4.2) -------------------------------------------------------------
+
+
+class _Message(ProtocolStruct, frozen=True, tag_field="type"):
+    pass
+
+
+class OpenSession(_Message, frozen=True, tag="open_session"):
+    manifest: CapabilityManifest
+
+    def validate(self) -> None:
+        self.manifest.validate()
+
+
+class Invoke(_Message, frozen=True, tag="invoke"):
+    invocation: ToolInvocation
+
+    def validate(self) -> None:
+        self.invocation.validate()
+
+
+class Result(_Message, frozen=True, tag="result"):
+    result: ToolResult
+
+    def validate(self) -> None:
+        self.result.validate()
+
+
+class DispatchOperation(_Message, frozen=True, tag="dispatch_operation"):
+    request: OperationDispatchRequest
+
+    def validate(self) -> None:
+        self.request.validate()
+
+
+class OperationResult(_Message, frozen=True, tag="operation_result"):
+    result: OperationReconcileResult
+
+    def validate(self) -> None:
+        self.result.validate()
+
+
+class CompensateOperation(_Message, frozen=True, tag="compensate_operation"):
+    request: OperationCompensationRequest
+
+    def validate(self) -> None:
+        self.request.validate()
+
+
+class CompensationResult(_Message, frozen=True, tag="compensation_result"):
+    result: OperationCompensationResult
+
+    def validate(self) -> None:
+        self.result.validate()
+
+
+class ReconcileOperation(_Message, frozen=True, tag="reconcile_operation"):
+    request: OperationReconcileRequest
+
+    def validate(self) -> None:
+        self.request.validate()
+
+
+class ReconciledOperation(_Message, frozen=True, tag="reconciled_operation"):
+    result: OperationReconcileResult
+
+    def validate(self) -> None:
+        self.result.validate()
+
+
+class Cancel(_Message, frozen=True, tag="cancel"):
+    request: WorkerCancellationRequest
+
+    def validate(self) -> None:
+        self.request.validate()
+
+
+class CancellationResult(_Message, frozen=True, tag="cancellation_result"):
+    result: WorkerCancellationResult
+
+    def validate(self) -> None:
+        self.result.validate()
+
+
+class CloseSession(_Message, frozen=True, tag="close_session"):
+    __versioned__ = True
+
+    protocol_version: U16
+    session_id: str
+
+    if TYPE_CHECKING:
+
+        def __init__(self, session_id: str, *, protocol_version: int = _V) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+
+
+class RequestRejected(
+    _Message, frozen=True, tag="request_rejected", forbid_unknown_fields=True, omit_defaults=True
+):
+    """D6: a refused authenticated request; carries a code, never error text."""
+
+    __versioned__ = True
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    code: str
+    operation_key: str | None = None
+    compensation_key: str | None = None
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            code: str,
+            operation_key: str | None = None,
+            compensation_key: str | None = None,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        _check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_rejection_code(self.code)
+        if self.operation_key is not None:
+            validate_token("operation key", self.operation_key)
+        if self.compensation_key is not None:
+            validate_compensation_key(self.compensation_key)
+
+    def matches_request(self, request: Any) -> bool:
+        """W§4.3: version, session, request id; and keys when present."""
+        if not (
+            self.protocol_version == getattr(request, "protocol_version", None)
+            and self.session_id == getattr(request, "session_id", None)
+            and self.request_id == getattr(request, "request_id", None)
+        ):
+            return False
+        if self.operation_key is not None and self.operation_key != getattr(
+            request, "operation_key", None
+        ):
+            return False
+        return not (
+            self.compensation_key is not None
+            and self.compensation_key != getattr(request, "compensation_key", None)
+        )
+
+
+WorkerMessage = (
+    OpenSession
+    | Invoke
+    | Result
+    | DispatchOperation
+    | OperationResult
+    | CompensateOperation
+    | CompensationResult
+    | ReconcileOperation
+    | ReconciledOperation
+    | Cancel
+    | CancellationResult
+    | CloseSession
+    | RequestRejected
+)
+
+_MESSAGE_TYPES: tuple[type[ProtocolStruct], ...] = (
+    OpenSession,
+    Invoke,
+    Result,
+    DispatchOperation,
+    OperationResult,
+    CompensateOperation,
+    CompensationResult,
+    ReconcileOperation,
+    ReconciledOperation,
+    Cancel,
+    CancellationResult,
+    CloseSession,
+    RequestRejected,
+)
+
+
+def message_type(message: Any) -> str:
+    """The wire ``type`` of a message (``"dispatch_operation"``...)."""
+    return str(type(message).__struct_config__.tag)
+
+
+def _body(message: Any) -> Any:
+    if isinstance(message, OpenSession):
+        return message.manifest
+    if isinstance(message, Invoke):
+        return message.invocation
+    if isinstance(message, CloseSession | RequestRejected):
+        return message
+    for name in ("request", "result"):
+        body = getattr(message, name, None)
+        if body is not None:
+            return body
+    raise TypeError(f"{type(message).__name__} is not a WorkerMessage")
+
+
+def session_id_of(message: Any) -> str:
+    """The session field of the inner struct (``manifest.session_id`` for open)."""
+    return str(_body(message).session_id)
+
+
+def request_id_of(message: Any) -> str | None:
+    """The id a reply correlates with: ``request_id`` (the cancellation id for cancel)."""
+    if isinstance(message, Cancel | CancellationResult):
+        body = message.request if isinstance(message, Cancel) else message.result
+        return str(body.cancellation_id)
+    if isinstance(message, OpenSession | CloseSession):
+        return None
+    return str(_body(message).request_id)
+
+
+def operation_key_of(message: Any) -> str | None:
+    """The operation key a message is about, when it has one."""
+    body = _body(message)
+    key = getattr(body, "operation_key", None)
+    return None if key is None else str(key)
+
+
+def validate_message(message: Any) -> None:
+    if not isinstance(message, _MESSAGE_TYPES):
+        raise SerializationError("not a WorkerMessage")
+    message.validate()
+
+
+def encode_message(message: WorkerMessage) -> bytes:
+    """Validate, encode compactly, then bound the size (W§4.2)."""
+    validate_message(message)
+    data = encode_struct(message)
+    if len(data) > MAX_WIRE_FRAME_BYTES:
+        raise WireFrameTooLarge(len(data), MAX_WIRE_FRAME_BYTES)
+    return data
+
+
+def decode_message(data: bytes | str) -> WorkerMessage:
+    """Length first, then strict parse (``SerializationError``), then validate."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if len(raw) > MAX_WIRE_FRAME_BYTES:
+        raise WireFrameTooLarge(len(raw), MAX_WIRE_FRAME_BYTES)
+    message = decode_fast(raw, WorkerMessage)
+    if message is None:
+        message = convert_tree(parse_tree(raw), WorkerMessage)
+    message.validate()
+    return message  # type: ignore[no-any-return]
