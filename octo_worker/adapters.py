@@ -1,0 +1,417 @@
+"""The adapter plug-in contract (W§10.2): what an adapter is, when it is called,
+and how adapters are found and called.
+
+This module owns:
+
+* the declarations ``InvocationSafety`` and ``DurableOperationContract``;
+* ``WorkerAdapter`` (the ``typing.Protocol`` every adapter satisfies) and
+  ``BaseWorkerAdapter`` (safe defaults: declare nothing, support nothing);
+* ``WorkerAdapterRegistry`` (one adapter per tool) and
+  ``TypedJsonWorkerAdapter`` (a read-only ``invoke`` handler over typed JSON);
+* ``call_adapter``, the only way the worker calls an adapter method: one
+  deadline, and every failure mapped to an adapter error without its text;
+* ``load_adapters``, which loads *only* the configured names of the
+  entry-point group ``octo.adapters``.
+
+It must never touch the journal, the store or a session, never log payloads,
+adapter error text or secrets, and never retry an adapter call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import importlib.metadata
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import msgspec
+
+from octo_common.codec import compact_json
+from octo_common.errors import (
+    AdapterFailed,
+    AdapterIndeterminate,
+    AdapterInvalidJsonInput,
+    AdapterInvalidJsonOutput,
+    AdapterUnsupported,
+    DuplicateTool,
+    InvalidTool,
+    MissingAdapter,
+    OctoError,
+    WorkerAdapterError,
+)
+from octo_common.ids import is_token
+from octo_common.payload import ToolPayload
+
+if TYPE_CHECKING:
+    from octo_common.grants import CapabilityGrant
+    from octo_common.messages import (
+        OperationCompensationRequest,
+        OperationDispatchRequest,
+        OperationReconcileRequest,
+        ToolInvocation,
+    )
+    from octo_common.states import OperationStatus
+
+__all__ = [
+    "ADAPTER_ENTRY_POINT_GROUP",
+    "DEFAULT_ADAPTER_DEADLINE_SECONDS",
+    "BaseWorkerAdapter",
+    "DurableOperationContract",
+    "InvocationSafety",
+    "TypedJsonWorkerAdapter",
+    "WorkerAdapter",
+    "WorkerAdapterRegistry",
+    "adapter_deadline",
+    "call_adapter",
+    "load_adapters",
+]
+
+ADAPTER_ENTRY_POINT_GROUP = "octo.adapters"
+DEFAULT_ADAPTER_DEADLINE_SECONDS = 30.0
+
+T = TypeVar("T")
+InputT = TypeVar("InputT")
+
+
+class InvocationSafety(enum.StrEnum):
+    """Why an ordinary ``invoke`` may run without a journal row.
+
+    ``READ_ONLY``: the call has no effect. ``INDEPENDENTLY_IDEMPOTENT``: its
+    effect is idempotent by itself, so a repeated call changes nothing.
+    """
+
+    READ_ONLY = "read_only"
+    INDEPENDENTLY_IDEMPOTENT = "independently_idempotent"
+
+
+class DurableOperationContract(enum.StrEnum):
+    """How a durable operation's outcome can be recovered after a crash.
+
+    ``RECONCILIATION``: ``reconcile_operation`` can look the outcome up by
+    operation key. ``PROVIDER_IDEMPOTENCY_AND_RECONCILIATION``: in addition,
+    the provider deduplicates by the operation key itself.
+    """
+
+    RECONCILIATION = "reconciliation"
+    PROVIDER_IDEMPOTENCY_AND_RECONCILIATION = "provider_idempotency_and_reconciliation"
+
+
+@runtime_checkable
+class WorkerAdapter(Protocol):
+    """An adapter serves one tool (W§10.2). See ``BaseWorkerAdapter`` for each hook.
+
+    An adapter MUST NOT retry an effect on its own after an ambiguous
+    outcome, MUST NOT call the journal and MUST NOT log payloads or secrets.
+    """
+
+    def invocation_safety(self) -> InvocationSafety | None: ...
+
+    def durable_operation_contract(self) -> DurableOperationContract | None: ...
+
+    async def invoke(self, request: ToolInvocation, grant: CapabilityGrant) -> ToolPayload: ...
+
+    async def dispatch_operation(
+        self, request: OperationDispatchRequest, grant: CapabilityGrant
+    ) -> OperationStatus: ...
+
+    async def compensate_operation(
+        self, request: OperationCompensationRequest, grant: CapabilityGrant
+    ) -> OperationStatus: ...
+
+    async def reconcile_operation(
+        self, request: OperationReconcileRequest, grant: CapabilityGrant
+    ) -> OperationStatus: ...
+
+
+class BaseWorkerAdapter:
+    """Defaults for every hook: declare nothing, support nothing.
+
+    Subclass it and override what the tool supports. ``tool`` (optional)
+    names the tool the adapter serves; ``load_adapters`` refuses an entry
+    point whose adapter names another tool. ``deadline_seconds`` is the
+    per-tool deadline the worker applies to each call (``call_adapter``).
+
+    Every async hook may raise the adapter errors of W§10.2
+    (``AdapterUnsupported``, ``AdapterInvalidJsonInput``,
+    ``AdapterInvalidJsonOutput``, ``AdapterFailed``,
+    ``AdapterIndeterminate``). Any other exception is treated as
+    ``AdapterFailed`` and its text is never logged or sent. Hooks run on the
+    worker's event loop: blocking work belongs in a thread.
+    """
+
+    tool: str | None = None
+    deadline_seconds: float = DEFAULT_ADAPTER_DEADLINE_SECONDS
+
+    def invocation_safety(self) -> InvocationSafety | None:
+        """Called at every ``invoke``, before the call budget matters.
+
+        Return ``READ_ONLY`` or ``INDEPENDENTLY_IDEMPOTENT`` to allow ordinary
+        invocations. None (the default) refuses them with
+        ``InvocationSafetyNotDeclared``. Must be cheap and side-effect free.
+        """
+        return None
+
+    def durable_operation_contract(self) -> DurableOperationContract | None:
+        """Called at every ``dispatch_operation`` and ``compensate_operation``, before
+        the journal is consulted.
+
+        Return how outcomes are recovered. None (the default) refuses durable
+        operations and compensations with ``DurableOperationContractNotDeclared``,
+        leaving the journal untouched. Must be cheap and side-effect free.
+        """
+        return None
+
+    async def invoke(self, request: ToolInvocation, grant: CapabilityGrant) -> ToolPayload:
+        """Called for an ``invoke`` after authorization and a durable session commit.
+
+        May run the tool (read-only or independently idempotent, as declared)
+        and return its payload in ``grant.format``; the worker checks size and
+        format against the grant afterwards. Has no journal row: it must never
+        perform an effect that needs deduplication.
+        """
+        raise AdapterUnsupported("invoke")
+
+    async def dispatch_operation(
+        self, request: OperationDispatchRequest, grant: CapabilityGrant
+    ) -> OperationStatus:
+        """Called exactly once per admitted operation key, after the admission is
+        durable and the delivery acked.
+
+        Performs the effect at most once and returns its status (``Running``,
+        ``Succeeded``, ``Failed``, ``Cancelled``). Raise
+        ``AdapterIndeterminate`` when the outcome is unknown: the row stays
+        ``pending`` and only ``reconcile_operation`` can resolve it. Must
+        never retry the effect by itself or keep it running unaccounted for
+        after returning.
+        """
+        raise AdapterUnsupported("dispatch_operation")
+
+    async def compensate_operation(
+        self, request: OperationCompensationRequest, grant: CapabilityGrant
+    ) -> OperationStatus:
+        """Called exactly once per admitted compensation, after the admission is
+        durable and only for a ``succeeded`` original of the same tool and scope.
+
+        MUST validate the inverse payload against the adapter's own explicit
+        inverse contract (refuse with ``AdapterInvalidJsonInput``) before
+        touching anything, then perform the inverse effect at most once.
+        """
+        raise AdapterUnsupported("compensate_operation")
+
+    async def reconcile_operation(
+        self, request: OperationReconcileRequest, grant: CapabilityGrant
+    ) -> OperationStatus:
+        """Called on ``reconcile_operation`` for a key the journal holds.
+
+        A bounded status lookup by ``request.operation_key``. It MUST NOT
+        perform the effect, start it, or finish it; it reports what happened.
+        """
+        raise AdapterUnsupported("reconcile_operation")
+
+
+# Registry -------------------------------------------------------------------
+
+
+class WorkerAdapterRegistry:
+    """One adapter per tool name (tool names use the token syntax of W§3)."""
+
+    __slots__ = ("_adapters",)
+
+    def __init__(self) -> None:
+        self._adapters: dict[str, WorkerAdapter] = {}
+
+    def register(self, tool: str, adapter: WorkerAdapter) -> None:
+        """Add ``adapter`` for ``tool``: ``InvalidTool`` / ``DuplicateTool`` otherwise."""
+        if not is_token(tool):
+            raise InvalidTool(tool)
+        if tool in self._adapters:
+            raise DuplicateTool(tool)
+        self._adapters[tool] = adapter
+
+    def contains(self, tool: str) -> bool:
+        return tool in self._adapters
+
+    def get(self, tool: str) -> WorkerAdapter | None:
+        """The adapter for ``tool``, or None (the session refuses with ``MissingAdapter``)."""
+        return self._adapters.get(tool)
+
+    def tools(self) -> list[str]:
+        """Registered tool names, sorted."""
+        return sorted(self._adapters)
+
+    def __contains__(self, tool: object) -> bool:
+        return tool in self._adapters
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tools())
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    def __repr__(self) -> str:
+        return f"WorkerAdapterRegistry(tools={self.tools()!r})"
+
+
+# Typed JSON invoke adapter ---------------------------------------------------
+
+
+class TypedJsonWorkerAdapter(BaseWorkerAdapter, Generic[InputT]):
+    """An ``invoke``-only adapter: JSON input converted to ``input_type``, handler output
+    returned as a JSON payload (W§10.2).
+
+    ``handler`` receives the converted input and may be a plain or an async
+    function. Its errors pass through unchanged (``call_adapter`` maps them).
+    """
+
+    def __init__(
+        self,
+        safety: InvocationSafety,
+        handler: Callable[[InputT], Any],
+        input_type: type[InputT],
+    ) -> None:
+        if not isinstance(safety, InvocationSafety):
+            raise TypeError("safety must be an InvocationSafety")
+        self._safety = safety
+        self._handler = handler
+        self._input_type = input_type
+
+    def __repr__(self) -> str:
+        name = getattr(self._input_type, "__name__", "?")
+        return f"TypedJsonWorkerAdapter(safety={self._safety.value}, input_type={name})"
+
+    def invocation_safety(self) -> InvocationSafety | None:
+        return self._safety
+
+    async def invoke(self, request: ToolInvocation, grant: CapabilityGrant) -> ToolPayload:
+        payload = request.payload
+        if payload.format != "json":
+            raise AdapterInvalidJsonInput("payload is not JSON")
+        try:
+            value = msgspec.convert(payload.value, self._input_type, strict=True)
+        except (msgspec.ValidationError, TypeError, ValueError) as exc:
+            raise AdapterInvalidJsonInput(type(exc).__name__) from None
+        output = self._handler(value)
+        if inspect.isawaitable(output):
+            output = await output
+        return json_output_payload(output)
+
+
+def json_output_payload(output: object) -> ToolPayload:
+    """An adapter's output as a JSON payload: it must encode and be an object or array."""
+    try:
+        natural = msgspec.to_builtins(output)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise AdapterInvalidJsonOutput(type(exc).__name__) from None
+    if not isinstance(natural, dict | list):
+        raise AdapterInvalidJsonOutput("output is not an object or an array")
+    try:
+        compact_json(natural)
+        payload = ToolPayload.json(natural)
+        payload.validate_for("json")
+    except OctoError as exc:
+        raise AdapterInvalidJsonOutput(exc.code) from None
+    return payload
+
+
+# Calling an adapter ---------------------------------------------------------
+
+
+def adapter_deadline(adapter: object) -> float:
+    """The per-tool deadline of ``adapter`` (its ``deadline_seconds``, else the default)."""
+    value = getattr(adapter, "deadline_seconds", DEFAULT_ADAPTER_DEADLINE_SECONDS)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return DEFAULT_ADAPTER_DEADLINE_SECONDS
+    if not math.isfinite(value) or value <= 0:
+        return DEFAULT_ADAPTER_DEADLINE_SECONDS
+    return float(value)
+
+
+async def call_adapter(
+    call: Callable[[], Awaitable[T]],
+    *,
+    deadline_seconds: float,
+    returns: type[Any] | tuple[type[Any], ...] | None = None,
+) -> T:
+    """Run one adapter call under a deadline and map its failures (W§10.2).
+
+    * the deadline expiring → ``AdapterIndeterminate("deadline")``: the call
+      may or may not have had its effect;
+    * a ``WorkerAdapterError`` → raised unchanged;
+    * ``asyncio.CancelledError`` (the worker is stopping) → propagates;
+    * any other exception, Octo errors included → ``AdapterFailed`` carrying
+      only the exception's class name, never its text;
+    * with ``returns``, a result of another type → ``AdapterFailed``.
+    """
+    if isinstance(deadline_seconds, bool) or not isinstance(deadline_seconds, int | float):
+        raise TypeError("deadline_seconds must be a number")
+    if not math.isfinite(deadline_seconds) or deadline_seconds <= 0:
+        raise ValueError("deadline_seconds must be positive and finite")
+    timeout = asyncio.timeout(deadline_seconds)
+    try:
+        async with timeout:
+            result = await call()
+    except asyncio.CancelledError:
+        raise
+    except WorkerAdapterError:
+        raise
+    except TimeoutError:
+        if timeout.expired():
+            raise AdapterIndeterminate("deadline") from None
+        raise AdapterFailed("TimeoutError") from None
+    except Exception as exc:
+        raise AdapterFailed(type(exc).__name__) from None
+    if returns is not None and not isinstance(result, returns):
+        raise AdapterFailed("unexpected result type")
+    return result
+
+
+# Entry-point discovery ------------------------------------------------------
+
+
+def load_adapters(
+    names: Sequence[str],
+    *,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> WorkerAdapterRegistry:
+    """Load exactly the adapters named in ``names`` from the ``octo.adapters`` group.
+
+    No other entry point of the group is imported. Each entry point is a
+    class or factory called with its options as keyword arguments
+    (``options[name]``, none when absent). Errors:
+
+    * a name that no installed entry point declares, or whose module cannot
+      be imported → ``MissingAdapter(name)``;
+    * a name that is not a tool token, a factory result that is not a
+      ``WorkerAdapter``, or an adapter whose ``tool`` names another tool →
+      ``InvalidTool(name)``;
+    * a name listed twice → ``DuplicateTool(name)``.
+    """
+    options = options or {}
+    available: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry in importlib.metadata.entry_points(group=ADAPTER_ENTRY_POINT_GROUP):
+        # The first distribution on the path wins, like a normal import.
+        available.setdefault(entry.name, entry)
+    registry = WorkerAdapterRegistry()
+    for name in names:
+        if not is_token(name):
+            raise InvalidTool(name)
+        if registry.contains(name):
+            raise DuplicateTool(name)
+        found = available.get(name)
+        if found is None:
+            raise MissingAdapter(name)
+        try:
+            factory = found.load()
+        except (ImportError, AttributeError) as exc:
+            raise MissingAdapter(name) from exc
+        adapter = factory(**dict(options.get(name, {})))
+        if not isinstance(adapter, WorkerAdapter):
+            raise InvalidTool(name)
+        declared = getattr(adapter, "tool", None)
+        if declared is not None and declared != name:
+            raise InvalidTool(name)
+        registry.register(name, adapter)
+    return registry
