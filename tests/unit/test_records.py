@@ -151,7 +151,7 @@ def test_vector_storage_open_case(case: dict[str, Any]) -> None:
     )
     record_key = StorageRecordKey(case["namespace"], case["name"])
     stored = case.get("stored_bytes")
-    stored_revision = case.get("stored_revision")
+    stored_revision: int = case.get("stored_revision") or 0
 
     def load() -> AuthenticatedRecord | None:
         validate_revision_pair(
