@@ -1,0 +1,583 @@
+"""The host's workflow operation ledger: pure state machine and strict JSON (H§9 to H§11).
+
+This module owns the ledger's data model (operations and their one
+compensation, as fingerprints and state kinds), its syntax rules, the
+revision rule, its compact JSON encoding with the conservative size bound and
+its strict decoding, and the ledger-level methods that stores and the engine
+build on.
+
+It must never store raw input, output, worker error text, step source,
+grants, approvals or session data; never call a verifier; never do I/O; and
+never leave a ledger half-changed: every method checks everything first and
+mutates last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
+
+from octo_common.codec import decode_struct, encode_struct
+from octo_common.digest import ledger_input_fingerprint
+from octo_common.errors import (
+    CompensationAlreadyRecorded,
+    CompensationInputFingerprintMismatch,
+    CompensationPolicyMismatch,
+    CompensationRequestMismatch,
+    CompensationRequiresSucceededOperation,
+    DuplicateOperationKey,
+    InputFingerprintMismatch,
+    InputTooLarge,
+    InvalidCompensationGrantFingerprint,
+    InvalidCompensationKey,
+    InvalidCompensationStateTransition,
+    InvalidCompensationTenantScope,
+    InvalidInputFingerprint,
+    InvalidLedgerEncoding,
+    InvalidOperationKey,
+    InvalidPlanFingerprint,
+    InvalidStateTransition,
+    InvalidStepId,
+    InvalidTool,
+    LedgerEncodingError,
+    LedgerTooLarge,
+    PlanMismatch,
+    ReconciliationMismatch,
+    RevisionExhausted,
+    StaleRevision,
+    TooManyOperations,
+    UnknownCompensation,
+    UnknownOperation,
+    UnknownStep,
+    UnsupportedLedgerVersion,
+)
+from octo_common.ids import is_fingerprint, is_token
+from octo_common.limits import (
+    MAX_U64,
+    MAX_WORKFLOW_OPERATION_INPUT_BYTES,
+    MAX_WORKFLOW_OPERATION_LEDGER_BYTES,
+    MAX_WORKFLOW_OPERATIONS,
+    WORKFLOW_OPERATION_LEDGER_FORMAT_VERSION,
+)
+from octo_common.messages import (
+    OperationCompensationRequest,
+    OperationCompensationResult,
+    OperationReconcileRequest,
+    OperationReconcileResult,
+)
+from octo_common.payload import canonical_operation_input_bytes
+from octo_common.states import OperationStatus, StateKind, accepts
+from octo_host.plan import WorkflowPlan, is_step_id
+
+if TYPE_CHECKING:
+    from octo_host.compensation import WorkflowCompensationPolicy
+
+__all__ = ["WorkflowCompensation", "WorkflowOperation", "WorkflowOperationLedger"]
+
+_COMPENSATION_PREFIX = "cmp-"
+
+# H§9 step 2: the conservative bound, fixed per record plus the variable fields.
+_BOUND_BASE = 224
+_BOUND_PER_OPERATION = 256
+_BOUND_PER_COMPENSATION = 320
+
+
+def _token(value: object) -> bool:
+    return isinstance(value, str) and is_token(value)
+
+
+def _fingerprint(value: object) -> bool:
+    return isinstance(value, str) and is_fingerprint(value)
+
+
+def _is_workflow_operation_key(value: object) -> bool:
+    return _token(value) and not str(value).startswith(_COMPENSATION_PREFIX)
+
+
+def _is_compensation_key(value: object) -> bool:
+    return _token(value) and str(value).startswith(_COMPENSATION_PREFIX)
+
+
+def _utf8_len(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def _check_input_size(data: bytes) -> None:
+    if len(data) > MAX_WORKFLOW_OPERATION_INPUT_BYTES:
+        raise InputTooLarge(len(data), MAX_WORKFLOW_OPERATION_INPUT_BYTES)
+
+
+def _next_revision(revision: int) -> int:
+    if revision >= MAX_U64:
+        raise RevisionExhausted()
+    return revision + 1
+
+
+# Records ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowCompensation:
+    """The one compensation intent of a succeeded operation: fingerprints and a state."""
+
+    compensation_key: str
+    input_fingerprint: str
+    tenant_scope: str
+    grant_fingerprint: str
+    state: StateKind
+
+    def matches_input(self, data: bytes) -> bool:
+        """At most 256 KiB and the same ledger input fingerprint."""
+        return (
+            len(data) <= MAX_WORKFLOW_OPERATION_INPUT_BYTES
+            and ledger_input_fingerprint(data) == self.input_fingerprint
+        )
+
+    def verify_input(self, data: bytes) -> None:
+        """``InputTooLarge``, then ``CompensationInputFingerprintMismatch(key)``."""
+        _check_input_size(data)
+        if ledger_input_fingerprint(data) != self.input_fingerprint:
+            raise CompensationInputFingerprintMismatch(self.compensation_key)
+
+    def matches_policy(self, policy: WorkflowCompensationPolicy) -> bool:
+        """Same tenant scope and grant fingerprint as ``policy``."""
+        return (
+            self.tenant_scope == policy.tenant_scope
+            and self.grant_fingerprint == policy.grant_fingerprint
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowOperation:
+    """One recorded operation: identity, input fingerprint, state kind, compensation."""
+
+    step_id: str
+    tool: str
+    operation_key: str
+    input_fingerprint: str
+    state: StateKind
+    compensation: WorkflowCompensation | None = None
+
+    def matches_input(self, data: bytes) -> bool:
+        """At most 256 KiB and the same ledger input fingerprint."""
+        return (
+            len(data) <= MAX_WORKFLOW_OPERATION_INPUT_BYTES
+            and ledger_input_fingerprint(data) == self.input_fingerprint
+        )
+
+    def verify_input(self, data: bytes) -> None:
+        """``InputTooLarge``, then ``InputFingerprintMismatch(operation_key)``."""
+        _check_input_size(data)
+        if ledger_input_fingerprint(data) != self.input_fingerprint:
+            raise InputFingerprintMismatch(self.operation_key)
+
+    def validate_syntax(self) -> None:
+        """H§9 operation syntax, first error wins."""
+        if not is_step_id(self.step_id):
+            raise InvalidStepId(self.step_id)
+        if not _token(self.tool):
+            raise InvalidTool(self.tool)
+        if not _is_workflow_operation_key(self.operation_key):
+            raise InvalidOperationKey(self.operation_key)
+        if not _fingerprint(self.input_fingerprint):
+            raise InvalidInputFingerprint()
+        compensation = self.compensation
+        if compensation is None:
+            return
+        if self.state != StateKind.SUCCEEDED:
+            raise CompensationRequiresSucceededOperation(self.operation_key, self.state)
+        if not _is_compensation_key(compensation.compensation_key):
+            raise InvalidCompensationKey(compensation.compensation_key)
+        if not _fingerprint(compensation.input_fingerprint):
+            raise InvalidInputFingerprint()
+        if not _token(compensation.tenant_scope):
+            raise InvalidCompensationTenantScope(compensation.tenant_scope)
+        if not _fingerprint(compensation.grant_fingerprint):
+            raise InvalidCompensationGrantFingerprint()
+
+
+# Strict JSON documents (private) ------------------------------------------------
+
+
+class _CompensationDoc(msgspec.Struct, forbid_unknown_fields=True):
+    compensation_key: str
+    input_fingerprint: str
+    tenant_scope: str
+    grant_fingerprint: str
+    state: StateKind
+
+
+class _OperationDoc(msgspec.Struct, forbid_unknown_fields=True):
+    step_id: str
+    tool: str
+    operation_key: str
+    input_fingerprint: str
+    state: StateKind
+    compensation: _CompensationDoc | None = None
+
+
+class _LedgerDoc(msgspec.Struct, forbid_unknown_fields=True):
+    format_version: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    # msgspec bounds stop at int64; the u64 ceiling is checked after decoding.
+    revision: Annotated[int, msgspec.Meta(ge=0)]
+    plan_fingerprint: str
+    operations: list[_OperationDoc]
+
+
+def _operation_from_doc(doc: _OperationDoc) -> WorkflowOperation:
+    compensation = None
+    if doc.compensation is not None:
+        c = doc.compensation
+        compensation = WorkflowCompensation(
+            c.compensation_key, c.input_fingerprint, c.tenant_scope, c.grant_fingerprint, c.state
+        )
+    return WorkflowOperation(
+        doc.step_id, doc.tool, doc.operation_key, doc.input_fingerprint, doc.state, compensation
+    )
+
+
+def _operation_to_doc(operation: WorkflowOperation) -> _OperationDoc:
+    compensation = None
+    if operation.compensation is not None:
+        c = operation.compensation
+        compensation = _CompensationDoc(
+            c.compensation_key, c.input_fingerprint, c.tenant_scope, c.grant_fingerprint, c.state
+        )
+    return _OperationDoc(
+        operation.step_id,
+        operation.tool,
+        operation.operation_key,
+        operation.input_fingerprint,
+        operation.state,
+        compensation,
+    )
+
+
+# The ledger ---------------------------------------------------------------------
+
+
+class WorkflowOperationLedger:
+    """The durable record of one workflow run's operations (H§9).
+
+    Mutable in place through its methods (and the engine's); every method
+    checks first and mutates last, so a failed call leaves it exactly as it was.
+    Ledgers compare equal field by field.
+    """
+
+    __slots__ = ("_format_version", "_operations", "_plan_fingerprint", "_revision")
+
+    def __init__(
+        self,
+        plan_fingerprint: str,
+        *,
+        revision: int = 0,
+        operations: Iterable[WorkflowOperation] = (),
+        format_version: int = WORKFLOW_OPERATION_LEDGER_FORMAT_VERSION,
+    ) -> None:
+        # No validation here: decoding and every method validate explicitly, so a
+        # ledger built from untrusted parts still fails closed on first use.
+        self._format_version = format_version
+        self._revision = revision
+        self._plan_fingerprint = plan_fingerprint
+        self._operations: list[WorkflowOperation] = list(operations)
+
+    # Accessors ------------------------------------------------------------------
+
+    @property
+    def format_version(self) -> int:
+        return self._format_version
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    @property
+    def plan_fingerprint(self) -> str:
+        return self._plan_fingerprint
+
+    @property
+    def operations(self) -> tuple[WorkflowOperation, ...]:
+        """Operations in insertion order (a snapshot)."""
+        return tuple(self._operations)
+
+    def operation(self, operation_key: str) -> WorkflowOperation | None:
+        """The operation with exactly this key, or None."""
+        for operation in self._operations:
+            if operation.operation_key == operation_key:
+                return operation
+        return None
+
+    def _index(self, operation_key: str) -> int | None:
+        for index, operation in enumerate(self._operations):
+            if operation.operation_key == operation_key:
+                return index
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WorkflowOperationLedger):
+            return NotImplemented
+        return (
+            self._format_version == other._format_version
+            and self._revision == other._revision
+            and self._plan_fingerprint == other._plan_fingerprint
+            and self._operations == other._operations
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkflowOperationLedger(format_version={self._format_version}, "
+            f"revision={self._revision}, plan_fingerprint={self._plan_fingerprint!r}, "
+            f"operations={len(self._operations)})"
+        )
+
+    def copy(self) -> WorkflowOperationLedger:
+        """An independent ledger with the same fields (records are immutable)."""
+        return WorkflowOperationLedger(
+            self._plan_fingerprint,
+            revision=self._revision,
+            operations=self._operations,
+            format_version=self._format_version,
+        )
+
+    # Validation -----------------------------------------------------------------
+
+    def validate_syntax(self) -> None:
+        """H§9 ledger syntax, first error wins."""
+        if self._format_version != WORKFLOW_OPERATION_LEDGER_FORMAT_VERSION:
+            raise UnsupportedLedgerVersion(self._format_version)
+        if not _fingerprint(self._plan_fingerprint):
+            raise InvalidPlanFingerprint()
+        if len(self._operations) > MAX_WORKFLOW_OPERATIONS:
+            raise TooManyOperations(MAX_WORKFLOW_OPERATIONS)
+        seen: set[str] = set()
+        for operation in self._operations:
+            operation.validate_syntax()
+            if operation.operation_key in seen:
+                raise DuplicateOperationKey(operation.operation_key)
+            seen.add(operation.operation_key)
+
+    def validate_minimum_revision(self, minimum: int) -> None:
+        """Syntax, then ``StaleRevision(actual, minimum)`` below the watermark."""
+        self.validate_syntax()
+        if self._revision < minimum:
+            raise StaleRevision(self._revision, minimum)
+
+    def validate_for(self, plan: WorkflowPlan) -> None:
+        """Syntax, the plan's fingerprint, and every step id a step of the plan."""
+        self.validate_syntax()
+        if self._plan_fingerprint != plan.fingerprint:
+            raise PlanMismatch()
+        for operation in self._operations:
+            if not plan.has_step(operation.step_id):
+                raise UnknownStep(operation.step_id)
+
+    # Encoding -------------------------------------------------------------------
+
+    def _size_bound(self) -> int:
+        bound = _BOUND_BASE
+        for op in self._operations:
+            bound += (
+                _BOUND_PER_OPERATION
+                + _utf8_len(op.step_id)
+                + _utf8_len(op.tool)
+                + _utf8_len(op.operation_key)
+                + _utf8_len(op.input_fingerprint)
+            )
+            c = op.compensation
+            if c is not None:
+                bound += (
+                    _BOUND_PER_COMPENSATION
+                    + _utf8_len(c.compensation_key)
+                    + _utf8_len(c.input_fingerprint)
+                    + _utf8_len(c.tenant_scope)
+                    + _utf8_len(c.grant_fingerprint)
+                )
+        return bound
+
+    def to_json(self) -> str:
+        """Compact JSON in declaration order (H§9): syntax, bound, encode, size."""
+        self.validate_syntax()
+        if self._size_bound() > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
+            raise LedgerTooLarge()
+        doc = _LedgerDoc(
+            self._format_version,
+            self._revision,
+            self._plan_fingerprint,
+            [_operation_to_doc(op) for op in self._operations],
+        )
+        try:
+            data = encode_struct(doc)
+        except Exception as exc:
+            raise LedgerEncodingError() from exc
+        if len(data) > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
+            raise LedgerTooLarge()
+        return data.decode("utf-8")
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkflowOperationLedger:
+        """Strict decode (H§9): size before parse, any parse failure is
+        ``InvalidLedgerEncoding``, then ``validate_syntax``."""
+        size = _utf8_len(text) if isinstance(text, str) else len(text)
+        if size > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
+            raise LedgerTooLarge()
+        try:
+            doc = decode_struct(text, _LedgerDoc, error=InvalidLedgerEncoding)
+        except InvalidLedgerEncoding:
+            raise
+        except Exception as exc:
+            # Whatever the strict parser refuses is, for a ledger, a bad encoding.
+            raise InvalidLedgerEncoding("ledger JSON refused") from exc
+        if doc.revision > MAX_U64:
+            raise InvalidLedgerEncoding("revision out of range")
+        ledger = cls(
+            doc.plan_fingerprint,
+            revision=doc.revision,
+            operations=[_operation_from_doc(op) for op in doc.operations],
+            format_version=doc.format_version,
+        )
+        ledger.validate_syntax()
+        return ledger
+
+    # Mutations ------------------------------------------------------------------
+
+    def record(self, step_id: str, tool: str, operation_key: str, input: bytes) -> None:
+        """Append a pending operation (H§11.1). Does not check the step against a plan."""
+        self.validate_syntax()
+        _check_input_size(input)
+        if len(self._operations) >= MAX_WORKFLOW_OPERATIONS:
+            raise TooManyOperations(MAX_WORKFLOW_OPERATIONS)
+        revision = _next_revision(self._revision)
+        operation = WorkflowOperation(
+            step_id, tool, operation_key, ledger_input_fingerprint(input), StateKind.PENDING
+        )
+        operation.validate_syntax()
+        if self._index(operation_key) is not None:
+            raise DuplicateOperationKey(operation_key)
+        self._operations.append(operation)
+        self._revision = revision
+
+    def record_compensation(
+        self,
+        operation_key: str,
+        policy: WorkflowCompensationPolicy,
+        compensation_key: str,
+        input: bytes,
+    ) -> None:
+        """Record the one compensation intent of a succeeded operation (H§11.2)."""
+        self.validate_syntax()
+        policy.validate_syntax()
+        _check_input_size(input)
+        index = self._index(operation_key)
+        if index is None:
+            raise UnknownOperation(operation_key)
+        operation = self._operations[index]
+        if operation.state != StateKind.SUCCEEDED:
+            raise CompensationRequiresSucceededOperation(operation_key, operation.state)
+        if operation.tool != policy.tool:
+            raise CompensationPolicyMismatch(operation_key)
+        if operation.compensation is not None:
+            raise CompensationAlreadyRecorded(operation_key)
+        if not _is_compensation_key(compensation_key):
+            raise InvalidCompensationKey(compensation_key)
+        revision = _next_revision(self._revision)
+        compensation = WorkflowCompensation(
+            compensation_key,
+            ledger_input_fingerprint(input),
+            policy.tenant_scope,
+            policy.grant_fingerprint,
+            StateKind.PENDING,
+        )
+        self._operations[index] = replace(operation, compensation=compensation)
+        self._revision = revision
+
+    def reconcile_request(
+        self,
+        operation_key: str,
+        input: bytes,
+        session_id: str,
+        request_id: str,
+    ) -> OperationReconcileRequest:
+        """Build a reconcile request for a recorded operation (H§11.3); any state."""
+        self.validate_syntax()
+        if not _token(operation_key):
+            raise InvalidOperationKey(operation_key)
+        operation = self.operation(operation_key)
+        if operation is None:
+            raise UnknownOperation(operation_key)
+        operation.verify_input(input)
+        return OperationReconcileRequest(
+            session_id, request_id, operation.tool, operation.operation_key
+        )
+
+    def apply_verified_reconciliation(
+        self, request: OperationReconcileRequest, result: OperationReconcileResult
+    ) -> OperationStatus:
+        """Apply an authenticated reconciliation or dispatch result (H§11.4).
+
+        Returns the observed status; only its state kind is kept.
+        """
+        self.validate_syntax()
+        request.validate()
+        result.validate()
+        if not result.matches_request(request):
+            raise ReconciliationMismatch()
+        status = result.status
+        observed = status.kind
+        index = self._index(request.operation_key)
+        if index is None:
+            raise UnknownOperation(request.operation_key)
+        operation = self._operations[index]
+        if operation.tool != request.tool:
+            raise ReconciliationMismatch()
+        if not accepts(operation.state, observed):
+            raise InvalidStateTransition(operation.state, observed)
+        if observed != operation.state:
+            revision = _next_revision(self._revision)
+            self._operations[index] = replace(operation, state=observed)
+            self._revision = revision
+        return status
+
+    def apply_verified_compensation(
+        self, request: OperationCompensationRequest, result: OperationCompensationResult
+    ) -> OperationStatus:
+        """Apply an authenticated compensation result (H§11.5); only the
+        compensation state can change."""
+        self.validate_syntax()
+        request.validate()
+        result.validate()
+        if not result.matches_request(request):
+            raise CompensationRequestMismatch()
+        index = self._index(request.operation_key)
+        if index is None:
+            raise UnknownOperation(request.operation_key)
+        operation = self._operations[index]
+        if operation.tool != request.tool:
+            raise CompensationRequestMismatch()
+        compensation = operation.compensation
+        if compensation is None:
+            raise UnknownCompensation(operation.operation_key)
+        compensation.verify_input(canonical_operation_input_bytes(request.payload))
+        if (
+            compensation.compensation_key != request.compensation_key
+            or compensation.tenant_scope != request.tenant_scope
+            or compensation.grant_fingerprint != request.grant_fingerprint
+        ):
+            raise CompensationRequestMismatch()
+        status = result.status
+        observed = status.kind
+        if not accepts(compensation.state, observed):
+            raise InvalidCompensationStateTransition(
+                compensation.compensation_key, compensation.state, observed
+            )
+        if observed != compensation.state:
+            revision = _next_revision(self._revision)
+            self._operations[index] = replace(
+                operation, compensation=replace(compensation, state=observed)
+            )
+            self._revision = revision
+        return status
