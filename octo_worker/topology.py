@@ -1,0 +1,473 @@
+"""RabbitMQ topology and the two broker helpers every Octo process uses (W§12, D8).
+
+Owns: declaring the topology of W§12.5 idempotently (:func:`declare_topology`),
+the broker policy that gives worker queues their delivery limit and
+dead-letter exchange (:func:`apply_policy`), the read-only view behind
+``topology show`` (:func:`describe_topology`), and two small helpers the
+daemon and the host client share: :func:`connect` (a plain, non-robust
+aio-pika connection) and :func:`publish_confirmed` (one persistent,
+mandatory, publisher-confirmed publish that raises on return, nack, timeout
+or channel loss).
+
+It must never: use ``connect_robust`` (its silent restore and hanging
+publishes hide exactly the failures the protocol must see: the caller owns
+reconnection), decide anything about frames (that is
+:mod:`octo_common.transport` and the session), or log or echo credentials
+and frame bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from pamqp.commands import Basic
+from pamqp.common import FieldTable
+
+from octo_common.errors import OctoError
+from octo_common.transport import (
+    CONTENT_TYPE,
+    DEAD_EXCHANGE,
+    DEAD_QUEUE,
+    DEFAULT_DELIVERY_LIMIT,
+    EXCHANGE,
+    WORKER_POLICY_NAME,
+    WORKER_POLICY_PATTERN,
+    FrameEnvelope,
+    PublishChannelClosed,
+    PublishNacked,
+    PublishReturned,
+    PublishTimedOut,
+    reply_queue,
+    worker_queue,
+)
+
+__all__ = [
+    "POLICY_PRIORITY",
+    "QueueStatus",
+    "TopologyError",
+    "TopologyReport",
+    "apply_policy",
+    "connect",
+    "declare_topology",
+    "describe_topology",
+    "open_confirm_channel",
+    "policy_definition",
+    "publish_confirmed",
+    "publish_envelope",
+]
+
+# Only one policy applies to a queue (the highest priority wins); ours sits
+# above the priority-0 catch-all policies operators commonly keep.
+POLICY_PRIORITY: Final = 10
+
+_QUORUM: Final[FieldTable] = {"x-queue-type": "quorum"}
+# Single-active-consumer is a queue argument only: no policy can set it.
+_WORKER_QUEUE_ARGUMENTS: Final[FieldTable] = {
+    "x-queue-type": "quorum",
+    "x-single-active-consumer": True,
+}
+
+
+class TopologyError(OctoError):
+    """The broker topology or its policy could not be declared or applied.
+
+    ``reason`` names what failed; it never contains credentials.
+    """
+
+    _fields: ClassVar[tuple[str, ...]] = ("reason",)
+    _text = "broker topology error"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyReport:
+    """What :func:`declare_topology` declared, and how the policy was applied."""
+
+    queues: tuple[str, ...]
+    policy_applied_via: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """One queue as a passive declare sees it (``topology show``)."""
+
+    name: str
+    exists: bool
+    messages: int | None
+    consumers: int | None
+
+
+# Connections and channels -----------------------------------------------------------
+
+
+async def connect(
+    url: str, *, timeout: float = 10.0, name: str | None = None
+) -> AbstractConnection:
+    """Open a plain (non-robust) aio-pika connection.
+
+    A lost connection is final: ``connection.closed()`` resolves and every
+    channel on it fails, so in-flight deliveries are never acked on a stale
+    channel. The caller's own loop reconnects, re-declares, re-consumes and
+    lets the broker redeliver whatever was not acked (W§12.4).
+    """
+    properties: FieldTable | None = {"connection_name": name} if name else None
+    try:
+        return await aio_pika.connect(url, timeout=timeout, client_properties=properties)
+    except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as error:
+        # The URL may carry a password: name only the failure's class.
+        raise TopologyError(f"cannot connect to the broker ({type(error).__name__})") from None
+
+
+async def open_confirm_channel(
+    connection: AbstractConnection, *, prefetch_count: int | None = None
+) -> AbstractChannel:
+    """A channel in confirm mode whose mandatory publishes raise when returned."""
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    if prefetch_count is not None:
+        await channel.set_qos(prefetch_count=prefetch_count)
+    return channel
+
+
+# Confirmed publish ------------------------------------------------------------------
+
+# Returns are matched to publishes by message_id inside aiormq; two in-flight
+# publishes with the same id (the same frame bytes) on one channel could let a
+# return fail the wrong one and report the returned one as confirmed. Same-id
+# publishes on a channel therefore go one at a time.
+_IN_FLIGHT: weakref.WeakKeyDictionary[AbstractChannel, dict[str, asyncio.Future[None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def publish_confirmed(
+    channel: AbstractChannel,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    *,
+    message_id: str,
+    correlation_id: str | None,
+    reply_to: str | None,
+    headers: Mapping[str, Any],
+    timeout: float,
+    persistent: bool = True,
+) -> None:
+    """Publish once, persistent and mandatory, and wait for the broker's confirm.
+
+    Returns only on ``basic.ack`` for a routed message. Raises
+    ``PublishReturned`` (no queue bound: ``basic.return``), ``PublishNacked``,
+    ``PublishTimedOut`` (no confirm within ``timeout`` seconds: the frame may
+    or may not be enqueued) or ``PublishChannelClosed`` (channel or
+    connection lost, or publishing to a missing exchange). Every one of them
+    is a failed publish (W§12.1). The channel must be in confirm mode
+    (:func:`open_confirm_channel`).
+    """
+    if not getattr(channel, "publisher_confirms", False):
+        raise TopologyError("publish_confirmed needs a channel with publisher confirms")
+    message = aio_pika.Message(
+        body,
+        headers=dict(headers),
+        content_type=CONTENT_TYPE,
+        delivery_mode=(
+            aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
+        ),
+        message_id=message_id,
+        correlation_id=correlation_id,
+        reply_to=reply_to,
+    )
+    in_flight = _IN_FLIGHT.setdefault(channel, {})
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (earlier := in_flight.get(message_id)) is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(earlier), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            raise PublishTimedOut(routing_key, timeout) from None
+    done: asyncio.Future[None] = loop.create_future()
+    in_flight[message_id] = done
+    try:
+        await _publish_once(
+            channel,
+            exchange,
+            routing_key,
+            message,
+            remaining=deadline - loop.time(),
+            timeout=timeout,
+        )
+    finally:
+        del in_flight[message_id]
+        done.set_result(None)
+
+
+async def _publish_once(
+    channel: AbstractChannel,
+    exchange_name: str,
+    routing_key: str,
+    message: aio_pika.Message,
+    *,
+    remaining: float,
+    timeout: float,
+) -> None:
+    if remaining <= 0:
+        raise PublishTimedOut(routing_key, timeout)
+    try:
+        exchange = await channel.get_exchange(exchange_name, ensure=False)
+        result = await exchange.publish(message, routing_key, mandatory=True, timeout=remaining)
+    except aiormq.exceptions.PublishError as error:
+        raise PublishReturned(routing_key, _reply_code(error)) from None
+    except aiormq.exceptions.DeliveryError:
+        raise PublishNacked(routing_key) from None
+    except TimeoutError:
+        raise PublishTimedOut(routing_key, timeout) from None
+    except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError):
+        raise PublishChannelClosed(routing_key) from None
+    if not isinstance(result, Basic.Ack):
+        # A channel without on_return_raises hands back the returned message.
+        raise PublishReturned(routing_key)
+
+
+def _reply_code(error: aiormq.exceptions.PublishError) -> int:
+    code = getattr(error.frame, "reply_code", 312)
+    return code if isinstance(code, int) else 312
+
+
+async def publish_envelope(
+    channel: AbstractChannel, envelope: FrameEnvelope, *, timeout: float
+) -> None:
+    """:func:`publish_confirmed` for a :class:`~octo_common.transport.FrameEnvelope`."""
+    await publish_confirmed(
+        channel,
+        envelope.exchange,
+        envelope.routing_key,
+        envelope.body,
+        message_id=envelope.message_id,
+        correlation_id=envelope.correlation_id,
+        reply_to=envelope.reply_to,
+        headers=envelope.headers,
+        timeout=timeout,
+    )
+
+
+# Declaration ------------------------------------------------------------------------
+
+
+async def declare_topology(
+    channel: AbstractChannel,
+    scopes: Iterable[str],
+    *,
+    host_ids: Iterable[str] = (),
+    delivery_limit: int | None = DEFAULT_DELIVERY_LIMIT,
+    vhost: str = "/",
+    management_url: str | None = None,
+) -> TopologyReport:
+    """Declare the W§12.5 topology; safe to run any number of times.
+
+    * exchange ``octo.v5`` (durable, direct);
+    * per scope, quorum queue ``octo.v5.worker.<scope>`` with
+      single-active-consumer, bound to ``octo.v5`` with its own name;
+    * per host id, quorum queue ``octo.v5.reply.<id>`` bound the same way;
+    * exchange ``octo.v5.dead`` (durable, fanout) bound to quorum queue
+      ``octo.v5.dead``.
+
+    Worker queues get no delivery-limit or dead-letter arguments: unless
+    ``delivery_limit`` is None, the broker policy of :func:`apply_policy`
+    sets both (it is applied first, so no worker queue exists without it).
+    A queue that already exists with other arguments raises ``TopologyError``.
+    """
+    names_scopes = [worker_queue(scope) for scope in scopes]
+    names_hosts = [reply_queue(host_id) for host_id in host_ids]
+    applied_via: str | None = None
+    if delivery_limit is not None:
+        applied_via = await asyncio.to_thread(
+            apply_policy, delivery_limit, vhost=vhost, management_url=management_url
+        )
+    try:
+        exchange = await channel.declare_exchange(
+            EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+        )
+        dead_exchange = await channel.declare_exchange(
+            DEAD_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
+        )
+        dead_queue = await channel.declare_queue(DEAD_QUEUE, durable=True, arguments=_QUORUM)
+        await dead_queue.bind(dead_exchange, routing_key="")
+        for name in names_scopes:
+            queue = await channel.declare_queue(
+                name, durable=True, arguments=dict(_WORKER_QUEUE_ARGUMENTS)
+            )
+            await queue.bind(exchange, routing_key=name)
+        for name in names_hosts:
+            queue = await channel.declare_queue(name, durable=True, arguments=dict(_QUORUM))
+            await queue.bind(exchange, routing_key=name)
+    except aiormq.exceptions.ChannelPreconditionFailed as error:
+        raise TopologyError(
+            f"an existing queue or exchange differs: {_reply_text(error)}"
+        ) from None
+    except aiormq.exceptions.AMQPError as error:
+        raise TopologyError(f"declaration failed ({type(error).__name__})") from None
+    return TopologyReport(
+        queues=(DEAD_QUEUE, *names_scopes, *names_hosts), policy_applied_via=applied_via
+    )
+
+
+def _reply_text(error: BaseException) -> str:
+    # The broker's own text names the entity and argument; it carries no secret.
+    text = str(error.args[0]) if error.args else type(error).__name__
+    return text[:300]
+
+
+async def describe_topology(
+    channel: AbstractChannel, scopes: Iterable[str], *, host_ids: Iterable[str] = ()
+) -> list[QueueStatus]:
+    """Message and consumer counts of the scopes' worker queues, the host
+    reply queues and ``octo.v5.dead``, by passive declare (changes nothing).
+
+    A missing queue is reported with ``exists=False``; the broker closes the
+    channel for it, and this reopens it so the next queue can be asked.
+    """
+    names = [worker_queue(s) for s in scopes] + [reply_queue(h) for h in host_ids]
+    statuses: list[QueueStatus] = []
+    for name in [*names, DEAD_QUEUE]:
+        try:
+            queue = await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            await channel.reopen()
+            statuses.append(QueueStatus(name, exists=False, messages=None, consumers=None))
+            continue
+        result = queue.declaration_result
+        statuses.append(
+            QueueStatus(
+                name,
+                exists=True,
+                messages=int(result.message_count or 0),
+                consumers=int(result.consumer_count or 0),
+            )
+        )
+    return statuses
+
+
+# Policy -----------------------------------------------------------------------------
+
+
+def policy_definition(delivery_limit: int = DEFAULT_DELIVERY_LIMIT) -> dict[str, object]:
+    """The worker-queue policy: delivery limit and dead-letter exchange."""
+    if isinstance(delivery_limit, bool) or not isinstance(delivery_limit, int):
+        raise TopologyError("delivery limit must be an integer")
+    if not 1 <= delivery_limit <= 2**31 - 1:
+        raise TopologyError("delivery limit must be between 1 and 2^31-1")
+    return {"delivery-limit": delivery_limit, "dead-letter-exchange": DEAD_EXCHANGE}
+
+
+def apply_policy(
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT,
+    *,
+    vhost: str = "/",
+    management_url: str | None = None,
+    rabbitmqctl: str = "rabbitmqctl",
+    timeout: float = 30.0,
+) -> str:
+    """Set the broker policy ``octo-v5-worker`` on ``^octo\\.v5\\.worker\\.``.
+
+    Tries the management HTTP API first when ``management_url`` is given
+    (``http://user:pass@host:15672``), then ``rabbitmqctl set_policy`` (the
+    daemon host runs the broker locally in our deployments). Returns
+    ``"management_api"`` or ``"rabbitmqctl"``; raises ``TopologyError`` when
+    neither works. Blocking: async callers run it in a thread.
+    """
+    definition = policy_definition(delivery_limit)
+    failures: list[str] = []
+    if management_url is not None:
+        try:
+            _apply_policy_http(management_url, vhost, definition, timeout)
+        except TopologyError as error:
+            failures.append(f"management api: {error.reason}")
+        else:
+            return "management_api"
+    try:
+        _apply_policy_rabbitmqctl(rabbitmqctl, vhost, definition, timeout)
+    except TopologyError as error:
+        failures.append(f"rabbitmqctl: {error.reason}")
+    else:
+        return "rabbitmqctl"
+    raise TopologyError("cannot set the worker queue policy; " + "; ".join(failures))
+
+
+def _apply_policy_rabbitmqctl(
+    executable: str, vhost: str, definition: dict[str, object], timeout: float
+) -> None:
+    path = shutil.which(executable)
+    if path is None:
+        raise TopologyError(f"{executable!r} not found")
+    argv = [
+        path,
+        "set_policy",
+        "-p",
+        vhost,
+        "--apply-to",
+        "queues",
+        "--priority",
+        str(POLICY_PRIORITY),
+        WORKER_POLICY_NAME,
+        WORKER_POLICY_PATTERN,
+        json.dumps(definition, separators=(",", ":")),
+    ]
+    try:
+        # argv list, no shell; the executable comes from the operator's config.
+        done = subprocess.run(  # noqa: S603
+            argv, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise TopologyError(f"rabbitmqctl did not run ({type(error).__name__})") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
+        raise TopologyError(f"exit status {done.returncode}: {last[0][:200]}")
+
+
+def _apply_policy_http(
+    management_url: str, vhost: str, definition: dict[str, object], timeout: float
+) -> None:
+    parts = urllib.parse.urlsplit(management_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise TopologyError("management url must be http(s)://[user:pass@]host[:port]")
+    netloc = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+    base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+    url = (
+        f"{base}/api/policies/{urllib.parse.quote(vhost, safe='')}/"
+        f"{urllib.parse.quote(WORKER_POLICY_NAME, safe='')}"
+    )
+    body = json.dumps(
+        {
+            "pattern": WORKER_POLICY_PATTERN,
+            "definition": definition,
+            "apply-to": "queues",
+            "priority": POLICY_PRIORITY,
+        }
+    ).encode()
+    request = urllib.request.Request(url, data=body, method="PUT")  # noqa: S310 - scheme checked
+    request.add_header("content-type", "application/json")
+    user = urllib.parse.unquote(parts.username or "guest")
+    password = urllib.parse.unquote(parts.password or "guest")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request.add_header("authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+            status = response.status
+    except urllib.error.HTTPError as error:
+        raise TopologyError(f"HTTP {error.code}") from None
+    except (urllib.error.URLError, OSError, TimeoutError) as error:
+        raise TopologyError(f"unreachable ({type(error).__name__})") from None
+    if status not in (200, 201, 204):
+        raise TopologyError(f"HTTP {status}")
