@@ -1,0 +1,1505 @@
+"""One authenticated worker session and its effect ordering (W§10, D4–D6, D9).
+
+A :class:`WorkerSession` owns, for one session of one tenant scope: the
+worker-role authenticator (replay window, outbound sequence), the
+``SessionAuthorizer`` (budgets, request ids, compensation identities), the
+reconciliation counters and the session status (``open``, ``closed``,
+``poisoned``). ``handle`` turns one delivered frame into exactly the commits,
+adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
+
+* every frame ``open()`` accepted is made durable (window, budgets) before the
+  delivery is acked, dead-lettered or answered and before any effectful
+  adapter method runs (S1); a reply is committed to the outbox with the state
+  document recording its sequence before it is published (S3);
+* ``store.commit`` is called exactly once per admission, observation,
+  respond, refuse or session-only commit, and confirmed outbox rows are
+  deleted only inside such a commit (PROTOCOL.md §2.4 "Commit cadence");
+* work on one operation key is serialised by a key lock shared by every
+  session of the scope on the same store; session state is changed only
+  under the session lock, which is never held while waiting for a key lock
+  or an adapter;
+* a failed commit poisons the session: its memory goes back to the last
+  durable point and a refusal is published best-effort (W§10.9 steps 1–2;
+  the daemon runs steps 3–5).
+
+This module persists through the store and publishes through the delivery;
+it must never send anything that was not committed first (except the
+best-effort refusals of a poisoned session), never run an adapter twice for
+one admission, never put keys, payloads, failure messages or adapter text in
+a document, a log line or a refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, TypeAlias
+
+import msgspec
+import structlog
+
+from octo_common.authorizer import (
+    AuthorizedInvocation,
+    AuthorizedOperationCompensation,
+    AuthorizedOperationInvocation,
+    AuthorizedOperationReconciliation,
+    AuthorizerState,
+    SessionAuthorizer,
+)
+from octo_common.codec import decode_struct, encode_struct, parse_json
+from octo_common.digest import message_id
+from octo_common.errors import (
+    AdapterError,
+    AdapterFailed,
+    AdapterIndeterminate,
+    DuplicateFrame,
+    DurableOperationContractNotDeclared,
+    IndeterminateCompensation,
+    IndeterminateOperation,
+    InvalidJournalLease,
+    InvalidJournalRevision,
+    InvalidKeyNonce,
+    InvocationSafetyNotDeclared,
+    JournalPersistenceFailed,
+    MissingAdapter,
+    OctoError,
+    PendingCompensation,
+    PendingOperation,
+    ReconciliationBudgetExhausted,
+    ReconciliationSessionBudgetExhausted,
+    RecordLocationMismatch,
+    RequiresWorkerAuthenticator,
+    SerializationError,
+    SessionPoisoned,
+    SessionReplay,
+    StorageBackendError,
+    UnexpectedMessage,
+    UnexpectedOpeningMessage,
+    UnsupportedMessage,
+    ZeroPerToolReconciliationLimit,
+    ZeroSessionReconciliationLimit,
+)
+from octo_common.frames import (
+    AuthenticatorState,
+    ScopeKey,
+    SessionAuthenticator,
+    SessionKey,
+    SessionRole,
+)
+from octo_common.grants import CapabilityManifest
+from octo_common.ids import is_token, parse_key_nonce_hex, validate_token
+from octo_common.limits import KEY_NONCE_BYTES, REPLAY_WINDOW_SIZE, WORKER_SESSION_FORMAT_VERSION
+from octo_common.messages import (
+    Cancel,
+    CloseSession,
+    CompensateOperation,
+    CompensationResult,
+    DispatchOperation,
+    Invoke,
+    OpenSession,
+    OperationCompensationResult,
+    OperationReconcileResult,
+    OperationResult,
+    ReconciledOperation,
+    ReconcileOperation,
+    RequestRejected,
+    Result,
+    ToolResult,
+    WorkerMessage,
+    message_type,
+)
+from octo_common.payload import ToolPayload
+from octo_common.states import Cancelled, Failed, Pending, Running, Succeeded
+from octo_worker.adapters import WorkerAdapterRegistry, adapter_deadline, call_adapter
+from octo_worker.journal import (
+    Existing,
+    JournalChangeset,
+    WorkerOperationJournal,
+    WorkerOperationRecord,
+)
+from octo_worker.store import (
+    OutboxEntry,
+    PersistedSession,
+    SessionDocuments,
+    WorkerCommit,
+    WorkerJournalLease,
+)
+
+__all__ = [
+    "Delivery",
+    "SessionStatus",
+    "WorkerSession",
+    "WorkerSessionLimits",
+    "WorkerSessionStore",
+]
+
+SessionStatus: TypeAlias = Literal["open", "closed", "poisoned"]
+_OPEN: SessionStatus = "open"
+_CLOSED: SessionStatus = "closed"
+_POISONED: SessionStatus = "poisoned"
+
+_KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation", "reconcile_operation"})
+_REQUEST_TYPES = frozenset(
+    {"invoke", "dispatch_operation", "compensate_operation", "reconcile_operation", "cancel"}
+)
+_SEEN_HEX_CHARS = REPLAY_WINDOW_SIZE // 4
+_STATUS_TYPES = (Running, Succeeded, Failed, Cancelled)
+
+_log = structlog.get_logger("octo.worker.session")
+
+
+# Limits ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSessionLimits:
+    """Reconciliation budgets of one session (W§10.1)."""
+
+    per_tool: int = 16
+    per_session: int = 64
+
+    def __post_init__(self) -> None:
+        # The per-tool limit is checked first (W§10.1).
+        if _not_positive(self.per_tool):
+            raise ZeroPerToolReconciliationLimit()
+        if _not_positive(self.per_session):
+            raise ZeroSessionReconciliationLimit()
+
+
+def _not_positive(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+# Collaborators --------------------------------------------------------------
+
+
+class Delivery(Protocol):
+    """One broker delivery, as the daemon hands it to ``handle`` (W§12.4).
+
+    ``reply`` publishes a frame to the session's reply queue (recorded at
+    ``open_session``) and returns once the broker confirmed it; it raises on
+    a failed publish. ``dead_letter`` takes an error code as reason. A
+    delivery MAY also provide ``async requeue()`` (reject with requeue),
+    used when a poisoned handling could not publish its refusal (W§10.9).
+    ``handle`` settles a delivery at most once.
+    """
+
+    async def ack(self) -> None: ...
+
+    async def reply(self, frame: bytes, correlation_id: str | None) -> None: ...
+
+    async def dead_letter(self, reason: str) -> None: ...
+
+
+class WorkerSessionStore(Protocol):
+    """The part of ``SqliteJournalStore`` a session uses (W§11)."""
+
+    async def load_records(
+        self, scope: str, keys: list[str]
+    ) -> dict[str, tuple[WorkerOperationRecord, int] | None]: ...
+
+    async def head_revision(self, scope: str) -> int: ...
+
+    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int: ...
+
+
+# Session documents (W§10.3) -------------------------------------------------
+
+
+class _OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Written once by ``open``; never contains a key (the nonce is not secret)."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    key_nonce: str
+    reply_to: str
+    manifest: CapabilityManifest
+
+
+class _AuthenticatorDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    next_outgoing: int
+    inbound_highest: int
+    inbound_seen: str  # 256 lowercase hex: the 1024-bit window, big-endian
+
+
+class _ReconciliationDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    total: int
+    by_tool: dict[str, int]
+
+
+class _StateDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Rewritten by every commit that touches the session."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    status: SessionStatus
+    authenticator: _AuthenticatorDocument
+    authorizer: AuthorizerState
+    reconciliations: _ReconciliationDocument
+
+
+def _seen_hex(seen: int) -> str:
+    return f"{seen:0{_SEEN_HEX_CHARS}x}"
+
+
+def _parse_seen(text: str) -> int:
+    if len(text) != _SEEN_HEX_CHARS or text.strip("0123456789abcdef"):
+        raise SerializationError("session state: inbound_seen must be 256 lowercase hex")
+    return int(text, 16)
+
+
+def _check_document_location(
+    format_version: int, doc_scope: str, doc_session: str, scope: str, session_id: str
+) -> None:
+    if format_version != WORKER_SESSION_FORMAT_VERSION:
+        raise SerializationError("unsupported session document format_version")
+    if doc_scope != scope:
+        raise RecordLocationMismatch(scope, doc_scope)
+    if doc_session != session_id:
+        raise RecordLocationMismatch(session_id, doc_session)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+# Key locks (W§10.5) ---------------------------------------------------------
+
+
+class _KeyLock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+# (id(store), scope, operation key) -> lock. Shared by every session of a
+# scope on one store; an entry lives only while some handling holds or waits
+# for it (each holder keeps the store alive, so the id cannot be reused).
+_KEY_LOCKS: dict[tuple[int, str, str], _KeyLock] = {}
+
+
+@contextlib.asynccontextmanager
+async def _key_lock(store: object, scope: str, key: str) -> AsyncIterator[None]:
+    name = (id(store), scope, key)
+    entry = _KEY_LOCKS.get(name)
+    if entry is None:
+        entry = _KEY_LOCKS[name] = _KeyLock()
+    entry.users += 1
+    try:
+        async with entry.lock:
+            yield
+    finally:
+        entry.users -= 1
+        if entry.users == 0:
+            del _KEY_LOCKS[name]
+
+
+def _peek_operation_key(frame: bytes) -> str | None:
+    """The operation key of a keyed request frame, decoded without any state change.
+
+    Only picks the lock; ``open()`` remains the authority on the frame. A
+    frame that does not parse is handled without a key lock (``open()``
+    refuses it with the same error).
+    """
+    try:
+        tree = parse_json(frame)
+    except OctoError:
+        return None
+    if not isinstance(tree, dict):
+        return None
+    message = tree.get("message")
+    if not isinstance(message, dict) or message.get("type") not in _KEYED_TYPES:
+        return None
+    request = message.get("request")
+    if not isinstance(request, dict):
+        return None
+    key = request.get("operation_key")
+    return key if isinstance(key, str) and is_token(key) else None
+
+
+# Per-handling bookkeeping ----------------------------------------------------
+
+
+class _CommitFailed(Exception):
+    """Internal: a commit failed; the session is already poisoned in memory."""
+
+    def __init__(self, error: OctoError) -> None:
+        super().__init__(error.code)
+        self.error = error
+
+
+@dataclass
+class _Run:
+    """One call of ``handle``: the delivery, what was loaded, what the reply names."""
+
+    delivery: Delivery
+    store: WorkerSessionStore
+    log: Any
+    records: dict[str, tuple[WorkerOperationRecord, int] | None] | None = None
+    load_error: OctoError | None = None
+    request_id: str | None = None
+    operation_key: str | None = None
+    compensation_key: str | None = None
+    kind: str = ""
+    adapter_ran: bool = False
+    settled: bool = False
+
+    def name_request(
+        self,
+        kind: str,
+        request_id: str,
+        operation_key: str | None = None,
+        compensation_key: str | None = None,
+    ) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.operation_key = operation_key
+        self.compensation_key = compensation_key
+        self.log = self.log.bind(
+            type=kind,
+            request=request_id,
+            operation_key=operation_key,
+            compensation_key=compensation_key,
+        )
+
+    async def ack(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            await self.delivery.ack()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # The broker redelivers an unacked frame; the window and the journal
+            # resolve the redelivery, so a lost ack is safe.
+            self.log.warning("delivery_ack_failed", error=type(exc).__name__)
+
+    async def dead_letter(self, reason: str) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            await self.delivery.dead_letter(reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.log.warning("delivery_dead_letter_failed", reason=reason, error=type(exc).__name__)
+
+    async def requeue(self) -> None:
+        if self.settled:
+            return
+        requeue = getattr(self.delivery, "requeue", None)
+        if requeue is None:
+            # Left unsettled: the broker redelivers when the channel closes.
+            return
+        self.settled = True
+        try:
+            await requeue()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.log.warning("delivery_requeue_failed", error=type(exc).__name__)
+
+    async def publish(self, frame: bytes, correlation_id: str | None) -> bool:
+        try:
+            await self.delivery.reply(frame, correlation_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.log.warning("reply_publish_failed", error=type(exc).__name__)
+            return False
+        return True
+
+
+# What a locked section asks the caller to do once the session lock is released.
+
+
+@dataclass(frozen=True)
+class _Reply:
+    frame: bytes
+    correlation_id: str | None
+    outboxed: bool = True  # False for best-effort refusals (nothing committed)
+
+
+@dataclass(frozen=True)
+class _Ack:
+    pass
+
+
+@dataclass(frozen=True)
+class _DeadLetter:
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Requeue:
+    pass
+
+
+_Final: TypeAlias = _Reply | _Ack | _DeadLetter | _Requeue
+
+
+@dataclass(frozen=True)
+class _AdapterStep:
+    """Run an adapter method outside the session lock, then ``after`` under it."""
+
+    call: Callable[[], Awaitable[Any]]
+    after: Callable[[Any, BaseException | None], Awaitable[_Final]]
+    ack_first: bool
+    deadline: float
+    returns: type[Any] | tuple[type[Any], ...]
+    effectful: bool = True
+
+
+_Step: TypeAlias = _Final | _AdapterStep
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The last durable point: restored in memory when a commit fails."""
+
+    authenticator: AuthenticatorState
+    authorizer: AuthorizerState
+    total: int
+    by_tool: Mapping[str, int] = field(default_factory=dict)
+
+
+# The session ----------------------------------------------------------------
+
+
+class WorkerSession:
+    """One authenticated session of one tenant scope (W§10)."""
+
+    _instances: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        *,
+        scope: str,
+        session_id: str,
+        key_nonce: bytes,
+        reply_to: str,
+        manifest: CapabilityManifest,
+        authenticator: SessionAuthenticator,
+        authorizer: SessionAuthorizer,
+        status: SessionStatus,
+        reconciliations_total: int,
+        reconciliations_by_tool: Mapping[str, int],
+        state_revision: int,
+        highest_revision: int,
+        lease: WorkerJournalLease,
+        adapters: WorkerAdapterRegistry,
+        limits: WorkerSessionLimits,
+    ) -> None:
+        # Built only by ``open`` and ``restore``.
+        self._scope = scope
+        self._session_id = session_id
+        self._key_nonce = key_nonce
+        self._reply_to = reply_to
+        self._manifest = manifest
+        self._authenticator = authenticator
+        self._authorizer = authorizer
+        self._status: SessionStatus = status
+        self._reconciliations_total = reconciliations_total
+        self._reconciliations_by_tool: dict[str, int] = dict(reconciliations_by_tool)
+        self._state_revision = state_revision
+        self._highest_revision = highest_revision
+        self._lease = lease
+        self._adapters = adapters
+        self._limits = limits
+        self._lock = asyncio.Lock()
+        self._confirmed: list[str] = []
+        self._best_effort_high = 0
+        self._durable = self._snapshot()
+        self._log = _log.bind(scope=scope, session=session_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerSession(scope={self._scope!r}, session_id={self._session_id!r}, "
+            f"status={self._status!r})"
+        )
+
+    # -- construction ----------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        authenticator: SessionAuthenticator,
+        opening_frame: bytes,
+        *,
+        scope: str,
+        key_nonce: bytes,
+        reply_to: str,
+        store: WorkerSessionStore,
+        lease: WorkerJournalLease,
+        adapters: WorkerAdapterRegistry,
+        limits: WorkerSessionLimits,
+    ) -> WorkerSession:
+        """Open a session from its authenticated ``open_session`` frame (W§10.4).
+
+        Runs steps 1–8 in order and raises the failing step's error; the
+        daemon dead-letters with its code. No reply is ever sent.
+        """
+        if authenticator.role != SessionRole.WORKER:
+            raise RequiresWorkerAuthenticator()
+        message = authenticator.open(opening_frame)
+        if not isinstance(message, OpenSession):
+            raise UnexpectedOpeningMessage()
+        manifest = message.manifest
+        authorizer = SessionAuthorizer(manifest)
+        for grant in manifest.grants:
+            if adapters.get(grant.tool) is None:
+                raise MissingAdapter(grant.tool)
+        _check_lease(lease)
+        validate_token("tenant scope", scope)
+        if not isinstance(key_nonce, bytes) or len(key_nonce) != KEY_NONCE_BYTES:
+            raise InvalidKeyNonce()
+        session = cls(
+            scope=scope,
+            session_id=authenticator.session_id,
+            key_nonce=key_nonce,
+            reply_to=reply_to,
+            manifest=manifest,
+            authenticator=authenticator,
+            authorizer=authorizer,
+            status=_OPEN,
+            reconciliations_total=0,
+            reconciliations_by_tool={},
+            state_revision=0,
+            highest_revision=0,
+            lease=lease,
+            adapters=adapters,
+            limits=limits,
+        )
+        documents = SessionDocuments(
+            state=session._state_document(),
+            opening=session._opening_document(),
+            base_revision=None,
+        )
+        revision = await store.commit(
+            scope, lease, WorkerCommit(sessions={session.session_id: documents})
+        )
+        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
+            raise InvalidJournalRevision(1, revision)
+        session._state_revision = revision
+        session._highest_revision = revision
+        session._durable = session._snapshot()
+        session._log.info("session_opened", revision=revision, grants=len(manifest.grants))
+        return session
+
+    @classmethod
+    async def restore(
+        cls,
+        persisted: PersistedSession,
+        *,
+        scope_key: ScopeKey,
+        scope: str,
+        store: WorkerSessionStore,
+        lease: WorkerJournalLease,
+        adapters: WorkerAdapterRegistry,
+        limits: WorkerSessionLimits,
+    ) -> WorkerSession:
+        """Rebuild a session from its persisted documents (W§10.9–10.10).
+
+        The key is re-derived from ``scope_key`` and the persisted nonce; the
+        highest seen scope revision starts at the store's head revision.
+        """
+        _check_lease(lease)
+        opening = decode_struct(persisted.opening, _OpeningDocument)
+        state = decode_struct(persisted.state, _StateDocument)
+        session_id = persisted.session_id
+        _check_document_location(
+            opening.format_version, opening.scope, opening.session_id, scope, session_id
+        )
+        _check_document_location(
+            state.format_version, state.scope, state.session_id, scope, session_id
+        )
+        if persisted.status != state.status:
+            raise SerializationError("session status disagrees with its state document")
+        manifest = opening.manifest
+        manifest.validate()
+        if manifest.session_id != session_id:
+            raise RecordLocationMismatch(session_id, manifest.session_id)
+        if not opening.reply_to:
+            raise SerializationError("session opening document lacks a reply queue")
+        nonce = parse_key_nonce_hex(opening.key_nonce)
+        counters = state.reconciliations
+        if not _count(counters.total) or not all(
+            is_token(tool) and _count(n) and n > 0 for tool, n in counters.by_tool.items()
+        ):
+            raise SerializationError("session state: invalid reconciliation counters")
+        if sum(counters.by_tool.values()) != counters.total:
+            raise SerializationError("session state: reconciliation counters disagree")
+        key = SessionKey.derive(scope_key, scope, session_id, nonce)
+        doc = state.authenticator
+        authenticator = SessionAuthenticator.restore(
+            session_id,
+            key,
+            SessionRole.WORKER,
+            AuthenticatorState(
+                doc.next_outgoing, doc.inbound_highest, _parse_seen(doc.inbound_seen)
+            ),
+        )
+        authorizer = SessionAuthorizer.restore(manifest, state.authorizer)
+        head = await store.head_revision(scope)
+        session = cls(
+            scope=scope,
+            session_id=session_id,
+            key_nonce=nonce,
+            reply_to=opening.reply_to,
+            manifest=manifest,
+            authenticator=authenticator,
+            authorizer=authorizer,
+            status=state.status,
+            reconciliations_total=counters.total,
+            reconciliations_by_tool=counters.by_tool,
+            state_revision=persisted.revision,
+            highest_revision=max(head, persisted.revision),
+            lease=lease,
+            adapters=adapters,
+            limits=limits,
+        )
+        session._log.info("session_restored", status=state.status, revision=persisted.revision)
+        return session
+
+    # -- read-only views -----------------------------------------------------------
+
+    @property
+    def scope(self) -> str:
+        return self._scope
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    @property
+    def status(self) -> SessionStatus:
+        return self._status
+
+    @property
+    def reply_to(self) -> str:
+        """The reply queue recorded at ``open_session``: every reply goes there."""
+        return self._reply_to
+
+    @property
+    def key_nonce(self) -> bytes:
+        return self._key_nonce
+
+    @property
+    def manifest(self) -> CapabilityManifest:
+        return self._manifest
+
+    @property
+    def highest_revision(self) -> int:
+        """The highest scope revision this session's commits returned (W§10.1)."""
+        return self._highest_revision
+
+    @property
+    def best_effort_sequence_high(self) -> int:
+        """Highest outbound sequence sealed without a commit (0 when none).
+
+        The daemon's first commit under a new fence persists ``next_outgoing``
+        past it (W§10.11 rule 2): see :meth:`persist_poisoned`.
+        """
+        return self._best_effort_high
+
+    def calls_for(self, tool: str) -> int:
+        return self._authorizer.calls_for(tool)
+
+    def compensations_for(self, tool: str) -> int:
+        return self._authorizer.compensations_for(tool)
+
+    def reconciliations(self) -> tuple[int, dict[str, int]]:
+        """(session total, per tool) reconciliations spent."""
+        return self._reconciliations_total, dict(self._reconciliations_by_tool)
+
+    def confirm_published(self, message_id: str) -> None:
+        """Note an outbox row whose (re)publish the broker confirmed.
+
+        It is deleted inside this session's next commit, never in a commit
+        of its own (PROTOCOL.md §2.4).
+        """
+        if message_id not in self._confirmed:
+            self._confirmed.append(message_id)
+
+    async def persist_poisoned(self, store: WorkerSessionStore, *, sealed_through: int = 0) -> int:
+        """Record this (restored) session as ``poisoned`` (W§10.9 step 4, §10.11 rule 2).
+
+        ``sealed_through`` is the replaced session's
+        :attr:`best_effort_sequence_high`; ``next_outgoing`` is persisted past
+        it. One session-only commit; its error propagates to the daemon.
+        """
+        async with self._lock:
+            self._authenticator.reserve_outgoing(sealed_through + 1)
+            self._status = _POISONED
+            try:
+                return await self._commit_locked(store)
+            except _CommitFailed as failed:
+                raise failed.error from None
+
+    # -- handling ------------------------------------------------------------------
+
+    async def handle(self, frame: bytes, store: WorkerSessionStore, delivery: Delivery) -> None:
+        """Handle one delivered frame (W§10.5–10.9). Raises only ``CancelledError``."""
+        run = _Run(delivery=delivery, store=store, log=self._log)
+        try:
+            if self._status == _CLOSED:
+                # W§10.11 rule 9: no open(), no state change.
+                await run.dead_letter("session_closed")
+                return
+            key = _peek_operation_key(frame)
+            if key is None:
+                await self._handle(frame, run)
+                return
+            async with _key_lock(store, self._scope, key):
+                try:
+                    run.records = await store.load_records(self._scope, [key])
+                except asyncio.CancelledError:
+                    raise
+                except OctoError as exc:
+                    run.load_error = exc
+                except Exception as exc:
+                    run.load_error = StorageBackendError(type(exc).__name__)
+                await self._handle(frame, run)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # A defect, never a protocol answer: leave the frame to the broker.
+            run.log.error("session_handle_failed", error=type(exc).__name__)
+            await run.requeue()
+
+    async def _handle(self, frame: bytes, run: _Run) -> None:
+        async with self._lock:
+            step = await self._prologue_locked(frame, run)
+        while isinstance(step, _AdapterStep):
+            if step.ack_first:
+                await run.ack()
+            run.adapter_ran = run.adapter_ran or step.effectful
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = await call_adapter(
+                    step.call, deadline_seconds=step.deadline, returns=step.returns
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                error = exc
+            async with self._lock:
+                step = await step.after(result, error)
+        await self._finish(step, run)
+
+    async def _finish(self, step: _Final, run: _Run) -> None:
+        if isinstance(step, _Reply):
+            published = await run.publish(step.frame, step.correlation_id)
+            if published:
+                if step.outboxed:
+                    self.confirm_published(message_id(step.frame))
+                await run.ack()
+            else:
+                # The reply stays in the outbox and is republished after a restart.
+                await run.requeue()
+        elif isinstance(step, _Ack):
+            await run.ack()
+        elif isinstance(step, _DeadLetter):
+            await run.dead_letter(step.reason)
+        else:
+            await run.requeue()
+
+    async def _prologue_locked(self, frame: bytes, run: _Run) -> _Step:
+        if self._status == _CLOSED:
+            return _DeadLetter("session_closed")
+        duplicate = False
+        try:
+            message: WorkerMessage = self._authenticator.open(frame)
+        except DuplicateFrame as dup:
+            message = dup.message
+            duplicate = True
+        except OctoError as exc:
+            run.log.info("frame_refused", code=exc.code)
+            return _DeadLetter(exc.code)
+        kind = message_type(message)
+        run.log = run.log.bind(type=kind, duplicate=duplicate)
+        if self._status == _POISONED:
+            return await self._poisoned_locked(message, kind, run)
+        if duplicate:
+            return await self._duplicate_locked(message, run)
+        if isinstance(message, Invoke):
+            return await self._invoke_locked(message, run)
+        if isinstance(message, DispatchOperation):
+            return await self._dispatch_locked(message, run)
+        if isinstance(message, CompensateOperation):
+            return await self._compensate_locked(message, run)
+        if isinstance(message, ReconcileOperation):
+            return await self._reconcile_locked(message, run)
+        if isinstance(message, CloseSession):
+            return await self._close_locked(run)
+        if isinstance(message, Cancel):
+            run.name_request("cancel", message.request.cancellation_id)
+            return await self._refuse_locked(run, UnsupportedMessage("cancel"))
+        if isinstance(message, OpenSession):
+            return await self._session_only_then_dead_letter(run, SessionReplay(self._session_id))
+        return await self._session_only_then_dead_letter(run, UnexpectedMessage(kind))
+
+    # -- poisoned sessions and duplicates (W§10.7, W§10.9, §10.11 rule 3) -------------
+
+    async def _poisoned_locked(self, message: WorkerMessage, kind: str, run: _Run) -> _Step:
+        if isinstance(message, CloseSession):
+            return await self._close_locked(run)
+        if kind not in _REQUEST_TYPES:
+            return _Ack()
+        self._name_any_request(message, run)
+        frame = self._seal_best_effort(run, SessionPoisoned())
+        # Nothing to publish: there is no answer to wait for, so drop the frame.
+        return _Ack() if frame is None else _Reply(frame, run.request_id, outboxed=False)
+
+    def _name_any_request(self, message: WorkerMessage, run: _Run) -> None:
+        if isinstance(message, Invoke):
+            run.name_request("invoke", message.invocation.request_id)
+        elif isinstance(message, DispatchOperation):
+            run.name_request("dispatch", message.request.request_id, message.request.operation_key)
+        elif isinstance(message, CompensateOperation):
+            request = message.request
+            run.name_request(
+                "compensate", request.request_id, request.operation_key, request.compensation_key
+            )
+        elif isinstance(message, ReconcileOperation):
+            run.name_request("reconcile", message.request.request_id, message.request.operation_key)
+        elif isinstance(message, Cancel):
+            run.name_request("cancel", message.request.cancellation_id)
+
+    async def _duplicate_locked(self, message: WorkerMessage, run: _Run) -> _Step:
+        # D5: no authorization, no budget, no adapter, no journal change.
+        if isinstance(message, DispatchOperation):
+            request = message.request
+            run.name_request("dispatch", request.request_id, request.operation_key)
+            journal = self._journal_or_none(run)
+            if journal is None:
+                return await self._refuse_load_error(run)
+            try:
+                existing = journal.lookup_operation(request, self._manifest.grant(request.tool))
+                if isinstance(existing.state, Pending):
+                    raise PendingOperation(request.operation_key)
+                answer: WorkerMessage = OperationResult(
+                    OperationReconcileResult(
+                        self._session_id,
+                        request.request_id,
+                        request.tool,
+                        request.operation_key,
+                        existing.state,
+                    )
+                )
+            except OctoError as exc:
+                return await self._refuse_locked(run, exc)
+            return await self._respond_locked(run, answer)
+        if isinstance(message, CompensateOperation):
+            comp = message.request
+            run.name_request(
+                "compensate", comp.request_id, comp.operation_key, comp.compensation_key
+            )
+            journal = self._journal_or_none(run)
+            if journal is None:
+                return await self._refuse_load_error(run)
+            try:
+                existing = journal.lookup_compensation(comp, self._manifest.grant(comp.tool))
+                if isinstance(existing.state, Pending):
+                    raise PendingCompensation(comp.operation_key)
+                answer = CompensationResult(
+                    OperationCompensationResult(
+                        self._session_id, comp.request_id, comp.binding, existing.state
+                    )
+                )
+            except OctoError as exc:
+                return await self._refuse_locked(run, exc)
+            return await self._respond_locked(run, answer)
+        if isinstance(message, ReconcileOperation):
+            rec = message.request
+            run.name_request("reconcile", rec.request_id, rec.operation_key)
+            journal = self._journal_or_none(run)
+            if journal is None:
+                return await self._refuse_load_error(run)
+            try:
+                existing = journal.lookup_reconciliation(rec, self._manifest.grant(rec.tool))
+                if isinstance(existing.state, Pending):
+                    raise PendingOperation(rec.operation_key)
+                answer = ReconciledOperation(
+                    OperationReconcileResult(
+                        self._session_id,
+                        rec.request_id,
+                        rec.tool,
+                        rec.operation_key,
+                        existing.state,
+                    )
+                )
+            except OctoError as exc:
+                return await self._refuse_locked(run, exc)
+            return await self._respond_locked(run, answer)
+        run.log.info("duplicate_dropped")
+        return _Ack()
+
+    # -- per message type (W§10.6) -------------------------------------------------
+
+    async def _invoke_locked(self, message: Invoke, run: _Run) -> _Step:
+        invocation = message.invocation
+        run.name_request("invoke", invocation.request_id)
+        try:
+            auth = self._authorizer.authorize(invocation)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        tool = invocation.tool
+        adapter = self._adapters.get(tool)
+        if adapter is None:
+            return await self._refuse_locked(run, MissingAdapter(tool))
+        if _declaration(adapter.invocation_safety) is None:
+            return await self._refuse_locked(run, InvocationSafetyNotDeclared(tool))
+        try:
+            await self._commit_locked(run.store)
+        except _CommitFailed as failed:
+            return self._poisoned_answer_locked(run, failed.error)
+        grant = auth.grant
+
+        async def after(result: Any, error: BaseException | None) -> _Final:
+            return await self._after_invoke_locked(run, auth, result, error)
+
+        return _AdapterStep(
+            call=lambda: adapter.invoke(invocation, grant),
+            after=after,
+            ack_first=True,
+            deadline=adapter_deadline(adapter),
+            returns=ToolPayload,
+            effectful=False,
+        )
+
+    async def _after_invoke_locked(
+        self, run: _Run, auth: AuthorizedInvocation, payload: Any, error: BaseException | None
+    ) -> _Final:
+        tool = auth.request.tool
+        if error is not None:
+            return await self._refuse_locked(run, AdapterError(tool, _adapter_code(error)))
+        if not isinstance(payload, ToolPayload):
+            return await self._refuse_locked(run, AdapterError(tool, AdapterFailed.code))
+        try:
+            result = ToolResult(self._session_id, auth.request.request_id, payload)
+            self._authorizer.validate_result(auth, result)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        return await self._respond_locked(run, Result(result))
+
+    async def _dispatch_locked(self, message: DispatchOperation, run: _Run) -> _Step:
+        request = message.request
+        key = request.operation_key
+        run.name_request("dispatch", request.request_id, key)
+        try:
+            auth = self._authorizer.authorize_operation(request)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        adapter = self._adapters.get(request.tool)
+        if adapter is None:
+            return await self._refuse_locked(run, MissingAdapter(request.tool))
+        if _declaration(adapter.durable_operation_contract) is None:
+            return await self._refuse_locked(run, DurableOperationContractNotDeclared(request.tool))
+        journal = self._journal_or_none(run)
+        if journal is None:
+            return await self._refuse_load_error(run)
+        try:
+            admission = journal.admit(auth)
+            if isinstance(admission, Existing):
+                if isinstance(admission.state, Pending):
+                    raise PendingOperation(key)
+                result = OperationReconcileResult(
+                    self._session_id, request.request_id, request.tool, key, admission.state
+                )
+                self._authorizer.validate_operation_result(auth, result)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        if isinstance(admission, Existing):
+            run.log.info("dispatch_existing", state=str(admission.state.kind))
+            return await self._respond_locked(run, OperationResult(result))
+        try:
+            revision = await self._commit_locked(run.store, journal=journal.changeset())
+        except _CommitFailed as failed:
+            return self._poisoned_answer_locked(run, failed.error)
+        journal.rebase(revision)
+        run.log.info("dispatch_admitted", revision=revision)
+        grant = auth.grant
+
+        async def after(status: Any, error: BaseException | None) -> _Final:
+            return await self._after_dispatch_locked(run, auth, journal, status, error)
+
+        return _AdapterStep(
+            call=lambda: adapter.dispatch_operation(request, grant),
+            after=after,
+            ack_first=True,
+            deadline=adapter_deadline(adapter),
+            returns=_STATUS_TYPES,
+        )
+
+    async def _after_dispatch_locked(
+        self,
+        run: _Run,
+        auth: AuthorizedOperationInvocation,
+        journal: WorkerOperationJournal,
+        status: Any,
+        error: BaseException | None,
+    ) -> _Final:
+        request = auth.request
+        key = request.operation_key
+        if error is not None:
+            if isinstance(error, AdapterIndeterminate):
+                return await self._refuse_locked(run, IndeterminateOperation(key, "adapter"))
+            return await self._refuse_locked(run, AdapterError(request.tool, _adapter_code(error)))
+        protocol = IndeterminateOperation(key, "protocol")
+        if not isinstance(status, _STATUS_TYPES):
+            return await self._refuse_locked(run, protocol)
+        try:
+            journal.observe(auth, status)
+        except OctoError:
+            return await self._refuse_locked(run, protocol)
+        try:
+            result = OperationReconcileResult(
+                self._session_id, request.request_id, request.tool, key, status
+            )
+            self._authorizer.validate_operation_result(auth, result)
+            frame = self._authenticator.seal(OperationResult(result))
+        except OctoError:
+            # The observation is dropped: the refusal commits no journal change.
+            return await self._refuse_locked(run, protocol)
+        run.log.info("dispatch_observed", state=str(status.kind))
+        return await self._commit_reply_locked(run, frame, journal.changeset())
+
+    async def _compensate_locked(self, message: CompensateOperation, run: _Run) -> _Step:
+        request = message.request
+        key = request.operation_key
+        run.name_request("compensate", request.request_id, key, request.compensation_key)
+        run.log = run.log.bind(grant_fingerprint=request.grant_fingerprint)
+        try:
+            auth = self._authorizer.authorize_compensation(request)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        adapter = self._adapters.get(request.tool)
+        if adapter is None:
+            return await self._refuse_locked(run, MissingAdapter(request.tool))
+        if _declaration(adapter.durable_operation_contract) is None:
+            return await self._refuse_locked(run, DurableOperationContractNotDeclared(request.tool))
+        journal = self._journal_or_none(run)
+        if journal is None:
+            return await self._refuse_load_error(run)
+        try:
+            admission = journal.admit_compensation(auth)
+            if isinstance(admission, Existing):
+                if isinstance(admission.state, Pending):
+                    raise PendingCompensation(key)
+                result = OperationCompensationResult(
+                    self._session_id, request.request_id, request.binding, admission.state
+                )
+                self._authorizer.validate_compensation_result(auth, result)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        if isinstance(admission, Existing):
+            run.log.info("compensation_existing", state=str(admission.state.kind))
+            return await self._respond_locked(run, CompensationResult(result))
+        try:
+            revision = await self._commit_locked(run.store, journal=journal.changeset())
+        except _CommitFailed as failed:
+            return self._poisoned_answer_locked(run, failed.error)
+        journal.rebase(revision)
+        run.log.info("compensation_admitted", revision=revision)
+        grant = auth.grant
+
+        async def after(status: Any, error: BaseException | None) -> _Final:
+            return await self._after_compensate_locked(run, auth, journal, status, error)
+
+        return _AdapterStep(
+            call=lambda: adapter.compensate_operation(request, grant),
+            after=after,
+            ack_first=True,
+            deadline=adapter_deadline(adapter),
+            returns=_STATUS_TYPES,
+        )
+
+    async def _after_compensate_locked(
+        self,
+        run: _Run,
+        auth: AuthorizedOperationCompensation,
+        journal: WorkerOperationJournal,
+        status: Any,
+        error: BaseException | None,
+    ) -> _Final:
+        request = auth.request
+        key = request.operation_key
+        cmp_key = request.compensation_key
+        if error is not None:
+            if isinstance(error, AdapterIndeterminate):
+                return await self._refuse_locked(
+                    run, IndeterminateCompensation(key, cmp_key, "adapter")
+                )
+            return await self._refuse_locked(run, AdapterError(request.tool, _adapter_code(error)))
+        protocol = IndeterminateCompensation(key, cmp_key, "protocol")
+        if not isinstance(status, _STATUS_TYPES):
+            return await self._refuse_locked(run, protocol)
+        try:
+            journal.observe_compensation(auth, status)
+        except OctoError:
+            return await self._refuse_locked(run, protocol)
+        try:
+            result = OperationCompensationResult(
+                self._session_id, request.request_id, request.binding, status
+            )
+            self._authorizer.validate_compensation_result(auth, result)
+            frame = self._authenticator.seal(CompensationResult(result))
+        except OctoError:
+            return await self._refuse_locked(run, protocol)
+        run.log.info("compensation_observed", state=str(status.kind))
+        return await self._commit_reply_locked(run, frame, journal.changeset())
+
+    async def _reconcile_locked(self, message: ReconcileOperation, run: _Run) -> _Step:
+        request = message.request
+        tool = request.tool
+        run.name_request("reconcile", request.request_id, request.operation_key)
+        try:
+            auth = self._authorizer.authorize_reconciliation(request)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        journal = self._journal_or_none(run)
+        if journal is None:
+            return await self._refuse_load_error(run)
+        try:
+            journal.validate_reconciliation(auth)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        # Session total first, then per tool (W§10.6 reconcile step 3).
+        if self._reconciliations_total >= self._limits.per_session:
+            return await self._refuse_locked(
+                run, ReconciliationSessionBudgetExhausted(self._limits.per_session)
+            )
+        if self._reconciliations_by_tool.get(tool, 0) >= self._limits.per_tool:
+            return await self._refuse_locked(
+                run, ReconciliationBudgetExhausted(tool, self._limits.per_tool)
+            )
+        self._reconciliations_total += 1
+        self._reconciliations_by_tool[tool] = self._reconciliations_by_tool.get(tool, 0) + 1
+        adapter = self._adapters.get(tool)
+        if adapter is None:
+            return await self._refuse_locked(run, MissingAdapter(tool))
+        grant = auth.grant
+
+        async def after(status: Any, error: BaseException | None) -> _Final:
+            return await self._after_reconcile_locked(run, auth, journal, status, error)
+
+        # A status lookup has no effect: it may run before anything is committed
+        # (S1), and the delivery is acked only after the answer is published.
+        return _AdapterStep(
+            call=lambda: adapter.reconcile_operation(request, grant),
+            after=after,
+            ack_first=False,
+            deadline=adapter_deadline(adapter),
+            returns=_STATUS_TYPES,
+            effectful=False,
+        )
+
+    async def _after_reconcile_locked(
+        self,
+        run: _Run,
+        auth: AuthorizedOperationReconciliation,
+        journal: WorkerOperationJournal,
+        status: Any,
+        error: BaseException | None,
+    ) -> _Final:
+        request = auth.request
+        if error is not None:
+            return await self._refuse_locked(run, AdapterError(request.tool, _adapter_code(error)))
+        if not isinstance(status, _STATUS_TYPES):
+            return await self._refuse_locked(run, AdapterError(request.tool, AdapterFailed.code))
+        try:
+            journal.observe_reconciliation(auth, status)
+            result = OperationReconcileResult(
+                self._session_id, request.request_id, request.tool, request.operation_key, status
+            )
+            self._authorizer.validate_reconciliation_result(auth, result)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        run.log.info("reconciled", state=str(status.kind))
+        return await self._respond_locked(run, ReconciledOperation(result), journal.changeset())
+
+    async def _close_locked(self, run: _Run) -> _Step:
+        previous = self._status
+        self._status = _CLOSED
+        try:
+            await self._commit_locked(run.store)
+        except _CommitFailed as failed:
+            return self._poisoned_answer_locked(run, failed.error)
+        run.log.info("session_closed", previous=previous)
+        return _Ack()
+
+    async def _session_only_then_dead_letter(self, run: _Run, error: OctoError) -> _Step:
+        # S1: the window bit is durable before the frame is dead-lettered.
+        try:
+            await self._commit_locked(run.store)
+        except _CommitFailed as failed:
+            return self._poisoned_answer_locked(run, failed.error)
+        run.log.info("frame_dead_lettered", code=error.code)
+        return _DeadLetter(error.code)
+
+    # -- refuse / respond (W§10.5, W§10.8) ----------------------------------------
+
+    async def _refuse_locked(self, run: _Run, error: OctoError) -> _Final:
+        """refuse(error): seal a ``request_rejected``, commit it with the state, publish."""
+        run.log.info("request_refused", code=error.code)
+        assert run.request_id is not None
+        try:
+            frame = self._authenticator.seal(self._rejection(run, error))
+        except OctoError as exc:
+            # Nothing can be sent; the frame is still made durable before the ack (S1).
+            run.log.warning("refusal_seal_failed", code=exc.code)
+            try:
+                await self._commit_locked(run.store)
+            except _CommitFailed as failed:
+                return self._poisoned_answer_locked(run, failed.error)
+            return _Ack()
+        return await self._commit_reply_locked(run, frame, None)
+
+    async def _refuse_load_error(self, run: _Run) -> _Final:
+        # W§10.11 rule 7: a load error is refused with its code; nothing poisons.
+        assert run.load_error is not None
+        return await self._refuse_locked(run, run.load_error)
+
+    async def _respond_locked(
+        self, run: _Run, message: WorkerMessage, changes: JournalChangeset | None = None
+    ) -> _Final:
+        """respond(message, changes): seal, commit changes + state + outbox, publish."""
+        try:
+            frame = self._authenticator.seal(message)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        return await self._commit_reply_locked(run, frame, changes)
+
+    async def _commit_reply_locked(
+        self, run: _Run, frame: bytes, changes: JournalChangeset | None
+    ) -> _Final:
+        entry = OutboxEntry(
+            message_id=message_id(frame),
+            session_id=self._session_id,
+            reply_to=self._reply_to,
+            correlation_id=run.request_id,
+            frame=frame,
+            revision=0,
+        )
+        try:
+            await self._commit_locked(run.store, journal=changes, outbox=entry)
+        except _CommitFailed as failed:
+            return self._poisoned_answer_locked(run, failed.error)
+        return _Reply(frame, run.request_id)
+
+    def _rejection(self, run: _Run, error: OctoError) -> RequestRejected:
+        assert run.request_id is not None
+        return RequestRejected(
+            self._session_id,
+            run.request_id,
+            error.code,
+            run.operation_key,
+            run.compensation_key,
+        )
+
+    # -- commits and poisoning (W§10.1, W§10.9) ------------------------------------
+
+    async def _commit_locked(
+        self,
+        store: WorkerSessionStore,
+        *,
+        journal: JournalChangeset | None = None,
+        outbox: OutboxEntry | None = None,
+    ) -> int:
+        """One commit of the session state (plus journal rows and an outbox row).
+
+        Raises ``_CommitFailed`` after poisoning the session in memory.
+        """
+        deletes = list(self._confirmed)
+        changes = WorkerCommit(
+            journal=journal if journal else None,
+            sessions={
+                self._session_id: SessionDocuments(
+                    state=self._state_document(), base_revision=self._state_revision
+                )
+            },
+            outbox_insert=[outbox] if outbox is not None else [],
+            outbox_delete=deletes,
+        )
+        cancelled = False
+        task = asyncio.ensure_future(store.commit(self._scope, self._lease, changes))
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The commit goes on (the store shields it); learn its outcome so
+                # memory matches the disk, then stop.
+                cancelled = True
+            except Exception:  # noqa: S110 - read from the task below
+                pass
+        failure: OctoError | None = None
+        revision = 0
+        if task.cancelled():
+            failure = StorageBackendError("commit cancelled")
+        elif (exc := task.exception()) is not None:
+            failure = exc if isinstance(exc, OctoError) else StorageBackendError(type(exc).__name__)
+        else:
+            revision = task.result()
+            if isinstance(revision, bool) or not isinstance(revision, int):
+                failure = InvalidJournalRevision(self._highest_revision + 1, -1)
+            elif revision <= self._highest_revision:
+                failure = InvalidJournalRevision(self._highest_revision + 1, revision)
+        if failure is not None:
+            self._poison_in_memory(failure)
+            if cancelled:
+                raise asyncio.CancelledError()
+            raise _CommitFailed(failure)
+        self._highest_revision = revision
+        self._state_revision = revision
+        for done in deletes:
+            with contextlib.suppress(ValueError):
+                self._confirmed.remove(done)
+        self._durable = self._snapshot()
+        if cancelled:
+            raise asyncio.CancelledError()
+        return revision
+
+    def _poison_in_memory(self, failure: OctoError) -> None:
+        """W§10.9 step 1: back to the last durable point, then ``poisoned``.
+
+        Budgets, request ids and reconciliation counters go back to the
+        snapshot of the last successful commit. The authenticator is kept as
+        it is: its outbound counter only ever moves forward, so a sequence
+        sealed for a frame that was never committed is not reused for the
+        refusal (the property W§10.11 rule 2 protects), and the window bits it
+        gained belong to frames that a poisoned session answers
+        ``session_poisoned`` whether or not they count as duplicates. The
+        daemon's reload restores the durable window from the store.
+        """
+        durable = self._durable
+        self._authorizer = SessionAuthorizer.restore(self._manifest, durable.authorizer)
+        self._reconciliations_total = durable.total
+        self._reconciliations_by_tool = dict(durable.by_tool)
+        self._status = _POISONED
+        self._log.error("session_poisoned", code=failure.code)
+
+    def _poisoned_answer_locked(self, run: _Run, failure: OctoError) -> _Final:
+        """W§10.9 step 2: a best-effort refusal with the failure's code, no commit."""
+        if run.request_id is None:
+            return _Requeue()
+        error = self._poison_refusal(run, failure)
+        frame = self._seal_best_effort(run, error)
+        if frame is None:
+            return _Requeue()
+        return _Reply(frame, run.request_id, outboxed=False)
+
+    @staticmethod
+    def _poison_refusal(run: _Run, failure: OctoError) -> OctoError:
+        revision = isinstance(failure, InvalidJournalRevision)
+        if run.adapter_ran and run.kind == "dispatch" and run.operation_key is not None:
+            cause = "invalid_journal_revision" if revision else "journal"
+            return IndeterminateOperation(run.operation_key, cause)
+        if (
+            run.adapter_ran
+            and run.kind == "compensate"
+            and run.operation_key is not None
+            and run.compensation_key is not None
+        ):
+            cause = "invalid_journal_revision" if revision else "journal"
+            return IndeterminateCompensation(run.operation_key, run.compensation_key, cause)
+        if revision:
+            return failure
+        return JournalPersistenceFailed(failure.code)
+
+    def _seal_best_effort(self, run: _Run, error: OctoError) -> bytes | None:
+        try:
+            frame = self._authenticator.seal(self._rejection(run, error))
+        except OctoError as exc:
+            run.log.warning("refusal_seal_failed", code=exc.code)
+            return None
+        sequence = self._authenticator.export_state().next_outgoing - 1
+        self._best_effort_high = max(self._best_effort_high, sequence)
+        run.log.info("request_refused_best_effort", code=error.code, sequence=sequence)
+        return frame
+
+    # -- state -------------------------------------------------------------------
+
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(
+            authenticator=self._authenticator.export_state(),
+            authorizer=self._authorizer.export_state(),
+            total=self._reconciliations_total,
+            by_tool=dict(self._reconciliations_by_tool),
+        )
+
+    def _opening_document(self) -> bytes:
+        return encode_struct(
+            _OpeningDocument(
+                format_version=WORKER_SESSION_FORMAT_VERSION,
+                scope=self._scope,
+                session_id=self._session_id,
+                key_nonce=self._key_nonce.hex(),
+                reply_to=self._reply_to,
+                manifest=self._manifest,
+            )
+        )
+
+    def _state_document(self) -> bytes:
+        auth = self._authenticator.export_state()
+        return encode_struct(
+            _StateDocument(
+                format_version=WORKER_SESSION_FORMAT_VERSION,
+                scope=self._scope,
+                session_id=self._session_id,
+                status=self._status,
+                authenticator=_AuthenticatorDocument(
+                    next_outgoing=auth.next_outgoing,
+                    inbound_highest=auth.inbound_highest,
+                    inbound_seen=_seen_hex(auth.inbound_seen),
+                ),
+                authorizer=self._authorizer.export_state(),
+                reconciliations=_ReconciliationDocument(
+                    total=self._reconciliations_total,
+                    by_tool=dict(sorted(self._reconciliations_by_tool.items())),
+                ),
+            )
+        )
+
+    def _journal_or_none(self, run: _Run) -> WorkerOperationJournal | None:
+        if run.load_error is not None or run.records is None:
+            if run.load_error is None:
+                run.load_error = StorageBackendError("records were not loaded")
+            return None
+        try:
+            return WorkerOperationJournal(self._scope, run.records)
+        except OctoError as exc:
+            run.load_error = exc
+            return None
+
+
+# Helpers --------------------------------------------------------------------
+
+
+def _check_lease(lease: object) -> None:
+    # W§10.11 rule 8: only a store-issued lease (token >= 1) is a lease.
+    if not isinstance(lease, WorkerJournalLease) or lease.token < 1:
+        raise InvalidJournalLease()
+
+
+def _declaration(method: Callable[[], object]) -> object | None:
+    # A declaration that cannot be read is no declaration.
+    try:
+        return method()
+    except Exception:
+        return None
+
+
+def _adapter_code(error: BaseException) -> str:
+    if isinstance(error, OctoError):
+        return error.code
+    return AdapterFailed.code
