@@ -24,17 +24,18 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import blake3
 import msgspec
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from octo_common.codec import decode_struct
+from octo_common.digest import be64, lp
 from octo_common.errors import (
     ActiveKeyCannotBeRetired,
     DuplicateKeyId,
@@ -99,14 +100,6 @@ _BASE64_TEXT = re.compile(r"[A-Za-z0-9+/]*")
 def _is_storage_token(value: object, maximum: int) -> bool:
     # W§3 token syntax (ASCII only, so characters are bytes) with a tighter bound.
     return is_token(value) and len(value) <= maximum  # type: ignore[arg-type]
-
-
-def _lp(data: bytes) -> bytes:
-    return len(data).to_bytes(8, "big") + data
-
-
-def _be64(value: int) -> bytes:
-    return value.to_bytes(8, "big")
 
 
 def _is_u64(value: object) -> bool:
@@ -405,11 +398,11 @@ def storage_record_tag(
         (
             STORAGE_RECORD_DOMAIN,
             bytes((AUTHENTICATED_RECORD_FORMAT_VERSION,)),
-            _lp(record.namespace.encode("utf-8")),
-            _lp(record.name.encode("utf-8")),
-            _lp(key_id.encode("utf-8")),
-            _be64(revision),
-            _lp(payload),
+            lp(record.namespace.encode("utf-8")),
+            lp(record.name.encode("utf-8")),
+            lp(key_id.encode("utf-8")),
+            be64(revision),
+            lp(payload),
         )
     )
     return str(blake3.blake3(message, key=key.reveal()).hexdigest())
@@ -455,77 +448,27 @@ def seal_record(
     return envelope
 
 
-class _StrictJsonError(Exception):
-    """Internal: the text is not strict JSON of the expected shape."""
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    """The stored envelope document (H§17.2); field order is the wire order."""
+
+    # format_version is hashed as one byte (u8); revisions are u64.
+    format_version: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    key_id: str
+    # The codec turns integers beyond 2^64 - 1 into doubles, which an int
+    # field refuses; msgspec cannot express that upper bound itself.
+    revision: Annotated[int, msgspec.Meta(ge=0)]
+    payload: str
+    auth_tag: str
 
 
-def _reject_constant(name: str) -> NoReturn:
-    raise _StrictJsonError(f"{name} is not allowed")
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in result:
-            raise _StrictJsonError("duplicate field")
-        result[name] = value
-    return result
-
-
-def _strict_json_object(data: bytes) -> dict[str, Any]:
-    """Parse UTF-8 JSON text whose top level is an object (W§5.1 rules).
-
-    Duplicate keys, NaN/Infinity, raw control characters, lone surrogates and
-    non-UTF-8 bytes are refused. Numbers with a fraction or exponent come back
-    as floats, so a typed field that wants an int refuses them.
-    """
-    try:
-        text = data.decode("utf-8")
-        value = json.loads(
-            text,
-            object_pairs_hook=_unique_object,
-            parse_constant=_reject_constant,
-        )
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _StrictJsonError("not strict JSON") from exc
-    if not isinstance(value, dict):
-        raise _StrictJsonError("top level is not an object")
-    return value
-
-
-def _has_lone_surrogate(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-_ENVELOPE_FIELDS = ("format_version", "key_id", "revision", "payload", "auth_tag")
-
-
-def _parse_envelope(data: bytes) -> tuple[int, str, int, str, str]:
-    """H§17.4 step 3: strict envelope parse (fields, types, ranges)."""
-    try:
-        fields = _strict_json_object(data)
-    except _StrictJsonError as exc:
-        raise InvalidEnvelope(str(exc)) from None
-    if set(fields) != set(_ENVELOPE_FIELDS):
-        raise InvalidEnvelope("unknown or missing field")
-    version = fields["format_version"]
-    key_id = fields["key_id"]
-    revision = fields["revision"]
-    payload = fields["payload"]
-    tag = fields["auth_tag"]
-    # format_version is a u8 (it is hashed as one byte); revision is a u64.
-    if type(version) is not int or not 0 <= version <= 255:
-        raise InvalidEnvelope("format_version must be an unsigned 8-bit integer")
-    if not _is_u64(revision):
+def _parse_envelope(data: bytes) -> _Envelope:
+    """H§17.4 step 3: strict parse; unknown, duplicate, missing fields and
+    wrong JSON types (a string format_version, a float revision) are all
+    ``InvalidEnvelope`` (H§18A.7)."""
+    envelope = decode_struct(data, _Envelope, error=InvalidEnvelope)
+    if not _is_u64(envelope.revision):
         raise InvalidEnvelope("revision must be an unsigned 64-bit integer")
-    for text in (key_id, payload, tag):
-        if not isinstance(text, str) or _has_lone_surrogate(text):
-            raise InvalidEnvelope("key_id, payload and auth_tag must be strings")
-    return version, key_id, revision, payload, tag
+    return envelope
 
 
 def _b64decode_strict(text: str) -> bytes:
@@ -560,7 +503,9 @@ def open_record(
     data = _as_bytes(stored, "stored record")
     if len(data) > MAX_AUTHENTICATED_RECORD_BYTES:  # step 2
         raise RecordTooLarge(len(data), MAX_AUTHENTICATED_RECORD_BYTES)
-    version, key_id, revision, payload_text, tag = _parse_envelope(data)  # step 3
+    parsed = _parse_envelope(data)  # step 3
+    version, key_id, revision = parsed.format_version, parsed.key_id, parsed.revision
+    payload_text, tag = parsed.payload, parsed.auth_tag
     if version != AUTHENTICATED_RECORD_FORMAT_VERSION:  # step 4
         raise UnsupportedRecordFormat(version)
     if revision == 0:  # step 5
@@ -591,15 +536,15 @@ def _document_aad(namespace: str, name: str, item: str, revision: int) -> bytes:
         raise TypeError("revision must be an unsigned 64-bit int")
     return b"".join(
         (
-            _lp(namespace.encode("utf-8")),
-            _lp(name.encode("utf-8")),
-            _lp(item.encode("utf-8")),
-            _be64(revision),
+            lp(namespace.encode("utf-8")),
+            lp(name.encode("utf-8")),
+            lp(item.encode("utf-8")),
+            be64(revision),
         )
     )
 
 
-def encrypt_document(  # noqa: PLR0917 (signature fixed by H§17.9 users)
+def encrypt_document(
     data_keyring: StorageKeyring,
     namespace: str,
     name: str,
@@ -619,10 +564,10 @@ def encrypt_document(  # noqa: PLR0917 (signature fixed by H§17.9 users)
     key_id = data_keyring.active_id
     nonce = os.urandom(_NONCE_BYTES)
     sealed = ChaCha20Poly1305(data_keyring.active_key.reveal()).encrypt(nonce, plain, aad)
-    return _lp(key_id.encode("utf-8")) + nonce + sealed
+    return lp(key_id.encode("utf-8")) + nonce + sealed
 
 
-def decrypt_document(  # noqa: PLR0917 (signature fixed by H§17.9 users)
+def decrypt_document(
     data_keyring: StorageKeyring,
     namespace: str,
     name: str,
@@ -683,8 +628,15 @@ def encode_anchor(revisions: Mapping[StorageRecordKey, int]) -> bytes:
     )
 
 
-_ANCHOR_FIELDS = frozenset(("format_version", "records"))
-_ANCHOR_ENTRY_FIELDS = frozenset(("namespace", "name", "revision"))
+class _AnchorEntry(msgspec.Struct, forbid_unknown_fields=True):
+    namespace: str
+    name: str
+    revision: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _Anchor(msgspec.Struct, forbid_unknown_fields=True):
+    format_version: int
+    records: list[_AnchorEntry]
 
 
 def decode_anchor(data: bytes) -> dict[StorageRecordKey, int]:
@@ -695,34 +647,20 @@ def decode_anchor(data: bytes) -> dict[StorageRecordKey, int]:
     (so no duplicates).
     """
     raw = _as_bytes(data, "anchor")
-    try:
-        document = _strict_json_object(raw)
-    except _StrictJsonError:
-        raise RollbackAnchorInvalid("not strict JSON") from None
-    if set(document) != _ANCHOR_FIELDS:
-        raise RollbackAnchorInvalid("unknown or missing field")
-    version = document["format_version"]
-    if type(version) is not int:
-        raise RollbackAnchorInvalid("format_version must be an integer")
-    if version != ROLLBACK_ANCHOR_FORMAT_VERSION:
+    document = decode_struct(raw, _Anchor, error=RollbackAnchorInvalid)
+    if document.format_version != ROLLBACK_ANCHOR_FORMAT_VERSION:
         raise RollbackAnchorInvalid("unsupported format_version")
-    entries = document["records"]
-    if not isinstance(entries, list):
-        raise RollbackAnchorInvalid("records must be a list")
     result: dict[StorageRecordKey, int] = {}
     previous: StorageRecordKey | None = None
-    for entry in entries:
-        if not isinstance(entry, dict) or set(entry) != _ANCHOR_ENTRY_FIELDS:
-            raise RollbackAnchorInvalid("malformed record entry")
-        revision = entry["revision"]
-        if not _is_u64(revision) or revision == 0:
-            raise RollbackAnchorInvalid("record revision must be in 1..2^64-1")
+    for entry in document.records:
         try:
-            record_key = StorageRecordKey(entry["namespace"], entry["name"])
+            record_key = StorageRecordKey(entry.namespace, entry.name)
         except (InvalidRecordNamespace, InvalidRecordName):
             raise RollbackAnchorInvalid("malformed record key") from None
         if previous is not None and not previous < record_key:
             raise RollbackAnchorInvalid("records are not sorted or repeat a key")
         previous = record_key
-        result[record_key] = revision
+        if not _is_u64(entry.revision):
+            raise RollbackAnchorInvalid("record revision must be in 1..2^64-1")
+        result[record_key] = entry.revision
     return result
