@@ -96,7 +96,12 @@ def _decoder_for(type_: Any) -> msgspec.json.Decoder[Any]:
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
 _STRUCTURAL = bytes(range(256)).translate(None, b"[]{}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-_LONG_DIGITS = re.compile(rb"[0-9]{20}")
+# One translation serves both fast-path checks: digits become "0", container
+# openers become "[", everything else a space.
+_FAST_CHECK_TABLE = bytes(
+    0x30 if 0x30 <= b <= 0x39 else 0x5B if b in (0x5B, 0x7B) else 0x20 for b in range(256)
+)
+_LONG_DIGIT_RUN = b"0" * 20
 
 
 def _nesting_exceeds(data: bytes, limit: int) -> bool:
@@ -292,9 +297,10 @@ def encode_struct(obj: Any) -> bytes:
 
 
 def _fast_candidate(raw: bytes) -> bool:
-    return (
-        raw.count(b"[") + raw.count(b"{") <= MAX_JSON_NESTING and _LONG_DIGITS.search(raw) is None
-    )
+    shape = raw.translate(_FAST_CHECK_TABLE)
+    # Few openers means no deep nesting; only an integer of 20+ digits can
+    # fall outside D1's exact range.
+    return shape.count(b"[") <= MAX_JSON_NESTING and _LONG_DIGIT_RUN not in shape
 
 
 def _reject_struct_duplicates(tree: Any, duplicated: set[int]) -> None:

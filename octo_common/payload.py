@@ -26,7 +26,7 @@ from octo_common.errors import (
     PayloadFormatMismatch,
     SerializationError,
 )
-from octo_common.limits import MAX_JSON_NESTING, MAX_JSON_PAYLOAD_DEPTH
+from octo_common.limits import MAX_JSON_PAYLOAD_DEPTH
 
 __all__ = [
     "PayloadFormat",
@@ -81,11 +81,11 @@ class ToolPayload:
         self._init(format, value, value_bytes, deep)
 
     def _init(self, fmt: str, value: Any, value_bytes: bytes | None, deep: bool | None) -> None:
-        object.__setattr__(self, "_format", fmt)
-        object.__setattr__(self, "_value", value)
-        object.__setattr__(self, "_value_bytes", value_bytes)
-        object.__setattr__(self, "_encoded", None)
-        object.__setattr__(self, "_deep", deep)
+        _set_format(self, fmt)
+        _set_value(self, value)
+        _set_value_bytes(self, value_bytes)
+        _set_encoded(self, None)
+        _set_deep(self, deep)
 
     @classmethod
     def text(cls, value: str) -> ToolPayload:
@@ -113,18 +113,25 @@ class ToolPayload:
     def _too_deep(self) -> bool:
         deep = self._deep
         if deep is None:
-            deep = _depth_exceeds(self._value, MAX_JSON_PAYLOAD_DEPTH)
-            object.__setattr__(self, "_deep", deep)
+            try:
+                data: bytes | None = self.value_bytes()
+            except SerializationError:
+                data = None
+            # With at most 31 containers in the whole encoding, no node can lie
+            # deeper than 32: the walk is needed only for bigger payloads.
+            if data is not None and data.count(b"[") + data.count(b"{") < MAX_JSON_PAYLOAD_DEPTH:
+                deep = False
+            else:
+                deep = _depth_exceeds(self._value, MAX_JSON_PAYLOAD_DEPTH)
+            _set_deep(self, deep)
         return deep
 
     def value_bytes(self) -> bytes:
         """Compact canonical encoding of the value (W§5.4)."""
         data = self._value_bytes
         if data is None:
-            if self._format == "json" and _depth_exceeds(self._value, MAX_JSON_NESTING):
-                raise JsonPayloadTooDeep(MAX_JSON_PAYLOAD_DEPTH)
             data = encode_value(self._value)
-            object.__setattr__(self, "_value_bytes", data)
+            _set_value_bytes(self, data)
         return data
 
     def encoded(self) -> bytes:
@@ -133,7 +140,7 @@ class ToolPayload:
         if data is None:
             data = b'{"format":"' + self._format.encode() + b'","value":' + self.value_bytes()
             data += b"}"
-            object.__setattr__(self, "_encoded", data)
+            _set_encoded(self, data)
         return data
 
     def validate_for(self, expected_format: str) -> int:
@@ -183,6 +190,14 @@ class ToolPayload:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ToolPayload:
         return self
+
+
+# Slot descriptors: direct stores that bypass the immutability guard.
+_set_format = ToolPayload._format.__set__  # type: ignore[attr-defined]
+_set_value = ToolPayload._value.__set__  # type: ignore[attr-defined]
+_set_value_bytes = ToolPayload._value_bytes.__set__  # type: ignore[attr-defined]
+_set_encoded = ToolPayload._encoded.__set__  # type: ignore[attr-defined]
+_set_deep = ToolPayload._deep.__set__  # type: ignore[attr-defined]
 
 
 def canonical_operation_input_bytes(payload: ToolPayload) -> bytes:
