@@ -1,0 +1,844 @@
+"""Scenarios for ``SqliteJournalStore`` on real SQLite files (W§11, H§17.7-17.10)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import stat
+from pathlib import Path
+
+import blake3
+import pytest
+
+from octo_common.errors import (
+    FencingTokenExhausted,
+    FencingTokenRejected,
+    InvalidEnvelope,
+    InvalidJournalLease,
+    InvalidRecordAuthenticationTag,
+    OperationJournalScopeMismatch,
+    RecordLocationMismatch,
+    RevisionExhausted,
+    RevisionFloorMismatch,
+    RevisionMismatch,
+    RollbackAnchorInvalid,
+    RollbackAnchorMissing,
+    RollbackDetected,
+    SessionReplay,
+    StorageBackendError,
+    UnknownKeyId,
+    WriteConflict,
+)
+from octo_common.limits import SQLITE_MAX_INTEGER
+from octo_common.payload import ToolPayload
+from octo_common.records import StorageKeyring
+from octo_common.states import Pending, Succeeded
+from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
+from octo_worker.store import (
+    OutboxEntry,
+    SessionDocuments,
+    SqliteJournalStore,
+    WorkerCommit,
+    WorkerJournalLease,
+)
+
+SCOPE = "tenant-release"
+OTHER_SCOPE = "tenant-audit"
+SECRET_TEXT = "very-secret-output-7f3a"
+
+
+def storage_keyring(key_id: str = "storage-v1", fill: int = 1) -> StorageKeyring:
+    return StorageKeyring(key_id, bytes([fill]) * 32)
+
+
+def data_keyring(key_id: str = "data-v1", fill: int = 9) -> StorageKeyring:
+    return StorageKeyring(key_id, bytes([fill]) * 32)
+
+
+def fingerprint(text: str) -> str:
+    return blake3.blake3(text.encode()).hexdigest()
+
+
+def pending(key: str, tag: str = "") -> WorkerOperationRecord:
+    return WorkerOperationRecord("math.add", key, fingerprint(key + tag), Pending())
+
+
+def succeeded(key: str, text: str = SECRET_TEXT) -> WorkerOperationRecord:
+    return WorkerOperationRecord(
+        "math.add", key, fingerprint(key), Succeeded(ToolPayload.text(text))
+    )
+
+
+def rows(scope: str, *changes: tuple[WorkerOperationRecord, int | None]) -> WorkerCommit:
+    return WorkerCommit(
+        JournalChangeset(
+            scope,
+            {record.operation_key: JournalRowChange(record, base) for record, base in changes},
+        )
+    )
+
+
+def state_doc(scope: str, session_id: str, status: str = "open", counter: int = 0) -> bytes:
+    return (
+        f'{{"format_version":1,"scope":"{scope}","session_id":"{session_id}",'
+        f'"status":"{status}","next_outgoing":{counter}}}'
+    ).encode()
+
+
+def opening_doc(scope: str, session_id: str) -> bytes:
+    return (
+        f'{{"format_version":1,"scope":"{scope}","session_id":"{session_id}",'
+        f'"reply_to":"host.replies"}}'
+    ).encode()
+
+
+def outbox(session_id: str, frame: bytes, correlation_id: str | None = "req-1") -> OutboxEntry:
+    return OutboxEntry(
+        blake3.blake3(frame).hexdigest(), session_id, "host.replies", correlation_id, frame
+    )
+
+
+def sql(
+    path: Path, statement: str, parameters: tuple[object, ...] = ()
+) -> list[tuple[object, ...]]:
+    """Edit or read the database behind the store's back, as an attacker would."""
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        return connection.execute(statement, parameters).fetchall()
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "journal" / "worker.db"
+
+
+@pytest.fixture
+async def store(db_path: Path):  # type: ignore[no-untyped-def]
+    journal_store = SqliteJournalStore(db_path, storage_keyring())
+    yield journal_store
+    await journal_store.close()
+
+
+# Round trip --------------------------------------------------------------------------
+
+
+async def test_reserve_commit_load_round_trip(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    assert lease.token == 1
+    first = await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+    second = await store.commit(
+        SCOPE, lease, rows(SCOPE, (succeeded("op-1"), first), (pending("op-2"), None))
+    )
+
+    loaded = await store.load_records(SCOPE, ["op-1", "op-2", "op-3"])
+    assert (first, second) == (1, 2)
+    assert loaded == {
+        "op-1": (succeeded("op-1"), 2),
+        "op-2": (pending("op-2"), 2),
+        "op-3": None,
+    }
+    assert await store.head_revision(SCOPE) == 2
+    assert await store.head_revision(OTHER_SCOPE) == 0
+    assert await store.scopes() == [SCOPE]
+    assert await store.list_records(SCOPE) == [(succeeded("op-1"), 2), (pending("op-2"), 2)]
+    assert await store.integrity_check() == ["ok"]
+
+
+async def test_scopes_are_independent(store: SqliteJournalStore) -> None:
+    lease_a = await store.reserve_fence(SCOPE)
+    lease_b = await store.reserve_fence(OTHER_SCOPE)
+    await store.commit(SCOPE, lease_a, rows(SCOPE, (pending("op-1"), None)))
+    revision_b = await store.commit(
+        OTHER_SCOPE, lease_b, rows(OTHER_SCOPE, (pending("op-1"), None))
+    )
+
+    assert revision_b == 1
+    assert (await store.load_records(OTHER_SCOPE, ["op-1"]))["op-1"] == (pending("op-1"), 1)
+    assert sorted(await store.scopes()) == sorted([SCOPE, OTHER_SCOPE])
+
+
+async def test_every_commit_advances_the_revision_even_when_empty(
+    store: SqliteJournalStore,
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    revisions = [await store.commit(SCOPE, lease, WorkerCommit()) for _ in range(3)]
+    assert revisions == [1, 2, 3]
+
+
+async def test_reopened_store_reads_rows_and_keeps_the_fence(db_path: Path) -> None:
+    first = SqliteJournalStore(db_path, storage_keyring())
+    lease = await first.reserve_fence(SCOPE)
+    await first.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
+    await first.close()
+
+    second = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        new_lease = await second.reserve_fence(SCOPE)
+        loaded = await second.load_records(SCOPE, ["op-1"])
+        revision = await second.commit(SCOPE, new_lease, rows(SCOPE, (pending("op-2"), None)))
+    finally:
+        await second.close()
+    assert new_lease.token == 2
+    assert loaded == {"op-1": (succeeded("op-1"), 1)}
+    assert revision == 2
+
+
+# Leases and fences -------------------------------------------------------------------
+
+
+async def test_a_lease_has_no_public_constructor_and_a_redacted_repr(
+    store: SqliteJournalStore,
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    with pytest.raises(TypeError):
+        WorkerJournalLease(1)
+    with pytest.raises(AttributeError):
+        lease._token = 5
+    assert "1" not in repr(lease)
+    with pytest.raises(InvalidJournalLease):
+        await store.commit(SCOPE, 1, WorkerCommit())  # type: ignore[arg-type]
+
+
+async def test_a_superseded_fence_cannot_write(db_path: Path) -> None:
+    store_a = SqliteJournalStore(db_path, storage_keyring())
+    store_b = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        lease_a = await store_a.reserve_fence(SCOPE)
+        lease_b = await store_b.reserve_fence(SCOPE)
+        with pytest.raises(FencingTokenRejected) as rejected:
+            await store_a.commit(SCOPE, lease_a, rows(SCOPE, (pending("op-1"), None)))
+        revision = await store_b.commit(SCOPE, lease_b, rows(SCOPE, (pending("op-1"), None)))
+    finally:
+        await store_a.close()
+        await store_b.close()
+    assert (rejected.value.current, rejected.value.supplied) == (2, 1)
+    assert revision == 1
+
+
+async def test_a_head_moved_by_another_writer_is_a_write_conflict(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+    # Another writer advanced the head without taking the fence.
+    sql(db_path, "UPDATE heads SET revision = revision + 1 WHERE name = ?", (SCOPE,))
+
+    with pytest.raises(WriteConflict) as conflict:
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
+    assert (conflict.value.expected, conflict.value.actual) == (1, 2)
+
+
+async def test_a_lease_used_by_a_store_that_never_reserved_conflicts(db_path: Path) -> None:
+    owner = SqliteJournalStore(db_path, storage_keyring())
+    stranger = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        lease = await owner.reserve_fence(SCOPE)
+        await owner.commit(SCOPE, lease, WorkerCommit())
+        # Loads never set a baseline (W§10.11 rule 5).
+        await stranger.load_records(SCOPE, ["op-1"])
+        with pytest.raises(WriteConflict):
+            await stranger.commit(SCOPE, lease, WorkerCommit())
+    finally:
+        await owner.close()
+        await stranger.close()
+
+
+async def test_fence_and_revision_exhaustion(store: SqliteJournalStore, db_path: Path) -> None:
+    await store.reserve_fence(SCOPE)
+    sql(db_path, "UPDATE heads SET fence = ?, revision = ?", (SQLITE_MAX_INTEGER - 1,) * 2)
+    lease = await store.reserve_fence(SCOPE)
+    assert lease.token == SQLITE_MAX_INTEGER
+    with pytest.raises(FencingTokenExhausted):
+        await store.reserve_fence(SCOPE)
+
+    await store.commit(SCOPE, lease, WorkerCommit())
+    with pytest.raises(RevisionExhausted):
+        await store.commit(SCOPE, lease, WorkerCommit())
+    assert await store.head_revision(SCOPE) == SQLITE_MAX_INTEGER
+
+
+# Row checks -------------------------------------------------------------------------
+
+
+async def test_stale_base_revision_is_a_write_conflict(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+    await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), 1)))
+
+    with pytest.raises(WriteConflict) as stale:
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1", "x"), 1)))
+    with pytest.raises(WriteConflict) as recreated:
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1", "x"), None)))
+    with pytest.raises(WriteConflict) as absent:
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-9"), 2)))
+
+    assert (stale.value.expected, stale.value.actual, stale.value.revision_floor) == (1, 2, 2)
+    assert (recreated.value.expected, recreated.value.actual) == (None, 2)
+    assert (absent.value.expected, absent.value.actual) == (2, None)
+    assert (await store.load_records(SCOPE, ["op-1"]))["op-1"] == (succeeded("op-1"), 2)
+
+
+async def test_a_conflicting_change_set_is_excluded_alone_from_a_group_commit(
+    store: SqliteJournalStore,
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-0"), None)))
+    before = store.stats.transactions
+
+    commits = [rows(SCOPE, (pending(f"op-{i}"), None)) for i in range(1, 10)]
+    commits.insert(4, rows(SCOPE, (succeeded("op-0"), 7)))  # stale base revision
+    outcomes = await asyncio.gather(
+        *(store.commit(SCOPE, lease, change) for change in commits), return_exceptions=True
+    )
+
+    assert isinstance(outcomes[4], WriteConflict)
+    assert outcomes[:4] + outcomes[5:] == list(range(2, 11))  # submission order
+    assert store.stats.transactions - before == 1
+    loaded = await store.load_records(SCOPE, ["op-0", *(f"op-{i}" for i in range(1, 10))])
+    assert loaded["op-0"] == (pending("op-0"), 1)
+    assert all(loaded[f"op-{i}"] is not None for i in range(1, 10))
+
+
+async def test_mismatched_changeset_locations_are_refused_before_any_io(
+    store: SqliteJournalStore,
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    wrong_scope = rows(OTHER_SCOPE, (pending("op-1"), None))
+    wrong_key = WorkerCommit(
+        JournalChangeset(SCOPE, {"op-2": JournalRowChange(pending("op-1"), None)})
+    )
+    with pytest.raises(OperationJournalScopeMismatch):
+        await store.commit(SCOPE, lease, wrong_scope)
+    with pytest.raises(RecordLocationMismatch):
+        await store.commit(SCOPE, lease, wrong_key)
+    assert await store.head_revision(SCOPE) == 0
+
+
+# Sessions ----------------------------------------------------------------------------
+
+
+async def test_sessions_round_trip_and_replay_is_refused(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    opened = await store.commit(
+        SCOPE,
+        lease,
+        WorkerCommit(
+            sessions={
+                "sess-1": SessionDocuments(state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1"))
+            }
+        ),
+    )
+    updated = await store.commit(
+        SCOPE,
+        lease,
+        WorkerCommit(
+            sessions={
+                "sess-1": SessionDocuments(state_doc(SCOPE, "sess-1", "closed", 3), None, opened)
+            }
+        ),
+    )
+    with pytest.raises(SessionReplay) as replay:
+        await store.commit(
+            SCOPE,
+            lease,
+            WorkerCommit(
+                sessions={
+                    "sess-1": SessionDocuments(
+                        state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1")
+                    )
+                }
+            ),
+        )
+    with pytest.raises(WriteConflict):
+        await store.commit(
+            SCOPE,
+            lease,
+            WorkerCommit(
+                sessions={"sess-1": SessionDocuments(state_doc(SCOPE, "sess-1"), None, opened)}
+            ),
+        )
+
+    sessions = await store.load_sessions(SCOPE)
+    assert replay.value.session_id == "sess-1"
+    session = sessions["sess-1"]
+    assert (session.status, session.revision) == ("closed", updated)
+    assert session.state == state_doc(SCOPE, "sess-1", "closed", 3)
+    assert session.opening == opening_doc(SCOPE, "sess-1")
+
+
+async def test_session_documents_must_name_their_row(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    with pytest.raises(RecordLocationMismatch):
+        await store.commit(
+            SCOPE,
+            lease,
+            WorkerCommit(
+                sessions={
+                    "sess-1": SessionDocuments(
+                        state_doc(SCOPE, "sess-2"), opening_doc(SCOPE, "sess-1")
+                    )
+                }
+            ),
+        )
+    with pytest.raises(RecordLocationMismatch):
+        await store.commit(
+            SCOPE,
+            lease,
+            WorkerCommit(
+                sessions={
+                    "sess-1": SessionDocuments(
+                        state_doc(SCOPE, "sess-1"), opening_doc(OTHER_SCOPE, "sess-1")
+                    )
+                }
+            ),
+        )
+    assert await store.load_sessions(SCOPE) == {}
+
+
+# Outbox --------------------------------------------------------------------------------
+
+
+async def test_outbox_insert_delete_and_load_order(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    frames = [f'{{"frame":{i}}}'.encode() for i in range(4)]
+    first = await store.commit(
+        SCOPE,
+        lease,
+        WorkerCommit(outbox_insert=[outbox("sess-1", frames[2]), outbox("sess-1", frames[0])]),
+    )
+    second = await store.commit(
+        SCOPE, lease, WorkerCommit(outbox_insert=[outbox("sess-2", frames[1], None)])
+    )
+    loaded = await store.load_outbox(SCOPE)
+    third = await store.commit(
+        SCOPE,
+        lease,
+        WorkerCommit(
+            outbox_insert=[outbox("sess-1", frames[3])],
+            outbox_delete=[loaded[0].message_id, loaded[2].message_id],
+        ),
+    )
+    after = await store.load_outbox(SCOPE)
+
+    assert [(entry.frame, entry.revision) for entry in loaded] == [
+        (frames[2], first),
+        (frames[0], first),
+        (frames[1], second),
+    ]
+    assert loaded[2].correlation_id is None and loaded[2].session_id == "sess-2"
+    assert [(entry.frame, entry.revision) for entry in after] == [
+        (frames[0], first),
+        (frames[3], third),
+    ]
+
+
+async def test_outbox_message_id_must_be_the_frame_digest(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    entry = outbox("sess-1", b'{"frame":1}')
+    forged = OutboxEntry("0" * 64, entry.session_id, entry.reply_to, None, entry.frame)
+    with pytest.raises(RecordLocationMismatch):
+        await store.commit(SCOPE, lease, WorkerCommit(outbox_insert=[forged]))
+
+
+# Tampering fails closed --------------------------------------------------------------------
+
+
+async def test_a_tampered_envelope_fails_closed(store: SqliteJournalStore, db_path: Path) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
+    (envelope,) = sql(db_path, "SELECT envelope FROM items WHERE item = 'op-1'")[0]
+    assert isinstance(envelope, bytes)
+    tag_start = envelope.index(b'"auth_tag":"') + len(b'"auth_tag":"')
+    flipped = b"1" if envelope[tag_start : tag_start + 1] != b"1" else b"2"
+    tampered = envelope[:tag_start] + flipped + envelope[tag_start + 1 :]
+    sql(db_path, "UPDATE items SET envelope = ? WHERE item = 'op-1'", (tampered,))
+
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await store.load_records(SCOPE, ["op-1"])
+
+
+async def test_row_revision_edits_fail_closed(store: SqliteJournalStore, db_path: Path) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
+
+    sql(db_path, "UPDATE items SET revision = 2 WHERE item = 'op-1'")
+    with pytest.raises(RevisionMismatch):
+        await store.load_records(SCOPE, ["op-1"])
+    sql(db_path, "UPDATE items SET revision = 3 WHERE item = 'op-1'")
+    with pytest.raises(RevisionFloorMismatch):
+        await store.load_records(SCOPE, ["op-1"])
+
+
+async def test_rows_transplanted_to_another_scope_or_key_fail_closed(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    other_lease = await store.reserve_fence(OTHER_SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
+    await store.commit(OTHER_SCOPE, other_lease, rows(OTHER_SCOPE, (pending("op-7"), None)))
+    # Another scope: same key, same revision, different tag location.
+    sql(
+        db_path,
+        "INSERT INTO items (namespace, name, item, revision, envelope) "
+        "SELECT namespace, ?, item, revision, envelope FROM items WHERE name = ? AND item = 'op-1'",
+        (OTHER_SCOPE, SCOPE),
+    )
+    # Another key of the same scope: the tag passes, the document names op-1.
+    sql(
+        db_path,
+        "INSERT INTO items (namespace, name, item, revision, envelope) "
+        "SELECT namespace, name, 'op-2', revision, envelope FROM items "
+        "WHERE name = ? AND item = 'op-1'",
+        (SCOPE,),
+    )
+
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await store.load_records(OTHER_SCOPE, ["op-1"])
+    with pytest.raises(RecordLocationMismatch):
+        await store.load_records(SCOPE, ["op-2"])
+    assert (await store.load_records(SCOPE, ["op-1"]))["op-1"] == (succeeded("op-1"), 1)
+
+
+async def test_a_session_row_moved_to_another_session_fails_closed(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(
+        SCOPE,
+        lease,
+        WorkerCommit(
+            sessions={
+                "sess-1": SessionDocuments(state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1"))
+            }
+        ),
+    )
+    sql(db_path, "UPDATE items SET item = 'sess-2' WHERE namespace = 'worker-session'")
+    with pytest.raises(RecordLocationMismatch):
+        await store.load_sessions(SCOPE)
+
+
+# Keys --------------------------------------------------------------------------------------
+
+
+async def test_unknown_and_wrong_storage_keys_fail_closed(db_path: Path) -> None:
+    writer = SqliteJournalStore(db_path, storage_keyring("storage-v1", 1))
+    lease = await writer.reserve_fence(SCOPE)
+    await writer.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+    await writer.close()
+
+    unknown = SqliteJournalStore(db_path, storage_keyring("storage-v2", 1))
+    wrong = SqliteJournalStore(db_path, storage_keyring("storage-v1", 2))
+    try:
+        with pytest.raises(UnknownKeyId):
+            await unknown.load_records(SCOPE, ["op-1"])
+        with pytest.raises(InvalidRecordAuthenticationTag):
+            await wrong.load_records(SCOPE, ["op-1"])
+    finally:
+        await unknown.close()
+        await wrong.close()
+
+
+async def test_storage_key_rotation_reads_old_rows_and_writes_new_ones(db_path: Path) -> None:
+    keyring = storage_keyring("storage-v1", 1)
+    store = SqliteJournalStore(db_path, keyring)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+        keyring.rotate_to("storage-v2", bytes([2]) * 32)
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
+        loaded = await store.load_records(SCOPE, ["op-1", "op-2"])
+        keyring.retire("storage-v1")
+        with pytest.raises(UnknownKeyId):
+            await store.load_records(SCOPE, ["op-1"])
+    finally:
+        await store.close()
+    assert loaded == {"op-1": (pending("op-1"), 1), "op-2": (pending("op-2"), 2)}
+    key_ids = {row[0] for row in sql(db_path, "SELECT envelope FROM items")}
+    assert any(b'"key_id":"storage-v2"' in envelope for envelope in key_ids)  # type: ignore[operator]
+
+
+async def test_data_encryption_hides_payloads_and_rotates(db_path: Path) -> None:
+    data_keys = data_keyring("data-v1", 9)
+    store = SqliteJournalStore(db_path, storage_keyring(), data_keyring=data_keys)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
+        data_keys.rotate_to("data-v2", bytes([10]) * 32)
+        await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-2"), None)))
+        loaded = await store.load_records(SCOPE, ["op-1", "op-2"])
+    finally:
+        await store.close()
+
+    assert loaded == {"op-1": (succeeded("op-1"), 1), "op-2": (succeeded("op-2"), 2)}
+    raw = db_path.read_bytes() + b"".join(
+        Path(str(db_path) + suffix).read_bytes()
+        for suffix in ("-wal",)
+        if Path(str(db_path) + suffix).exists()
+    )
+    assert SECRET_TEXT.encode() not in raw
+    assert b"op-1" not in b"".join(row[0] for row in sql(db_path, "SELECT envelope FROM items"))  # type: ignore[misc]
+
+
+async def test_wrong_or_unknown_data_key_fails_closed(db_path: Path) -> None:
+    writer = SqliteJournalStore(db_path, storage_keyring(), data_keyring=data_keyring("data-v1", 9))
+    lease = await writer.reserve_fence(SCOPE)
+    await writer.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
+    await writer.close()
+
+    wrong = SqliteJournalStore(db_path, storage_keyring(), data_keyring=data_keyring("data-v1", 8))
+    unknown = SqliteJournalStore(
+        db_path, storage_keyring(), data_keyring=data_keyring("data-v2", 9)
+    )
+    try:
+        with pytest.raises(InvalidEnvelope):
+            await wrong.load_records(SCOPE, ["op-1"])
+        with pytest.raises(UnknownKeyId):
+            await unknown.load_records(SCOPE, ["op-1"])
+    finally:
+        await wrong.close()
+        await unknown.close()
+
+
+# Rollback anchor ---------------------------------------------------------------------------
+
+
+def snapshot(db_path: Path, into: Path) -> None:
+    into.mkdir()
+    for suffix in ("", "-wal", "-shm"):
+        source = Path(str(db_path) + suffix)
+        if source.exists():
+            shutil.copy2(source, into / source.name)
+
+
+def restore(db_path: Path, source: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(db_path) + suffix).unlink(missing_ok=True)
+    for copy in source.iterdir():
+        shutil.copy2(copy, db_path.parent / copy.name)
+
+
+async def test_restoring_an_older_database_is_detected_by_the_anchor(
+    db_path: Path, tmp_path: Path
+) -> None:
+    anchor = tmp_path / "anchor" / "worker.anchor"
+    anchor.parent.mkdir()
+    missing = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    with pytest.raises(RollbackAnchorMissing):
+        await missing.scopes()
+    await missing.close()
+    anchor.write_bytes(b'{"format_version":1,"records":[]}')
+
+    store = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+    await store.close()
+    snapshot(db_path, tmp_path / "old")
+    store = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
+    await store.close()
+    assert anchor.read_bytes() == (
+        b'{"format_version":1,"records":[{"namespace":"worker-journal","name":"tenant-release","revision":2}]}'
+    )
+    assert stat.S_IMODE(anchor.stat().st_mode) == 0o600
+
+    restore(db_path, tmp_path / "old")
+    rolled_back = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    try:
+        with pytest.raises(RollbackDetected) as detected:
+            await rolled_back.load_records(SCOPE, ["op-1"])
+    finally:
+        await rolled_back.close()
+    assert (detected.value.record_revision, detected.value.revision_floor) == (1, 2)
+
+
+async def test_a_database_ahead_of_its_anchor_raises_the_anchor(
+    db_path: Path, tmp_path: Path
+) -> None:
+    anchor = tmp_path / "worker.anchor"
+    store = SqliteJournalStore(db_path, storage_keyring())
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, WorkerCommit())
+    await store.close()
+    anchor.write_bytes(b'{"format_version":1,"records":[]}')
+
+    anchored = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    try:
+        assert await anchored.head_revision(SCOPE) == 1
+    finally:
+        await anchored.close()
+    assert b'"revision":1' in anchor.read_bytes()
+
+
+async def test_a_malformed_anchor_fails_the_open_until_initialised(
+    db_path: Path, tmp_path: Path
+) -> None:
+    anchor = tmp_path / "worker.anchor"
+    anchor.write_bytes(b'{"format_version":1}')
+    broken = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    with pytest.raises(RollbackAnchorInvalid):
+        await broken.scopes()
+    await broken.close()
+
+    operator = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    try:
+        await operator.initialize_anchor()
+        assert await operator.scopes() == []
+    finally:
+        await operator.close()
+    assert anchor.read_bytes() == b'{"format_version":1,"records":[]}'
+
+
+async def test_an_anchor_write_failure_fails_every_caller_of_the_transaction(
+    db_path: Path, tmp_path: Path
+) -> None:
+    anchor = tmp_path / "worker.anchor"
+    anchor.write_bytes(b'{"format_version":1,"records":[]}')
+    store = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        # A directory where the temporary anchor file must go: the write fails.
+        Path(str(anchor) + ".tmp").mkdir()
+        outcomes = await asyncio.gather(
+            *(
+                store.commit(SCOPE, lease, rows(SCOPE, (pending(f"op-{i}"), None)))
+                for i in range(5)
+            ),
+            return_exceptions=True,
+        )
+        head = await store.head_revision(SCOPE)
+    finally:
+        await store.close()
+    assert all(isinstance(outcome, StorageBackendError) for outcome in outcomes)
+    assert head == 5  # the database holds the commit; its callers were failed
+
+
+# Group commit, cancellation, concurrency ------------------------------------------------------
+
+
+async def test_group_commit_batches_concurrent_callers(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    before = store.stats
+
+    revisions = await asyncio.gather(
+        *(store.commit(SCOPE, lease, rows(SCOPE, (pending(f"op-{i}"), None))) for i in range(64))
+    )
+
+    after = store.stats
+    assert revisions == list(range(1, 65))
+    assert after.change_sets - before.change_sets == 64
+    assert after.transactions - before.transactions <= 4
+    assert after.largest_batch >= 16
+
+
+async def test_without_group_commit_every_change_set_is_its_own_transaction(
+    db_path: Path,
+) -> None:
+    store = SqliteJournalStore(db_path, storage_keyring(), group_commit=False)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        revisions = await asyncio.gather(
+            *(store.commit(SCOPE, lease, rows(SCOPE, (pending(f"op-{i}"), None))) for i in range(8))
+        )
+        assert revisions == list(range(1, 9))
+        assert (store.stats.transactions, store.stats.largest_batch) == (8, 1)
+    finally:
+        await store.close()
+
+
+async def test_a_cancelled_caller_still_commits(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    task = asyncio.create_task(store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None))))
+    await asyncio.sleep(0)  # the change set is submitted
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    # The next commit is queued behind the cancelled caller's change set.
+    assert await store.commit(SCOPE, lease, WorkerCommit()) == 2
+    assert (await store.load_records(SCOPE, ["op-1"]))["op-1"] == (pending("op-1"), 1)
+
+
+async def test_concurrent_admissions_from_two_sessions_never_overwrite(
+    store: SqliteJournalStore,
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    keys = [f"op-{i}" for i in range(100)]
+    winners: dict[str, list[tuple[str, int]]] = {key: [] for key in keys}
+    outcomes = {"committed": 0, "conflict": 0, "seen": 0}
+
+    async def admit(session: str, attempt: int, key: str) -> None:
+        loaded = await store.load_records(SCOPE, [key])
+        if loaded[key] is not None:
+            outcomes["seen"] += 1
+            return
+        tag = f"{session}-{attempt}"
+        try:
+            revision = await store.commit(SCOPE, lease, rows(SCOPE, (pending(key, tag), None)))
+        except WriteConflict:
+            outcomes["conflict"] += 1
+            return
+        outcomes["committed"] += 1
+        winners[key].append((tag, revision))
+
+    session_a = [admit("a", i, keys[i % 100]) for i in range(500)]
+    session_b = [admit("b", i, keys[(i * 7) % 100]) for i in range(500)]
+    await asyncio.gather(*session_a, *session_b)
+
+    stored = {
+        record.operation_key: (record, revision)
+        for record, revision in await store.list_records(SCOPE)
+    }
+    assert len(stored) == 100
+    assert outcomes["committed"] == 100
+    assert sum(outcomes.values()) == 1000
+    for key in keys:
+        ((tag, revision),) = winners[key]
+        assert stored[key] == (pending(key, tag), revision)
+    assert store.stats.transactions < 1000
+
+
+# Files and lifecycle ---------------------------------------------------------------------------
+
+
+async def test_files_are_private(db_path: Path) -> None:
+    store = SqliteJournalStore(db_path, storage_keyring())
+    assert not db_path.parent.exists()  # the constructor does no I/O
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+        modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in db_path.parent.iterdir()}
+    finally:
+        await store.close()
+    assert stat.S_IMODE(db_path.parent.stat().st_mode) == 0o700
+    assert modes == {"worker.db": 0o600, "worker.db-wal": 0o600, "worker.db-shm": 0o600}
+
+
+async def test_close_is_idempotent_and_final(db_path: Path) -> None:
+    store = SqliteJournalStore(db_path, storage_keyring())
+    lease = await store.reserve_fence(SCOPE)
+    await store.close()
+    await store.close()
+    with pytest.raises(StorageBackendError):
+        await store.commit(SCOPE, lease, WorkerCommit())
+    with pytest.raises(StorageBackendError):
+        await store.load_records(SCOPE, ["op-1"])
+    assert "storage" not in repr(store).lower() or "key" not in repr(store).lower()
+
+
+async def test_a_newer_schema_is_refused(db_path: Path) -> None:
+    store = SqliteJournalStore(db_path, storage_keyring())
+    await store.scopes()
+    await store.close()
+    sql(db_path, "UPDATE schema_version SET version = 99")
+
+    newer = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        with pytest.raises(StorageBackendError):
+            await newer.scopes()
+    finally:
+        await newer.close()
