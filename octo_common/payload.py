@@ -9,6 +9,7 @@ its value.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final, Literal
 
 import msgspec
@@ -193,11 +194,16 @@ class ToolPayload:
 
 
 # Slot descriptors: direct stores that bypass the immutability guard.
-_set_format = ToolPayload._format.__set__  # type: ignore[attr-defined]
-_set_value = ToolPayload._value.__set__  # type: ignore[attr-defined]
-_set_value_bytes = ToolPayload._value_bytes.__set__  # type: ignore[attr-defined]
-_set_encoded = ToolPayload._encoded.__set__  # type: ignore[attr-defined]
-_set_deep = ToolPayload._deep.__set__  # type: ignore[attr-defined]
+def _slot_setter(name: str) -> Callable[[ToolPayload, Any], None]:
+    descriptor: Any = ToolPayload.__dict__[name]
+    return descriptor.__set__  # type: ignore[no-any-return]
+
+
+_set_format = _slot_setter("_format")
+_set_value = _slot_setter("_value")
+_set_value_bytes = _slot_setter("_value_bytes")
+_set_encoded = _slot_setter("_encoded")
+_set_deep = _slot_setter("_deep")
 
 
 def canonical_operation_input_bytes(payload: ToolPayload) -> bytes:
