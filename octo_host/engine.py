@@ -1,0 +1,603 @@
+"""The workflow engine: plans, ownership, keys, requests, frames and approvals (H§4, H§6,
+H§8, H§12).
+
+This module owns the engine's identity counters and the exact check order of
+every engine method: recording operations and compensations, building and
+sealing dispatch, reconciliation and compensation frames, applying
+authenticated results, and issuing one-use compensation approvals after the
+host's grant and action verifiers agree.
+
+It must never do I/O (the caller persists the ledger before publishing a
+frame), execute step source, store raw input or output in the ledger, catch a
+verifier's exception, or seal a compensation frame without a fresh approval
+and both verifiers run again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from octo_common.digest import compensation_key_for, operation_key_for
+from octo_common.errors import (
+    ApprovalMismatch,
+    CompensationDispatchRequiresHostAuthenticator,
+    CompensationPolicyMismatch,
+    CompensationRequiresSucceededOperation,
+    EmptyOperationNonce,
+    InputTooLarge,
+    InvalidTool,
+    OperationDispatchRequiresHostAuthenticator,
+    OperationNonceTooLarge,
+    PlanOwnershipMismatch,
+    ReconciliationMismatch,
+    ReconciliationRequiresHostAuthenticator,
+    UnexpectedCompensationMessage,
+    UnexpectedOperationDispatchMessage,
+    UnexpectedReconciliationMessage,
+    UnknownCompensation,
+    UnknownOperation,
+    UnknownStep,
+    WorkerRequestRejected,
+)
+from octo_common.frames import SessionAuthenticator, SessionRole
+from octo_common.ids import is_token
+from octo_common.limits import (
+    MAX_U64,
+    MAX_WORKFLOW_OPERATION_INPUT_BYTES,
+    MAX_WORKFLOW_OPERATION_NONCE_BYTES,
+)
+from octo_common.messages import (
+    CompensateOperation,
+    CompensationResult,
+    DispatchOperation,
+    OperationCompensationBinding,
+    OperationCompensationRequest,
+    OperationCompensationResult,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    OperationReconcileResult,
+    OperationResult,
+    ReconciledOperation,
+    ReconcileOperation,
+    RequestRejected,
+)
+from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.states import OperationStatus, StateKind
+from octo_host.compensation import (
+    CompensationApproval,
+    WorkflowCompensationDispatch,
+    WorkflowCompensationPolicy,
+    WorkflowCompensationTarget,
+    _consume_approval,
+    _issue_approval,
+)
+from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
+from octo_host.plan import WorkflowPlan, WorkflowStep, build_plan
+
+__all__ = ["OutboundFrame", "WorkflowEngine"]
+
+RequestT_co = TypeVar(
+    "RequestT_co",
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    OperationCompensationRequest,
+    covariant=True,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundFrame(Generic[RequestT_co]):
+    """A sealed frame and the request it carries (H§18A.8). Publish ``frame`` only
+    after the ledger revision that justifies it is durable."""
+
+    request: RequestT_co
+    frame: bytes
+
+
+# Process-wide engine ids start at 1 (H§4); the lock keeps them unique across threads.
+_ENGINE_IDS = itertools.count(1)
+_ENGINE_IDS_LOCK = threading.Lock()
+
+
+def _check_input_size(data: bytes) -> None:
+    if len(data) > MAX_WORKFLOW_OPERATION_INPUT_BYTES:
+        raise InputTooLarge(len(data), MAX_WORKFLOW_OPERATION_INPUT_BYTES)
+
+
+def _check_nonce(nonce: bytes) -> None:
+    if len(nonce) == 0:
+        raise EmptyOperationNonce()
+    if len(nonce) > MAX_WORKFLOW_OPERATION_NONCE_BYTES:
+        raise OperationNonceTooLarge(len(nonce), MAX_WORKFLOW_OPERATION_NONCE_BYTES)
+
+
+def _lookup(ledger: WorkflowOperationLedger, operation_key: str) -> WorkflowOperation:
+    operation = ledger.operation(operation_key)
+    if operation is None:
+        raise UnknownOperation(operation_key)
+    return operation
+
+
+class WorkflowEngine:
+    """One engine instance: a process-unique id, plans it owns, approvals it issues."""
+
+    __slots__ = ("_engine_id", "_next_approval_nonce", "_next_plan_id")
+
+    def __init__(self) -> None:
+        with _ENGINE_IDS_LOCK:
+            self._engine_id = next(_ENGINE_IDS)
+        self._next_plan_id = 1
+        self._next_approval_nonce = 1
+
+    @property
+    def engine_id(self) -> int:
+        return self._engine_id
+
+    def __repr__(self) -> str:
+        return f"WorkflowEngine(engine_id={self._engine_id})"
+
+    # Plans and ledgers (H§4, H§12.1) -------------------------------------------
+
+    def plan(self, steps: Sequence[WorkflowStep]) -> WorkflowPlan:
+        """Check and fingerprint ``steps``; the plan gets this engine's next plan id."""
+        plan = build_plan(self._engine_id, self._next_plan_id, steps)
+        # Saturating (H§18A.8): ids stop at 2^64 - 1 rather than wrap.
+        self._next_plan_id = min(self._next_plan_id + 1, MAX_U64)
+        return plan
+
+    def _own(self, plan: WorkflowPlan) -> None:
+        if plan.engine_id != self._engine_id:
+            raise PlanOwnershipMismatch()
+
+    def operation_ledger(self, plan: WorkflowPlan) -> WorkflowOperationLedger:
+        """An empty ledger (format 2, revision 0) bound to the plan's fingerprint."""
+        self._own(plan)
+        return WorkflowOperationLedger(plan.fingerprint)
+
+    def validate_operation_ledger(
+        self, plan: WorkflowPlan, ledger: WorkflowOperationLedger
+    ) -> None:
+        """Own, then syntax, plan fingerprint and step ids (H§12.1)."""
+        self._own(plan)
+        ledger.validate_for(plan)
+
+    def validate_operation_ledger_at_or_after(
+        self, plan: WorkflowPlan, ledger: WorkflowOperationLedger, minimum: int
+    ) -> None:
+        """As ``validate_operation_ledger``, then ``StaleRevision`` below ``minimum``."""
+        self.validate_operation_ledger(plan, ledger)
+        ledger.validate_minimum_revision(minimum)
+
+    # Operations (H§6, H§12.2) ----------------------------------------------------
+
+    def derive_operation_key(
+        self,
+        plan: WorkflowPlan,
+        step_id: str,
+        tool: str,
+        input: bytes,
+        nonce: bytes,
+    ) -> str:
+        """The ``op-`` key for this plan, step, tool, input and nonce (H§6)."""
+        self._own(plan)
+        if not plan.has_step(step_id):
+            raise UnknownStep(step_id)
+        if not is_token(tool):
+            raise InvalidTool(tool)
+        _check_input_size(input)
+        _check_nonce(nonce)
+        return operation_key_for(plan.fingerprint, step_id, tool, input, nonce)
+
+    def record_operation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        step_id: str,
+        tool: str,
+        operation_key: str,
+        input: bytes,
+    ) -> None:
+        """Record a pending operation for a step of the plan (revision + 1)."""
+        self._own(plan)
+        ledger.validate_for(plan)
+        if not plan.has_step(step_id):
+            raise UnknownStep(step_id)
+        ledger.record(step_id, tool, operation_key, input)
+
+    def record_derived_operation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        step_id: str,
+        tool: str,
+        input: bytes,
+        nonce: bytes,
+    ) -> str:
+        """Derive the ``op-`` key and record it; returns the key."""
+        operation_key = self.derive_operation_key(plan, step_id, tool, input, nonce)
+        self.record_operation(plan, ledger, step_id, tool, operation_key, input)
+        return operation_key
+
+    # Dispatch (H§12.3) -------------------------------------------------------------
+
+    def operation_dispatch_request(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        payload: ToolPayload,
+        session_id: str,
+        request_id: str,
+    ) -> OperationDispatchRequest:
+        """The dispatch request for a recorded operation whose input matches (any state)."""
+        self.validate_operation_ledger(plan, ledger)
+        operation = _lookup(ledger, operation_key)
+        request = OperationDispatchRequest(
+            session_id, request_id, operation.tool, operation.operation_key, payload
+        )
+        operation.verify_input(canonical_operation_input_bytes(request.payload))
+        return request
+
+    def prepare_authenticated_operation_dispatch(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        payload: ToolPayload,
+        request_id: str,
+        auth: SessionAuthenticator,
+    ) -> OutboundFrame[OperationDispatchRequest]:
+        """Build the dispatch request for ``auth``'s session and seal it."""
+        if auth.role != SessionRole.HOST:
+            raise OperationDispatchRequiresHostAuthenticator()
+        request = self.operation_dispatch_request(
+            plan, ledger, operation_key, payload, auth.session_id, request_id
+        )
+        frame = auth.seal(DispatchOperation(request))
+        return OutboundFrame(request, frame)
+
+    def apply_verified_operation_dispatch_result(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: OperationDispatchRequest,
+        result: OperationReconcileResult,
+    ) -> OperationStatus:
+        """Check ``request`` is exactly what this ledger would send, then apply the
+        result as a reconciliation observation."""
+        self._own(plan)
+        self.validate_operation_ledger(plan, ledger)
+        expected = self.operation_dispatch_request(
+            plan,
+            ledger,
+            request.operation_key,
+            request.payload,
+            request.session_id,
+            request.request_id,
+        )
+        if expected != request or not result.matches_dispatch(request):
+            raise ReconciliationMismatch()
+        reconcile = OperationReconcileRequest(
+            request.session_id, request.request_id, request.tool, request.operation_key
+        )
+        return self.apply_verified_operation_reconciliation(plan, ledger, reconcile, result)
+
+    def apply_authenticated_operation_dispatch_result(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: OperationDispatchRequest,
+        auth: SessionAuthenticator,
+        frame: bytes,
+    ) -> tuple[OperationStatus, OperationReconcileResult]:
+        """Open an ``operation_result`` frame and apply it; returns (state, result)."""
+        if auth.role != SessionRole.HOST:
+            raise OperationDispatchRequiresHostAuthenticator()
+        message = auth.open(frame)
+        if isinstance(message, RequestRejected) and message.matches_request(request):
+            raise WorkerRequestRejected(message)
+        if not isinstance(message, OperationResult):
+            raise UnexpectedOperationDispatchMessage()
+        result = message.result
+        state = self.apply_verified_operation_dispatch_result(plan, ledger, request, result)
+        return state, result
+
+    # Reconciliation (H§12.4) -------------------------------------------------------
+
+    def operation_reconcile_request(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        input: bytes,
+        session_id: str,
+        request_id: str,
+    ) -> OperationReconcileRequest:
+        """The reconcile request for a recorded operation whose input matches."""
+        self.validate_operation_ledger(plan, ledger)
+        return ledger.reconcile_request(operation_key, input, session_id, request_id)
+
+    def prepare_authenticated_operation_reconciliation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        input: bytes,
+        request_id: str,
+        auth: SessionAuthenticator,
+    ) -> OutboundFrame[OperationReconcileRequest]:
+        """Build the reconcile request for ``auth``'s session and seal it."""
+        if auth.role != SessionRole.HOST:
+            raise ReconciliationRequiresHostAuthenticator()
+        request = self.operation_reconcile_request(
+            plan, ledger, operation_key, input, auth.session_id, request_id
+        )
+        frame = auth.seal(ReconcileOperation(request))
+        return OutboundFrame(request, frame)
+
+    def apply_verified_operation_reconciliation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: OperationReconcileRequest,
+        result: OperationReconcileResult,
+    ) -> OperationStatus:
+        """Apply an authenticated reconciliation result (H§11.4)."""
+        self._own(plan)
+        ledger.validate_for(plan)
+        return ledger.apply_verified_reconciliation(request, result)
+
+    def apply_authenticated_operation_reconciliation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: OperationReconcileRequest,
+        auth: SessionAuthenticator,
+        frame: bytes,
+    ) -> OperationStatus:
+        """Open a ``reconciled_operation`` frame and apply it; returns the state."""
+        if auth.role != SessionRole.HOST:
+            raise ReconciliationRequiresHostAuthenticator()
+        message = auth.open(frame)
+        if isinstance(message, RequestRejected) and message.matches_request(request):
+            raise WorkerRequestRejected(message)
+        if not isinstance(message, ReconciledOperation):
+            raise UnexpectedReconciliationMessage()
+        return self.apply_verified_operation_reconciliation(plan, ledger, request, message.result)
+
+    # Compensation keys and records (H§8, H§12.5) -------------------------------------
+
+    def derive_compensation_key(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        policy: WorkflowCompensationPolicy,
+        input: bytes,
+        nonce: bytes,
+    ) -> str:
+        """The ``cmp-`` key for a succeeded operation under ``policy`` (H§8).
+
+        Looks at no grant, calls no verifier, ignores an existing compensation.
+        """
+        self.validate_operation_ledger(plan, ledger)
+        policy.validate_syntax()
+        operation = _lookup(ledger, operation_key)
+        if operation.state != StateKind.SUCCEEDED:
+            raise CompensationRequiresSucceededOperation(operation_key, operation.state)
+        if operation.tool != policy.tool:
+            raise CompensationPolicyMismatch(operation_key)
+        _check_input_size(input)
+        _check_nonce(nonce)
+        return compensation_key_for(
+            plan.fingerprint,
+            operation.operation_key,
+            operation.tool,
+            policy.tenant_scope,
+            policy.grant_fingerprint,
+            input,
+            nonce,
+        )
+
+    def record_compensation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        policy: WorkflowCompensationPolicy,
+        compensation_key: str,
+        input: bytes,
+    ) -> None:
+        """Compatibility path without verifiers (storage plumbing)."""
+        self._own(plan)
+        ledger.validate_for(plan)
+        ledger.record_compensation(operation_key, policy, compensation_key, input)
+
+    def record_derived_compensation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        policy: WorkflowCompensationPolicy,
+        input: bytes,
+        nonce: bytes,
+    ) -> str:
+        """Derive the ``cmp-`` key and record it without verifiers; returns the key."""
+        compensation_key = self.derive_compensation_key(
+            plan, ledger, operation_key, policy, input, nonce
+        )
+        self.record_compensation(plan, ledger, operation_key, policy, compensation_key, input)
+        return compensation_key
+
+    def record_compensation_with_action_verifier(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        target: WorkflowCompensationTarget,
+        compensation_key: str,
+        input: bytes,
+    ) -> None:
+        """The hardened recording path: grant verifier, action verifier, then record."""
+        self._own(plan)
+        ledger.validate_for(plan)
+        target.verify_grant_current()
+        _check_input_size(input)
+        operation = _lookup(ledger, target.operation_key)
+        target.verify_action_current(plan, operation, input)
+        ledger.record_compensation(target.operation_key, target.policy, compensation_key, input)
+
+    def record_derived_compensation_with_action_verifier(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        target: WorkflowCompensationTarget,
+        input: bytes,
+        nonce: bytes,
+    ) -> str:
+        """Derive the ``cmp-`` key, then the hardened recording path; returns the key."""
+        compensation_key = self.derive_compensation_key(
+            plan, ledger, target.operation_key, target.policy, input, nonce
+        )
+        self.record_compensation_with_action_verifier(plan, ledger, target, compensation_key, input)
+        return compensation_key
+
+    # Approval and sealing (H§12.6, H§12.7, H§14) ---------------------------------------
+
+    def approve_compensation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        target: WorkflowCompensationTarget,
+        input: bytes,
+        auth: SessionAuthenticator,
+    ) -> CompensationApproval:
+        """Issue a one-use approval for the recorded compensation (H§12.6)."""
+        if auth.role != SessionRole.HOST:
+            raise CompensationDispatchRequiresHostAuthenticator()
+        self.validate_operation_ledger(plan, ledger)
+        target.verify_grant_current()
+        policy = target.policy
+        operation = _lookup(ledger, target.operation_key)
+        if operation.state != StateKind.SUCCEEDED:
+            raise CompensationRequiresSucceededOperation(operation.operation_key, operation.state)
+        if operation.tool != policy.tool:
+            raise CompensationPolicyMismatch(operation.operation_key)
+        compensation = operation.compensation
+        if compensation is None:
+            raise UnknownCompensation(operation.operation_key)
+        if not compensation.matches_policy(policy):
+            raise CompensationPolicyMismatch(operation.operation_key)
+        compensation.verify_input(input)
+        target.verify_action_current(plan, operation, input)
+        nonce = self._next_approval_nonce
+        self._next_approval_nonce = min(nonce + 1, MAX_U64)
+        return _issue_approval(
+            engine_id=self._engine_id,
+            plan_id=plan.id,
+            nonce=nonce,
+            ledger_revision=ledger.revision,
+            operation_key=operation.operation_key,
+            compensation_key=compensation.compensation_key,
+            input_fingerprint=compensation.input_fingerprint,
+            tenant_scope=compensation.tenant_scope,
+            grant_fingerprint=compensation.grant_fingerprint,
+            session_id=auth.session_id,
+        )
+
+    def prepare_authenticated_operation_compensation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        target: WorkflowCompensationTarget,
+        dispatch: WorkflowCompensationDispatch,
+        approval: CompensationApproval,
+        auth: SessionAuthenticator,
+    ) -> OutboundFrame[OperationCompensationRequest]:
+        """Seal ``compensate_operation`` under a fresh approval (H§12.7).
+
+        The approval is spent on entry, whatever the outcome.
+        """
+        fresh = _consume_approval(approval)
+        if auth.role != SessionRole.HOST:
+            raise CompensationDispatchRequiresHostAuthenticator()
+        self.validate_operation_ledger(plan, ledger)
+        target.verify_grant_current()
+        policy = target.policy
+        if (
+            not fresh
+            or approval.engine_id != self._engine_id
+            or approval.plan_id != plan.id
+            or approval.nonce == 0
+        ):
+            raise ApprovalMismatch()
+        if (
+            approval.ledger_revision != ledger.revision
+            or approval.operation_key != target.operation_key
+            or approval.tenant_scope != policy.tenant_scope
+            or approval.grant_fingerprint != policy.grant_fingerprint
+            or approval.session_id != auth.session_id
+        ):
+            raise ApprovalMismatch()
+        operation = _lookup(ledger, target.operation_key)
+        if operation.state != StateKind.SUCCEEDED or operation.tool != policy.tool:
+            raise ApprovalMismatch()
+        compensation = operation.compensation
+        if compensation is None:
+            raise UnknownCompensation(operation.operation_key)
+        if (
+            compensation.compensation_key != approval.compensation_key
+            or compensation.input_fingerprint != approval.input_fingerprint
+            or not compensation.matches_policy(policy)
+        ):
+            raise ApprovalMismatch()
+        binding = OperationCompensationBinding(
+            operation.tool,
+            operation.operation_key,
+            compensation.compensation_key,
+            compensation.tenant_scope,
+            compensation.grant_fingerprint,
+        )
+        request = OperationCompensationRequest(
+            auth.session_id, dispatch.request_id, binding, dispatch.payload
+        )
+        canonical_input = canonical_operation_input_bytes(request.payload)
+        compensation.verify_input(canonical_input)
+        target.verify_action_current(plan, operation, canonical_input)
+        frame = auth.seal(CompensateOperation(request))
+        return OutboundFrame(request, frame)
+
+    # Compensation results (H§12.8) ---------------------------------------------------
+
+    def apply_verified_operation_compensation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: OperationCompensationRequest,
+        result: OperationCompensationResult,
+    ) -> OperationStatus:
+        """Apply an authenticated compensation result; only the compensation state moves."""
+        self._own(plan)
+        ledger.validate_for(plan)
+        return ledger.apply_verified_compensation(request, result)
+
+    def apply_authenticated_operation_compensation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: OperationCompensationRequest,
+        auth: SessionAuthenticator,
+        frame: bytes,
+    ) -> OperationStatus:
+        """Open a ``compensation_result`` frame and apply it; returns the state."""
+        if auth.role != SessionRole.HOST:
+            raise CompensationDispatchRequiresHostAuthenticator()
+        message = auth.open(frame)
+        if isinstance(message, RequestRejected) and message.matches_request(request):
+            raise WorkerRequestRejected(message)
+        if not isinstance(message, CompensationResult):
+            raise UnexpectedCompensationMessage()
+        return self.apply_verified_operation_compensation(plan, ledger, request, message.result)
