@@ -97,7 +97,7 @@ class RetainedRequestId(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """A retained request id and whether its result was validated."""
 
     request_id: str
-    completed: bool = False
+    completed: bool
 
 
 class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,13 +105,14 @@ class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``calls_by_tool`` and ``compensations_by_tool`` hold only non-zero
     counters, keys sorted; ``compensation_identities`` is sorted;
-    ``request_ids`` is in retention order.
+    ``request_ids`` is in retention order. Every field is required, so a
+    strict decode of a persisted document never fills in a missing part.
     """
 
-    calls_by_tool: dict[str, int] = msgspec.field(default_factory=dict)
-    compensations_by_tool: dict[str, int] = msgspec.field(default_factory=dict)
-    compensation_identities: tuple[CompensationIdentity, ...] = ()
-    request_ids: tuple[RetainedRequestId, ...] = ()
+    calls_by_tool: dict[str, int]
+    compensations_by_tool: dict[str, int]
+    compensation_identities: tuple[CompensationIdentity, ...]
+    request_ids: tuple[RetainedRequestId, ...]
 
 
 # Tokens ---------------------------------------------------------------------

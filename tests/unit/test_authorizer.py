@@ -30,6 +30,7 @@ from octo_common.authorizer import (
     RetainedRequestId,
     SessionAuthorizer,
 )
+from octo_common.codec import decode_struct, encode_struct
 from octo_common.errors import (
     AuthorizationProvenanceMismatch,
     CallBudgetExhausted,
@@ -40,7 +41,10 @@ from octo_common.errors import (
     DuplicateRequest,
     DuplicateResult,
     InputTooLarge,
+    InvalidCompensationGrantFingerprint,
+    InvalidCompensationKey,
     InvalidJsonEnvelope,
+    InvalidOperationFailure,
     InvalidToken,
     JsonPayloadTooDeep,
     OctoError,
@@ -52,6 +56,7 @@ from octo_common.errors import (
     SessionRequestLimitExceeded,
     UnknownSession,
     UnknownTool,
+    UnsupportedVersion,
 )
 from octo_common.grants import (
     CapabilityGrant,
@@ -629,6 +634,135 @@ def test_compensation_check_order() -> None:
     assert auth.compensations_for(TOOL) == 1
 
 
+# Header validation comes first; the payload only where W§8 places it ----------------
+
+
+def unvalidated(value: Any, **changes: Any) -> Any:
+    """A copy with ``changes`` that skips construction-time validation (as a bug would)."""
+    return msgspec.structs.replace(value, **changes)
+
+
+def test_header_validation_precedes_the_session_check() -> None:
+    auth = authorizer()
+    cases: list[tuple[type[OctoError], Callable[[], object]]] = [
+        (
+            InvalidToken,
+            partial(
+                auth.authorize,
+                unvalidated(invocation("i-1", session="session-2"), request_id="Bad Id"),
+            ),
+        ),
+        (
+            UnsupportedVersion,
+            partial(
+                auth.authorize_operation,
+                unvalidated(dispatch("d-1", session="session-2"), protocol_version=4),
+            ),
+        ),
+        (
+            InvalidToken,
+            partial(
+                auth.authorize_reconciliation,
+                unvalidated(reconcile("r-1", session="session-2"), operation_key="Bad Key"),
+            ),
+        ),
+        (
+            InvalidCompensationKey,
+            partial(
+                auth.authorize_compensation,
+                unvalidated(compensation("c-1", session="session-2"), compensation_key="undo"),
+            ),
+        ),
+        (
+            InvalidCompensationGrantFingerprint,
+            partial(
+                auth.authorize_compensation,
+                unvalidated(compensation("c-1", session="session-2"), grant_fingerprint="F" * 64),
+            ),
+        ),
+    ]
+
+    for error, call in cases:
+        refused(auth, error, call)
+
+
+def test_the_payload_is_checked_only_after_session_tool_and_grant() -> None:
+    auth = authorizer()
+    scalar = ToolPayload.json(3)
+
+    refused(
+        auth,
+        UnknownSession,
+        partial(auth.authorize, invocation("i-1", scalar, session="session-2")),
+    )
+    refused(
+        auth,
+        UnknownTool,
+        partial(
+            auth.authorize_operation, unvalidated(dispatch("d-1", tool="no.tool"), payload=scalar)
+        ),
+    )
+    refused(
+        auth,
+        UnknownSession,
+        partial(
+            auth.authorize_compensation,
+            unvalidated(compensation("c-1", session="session-2"), payload=scalar),
+        ),
+    )
+    refused(
+        auth,
+        CompensationGrantMismatch,
+        partial(
+            auth.authorize_compensation,
+            unvalidated(compensation("c-1", fingerprint="0" * 64), payload=scalar),
+        ),
+    )
+    refused(
+        auth,
+        InvalidJsonEnvelope,
+        partial(auth.authorize_compensation, unvalidated(compensation("c-1"), payload=scalar)),
+    )
+    refused(
+        auth,
+        InvalidJsonEnvelope,
+        partial(auth.authorize_operation, unvalidated(dispatch("d-1"), payload=scalar)),
+    )
+
+
+def test_validators_check_provenance_then_the_result_then_the_session() -> None:
+    auth, other = authorizer(), authorizer()
+    token = auth.authorize_operation(dispatch("d-1"))
+    foreign = other.authorize_operation(dispatch("d-1"))
+    # Wrong session, wrong request id and an empty failure message at once.
+    broken = unvalidated(
+        OperationReconcileResult("session-2", "d-2", TOOL, OP_KEY, Running()),
+        status=unvalidated(Failed("x"), message=""),
+    )
+
+    refused(
+        auth,
+        AuthorizationProvenanceMismatch,
+        partial(auth.validate_operation_result, foreign, broken),
+    )
+    refused(auth, InvalidOperationFailure, partial(auth.validate_operation_result, token, broken))
+    refused(
+        auth,
+        UnknownSession,
+        partial(auth.validate_operation_result, token, unvalidated(broken, status=Running())),
+    )
+    invoke_token = authorizer().authorize(invocation("i-1"))
+    refused(
+        auth,
+        AuthorizationProvenanceMismatch,
+        partial(
+            auth.validate_result,
+            invoke_token,
+            unvalidated(ToolResult(SESSION, "i-1", TOTAL), request_id="Bad"),
+        ),
+    )
+
+
 # Request-id capacity (W§15 example 5) ---------------------------------------------
 
 
@@ -1051,10 +1185,26 @@ def test_restore_validates_the_manifest() -> None:
     manifest = msgspec.structs.replace(CapabilityManifest(SESSION, [grant_g()]), protocol_version=4)
 
     with pytest.raises(OctoError) as info:
-        SessionAuthorizer.restore(manifest, AuthorizerState())
+        SessionAuthorizer.restore(manifest, make_state())
     assert info.value.code == "unsupported_version"
     with pytest.raises(OctoError):
         SessionAuthorizer(manifest)
+
+
+def rid(request_id: str, completed: Any = False) -> RetainedRequestId:
+    return RetainedRequestId(request_id, completed)
+
+
+def make_state(
+    *,
+    calls_by_tool: dict[str, Any] | None = None,
+    compensations_by_tool: dict[str, Any] | None = None,
+    compensation_identities: tuple[CompensationIdentity, ...] = (),
+    request_ids: tuple[RetainedRequestId, ...] = (),
+) -> AuthorizerState:
+    return AuthorizerState(
+        calls_by_tool or {}, compensations_by_tool or {}, compensation_identities, request_ids
+    )
 
 
 def _identity(tool: str = TOOL, **changes: str) -> CompensationIdentity:
@@ -1071,56 +1221,46 @@ def _identity(tool: str = TOOL, **changes: str) -> CompensationIdentity:
 
 
 BAD_STATES: dict[str, AuthorizerState] = {
-    "unknown tool in calls": AuthorizerState(
-        calls_by_tool={"no.tool": 1}, request_ids=(RetainedRequestId("a"),)
+    "unknown tool in calls": make_state(calls_by_tool={"no.tool": 1}, request_ids=(rid("a"),)),
+    "calls over the grant": make_state(
+        calls_by_tool={TOOL: 3}, request_ids=tuple(rid(f"r-{i}") for i in range(3))
     ),
-    "calls over the grant": AuthorizerState(
-        calls_by_tool={TOOL: 3}, request_ids=tuple(RetainedRequestId(f"r-{i}") for i in range(3))
-    ),
-    "boolean counter": AuthorizerState(
-        calls_by_tool={TOOL: True}, request_ids=(RetainedRequestId("a"),)
-    ),
-    "negative counter": AuthorizerState(calls_by_tool={TOOL: -1}),
-    "compensations over the grant": AuthorizerState(
+    "boolean counter": make_state(calls_by_tool={TOOL: True}, request_ids=(rid("a"),)),
+    "negative counter": make_state(calls_by_tool={TOOL: -1}),
+    "compensations over the grant": make_state(
         compensations_by_tool={TOOL: 2},
         compensation_identities=(_identity(), _identity(compensation_key="cmp-2")),
-        request_ids=(RetainedRequestId("a"), RetainedRequestId("b")),
+        request_ids=(rid("a"), rid("b")),
     ),
-    "identities without budget": AuthorizerState(
-        compensation_identities=(_identity(),), request_ids=(RetainedRequestId("a"),)
+    "identities without budget": make_state(
+        compensation_identities=(_identity(),), request_ids=(rid("a"),)
     ),
-    "budget without identities": AuthorizerState(
-        compensations_by_tool={TOOL: 1}, request_ids=(RetainedRequestId("a"),)
+    "budget without identities": make_state(
+        compensations_by_tool={TOOL: 1}, request_ids=(rid("a"),)
     ),
-    "repeated identity": AuthorizerState(
+    "repeated identity": make_state(
         compensations_by_tool={TOOL: 1},
         compensation_identities=(_identity(), _identity()),
-        request_ids=(RetainedRequestId("a"), RetainedRequestId("b")),
+        request_ids=(rid("a"), rid("b")),
     ),
-    "identity with a bad fingerprint": AuthorizerState(
+    "identity with a bad fingerprint": make_state(
         compensations_by_tool={TOOL: 1},
         compensation_identities=(_identity(input_fingerprint="A" * 64),),
-        request_ids=(RetainedRequestId("a"),),
+        request_ids=(rid("a"),),
     ),
-    "identity without cmp- key": AuthorizerState(
+    "identity without cmp- key": make_state(
         compensations_by_tool={TOOL: 1},
         compensation_identities=(_identity(compensation_key="undo"),),
-        request_ids=(RetainedRequestId("a"),),
+        request_ids=(rid("a"),),
     ),
-    "identity of an unknown tool": AuthorizerState(
-        compensation_identities=(_identity(tool="no.tool"),), request_ids=(RetainedRequestId("a"),)
+    "identity of an unknown tool": make_state(
+        compensation_identities=(_identity(tool="no.tool"),), request_ids=(rid("a"),)
     ),
-    "more spent than retained": AuthorizerState(
-        calls_by_tool={TOOL: 2}, request_ids=(RetainedRequestId("a"),)
-    ),
-    "too many request ids": AuthorizerState(
-        request_ids=tuple(RetainedRequestId(f"r-{i}") for i in range(LIMIT + 1))
-    ),
-    "duplicate request id": AuthorizerState(
-        request_ids=(RetainedRequestId("a"), RetainedRequestId("a", True))
-    ),
-    "request id not a token": AuthorizerState(request_ids=(RetainedRequestId("Not A Token"),)),
-    "completed flag not a boolean": AuthorizerState(request_ids=(RetainedRequestId("a", 1),)),  # type: ignore[arg-type]
+    "more spent than retained": make_state(calls_by_tool={TOOL: 2}, request_ids=(rid("a"),)),
+    "too many request ids": make_state(request_ids=tuple(rid(f"r-{i}") for i in range(LIMIT + 1))),
+    "duplicate request id": make_state(request_ids=(rid("a"), rid("a", True))),
+    "request id not a token": make_state(request_ids=(rid("Not A Token"),)),
+    "completed flag not a boolean": make_state(request_ids=(rid("a", 1),)),
 }
 
 
@@ -1133,7 +1273,7 @@ def test_restore_refuses_an_impossible_state(name: str) -> None:
 
 
 def test_restore_accepts_exactly_1024_request_ids() -> None:
-    state = AuthorizerState(request_ids=tuple(RetainedRequestId(f"r-{i}") for i in range(LIMIT)))
+    state = make_state(request_ids=tuple(rid(f"r-{i}") for i in range(LIMIT)))
 
     restored = SessionAuthorizer.restore(CapabilityManifest(SESSION, [grant_gc()]), state)
 
@@ -1141,9 +1281,30 @@ def test_restore_accepts_exactly_1024_request_ids() -> None:
     refused(restored, SessionRequestLimitExceeded, lambda: restored.reserve_request_id("one-more"))
 
 
-def test_a_decoded_state_with_unknown_fields_is_refused() -> None:
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(b'{"calls_by_tool":{},"extra":1}', type=AuthorizerState)
+def test_the_state_round_trips_through_the_strict_codec() -> None:
+    state = busy_authorizer().export_state()
+
+    assert decode_struct(encode_struct(state), AuthorizerState) == state
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        b'{"calls_by_tool":{},"compensations_by_tool":{},"compensation_identities":[],'
+        b'"request_ids":[],"extra":1}',
+        b'{"calls_by_tool":{},"compensations_by_tool":{},"compensation_identities":[]}',
+        b'{"calls_by_tool":{"math.add":true},"compensations_by_tool":{},'
+        b'"compensation_identities":[],"request_ids":[]}',
+        b'{"calls_by_tool":{},"compensations_by_tool":{},"compensation_identities":[],'
+        b'"request_ids":[{"request_id":"a"}]}',
+        b'{"calls_by_tool":{},"calls_by_tool":{},"compensations_by_tool":{},'
+        b'"compensation_identities":[],"request_ids":[]}',
+    ],
+    ids=["unknown-field", "missing-field", "boolean-count", "missing-flag", "duplicate-key"],
+)
+def test_a_malformed_state_document_does_not_decode(document: bytes) -> None:
+    with pytest.raises(SerializationError):
+        decode_struct(document, AuthorizerState)
 
 
 # Property: budgets hold and refusals change nothing ------------------------------
