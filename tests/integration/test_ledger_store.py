@@ -1,0 +1,857 @@
+"""Authenticated ledger storage on real backends (H§17.3-17.7, H§17.10, H§20 ex. 22-23).
+
+Every H§20 example 22 scenario runs against the ``VolatileMemoryStore`` and
+against a real SQLite file (``SqliteRecordBackend``). Tampering goes through a
+"backdoor" that edits the backend's state directly, as someone with access to
+the database file would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sqlite3
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import structlog
+
+from octo_common.errors import (
+    FencingRequired,
+    FencingTokenExhausted,
+    FencingTokenRejected,
+    InvalidEnvelope,
+    InvalidFencingToken,
+    InvalidRecordAuthenticationTag,
+    InvalidReplacementRevision,
+    InvalidStorageKey,
+    PayloadTooLarge,
+    RevisionExhausted,
+    RevisionFloorMismatch,
+    RevisionMismatch,
+    RollbackAnchorInvalid,
+    RollbackAnchorMissing,
+    RollbackDetected,
+    StorageBackendError,
+    UnknownKeyId,
+    UnsupportedRecordFormat,
+    WriteConflict,
+)
+from octo_common.records import (
+    AuthenticatedRecord,
+    Conflict,
+    StorageKey,
+    StorageKeyring,
+    StorageRecordKey,
+    StorageSnapshot,
+    Stored,
+    StoredRecord,
+    seal_record,
+)
+from octo_host.store import (
+    AuthenticatedStore,
+    SqliteLedgerStore,
+    SqliteRecordBackend,
+    VolatileMemoryStore,
+    initialise_anchor,
+    ledger_record_key,
+    load_storage_key,
+)
+
+RUN = ledger_record_key("release-42")
+OTHER_RUN = ledger_record_key("release-43")
+SQLITE_MAX = 2**63 - 1
+
+
+def new_keyring() -> StorageKeyring:
+    return StorageKeyring("storage-v1", StorageKey(bytes([7]) * 32))
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+class Backdoor:
+    """Reads and rewrites a backend's raw state behind the store's back."""
+
+    async def stored(self, key: StorageRecordKey) -> StoredRecord | None:
+        raise AssertionError("abstract")
+
+    async def put(self, key: StorageRecordKey, record: StoredRecord | None, floor: int) -> None:
+        raise AssertionError("abstract")
+
+
+class MemoryBackdoor(Backdoor):
+    def __init__(self, backend: VolatileMemoryStore) -> None:
+        self.backend = backend
+
+    async def stored(self, key: StorageRecordKey) -> StoredRecord | None:
+        return self.backend.records.get(key)
+
+    async def put(self, key: StorageRecordKey, record: StoredRecord | None, floor: int) -> None:
+        if record is None:
+            self.backend.records.pop(key, None)
+        else:
+            self.backend.records[key] = record
+        self.backend.floors[key] = floor
+
+
+class SqliteBackdoor(Backdoor):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=5, isolation_level=None)
+
+    async def stored(self, key: StorageRecordKey) -> StoredRecord | None:
+        connection = self._connect()
+        try:
+            row = connection.execute(
+                "SELECT revision, envelope FROM items WHERE namespace=? AND name=? AND item=''",
+                (key.namespace, key.name),
+            ).fetchone()
+        finally:
+            connection.close()
+        return None if row is None else StoredRecord(row[0], row[1])
+
+    async def put(self, key: StorageRecordKey, record: StoredRecord | None, floor: int) -> None:
+        connection = self._connect()
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute(
+                "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
+                "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
+                (key.namespace, key.name, floor),
+            )
+            connection.execute(
+                "DELETE FROM items WHERE namespace=? AND name=? AND item=''",
+                (key.namespace, key.name),
+            )
+            if record is not None:
+                connection.execute(
+                    "INSERT INTO items (namespace, name, item, revision, envelope) "
+                    "VALUES (?, ?, '', ?, ?)",
+                    (key.namespace, key.name, record.revision, record.data),
+                )
+            connection.execute("COMMIT")
+        finally:
+            connection.close()
+
+
+@dataclass
+class Env:
+    kind: str
+    store: AuthenticatedStore
+    ring: StorageKeyring
+    backdoor: Backdoor
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
+    ring = new_keyring()
+    if request.param == "memory":
+        backend = VolatileMemoryStore()
+        store: AuthenticatedStore = AuthenticatedStore(backend, ring)
+        backdoor: Backdoor = MemoryBackdoor(backend)
+    else:
+        path = tmp_path / "db" / "ledger.db"
+        store = SqliteLedgerStore(path, ring)
+        backdoor = SqliteBackdoor(path)
+    try:
+        yield Env(request.param, store, ring, backdoor)
+    finally:
+        await store.close()
+
+
+async def tamper(env: Env, key: StorageRecordKey, old: bytes, new: bytes) -> None:
+    stored = await env.backdoor.stored(key)
+    assert stored is not None and old in stored.data
+    await env.backdoor.put(
+        key, StoredRecord(stored.revision, stored.data.replace(old, new)), stored.revision
+    )
+
+
+# H§20 example 22, on both backends --------------------------------------------------
+
+
+async def test_create_load_replace_round_trip(env: Env) -> None:
+    assert await env.store.load(RUN) is None
+
+    created = await env.store.create(RUN, b"ledger v1")
+    replaced = await env.store.replace(RUN, 1, b"ledger v2")
+
+    assert created == AuthenticatedRecord(1, "storage-v1", b"ledger v1")
+    assert replaced == AuthenticatedRecord(2, "storage-v1", b"ledger v2")
+    assert await env.store.load(RUN) == replaced
+
+
+async def test_replace_expecting_zero_after_create_conflicts(env: Env) -> None:
+    await env.store.create(RUN, b"first payload")
+
+    with pytest.raises(WriteConflict) as caught:
+        await env.store.replace(RUN, 0, b"second")
+
+    assert (caught.value.expected, caught.value.actual, caught.value.revision_floor) == (0, 1, 1)
+    with pytest.raises(WriteConflict) as again:
+        await env.store.create(RUN, b"second")
+    assert (again.value.expected, again.value.actual, again.value.revision_floor) == (None, 1, 1)
+    with pytest.raises(WriteConflict) as absent:
+        await env.store.replace(OTHER_RUN, 3, b"x")
+    assert (absent.value.expected, absent.value.actual, absent.value.revision_floor) == (3, None, 0)
+    assert (await env.store.load(RUN)) == AuthenticatedRecord(1, "storage-v1", b"first payload")
+
+
+async def test_fenced_writes(env: Env) -> None:
+    first = await env.store.compare_and_swap_fenced(RUN, None, b"v1", 5)
+    assert first.revision == 1
+    assert await env.store.current_fence(RUN) == 5
+
+    with pytest.raises(WriteConflict):
+        await env.store.compare_and_swap_fenced(RUN, 0, b"v2", 6)
+    assert await env.store.current_fence(RUN) == 6  # established before the conflict
+
+    with pytest.raises(FencingRequired) as required:
+        await env.store.replace(RUN, 1, b"unfenced")
+    assert required.value.current == 6
+
+    with pytest.raises(FencingTokenRejected) as rejected:
+        await env.store.compare_and_swap_fenced(RUN, 1, b"stale", 5)
+    assert (rejected.value.current, rejected.value.supplied) == (6, 5)
+
+    second = await env.store.compare_and_swap_fenced(RUN, 1, b"v2", 6)
+    assert second == AuthenticatedRecord(2, "storage-v1", b"v2")
+    assert await env.store.load(RUN) == second
+
+
+async def test_fence_is_established_even_when_the_payload_is_too_large(env: Env) -> None:
+    with pytest.raises(PayloadTooLarge):
+        await env.store.compare_and_swap_fenced(RUN, None, bytes(2_097_153), 9)
+    assert await env.store.current_fence(RUN) == 9
+    assert await env.store.load(RUN) is None
+
+
+async def test_reserve_fence_counts_up_from_one(env: Env) -> None:
+    assert await env.store.current_fence(RUN) == 0
+    assert await env.store.reserve_fence(RUN) == 1
+    assert await env.store.reserve_fence(RUN) == 2
+    assert await env.store.current_fence(RUN) == 2
+    assert await env.store.current_fence(OTHER_RUN) == 0
+    token = await env.store.reserve_fence(OTHER_RUN)
+    assert (await env.store.compare_and_swap_fenced(OTHER_RUN, None, b"x", token)).revision == 1
+
+
+async def test_establish_fence_rules(env: Env) -> None:
+    await env.store.establish_fence(RUN, 4)
+    await env.store.establish_fence(RUN, 4)  # equal: no-op
+    assert await env.store.current_fence(RUN) == 4
+    with pytest.raises(FencingTokenRejected) as caught:
+        await env.store.establish_fence(RUN, 3)
+    assert (caught.value.current, caught.value.supplied) == (4, 3)
+    with pytest.raises(InvalidFencingToken):
+        await env.store.establish_fence(RUN, 0)
+    assert await env.store.current_fence(RUN) == 4
+
+
+async def test_token_zero_is_refused_and_nothing_is_written(env: Env) -> None:
+    with pytest.raises(InvalidFencingToken):
+        await env.store.compare_and_swap_fenced(RUN, None, b"v1", 0)
+    assert await env.store.load(RUN) is None
+    assert await env.store.current_fence(RUN) == 0
+
+
+async def test_record_copied_to_another_name_fails_authentication(env: Env) -> None:
+    await env.store.create(RUN, b"ledger of release-42")
+    stored = await env.backdoor.stored(RUN)
+    assert stored is not None
+    await env.backdoor.put(OTHER_RUN, stored, stored.revision)
+
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await env.store.load(OTHER_RUN)
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await env.store.replace(OTHER_RUN, 1, b"overwrite")
+
+
+async def test_tampered_payload_fails_authentication_and_blocks_writes(env: Env) -> None:
+    await env.store.create(RUN, b"first payload")
+    # "Zmlyc3Qg" is base64 of "first "; "Zmlyc3Rn" decodes to "firstg".
+    await tamper(env, RUN, b"Zmlyc3Qg", b"Zmlyc3Rn")
+
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await env.store.load(RUN)
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await env.store.replace(RUN, 1, b"second")
+
+
+async def test_older_record_restored_under_a_higher_floor_is_a_rollback(env: Env) -> None:
+    await env.store.create(RUN, b"v1")
+    old = await env.backdoor.stored(RUN)
+    assert old is not None
+    await env.store.replace(RUN, 1, b"v2")
+    await env.backdoor.put(RUN, old, 2)
+
+    with pytest.raises(RollbackDetected) as caught:
+        await env.store.load(RUN)
+    assert (caught.value.record_revision, caught.value.revision_floor) == (1, 2)
+    with pytest.raises(RollbackDetected):
+        await env.store.replace(RUN, 1, b"v2 again")
+
+
+async def test_rotation_resigns_and_retirement_locks_out_old_records(env: Env) -> None:
+    await env.store.create(RUN, b"old ledger")
+    await env.store.create(OTHER_RUN, b"never rewritten")
+    env.ring.rotate_to("storage-v2", StorageKey(bytes([8]) * 32))
+
+    old = await env.store.load(RUN)
+    assert old == AuthenticatedRecord(1, "storage-v1", b"old ledger")
+    rewritten = await env.store.replace(RUN, 1, b"old ledger")
+    assert rewritten == AuthenticatedRecord(2, "storage-v2", b"old ledger")
+
+    env.ring.retire("storage-v1")
+    assert await env.store.load(RUN) == rewritten
+    with pytest.raises(UnknownKeyId) as caught:
+        await env.store.load(OTHER_RUN)
+    assert caught.value.key_id == "storage-v1"
+    with pytest.raises(UnknownKeyId):
+        await env.store.replace(OTHER_RUN, 1, b"blocked")
+
+
+async def test_padded_base64_is_an_invalid_envelope(env: Env) -> None:
+    await env.store.create(RUN, b"first payload")
+    await tamper(env, RUN, b'"Zmlyc3QgcGF5bG9hZA"', b'"Zmlyc3QgcGF5bG9hZA=="')
+    with pytest.raises(InvalidEnvelope):
+        await env.store.load(RUN)
+
+
+async def test_uppercase_tag_is_an_invalid_tag(env: Env) -> None:
+    await env.store.create(RUN, b"first payload")
+    stored = await env.backdoor.stored(RUN)
+    assert stored is not None
+    tag = stored.data[-66:-2]
+    await tamper(env, RUN, tag, tag.upper())
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await env.store.load(RUN)
+
+
+async def test_envelope_revision_above_backend_revision_is_a_mismatch(env: Env) -> None:
+    await env.store.create(RUN, b"v1")
+    await env.backdoor.put(RUN, StoredRecord(1, seal_record(env.ring, RUN, 2, b"v1")), 1)
+    with pytest.raises(RevisionMismatch) as caught:
+        await env.store.load(RUN)
+    assert (caught.value.backend, caught.value.envelope) == (1, 2)
+
+
+async def test_format_version_two_is_unsupported(env: Env) -> None:
+    await env.store.create(RUN, b"v1")
+    await tamper(env, RUN, b'"format_version":1', b'"format_version":2')
+    with pytest.raises(UnsupportedRecordFormat) as caught:
+        await env.store.load(RUN)
+    assert caught.value.version == 2
+
+
+async def test_deleted_record_with_floor_one_is_a_rollback(env: Env) -> None:
+    await env.store.create(RUN, b"v1")
+    await env.backdoor.put(RUN, None, 1)
+    with pytest.raises(RollbackDetected) as caught:
+        await env.store.load(RUN)
+    assert (caught.value.record_revision, caught.value.revision_floor) == (None, 1)
+    with pytest.raises(RollbackDetected):
+        await env.store.create(RUN, b"recreate")
+
+
+async def test_oversized_payload_is_refused_before_any_io(env: Env) -> None:
+    with pytest.raises(PayloadTooLarge) as caught:
+        await env.store.create(RUN, bytes(2_097_153))
+    assert (caught.value.actual, caught.value.maximum) == (2_097_153, 2_097_152)
+    assert await env.store.load(RUN) is None
+
+
+async def test_floor_forced_to_zero_under_a_live_record(env: Env) -> None:
+    await env.store.create(RUN, b"v1")
+    stored = await env.backdoor.stored(RUN)
+    assert stored is not None
+    await env.backdoor.put(RUN, stored, 0)
+    with pytest.raises(RevisionFloorMismatch) as caught:
+        await env.store.load(RUN)
+    assert (caught.value.record_revision, caught.value.revision_floor) == (1, 0)
+
+
+# Backend contract (H§17.3, H§17.6) ---------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[VolatileMemoryStore | SqliteRecordBackend]:
+    chosen: VolatileMemoryStore | SqliteRecordBackend
+    if request.param == "memory":
+        chosen = VolatileMemoryStore()
+    else:
+        chosen = SqliteRecordBackend(tmp_path / "backend.db")
+    try:
+        yield chosen
+    finally:
+        await chosen.close()
+
+
+async def test_backend_cas_outcomes(backend: VolatileMemoryStore | SqliteRecordBackend) -> None:
+    assert await backend.load(RUN) == StorageSnapshot(None, 0)
+    assert await backend.compare_and_swap(RUN, None, StoredRecord(1, b"one")) == Stored(1)
+    assert await backend.load(RUN) == StorageSnapshot(StoredRecord(1, b"one"), 1)
+    assert await backend.compare_and_swap(RUN, None, StoredRecord(1, b"x")) == Conflict(1, 1)
+    assert await backend.compare_and_swap(RUN, 0, StoredRecord(1, b"x")) == Conflict(1, 1)
+    assert await backend.compare_and_swap(OTHER_RUN, 1, StoredRecord(2, b"x")) == Conflict(None, 0)
+    assert await backend.compare_and_swap(RUN, 1, StoredRecord(2, b"two")) == Stored(2)
+    assert await backend.load(RUN) == StorageSnapshot(StoredRecord(2, b"two"), 2)
+
+
+async def test_backend_refuses_a_replacement_not_at_expected_plus_one(
+    backend: VolatileMemoryStore | SqliteRecordBackend,
+) -> None:
+    with pytest.raises(InvalidReplacementRevision) as create:
+        await backend.compare_and_swap(RUN, None, StoredRecord(5, b"x"))
+    assert (create.value.expected, create.value.actual) == (1, 5)
+    await backend.compare_and_swap(RUN, None, StoredRecord(1, b"x"))
+    with pytest.raises(InvalidReplacementRevision) as replace:
+        await backend.compare_and_swap(RUN, 1, StoredRecord(3, b"x"))
+    assert (replace.value.expected, replace.value.actual) == (2, 3)
+    assert await backend.load(RUN) == StorageSnapshot(StoredRecord(1, b"x"), 1)
+
+
+async def test_backend_fenced_cas_requires_the_current_token(
+    backend: VolatileMemoryStore | SqliteRecordBackend,
+) -> None:
+    with pytest.raises(InvalidFencingToken):
+        await backend.compare_and_swap_fenced(RUN, None, StoredRecord(1, b"x"), 0)
+    with pytest.raises(FencingTokenRejected) as unfenced_key:
+        await backend.compare_and_swap_fenced(RUN, None, StoredRecord(1, b"x"), 1)
+    assert (unfenced_key.value.current, unfenced_key.value.supplied) == (0, 1)
+    token = await backend.reserve_fence(RUN)
+    with pytest.raises(FencingTokenRejected):
+        await backend.compare_and_swap_fenced(RUN, None, StoredRecord(1, b"x"), token + 1)
+    with pytest.raises(FencingRequired) as required:
+        await backend.compare_and_swap(RUN, None, StoredRecord(1, b"x"))
+    assert required.value.current == token
+    assert await backend.compare_and_swap_fenced(RUN, None, StoredRecord(1, b"x"), token) == Stored(
+        1
+    )
+
+
+async def test_memory_backend_ceilings_are_u64() -> None:
+    backend = VolatileMemoryStore()
+    backend.fences[RUN] = 2**64 - 1
+    with pytest.raises(FencingTokenExhausted):
+        await backend.reserve_fence(RUN)
+    backend.records[OTHER_RUN] = StoredRecord(2**64 - 1, b"x")
+    backend.floors[OTHER_RUN] = 2**64 - 1
+    with pytest.raises(RevisionExhausted):
+        await backend.compare_and_swap(OTHER_RUN, 2**64 - 1, StoredRecord(2**64, b"y"))
+
+
+# SQLite specifics (H§17.7, H§17.10, H§20 example 23) --------------------------------------
+
+
+async def test_committed_record_survives_reopening(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    first = SqliteLedgerStore(path, new_keyring())
+    committed = await first.create(RUN, b"durable ledger")
+    await first.close()
+    await first.close()  # idempotent
+
+    second = SqliteLedgerStore(path, new_keyring())
+    try:
+        assert await second.load(RUN) == committed
+        assert await second.integrity_check() == ["ok"]
+    finally:
+        await second.close()
+
+
+async def test_restored_backup_is_detected_by_the_anchor(tmp_path: Path) -> None:
+    path = tmp_path / "db" / "ledger.db"
+    anchor = tmp_path / "anchor" / "ledger.anchor"
+    anchor.parent.mkdir(mode=0o700)
+    initialise_anchor(anchor)
+
+    store = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    await store.create(RUN, b"v1")
+    await store.close()  # the last connection checkpoints the WAL into the file
+    backup = tmp_path / "backup.db"
+    shutil.copy2(path, backup)
+
+    store = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    await store.replace(RUN, 1, b"v2")
+    await store.close()
+    assert anchor.read_bytes() == (
+        b'{"format_version":1,"records":'
+        b'[{"namespace":"workflow-ledger","name":"release-42","revision":2}]}'
+    )
+
+    for suffix in ("-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    shutil.copy2(backup, path)
+
+    restored = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    try:
+        with pytest.raises(RollbackDetected) as caught:
+            await restored.load(RUN)
+        assert (caught.value.record_revision, caught.value.revision_floor) == (1, 2)
+        with pytest.raises(RollbackDetected):
+            await restored.replace(RUN, 1, b"v2 again")
+    finally:
+        await restored.close()
+
+    # Without the anchor, the same restored file would load silently.
+    unanchored = SqliteLedgerStore(path, new_keyring())
+    try:
+        record = await unanchored.load(RUN)
+        assert record is not None and record.revision == 1
+    finally:
+        await unanchored.close()
+
+
+async def test_anchor_detects_a_deleted_record_and_one_rolled_back_while_open(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    anchor = tmp_path / "ledger.anchor"
+    initialise_anchor(anchor)
+    store = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    backdoor = SqliteBackdoor(path)
+    try:
+        await store.create(RUN, b"v1")
+        old = await backdoor.stored(RUN)
+        await store.replace(RUN, 1, b"v2")
+        # Head and record rolled back together: only the anchor can tell.
+        await backdoor.put(RUN, old, 1)
+        with pytest.raises(RollbackDetected) as rolled_back:
+            await store.load(RUN)
+        assert (rolled_back.value.record_revision, rolled_back.value.revision_floor) == (1, 2)
+
+        await backdoor.put(RUN, None, 0)
+        with pytest.raises(RollbackDetected) as deleted:
+            await store.load(RUN)
+        assert (deleted.value.record_revision, deleted.value.revision_floor) == (None, 2)
+    finally:
+        await store.close()
+
+
+async def test_configured_anchor_must_exist_and_be_valid(tmp_path: Path) -> None:
+    path = tmp_path / "db" / "ledger.db"
+    anchor = tmp_path / "ledger.anchor"
+
+    missing = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    with pytest.raises(RollbackAnchorMissing):
+        await missing.load(RUN)
+    await missing.close()
+    assert not path.exists()  # nothing created before the anchor check
+
+    anchor.write_bytes(b'{"format_version":1,"records":[],"extra":1}')
+    malformed = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    with pytest.raises(RollbackAnchorInvalid):
+        await malformed.load(RUN)
+    await malformed.close()
+
+
+async def test_database_ahead_of_the_anchor_is_accepted_and_the_anchor_rises(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    anchor = tmp_path / "ledger.anchor"
+    plain = SqliteLedgerStore(path, new_keyring())
+    await plain.create(RUN, b"v1")
+    await plain.replace(RUN, 1, b"v2")
+    await plain.close()
+    # As after a crash between COMMIT and the anchor write: the anchor lags.
+    initialise_anchor(anchor)
+
+    store = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    try:
+        assert (await store.load(RUN)) == AuthenticatedRecord(2, "storage-v1", b"v2")
+        await store.create(OTHER_RUN, b"other")
+        assert anchor.read_bytes() == (
+            b'{"format_version":1,"records":['
+            b'{"namespace":"workflow-ledger","name":"release-42","revision":2},'
+            b'{"namespace":"workflow-ledger","name":"release-43","revision":1}]}'
+        )
+        assert mode_of(anchor) == 0o600
+        assert not Path(f"{anchor}.tmp").exists()
+    finally:
+        await store.close()
+
+
+async def test_anchor_write_failure_fails_the_caller_after_the_commit(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    anchor = tmp_path / "ledger.anchor"
+    initialise_anchor(anchor)
+    store = SqliteLedgerStore(path, new_keyring(), anchor_path=anchor)
+    try:
+        await store.create(RUN, b"v1")
+        Path(f"{anchor}.tmp").mkdir()  # the temporary file can no longer be written
+
+        with pytest.raises(StorageBackendError) as caught:
+            await store.replace(RUN, 1, b"v2")
+        assert "anchor" in str(caught.value)
+
+        Path(f"{anchor}.tmp").rmdir()
+        # The database holds the commit; the in-memory anchor already rose.
+        record = await store.load(RUN)
+        assert record is not None and record.revision == 2
+    finally:
+        await store.close()
+
+
+def test_initialise_anchor_writes_the_empty_document_privately(tmp_path: Path) -> None:
+    anchor = tmp_path / "ledger.anchor"
+    initialise_anchor(anchor)
+    assert anchor.read_bytes() == b'{"format_version":1,"records":[]}'
+    assert mode_of(anchor) == 0o600
+    with pytest.raises(StorageBackendError):
+        initialise_anchor(anchor)
+    initialise_anchor(anchor, overwrite=True)
+    assert anchor.read_bytes() == b'{"format_version":1,"records":[]}'
+
+
+async def test_files_are_private(tmp_path: Path) -> None:
+    directory = tmp_path / "state" / "host"
+    path = directory / "ledger.db"
+    store = SqliteLedgerStore(path, new_keyring())
+    assert not directory.exists()  # the constructor does no I/O
+    try:
+        await store.create(RUN, b"v1")
+        assert mode_of(directory) == 0o700
+        for name in ("ledger.db", "ledger.db-wal", "ledger.db-shm"):
+            assert mode_of(directory / name) == 0o600, name
+    finally:
+        await store.close()
+
+
+async def test_existing_readable_directory_is_used_with_a_warning(tmp_path: Path) -> None:
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o755)
+    path = directory / "ledger.db"
+    path.touch()
+    path.chmod(0o644)
+
+    store = SqliteLedgerStore(path, new_keyring())
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await store.create(RUN, b"v1")
+        assert mode_of(path) == 0o600
+        assert mode_of(directory) == 0o755
+        assert [entry["event"] for entry in logs] == ["storage_directory_not_private"]
+    finally:
+        await store.close()
+
+
+async def test_cas_conflict_between_sequential_writers(tmp_path: Path) -> None:
+    store = SqliteLedgerStore(tmp_path / "ledger.db", new_keyring())
+    try:
+        await store.create(RUN, b"v1")
+        await store.replace(RUN, 1, b"v2")
+        with pytest.raises(WriteConflict) as caught:
+            await store.replace(RUN, 1, b"stale writer")
+        assert (caught.value.expected, caught.value.actual, caught.value.revision_floor) == (
+            1,
+            2,
+            2,
+        )
+        assert (await store.load(RUN)) == AuthenticatedRecord(2, "storage-v1", b"v2")
+    finally:
+        await store.close()
+
+
+async def test_concurrent_cas_from_two_store_objects_on_one_file(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    one = SqliteLedgerStore(path, new_keyring())
+    two = SqliteLedgerStore(path, new_keyring())
+    try:
+        await one.create(RUN, b"v1")
+        assert (await two.load(RUN)) is not None
+
+        outcomes = await asyncio.gather(
+            one.replace(RUN, 1, b"from one"),
+            two.replace(RUN, 1, b"from two"),
+            return_exceptions=True,
+        )
+        winners = [o for o in outcomes if isinstance(o, AuthenticatedRecord)]
+        losers = [o for o in outcomes if isinstance(o, WriteConflict)]
+        assert len(winners) == 1 and len(losers) == 1, outcomes
+        assert (losers[0].expected, losers[0].actual, losers[0].revision_floor) == (1, 2, 2)
+        assert await one.load(RUN) == winners[0]
+        assert await two.load(RUN) == winners[0]
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_concurrent_backend_cas_on_one_file_has_one_winner(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    backends = [SqliteRecordBackend(path) for _ in range(4)]
+    try:
+        await backends[0].compare_and_swap(RUN, None, StoredRecord(1, b"v1"))
+        outcomes = await asyncio.gather(
+            *(
+                b.compare_and_swap(RUN, 1, StoredRecord(2, bytes([i])))
+                for i, b in enumerate(backends)
+            )
+        )
+        assert sorted(outcomes, key=lambda o: isinstance(o, Conflict)) == [
+            Stored(2),
+            Conflict(2, 2),
+            Conflict(2, 2),
+            Conflict(2, 2),
+        ]
+    finally:
+        for b in backends:
+            await b.close()
+
+
+async def test_fences_are_shared_through_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    one = SqliteLedgerStore(path, new_keyring())
+    two = SqliteLedgerStore(path, new_keyring())
+    try:
+        token_one = await one.reserve_fence(RUN)
+        token_two = await two.reserve_fence(RUN)
+        assert (token_one, token_two) == (1, 2)
+        with pytest.raises(FencingTokenRejected) as caught:
+            await one.compare_and_swap_fenced(RUN, None, b"superseded", token_one)
+        assert (caught.value.current, caught.value.supplied) == (2, 1)
+        assert (await two.compare_and_swap_fenced(RUN, None, b"current", token_two)).revision == 1
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_sqlite_ceilings_are_i64(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    ring = new_keyring()
+    store = SqliteLedgerStore(path, ring)
+    backdoor = SqliteBackdoor(path)
+    try:
+        await store.create(RUN, b"v1")
+        await backdoor.put(
+            RUN, StoredRecord(SQLITE_MAX, seal_record(ring, RUN, SQLITE_MAX, b"top")), SQLITE_MAX
+        )
+        assert (await store.load(RUN)) == AuthenticatedRecord(SQLITE_MAX, "storage-v1", b"top")
+        with pytest.raises(RevisionExhausted):
+            await store.replace(RUN, SQLITE_MAX, b"beyond")
+
+        await store.establish_fence(OTHER_RUN, SQLITE_MAX)
+        with pytest.raises(FencingTokenExhausted):
+            await store.reserve_fence(OTHER_RUN)
+        with pytest.raises(FencingTokenExhausted):
+            await store.establish_fence(RUN, SQLITE_MAX + 1)
+        assert await store.current_fence(OTHER_RUN) == SQLITE_MAX
+    finally:
+        await store.close()
+
+
+async def test_cancelled_caller_does_not_interrupt_a_submitted_write(tmp_path: Path) -> None:
+    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+    try:
+        await backend.load(RUN)  # open first, so the write below is the only step left
+        write = asyncio.ensure_future(backend.compare_and_swap(RUN, None, StoredRecord(1, b"v1")))
+        await asyncio.sleep(0)  # the write is submitted
+        write.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await write
+        assert await backend.load(RUN) == StorageSnapshot(StoredRecord(1, b"v1"), 1)
+    finally:
+        await backend.close()
+
+
+async def test_schema_version_is_recorded_and_newer_schemas_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    store = SqliteLedgerStore(path, new_keyring())
+    await store.create(RUN, b"v1")
+    await store.close()
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert connection.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
+        connection.execute("UPDATE schema_version SET version = 99")
+    finally:
+        connection.close()
+
+    newer = SqliteLedgerStore(path, new_keyring())
+    with pytest.raises(StorageBackendError) as caught:
+        await newer.load(RUN)
+    assert "schema" in str(caught.value)
+    await newer.close()
+
+
+async def test_closed_store_refuses_work(tmp_path: Path) -> None:
+    store = SqliteLedgerStore(tmp_path / "ledger.db", new_keyring())
+    await store.create(RUN, b"v1")
+    await store.close()
+    with pytest.raises(StorageBackendError):
+        await store.load(RUN)
+
+
+async def test_unusable_database_path_is_a_backend_error(tmp_path: Path) -> None:
+    (tmp_path / "ledger.db").mkdir()
+    store = SqliteLedgerStore(tmp_path / "ledger.db", new_keyring())
+    with pytest.raises(StorageBackendError):
+        await store.load(RUN)
+    await store.close()
+
+
+# Key files (W§7.1 rule, H§17.1) -----------------------------------------------------------
+
+
+def write_key_file(path: Path, content: bytes, mode: int = 0o600) -> Path:
+    path.write_bytes(content)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize(
+    "content",
+    [bytes(range(32)), bytes(range(32)).hex().encode(), bytes(range(32)).hex().encode() + b"\n"],
+    ids=["raw", "hex", "hex-newline"],
+)
+def test_storage_key_file_formats(tmp_path: Path, content: bytes) -> None:
+    key = load_storage_key(write_key_file(tmp_path / "storage.key", content))
+    assert key == StorageKey(bytes(range(32)))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        bytes(31),
+        bytes(33),
+        bytes(range(32)).hex().encode() + b"\n\n",
+        bytes(range(32)).hex().encode() + b" ",
+        b"zz" * 32,
+        b"",
+    ],
+)
+def test_storage_key_file_with_a_bad_format(tmp_path: Path, content: bytes) -> None:
+    with pytest.raises(InvalidStorageKey) as caught:
+        load_storage_key(write_key_file(tmp_path / "storage.key", content))
+    assert "format" in "".join(getattr(caught.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644])
+def test_storage_key_file_readable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+    secret = bytes(range(32)).hex().encode()
+    with pytest.raises(InvalidStorageKey) as caught:
+        load_storage_key(write_key_file(tmp_path / "storage.key", secret, mode))
+    assert "permissions" in "".join(getattr(caught.value, "__notes__", []))
+    assert secret.decode() not in str(caught.value) + repr(caught.value)
+
+
+def test_storage_key_file_must_be_a_readable_regular_file(tmp_path: Path) -> None:
+    directory = tmp_path / "keys"
+    directory.mkdir(mode=0o700)
+    with pytest.raises(InvalidStorageKey):
+        load_storage_key(directory)
+    with pytest.raises(InvalidStorageKey):
+        load_storage_key(tmp_path / "absent.key")
+    link = tmp_path / "link.key"
+    os.symlink(write_key_file(tmp_path / "real.key", bytes(32)), link)
+    assert load_storage_key(link) == StorageKey(bytes(32))
