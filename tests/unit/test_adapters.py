@@ -1,0 +1,465 @@
+"""The adapter plug-in contract (W§10.2): declarations, defaults, registry,
+typed JSON adapters, the call wrapper and entry-point loading."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from octo_common.errors import (
+    AdapterFailed,
+    AdapterIndeterminate,
+    AdapterInvalidJsonInput,
+    AdapterInvalidJsonOutput,
+    AdapterUnsupported,
+    DuplicateTool,
+    InvalidTool,
+    MissingAdapter,
+    OutputTooLarge,
+    WorkerAdapterError,
+)
+from octo_common.grants import CapabilityGrant
+from octo_common.messages import (
+    OperationCompensationBinding,
+    OperationCompensationRequest,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    ToolInvocation,
+)
+from octo_common.payload import ToolPayload
+from octo_worker.adapters import (
+    ADAPTER_ENTRY_POINT_GROUP,
+    DEFAULT_ADAPTER_DEADLINE_SECONDS,
+    BaseWorkerAdapter,
+    DurableOperationContract,
+    InvocationSafety,
+    TypedJsonWorkerAdapter,
+    WorkerAdapter,
+    WorkerAdapterRegistry,
+    adapter_deadline,
+    call_adapter,
+    load_adapters,
+)
+from octo_worker.adapters_files import FilesPublishAdapter
+
+SESSION = "session-1"
+TOOL = "math.add"
+GRANT = CapabilityGrant.json(TOOL).with_compensation_limit(1)
+
+
+class AddInput(msgspec.Struct, forbid_unknown_fields=True):
+    left: int
+    right: int
+
+
+class Total(msgspec.Struct):
+    total: int
+
+
+def invocation(payload: ToolPayload) -> ToolInvocation:
+    return ToolInvocation(SESSION, "invoke-1", TOOL, payload)
+
+
+# Declarations and defaults ----------------------------------------------------
+
+
+def test_declaration_values() -> None:
+    assert {s.name for s in InvocationSafety} == {"READ_ONLY", "INDEPENDENTLY_IDEMPOTENT"}
+    assert {c.name for c in DurableOperationContract} == {
+        "RECONCILIATION",
+        "PROVIDER_IDEMPOTENCY_AND_RECONCILIATION",
+    }
+
+
+async def test_the_base_adapter_declares_nothing_and_supports_nothing() -> None:
+    adapter = BaseWorkerAdapter()
+    fingerprint = GRANT.compensation_fingerprint()
+    binding = OperationCompensationBinding(TOOL, "op-1", "cmp-1", "tenant-a", fingerprint)
+    calls = {
+        "invoke": adapter.invoke(invocation(ToolPayload.json({})), GRANT),
+        "dispatch_operation": adapter.dispatch_operation(
+            OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({})), GRANT
+        ),
+        "compensate_operation": adapter.compensate_operation(
+            OperationCompensationRequest(SESSION, "c-1", binding, ToolPayload.json({})), GRANT
+        ),
+        "reconcile_operation": adapter.reconcile_operation(
+            OperationReconcileRequest(SESSION, "r-1", TOOL, "op-1"), GRANT
+        ),
+    }
+
+    assert adapter.invocation_safety() is None
+    assert adapter.durable_operation_contract() is None
+    assert isinstance(adapter, WorkerAdapter)
+    for method, call in calls.items():
+        with pytest.raises(AdapterUnsupported) as info:
+            await call
+        assert info.value.method == method
+        assert info.value.code == "adapter_unsupported"
+
+
+def test_hook_docstrings_say_when_each_hook_runs() -> None:
+    for name in (
+        "invocation_safety",
+        "durable_operation_contract",
+        "invoke",
+        "dispatch_operation",
+        "compensate_operation",
+        "reconcile_operation",
+    ):
+        doc = getattr(BaseWorkerAdapter, name).__doc__ or ""
+        assert "Called" in doc, name
+    assert "MUST NOT" in (BaseWorkerAdapter.reconcile_operation.__doc__ or "")
+
+
+# Registry ------------------------------------------------------------------------
+
+
+def test_the_registry_holds_one_adapter_per_token_tool() -> None:
+    registry = WorkerAdapterRegistry()
+    adder, other = BaseWorkerAdapter(), BaseWorkerAdapter()
+
+    registry.register("math.add", adder)
+    registry.register("files.publish", other)
+
+    assert registry.contains("math.add") and "files.publish" in registry
+    assert not registry.contains("math.sub")
+    assert registry.get("math.add") is adder
+    assert registry.get("math.sub") is None
+    assert registry.tools() == ["files.publish", "math.add"]
+    assert len(registry) == 2
+    with pytest.raises(DuplicateTool) as duplicate:
+        registry.register("math.add", other)
+    assert duplicate.value.tool == "math.add"
+    assert registry.get("math.add") is adder
+
+
+@pytest.mark.parametrize("tool", ["", "Math.Add", "math add", "math/add", "a:b", "x" * 129])
+def test_the_registry_refuses_tools_that_are_not_tokens(tool: str) -> None:
+    registry = WorkerAdapterRegistry()
+
+    with pytest.raises(InvalidTool) as info:
+        registry.register(tool, BaseWorkerAdapter())
+    assert info.value.tool == tool
+    assert registry.tools() == []
+
+
+# TypedJsonWorkerAdapter -----------------------------------------------------------
+
+
+async def test_typed_json_adapter_converts_input_and_wraps_output() -> None:
+    def add(value: AddInput) -> Total:
+        return Total(value.left + value.right)
+
+    adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, add, AddInput)
+
+    result = await adapter.invoke(invocation(ToolPayload.json({"left": 20, "right": 22})), GRANT)
+
+    assert result == ToolPayload.json({"total": 42})
+    assert adapter.invocation_safety() is InvocationSafety.READ_ONLY
+    assert adapter.durable_operation_contract() is None
+    with pytest.raises(AdapterUnsupported):
+        await adapter.dispatch_operation(
+            OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({})), GRANT
+        )
+
+
+async def test_typed_json_adapter_accepts_async_handlers_and_plain_containers() -> None:
+    async def echo(value: dict[str, Any]) -> list[Any]:
+        return [value, 1]
+
+    adapter = TypedJsonWorkerAdapter(InvocationSafety.INDEPENDENTLY_IDEMPOTENT, echo, dict)
+
+    result = await adapter.invoke(invocation(ToolPayload.json({"a": [1.5]})), GRANT)
+
+    assert result == ToolPayload.json([{"a": [1.5]}, 1])
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        ToolPayload.text('{"left":1,"right":2}'),
+        ToolPayload.json({"left": "20", "right": 22}),
+        ToolPayload.json({"left": 20}),
+        ToolPayload.json({"left": 20, "right": 22, "extra": 1}),
+        ToolPayload.json({"left": True, "right": 22}),
+        ToolPayload.json([20, 22]),
+    ],
+)
+async def test_typed_json_adapter_refuses_input_that_does_not_convert(
+    payload: ToolPayload,
+) -> None:
+    called: list[AddInput] = []
+    adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, called.append, AddInput)
+
+    with pytest.raises(AdapterInvalidJsonInput):
+        await adapter.invoke(invocation(payload), GRANT)
+    assert called == []
+
+
+@pytest.mark.parametrize(
+    "output", [42, "text", None, True, {"x": float("nan")}, {1: "a"}, object()]
+)
+async def test_typed_json_adapter_refuses_output_that_is_not_a_json_container(
+    output: object,
+) -> None:
+    adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, lambda _: output, dict)
+
+    with pytest.raises(AdapterInvalidJsonOutput):
+        await adapter.invoke(invocation(ToolPayload.json({})), GRANT)
+
+
+async def test_typed_json_adapter_lets_handler_errors_through() -> None:
+    def broken(_: dict[str, Any]) -> dict[str, Any]:
+        raise ZeroDivisionError("secret detail")
+
+    adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, broken, dict)
+
+    with pytest.raises(ZeroDivisionError):
+        await adapter.invoke(invocation(ToolPayload.json({})), GRANT)
+
+
+def test_typed_json_adapter_needs_a_safety_declaration() -> None:
+    with pytest.raises(TypeError):
+        TypedJsonWorkerAdapter("read_only", dict, dict)  # type: ignore[arg-type]
+
+
+# call_adapter ------------------------------------------------------------------------
+
+
+async def test_call_adapter_returns_the_result() -> None:
+    async def ok() -> str:
+        return "done"
+
+    assert await call_adapter(ok, deadline_seconds=1.0) == "done"
+    assert await call_adapter(ok, deadline_seconds=1, returns=str) == "done"
+
+
+async def test_an_expired_deadline_is_indeterminate() -> None:
+    started = asyncio.Event()
+
+    async def slow() -> str:
+        started.set()
+        await asyncio.sleep(10)
+        return "late"
+
+    with pytest.raises(AdapterIndeterminate) as info:
+        await call_adapter(slow, deadline_seconds=0.05)
+    assert started.is_set()
+    assert info.value.code == "adapter_indeterminate"
+
+
+async def test_the_adapters_own_timeout_is_a_failure_not_the_deadline() -> None:
+    async def times_out() -> str:
+        raise TimeoutError("upstream took too long")
+
+    with pytest.raises(AdapterFailed) as info:
+        await call_adapter(times_out, deadline_seconds=5.0)
+    assert info.value.detail == "TimeoutError"
+
+
+async def test_foreign_exceptions_become_adapter_failed_without_their_text() -> None:
+    async def broken() -> str:
+        raise RuntimeError("secret-token-abc payload text")
+
+    with pytest.raises(AdapterFailed) as info:
+        await call_adapter(broken, deadline_seconds=1.0)
+
+    error = info.value
+    assert error.detail == "RuntimeError"
+    assert "secret" not in str(error) and "secret" not in repr(error)
+    assert error.__cause__ is None and error.__suppress_context__
+
+
+async def test_adapter_errors_pass_through_unchanged() -> None:
+    raised = AdapterInvalidJsonInput("bad input detail")
+
+    async def refuses() -> str:
+        raise raised
+
+    with pytest.raises(WorkerAdapterError) as info:
+        await call_adapter(refuses, deadline_seconds=1.0)
+    assert info.value is raised
+    assert "detail" not in str(info.value)
+
+
+async def test_other_octo_errors_from_an_adapter_are_failures() -> None:
+    async def wrong() -> str:
+        raise OutputTooLarge(10, 5)
+
+    with pytest.raises(AdapterFailed) as info:
+        await call_adapter(wrong, deadline_seconds=1.0)
+    assert info.value.detail == "OutputTooLarge"
+
+
+async def test_an_unexpected_result_type_is_a_failure() -> None:
+    async def wrong() -> object:
+        return object()
+
+    with pytest.raises(AdapterFailed):
+        await call_adapter(wrong, deadline_seconds=1.0, returns=str)
+
+
+async def test_cancellation_propagates_through_call_adapter() -> None:
+    started = asyncio.Event()
+
+    async def slow() -> str:
+        started.set()
+        await asyncio.sleep(10)
+        return "late"
+
+    task = asyncio.create_task(call_adapter(slow, deadline_seconds=30.0))
+    await started.wait()
+    task.cancel()
+
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, float("inf"), float("nan")])
+async def test_call_adapter_needs_a_positive_finite_deadline(deadline: float) -> None:
+    async def ok() -> str:
+        return "done"
+
+    with pytest.raises(ValueError):
+        await call_adapter(ok, deadline_seconds=deadline)
+
+
+def test_adapter_deadline_reads_the_adapters_declaration() -> None:
+    adapter = BaseWorkerAdapter()
+    assert adapter_deadline(adapter) == DEFAULT_ADAPTER_DEADLINE_SECONDS
+    adapter.deadline_seconds = 2.5
+    assert adapter_deadline(adapter) == 2.5
+    adapter.deadline_seconds = -1
+    assert adapter_deadline(adapter) == DEFAULT_ADAPTER_DEADLINE_SECONDS
+    assert adapter_deadline(object()) == DEFAULT_ADAPTER_DEADLINE_SECONDS
+
+
+# Entry-point loading ----------------------------------------------------------------
+
+PLUGIN_MODULE = "octo_test_plugins_for_loading"
+
+PLUGIN_SOURCE = """
+from octo_worker.adapters import BaseWorkerAdapter, InvocationSafety
+
+
+class EchoAdapter(BaseWorkerAdapter):
+    tool = "echo.tool"
+
+    def __init__(self, prefix="none"):
+        self.prefix = prefix
+
+    def invocation_safety(self):
+        return InvocationSafety.READ_ONLY
+
+
+def make_echo(prefix="none"):
+    return EchoAdapter(prefix)
+
+
+class WrongTool(BaseWorkerAdapter):
+    tool = "other.tool"
+
+
+class NotAnAdapter:
+    pass
+"""
+
+ENTRY_POINTS = f"""[{ADAPTER_ENTRY_POINT_GROUP}]
+echo.tool = {PLUGIN_MODULE}:make_echo
+broken.tool = octo_module_that_does_not_exist:Adapter
+wrong.tool = {PLUGIN_MODULE}:WrongTool
+not.adapter = {PLUGIN_MODULE}:NotAnAdapter
+missing.attr = {PLUGIN_MODULE}:NoSuchClass
+"""
+
+
+@pytest.fixture
+def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real installed distribution (dist-info on sys.path) declaring test adapters."""
+    root = tmp_path / "site"
+    dist = root / "octo_test_plugins-0.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: octo-test-plugins\nVersion: 0.0.0\n"
+    )
+    (dist / "entry_points.txt").write_text(ENTRY_POINTS)
+    (root / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, PLUGIN_MODULE, raising=False)
+    yield root
+    sys.modules.pop(PLUGIN_MODULE, None)
+
+
+def test_load_adapters_loads_the_real_files_publish_entry_point(tmp_path: Path) -> None:
+    options = {
+        "files.publish": {"target_dir": str(tmp_path / "out"), "effect_log": str(tmp_path / "log")}
+    }
+
+    registry = load_adapters(["files.publish"], options=options)
+
+    adapter = registry.get("files.publish")
+    assert isinstance(adapter, FilesPublishAdapter)
+    assert adapter.target_dir == tmp_path / "out"
+    assert registry.tools() == ["files.publish"]
+    assert not (tmp_path / "out").exists()  # loading does no I/O
+
+
+def test_load_adapters_with_no_names_loads_nothing() -> None:
+    assert load_adapters([]).tools() == []
+
+
+def test_an_unknown_adapter_name_is_missing() -> None:
+    with pytest.raises(MissingAdapter) as info:
+        load_adapters(["no.such-adapter"])
+    assert info.value.tool == "no.such-adapter"
+    assert info.value.code == "missing_adapter"
+
+
+def test_only_the_named_entry_points_are_imported(
+    plugin_distribution: Path, tmp_path: Path
+) -> None:
+    options = {
+        "files.publish": {"target_dir": str(tmp_path / "o"), "effect_log": str(tmp_path / "l")}
+    }
+
+    registry = load_adapters(["files.publish"], options=options)
+
+    assert registry.tools() == ["files.publish"]
+    assert PLUGIN_MODULE not in sys.modules  # its entry points were never loaded
+
+
+def test_a_factory_entry_point_gets_its_options_as_keywords(plugin_distribution: Path) -> None:
+    registry = load_adapters(["echo.tool"], options={"echo.tool": {"prefix": "p-"}})
+
+    adapter: Any = registry.get("echo.tool")
+    assert adapter.prefix == "p-"
+    assert adapter.invocation_safety() is InvocationSafety.READ_ONLY
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("broken.tool", MissingAdapter),
+        ("missing.attr", MissingAdapter),
+        ("wrong.tool", InvalidTool),
+        ("not.adapter", InvalidTool),
+        ("Not A Token", InvalidTool),
+    ],
+)
+def test_entry_points_that_do_not_yield_the_named_adapter(
+    plugin_distribution: Path, name: str, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        load_adapters([name])
+
+
+def test_a_name_listed_twice_is_a_duplicate(plugin_distribution: Path) -> None:
+    with pytest.raises(DuplicateTool):
+        load_adapters(["echo.tool", "echo.tool"])
