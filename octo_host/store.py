@@ -444,7 +444,12 @@ def _head_from_row(row: Any) -> _Head:
         raise StorageBackendError("malformed head row")
     if item_revision is None and envelope is None:
         return _Head(floor, fence, None)
-    if type(item_revision) is not int or not isinstance(envelope, bytes):
+    if type(item_revision) is not int:
+        raise StorageBackendError("malformed item row")
+    if isinstance(envelope, str):
+        # A row rewritten as TEXT is still judged by the envelope rules.
+        envelope = envelope.encode("utf-8", "surrogateescape")
+    if not isinstance(envelope, bytes):
         raise StorageBackendError("malformed item row")
     return _Head(floor, fence, StoredRecord(item_revision, envelope))
 
@@ -596,12 +601,14 @@ class SqliteRecordBackend:
                 key = StorageRecordKey(namespace, name)
             except OctoError:
                 raise StorageBackendError("malformed head row") from None
+            if type(floor) is not int or not (item_revision is None or type(item_revision) is int):
+                raise StorageBackendError("malformed head row")
             found[key] = (floor, item_revision)
         for key, anchored in anchor.items():
             floor, item_revision = found.get(key, (0, None))
             _compare_with_anchor(anchored, floor, item_revision)
         for key, (floor, _) in found.items():
-            if type(floor) is int and floor > anchor.get(key, 0):
+            if floor > anchor.get(key, 0):
                 anchor[key] = floor  # a crash between COMMIT and anchor write
 
     def _check_anchor(self, key: StorageRecordKey, head: _Head) -> None:
