@@ -465,7 +465,6 @@ _Step: TypeAlias = _Final | _AdapterStep
 class _Snapshot:
     """The last durable point: restored in memory when a commit fails."""
 
-    authenticator: AuthenticatorState
     authorizer: AuthorizerState
     total: int
     by_tool: Mapping[str, int] = field(default_factory=dict)
@@ -1431,7 +1430,6 @@ class WorkerSession:
 
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(
-            authenticator=self._authenticator.export_state(),
             authorizer=self._authorizer.export_state(),
             total=self._reconciliations_total,
             by_tool=dict(self._reconciliations_by_tool),
