@@ -243,29 +243,29 @@ class StorageKeyring:
         """Every id this keyring can verify, in insertion order."""
         return tuple(self.__keys)
 
-    def add_read_key(self, key_id: str, key: StorageKey | bytes) -> None:
+    def add_read_key(self, id: str, key: StorageKey | bytes) -> None:
         """Add a verification key; an id already present → ``DuplicateKeyId``."""
-        checked = _key_id(key_id)
+        checked = _key_id(id)
         material = _storage_key(key)
         if checked in self.__keys:
             raise DuplicateKeyId(str(checked))
         self.__keys[checked] = material
 
-    def rotate_to(self, key_id: str, key: StorageKey | bytes) -> None:
+    def rotate_to(self, id: str, key: StorageKey | bytes) -> None:
         """Add ``key`` (same rule as ``add_read_key``) and make it active.
 
         The previous active key stays for verification until ``retire``.
         """
-        self.add_read_key(key_id, key)
-        self.__active = StorageKeyId(key_id)
+        self.add_read_key(id, key)
+        self.__active = StorageKeyId(id)
 
-    def retire(self, key_id: str) -> None:
+    def retire(self, id: str) -> None:
         """Forget a verification key; records it signed become ``UnknownKeyId``."""
-        if key_id == self.__active:
+        if id == self.__active:
             raise ActiveKeyCannotBeRetired()
-        if not isinstance(key_id, str) or key_id not in self.__keys:
-            raise UnknownKeyId(key_id)
-        del self.__keys[key_id]  # type: ignore[arg-type]
+        if not isinstance(id, str) or id not in self.__keys:
+            raise UnknownKeyId(id)
+        del self.__keys[id]  # type: ignore[arg-type]
 
     def key_for(self, key_id: str) -> StorageKey:
         """The key with this id (retired ids included in the miss) or ``UnknownKeyId``."""

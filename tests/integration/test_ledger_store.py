@@ -855,3 +855,59 @@ def test_storage_key_file_must_be_a_readable_regular_file(tmp_path: Path) -> Non
     link = tmp_path / "link.key"
     os.symlink(write_key_file(tmp_path / "real.key", bytes(32)), link)
     assert load_storage_key(link) == StorageKey(bytes(32))
+
+
+# AuthenticatedStore against a backend whose answer disagrees with its snapshot -------------
+
+
+class RacingBackend(VolatileMemoryStore):
+    """Answers every CAS with a fixed outcome, as if another writer got there first."""
+
+    def __init__(self, outcome: Stored | Conflict) -> None:
+        super().__init__()
+        self.outcome = outcome
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        return self.outcome
+
+
+@pytest.mark.parametrize(
+    ("outcome", "error", "fields"),
+    [
+        (Stored(7), RevisionFloorMismatch, (1, 7)),
+        (Conflict(2, 2), WriteConflict, (None, 2, 2)),
+        (Conflict(1, 2), RollbackDetected, (1, 2)),
+        (Conflict(None, 3), RollbackDetected, (None, 3)),
+        (Conflict(3, 2), RevisionFloorMismatch, (3, 2)),
+    ],
+)
+async def test_backend_outcomes_are_checked_after_the_swap(
+    outcome: Stored | Conflict, error: type[Exception], fields: tuple[object, ...]
+) -> None:
+    store = AuthenticatedStore(RacingBackend(outcome), new_keyring())
+    with pytest.raises(error) as caught:
+        await store.create(RUN, b"v1")
+    names = (
+        ("expected", "actual", "revision_floor")
+        if error is WriteConflict
+        else (
+            "record_revision",
+            "revision_floor",
+        )
+    )
+    assert tuple(getattr(caught.value, name) for name in names) == fields
+
+
+async def test_memory_store_revision_exhausted_at_u64() -> None:
+    ring = new_keyring()
+    backend = VolatileMemoryStore()
+    store = AuthenticatedStore(backend, ring)
+    top = 2**64 - 1
+    backend.records[RUN] = StoredRecord(top, seal_record(ring, RUN, top, b"top"))
+    backend.floors[RUN] = top
+    assert (await store.load(RUN)) == AuthenticatedRecord(top, "storage-v1", b"top")
+    with pytest.raises(RevisionExhausted):
+        await store.replace(RUN, top, b"beyond")
+    assert backend.floors[RUN] == top
