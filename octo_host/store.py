@@ -411,11 +411,14 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
 
 _SCHEMA_VERSION = len(_MIGRATIONS)
 
+# One statement, so one snapshot. Head and item are read independently so
+# that an item without its head (a deleted head row) is still seen.
 _SELECT_RECORD = """
-    SELECT heads.revision, heads.fence, items.revision, items.envelope
-    FROM heads LEFT JOIN items
-      ON items.namespace = heads.namespace AND items.name = heads.name AND items.item = ?
-    WHERE heads.namespace = ? AND heads.name = ?
+    SELECT
+      (SELECT revision FROM heads WHERE namespace = :namespace AND name = :name),
+      (SELECT fence FROM heads WHERE namespace = :namespace AND name = :name),
+      (SELECT revision FROM items WHERE namespace = :namespace AND name = :name AND item = :item),
+      (SELECT envelope FROM items WHERE namespace = :namespace AND name = :name AND item = :item)
 """
 
 
@@ -437,9 +440,10 @@ class _Head:
 
 
 def _head_from_row(row: Any) -> _Head:
-    if row is None:
-        return _Head(0, 0, None)
     floor, fence, item_revision, envelope = row
+    # No head row: floor and fence are 0 (H§17.3 defaults).
+    floor = 0 if floor is None else floor
+    fence = 0 if fence is None else fence
     if type(floor) is not int or type(fence) is not int:
         raise StorageBackendError("malformed head row")
     if item_revision is None and envelope is None:
@@ -662,7 +666,9 @@ class SqliteRecordBackend:
         return await asyncio.shield(task)
 
     async def _read_head(self, connection: aiosqlite.Connection, key: StorageRecordKey) -> _Head:
-        cursor = await connection.execute(_SELECT_RECORD, (_SINGLE_ITEM, key.namespace, key.name))
+        cursor = await connection.execute(
+            _SELECT_RECORD, {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM}
+        )
         return _head_from_row(await cursor.fetchone())
 
     # Contract ---------------------------------------------------------------

@@ -911,3 +911,22 @@ async def test_memory_store_revision_exhausted_at_u64() -> None:
     with pytest.raises(RevisionExhausted):
         await store.replace(RUN, top, b"beyond")
     assert backend.floors[RUN] == top
+
+
+async def test_item_whose_head_row_was_deleted_is_not_mistaken_for_absence(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    store = SqliteLedgerStore(path, new_keyring())
+    try:
+        await store.create(RUN, b"v1")
+        connection = sqlite3.connect(path, isolation_level=None)
+        try:
+            connection.execute("DELETE FROM heads")  # foreign keys are off in this connection
+        finally:
+            connection.close()
+        with pytest.raises(RevisionFloorMismatch) as caught:
+            await store.load(RUN)
+        assert (caught.value.record_revision, caught.value.revision_floor) == (1, 0)
+        with pytest.raises(RevisionFloorMismatch):
+            await store.create(RUN, b"overwrite")
+    finally:
+        await store.close()
