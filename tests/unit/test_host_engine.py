@@ -41,6 +41,7 @@ from octo_common.errors import (
     PlanOwnershipMismatch,
     ReconciliationMismatch,
     ReconciliationRequiresHostAuthenticator,
+    RevisionExhausted,
     StaleRevision,
     UnexpectedCompensationMessage,
     UnexpectedOperationDispatchMessage,
@@ -1407,3 +1408,39 @@ def test_error_text_escapes_untrusted_values() -> None:
     with pytest.raises(UnknownStep) as step:
         w.engine.derive_operation_key(w.plan, "a`b\\c\n", TOOL, b"", b"n")
     assert "`a\\`b\\\\c\\x0a`" in str(step.value)
+
+
+def test_any_ledger_change_voids_an_approval() -> None:
+    engine = WorkflowEngine()
+    plan = engine.plan([WorkflowStep("publish", "let release = true"), WorkflowStep("notify", "")])
+    host, _ = authenticators()
+    grant = CapabilityGrant.json(TOOL).with_compensation_limit(1)
+    w = World(
+        engine,
+        plan,
+        engine.operation_ledger(plan),
+        host,
+        authenticators()[1],
+        grant,
+        WorkflowCompensationPolicy(TENANT, grant),
+    )
+    compensated(w)
+    approval = w.engine.approve_compensation(w.plan, w.ledger, w.target(), UNDO_INPUT, w.host)
+    w.engine.record_operation(w.plan, w.ledger, "notify", "notify.send", "notify-1", b"")
+    before = w.next_outgoing()
+    with pytest.raises(ApprovalMismatch):
+        _prepare(w, approval)
+    assert w.next_outgoing() == before
+    # A fresh approval at the new revision works.
+    approval = w.engine.approve_compensation(w.plan, w.ledger, w.target(), UNDO_INPUT, w.host)
+    assert _prepare(w, approval).request.compensation_key.startswith("cmp-")
+
+
+def test_example_20_engine_accepts_the_ceiling_watermark() -> None:
+    w = recorded(make_world())
+    text = w.ledger.to_json().replace('"revision":1', f'"revision":{2**64 - 1}')
+    ledger = WorkflowOperationLedger.from_json(text)
+    w.engine.validate_operation_ledger_at_or_after(w.plan, ledger, 2**64 - 1)
+    with pytest.raises(RevisionExhausted):
+        w.engine.record_operation(w.plan, ledger, "publish", TOOL, "release-2026-2", b"")
+    assert ledger.to_json() == text

@@ -827,3 +827,25 @@ def test_revision_moves_only_when_the_state_changes(observations: list[Operation
             continue
         changed = status.kind is not before_state
         assert ledger.revision == before_revision + (1 if changed else 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(observations=st.lists(_statuses, min_size=1, max_size=10))
+def test_compensation_revision_moves_only_when_its_state_changes(
+    observations: list[OperationStatus],
+) -> None:
+    ledger = with_compensation()
+    request = compensation_request()
+    for status in observations:
+        operation = ledger.operation(KEY)
+        assert operation is not None and operation.compensation is not None
+        before_state, before_revision = operation.compensation.state, ledger.revision
+        try:
+            ledger.apply_verified_compensation(request, compensation_result(status))
+        except InvalidCompensationStateTransition:
+            assert ledger.revision == before_revision
+            continue
+        changed = status.kind is not before_state
+        assert ledger.revision == before_revision + (1 if changed else 0)
+        after = ledger.operation(KEY)
+        assert after is not None and after.state is StateKind.SUCCEEDED
