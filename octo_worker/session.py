@@ -49,7 +49,7 @@ from octo_common.authorizer import (
     SessionAuthorizer,
 )
 from octo_common.codec import decode_struct, encode_struct, parse_json
-from octo_common.digest import message_id
+from octo_common.digest import message_id, worker_input_fingerprint
 from octo_common.errors import (
     AdapterError,
     AdapterFailed,
@@ -58,6 +58,7 @@ from octo_common.errors import (
     DurableOperationContractNotDeclared,
     IndeterminateCompensation,
     IndeterminateOperation,
+    InvalidFrameHeaders,
     InvalidJournalLease,
     InvalidJournalRevision,
     InvalidKeyNonce,
@@ -362,7 +363,6 @@ class _Run:
         self.operation_key = operation_key
         self.compensation_key = compensation_key
         self.log = self.log.bind(
-            type=kind,
             request=request_id,
             operation_key=operation_key,
             compensation_key=compensation_key,
@@ -423,7 +423,7 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Reply:
-    frame: bytes
+    frame: bytes = field(repr=False)
     correlation_id: str | None
     outboxed: bool = True  # False for best-effort refusals (nothing committed)
 
@@ -560,6 +560,9 @@ class WorkerSession:
         validate_token("tenant scope", scope)
         if not isinstance(key_nonce, bytes) or len(key_nonce) != KEY_NONCE_BYTES:
             raise InvalidKeyNonce()
+        if not isinstance(reply_to, str) or not reply_to:
+            # Every reply of the session goes to this queue (W§12.1).
+            raise InvalidFrameHeaders()
         session = cls(
             scope=scope,
             session_id=authenticator.session_id,
@@ -792,7 +795,13 @@ class WorkerSession:
             except Exception as exc:
                 error = exc
             async with self._lock:
-                step = await step.after(result, error)
+                if self._status == _POISONED:
+                    # Another handling's commit failed while this adapter ran: the
+                    # session commits nothing more for requests (W§10.9); the host
+                    # reconciles in a new session.
+                    step = self._refuse_best_effort(run, SessionPoisoned())
+                else:
+                    step = await step.after(result, error)
         await self._finish(step, run)
 
     async def _finish(self, step: _Final, run: _Run) -> None:
@@ -855,7 +864,11 @@ class WorkerSession:
         if kind not in _REQUEST_TYPES:
             return _Ack()
         self._name_any_request(message, run)
-        frame = self._seal_best_effort(run, SessionPoisoned())
+        return self._refuse_best_effort(run, SessionPoisoned())
+
+    def _refuse_best_effort(self, run: _Run, error: OctoError) -> _Final:
+        """W§10.11 rule 3: refuse in a poisoned session, sealed and published without a commit."""
+        frame = self._seal_best_effort(run, error)
         # Nothing to publish: there is no answer to wait for, so drop the frame.
         return _Ack() if frame is None else _Reply(frame, run.request_id, outboxed=False)
 
@@ -999,6 +1012,7 @@ class WorkerSession:
             auth = self._authorizer.authorize_operation(request)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        run.log = run.log.bind(input_fingerprint=worker_input_fingerprint(request.payload))
         adapter = self._adapters.get(request.tool)
         if adapter is None:
             return await self._refuse_locked(run, MissingAdapter(request.tool))
@@ -1082,6 +1096,7 @@ class WorkerSession:
             auth = self._authorizer.authorize_compensation(request)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        run.log = run.log.bind(input_fingerprint=auth.identity.input_fingerprint)
         adapter = self._adapters.get(request.tool)
         if adapter is None:
             return await self._refuse_locked(run, MissingAdapter(request.tool))

@@ -23,6 +23,7 @@ from octo_common.codec import decode_struct
 from octo_common.errors import (
     AdapterFailed,
     AdapterIndeterminate,
+    InvalidFrameHeaders,
     InvalidJournalLease,
     MissingAdapter,
     RequiresWorkerAuthenticator,
@@ -468,6 +469,8 @@ async def test_open_refusals_in_step_order(tmp_path: Path) -> None:
     assert excinfo.value.tool == PUBLISH
     with pytest.raises(InvalidJournalLease):
         await attempt(SessionAuthenticator(SESSION, key, SessionRole.WORKER), frame, lease=1)
+    with pytest.raises(InvalidFrameHeaders):
+        await attempt(SessionAuthenticator(SESSION, key, SessionRole.WORKER), frame, reply_to="")
     assert await store.load_sessions(SCOPE) == {}
 
     await attempt(SessionAuthenticator(SESSION, key, SessionRole.WORKER), frame)
@@ -973,6 +976,28 @@ async def test_reconcile_commit_failure_is_not_indeterminate(world: World) -> No
     delivery = await world.send(world.reconcile("op-k", tool=SCRIPTED))
     assert rejection_code(world.answer(delivery)) == "journal_persistence_failed"
     assert world.session.reconciliations() == (0, {})  # restored
+
+
+async def test_handler_in_flight_when_the_session_is_poisoned(world: World) -> None:
+    gate = asyncio.Event()
+    world.scripted.gate = gate
+    in_flight = RecordingDelivery()
+    frame = world.host.seal(world.dispatch("op-a", ToolPayload.json({"a": 1}), tool=SCRIPTED))
+    task = asyncio.create_task(world.session.handle(frame, world.store, in_flight))
+    await wait_until(lambda: world.scripted.calls == ["dispatch"])
+    world.store.fail_commits = {len(world.store.commits) + 1}
+    poisoning = await world.send(world.dispatch("op-b", publish_payload("b.txt")))
+    assert rejection_code(world.answer(poisoning)) == "journal_persistence_failed"
+    commits = len(world.store.commits)
+    gate.set()
+    await task
+    # The adapter ran once; its session commits nothing more and says so.
+    assert rejection_code(world.answer(in_flight)) == "session_poisoned"
+    assert in_flight.kinds == ["ack", "reply"]
+    assert len(world.store.commits) == commits
+    record = await world.record("op-a")
+    assert record is not None and isinstance(record.state, Pending)
+    assert world.scripted.calls == ["dispatch"]
 
 
 async def test_poison_refusal_publish_failure_requeues(world: World) -> None:
