@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias
 
 import msgspec
 import structlog
@@ -476,8 +476,6 @@ class _Snapshot:
 class WorkerSession:
     """One authenticated session of one tenant scope (W§10)."""
 
-    _instances: ClassVar[int] = 0
-
     def __init__(
         self,
         *,
@@ -625,6 +623,13 @@ class WorkerSession:
         )
         if persisted.status != state.status:
             raise SerializationError("session status disagrees with its state document")
+        # Only this module writes the documents, always canonically; anything
+        # else (an unknown key inside the manifest, which the manifest's own
+        # decoding would drop) is refused.
+        if encode_struct(opening) != bytes(persisted.opening) or encode_struct(state) != bytes(
+            persisted.state
+        ):
+            raise SerializationError("session document is not in its written form")
         manifest = opening.manifest
         manifest.validate()
         if manifest.session_id != session_id:

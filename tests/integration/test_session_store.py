@@ -19,6 +19,7 @@ from octo_common.errors import (
     FencingTokenRejected,
     InvalidJournalLease,
     RecordLocationMismatch,
+    SerializationError,
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionRole
 from octo_common.grants import CapabilityManifest
@@ -33,7 +34,7 @@ from octo_common.messages import (
 from octo_common.payload import ToolPayload
 from octo_common.states import Pending, Succeeded
 from octo_worker.session import WorkerSession, WorkerSessionLimits
-from octo_worker.store import SqliteJournalStore
+from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
 from tests.unit.test_session import (
     NONCE,
     PUBLISH,
@@ -222,6 +223,43 @@ async def test_restore_checks_lease_and_location(world: World) -> None:
         await WorkerSession.restore(persisted, scope=SCOPE, lease=object(), **common)  # type: ignore[arg-type]
     with pytest.raises(RecordLocationMismatch):
         await WorkerSession.restore(persisted, scope="tenant-other", lease=world.lease, **common)
+
+
+async def test_restore_rebuilds_the_same_state_and_refuses_foreign_documents(
+    world: World,
+) -> None:
+    await world.send(world.dispatch("op-doc", publish_payload("doc.txt")))
+    persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]
+    restored = await WorkerSession.restore(
+        persisted,
+        scope_key=ScopeKey.from_bytes(SCOPE_KEY),
+        scope=SCOPE,
+        store=world.real_store,
+        lease=world.lease,
+        adapters=world.adapters,
+        limits=WorkerSessionLimits(),
+    )
+    assert restored._state_document() == persisted.state
+    assert restored.key_nonce == NONCE and restored.reply_to == REPLY_TO
+
+    # A document this module did not write (an extra key inside the manifest).
+    opening = persisted.opening.replace(b'"grants":', b'"note":1,"grants":', 1)
+    forged = SessionDocuments(
+        state=persisted.state.replace(SESSION.encode(), b"session-9"),
+        opening=opening.replace(SESSION.encode(), b"session-9"),
+    )
+    await world.real_store.commit(SCOPE, world.lease, WorkerCommit(sessions={"session-9": forged}))
+    foreign = (await world.real_store.load_sessions(SCOPE))["session-9"]
+    with pytest.raises(SerializationError):
+        await WorkerSession.restore(
+            foreign,
+            scope_key=ScopeKey.from_bytes(SCOPE_KEY),
+            scope=SCOPE,
+            store=world.real_store,
+            lease=world.lease,
+            adapters=world.adapters,
+            limits=WorkerSessionLimits(),
+        )
 
 
 async def test_reply_whose_publish_failed_stays_in_the_outbox_across_restart(
