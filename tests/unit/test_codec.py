@@ -329,7 +329,10 @@ def test_duplicate_keys_are_rejected_in_the_payload_envelope() -> None:
 
 
 def test_duplicate_keys_inside_a_payload_value_are_last_wins() -> None:
-    text = '{"count":1,"payload":{"format":"json","value":{"a":1,"b":{"c":1,"c":[{"d":1,"d":2}]},"a":2}}}'
+    text = (
+        '{"count":1,"payload":{"format":"json",'
+        '"value":{"a":1,"b":{"c":1,"c":[{"d":1,"d":2}]},"a":2}}}'
+    )
     doc = decode_struct(text, _StrictDoc)
     assert doc.payload == ToolPayload.json({"a": 2, "b": {"c": [{"d": 2}]}})
     assert encode_struct(doc) == (
