@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
+import structlog.testing
 
 from octo_common.codec import decode_struct
 from octo_common.errors import (
@@ -552,6 +554,64 @@ async def test_redelivered_frame_is_answered_from_the_journal(world: World) -> N
     (commit,) = commits_since(world, start)  # session state + outbox only
     assert commit.journal is None and len(commit.outbox_insert) == 1
     assert redelivered.kinds == ["reply", "ack"]
+
+
+async def test_duplicate_of_a_refused_dispatch_is_refused_from_the_journal(world: World) -> None:
+    too_big = ToolPayload.json({"x": "y" * 200})
+    frame = world.host.seal(world.dispatch("op-never", too_big, tool=SCRIPTED))
+    first = await world.deliver(frame)
+    assert rejection_code(world.answer(first)) == "input_too_large"
+    duplicate = await world.deliver(frame)
+    assert rejection_code(world.answer(duplicate)) == "unknown_operation"
+    assert world.session.calls_for(SCRIPTED) == 0
+    assert world.scripted.calls == []
+
+
+async def test_duplicate_reconcile_and_compensate_answer_the_stored_state(tmp_path: Path) -> None:
+    grant = scripted_grant(max_compensations=1)
+    w = await open_world(tmp_path, [publish_grant(), grant])
+    try:
+        await w.send(w.dispatch("op-d", ToolPayload.json({"a": 1}), tool=SCRIPTED))
+        w.scripted.reconcile_outcome = Succeeded(ToolPayload.json({"ok": 1}))
+        reconcile = w.host.seal(w.reconcile("op-d", tool=SCRIPTED))
+        await w.deliver(reconcile)
+        again = await w.deliver(reconcile)
+        answer = w.answer(again)
+        assert isinstance(answer, ReconciledOperation)
+        assert answer.result.status == Succeeded(ToolPayload.json({"ok": 1}))
+        assert w.session.reconciliations() == (1, {SCRIPTED: 1})
+
+        undo = ToolPayload.json({"undo": 1})
+        compensate = w.host.seal(w.compensate("op-d", "cmp-d", undo, grant, tool=SCRIPTED))
+        await w.deliver(compensate)
+        start = len(w.store.commits)
+        duplicate = await w.deliver(compensate)
+        answer2 = w.answer(duplicate)
+        assert isinstance(answer2, CompensationResult)
+        assert answer2.result.status == Succeeded(ToolPayload.json({"undone": 1}))
+        (commit,) = commits_since(w, start)
+        assert commit.journal is None
+        assert w.scripted.calls == ["dispatch", "reconcile", "compensate"]
+        assert w.session.compensations_for(SCRIPTED) == 1
+    finally:
+        w.files.close()
+        await w.real_store.close()
+
+
+async def test_logs_never_carry_payloads_or_failure_text(world: World) -> None:
+    world.scripted.dispatch_outcome = Failed("hidden-failure-text")
+    with structlog.testing.capture_logs() as logs:
+        await world.send(world.dispatch("op-log", publish_payload("log.txt", "secret-content")))
+        await world.send(
+            world.dispatch("op-log2", ToolPayload.json({"secret": "inner-secret"}), tool=SCRIPTED)
+        )
+        world.scripted.dispatch_outcome = AdapterFailed("adapter-private-text")
+        await world.send(world.dispatch("op-log3", ToolPayload.json({"a": 1}), tool=SCRIPTED))
+    text = repr(logs)
+    assert "op-log" in text  # ids are logged
+    for secret in ("secret-content", "inner-secret", "hidden-failure-text", "adapter-private"):
+        assert secret not in text
+    assert session_key().expose().hex() not in text
 
 
 async def test_example_17_indeterminate_then_pending_operation(world: World) -> None:
