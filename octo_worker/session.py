@@ -754,7 +754,17 @@ class WorkerSession:
     # -- handling ------------------------------------------------------------------
 
     async def handle(self, frame: bytes, store: WorkerSessionStore, delivery: Delivery) -> None:
-        """Handle one delivered frame (W§10.5–10.9). Raises only ``CancelledError``."""
+        """Handle one delivered frame (W§10.5–10.9). Raises only ``CancelledError``.
+
+        Protocol, adapter and storage failures become replies, dead-letters or
+        poisoning. The delivery is settled at most once: acked after the
+        admission (or session-state) commit and before the adapter for
+        ``dispatch_operation``/``compensate_operation``/``invoke`` and
+        ``close_session``; after the reply's publish confirm for answers from
+        the journal, refusals and ``reconcile_operation``; dead-lettered for
+        frames that do not authenticate. ``store`` must be the same object for
+        every session of the scope: key locks are shared per store object.
+        """
         run = _Run(delivery=delivery, store=store, log=self._log)
         try:
             if self._status == _CLOSED:
