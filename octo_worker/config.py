@@ -1,0 +1,354 @@
+"""The worker daemon's TOML configuration (validated with msgspec).
+
+A configuration names files, never secrets: tenant scope keys and storage
+keys live in key files (or systemd credentials) that must not be readable by
+group or others. Every problem is reported as ``InvalidConfiguration`` with
+the path of the bad key (``scopes[0].key_file``) and what is wrong with it,
+in one line. This module reads files; it never logs or returns key bytes
+except through the key objects of ``octo_common`` (whose reprs are redacted).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from octo_common.errors import InvalidScopeKey, OctoError
+from octo_common.frames import ScopeKey
+from octo_common.ids import is_token
+from octo_common.records import StorageKey, StorageKeyId, StorageKeyring
+
+__all__ = [
+    "BrokerConfig",
+    "InvalidConfiguration",
+    "ScopeConfig",
+    "WorkerConfig",
+    "load_config",
+    "load_key_file",
+]
+
+
+class InvalidConfiguration(OctoError):
+    """The configuration file (or a file it names) is unusable."""
+
+    _fields = ("detail",)
+    _text = "invalid configuration"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"invalid configuration: {self.detail}"
+
+
+class BrokerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where RabbitMQ is. Put the password in ``password_file``, not in ``url``."""
+
+    url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    password_file: str | None = None
+    connect_timeout_seconds: float = 10.0
+    publish_timeout_seconds: float = 10.0
+    reconnect_initial_seconds: float = 0.5
+    reconnect_max_seconds: float = 15.0
+    prefetch: int = 64
+    delivery_limit: int = 5
+
+
+class StorageKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    id: str
+    key_file: str
+
+
+class StorageConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The journal database and the keys its rows are sealed with."""
+
+    journal: str = "journal.sqlite3"
+    anchor: str | None = None
+    key: StorageKeyConfig | None = None
+    read_keys: tuple[StorageKeyConfig, ...] = ()
+    data_key: StorageKeyConfig | None = None
+    data_read_keys: tuple[StorageKeyConfig, ...] = ()
+
+
+class ScopeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One tenant scope this worker serves, with its pre-shared key file."""
+
+    name: str
+    key_file: str
+    max_concurrency: int = 32
+
+
+class AdaptersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Only adapters named in ``enabled`` are loaded (entry-point group ``octo.adapters``)."""
+
+    enabled: tuple[str, ...] = ()
+    deadline_seconds: float = 30.0
+    options: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    reconciliations_per_tool: int = 16
+    reconciliations_per_session: int = 64
+
+
+class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    listen: str | None = None  # "127.0.0.1:9464"
+
+
+class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    state_dir: str = "."
+    shutdown_grace_seconds: float = 30.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "console"] = "json"
+    watchdog_stall_seconds: float = 60.0
+
+
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The whole ``worker.toml``. Paths are relative to the file's directory."""
+
+    worker: WorkerSection = msgspec.field(default_factory=WorkerSection)
+    broker: BrokerConfig = msgspec.field(default_factory=BrokerConfig)
+    storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
+    scopes: tuple[ScopeConfig, ...] = ()
+    adapters: AdaptersConfig = msgspec.field(default_factory=AdaptersConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    base_dir: str = "."
+
+    # -- resolved values -----------------------------------------------------
+
+    def path(self, value: str) -> Path:
+        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file."""
+        return resolve_path(value, Path(self.base_dir))
+
+    def state_path(self, value: str) -> Path:
+        """A state path: relative to ``worker.state_dir``."""
+        return resolve_path(value, self.path(self.worker.state_dir))
+
+    @property
+    def journal_path(self) -> Path:
+        return self.state_path(self.storage.journal)
+
+    @property
+    def anchor_path(self) -> Path | None:
+        anchor = self.storage.anchor
+        return None if anchor is None else self.state_path(anchor)
+
+    def broker_url(self) -> str:
+        """The AMQP URL with the password from ``password_file`` (never logged)."""
+        url = self.broker.url
+        if self.broker.password_file is None:
+            return url
+        password = read_secret_text(self.path(self.broker.password_file), "broker.password_file")
+        parts = urllib.parse.urlsplit(url)
+        user = urllib.parse.unquote(parts.username or "guest")
+        host = parts.hostname or "127.0.0.1"
+        netloc = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}"
+        netloc += f"@{host}" + (f":{parts.port}" if parts.port else "")
+        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+    def redacted_broker_url(self) -> str:
+        parts = urllib.parse.urlsplit(self.broker.url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{host}{port}{parts.path}"
+
+    def scope_keys(self) -> dict[str, ScopeKey]:
+        keys: dict[str, ScopeKey] = {}
+        for index, scope in enumerate(self.scopes):
+            keys[scope.name] = load_scope_key(
+                self.path(scope.key_file), f"scopes[{index}].key_file"
+            )
+        return keys
+
+    def storage_keyring(self) -> StorageKeyring:
+        storage = self.storage
+        if storage.key is None:
+            raise InvalidConfiguration("storage.key: a storage key (id and key_file) is required")
+        return _keyring(self, storage.key, storage.read_keys, "storage")
+
+    def data_keyring(self) -> StorageKeyring | None:
+        storage = self.storage
+        if storage.data_key is None:
+            if storage.data_read_keys:
+                raise InvalidConfiguration("storage.data_read_keys needs storage.data_key")
+            return None
+        return _keyring(self, storage.data_key, storage.data_read_keys, "storage.data")
+
+
+def _keyring(
+    config: WorkerConfig,
+    active: StorageKeyConfig,
+    read: tuple[StorageKeyConfig, ...],
+    where: str,
+) -> StorageKeyring:
+    try:
+        ring = StorageKeyring(
+            StorageKeyId(active.id),
+            load_storage_key(config.path(active.key_file), f"{where}_key.key_file"),
+        )
+        for index, extra in enumerate(read):
+            ring.add_read_key(
+                StorageKeyId(extra.id),
+                load_storage_key(config.path(extra.key_file), f"{where}_read_keys[{index}]"),
+            )
+    except InvalidConfiguration:
+        raise
+    except OctoError as exc:
+        raise InvalidConfiguration(f"{where}: {exc.code}") from None
+    return ring
+
+
+def resolve_path(value: str, base: Path) -> Path:
+    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``."""
+    credentials = os.environ.get("CREDENTIALS_DIRECTORY")
+    if "${CREDENTIALS_DIRECTORY}" in value:
+        if not credentials:
+            raise InvalidConfiguration(
+                f"{value!r} names $CREDENTIALS_DIRECTORY, which is not set (systemd LoadCredential)"
+            )
+        value = value.replace("${CREDENTIALS_DIRECTORY}", credentials)
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _check_private_file(path: Path, where: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise InvalidConfiguration(f"{where}: {path} does not exist") from None
+    except OSError as exc:
+        raise InvalidConfiguration(f"{where}: cannot open {path} ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not (info.st_mode & 0o170000 == 0o100000):
+            raise InvalidConfiguration(f"{where}: {path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise InvalidConfiguration(
+                f"{where}: {path} is readable or writable by group or others "
+                f"(mode {info.st_mode & 0o777:o}); run chmod 600 {path}"
+            )
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read(4096)
+    finally:
+        os.close(fd)
+
+
+_HEX64 = re.compile(rb"[0-9a-f]{64}\n?")
+
+
+def load_key_file(path: Path, where: str) -> bytes:
+    """32 raw bytes or 64 lowercase hex (+ optional newline) from a private file."""
+    content = _check_private_file(path, where)
+    if len(content) == 32:
+        return content
+    if _HEX64.fullmatch(content):
+        return bytes.fromhex(content[:64].decode("ascii"))
+    raise InvalidConfiguration(
+        f"{where}: {path} must hold 32 raw bytes or 64 lowercase hex characters"
+    )
+
+
+def load_scope_key(path: Path, where: str) -> ScopeKey:
+    data = load_key_file(path, where)
+    try:
+        return ScopeKey.from_bytes(data)
+    except InvalidScopeKey as exc:
+        raise InvalidConfiguration(f"{where}: {path}: scope key is {exc.reason}") from None
+
+
+def load_storage_key(path: Path, where: str) -> StorageKey:
+    return StorageKey(load_key_file(path, where))
+
+
+def read_secret_text(path: Path, where: str) -> str:
+    content = _check_private_file(path, where)
+    try:
+        return content.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InvalidConfiguration(f"{where}: {path} is not UTF-8 text") from None
+
+
+_PATH = re.compile(r"`\$\.?([^`]*)`")
+
+
+def _config_error(exc: msgspec.ValidationError) -> InvalidConfiguration:
+    text = str(exc)
+    match = _PATH.search(text)
+    where = match.group(1) if match else ""
+    what = text.split(" - at ", 1)[0]
+    return InvalidConfiguration(f"{where}: {what}" if where else what)
+
+
+def parse_config(data: Mapping[str, Any], *, base_dir: Path) -> WorkerConfig:
+    """Validate a decoded TOML mapping; see :func:`load_config`."""
+    try:
+        config = msgspec.convert(dict(data), WorkerConfig)
+    except msgspec.ValidationError as exc:
+        raise _config_error(exc) from None
+    config = msgspec.structs.replace(config, base_dir=str(base_dir))
+    _check(config)
+    return config
+
+
+def _check(config: WorkerConfig) -> None:
+    if not config.scopes:
+        raise InvalidConfiguration("scopes: at least one [[scopes]] entry is required")
+    seen: set[str] = set()
+    for index, scope in enumerate(config.scopes):
+        if not is_token(scope.name):
+            raise InvalidConfiguration(
+                f"scopes[{index}].name: {scope.name!r} is not a token ([a-z0-9._-], 1..128)"
+            )
+        if scope.name in seen:
+            raise InvalidConfiguration(f"scopes[{index}].name: {scope.name!r} is listed twice")
+        seen.add(scope.name)
+        if scope.max_concurrency < 1:
+            raise InvalidConfiguration(f"scopes[{index}].max_concurrency: must be at least 1")
+    broker = config.broker
+    if broker.prefetch < 1:
+        raise InvalidConfiguration("broker.prefetch: must be at least 1")
+    if not broker.url.startswith(("amqp://", "amqps://")):
+        raise InvalidConfiguration("broker.url: must start with amqp:// or amqps://")
+    if urllib.parse.urlsplit(broker.url).password and broker.password_file:
+        raise InvalidConfiguration("broker.url: give the password in password_file only")
+    for name in config.adapters.enabled:
+        if not is_token(name):
+            raise InvalidConfiguration(f"adapters.enabled: {name!r} is not a tool name")
+    for name in config.adapters.options:
+        if name not in config.adapters.enabled:
+            raise InvalidConfiguration(f"adapters.options.{name}: adapter is not enabled")
+    if config.adapters.deadline_seconds <= 0:
+        raise InvalidConfiguration("adapters.deadline_seconds: must be positive")
+    if config.limits.reconciliations_per_tool < 1:
+        raise InvalidConfiguration("limits.reconciliations_per_tool: must be at least 1")
+    if config.limits.reconciliations_per_session < 1:
+        raise InvalidConfiguration("limits.reconciliations_per_session: must be at least 1")
+    if config.worker.shutdown_grace_seconds < 0:
+        raise InvalidConfiguration("worker.shutdown_grace_seconds: must not be negative")
+    listen = config.metrics.listen
+    if listen is not None:
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidConfiguration("metrics.listen: expected HOST:PORT")
+
+
+def load_config(path: str | os.PathLike[str]) -> WorkerConfig:
+    """Read and validate ``worker.toml``; raise ``InvalidConfiguration`` naming the bad key."""
+    file = Path(path)
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidConfiguration(f"{file} does not exist") from None
+    except OSError as exc:
+        raise InvalidConfiguration(f"cannot read {file} ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise InvalidConfiguration(f"{file} is not UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidConfiguration(f"{file}: TOML syntax error: {exc}") from None
+    return parse_config(data, base_dir=file.resolve().parent)

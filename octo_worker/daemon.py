@@ -1,0 +1,884 @@
+"""The worker daemon: RabbitMQ deliveries -> sessions -> journal -> adapters -> replies.
+
+One process serves the tenant scopes of its configuration (W§12, ARCHITECTURE
+decisions 1–8). For each delivery on ``octo.v5.worker.<scope>``:
+
+    size bound -> headers -> session lookup -> session.handle
+      (durable commit -> ack -> adapter -> durable observation with the reply
+       in the outbox -> confirmed publish -> marked published)
+
+Unauthenticated or undecodable frames are copied to ``octo.v5.dead`` with an
+``octo-reason`` header and never answered. At start and after every reconnect
+the outbox of each scope is republished (same bytes; the host drops what it
+already has). A commit failure poisons its session; the daemon then pauses the
+scope, lets its handlers finish, reserves a fresh fence, reloads the scope from
+the store and resumes (W§10.9 steps 3–5). A commit refused with
+``FencingTokenRejected`` means another worker took the scope: this one stops
+serving it and never takes the fence back.
+
+The daemon owns its reconnect loop (a plain connection, not aio-pika's robust
+one): a delivery is acked only on the channel it came from, and a lost channel
+simply means the broker redelivers what was not acked. SIGTERM stops
+consuming, lets running handlers finish up to a grace period, and closes.
+
+This module holds no protocol rule of its own: sessions decide, the store
+persists. It never logs keys, payloads or adapter text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
+
+from octo_common.errors import (
+    FencingTokenRejected,
+    InvalidFrameHeaders,
+    OctoError,
+    SessionReplay,
+    WireFrameTooLarge,
+)
+from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole, decode_frame
+from octo_common.limits import MAX_WIRE_FRAME_BYTES
+from octo_common.messages import OpenSession, message_type
+from octo_common.transport import (
+    DEAD_EXCHANGE,
+    PublishChannelClosed,
+    PublishFailed,
+    build_dead_letter_headers,
+    build_worker_reply,
+    check_delivery,
+    worker_queue,
+)
+from octo_worker.adapters import WorkerAdapterRegistry, adapter_deadline, load_adapters
+from octo_worker.config import InvalidConfiguration, WorkerConfig
+from octo_worker.faults import FaultInjector
+from octo_worker.journal import WorkerOperationRecord
+from octo_worker.metrics import WorkerMetrics
+from octo_worker.sdnotify import Notifier, watchdog_interval
+from octo_worker.session import WorkerSession, WorkerSessionLimits
+from octo_worker.store import (
+    SqliteJournalStore,
+    WorkerCommit,
+    WorkerJournalLease,
+)
+from octo_worker.topology import (
+    connect,
+    declare_topology,
+    open_confirm_channel,
+    publish_confirmed,
+    publish_envelope,
+)
+
+__all__ = ["WorkerDaemon"]
+
+_log = structlog.get_logger("octo.worker.daemon")
+
+_KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation"})
+
+
+# The store as sessions see it --------------------------------------------------
+
+
+class _DaemonStore:
+    """The journal store, as every session of this daemon uses it.
+
+    Adds what the daemon must observe at the store boundary: commit latency,
+    failures by code, and which scopes were superseded by another writer.
+    """
+
+    def __init__(self, store: SqliteJournalStore, metrics: WorkerMetrics) -> None:
+        self._store = store
+        self._metrics = metrics
+        self.superseded: set[str] = set()
+
+    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
+        started = time.perf_counter()
+        try:
+            revision = await self._store.commit(scope, lease, changes)
+        except FencingTokenRejected:
+            self.superseded.add(scope)
+            self._metrics.commit_failures.labels("fencing_token_rejected").inc()
+            raise
+        except OctoError as exc:
+            self._metrics.commit_failures.labels(exc.code).inc()
+            raise
+        self._metrics.commit_latency.observe(time.perf_counter() - started)
+        return revision
+
+    async def load_records(
+        self, scope: str, keys: list[str] | tuple[str, ...]
+    ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
+        return await self._store.load_records(scope, list(keys))
+
+    async def head_revision(self, scope: str) -> int:
+        return await self._store.head_revision(scope)
+
+
+# Adapters as the daemon runs them ------------------------------------------------
+
+
+class _InstrumentedAdapter:
+    """Delegates to a plug-in adapter; counts outcomes and hosts a fault point."""
+
+    def __init__(
+        self, tool: str, adapter: Any, metrics: WorkerMetrics, faults: FaultInjector
+    ) -> None:
+        self.tool = tool
+        self._adapter = adapter
+        self._metrics = metrics
+        self._faults = faults
+        self.deadline_seconds = adapter_deadline(adapter)
+
+    def invocation_safety(self) -> Any:
+        return self._adapter.invocation_safety()
+
+    def durable_operation_contract(self) -> Any:
+        return self._adapter.durable_operation_contract()
+
+    async def _run(self, method: str, call: Callable[[], Awaitable[Any]], effect: bool) -> Any:
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            result = await call()
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except OctoError as exc:
+            outcome = exc.code
+            raise
+        except Exception:
+            outcome = "adapter_failed"
+            raise
+        finally:
+            self._metrics.adapter_outcomes.labels(self.tool, method, outcome).inc()
+            self._metrics.adapter_duration.labels(self.tool, method).observe(
+                time.perf_counter() - started
+            )
+        if effect:
+            self._faults.reach("worker.after_effect")
+        return result
+
+    async def invoke(self, request: Any, grant: Any) -> Any:
+        return await self._run("invoke", lambda: self._adapter.invoke(request, grant), True)
+
+    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+        return await self._run(
+            "dispatch_operation", lambda: self._adapter.dispatch_operation(request, grant), True
+        )
+
+    async def compensate_operation(self, request: Any, grant: Any) -> Any:
+        return await self._run(
+            "compensate_operation", lambda: self._adapter.compensate_operation(request, grant), True
+        )
+
+    async def reconcile_operation(self, request: Any, grant: Any) -> Any:
+        return await self._run(
+            "reconcile_operation", lambda: self._adapter.reconcile_operation(request, grant), False
+        )
+
+
+# Per-scope state -------------------------------------------------------------------
+
+
+@dataclass
+class _Scope:
+    name: str
+    key: ScopeKey
+    semaphore: asyncio.Semaphore
+    lease: WorkerJournalLease | None = None
+    sessions: dict[str, WorkerSession] = field(default_factory=dict)
+    persisted_poisoned: set[str] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    open_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    queue: AbstractQueue | None = None
+    consumer_tag: str | None = None
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    reloading: bool = False
+    superseded: bool = False
+
+
+# One delivery ---------------------------------------------------------------------
+
+
+class _Delivery:
+    """The ``Delivery`` a session acts through (W§12.3–12.4)."""
+
+    def __init__(
+        self,
+        daemon: WorkerDaemon,
+        scope: _Scope,
+        message: AbstractIncomingMessage,
+        channel: AbstractChannel,
+        kind: str | None,
+    ) -> None:
+        self._daemon = daemon
+        self._scope = scope
+        self._message = message
+        self._channel = channel
+        self.kind = kind
+        self.session: WorkerSession | None = None
+        self.replied = False
+        self.outcome = "unsettled"
+
+    async def ack(self) -> None:
+        faults = self._daemon.faults
+        admission = self.kind in _KEYED_TYPES and not self.replied
+        if admission:
+            faults.reach("worker.after_admission_commit")
+        if self._channel.is_closed:
+            # Never ack on a dead channel: the broker redelivers instead.
+            raise PublishChannelClosed(self._scope.name)
+        await self._message.ack()
+        self.outcome = "acked"
+        if admission:
+            faults.reach("worker.after_ack", settle=0.2)
+
+    async def reply(self, frame: bytes, correlation_id: str | None) -> None:
+        session = self.session
+        if session is None:
+            raise PublishChannelClosed(self._scope.name)
+        faults = self._daemon.faults
+        faults.reach("worker.before_reply")
+        envelope = build_worker_reply(
+            self._scope.name,
+            session.session_id,
+            session.key_nonce,
+            frame,
+            reply_to=session.reply_to,
+            correlation_id=correlation_id,
+        )
+        try:
+            await self._daemon.publish(envelope)
+        except PublishFailed:
+            self._daemon.metrics.replies.labels(self._scope.name, "failed").inc()
+            raise
+        self._daemon.metrics.replies.labels(self._scope.name, "confirmed").inc()
+        self.replied = True
+        faults.reach("worker.after_reply")
+
+    async def dead_letter(self, reason: str) -> None:
+        await self._daemon.dead_letter(self._scope, self._message, self._channel, reason)
+        self.outcome = "dead_lettered"
+
+    async def requeue(self) -> None:
+        if self._channel.is_closed:
+            return
+        await self._message.nack(requeue=True)
+        self.outcome = "requeued"
+
+
+# The daemon ----------------------------------------------------------------------------
+
+
+class WorkerDaemon:
+    """Serves the configured scopes until stopped (``run``)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        adapters: WorkerAdapterRegistry | None = None,
+        metrics: WorkerMetrics | None = None,
+        notifier: Notifier | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or WorkerMetrics()
+        self.faults = faults or FaultInjector()
+        self._notifier = notifier or Notifier()
+        self._given_adapters = adapters
+        self._adapters = WorkerAdapterRegistry()
+        self._limits = WorkerSessionLimits(
+            per_tool=config.limits.reconciliations_per_tool,
+            per_session=config.limits.reconciliations_per_session,
+        )
+        self._store: SqliteJournalStore | None = None
+        self._daemon_store: _DaemonStore | None = None
+        self._scopes: dict[str, _Scope] = {}
+        self._connection: AbstractConnection | None = None
+        self._consume_channel: AbstractChannel | None = None
+        self._publish_channel: AbstractChannel | None = None
+        self._connected = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._log = _log.bind(worker=config.worker.state_dir)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def store(self) -> SqliteJournalStore:
+        if self._store is None:
+            raise RuntimeError("the daemon has not started")
+        return self._store
+
+    async def wait_ready(self) -> None:
+        """Returns once every scope is loaded and consuming."""
+        await self._ready.wait()
+
+    def request_stop(self) -> None:
+        """Begin a graceful stop (what SIGTERM does)."""
+        self._stopping.set()
+
+    async def run(self, *, install_signal_handlers: bool = False) -> None:
+        """Start, serve until stopped, then close. Raises on a fatal start-up error."""
+        loop = asyncio.get_running_loop()
+        if install_signal_handlers:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self.request_stop)
+        try:
+            await self._start()
+            watchdog = self._spawn(self._watchdog())
+            try:
+                await self._connection_loop()
+            finally:
+                watchdog.cancel()
+        finally:
+            await self._shutdown()
+
+    async def _start(self) -> None:
+        config = self.config
+        keys = config.scope_keys()
+        keyring = config.storage_keyring()
+        data_keyring = config.data_keyring()
+        self._adapters = self._instrument(self._load_adapters())
+        journal = config.journal_path
+        journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        anchor = config.anchor_path
+        store = SqliteJournalStore(journal, keyring, anchor_path=anchor, data_keyring=data_keyring)
+        self._store = store
+        self._daemon_store = _DaemonStore(store, self.metrics)
+        for scope_config in config.scopes:
+            scope = _Scope(
+                scope_config.name,
+                keys[scope_config.name],
+                asyncio.Semaphore(scope_config.max_concurrency),
+            )
+            self._scopes[scope.name] = scope
+            await self._load_scope(scope)
+        self._log.info(
+            "worker_started",
+            scopes=len(self._scopes),
+            adapters=self._adapters.tools(),
+            broker=config.redacted_broker_url(),
+        )
+
+    def _load_adapters(self) -> WorkerAdapterRegistry:
+        if self._given_adapters is not None:
+            return self._given_adapters
+        adapters = self.config.adapters
+        options = {
+            name: {k: self._option_value(v) for k, v in values.items()}
+            for name, values in adapters.options.items()
+        }
+        try:
+            return load_adapters(list(adapters.enabled), options=options)
+        except OctoError as exc:
+            raise InvalidConfiguration(f"adapters.enabled: {exc.code} ({exc})") from None
+        except (TypeError, ValueError, OSError) as exc:
+            raise InvalidConfiguration(
+                f"adapters.options: an adapter refused its options ({type(exc).__name__})"
+            ) from None
+
+    def _option_value(self, value: Any) -> Any:
+        # Adapter options that look like relative paths are relative to the state dir.
+        if isinstance(value, str) and value.startswith("./"):
+            return str(self.config.state_path(value[2:]))
+        return value
+
+    def _instrument(self, registry: WorkerAdapterRegistry) -> WorkerAdapterRegistry:
+        wrapped = WorkerAdapterRegistry()
+        for tool in registry.tools():
+            adapter = registry.get(tool)
+            wrapped.register(tool, _InstrumentedAdapter(tool, adapter, self.metrics, self.faults))
+        return wrapped
+
+    async def _load_scope(self, scope: _Scope) -> None:
+        """Reserve a fence, then rebuild every session from the store (W§10.10)."""
+        store = self.store
+        daemon_store = self._require_daemon_store()
+        scope.lease = await store.reserve_fence(scope.name)
+        persisted = await store.load_sessions(scope.name)
+        sessions: dict[str, WorkerSession] = {}
+        for session_id, record in persisted.items():
+            session = await WorkerSession.restore(
+                record,
+                scope_key=scope.key,
+                scope=scope.name,
+                store=daemon_store,
+                lease=scope.lease,
+                adapters=self._adapters,
+                limits=self._limits,
+            )
+            sessions[session_id] = session
+            if session.status == "poisoned":
+                scope.persisted_poisoned.add(session_id)
+        scope.sessions = sessions
+        scope.running.set()
+        self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions))
+
+    def _require_daemon_store(self) -> _DaemonStore:
+        if self._daemon_store is None:
+            raise RuntimeError("the daemon has not started")
+        return self._daemon_store
+
+    async def _shutdown(self) -> None:
+        self._notifier.stopping()
+        self._stopping.set()
+        await self._stop_consuming()
+        tasks = [t for scope in self._scopes.values() for t in scope.tasks]
+        if tasks:
+            grace = self.config.worker.shutdown_grace_seconds
+            self._log.info("worker_draining", handlers=len(tasks), grace_seconds=grace)
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        for task in list(self._background):
+            task.cancel()
+        await self._close_connection()
+        if self._store is not None:
+            await self._store.close()
+        self._log.info("worker_stopped")
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- broker connection ---------------------------------------------------------
+
+    async def _connection_loop(self) -> None:
+        broker = self.config.broker
+        delay = broker.reconnect_initial_seconds
+        url = self.config.broker_url()
+        while not self._stopping.is_set():
+            try:
+                connection = await connect(
+                    url, timeout=broker.connect_timeout_seconds, name="octo-worker"
+                )
+            except OctoError as exc:
+                self._log.warning("broker_connect_failed", error=str(exc), retry_in=delay)
+                await self._sleep_or_stop(delay)
+                delay = min(delay * 2, broker.reconnect_max_seconds)
+                continue
+            delay = broker.reconnect_initial_seconds
+            try:
+                await self._serve(connection)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._log.warning("broker_session_ended", error=type(exc).__name__)
+            finally:
+                await self._close_connection()
+            if not self._stopping.is_set():
+                self._log.warning("broker_connection_lost", retry_in=delay)
+                await self._sleep_or_stop(delay)
+
+    async def _sleep_or_stop(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def _serve(self, connection: AbstractConnection) -> None:
+        self._connection = connection
+        closed = asyncio.get_running_loop().create_future()
+
+        def on_close(*_: Any) -> None:
+            if not closed.done():
+                closed.set_result(None)
+
+        connection.close_callbacks.add(on_close)
+        consume = await connection.channel(publisher_confirms=False)
+        await consume.set_qos(prefetch_count=self.config.broker.prefetch)
+        publish = await open_confirm_channel(connection)
+        consume.close_callbacks.add(on_close)
+        publish.close_callbacks.add(on_close)
+        self._consume_channel = consume
+        self._publish_channel = publish
+        await declare_topology(publish, list(self._scopes))
+        self._connected.set()
+        for scope in self._scopes.values():
+            if not scope.superseded:
+                await self._republish_outbox(scope)
+        for scope in self._scopes.values():
+            if not scope.superseded:
+                await self._start_consuming(scope)
+        self._ready.set()
+        self._notifier.ready(f"serving {len(self._scopes)} scope(s)")
+        self._log.info("worker_consuming", scopes=len(self._scopes))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([closed, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            self._connected.clear()
+
+    async def _close_connection(self) -> None:
+        self._connected.clear()
+        for scope in self._scopes.values():
+            scope.queue = None
+            scope.consumer_tag = None
+        self._set_consumers_gauge()
+        connection, self._connection = self._connection, None
+        self._consume_channel = None
+        self._publish_channel = None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), timeout=5.0)
+
+    async def _start_consuming(self, scope: _Scope) -> None:
+        channel = self._consume_channel
+        if channel is None or scope.consumer_tag is not None or scope.superseded:
+            return
+        queue = await channel.get_queue(worker_queue(scope.name), ensure=False)
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            task = asyncio.ensure_future(self._on_message(scope, message, channel))
+            scope.tasks.add(task)
+            task.add_done_callback(scope.tasks.discard)
+
+        scope.queue = queue
+        scope.consumer_tag = await queue.consume(on_message, no_ack=False)
+        self._set_consumers_gauge()
+
+    async def _stop_consuming(self, scope: _Scope | None = None) -> None:
+        scopes = [scope] if scope is not None else list(self._scopes.values())
+        for item in scopes:
+            queue, tag = item.queue, item.consumer_tag
+            item.consumer_tag = None
+            if queue is not None and tag is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(queue.cancel(tag), timeout=5.0)
+        self._set_consumers_gauge()
+
+    def _set_consumers_gauge(self) -> None:
+        active = sum(1 for s in self._scopes.values() if s.consumer_tag is not None)
+        self.metrics.consumers_active.set(active)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    async def publish(self, envelope: Any) -> None:
+        """A confirmed publish that survives a reconnect (same bytes, current channel)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.broker.publish_timeout_seconds
+        deadline = loop.time() + 3 * timeout
+        while True:
+            channel = self._publish_channel
+            if channel is None or channel.is_closed:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or (self._stopping.is_set() and not self._connected.is_set()):
+                    raise PublishChannelClosed(envelope.routing_key)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._connected.wait(), timeout=min(remaining, 1.0))
+                continue
+            try:
+                await publish_envelope(channel, envelope, timeout=timeout)
+                return
+            except PublishChannelClosed:
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def dead_letter(
+        self,
+        scope: _Scope,
+        message: AbstractIncomingMessage,
+        channel: AbstractChannel,
+        reason: str,
+    ) -> None:
+        """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
+        self.metrics.frames_rejected.labels(scope.name, reason).inc()
+        self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
+        publish = self._publish_channel
+        copied = False
+        if publish is not None and not publish.is_closed:
+            try:
+                await publish_confirmed(
+                    publish,
+                    DEAD_EXCHANGE,
+                    message.routing_key or worker_queue(scope.name),
+                    message.body,
+                    message_id=message.message_id or "",
+                    correlation_id=message.correlation_id,
+                    reply_to=message.reply_to,
+                    headers=build_dead_letter_headers(message.headers, reason),
+                    timeout=self.config.broker.publish_timeout_seconds,
+                )
+                copied = True
+            except PublishFailed as exc:
+                self._log.warning("dead_letter_copy_failed", reason=reason, error=exc.code)
+        if channel.is_closed:
+            return
+        if copied:
+            await message.ack()
+        else:
+            # The queue's own dead-letter exchange takes it (without octo-reason).
+            await message.reject(requeue=False)
+
+    async def _republish_outbox(self, scope: _Scope) -> None:
+        """W§11.4: every committed reply not yet confirmed, oldest first."""
+        entries = await self.store.load_outbox(scope.name)
+        self.metrics.outbox_pending.labels(scope.name).set(len(entries))
+        published = 0
+        for entry in entries:
+            session = scope.sessions.get(entry.session_id)
+            if session is None:
+                continue
+            envelope = build_worker_reply(
+                scope.name,
+                entry.session_id,
+                session.key_nonce,
+                entry.frame,
+                reply_to=entry.reply_to,
+                correlation_id=entry.correlation_id,
+            )
+            try:
+                await self.publish(envelope)
+            except PublishFailed as exc:
+                self._log.warning("outbox_republish_failed", scope=scope.name, error=exc.code)
+                return
+            session.confirm_published(entry.message_id)
+            published += 1
+        if published:
+            self._log.info("outbox_republished", scope=scope.name, frames=published)
+
+    # -- deliveries --------------------------------------------------------------------
+
+    async def _on_message(
+        self, scope: _Scope, message: AbstractIncomingMessage, channel: AbstractChannel
+    ) -> None:
+        async with scope.semaphore:
+            if not scope.running.is_set():
+                await scope.running.wait()
+            if scope.superseded:
+                return  # never acked: another worker owns the scope now
+            delivery = _Delivery(self, scope, message, channel, None)
+            try:
+                await self._deliver(scope, message, delivery)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._log.error("delivery_failed", scope=scope.name, error=type(exc).__name__)
+                with contextlib.suppress(Exception):
+                    await delivery.requeue()
+            self.metrics.deliveries.labels(scope.name, delivery.outcome).inc()
+            self.metrics.progress()
+        await self._after_delivery(scope, delivery)
+
+    async def _deliver(
+        self, scope: _Scope, message: AbstractIncomingMessage, delivery: _Delivery
+    ) -> None:
+        body = message.body
+        if len(body) > MAX_WIRE_FRAME_BYTES:
+            await delivery.dead_letter(WireFrameTooLarge.code)
+            return
+        try:
+            headers = check_delivery(scope.name, len(body), message.headers)
+        except OctoError as exc:
+            await delivery.dead_letter(exc.code)
+            return
+        session_id = headers.session_id
+        session = scope.sessions.get(session_id)
+        if session is None:
+            # The host gets no answer to open_session and may send the next
+            # frame at once: wait for an open of this scope in progress.
+            async with scope.open_lock:
+                session = scope.sessions.get(session_id)
+        opening = False
+        kind: str | None = None
+        if session is None or b"open_session" in body or b"\\u" in body:
+            try:
+                _, decoded, _, _ = decode_frame(body)
+            except OctoError as exc:
+                await delivery.dead_letter(exc.code)
+                return
+            kind = message_type(decoded)
+            opening = isinstance(decoded, OpenSession)
+        else:
+            kind = _peek_type(body)
+        delivery.kind = kind
+        if session is None:
+            if not opening:
+                await delivery.dead_letter("unknown_session")
+                return
+            if not message.reply_to:
+                await delivery.dead_letter(InvalidFrameHeaders.code)
+                return
+            await self._open_session(scope, message, delivery, session_id, headers.key_nonce)
+            return
+        delivery.session = session
+        if opening:
+            if session.status in ("open", "poisoned") and headers.key_nonce == session.key_nonce:
+                await session.handle(body, self._require_daemon_store(), delivery)
+            else:
+                await delivery.dead_letter(SessionReplay.code)
+            return
+        if session.status == "closed":
+            await delivery.dead_letter("session_closed")
+            return
+        if headers.key_nonce != session.key_nonce:
+            await delivery.dead_letter("invalid_authentication_tag")
+            return
+        await session.handle(body, self._require_daemon_store(), delivery)
+
+    async def _open_session(
+        self,
+        scope: _Scope,
+        message: AbstractIncomingMessage,
+        delivery: _Delivery,
+        session_id: str,
+        key_nonce: bytes,
+    ) -> None:
+        async with scope.open_lock:
+            if session_id in scope.sessions:
+                await delivery.dead_letter(SessionReplay.code)
+                return
+            lease = scope.lease
+            assert lease is not None
+            try:
+                key = SessionKey.derive(scope.key, scope.name, session_id, key_nonce)
+                authenticator = SessionAuthenticator(session_id, key, SessionRole.WORKER)
+                session = await WorkerSession.open(
+                    authenticator,
+                    message.body,
+                    scope=scope.name,
+                    key_nonce=key_nonce,
+                    reply_to=str(message.reply_to),
+                    store=self._require_daemon_store(),
+                    lease=lease,
+                    adapters=self._adapters,
+                    limits=self._limits,
+                )
+            except OctoError as exc:
+                await delivery.dead_letter(exc.code)
+                return
+            scope.sessions[session_id] = session
+        delivery.session = session
+        try:
+            await delivery.ack()
+        except Exception as exc:
+            self._log.warning("delivery_ack_failed", scope=scope.name, error=type(exc).__name__)
+
+    async def _after_delivery(self, scope: _Scope, delivery: _Delivery) -> None:
+        if self._require_daemon_store().superseded.__contains__(scope.name):
+            await self._give_up_scope(scope)
+            return
+        session = delivery.session
+        if session is None or session.status != "poisoned":
+            return
+        if session.session_id in scope.persisted_poisoned:
+            return
+        self.metrics.sessions_poisoned.labels(scope.name).inc()
+        if not scope.reloading:
+            scope.reloading = True
+            self._spawn(self._reload_scope(scope))
+
+    async def _give_up_scope(self, scope: _Scope) -> None:
+        if scope.superseded:
+            return
+        scope.superseded = True
+        self._log.error(
+            "scope_superseded",
+            scope=scope.name,
+            detail="another worker holds the scope's fence; this worker stops serving it",
+        )
+        await self._stop_consuming(scope)
+
+    async def _reload_scope(self, scope: _Scope) -> None:
+        """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume."""
+        current = asyncio.current_task()
+        try:
+            scope.running.clear()
+            await self._stop_consuming(scope)
+            others = [t for t in scope.tasks if t is not current]
+            if others:
+                await asyncio.wait(others)
+            if scope.superseded or self._require_daemon_store().superseded.__contains__(scope.name):
+                await self._give_up_scope(scope)
+                return
+            poisoned = {
+                sid: session.best_effort_sequence_high
+                for sid, session in scope.sessions.items()
+                if session.status == "poisoned" and sid not in scope.persisted_poisoned
+            }
+            scope.persisted_poisoned = set()
+            await self._load_scope(scope)
+            for session_id, sealed in poisoned.items():
+                restored = scope.sessions.get(session_id)
+                if restored is None:
+                    continue
+                await restored.persist_poisoned(self._require_daemon_store(), sealed_through=sealed)
+                scope.persisted_poisoned.add(session_id)
+            self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
+            if self._connected.is_set():
+                await self._republish_outbox(scope)
+                await self._start_consuming(scope)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._log.error("scope_reload_failed", scope=scope.name, error=type(exc).__name__)
+            if self._require_daemon_store().superseded.__contains__(scope.name):
+                await self._give_up_scope(scope)
+            else:
+                self.request_stop()  # fail closed: a supervisor restarts from durable state
+        finally:
+            scope.reloading = False
+            scope.running.set()
+
+    # -- health ------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        """Consuming every live scope, or (re)connecting; False when stalled."""
+        if self._stopping.is_set():
+            return True
+        live = [s for s in self._scopes.values() if not s.superseded]
+        if not self._connected.is_set():
+            return False
+        return all(s.consumer_tag is not None or s.reloading for s in live)
+
+    async def _watchdog(self) -> None:
+        interval = watchdog_interval()
+        if interval is None:
+            return
+        stall = self.config.worker.watchdog_stall_seconds
+        unhealthy_since: float | None = None
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if self.healthy():
+                unhealthy_since = None
+            elif unhealthy_since is None:
+                unhealthy_since = now
+            if unhealthy_since is None or now - unhealthy_since < stall:
+                self._notifier.watchdog()
+            await self._sleep_or_stop(interval)
+
+
+def _peek_type(body: bytes) -> str | None:
+    """The message type of a canonical frame without decoding it (None if unsure)."""
+    marker = b'"message":{"type":"'
+    start = body.find(marker)
+    if start < 0:
+        return None
+    start += len(marker)
+    end = body.find(b'"', start, start + 40)
+    if end < 0:
+        return None
+    try:
+        return body[start:end].decode("ascii")
+    except UnicodeDecodeError:
+        return None

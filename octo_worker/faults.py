@@ -1,0 +1,75 @@
+"""Environment-selected fault injection for crash tests (inactive unless set).
+
+``OCTO_FAULT=<point>[@<n>]`` makes the process kill itself with SIGKILL the
+n-th time (default: first) it reaches ``<point>``. Points used by the worker
+daemon and the host client:
+
+* ``worker.after_admission_commit``: a dispatch/compensation admission is
+  durable, the delivery is not yet acked;
+* ``worker.after_ack``: the delivery is acked, the adapter has not run;
+* ``worker.after_effect``: the adapter performed its effect, nothing observed;
+* ``worker.before_reply``: the observation is durable (reply in the outbox),
+  not yet published;
+* ``worker.after_reply``: the reply is confirmed by the broker, not yet
+  marked published;
+* ``host.after_ledger_commit``: the host's ledger write is durable, the
+  frame is not yet published.
+
+Nothing happens when the variable is absent; a malformed value is ignored
+with a warning on stderr (never fatal: production never sets it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+__all__ = ["FAULT_POINTS", "FaultInjector"]
+
+FAULT_POINTS = frozenset(
+    {
+        "worker.after_admission_commit",
+        "worker.after_ack",
+        "worker.after_effect",
+        "worker.before_reply",
+        "worker.after_reply",
+        "host.after_ledger_commit",
+    }
+)
+
+
+class FaultInjector:
+    """Kills the process at the configured point; a no-op otherwise."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        spec = os.environ.get("OCTO_FAULT") if spec is None else spec
+        self._point: str | None = None
+        self._remaining = 0
+        if not spec:
+            return
+        point, _, count = spec.partition("@")
+        if point not in FAULT_POINTS or (count and not count.isdigit()):
+            sys.stderr.write(f"octo: ignoring unknown OCTO_FAULT value {spec!r}\n")
+            return
+        self._point = point
+        self._remaining = int(count) if count else 1
+
+    @property
+    def active(self) -> bool:
+        return self._point is not None
+
+    def reach(self, point: str, *, settle: float = 0.0) -> None:
+        """Mark that ``point`` was reached; die there when it is the chosen one."""
+        if point != self._point:
+            return
+        self._remaining -= 1
+        if self._remaining > 0:
+            return
+        if settle:
+            # Let the kernel flush what was just written to the broker socket.
+            time.sleep(settle)
+        sys.stderr.write(f"octo: fault injection: SIGKILL at {point}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
