@@ -1369,8 +1369,8 @@ class WorkerSession:
                 # The commit goes on (the store shields it); learn its outcome so
                 # memory matches the disk, then stop.
                 cancelled = True
-            except Exception:  # noqa: S110 - read from the task below
-                pass
+            except Exception:
+                break  # the task is done: its outcome is read below
         failure: OctoError | None = None
         revision = 0
         if task.cancelled():
