@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import os
 import re
 import sqlite3
@@ -51,7 +52,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NoReturn, TypeVar
+from typing import Any, Final, NoReturn, TypeVar, cast
 
 import msgspec
 import structlog
@@ -116,6 +117,7 @@ NS_SESSION_OPEN: Final = "worker-session-open"
 NS_OUTBOX: Final = "worker-outbox"
 _HEAD_NAMESPACE: Final = NS_JOURNAL
 _SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
+_SESSION_ROWS: Final = frozenset({NS_SESSION, NS_SESSION_OPEN})
 _OUTBOX_FORMAT_VERSION: Final = 1
 _MESSAGE_ID = re.compile(r"[0-9a-f]{64}")
 _SCHEMA_VERSION: Final = 1
@@ -302,8 +304,18 @@ def _b64decode(text: str) -> bytes:
     return data
 
 
+_SESSION_HEADER = msgspec.json.Decoder(_SessionHeader)
+
+
 def _session_header(document: bytes, scope: str, session_id: str) -> _SessionHeader:
-    header = decode_struct(document, _SessionHeader)
+    # Only the location fields are read here, with msgspec alone (this runs
+    # for every commit). The session module decodes the whole document
+    # strictly (duplicate keys refused), so a document that only passes this
+    # lenient read still fails closed there.
+    try:
+        header = _SESSION_HEADER.decode(document)
+    except msgspec.MsgspecError as exc:
+        raise SerializationError(f"session document: {str(exc)[:120]}") from None
     if header.format_version != WORKER_SESSION_FORMAT_VERSION:
         raise SerializationError("session document format_version must be 1")
     if header.scope != scope:
@@ -347,6 +359,25 @@ class _Row:
     item: str
     revision: int
     envelope: bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _record_key(namespace: str, scope: str) -> StorageRecordKey:
+    # Record keys validate on construction; rows of a scope reuse the same few.
+    return StorageRecordKey(namespace, scope)
+
+
+_VALID_SCOPES: set[str] = set()
+
+
+def _check_scope(scope: str) -> None:
+    """A scope is a token (field ``operation journal scope``); valid ones are remembered."""
+    if type(scope) is str and scope in _VALID_SCOPES:
+        return
+    validate_token("operation journal scope", scope)
+    if len(_VALID_SCOPES) >= 4096:
+        _VALID_SCOPES.clear()
+    _VALID_SCOPES.add(scope)
 
 
 def _check_base_revision(value: object) -> None:
@@ -426,6 +457,17 @@ def _guarded(function: Callable[[], T]) -> T:
         raise _backend_error(exc) from None
 
 
+def _run_reads(functions: Sequence[Callable[[], object]]) -> list[tuple[bool, Any]]:
+    """Reader thread: run each read on its own, keeping each outcome apart."""
+    outcomes: list[tuple[bool, Any]] = []
+    for function in functions:
+        try:
+            outcomes.append((True, _guarded(function)))
+        except OctoError as exc:
+            outcomes.append((False, exc))
+    return outcomes
+
+
 def _consume_outcome(future: asyncio.Future[int]) -> None:
     # A cancelled caller never reads its outcome; reading it here keeps
     # asyncio from reporting an unretrieved exception.
@@ -480,6 +522,8 @@ class SqliteJournalStore:
         self._closed = False
         self._queue: list[_Pending] = []
         self._writer_task: asyncio.Task[None] | None = None
+        self._read_queue: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._reader_task: asyncio.Task[None] | None = None
         self._transactions = 0
         self._change_sets = 0
         self._committed = 0
@@ -508,7 +552,7 @@ class SqliteJournalStore:
         The head revision read in the same transaction becomes this store
         instance's commit baseline for the scope.
         """
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         token = await self._write_call(lambda: self._reserve_in_thread(scope))
         return WorkerJournalLease._issue(token)
 
@@ -521,7 +565,7 @@ class SqliteJournalStore:
         """
         if not isinstance(lease, WorkerJournalLease):
             raise InvalidJournalLease()
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = _prepare(scope, changes)
@@ -550,7 +594,7 @@ class SqliteJournalStore:
         self, scope: str, keys: Iterable[str]
     ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
         """The rows of ``keys`` (None for a key without a row), W§9.2's ``records``."""
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             validate_token("operation key", key)
@@ -564,7 +608,7 @@ class SqliteJournalStore:
 
     async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
         """Every journal row of ``scope``, by operation key (operator helper)."""
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         rows = await self._read_call(lambda: self._read_items(scope, NS_JOURNAL, None))
         records: list[tuple[WorkerOperationRecord, int]] = []
         for row in rows:
@@ -575,7 +619,7 @@ class SqliteJournalStore:
 
     async def load_sessions(self, scope: str) -> dict[str, PersistedSession]:
         """Every session of ``scope`` (every status), keyed by session id."""
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         states, openings = await self._read_call(lambda: self._read_sessions(scope))
         opened: dict[str, tuple[bytes, int]] = {}
         for row in openings:
@@ -600,7 +644,7 @@ class SqliteJournalStore:
 
     async def load_outbox(self, scope: str) -> list[OutboxEntry]:
         """Every outbox row of ``scope``, oldest revision first (W§11.4)."""
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         rows = await self._read_call(lambda: self._read_items(scope, NS_OUTBOX, None))
         entries: list[OutboxEntry] = []
         for row in rows:
@@ -627,7 +671,7 @@ class SqliteJournalStore:
 
     async def head_revision(self, scope: str) -> int:
         """The scope's committed revision (0 without a head)."""
-        validate_token("operation journal scope", scope)
+        _check_scope(scope)
         return await self._read_call(lambda: self._read_head(scope))
 
     async def scopes(self) -> list[str]:
@@ -656,9 +700,9 @@ class SqliteJournalStore:
         if self._closed:
             return
         self._closed = True
-        task = self._writer_task
-        if task is not None:
-            await asyncio.shield(task)
+        for task in (self._writer_task, self._reader_task):
+            if task is not None:
+                await asyncio.shield(task)
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._writer_pool, self._close_writer)
@@ -692,11 +736,45 @@ class SqliteJournalStore:
         return await loop.run_in_executor(self._writer_pool, _guarded, function)
 
     async def _read_call(self, function: Callable[[], T]) -> T:
+        """Run ``function`` in the reader thread; concurrent reads share one hand-off."""
         await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._reader_pool, _guarded, function)
+        future: asyncio.Future[Any] = loop.create_future()
+        self._read_queue.append((function, future))
+        if self._reader_task is None:
+            self._reader_task = loop.create_task(self._drain_reads())
+        return cast(T, await future)
+
+    async def _drain_reads(self) -> None:
+        """The reader task: hand every waiting read to the reader thread at once."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._read_queue:
+                batch, self._read_queue = self._read_queue, []
+                functions = [function for function, _future in batch]
+                work = loop.run_in_executor(self._reader_pool, _run_reads, functions)
+                try:
+                    outcomes = await work
+                except Exception as exc:  # a defect in the runner: fail the batch only
+                    outcomes = [(False, _backend_error(exc))] * len(batch)
+                for (_function, future), (ok, value) in zip(batch, outcomes, strict=True):
+                    if future.done():  # its caller was cancelled
+                        continue
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+        except BaseException as exc:
+            failure = _backend_error(exc)
+            for _function, future in self._read_queue:
+                if not future.done():
+                    future.set_exception(failure)
+            self._read_queue = []
+            raise
+        finally:
+            self._reader_task = None
 
     async def _drain(self) -> None:
         """The writer task: apply queued change sets, batch after batch."""
@@ -913,6 +991,9 @@ class SqliteJournalStore:
         (or of the anchor write) fails every change set in it.
         """
         outcomes: list[int | OctoError] = []
+        # Heads as this transaction sees them: read once per scope, then kept
+        # here (the write lock is ours) and written back once before COMMIT.
+        heads: dict[str, tuple[int, int]] = {}
         advanced: dict[str, int] = {}
         use_savepoints = len(batch) > 1
         try:
@@ -923,7 +1004,7 @@ class SqliteJournalStore:
                     if use_savepoints:
                         connection.execute("SAVEPOINT change_set")
                     try:
-                        revision = self._apply_one(connection, pending, advanced)
+                        revision = self._apply_one(connection, pending, heads, advanced)
                     except OctoError as exc:
                         if use_savepoints:
                             connection.execute("ROLLBACK TO change_set")
@@ -932,12 +1013,15 @@ class SqliteJournalStore:
                         continue
                     if use_savepoints:
                         connection.execute("RELEASE change_set")
+                    heads[pending.scope] = (revision, heads[pending.scope][1])
                     advanced[pending.scope] = revision
                     outcomes.append(revision)
-                if advanced:
-                    connection.execute("COMMIT")
-                else:
-                    connection.execute("ROLLBACK")
+                for scope, revision in advanced.items():
+                    connection.execute(
+                        "UPDATE heads SET revision = ? WHERE namespace = ? AND name = ?",
+                        (revision, _HEAD_NAMESPACE, scope),
+                    )
+                connection.execute("COMMIT" if advanced else "ROLLBACK")
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -966,66 +1050,82 @@ class SqliteJournalStore:
         return outcomes
 
     def _apply_one(
-        self, connection: sqlite3.Connection, pending: _Pending, advanced: Mapping[str, int]
+        self,
+        connection: sqlite3.Connection,
+        pending: _Pending,
+        heads: dict[str, tuple[int, int]],
+        advanced: Mapping[str, int],
     ) -> int:
-        """W§11.2 steps 1-4 for one change set, inside the open transaction."""
+        """W§11.2 steps 1-4 for one change set, inside the open transaction.
+
+        The head itself is advanced by the caller, once per scope and batch.
+        """
         scope = pending.scope
-        head = connection.execute(
-            "SELECT revision, fence FROM heads WHERE namespace = ? AND name = ?",
-            (_HEAD_NAMESPACE, scope),
-        ).fetchone()
-        head_revision, fence = (0, 0) if head is None else (int(head[0]), int(head[1]))
+        head = heads.get(scope)
+        if head is None:
+            row = connection.execute(
+                "SELECT revision, fence FROM heads WHERE namespace = ? AND name = ?",
+                (_HEAD_NAMESPACE, scope),
+            ).fetchone()
+            head = (0, 0) if row is None else (int(row[0]), int(row[1]))
+            heads[scope] = head
+        head_revision, fence = head
         if fence != pending.token:  # step 1
             raise FencingTokenRejected(fence, pending.token)
         baseline = advanced.get(scope, self._baselines.get(scope))
         if baseline != head_revision:  # step 2
             raise WriteConflict(baseline, head_revision, head_revision)
-        for session_id in pending.new_sessions:  # step 3, new sessions
-            if self._row_revisions(connection, scope, session_id):
-                raise SessionReplay(session_id)
-        for write in pending.writes:  # step 3, every row
-            row = connection.execute(
-                "SELECT revision FROM items WHERE namespace = ? AND name = ? AND item = ?",
-                (write.namespace, scope, write.item),
-            ).fetchone()
-            actual = None if row is None else int(row[0])
-            if actual != write.base_revision:
-                raise WriteConflict(write.base_revision, actual, head_revision)
-        if head_revision >= SQLITE_MAX_INTEGER:  # step 4
+        if head_revision >= SQLITE_MAX_INTEGER:  # step 4, after step 3's verdict
+            for write in pending.writes:
+                conflict = self._conflict(connection, scope, write, head_revision)
+                if conflict.actual != write.base_revision:
+                    if write.item in pending.new_sessions and write.namespace in _SESSION_ROWS:
+                        raise SessionReplay(write.item)
+                    raise conflict
             raise RevisionExhausted()
         revision = head_revision + 1
         sealed = [(write, self._seal(scope, write, revision)) for write in pending.writes]
+        # Step 3 is checked by the writes themselves, one statement per row: an
+        # insert meets the UNIQUE key when the row exists, an update names the
+        # base revision. A refused change set is undone by the caller (its
+        # savepoint, or the whole transaction when it is alone).
+        for write, envelope in sealed:
+            if write.base_revision is None:
+                try:
+                    connection.execute(
+                        "INSERT INTO items (namespace, name, item, revision, envelope) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (write.namespace, scope, write.item, revision, envelope),
+                    )
+                except sqlite3.IntegrityError:
+                    if write.item in pending.new_sessions and write.namespace in _SESSION_ROWS:
+                        raise SessionReplay(write.item) from None
+                    raise self._conflict(connection, scope, write, head_revision) from None
+            else:
+                updated = connection.execute(
+                    "UPDATE items SET revision = ?, envelope = ? "
+                    "WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
+                    (revision, envelope, write.namespace, scope, write.item, write.base_revision),
+                ).rowcount
+                if updated != 1:
+                    raise self._conflict(connection, scope, write, head_revision)
         for message in pending.outbox_delete:
             connection.execute(
                 "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ?",
                 (NS_OUTBOX, scope, message),
             )
-        for write, envelope in sealed:
-            if write.base_revision is None:
-                connection.execute(
-                    "INSERT INTO items (namespace, name, item, revision, envelope) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (write.namespace, scope, write.item, revision, envelope),
-                )
-            else:
-                connection.execute(
-                    "UPDATE items SET revision = ?, envelope = ? "
-                    "WHERE namespace = ? AND name = ? AND item = ?",
-                    (revision, envelope, write.namespace, scope, write.item),
-                )
-        connection.execute(
-            "UPDATE heads SET revision = ? WHERE namespace = ? AND name = ?",
-            (revision, _HEAD_NAMESPACE, scope),
-        )
         return revision
 
     @staticmethod
-    def _row_revisions(connection: sqlite3.Connection, scope: str, session_id: str) -> list[int]:
-        rows = connection.execute(
-            "SELECT revision FROM items WHERE namespace IN (?, ?) AND name = ? AND item = ?",
-            (NS_SESSION, NS_SESSION_OPEN, scope, session_id),
-        ).fetchall()
-        return [int(row[0]) for row in rows]
+    def _conflict(
+        connection: sqlite3.Connection, scope: str, write: _RowWrite, head_revision: int
+    ) -> WriteConflict:
+        current = connection.execute(
+            "SELECT revision FROM items WHERE namespace = ? AND name = ? AND item = ?",
+            (write.namespace, scope, write.item),
+        ).fetchone()
+        actual = None if current is None else int(current[0])
+        return WriteConflict(write.base_revision, actual, head_revision)
 
     def _seal(self, scope: str, write: _RowWrite, revision: int) -> bytes:
         payload = write.document
@@ -1033,9 +1133,7 @@ class SqliteJournalStore:
             payload = encrypt_document(
                 self._data_keyring, write.namespace, scope, write.item, revision, payload
             )
-        return seal_record(
-            self._keyring, StorageRecordKey(write.namespace, scope), revision, payload
-        )
+        return seal_record(self._keyring, _record_key(write.namespace, scope), revision, payload)
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -1162,7 +1260,7 @@ class SqliteJournalStore:
     def _open_row(self, scope: str, namespace: str, row: _Row) -> bytes:
         """Authenticate (and decrypt) one row; the caller checks its document."""
         record = open_record(
-            self._keyring, StorageRecordKey(namespace, scope), row.envelope, row.revision
+            self._keyring, _record_key(namespace, scope), row.envelope, row.revision
         )
         if self._data_keyring is None:
             return record.payload
