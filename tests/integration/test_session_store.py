@@ -30,6 +30,7 @@ from octo_common.messages import (
     OperationDispatchRequest,
     OperationResult,
     ReconciledOperation,
+    Result,
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Pending, Succeeded
@@ -209,6 +210,40 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
     # After another restart the session is still poisoned.
     await restart(world)
     assert world.session.status == "poisoned"
+
+
+class SlowCommitStore(FaultyStore):
+    """Commits really, but reports the outcome only when the test lets it."""
+
+    def __init__(self, inner: SqliteJournalStore) -> None:
+        super().__init__(inner)
+        self.release = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def commit(self, scope: str, lease: Any, changes: WorkerCommit) -> int:
+        revision = await super().commit(scope, lease, changes)
+        self.entered.set()
+        await self.release.wait()
+        return revision
+
+
+async def test_cancelled_handler_still_learns_its_commit_outcome(world: World) -> None:
+    slow = SlowCommitStore(world.real_store)
+    frame = world.host.seal(world.invoke(ToolPayload.json({"a": 1})))
+    task = asyncio.create_task(world.session.handle(frame, slow, RecordingDelivery()))
+    await slow.entered.wait()
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # waits for the shielded commit's outcome
+    slow.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert world.session.status == "open"
+    assert world.session.highest_revision == await world.real_store.head_revision(SCOPE)
+    # The next commit builds on the committed state row: no conflict, no poisoning.
+    later = await world.send(world.invoke(ToolPayload.json({"a": 2})))
+    assert isinstance(world.answer(later), Result)
+    assert world.session.calls_for(SCRIPTED) == 2
 
 
 async def test_restore_checks_lease_and_location(world: World) -> None:
