@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -235,6 +236,7 @@ class _Delivery:
 
     async def ack(self) -> None:
         faults = self._daemon.faults
+        # A keyed request acked before any reply is a durable admission (W§12.4).
         admission = self.kind in _KEYED_TYPES and not self.replied
         if admission:
             faults.reach("worker.after_admission_commit")
@@ -244,6 +246,11 @@ class _Delivery:
         await self._message.ack()
         self.outcome = "acked"
         if admission:
+            metrics = self._daemon.metrics
+            metrics.admissions.labels(self._scope.name, _short(self.kind), "dispatch").inc()
+            key = _peek_operation_key(self._message.body)
+            if key is not None:
+                metrics.note_pending(self._scope.name, key, True)
             faults.reach("worker.after_ack", settle=0.2)
 
     async def reply(self, frame: bytes, correlation_id: str | None) -> None:
@@ -265,7 +272,18 @@ class _Delivery:
         except PublishFailed:
             self._daemon.metrics.replies.labels(self._scope.name, "failed").inc()
             raise
-        self._daemon.metrics.replies.labels(self._scope.name, "confirmed").inc()
+        metrics = self._daemon.metrics
+        metrics.replies.labels(self._scope.name, "confirmed").inc()
+        if self.kind in _KEYED_TYPES:
+            rejected = b'"type":"request_rejected"' in frame
+            if self.outcome == "unsettled":
+                # Answered before any ack: an Existing record or a refusal.
+                metrics.admissions.labels(
+                    self._scope.name, _short(self.kind), "refused" if rejected else "existing"
+                ).inc()
+            key = _peek_operation_key(self._message.body)
+            if key is not None and not rejected:
+                metrics.note_pending(self._scope.name, key, False)
         self.replied = True
         faults.reach("worker.after_reply")
 
@@ -866,6 +884,19 @@ class WorkerDaemon:
             if unhealthy_since is None or now - unhealthy_since < stall:
                 self._notifier.watchdog()
             await self._sleep_or_stop(interval)
+
+
+def _short(kind: str | None) -> str:
+    return "compensation" if kind == "compensate_operation" else "operation"
+
+
+_OPERATION_KEY = re.compile(rb'"operation_key":"([a-z0-9._-]{1,128})"')
+
+
+def _peek_operation_key(body: bytes) -> str | None:
+    """The operation key of a canonical frame, for metrics only (None if unsure)."""
+    match = _OPERATION_KEY.search(body)
+    return None if match is None else match.group(1).decode("ascii")
 
 
 def _peek_type(body: bytes) -> str | None:
