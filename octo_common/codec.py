@@ -227,9 +227,13 @@ def canonical_value(value: Any) -> Any:
                 _check_text(item)
             parent[slot] = item
         elif kind is int:
-            parent[slot] = item if MIN_EXACT_INT <= item <= MAX_EXACT_INT else float(item)
-            if isinstance(parent[slot], float) and math.isinf(parent[slot]):
-                raise SerializationError("number out of range")
+            if MIN_EXACT_INT <= item <= MAX_EXACT_INT:
+                parent[slot] = item
+            else:
+                try:
+                    parent[slot] = float(item)
+                except OverflowError:
+                    raise SerializationError("number out of range") from None
         elif kind is float:
             if not math.isfinite(item):
                 raise SerializationError("NaN and infinities are not JSON")

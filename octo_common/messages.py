@@ -31,7 +31,7 @@ from octo_common.ids import (
 )
 from octo_common.limits import MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION
 from octo_common.payload import ToolPayload
-from octo_common.states import OperationStatus
+from octo_common.states import Cancelled, Failed, OperationStatus, Running, Succeeded
 
 __all__ = [
     "Cancel",
@@ -72,6 +72,12 @@ _V: Final = PROTOCOL_VERSION
 def _check_version(version: int) -> None:
     if version != PROTOCOL_VERSION:
         raise UnsupportedVersion(version)
+
+
+def _check_status(status: Any) -> None:
+    if not isinstance(status, Running | Succeeded | Failed | Cancelled):
+        raise SerializationError("a result status is running, succeeded, failed or cancelled")
+    status.validate()
 
 
 def _check_fingerprint(value: str) -> None:
@@ -289,7 +295,7 @@ class OperationReconcileResult(_Versioned, frozen=True):
         validate_token("request id", self.request_id)
         validate_token("tool", self.tool)
         validate_token("operation key", self.operation_key)
-        self.status.validate()
+        _check_status(self.status)
 
     def matches_request(self, request: Any) -> bool:
         """W§4.3: equal version, session, request id, tool and operation key."""
@@ -437,7 +443,7 @@ class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unkno
 
     def validate(self) -> None:
         self._validate_header()
-        self.status.validate()
+        _check_status(self.status)
 
     def matches_request(self, request: Any) -> bool:
         """W§4.3: the five operation fields plus key, tenant and fingerprint."""

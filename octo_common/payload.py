@@ -39,6 +39,7 @@ __all__ = [
 
 PayloadFormat = Literal["text", "json"]
 _FORMATS: Final = ("text", "json")
+_VALUE_DECODER: Final = msgspec.json.Decoder()
 _UNSET: Final[Any] = object()
 
 
@@ -109,7 +110,10 @@ class ToolPayload:
 
     @property
     def value(self) -> Any:
-        return self._value
+        """The value; a JSON value is a fresh copy each time (the payload is immutable)."""
+        if self._format == "text":
+            return self._value
+        return _VALUE_DECODER.decode(self.value_bytes())
 
     def _too_deep(self) -> bool:
         deep = self._deep
