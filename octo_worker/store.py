@@ -457,17 +457,6 @@ def _guarded(function: Callable[[], T]) -> T:
         raise _backend_error(exc) from None
 
 
-def _run_reads(functions: Sequence[Callable[[], object]]) -> list[tuple[bool, Any]]:
-    """Reader thread: run each read on its own, keeping each outcome apart."""
-    outcomes: list[tuple[bool, Any]] = []
-    for function in functions:
-        try:
-            outcomes.append((True, _guarded(function)))
-        except OctoError as exc:
-            outcomes.append((False, exc))
-    return outcomes
-
-
 def _consume_outcome(future: asyncio.Future[int]) -> None:
     # A cancelled caller never reads its outcome; reading it here keeps
     # asyncio from reporting an unretrieved exception.
@@ -512,8 +501,11 @@ class SqliteJournalStore:
         # Owned by the writer thread: its connection and the commit baselines.
         self._writer: sqlite3.Connection | None = None
         self._baselines: dict[str, int] = {}
-        # Owned by the reader thread.
+        # Owned by the reader thread: its connection and the anchor its
+        # current snapshot is compared with.
         self._reader: sqlite3.Connection | None = None
+        self._snapshot_anchor: Mapping[StorageRecordKey, int] = {}
+        self._snapshot_heads: dict[str, int] = {}
         # The anchor as last written; replaced (never mutated) by the writer thread.
         self._anchor: Mapping[StorageRecordKey, int] = {}
         # Event-loop state.
@@ -754,7 +746,7 @@ class SqliteJournalStore:
             while self._read_queue:
                 batch, self._read_queue = self._read_queue, []
                 functions = [function for function, _future in batch]
-                work = loop.run_in_executor(self._reader_pool, _run_reads, functions)
+                work = loop.run_in_executor(self._reader_pool, self._run_reads, functions)
                 try:
                     outcomes = await work
                 except Exception as exc:  # a defect in the runner: fail the batch only
@@ -1164,28 +1156,56 @@ class SqliteJournalStore:
         return self._reader
 
     def _snapshot_head(self, connection: sqlite3.Connection, scope: str) -> int:
-        """The head revision inside the current read transaction, anchor-checked."""
-        row = connection.execute(
-            "SELECT revision FROM heads WHERE namespace = ? AND name = ?",
-            (_HEAD_NAMESPACE, scope),
-        ).fetchone()
-        return 0 if row is None else int(row[0])
+        """The head revision in the current snapshot (read once per scope and snapshot)."""
+        head = self._snapshot_heads.get(scope)
+        if head is None:
+            row = connection.execute(
+                "SELECT revision FROM heads WHERE namespace = ? AND name = ?",
+                (_HEAD_NAMESPACE, scope),
+            ).fetchone()
+            head = 0 if row is None else int(row[0])
+            self._snapshot_heads[scope] = head
+        return head
+
+    def _run_reads(self, functions: Sequence[Callable[[], object]]) -> list[tuple[bool, Any]]:
+        """Reader thread: every waiting read inside one read snapshot.
+
+        Each read keeps its own outcome. The anchor is read before the
+        snapshot starts: it is only raised after a COMMIT, so the snapshot is
+        never older than the anchor it is compared with.
+        """
+        self._snapshot_anchor = self._anchor
+        self._snapshot_heads = {}
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            connection = self._reading()
+            connection.execute("BEGIN")
+        except (sqlite3.Error, OctoError) as exc:
+            failure = exc if isinstance(exc, OctoError) else _backend_error(exc)
+            return [(False, failure)] * len(functions)
+        try:
+            for function in functions:
+                try:
+                    outcomes.append((True, _guarded(function)))
+                except Exception as exc:  # handed to its own caller, never to the others
+                    outcomes.append((False, exc))
+        finally:
+            if connection.in_transaction:
+                try:
+                    connection.execute("COMMIT")
+                except sqlite3.Error:
+                    connection.execute("ROLLBACK")
+        return outcomes
 
     def _read_transaction(
         self, function: Callable[[sqlite3.Connection], T], scope: str | None
     ) -> tuple[int, T]:
-        # Read the anchor before the snapshot: the anchor is only raised after
-        # a COMMIT, so the snapshot is never older than the anchor read here.
-        anchor = self._anchor
+        """One read inside the current snapshot (``_run_reads``), anchor-checked."""
         connection = self._reading()
-        connection.execute("BEGIN")
-        try:
-            head = 0 if scope is None else self._snapshot_head(connection, scope)
-            result = function(connection)
-        finally:
-            connection.execute("COMMIT")
+        head = 0 if scope is None else self._snapshot_head(connection, scope)
+        result = function(connection)
         if scope is not None and self._anchor_path is not None:
-            anchored = anchor.get(StorageRecordKey(_HEAD_NAMESPACE, scope), 0)
+            anchored = self._snapshot_anchor.get(_record_key(_HEAD_NAMESPACE, scope), 0)
             if head < anchored:
                 raise RollbackDetected(head or None, anchored)
         return head, result
