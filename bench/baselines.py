@@ -9,7 +9,7 @@ reply), each a request/reply between two processes over RabbitMQ on
   process) consumes a request queue with manual acks and answers each request
   with a publisher-confirmed publish to ``reply_to`` before acking it. The
   client publishes each request confirmed and mandatory and acks each reply.
-  No persistence (transient messages, classic non-durable queues), no frames,
+  No persistence (transient messages on classic queues), no frames,
   no journal: whatever Octo costs above this is Octo's own work.
 * :func:`run_celery`: Celery on the same broker (``bench/celery_app.py``) with
   ``task_acks_late=True`` and the ``rpc://`` result backend; a no-op task
@@ -118,7 +118,9 @@ async def aiopika_ceiling(
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         await channel.set_qos(prefetch_count=max(in_flight * 2, 16))
-        await channel.declare_queue(request_queue, durable=False)
+        # Durable queue, transient messages: RabbitMQ 4.3 refuses transient
+        # non-exclusive queues; x-expires cleans up after a crashed run.
+        await channel.declare_queue(request_queue, durable=True, arguments={"x-expires": 600_000})
         replies = await channel.declare_queue(exclusive=True)
         peer = await _start_peer(url, request_queue, prefetch=in_flight)
         try:
