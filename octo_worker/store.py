@@ -697,8 +697,8 @@ class SqliteJournalStore:
                 await asyncio.shield(task)
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._writer_pool, self._close_writer)
-            await loop.run_in_executor(self._reader_pool, self._close_reader)
+            await loop.run_in_executor(self._writer_pool, _guarded, self._close_writer)
+            await loop.run_in_executor(self._reader_pool, _guarded, self._close_reader)
         finally:
             self._writer_pool.shutdown(wait=False)
             self._reader_pool.shutdown(wait=False)

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import sqlite3
 import stat
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import blake3
@@ -110,13 +111,17 @@ def sql(
         connection.close()
 
 
+def envelopes(path: Path) -> list[bytes]:
+    return [bytes(row[0]) for row in sql(path, "SELECT envelope FROM items")]  # type: ignore[call-overload]
+
+
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "journal" / "worker.db"
 
 
 @pytest.fixture
-async def store(db_path: Path):  # type: ignore[no-untyped-def]
+async def store(db_path: Path) -> AsyncIterator[SqliteJournalStore]:
     journal_store = SqliteJournalStore(db_path, storage_keyring())
     yield journal_store
     await journal_store.close()
@@ -579,8 +584,7 @@ async def test_storage_key_rotation_reads_old_rows_and_writes_new_ones(db_path: 
     finally:
         await store.close()
     assert loaded == {"op-1": (pending("op-1"), 1), "op-2": (pending("op-2"), 2)}
-    key_ids = {row[0] for row in sql(db_path, "SELECT envelope FROM items")}
-    assert any(b'"key_id":"storage-v2"' in envelope for envelope in key_ids)  # type: ignore[operator]
+    assert any(b'"key_id":"storage-v2"' in envelope for envelope in envelopes(db_path))
 
 
 async def test_data_encryption_hides_payloads_and_rotates(db_path: Path) -> None:
@@ -602,7 +606,7 @@ async def test_data_encryption_hides_payloads_and_rotates(db_path: Path) -> None
         if Path(str(db_path) + suffix).exists()
     )
     assert SECRET_TEXT.encode() not in raw
-    assert b"op-1" not in b"".join(row[0] for row in sql(db_path, "SELECT envelope FROM items"))  # type: ignore[misc]
+    assert b"op-1" not in b"".join(envelopes(db_path))
 
 
 async def test_wrong_or_unknown_data_key_fails_closed(db_path: Path) -> None:
@@ -694,6 +698,28 @@ async def test_a_database_ahead_of_its_anchor_raises_the_anchor(
     finally:
         await anchored.close()
     assert b'"revision":1' in anchor.read_bytes()
+
+
+async def test_a_head_rolled_back_while_open_fails_every_load(
+    db_path: Path, tmp_path: Path
+) -> None:
+    anchor = tmp_path / "worker.anchor"
+    anchor.write_bytes(b'{"format_version":1,"records":[]}')
+    store = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+        await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
+        sql(db_path, "UPDATE heads SET revision = 1")
+        with pytest.raises(RollbackDetected) as lowered:
+            await store.load_records(SCOPE, ["op-1"])
+        sql(db_path, "DELETE FROM heads")
+        with pytest.raises(RollbackDetected) as deleted:
+            await store.load_sessions(SCOPE)
+    finally:
+        await store.close()
+    assert (lowered.value.record_revision, lowered.value.revision_floor) == (1, 2)
+    assert (deleted.value.record_revision, deleted.value.revision_floor) == (None, 2)
 
 
 async def test_a_malformed_anchor_fails_the_open_until_initialised(
