@@ -599,7 +599,7 @@ class SqliteJournalStore:
         return result
 
     async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
-        """Every journal row of ``scope``, by operation key (operator helper)."""
+        """Every journal row of ``scope``, oldest revision first (operator helper)."""
         _check_scope(scope)
         rows = await self._read_call(lambda: self._read_items(scope, NS_JOURNAL, None))
         records: list[tuple[WorkerOperationRecord, int]] = []
@@ -630,8 +630,8 @@ class SqliteJournalStore:
             sessions[row.item] = PersistedSession(
                 row.item, status, opening[0], document, row.revision
             )
-        for _item, (_document, revision) in opened.items():
-            raise RollbackDetected(None, revision)
+        if opened:  # an opening document whose state row is gone
+            raise RollbackDetected(None, next(iter(opened.values()))[1])
         return sessions
 
     async def load_outbox(self, scope: str) -> list[OutboxEntry]:

@@ -548,6 +548,17 @@ async def test_a_session_row_moved_to_another_session_fails_closed(
         await store.load_sessions(SCOPE)
 
 
+async def test_a_session_missing_half_of_its_rows_fails_closed(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    documents = SessionDocuments(state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1"))
+    await store.commit(SCOPE, lease, WorkerCommit(sessions={"sess-1": documents}))
+    sql(db_path, "DELETE FROM items WHERE namespace = 'worker-session-open'")
+    with pytest.raises(RollbackDetected):
+        await store.load_sessions(SCOPE)
+
+
 # Keys --------------------------------------------------------------------------------------
 
 
