@@ -1,0 +1,1229 @@
+"""The host client: sessions, durable runs, confirmed publishes and reply routing (H§16).
+
+Owns, for one host id:
+
+* the broker side of the host (plain connection, a confirm channel, the quorum
+  reply queue ``octo.v5.reply.<host-id>`` and its consumer);
+* :class:`HostSession` (H§16.1): a fresh session id, a fresh 32-byte key
+  nonce, the derived key and a HOST authenticator per ``open_session``;
+* :class:`HostRun`: one workflow run's ledger in a :class:`SqliteLedgerStore`
+  (record key ``("workflow-ledger", run)``), loaded or created for a plan,
+  validated against the revision this client last stored (the rollback
+  watermark) and written with compare-and-swap;
+* the verbs ``dispatch``, ``reconcile``, ``compensate`` and ``recover``,
+  which persist the ledger before every send and after every applied reply,
+  and react to timeouts and ``request_rejected`` as H§16.4 says;
+* reply handling (H§16.3): size and headers, session lookup, routing by
+  correlation id, ``DuplicateFrame`` dropped, other refusals dead-lettered.
+
+It must never: send a second ``dispatch_operation`` for a key the worker may
+have admitted (only ``unknown_operation`` on reconcile proves it never did),
+create a new key to make progress, publish a frame before the ledger
+revision that justifies it is durable, seal a compensation without a fresh
+approval, persist or reuse a session, or log keys, nonces, payloads or
+adapter text (ids, fingerprints, codes and states only). It does not import
+:mod:`octo_worker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, Literal
+
+import structlog
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
+
+from octo_common.errors import (
+    DuplicateFrame,
+    InvalidAuthenticationTag,
+    InvalidFrameHeaders,
+    LedgerError,
+    OctoError,
+    SessionClosed,
+    UnexpectedMessage,
+    UnknownOperation,
+    WireFrameTooLarge,
+    WorkerRequestRejected,
+    WorkflowError,
+)
+from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
+from octo_common.grants import CapabilityManifest
+from octo_common.ids import is_token
+from octo_common.limits import MAX_WIRE_FRAME_BYTES
+from octo_common.messages import (
+    CloseSession,
+    OpenSession,
+    OperationCompensationRequest,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    WorkerMessage,
+    message_type,
+)
+from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.states import (
+    TERMINAL_KINDS,
+    OperationStatus,
+    Pending,
+    StateKind,
+    WorkerOperationState,
+)
+from octo_common.transport import (
+    HEADER_SESSION,
+    PublishChannelClosed,
+    PublishFailed,
+    PublishReturned,
+    build_dead_letter_headers,
+    build_host_publish,
+    check_delivery,
+    reply_queue,
+)
+from octo_host.amqp import (
+    connect,
+    declare_reply_queue,
+    open_confirm_channel,
+    publish_dead_letter,
+    publish_envelope,
+)
+from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
+from octo_host.engine import OutboundFrame, WorkflowEngine
+from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
+from octo_host.plan import WorkflowPlan
+from octo_host.store import SqliteLedgerStore, ledger_record_key
+
+__all__ = [
+    "HostClient",
+    "HostRun",
+    "HostSession",
+    "RecoverySummary",
+    "ReplyTimedOut",
+]
+
+_log = structlog.get_logger("octo.host.client")
+
+# H§16.4: the outcome is durable at the worker but not known -> reconcile the same key.
+_RECONCILE_LATER: Final = frozenset(
+    {
+        "pending_operation",
+        "pending_compensation",
+        "adapter_error",
+        "indeterminate_operation",
+        "indeterminate_compensation",
+    }
+)
+# H§16.4: this session cannot serve the key any more -> a new session, then reconcile.
+_NEW_SESSION: Final = frozenset(
+    {
+        "session_poisoned",
+        "journal_persistence_failed",
+        "invalid_journal_revision",
+        "call_budget_exhausted",
+        "compensation_budget_exhausted",
+        "reconciliation_budget_exhausted",
+        "reconciliation_session_budget_exhausted",
+        "session_request_limit_exceeded",
+        "unknown_session",
+        "session_closed",
+    }
+)
+# Consecutive unanswered requests after which the session itself is suspect
+# (a refused open or a dead-lettered session shows up only as silence, H§16.1).
+_TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
+# Late replies remembered per session (their requests timed out).
+_MAX_WAITERS_PER_SESSION: Final = 1024
+
+
+class ReplyTimedOut(OctoError):
+    """No authenticated reply arrived in time. Never evidence either way (H§16.5)."""
+
+    _fields = ("request_id", "timeout")
+    _text = "no reply within the timeout"
+    request_id: str
+    timeout: float
+
+
+# Fault injection (same variable and semantics as the worker's) -----------------
+
+_HOST_FAULT_POINT: Final = "host.after_ledger_commit"
+_KNOWN_FAULT_POINTS: Final = frozenset(
+    {
+        "worker.after_admission_commit",
+        "worker.after_ack",
+        "worker.after_effect",
+        "worker.before_reply",
+        "worker.after_reply",
+        _HOST_FAULT_POINT,
+    }
+)
+
+
+class _HostFaults:
+    """``OCTO_FAULT=host.after_ledger_commit[@n]``: SIGKILL the n-th time it is reached.
+
+    Inactive unless set; a malformed value is ignored with a warning on stderr.
+    """
+
+    def __init__(self, spec: str | None = None) -> None:
+        spec = os.environ.get("OCTO_FAULT") if spec is None else spec
+        self._remaining = 0
+        if not spec:
+            return
+        point, _, count = spec.partition("@")
+        if point not in _KNOWN_FAULT_POINTS or (count and not count.isdigit()):
+            sys.stderr.write(f"octo: ignoring unknown OCTO_FAULT value {spec!r}\n")
+            return
+        if point == _HOST_FAULT_POINT:
+            self._remaining = int(count) if count else 1
+
+    def reach(self, point: str) -> None:
+        if point != _HOST_FAULT_POINT or self._remaining <= 0:
+            return
+        self._remaining -= 1
+        if self._remaining > 0:
+            return
+        sys.stderr.write(f"octo: fault injection: SIGKILL at {point}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Sessions ---------------------------------------------------------------------------
+
+_WaiterKind = Literal["raw", "dispatch", "reconcile", "compensate"]
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting for its reply (routed by correlation id = request id)."""
+
+    kind: _WaiterKind
+    request: Any
+    run: HostRun | None
+    future: asyncio.Future[Any]
+    abandoned: bool = False
+
+    def resolve(self, value: Any) -> None:
+        if not self.abandoned and not self.future.done():
+            self.future.set_result(value)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.abandoned and not self.future.done():
+            self.future.set_exception(error)
+
+
+class HostSession:
+    """One host session (H§16.1): scope, session id, key nonce, authenticator.
+
+    Process-local; never persisted. When the client replaces a session (H§16.4)
+    the old handle points to its successor, and every verb follows the chain
+    (:meth:`current`).
+    """
+
+    def __init__(
+        self,
+        scope: str,
+        manifest: CapabilityManifest,
+        key_nonce: bytes,
+        authenticator: SessionAuthenticator,
+    ) -> None:
+        self.scope = scope
+        self.manifest = manifest
+        self.key_nonce = key_nonce
+        self.authenticator = authenticator
+        self.closed = False
+        self.replaced_by: HostSession | None = None
+        self._waiters: dict[str, _Waiter] = {}
+
+    @property
+    def session_id(self) -> str:
+        return self.authenticator.session_id
+
+    def current(self) -> HostSession:
+        """This session, or the newest session that replaced it."""
+        session = self
+        while session.replaced_by is not None:
+            session = session.replaced_by
+        return session
+
+    def __repr__(self) -> str:
+        return (
+            f"HostSession(scope={self.scope!r}, session_id={self.session_id!r}, "
+            f"closed={self.closed})"
+        )
+
+
+# Runs -------------------------------------------------------------------------------
+
+
+class HostRun:
+    """One workflow run's durable ledger (``("workflow-ledger", name)``).
+
+    Built by :meth:`HostClient.load_run`. Every change goes through the client,
+    which persists it with compare-and-swap before anything acts on it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        stored_revision: int,
+    ) -> None:
+        self.name = name
+        self.plan = plan
+        self.record_key = ledger_record_key(name)
+        self._ledger = ledger
+        self._stored_revision = stored_revision
+        self._durable_ledger_revision = ledger.revision
+        self._lock = asyncio.Lock()
+        # Keys this process published a dispatch for: the worker may have admitted them.
+        self._dispatched: set[str] = set()
+
+    @property
+    def ledger(self) -> WorkflowOperationLedger:
+        """A copy of the current (durable) ledger."""
+        return self._ledger.copy()
+
+    @property
+    def revision(self) -> int:
+        return self._ledger.revision
+
+    def operation(self, operation_key: str) -> WorkflowOperation | None:
+        return self._ledger.operation(operation_key)
+
+    def state(self, operation_key: str) -> StateKind:
+        operation = self._ledger.operation(operation_key)
+        if operation is None:
+            raise UnknownOperation(operation_key)
+        return operation.state
+
+    def __repr__(self) -> str:
+        return f"HostRun(name={self.name!r}, revision={self._ledger.revision})"
+
+
+@dataclass
+class RecoverySummary:
+    """What :meth:`HostClient.recover` found and did, key by key."""
+
+    run: HostRun
+    session: HostSession
+    operations: dict[str, StateKind] = field(default_factory=dict)
+    compensations: dict[str, StateKind] = field(default_factory=dict)
+    reconciled: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+
+
+# The client ------------------------------------------------------------------------
+
+
+class HostClient:
+    """The host's broker client and durable-run driver (H§16)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        host_id: str,
+        scope_keys: Mapping[str, ScopeKey],
+        store: SqliteLedgerStore,
+        engine: WorkflowEngine | None = None,
+        reply_timeout: float = 10.0,
+        publish_timeout: float = 10.0,
+        max_attempts: int = 6,
+        backoff_initial: float = 0.1,
+        backoff_max: float = 2.0,
+    ) -> None:
+        self._url = url
+        self.host_id = host_id
+        self.reply_queue = reply_queue(host_id)
+        self._scope_keys = dict(scope_keys)
+        self.store = store
+        self.engine = engine or WorkflowEngine()
+        self.reply_timeout = reply_timeout
+        self.publish_timeout = publish_timeout
+        self.max_attempts = max(1, max_attempts)
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._faults = _HostFaults()
+        self._connection: AbstractConnection | None = None
+        self._publish_channel: AbstractChannel | None = None
+        self._consume_channel: AbstractChannel | None = None
+        self._queue: AbstractQueue | None = None
+        self._consumer_tag: str | None = None
+        self._sessions: dict[str, HostSession] = {}
+        self._runs: dict[str, HostRun] = {}
+        self._watermarks: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Frames published, by message type (observability; tests read it).
+        self.published: Counter[str] = Counter()
+        self._log = _log.bind(host=host_id)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, declare the reply queue and start consuming replies."""
+        connection = await connect(
+            self._url, timeout=self.publish_timeout, name=f"octo-host-{self.host_id}"
+        )
+        self._connection = connection
+        try:
+            self._publish_channel = await open_confirm_channel(connection)
+            await declare_reply_queue(self._publish_channel, self.host_id)
+            consume = await connection.channel(publisher_confirms=False)
+            await consume.set_qos(prefetch_count=64)
+            self._consume_channel = consume
+            self._queue = await consume.get_queue(self.reply_queue, ensure=False)
+            self._consumer_tag = await self._queue.consume(self._on_delivery, no_ack=False)
+        except BaseException:
+            await self.close()
+            raise
+        self._log.info("host_client_started", reply_queue=self.reply_queue)
+
+    async def close(self) -> None:
+        """Stop consuming, let reply handlers finish, close the connection. Idempotent."""
+        queue, tag = self._queue, self._consumer_tag
+        self._queue, self._consumer_tag = None, None
+        if queue is not None and tag is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(queue.cancel(tag), timeout=5.0)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5.0)
+        connection, self._connection = self._connection, None
+        self._publish_channel = None
+        self._consume_channel = None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), timeout=5.0)
+        for session in self._sessions.values():
+            for waiter in session._waiters.values():
+                waiter.abandoned = True
+                if not waiter.future.done():
+                    waiter.future.cancel()
+
+    async def __aenter__(self) -> HostClient:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- sessions (H§16.1) -----------------------------------------------------------
+
+    async def open_session(self, scope: str, manifest: CapabilityManifest) -> HostSession:
+        """Open a fresh session: new id, new nonce, derived key; no reply is expected."""
+        scope_key = self._scope_keys.get(scope)
+        if scope_key is None:
+            raise KeyError(f"no scope key configured for scope {scope!r}")
+        session_id = f"s-{secrets.token_hex(12)}"
+        key_nonce = secrets.token_bytes(32)
+        key = SessionKey.derive(scope_key, scope, session_id, key_nonce)
+        authenticator = SessionAuthenticator(session_id, key, SessionRole.HOST)
+        opening = CapabilityManifest(session_id, manifest.grants)
+        session = HostSession(scope, opening, key_nonce, authenticator)
+        frame = authenticator.seal(OpenSession(opening))
+        self._sessions[session_id] = session
+        await self.publish(session, frame, None, kind="open_session")
+        self._log.info("session_opened", scope=scope, session_id=session_id)
+        return session
+
+    async def close_session(self, session: HostSession) -> None:
+        """Seal and publish ``close_session``; later sends on it are refused locally."""
+        await self._close_exact(session.current())
+
+    async def _replace_session(self, session: HostSession, reason: str) -> HostSession:
+        """H§16.4: open a new session under the same manifest; close the old one."""
+        fresh = await self.open_session(session.scope, session.manifest)
+        session.replaced_by = fresh
+        self._log.warning(
+            "session_replaced",
+            scope=session.scope,
+            session_id=session.session_id,
+            new_session_id=fresh.session_id,
+            reason=reason,
+        )
+        if not session.closed:
+            with contextlib.suppress(OctoError):
+                await self._close_exact(session)
+        return fresh
+
+    async def _close_exact(self, session: HostSession) -> None:
+        """Close exactly this session (not its successor)."""
+        if session.closed:
+            return
+        frame = session.authenticator.seal(CloseSession(session.session_id))
+        session.closed = True
+        await self.publish(session, frame, None, kind="close_session")
+        self._log.info("session_closed", scope=session.scope, session_id=session.session_id)
+
+    # -- publishing (H§16.2) ---------------------------------------------------------
+
+    async def publish(
+        self,
+        session: HostSession,
+        frame: bytes,
+        correlation_id: str | None,
+        *,
+        kind: str = "frame",
+        attempts: int = 3,
+    ) -> None:
+        """One confirmed publish of ``frame``; an unconfirmed one is retried with the
+        same bytes (the worker treats a second copy as ``DuplicateFrame``)."""
+        envelope = build_host_publish(
+            session.scope,
+            session.session_id,
+            session.key_nonce,
+            frame,
+            reply_to=self.reply_queue,
+            correlation_id=correlation_id,
+        )
+        channel = self._publish_channel
+        if channel is None:
+            raise PublishChannelClosed(envelope.routing_key)
+        for attempt in range(1, attempts + 1):
+            try:
+                await publish_envelope(channel, envelope, timeout=self.publish_timeout)
+            except (PublishChannelClosed, PublishReturned):
+                raise  # no retry can help: a dead channel or no worker queue
+            except PublishFailed as exc:
+                self._log.warning("publish_unconfirmed", type=kind, attempt=attempt, error=exc.code)
+                if attempt == attempts:
+                    raise
+                continue
+            break
+        self.published[kind] += 1
+        self._log.debug(
+            "frame_published",
+            type=kind,
+            scope=session.scope,
+            session_id=session.session_id,
+            request_id=correlation_id,
+            message_id=envelope.message_id,
+        )
+
+    def _register(
+        self,
+        session: HostSession,
+        request_id: str,
+        kind: _WaiterKind,
+        request: Any,
+        run: HostRun | None,
+    ) -> _Waiter:
+        waiters = session._waiters
+        if len(waiters) >= _MAX_WAITERS_PER_SESSION:
+            oldest = next(iter(waiters))
+            waiters.pop(oldest).abandoned = True
+        waiter = _Waiter(kind, request, run, asyncio.get_running_loop().create_future())
+        waiters[request_id] = waiter
+        return waiter
+
+    async def _await(self, session: HostSession, request_id: str, waiter: _Waiter) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), self.reply_timeout)
+        except TimeoutError:
+            # Stay registered: a late reply is still applied to the ledger.
+            waiter.abandoned = True
+            self._log.warning(
+                "reply_timeout",
+                scope=session.scope,
+                session_id=session.session_id,
+                request_id=request_id,
+                type=waiter.kind,
+            )
+            raise ReplyTimedOut(request_id, self.reply_timeout) from None
+
+    async def send(
+        self,
+        session: HostSession,
+        outbound: OutboundFrame[Any],
+    ) -> WorkerMessage:
+        """Publish a frame built by the engine and return the authenticated reply.
+
+        The reply is routed by correlation id and opened with the session's
+        authenticator; it is not applied to any ledger (the verbs do that).
+        Raises :class:`ReplyTimedOut` when nothing arrives in time.
+        """
+        if session.closed:
+            raise SessionClosed(session.session_id)
+        request_id = outbound.request.request_id
+        waiter = self._register(session, request_id, "raw", outbound.request, None)
+        try:
+            await self.publish(session, outbound.frame, request_id, kind=_kind_of(outbound))
+        except BaseException:
+            session._waiters.pop(request_id, None)
+            raise
+        message: WorkerMessage = await self._await(session, request_id, waiter)
+        return message
+
+    # -- runs --------------------------------------------------------------------------
+
+    async def load_run(
+        self, name: str, plan: WorkflowPlan, *, minimum_revision: int = 0
+    ) -> HostRun:
+        """Load (or create at revision 0) the ledger of run ``name`` for ``plan``.
+
+        The ledger is validated for the plan and against the rollback watermark:
+        the highest revision this client stored for the run, or ``minimum_revision``.
+        """
+        cached = self._runs.get(name)
+        if cached is not None and cached.plan is plan:
+            return cached
+        key = ledger_record_key(name)
+        record = await self.store.load(key)
+        if record is None:
+            ledger = self.engine.operation_ledger(plan)
+            record = await self.store.create(key, ledger.to_json().encode("utf-8"))
+        else:
+            ledger = WorkflowOperationLedger.from_json(record.payload)
+        watermark = max(self._watermarks.get(name, 0), minimum_revision)
+        self.engine.validate_operation_ledger_at_or_after(plan, ledger, watermark)
+        self._watermarks[name] = ledger.revision
+        run = HostRun(name, plan, ledger, record.revision)
+        self._runs[name] = run
+        self._log.info("run_loaded", run=name, revision=ledger.revision, plan=plan.fingerprint)
+        return run
+
+    async def _persist_locked(self, run: HostRun, candidate: WorkflowOperationLedger) -> None:
+        """Compare-and-swap ``candidate`` over the stored ledger; then adopt it."""
+        if candidate.revision == run._durable_ledger_revision and candidate == run._ledger:
+            return
+        payload = candidate.to_json().encode("utf-8")
+        record = await self.store.compare_and_swap(run.record_key, run._stored_revision, payload)
+        run._stored_revision = record.revision
+        run._ledger = candidate
+        run._durable_ledger_revision = candidate.revision
+        self._watermarks[run.name] = candidate.revision
+        self._log.debug("ledger_persisted", run=run.name, revision=candidate.revision)
+
+    async def record_operation(
+        self,
+        run: HostRun,
+        step_id: str,
+        tool: str,
+        payload: ToolPayload,
+        nonce: bytes,
+        *,
+        operation_key: str | None = None,
+    ) -> str:
+        """Record a pending operation (derived ``op-`` key unless one is given) and
+        persist the ledger; returns the key."""
+        data = canonical_operation_input_bytes(payload)
+        async with run._lock:
+            candidate = run._ledger.copy()
+            if operation_key is None:
+                operation_key = self.engine.record_derived_operation(
+                    run.plan, candidate, step_id, tool, data, nonce
+                )
+            else:
+                self.engine.record_operation(
+                    run.plan, candidate, step_id, tool, operation_key, data
+                )
+            await self._persist_locked(run, candidate)
+        self._log.info("operation_recorded", run=run.name, operation_key=operation_key, tool=tool)
+        return operation_key
+
+    async def record_compensation(
+        self,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        payload: ToolPayload,
+        nonce: bytes,
+    ) -> str:
+        """Record the one compensation intent (both verifiers run) and persist it."""
+        data = canonical_operation_input_bytes(payload)
+        async with run._lock:
+            candidate = run._ledger.copy()
+            compensation_key = self.engine.record_derived_compensation_with_action_verifier(
+                run.plan, candidate, target, data, nonce
+            )
+            await self._persist_locked(run, candidate)
+        self._log.info(
+            "compensation_recorded",
+            run=run.name,
+            operation_key=target.operation_key,
+            compensation_key=compensation_key,
+        )
+        return compensation_key
+
+    # -- one request each -------------------------------------------------------------
+
+    async def _send_prepared(
+        self,
+        session: HostSession,
+        run: HostRun,
+        kind: _WaiterKind,
+        build: Any,
+    ) -> OperationStatus:
+        """Persist, seal (``build``), register, fault point, publish, await the reply.
+
+        ``build(auth) -> OutboundFrame`` runs under the run lock after the
+        ledger is durable, so an approval and its sealing see one revision.
+        """
+        if session.closed:
+            raise SessionClosed(session.session_id)
+        async with run._lock:
+            await self._persist_locked(run, run._ledger)
+            outbound = build(session.authenticator)
+            request = outbound.request
+            if kind == "dispatch":
+                run._dispatched.add(request.operation_key)
+            waiter = self._register(session, request.request_id, kind, request, run)
+        self._faults.reach(_HOST_FAULT_POINT)
+        try:
+            await self.publish(session, outbound.frame, request.request_id, kind=_kind_of(outbound))
+        except BaseException:
+            session._waiters.pop(request.request_id, None)
+            raise
+        state: OperationStatus = await self._await(session, request.request_id, waiter)
+        return state
+
+    async def _dispatch_once(
+        self, session: HostSession, run: HostRun, operation_key: str, payload: ToolPayload
+    ) -> OperationStatus:
+        request_id = _request_id("d")
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[OperationDispatchRequest]:
+            return self.engine.prepare_authenticated_operation_dispatch(
+                run.plan, run._ledger, operation_key, payload, request_id, auth
+            )
+
+        return await self._send_prepared(session, run, "dispatch", build)
+
+    async def _reconcile_once(
+        self, session: HostSession, run: HostRun, operation_key: str, data: bytes
+    ) -> OperationStatus:
+        request_id = _request_id("r")
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[OperationReconcileRequest]:
+            return self.engine.prepare_authenticated_operation_reconciliation(
+                run.plan, run._ledger, operation_key, data, request_id, auth
+            )
+
+        return await self._send_prepared(session, run, "reconcile", build)
+
+    async def _compensate_once(
+        self,
+        session: HostSession,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        dispatch: WorkflowCompensationDispatch,
+    ) -> OperationStatus:
+        data = canonical_operation_input_bytes(dispatch.payload)
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[OperationCompensationRequest]:
+            # A fresh approval right before sealing (H§12.6-12.7, H§14).
+            approval = self.engine.approve_compensation(run.plan, run._ledger, target, data, auth)
+            return self.engine.prepare_authenticated_operation_compensation(
+                run.plan, run._ledger, target, dispatch, approval, auth
+            )
+
+        return await self._send_prepared(session, run, "compensate", build)
+
+    # -- verbs ---------------------------------------------------------------------------
+
+    async def dispatch(
+        self, session: HostSession, run: HostRun, operation_key: str, payload: ToolPayload
+    ) -> WorkerOperationState:
+        """Dispatch a recorded operation and return its observed state.
+
+        A key the worker may already have admitted (published before by this
+        client, or no longer ``pending`` in the ledger) is reconciled instead.
+        A timeout or a ``pending``/``indeterminate``/``adapter_error`` refusal
+        leads to reconciliation of the same key (H§16.4).
+        """
+        session = session.current()
+        data = canonical_operation_input_bytes(payload)
+        if run.state(operation_key) != StateKind.PENDING or operation_key in run._dispatched:
+            return await self._settle(session, run, operation_key, data, payload, None)
+        try:
+            state = await self._dispatch_once(session, run, operation_key, payload)
+        except ReplyTimedOut as exc:
+            return await self._settle(session, run, operation_key, data, payload, exc)
+        except WorkerRequestRejected as exc:
+            code = exc.rejection_code
+            if code not in _RECONCILE_LATER and code not in _NEW_SESSION:
+                raise
+            return await self._settle(session, run, operation_key, data, payload, exc)
+        self._log.info(
+            "operation_observed", run=run.name, operation_key=operation_key, state=state.kind.value
+        )
+        return state
+
+    async def reconcile(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        input: ToolPayload | bytes,
+    ) -> WorkerOperationState:
+        """Reconcile a recorded operation (retries, new sessions as H§16.4 says).
+
+        ``unknown_operation`` is raised as ``WorkerRequestRejected``: the
+        worker never admitted the key, and the caller may dispatch it.
+        """
+        session = session.current()
+        if isinstance(input, ToolPayload):
+            return await self._settle(
+                session,
+                run,
+                operation_key,
+                canonical_operation_input_bytes(input),
+                None,
+                None,
+            )
+        return await self._settle(session, run, operation_key, input, None, None)
+
+    async def _settle(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        data: bytes,
+        payload: ToolPayload | None,
+        cause: OctoError | None,
+    ) -> WorkerOperationState:
+        """Reconcile ``operation_key`` until a terminal state or the attempts run out.
+
+        With ``payload``, ``unknown_operation`` (proof that the worker never
+        admitted the key) lets the same key be dispatched again.
+        """
+        timeouts = 1 if isinstance(cause, ReplyTimedOut) else 0
+        new_session = (
+            isinstance(cause, WorkerRequestRejected) and cause.rejection_code in _NEW_SESSION
+        )
+        if isinstance(cause, WorkerRequestRejected):
+            self._log.info(
+                "request_rejected",
+                run=run.name,
+                operation_key=operation_key,
+                code=cause.rejection_code,
+            )
+        last: WorkerOperationState = Pending()
+        for attempt in range(self.max_attempts):
+            if attempt:
+                await self._backoff(attempt)
+            if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
+                reason = "rejection" if new_session else "timeouts"
+                session = await self._replace_session(session.current(), reason)
+                new_session, timeouts = False, 0
+            session = session.current()
+            try:
+                state = await self._reconcile_once(session, run, operation_key, data)
+            except ReplyTimedOut:
+                timeouts += 1
+                continue
+            except WorkerRequestRejected as exc:
+                code = exc.rejection_code
+                self._log.info(
+                    "request_rejected", run=run.name, operation_key=operation_key, code=code
+                )
+                if code == "unknown_operation":
+                    if payload is None:
+                        raise
+                    # Admission precedes every effect: the worker never saw it.
+                    run._dispatched.discard(operation_key)
+                    try:
+                        state = await self._dispatch_once(session, run, operation_key, payload)
+                    except ReplyTimedOut:
+                        timeouts += 1
+                        continue
+                    except WorkerRequestRejected as again:
+                        code = again.rejection_code
+                        if code in _NEW_SESSION:
+                            new_session = True
+                        elif code not in _RECONCILE_LATER:
+                            raise
+                        continue
+                elif code in _NEW_SESSION:
+                    new_session = True
+                    continue
+                elif code in _RECONCILE_LATER:
+                    continue
+                else:
+                    raise
+            timeouts = 0
+            last = state
+            if state.kind in TERMINAL_KINDS:
+                break
+        self._log.info(
+            "operation_observed",
+            run=run.name,
+            operation_key=operation_key,
+            state=last.kind.value,
+            ledger_state=run.state(operation_key).value,
+        )
+        return last
+
+    async def compensate(
+        self,
+        session: HostSession,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        dispatch: WorkflowCompensationDispatch,
+    ) -> WorkerOperationState:
+        """Send the recorded compensation under a fresh approval; return its state.
+
+        The engine refuses before anything is sealed when the original is not
+        ``succeeded`` or a verifier says no. A timeout or a pending /
+        indeterminate / adapter refusal repeats the same ``cmp-`` key and input
+        under a new approval (the worker answers from its journal).
+        """
+        session = session.current()
+        last: WorkerOperationState = Pending()
+        timeouts = 0
+        new_session = False
+        for attempt in range(self.max_attempts):
+            if attempt:
+                await self._backoff(attempt)
+                # A new request id for every repetition; the key and input stay.
+                dispatch = WorkflowCompensationDispatch(_request_id("c"), dispatch.payload)
+            if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
+                reason = "rejection" if new_session else "timeouts"
+                session = await self._replace_session(session.current(), reason)
+                new_session, timeouts = False, 0
+            session = session.current()
+            try:
+                state = await self._compensate_once(session, run, target, dispatch)
+            except ReplyTimedOut:
+                timeouts += 1
+                continue
+            except WorkerRequestRejected as exc:
+                code = exc.rejection_code
+                self._log.info(
+                    "request_rejected",
+                    run=run.name,
+                    operation_key=target.operation_key,
+                    code=code,
+                )
+                if code in _NEW_SESSION:
+                    new_session = True
+                    continue
+                if code in _RECONCILE_LATER:
+                    continue
+                raise
+            timeouts = 0
+            last = state
+            if state.kind in TERMINAL_KINDS:
+                break
+        self._log.info(
+            "compensation_observed",
+            run=run.name,
+            operation_key=target.operation_key,
+            state=last.kind.value,
+        )
+        return last
+
+    async def recover(
+        self,
+        run_name: str,
+        plan: WorkflowPlan,
+        scope: str,
+        manifest: CapabilityManifest,
+        *,
+        inputs: Mapping[str, ToolPayload] | None = None,
+        compensations: Mapping[str, tuple[WorkflowCompensationTarget, ToolPayload]] | None = None,
+        minimum_revision: int = 0,
+    ) -> RecoverySummary:
+        """After a host restart: load and validate the ledger, open a fresh session,
+        reconcile every operation and compensation that is not terminal (H§16.5).
+
+        The ledger keeps only fingerprints, so the host supplies each
+        unfinished operation's payload in ``inputs`` (by operation key) and each
+        unfinished compensation's target and inverse payload in
+        ``compensations``. Keys without them are reported in ``unresolved``.
+        An operation the worker never admitted (``unknown_operation``) is
+        dispatched again under its same key.
+        """
+        inputs = inputs or {}
+        compensations = compensations or {}
+        run = await self.load_run(run_name, plan, minimum_revision=minimum_revision)
+        session = await self.open_session(scope, manifest)
+        summary = RecoverySummary(run, session)
+        for operation in run.ledger.operations:
+            key = operation.operation_key
+            if operation.state not in TERMINAL_KINDS:
+                payload = inputs.get(key)
+                if payload is None:
+                    summary.unresolved.append(key)
+                    continue
+                await self._settle(
+                    session,
+                    run,
+                    key,
+                    canonical_operation_input_bytes(payload),
+                    payload,
+                    None,
+                )
+                summary.reconciled.append(key)
+                session = session.current()
+            current = run.operation(key)
+            if current is None:
+                continue
+            summary.operations[key] = current.state
+            if current.state not in TERMINAL_KINDS:
+                summary.unresolved.append(key)
+            compensation = current.compensation
+            if compensation is None:
+                continue
+            if compensation.state not in TERMINAL_KINDS:
+                entry = compensations.get(key)
+                if entry is None:
+                    summary.unresolved.append(compensation.compensation_key)
+                    summary.compensations[key] = compensation.state
+                    continue
+                target, inverse = entry
+                await self.compensate(
+                    session,
+                    run,
+                    target,
+                    WorkflowCompensationDispatch(_request_id("c"), inverse),
+                )
+                session = session.current()
+                summary.reconciled.append(compensation.compensation_key)
+            final = run.operation(key)
+            if final is not None and final.compensation is not None:
+                summary.compensations[key] = final.compensation.state
+                if final.compensation.state not in TERMINAL_KINDS:
+                    summary.unresolved.append(final.compensation.compensation_key)
+        summary.session = session
+        self._log.info(
+            "run_recovered",
+            run=run_name,
+            revision=run.revision,
+            reconciled=len(summary.reconciled),
+            unresolved=len(summary.unresolved),
+        )
+        return summary
+
+    async def _backoff(self, attempt: int) -> None:
+        delay = min(self._backoff_initial * (2 ** (attempt - 1)), self._backoff_max)
+        await asyncio.sleep(delay)
+
+    # -- replies (H§16.3) ---------------------------------------------------------------
+
+    async def _on_delivery(self, message: AbstractIncomingMessage) -> None:
+        task = asyncio.ensure_future(self._handle_delivery(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handle_delivery(self, message: AbstractIncomingMessage) -> None:
+        try:
+            await self._route(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Unexpected: leave the delivery to the broker (redelivered later).
+            self._log.error("reply_handling_failed", error=type(exc).__name__)
+            with contextlib.suppress(Exception):
+                await message.nack(requeue=True)
+
+    async def _route(self, message: AbstractIncomingMessage) -> None:
+        body = message.body
+        if len(body) > MAX_WIRE_FRAME_BYTES:
+            await self._dead_letter(message, WireFrameTooLarge.code)
+            return
+        headers = message.headers or {}
+        session_id = _header_text(headers.get(HEADER_SESSION))
+        if session_id is None or not is_token(session_id):
+            await self._dead_letter(message, InvalidFrameHeaders.code)
+            return
+        session = self._sessions.get(session_id)
+        if session is None:
+            await self._dead_letter(message, "unknown_session")
+            return
+        try:
+            checked = check_delivery(session.scope, len(body), headers)
+        except OctoError as exc:
+            await self._dead_letter(message, exc.code)
+            return
+        if checked.key_nonce != session.key_nonce:
+            await self._dead_letter(message, InvalidAuthenticationTag.code)
+            return
+        correlation_id = message.correlation_id
+        waiter = None if correlation_id is None else session._waiters.get(correlation_id)
+        if waiter is None:
+            await self._unrequested(session, message)
+            return
+        if waiter.kind == "raw" or waiter.run is None:
+            await self._deliver_raw(session, message, waiter, str(correlation_id))
+            return
+        await self._apply(session, message, waiter, str(correlation_id))
+
+    async def _unrequested(self, session: HostSession, message: AbstractIncomingMessage) -> None:
+        """An authenticated reply nobody waits for: a duplicate is dropped."""
+        try:
+            opened = session.authenticator.open(message.body)
+        except DuplicateFrame:
+            await self._ack(message)
+            return
+        except OctoError as exc:
+            await self._dead_letter(message, exc.code)
+            return
+        self._log.warning(
+            "reply_unrequested",
+            session_id=session.session_id,
+            type=message_type(opened),
+            request_id=message.correlation_id,
+        )
+        await self._dead_letter(message, UnexpectedMessage.code)
+
+    async def _deliver_raw(
+        self,
+        session: HostSession,
+        message: AbstractIncomingMessage,
+        waiter: _Waiter,
+        correlation_id: str,
+    ) -> None:
+        try:
+            opened = session.authenticator.open(message.body)
+        except DuplicateFrame:
+            await self._ack(message)
+            return
+        except OctoError as exc:
+            await self._dead_letter(message, exc.code)
+            return
+        session._waiters.pop(correlation_id, None)
+        await self._ack(message)
+        waiter.resolve(opened)
+
+    async def _apply(
+        self,
+        session: HostSession,
+        message: AbstractIncomingMessage,
+        waiter: _Waiter,
+        correlation_id: str,
+    ) -> None:
+        run = waiter.run
+        assert run is not None
+        auth = session.authenticator
+        engine = self.engine
+        async with run._lock:
+            candidate = run._ledger.copy()
+            try:
+                if waiter.kind == "dispatch":
+                    state, _ = engine.apply_authenticated_operation_dispatch_result(
+                        run.plan, candidate, waiter.request, auth, message.body
+                    )
+                elif waiter.kind == "reconcile":
+                    state = engine.apply_authenticated_operation_reconciliation(
+                        run.plan, candidate, waiter.request, auth, message.body
+                    )
+                else:
+                    state = engine.apply_authenticated_operation_compensation(
+                        run.plan, candidate, waiter.request, auth, message.body
+                    )
+            except DuplicateFrame:
+                await self._ack(message)
+                return
+            except WorkerRequestRejected as exc:
+                # Authentic refusal; the ledger is unchanged (H§12.9).
+                session._waiters.pop(correlation_id, None)
+                await self._ack(message)
+                waiter.fail(exc)
+                return
+            except (LedgerError, WorkflowError) as exc:
+                # Authentic but inconsistent with the ledger: fail closed.
+                session._waiters.pop(correlation_id, None)
+                self._log.error(
+                    "reply_refused_by_ledger",
+                    run=run.name,
+                    request_id=correlation_id,
+                    error=exc.code,
+                )
+                await self._dead_letter(message, exc.code)
+                waiter.fail(exc)
+                return
+            except OctoError as exc:
+                # Did not open (tag, stale, syntax): not from this session's worker.
+                await self._dead_letter(message, exc.code)
+                return
+            try:
+                await self._persist_locked(run, candidate)
+            except OctoError as exc:
+                session._waiters.pop(correlation_id, None)
+                self._log.error("ledger_persist_failed", run=run.name, error=exc.code)
+                await self._dead_letter(message, exc.code)
+                waiter.fail(exc)
+                return
+        session._waiters.pop(correlation_id, None)
+        await self._ack(message)
+        self._log.info(
+            "reply_applied",
+            run=run.name,
+            type=waiter.kind,
+            request_id=correlation_id,
+            operation_key=getattr(waiter.request, "operation_key", None),
+            state=state.kind.value,
+            revision=run.revision,
+            late=waiter.abandoned,
+        )
+        waiter.resolve(state)
+
+    async def _ack(self, message: AbstractIncomingMessage) -> None:
+        with contextlib.suppress(Exception):
+            await message.ack()
+
+    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
+        """W§12.3 for the host: a confirmed copy with ``octo-reason``, then ack."""
+        self._log.info("reply_dead_lettered", reason=reason, request_id=message.correlation_id)
+        channel = self._publish_channel
+        copied = False
+        if channel is not None and not channel.is_closed:
+            try:
+                await publish_dead_letter(
+                    channel,
+                    message.body,
+                    message_id=message.message_id,
+                    correlation_id=message.correlation_id,
+                    headers=build_dead_letter_headers(message.headers, reason),
+                    timeout=self.publish_timeout,
+                )
+                copied = True
+            except PublishFailed as exc:
+                self._log.warning("dead_letter_copy_failed", reason=reason, error=exc.code)
+        with contextlib.suppress(Exception):
+            if copied:
+                await message.ack()
+            else:
+                await message.reject(requeue=False)
+
+
+def _request_id(prefix: str) -> str:
+    return f"{prefix}-{int(time.time())}-{secrets.token_hex(6)}"
+
+
+def _kind_of(outbound: OutboundFrame[Any]) -> str:
+    request = outbound.request
+    if isinstance(request, OperationDispatchRequest):
+        return "dispatch_operation"
+    if isinstance(request, OperationReconcileRequest):
+        return "reconcile_operation"
+    return "compensate_operation"
+
+
+def _header_text(value: object) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    return None
