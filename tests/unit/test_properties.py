@@ -1,0 +1,428 @@
+"""Property tests for the protocol core (D1, W§5, W§6.3, W§7).
+
+Each property states a rule of the spec over generated inputs: canonical
+bytes ignore key order, the compact encoding round-trips, numbers follow the
+W§5.5 writing rules (checked against a small reference written here), sealed
+frames round-trip and any single-byte change is refused, decoders raise only
+Octo errors, and attenuation never widens a grant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from octo_common.codec import compact_json, parse_json
+from octo_common.errors import OctoError
+from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole
+from octo_common.grants import (
+    CapabilityGrant,
+    CapabilityManifest,
+    GrantAttenuation,
+    ManifestAttenuation,
+    ResourceSelector,
+)
+from octo_common.messages import (
+    CloseSession,
+    CompensateOperation,
+    CompensationResult,
+    DispatchOperation,
+    Invoke,
+    OpenSession,
+    OperationCompensationBinding,
+    OperationCompensationRequest,
+    OperationCompensationResult,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    OperationReconcileResult,
+    OperationResult,
+    ReconciledOperation,
+    ReconcileOperation,
+    RequestRejected,
+    Result,
+    ToolInvocation,
+    ToolResult,
+    decode_message,
+    encode_message,
+)
+from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.states import Cancelled, Failed, Running, Succeeded
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SESSION = "session-1"
+KEY = SessionKey.from_bytes(bytes(range(1, 33)))
+
+# Strategies ---------------------------------------------------------------------------
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
+EXACT_INTS = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+FINITE = st.floats(allow_nan=False, allow_infinity=False)
+SCALARS = st.none() | st.booleans() | EXACT_INTS | FINITE | TEXT
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+CONTAINERS = st.lists(JSON_VALUES, max_size=4) | st.dictionaries(TEXT, JSON_VALUES, max_size=4)
+TOKENS = st.from_regex(r"[a-z0-9._-]{1,16}", fullmatch=True)
+PAYLOADS = st.builds(ToolPayload.text, TEXT) | st.builds(ToolPayload.json, CONTAINERS)
+STATUSES = st.one_of(
+    st.just(Running()),
+    st.just(Cancelled()),
+    st.builds(Succeeded, PAYLOADS),
+    st.builds(Failed, st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)),
+)
+FINGERPRINTS = st.from_regex(r"[0-9a-f]{64}", fullmatch=True)
+CODES = st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True)
+BINDINGS = st.builds(
+    OperationCompensationBinding,
+    TOKENS,
+    TOKENS,
+    TOKENS.map(lambda t: ("cmp-" + t)[:128]),
+    TOKENS,
+    FINGERPRINTS,
+)
+GRANTS = st.builds(
+    CapabilityGrant,
+    TOKENS,
+    st.sampled_from(["text", "json"]),
+    st.integers(1, 2**32 - 1),
+    st.integers(1, 2**32 - 1),
+    st.integers(1, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
+    st.lists(
+        st.builds(ResourceSelector, st.sampled_from(["file_root", "secret"]), TOKENS), max_size=3
+    ),
+)
+MANIFESTS = st.lists(GRANTS, max_size=3, unique_by=lambda g: g.tool).map(
+    lambda grants: CapabilityManifest(SESSION, grants)
+)
+
+MESSAGES = st.one_of(
+    st.builds(OpenSession, MANIFESTS),
+    st.builds(lambda r, t, p: Invoke(ToolInvocation(SESSION, r, t, p)), TOKENS, TOKENS, PAYLOADS),
+    st.builds(lambda r, p: Result(ToolResult(SESSION, r, p)), TOKENS, PAYLOADS),
+    st.builds(
+        lambda r, t, k, p: DispatchOperation(OperationDispatchRequest(SESSION, r, t, k, p)),
+        TOKENS,
+        TOKENS,
+        TOKENS,
+        PAYLOADS,
+    ),
+    st.builds(
+        lambda r, t, k, s: OperationResult(OperationReconcileResult(SESSION, r, t, k, s)),
+        TOKENS,
+        TOKENS,
+        TOKENS,
+        STATUSES,
+    ),
+    st.builds(
+        lambda r, t, k: ReconcileOperation(OperationReconcileRequest(SESSION, r, t, k)),
+        TOKENS,
+        TOKENS,
+        TOKENS,
+    ),
+    st.builds(
+        lambda r, t, k, s: ReconciledOperation(OperationReconcileResult(SESSION, r, t, k, s)),
+        TOKENS,
+        TOKENS,
+        TOKENS,
+        STATUSES,
+    ),
+    st.builds(
+        lambda r, b, p: CompensateOperation(OperationCompensationRequest(SESSION, r, b, p)),
+        TOKENS,
+        BINDINGS,
+        PAYLOADS,
+    ),
+    st.builds(
+        lambda r, b, s: CompensationResult(OperationCompensationResult(SESSION, r, b, s)),
+        TOKENS,
+        BINDINGS,
+        STATUSES,
+    ),
+    st.just(CloseSession(SESSION)),
+    st.builds(
+        lambda r, c, k: RequestRejected(SESSION, r, c, k),
+        TOKENS,
+        CODES,
+        st.none() | TOKENS,
+    ),
+)
+
+
+def _shuffled(value: Any, rng: random.Random) -> Any:
+    """The same value with every object's keys inserted in another order."""
+    if isinstance(value, dict):
+        items = [(k, _shuffled(v, rng)) for k, v in value.items()]
+        rng.shuffle(items)
+        return dict(items)
+    if isinstance(value, list):
+        return [_shuffled(v, rng) for v in value]
+    return value
+
+
+def _reference_double(x: float) -> str:
+    """W§5.5 written independently: shortest digits d, exponent kk with x = 0.d × 10^kk."""
+    if x == 0.0:
+        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
+    sign = "-" if x < 0 else ""
+    mantissa, _, exponent = repr(abs(x)).partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = str(int(whole + fraction))
+    scale = (int(exponent) if exponent else 0) - len(fraction)
+    stripped = digits.rstrip("0")
+    scale += len(digits) - len(stripped)
+    d, n = stripped, len(stripped)
+    kk = n + scale
+    if n <= kk <= 16:
+        body = d + "0" * (kk - n) + ".0"
+    elif 0 < kk <= 16:
+        body = d[:kk] + "." + d[kk:]
+    elif -5 < kk <= 0:
+        body = "0." + "0" * (-kk) + d
+    elif n == 1:
+        body = d + "e" + str(kk - 1)
+    else:
+        body = d[0] + "." + d[1:] + "e" + str(kk - 1)
+    return sign + body
+
+
+# Canonical JSON -------------------------------------------------------------------------
+
+
+@FAST
+@given(CONTAINERS, st.randoms(use_true_random=False))
+def test_canonical_bytes_ignore_object_key_order(value: Any, rng: random.Random) -> None:
+    other = _shuffled(value, rng)
+    assert compact_json(other) == compact_json(value)
+    first, second = ToolPayload.json(value), ToolPayload.json(other)
+    assert first == second
+    assert hash(first) == hash(second)
+    assert canonical_operation_input_bytes(first) == canonical_operation_input_bytes(second)
+
+
+@FAST
+@given(JSON_VALUES)
+def test_compact_json_round_trips_through_parse_json(value: Any) -> None:
+    encoded = compact_json(value)
+    parsed = parse_json(encoded)
+    # Byte equality also proves types survive: 1 and 1.0 are written differently.
+    assert compact_json(parsed) == encoded
+    assert parse_json(encoded.decode("utf-8")) == parsed
+
+
+@FAST
+@given(JSON_VALUES)
+def test_whitespace_and_key_order_on_input_do_not_change_the_canonical_form(value: Any) -> None:
+    pretty = json.dumps(value, indent=2, ensure_ascii=True, sort_keys=False)
+    if "NaN" in pretty or "Infinity" in pretty:
+        return
+    assert compact_json(parse_json(pretty)) == compact_json(value)
+
+
+@FAST
+@given(FINITE)
+def test_doubles_are_written_by_the_w55_rules(x: float) -> None:
+    written = compact_json(x).decode()
+    assert written == _reference_double(x)
+    parsed = parse_json(written)
+    assert isinstance(parsed, float)
+    assert parsed == x
+    assert math.copysign(1.0, parsed) == math.copysign(1.0, x)
+
+
+@FAST
+@given(st.integers(min_value=-(2**70), max_value=2**70))
+def test_integers_are_exact_only_in_the_d1_range(n: int) -> None:
+    written = compact_json(parse_json(str(n))).decode()
+    if -(2**63) <= n <= 2**64 - 1:
+        assert written == str(n)
+    else:
+        assert written == _reference_double(float(n))
+
+
+# Frames ---------------------------------------------------------------------------------
+
+
+@FAST
+@given(st.lists(MESSAGES, min_size=1, max_size=3))
+def test_seal_open_round_trips(messages: list[Any]) -> None:
+    host = SessionAuthenticator(SESSION, KEY, SessionRole.HOST)
+    worker = SessionAuthenticator(SESSION, KEY, SessionRole.WORKER)
+    for message in messages:
+        opened = worker.open(host.seal(message))
+        assert opened == message
+        assert encode_message(opened) == encode_message(message)
+        assert decode_message(encode_message(message)) == message
+
+
+@FAST
+@given(MESSAGES, st.data())
+def test_any_single_byte_change_is_refused(message: Any, data: st.DataObject) -> None:
+    frame = SessionAuthenticator(SESSION, KEY, SessionRole.HOST).seal(message)
+    index = data.draw(st.integers(0, len(frame) - 1), label="index")
+    replacement = data.draw(st.integers(0, 255).filter(lambda b: b != frame[index]), label="byte")
+    tampered = frame[:index] + bytes([replacement]) + frame[index + 1 :]
+    worker = SessionAuthenticator(SESSION, KEY, SessionRole.WORKER)
+    before = worker.export_state()
+    try:
+        worker.open(tampered)
+    except OctoError:
+        assert worker.export_state() == before
+    else:
+        raise AssertionError(f"a frame changed at byte {index} was accepted")
+
+
+@FAST
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_raise_only_octo_errors(data: bytes) -> None:
+    worker = SessionAuthenticator(SESSION, KEY, SessionRole.WORKER)
+    for decode in (decode_message, worker.open):
+        try:
+            decode(data)
+        except OctoError:
+            pass
+
+
+PROTOCOL_KEYS = st.sampled_from(
+    [
+        "type",
+        "sequence",
+        "message",
+        "auth_tag",
+        "request",
+        "result",
+        "manifest",
+        "invocation",
+        "protocol_version",
+        "session_id",
+        "request_id",
+        "tool",
+        "operation_key",
+        "payload",
+        "format",
+        "value",
+        "status",
+        "state",
+        "grants",
+        "code",
+        "compensation_key",
+    ]
+)
+PROTOCOL_WORDS = st.sampled_from(
+    [
+        "dispatch_operation",
+        "open_session",
+        "close_session",
+        "invoke",
+        "request_rejected",
+        "json",
+        "text",
+        "succeeded",
+        "failed",
+        "pending",
+        "session-1",
+        "0" * 64,
+    ]
+)
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | FINITE | TEXT | PROTOCOL_WORDS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(PROTOCOL_KEYS | TEXT, inner, max_size=5)
+    ),
+    max_leaves=15,
+)
+
+
+@FAST
+@given(JSONISH)
+def test_arbitrary_json_raises_only_octo_errors(value: Any) -> None:
+    text = json.dumps(value)
+    worker = SessionAuthenticator(SESSION, KEY, SessionRole.WORKER)
+    for data in (
+        text.encode(),
+        json.dumps({"sequence": 1, "message": value, "auth_tag": "0" * 64}).encode(),
+    ):
+        for decode in (decode_message, worker.open):
+            try:
+                decode(data)
+            except OctoError:
+                pass
+
+
+# Attenuation -------------------------------------------------------------------------------
+
+POOL = [
+    ResourceSelector(kind, name) for kind in ("file_root", "secret") for name in ("a", "b", "c")
+]
+SMALL = st.integers(0, 8)
+
+
+@FAST
+@given(
+    st.builds(
+        CapabilityGrant,
+        TOKENS,
+        st.sampled_from(["text", "json"]),
+        SMALL,
+        SMALL,
+        SMALL,
+        SMALL,
+        st.lists(st.sampled_from(POOL), max_size=4),
+    ),
+    st.builds(
+        GrantAttenuation,
+        st.none() | SMALL,
+        st.none() | SMALL,
+        st.none() | SMALL,
+        st.none() | SMALL,
+        st.none() | st.lists(st.sampled_from(POOL), max_size=4).map(frozenset),
+    ),
+)
+def test_attenuation_never_widens(parent: CapabilityGrant, attenuation: GrantAttenuation) -> None:
+    try:
+        child = parent.attenuate(attenuation)
+    except OctoError:
+        return
+    child.validate()
+    assert (child.tool, child.format) == (parent.tool, parent.format)
+    assert 0 < child.max_calls <= parent.max_calls
+    assert 0 < child.max_input_bytes <= parent.max_input_bytes
+    assert 0 < child.max_output_bytes <= parent.max_output_bytes
+    assert 0 <= child.max_compensations <= parent.max_compensations
+    assert set(child.resources) <= set(parent.resources)
+
+
+@FAST
+@given(
+    st.lists(GRANTS, max_size=4, unique_by=lambda g: g.tool),
+    st.none() | st.lists(TOKENS, max_size=3).map(set),
+    st.dictionaries(TOKENS, st.builds(GrantAttenuation, st.none() | SMALL), max_size=2),
+)
+def test_manifest_attenuation_never_adds_or_widens(
+    grants: list[CapabilityGrant],
+    allowed: set[str] | None,
+    restrictions: dict[str, GrantAttenuation],
+) -> None:
+    manifest = CapabilityManifest(SESSION, grants)
+    try:
+        result = manifest.attenuate(ManifestAttenuation(allowed_tools=allowed, grants=restrictions))
+    except OctoError:
+        return
+    result.validate()
+    assert result.session_id == SESSION
+    parents = {g.tool: g for g in grants}
+    assert [g.tool for g in result.grants] == [
+        g.tool for g in grants if g.tool in {r.tool for r in result.grants}
+    ]
+    for grant in result.grants:
+        parent = parents[grant.tool]
+        assert grant.max_calls <= parent.max_calls
+        assert grant.max_compensations <= parent.max_compensations
+        assert set(grant.resources) <= set(parent.resources)
