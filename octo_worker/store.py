@@ -351,7 +351,9 @@ class _Pending:
     writes: tuple[_RowWrite, ...]
     new_sessions: tuple[str, ...]
     outbox_delete: tuple[str, ...]
-    future: asyncio.Future[int]
+    # Resolved with the revision or the error: never with an exception, so a
+    # caller that was cancelled leaves nothing unretrieved behind.
+    future: asyncio.Future[int | OctoError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,11 +459,12 @@ def _guarded(function: Callable[[], T]) -> T:
         raise _backend_error(exc) from None
 
 
-def _consume_outcome(future: asyncio.Future[int]) -> None:
-    # A cancelled caller never reads its outcome; reading it here keeps
-    # asyncio from reporting an unretrieved exception.
-    if not future.cancelled():
-        future.exception()
+def _copy_error(error: OctoError) -> OctoError:
+    """A fresh instance for each caller of a failed batch (tracebacks stay apart)."""
+    rebuild, arguments = error.__reduce__()[:2]
+    copy = rebuild(*arguments)
+    assert isinstance(copy, OctoError)
+    return copy
 
 
 # The store ------------------------------------------------------------------------------
@@ -561,12 +564,12 @@ class SqliteJournalStore:
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = _prepare(scope, changes)
-        await self._ensure_open()
+        if not self._opened:
+            await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[int] = loop.create_future()
-        future.add_done_callback(_consume_outcome)
+        future: asyncio.Future[int | OctoError] = loop.create_future()
         self._queue.append(
             _Pending(
                 scope,
@@ -580,7 +583,10 @@ class SqliteJournalStore:
         self._change_sets += 1
         if self._writer_task is None:
             self._writer_task = loop.create_task(self._drain())
-        return await asyncio.shield(future)
+        outcome = await asyncio.shield(future)
+        if isinstance(outcome, OctoError):
+            raise outcome
+        return outcome
 
     async def load_records(
         self, scope: str, keys: Iterable[str]
@@ -729,7 +735,8 @@ class SqliteJournalStore:
 
     async def _read_call(self, function: Callable[[], T]) -> T:
         """Run ``function`` in the reader thread; concurrent reads share one hand-off."""
-        await self._ensure_open()
+        if not self._opened:
+            await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
         loop = asyncio.get_running_loop()
@@ -790,7 +797,7 @@ class SqliteJournalStore:
         except BaseException as exc:
             failure = exc if isinstance(exc, OctoError) else _backend_error(exc)
             for pending in self._queue:
-                pending.future.set_exception(failure)
+                pending.future.set_result(_copy_error(failure))
             self._queue = []
             if not isinstance(exc, Exception):
                 raise
@@ -803,7 +810,7 @@ class SqliteJournalStore:
         try:
             outcomes: Sequence[int | OctoError] = work.result()
         except Exception as exc:  # a defect in the batch function: fail the batch, not the loop
-            outcomes = [_backend_error(exc)] * len(batch)
+            outcomes = [_backend_error(exc) for _ in batch]
         self._transactions += 1
         self._largest_batch = max(self._largest_batch, len(batch))
         for pending, outcome in zip(batch, outcomes, strict=True):
@@ -811,10 +818,9 @@ class SqliteJournalStore:
                 continue
             if isinstance(outcome, OctoError):
                 self._failed += 1
-                pending.future.set_exception(outcome)
             else:
                 self._committed += 1
-                pending.future.set_result(outcome)
+            pending.future.set_result(outcome)
 
     # Writer thread ------------------------------------------------------------------------
 
@@ -1021,9 +1027,9 @@ class SqliteJournalStore:
         except (sqlite3.Error, OSError, OctoError) as exc:
             failure: OctoError = exc if isinstance(exc, OctoError) else _backend_error(exc)
             failed: list[int | OctoError] = [
-                o if isinstance(o, OctoError) else failure for o in outcomes
+                o if isinstance(o, OctoError) else _copy_error(failure) for o in outcomes
             ]
-            return failed + [failure] * (len(batch) - len(outcomes))
+            return failed + [_copy_error(failure) for _ in range(len(batch) - len(outcomes))]
         # Committed: the database is the truth for this instance's baselines,
         # even if the anchor write below fails its callers.
         self._baselines.update(advanced)
@@ -1035,7 +1041,7 @@ class SqliteJournalStore:
                 self._write_anchor_file(anchor)
             except OSError as exc:
                 failure = _backend_error(exc)
-                return [o if isinstance(o, OctoError) else failure for o in outcomes]
+                return [o if isinstance(o, OctoError) else _copy_error(failure) for o in outcomes]
             finally:
                 # Readers compare against the newest anchor the disk may hold.
                 self._anchor = anchor
