@@ -83,7 +83,8 @@ def test_grants_are_immutable_values() -> None:
 
 def test_resource_kind_is_a_str_enum() -> None:
     assert ResourceKind("secret") is ResourceKind.SECRET
-    assert ResourceKind.FILE_ROOT == "file_root"
+    assert isinstance(ResourceKind.FILE_ROOT, str)
+    assert str(ResourceKind.FILE_ROOT) == "file_root"
     assert [kind.value for kind in ResourceKind] == [
         "file_root",
         "executable",

@@ -569,7 +569,7 @@ def _result_for(request: Any, **changes: str) -> OperationReconcileResult:
         "operation_key": request.operation_key,
     }
     fields.update(changes)
-    return OperationReconcileResult(**fields, status=Running())  # type: ignore[arg-type]
+    return OperationReconcileResult(**fields, status=Running())
 
 
 def test_reconcile_result_matching() -> None:

@@ -224,7 +224,7 @@ def test_payloads_refuse_attribute_changes() -> None:
         with pytest.raises(AttributeError):
             setattr(payload, name, "text")
     with pytest.raises(AttributeError):
-        del payload._value  # type: ignore[attr-defined]
+        del payload._value
     assert payload == ToolPayload.json({"a": 1})
 
 

@@ -402,12 +402,12 @@ def test_attenuation_never_widens(parent: CapabilityGrant, attenuation: GrantAtt
 @FAST
 @given(
     st.lists(GRANTS, max_size=4, unique_by=lambda g: g.tool),
-    st.none() | st.lists(TOKENS, max_size=3).map(set),
+    st.none() | st.lists(TOKENS, max_size=3).map(frozenset),
     st.dictionaries(TOKENS, st.builds(GrantAttenuation, st.none() | SMALL), max_size=2),
 )
 def test_manifest_attenuation_never_adds_or_widens(
     grants: list[CapabilityGrant],
-    allowed: set[str] | None,
+    allowed: frozenset[str] | None,
     restrictions: dict[str, GrantAttenuation],
 ) -> None:
     manifest = CapabilityManifest(SESSION, grants)

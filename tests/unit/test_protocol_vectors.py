@@ -136,7 +136,8 @@ def _payload_json(case: dict[str, Any]) -> bytes:
     """The payload object as it could arrive on the wire, the input spelled as given."""
     if case["format"] == "text":
         return b'{"format":"text","value":' + json.dumps(case["input"]).encode() + b"}"
-    return b'{"format":"json","value":' + case["input"].encode("utf-8") + b"}"
+    value: str = case["input"]
+    return b'{"format":"json","value":' + value.encode("utf-8") + b"}"
 
 
 # canonical_inputs ---------------------------------------------------------------

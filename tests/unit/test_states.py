@@ -122,7 +122,8 @@ def test_state_kinds_are_a_str_enum_with_wire_spellings() -> None:
         "cancelled",
     ]
     assert StateKind("succeeded") is StateKind.SUCCEEDED
-    assert StateKind.FAILED == "failed"
+    assert str(StateKind.FAILED) == "failed"
+    assert isinstance(StateKind.FAILED, str)
     assert Pending().kind is StateKind.PENDING
     assert Running().kind is StateKind.RUNNING
     assert Succeeded(P).kind is StateKind.SUCCEEDED
@@ -171,7 +172,8 @@ def test_unknown_state_spellings_are_rejected(text: str) -> None:
 
 
 def test_unknown_keys_in_a_status_are_ignored() -> None:
-    status = decode_struct('{"state":"failed","message":"m","extra":1}', OperationStatus)  # type: ignore[arg-type]
+    text = '{"state":"failed","message":"m","extra":1}'
+    status: object = decode_struct(text, OperationStatus)  # type: ignore[arg-type]
     assert status == Failed("m")
 
 
