@@ -287,6 +287,8 @@ async def declare_topology(
     ``delivery_limit`` is None, the broker policy of :func:`apply_policy`
     sets both (it is applied first, so no worker queue exists without it).
     A queue that already exists with other arguments raises ``TopologyError``.
+    A daemon whose deploy tooling already set the policy (or that cannot run
+    ``rabbitmqctl``) passes ``delivery_limit=None``.
     """
     names_scopes = [worker_queue(scope) for scope in scopes]
     names_hosts = [reply_queue(host_id) for host_id in host_ids]

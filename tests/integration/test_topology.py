@@ -387,3 +387,11 @@ def test_policy_error_when_neither_rabbitmqctl_nor_the_api_works() -> None:
 def test_policy_refuses_a_meaningless_delivery_limit(bad: int) -> None:
     with pytest.raises(TopologyError):
         apply_policy(bad)
+
+
+async def test_connect_failure_names_the_cause_but_never_the_password() -> None:
+    with pytest.raises(TopologyError) as raised:
+        await connect("amqp://guest:hunter2-secret@127.0.0.1:1/", timeout=2.0)
+    assert "hunter2-secret" not in str(raised.value)
+    assert "hunter2-secret" not in repr(raised.value)
+    assert raised.value.__cause__ is None
