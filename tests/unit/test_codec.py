@@ -240,11 +240,6 @@ def test_non_finite_python_values_are_rejected() -> None:
             compact_json(value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec.canonical_value: an int beyond the double range (10**400) raises a raw "
-    "OverflowError from float(item) instead of SerializationError (W§5.5 overflow is rejected)",
-)
 def test_an_integer_beyond_the_double_range_is_a_serialization_error() -> None:
     with pytest.raises(SerializationError):
         compact_json(10**400)

@@ -237,12 +237,6 @@ def test_the_builder_copies_its_argument() -> None:
     assert payload.value == {"a": [1]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="payload.ToolPayload.value returns the internal mutable dict/list: "
-    "payload.value['b'] = 1 silently changes the 'immutable' payload's value "
-    "(W§5.2 / PROTOCOL.md §2.4 value types are immutable)",
-)
 def test_the_value_cannot_be_changed_through_the_accessor() -> None:
     payload = ToolPayload.json({"a": [1]})
     try:

@@ -218,6 +218,15 @@ def test_compact_json_round_trips_through_parse_json(value: Any) -> None:
 
 
 @FAST
+@given(CONTAINERS)
+def test_payload_values_keep_their_canonical_form(value: Any) -> None:
+    payload = ToolPayload.json(value)
+    # The value read back keeps ints, doubles (-0.0 included) and big integers apart.
+    assert compact_json(payload.value) == compact_json(value)
+    assert ToolPayload.json(payload.value) == payload
+
+
+@FAST
 @given(JSON_VALUES)
 def test_whitespace_and_key_order_on_input_do_not_change_the_canonical_form(value: Any) -> None:
     pretty = json.dumps(value, indent=2, ensure_ascii=True, sort_keys=False)
