@@ -61,6 +61,7 @@ from octo_common.transport import (
     build_dead_letter_headers,
     build_worker_reply,
     check_delivery,
+    host_id_of_reply_queue,
     worker_queue,
 )
 from octo_worker.adapters import WorkerAdapterRegistry, adapter_deadline, load_adapters
@@ -294,7 +295,8 @@ class _Delivery:
     async def requeue(self) -> None:
         if self._channel.is_closed:
             return
-        await self._message.nack(requeue=True)
+        # reject, not nack: only reject counts toward a quorum queue's delivery limit.
+        await self._message.reject(requeue=True)
         self.outcome = "requeued"
 
 
@@ -528,7 +530,9 @@ class WorkerDaemon:
         publish.close_callbacks.add(on_close)
         self._consume_channel = consume
         self._publish_channel = publish
-        await declare_topology(publish, list(self._scopes))
+        # Queues only: the delivery-limit policy belongs to `octo-worker topology
+        # declare` (a sandboxed daemon may not be able to run rabbitmqctl).
+        await declare_topology(publish, list(self._scopes), delivery_limit=None)
         self._connected.set()
         for scope in self._scopes.values():
             if not scope.superseded:
@@ -734,7 +738,8 @@ class WorkerDaemon:
             if not opening:
                 await delivery.dead_letter("unknown_session")
                 return
-            if not message.reply_to:
+            if not message.reply_to or host_id_of_reply_queue(message.reply_to) is None:
+                # A forged reply_to could route replies into another queue.
                 await delivery.dead_letter(InvalidFrameHeaders.code)
                 return
             await self._open_session(scope, message, delivery, session_id, headers.key_nonce)
