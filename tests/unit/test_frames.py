@@ -48,6 +48,7 @@ from octo_common.messages import (
     OpenSession,
     OperationDispatchRequest,
     ToolInvocation,
+    encode_message,
 )
 from octo_common.payload import ToolPayload
 
@@ -613,3 +614,48 @@ def test_duplicate_frame_carries_the_message_but_never_shows_it() -> None:
     for text in (str(raised.value), repr(raised.value), str(raised.value.args)):
         assert secret not in text
         assert "op-1" not in text
+
+
+# The tag input bound (W§7.4, W§7.5 step 2) ---------------------------------------------
+
+LONG_SESSION = "s" * 128
+
+
+def _invoke_filling_a_frame() -> Invoke:
+    """An invoke whose sealed frame is exactly 1 MiB while its tag input is larger."""
+    empty = Invoke(ToolInvocation(LONG_SESSION, "r", "t", ToolPayload.text("")))
+    frame_overhead = len(b'{"sequence":1,"message":,"auth_tag":""}') + 64
+    room = MIB - frame_overhead - len(encode_message(empty))
+    return Invoke(ToolInvocation(LONG_SESSION, "r", "t", ToolPayload.text("x" * room)))
+
+
+def test_seal_refuses_a_tag_input_over_one_mib() -> None:
+    message = _invoke_filling_a_frame()
+    host = SessionAuthenticator(LONG_SESSION, _key(), SessionRole.HOST)
+    with pytest.raises(WireFrameTooLarge) as raised:
+        host.seal(message)
+    assert raised.value.actual > MIB
+    assert host.export_state().next_outgoing == 1
+
+
+def test_open_refuses_a_tag_input_over_one_mib_before_comparing() -> None:
+    message_json = encode_message(_invoke_filling_a_frame())
+    frame = b'{"sequence":1,"message":' + message_json + b',"auth_tag":"' + b"0" * 64 + b'"}'
+    assert len(frame) == MIB
+    worker = SessionAuthenticator(LONG_SESSION, _key(), SessionRole.WORKER)
+    with pytest.raises(WireFrameTooLarge):
+        worker.open(frame)
+    assert worker.export_state() == AuthenticatorState(1, 0, 0)
+
+
+def test_window_bitmap_boundaries_on_restore() -> None:
+    full = (1 << 1024) - 1
+    with pytest.raises(InvalidAuthenticatorState):  # bit 1023 would stand for sequence 0
+        SessionAuthenticator.restore(
+            SESSION, _key(), SessionRole.WORKER, AuthenticatorState(1, 1023, full)
+        )
+    state = AuthenticatorState(1, 1023, full >> 1)
+    restored = SessionAuthenticator.restore(SESSION, _key(), SessionRole.WORKER, state)
+    with pytest.raises(DuplicateFrame):
+        restored.open(_seal_at(1))
+    assert restored.open(_seal_at(1024)) == CloseSession(SESSION)

@@ -656,3 +656,24 @@ def test_one_byte_over_one_mib_is_refused_both_ways() -> None:
 def test_the_length_check_precedes_parsing() -> None:
     with pytest.raises(WireFrameTooLarge):
         decode_message(b"\xff" * (MIB + 1))
+
+
+def test_a_status_payload_value_is_last_wins_but_the_status_object_is_strict() -> None:
+    base = (
+        b'{"type":"operation_result","result":{"protocol_version":5,"session_id":"s",'
+        b'"request_id":"r","tool":"t","operation_key":"k","status":%s}}'
+    )
+    decoded = decode_message(
+        base % b'{"state":"succeeded","payload":{"format":"json","value":{"a":1,"a":2}}}'
+    )
+    assert isinstance(decoded, OperationResult)
+    assert decoded.result.status == Succeeded(ToolPayload.json({"a": 2}))
+    with pytest.raises(SerializationError):
+        decode_message(base % b'{"state":"failed","message":"x","message":"y"}')
+    with pytest.raises(SerializationError):
+        decode_message(base % b'{"state":"running","state":"running"}')
+
+
+def test_text_input_with_a_lone_surrogate_is_a_serialization_error() -> None:
+    with pytest.raises(SerializationError):
+        decode_message('{"type":"close_session","protocol_version":5,"session_id":"\ud800"}')
