@@ -158,20 +158,25 @@ class WorkerJournalLease:
     """A scope's fencing token (W§10.1, W§11.3).
 
     Only ``SqliteJournalStore.reserve_fence`` makes one; it is frozen,
-    compares by token, cannot be pickled, and its repr is redacted.
+    compares by value, cannot be pickled, and its repr is redacted. Besides
+    its public ``token`` it remembers (privately) the scope it was reserved
+    for, so a lease handed to a commit of another scope is refused even when
+    the two fences happen to be equal.
     """
 
-    __slots__ = ("_token",)
+    __slots__ = ("_scope", "_token")
+    _scope: str
     _token: int
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("a WorkerJournalLease comes only from SqliteJournalStore.reserve_fence")
 
     @classmethod
-    def _issue(cls, token: int) -> WorkerJournalLease:
+    def _issue(cls, scope: str, token: int) -> WorkerJournalLease:
         if type(token) is not int or token < 1:
             raise InvalidJournalLease()
         lease = object.__new__(cls)
+        object.__setattr__(lease, "_scope", scope)
         object.__setattr__(lease, "_token", token)
         return lease
 
@@ -189,10 +194,10 @@ class WorkerJournalLease:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, WorkerJournalLease):
             return NotImplemented
-        return self._token == other._token
+        return (self._scope, self._token) == (other._scope, other._token)
 
     def __hash__(self) -> int:
-        return hash((WorkerJournalLease, self._token))
+        return hash((WorkerJournalLease, self._scope, self._token))
 
     def __repr__(self) -> str:
         return "WorkerJournalLease([redacted])"
@@ -204,6 +209,12 @@ class WorkerJournalLease:
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise TypeError("WorkerJournalLease cannot be pickled")
+
+    def __copy__(self) -> NoReturn:
+        raise TypeError("WorkerJournalLease cannot be copied")
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        raise TypeError("WorkerJournalLease cannot be copied")
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,7 +560,7 @@ class SqliteJournalStore:
         """
         _check_scope(scope)
         token = await self._write_call(lambda: self._reserve_in_thread(scope))
-        return WorkerJournalLease._issue(token)
+        return WorkerJournalLease._issue(scope, token)
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         """Commit one change set (W§11.2); returns the new scope revision.
@@ -558,9 +569,9 @@ class SqliteJournalStore:
         the outcome it would have had alone. The outcome is shielded from the
         caller's cancellation.
         """
-        if not isinstance(lease, WorkerJournalLease):
-            raise InvalidJournalLease()
         _check_scope(scope)
+        if not isinstance(lease, WorkerJournalLease) or lease._scope != scope:
+            raise InvalidJournalLease()
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = _prepare(scope, changes)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 import shutil
 import sqlite3
 import stat
@@ -205,6 +207,15 @@ async def test_a_lease_has_no_public_constructor_and_a_redacted_repr(
     assert "1" not in repr(lease)
     with pytest.raises(InvalidJournalLease):
         await store.commit(SCOPE, 1, WorkerCommit())  # type: ignore[arg-type]
+    # Every scope's first fence is 1: the lease still belongs to its own scope.
+    other_lease = await store.reserve_fence(OTHER_SCOPE)
+    assert other_lease.token == lease.token and other_lease != lease
+    with pytest.raises(InvalidJournalLease):
+        await store.commit(OTHER_SCOPE, lease, WorkerCommit())
+    with pytest.raises(TypeError):
+        copy.copy(lease)
+    with pytest.raises(TypeError):
+        pickle.dumps(lease)
 
 
 async def test_a_superseded_fence_cannot_write(db_path: Path) -> None:
@@ -654,8 +665,8 @@ def snapshot(db_path: Path, into: Path) -> None:
 def restore(db_path: Path, source: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
         Path(str(db_path) + suffix).unlink(missing_ok=True)
-    for copy in source.iterdir():
-        shutil.copy2(copy, db_path.parent / copy.name)
+    for saved in source.iterdir():
+        shutil.copy2(saved, db_path.parent / saved.name)
 
 
 async def test_restoring_an_older_database_is_detected_by_the_anchor(
