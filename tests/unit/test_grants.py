@@ -17,6 +17,7 @@ from octo_common.errors import (
     DuplicateGrant,
     InvalidGrant,
     InvalidToken,
+    OctoError,
     SerializationError,
     TooManyGrants,
     TooManyResources,
@@ -31,6 +32,7 @@ from octo_common.grants import (
     ResourceKind,
     ResourceSelector,
 )
+from octo_common.messages import OpenSession, encode_message
 
 API = ResourceSelector(ResourceKind.NETWORK_ORIGIN, "math-api")
 SECRET = ResourceSelector(ResourceKind.SECRET, "api-key")
@@ -542,3 +544,34 @@ def test_attenuation_encodings_omit_none_fields() -> None:
     manifest_attenuation = decode_struct('{"allowed_tools":["a"],"x":1}', ManifestAttenuation)
     assert manifest_attenuation.allowed_tools == frozenset({"a"})
     assert dict(manifest_attenuation.grants) == {}
+
+
+# Integer widths (W§1, W§4.1) --------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="grants.CapabilityGrant.validate: limits outside u32 (max_calls=2**32, -1) or bools "
+    "pass validate(), so encode_message(OpenSession(...)) writes a manifest that "
+    "decode_message rejects with SerializationError (W§1 u32 ranges, W§4.1 no bools)",
+)
+@pytest.mark.parametrize("value", [2**32, -1, True])
+def test_limits_outside_u32_are_refused_before_encoding(value: int) -> None:
+    with pytest.raises(OctoError):
+        grant = CapabilityGrant("t", "json", max_calls=value)
+        grant.validate()
+        encode_message(OpenSession(CapabilityManifest("s", [grant])))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="grants.CapabilityGrant.attenuate: a negative GrantAttenuation limit "
+    "(max_calls=-1 or max_compensations=-5) is accepted and yields a grant whose limit is "
+    "negative (W§6.3 step 6: the result is validated; u32 range of W§4.1)",
+)
+@pytest.mark.parametrize(
+    "attenuation", [GrantAttenuation(max_calls=-1), GrantAttenuation(max_compensations=-5)]
+)
+def test_negative_attenuated_limits_are_refused(attenuation: GrantAttenuation) -> None:
+    with pytest.raises(OctoError):
+        GC.attenuate(attenuation)
