@@ -659,3 +659,32 @@ def test_window_bitmap_boundaries_on_restore() -> None:
     with pytest.raises(DuplicateFrame):
         restored.open(_seal_at(1))
     assert restored.open(_seal_at(1024)) == CloseSession(SESSION)
+
+
+# The tag covers the model (W§7.4): spelling differences on the wire do not matter -----
+
+INVOKE_JSON = (
+    b'{"type":"invoke","invocation":{"protocol_version":5,"session_id":"session-1",'
+    b'"request_id":"r-1","tool":"text.echo","payload":{"format":"text","value":"hello"}}}'
+)
+
+
+def test_reordered_whitespaced_frames_with_ignored_keys_open() -> None:
+    tag = _manual_frame(INVOKE_JSON, 1)[-66:-2].decode()
+    spelled = (
+        '{ "auth_tag" : "' + tag + '" ,\n "message" : {"invocation": {"payload": {"value": "hello",'
+        ' "format": "text", "note": [1]}, "tool": "text.echo", "request_id": "r-1",'
+        ' "session_id": "session-1", "protocol_version": 5, "trace": {"x": 1}},'
+        ' "type": "invoke", "hint": null},\n "sequence" : 1 }\n'
+    ).encode()
+    _, worker = _pair()
+    assert worker.open(spelled) == _invoke()
+
+
+def test_an_ignored_key_is_not_covered_by_the_tag() -> None:
+    # Tagging the bytes with the unknown key inside (instead of the model) fails.
+    with_key = INVOKE_JSON.replace(b'"tool":"text.echo"', b'"tool":"text.echo","trace":1')
+    _, worker = _pair()
+    with pytest.raises(InvalidAuthenticationTag):
+        worker.open(_manual_frame(with_key, 1))
+    assert worker.open(_manual_frame(INVOKE_JSON, 1)) == _invoke()
