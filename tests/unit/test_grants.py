@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from octo_common.authorizer import SessionAuthorizer
 from octo_common.codec import decode_struct, encode_struct
 from octo_common.errors import (
     AttenuationExpandsResources,
@@ -308,6 +309,20 @@ def test_129_grants_raise_at_construction_and_128_pass() -> None:
     assert raised.value.maximum == 128
     manifest = CapabilityManifest("session-1", _texts(128))
     assert len(manifest.grants) == 128
+
+
+def test_example_1_oversized_manifest_everywhere_it_is_validated() -> None:
+    body = ",".join(
+        f'{{"tool":"t{i}","format":"text","max_calls":1,"max_input_bytes":1,"max_output_bytes":1}}'
+        for i in range(129)
+    )
+    manifest_json = '{"protocol_version":5,"session_id":"session-1","grants":[' + body + "]}"
+    unchecked = decode_struct(manifest_json, CapabilityManifest)  # decoding alone does not validate
+    with pytest.raises(TooManyGrants):
+        unchecked.validate()
+    with pytest.raises(TooManyGrants):
+        SessionAuthorizer(unchecked)
+    # Frame decoding and seal are covered in test_frames.
 
 
 def test_manifest_check_order() -> None:
