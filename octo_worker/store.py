@@ -26,10 +26,12 @@ Threads
 aiosqlite runs each statement as its own hand-off into its thread and has no
 public way to run a whole function there; hand-offs, not fsync, dominate the
 cost of a commit on this kind of machine. So the store owns two dedicated
-threads running the stdlib ``sqlite3`` module: a writer (all
+threads (a ``SimpleQueue`` in, ``call_soon_threadsafe`` out: half the cost of
+``run_in_executor``) running the stdlib ``sqlite3`` module: a writer (all
 writes, fence reservations, schema, anchor) and a reader (loads, which WAL
-lets run beside a commit's fsync). Every transaction, read or write, is ONE
-call into its thread. Connections never leave their thread.
+lets run beside a commit's fsync). Every transaction is ONE call into its
+thread; concurrent loads also share one call and one read snapshot.
+Connections never leave their thread.
 
 What it must never do
 ---------------------
