@@ -12,6 +12,7 @@ import pickle
 from pathlib import Path
 
 import blake3
+import msgspec
 import pytest
 
 from octo_common.codec import decode_struct
@@ -688,3 +689,13 @@ def test_an_ignored_key_is_not_covered_by_the_tag() -> None:
     with pytest.raises(InvalidAuthenticationTag):
         worker.open(_manual_frame(with_key, 1))
     assert worker.open(_manual_frame(INVOKE_JSON, 1)) == _invoke()
+
+
+def test_exported_state_is_msgspec_encodable() -> None:
+    state = AuthenticatorState(7, 5000, (1 << 1024) - 1)
+    encoded = msgspec.json.encode(state)
+    assert msgspec.json.decode(encoded, type=AuthenticatorState) == state
+    restored = SessionAuthenticator.restore(
+        SESSION, _key(), SessionRole.WORKER, msgspec.json.decode(encoded, type=AuthenticatorState)
+    )
+    assert restored.export_state() == state

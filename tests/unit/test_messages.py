@@ -128,6 +128,7 @@ def test_constructors_validate_tokens() -> None:
     with pytest.raises(InvalidToken) as raised:
         ToolResult("s", "r" * 129, ToolPayload.text("x"))
     assert raised.value.field == "request id"
+    assert ToolResult("s", "r" * 128, ToolPayload.text("x")).request_id == "r" * 128
 
 
 def test_constructors_set_protocol_version_5() -> None:
