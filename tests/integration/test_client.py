@@ -1,0 +1,315 @@
+"""The host client against the in-process worker daemon on the real broker (H§16).
+
+Real RabbitMQ, real SQLite files for the host ledger and the worker journal,
+and the real ``files.publish`` adapter, whose effect log counts real effects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from octo_common.errors import CompensationRequiresSucceededOperation, SessionClosed
+from octo_common.messages import OperationResult
+from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.states import StateKind, Succeeded
+from octo_common.transport import HEADER_SESSION
+from octo_host.client import HostClient, HostRun
+from octo_host.compensation import WorkflowCompensationDispatch
+from octo_host.engine import WorkflowEngine
+from octo_host.ledger import WorkflowOperationLedger
+from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.store import ledger_record_key
+from octo_worker.adapters import WorkerAdapterRegistry
+from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
+from octo_worker.daemon import WorkerDaemon
+
+from .conftest import (
+    TOOL,
+    WAIT,
+    AllowUndo,
+    HostEnv,
+    HostFactory,
+    Inbox,
+    Names,
+    WorkerEnv,
+    WorkerRunner,
+    compensation_target,
+    header,
+    manifest,
+    reason_of,
+    wait_session,
+)
+
+pytestmark = pytest.mark.rabbitmq
+
+STEPS = [WorkflowStep("publish", "publish the release notes")]
+RUN = "release-42"
+
+
+def publish_payload(name: str = "notes.txt", content: str = "hello") -> ToolPayload:
+    return ToolPayload.json({"name": name, "content": content})
+
+
+def undo_payload(name: str = "notes.txt") -> ToolPayload:
+    return ToolPayload.json({"undo": "publish", "name": name})
+
+
+class SlowPublish(FilesPublishAdapter):
+    """``files.publish`` whose dispatch takes ``delay`` seconds before publishing."""
+
+    def __init__(self, env: WorkerEnv, delay: float) -> None:
+        super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
+        self.delay = delay
+        self.dispatches = 0
+        self.reconciliations = 0
+
+    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+        self.dispatches += 1
+        await asyncio.sleep(self.delay)
+        return await super().dispatch_operation(request, grant)
+
+    async def reconcile_operation(self, request: Any, grant: Any) -> Any:
+        self.reconciliations += 1
+        return await super().reconcile_operation(request, grant)
+
+
+def registry(adapter: FilesPublishAdapter) -> WorkerAdapterRegistry:
+    found = WorkerAdapterRegistry()
+    found.register(TOOL, adapter)
+    return found
+
+
+async def recorded(client: HostClient) -> tuple[WorkflowPlan, HostRun, str]:
+    plan = client.engine.plan(STEPS)
+    run = await client.load_run(RUN, plan)
+    key = await client.record_operation(run, "publish", TOOL, publish_payload(), b"release-42:1")
+    return plan, run, key
+
+
+async def stored_ledger(host_env: HostEnv) -> WorkflowOperationLedger:
+    """The ledger as a second store object reads it from the file."""
+    store = host_env.store()
+    try:
+        record = await store.load(ledger_record_key(RUN))
+    finally:
+        await store.close()
+    assert record is not None
+    return WorkflowOperationLedger.from_json(record.payload)
+
+
+async def test_dispatch_succeeds_and_the_ledger_is_persisted(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
+
+    session = await client.open_session(worker_env.scope, manifest())
+    state = await client.dispatch(session, run, key, publish_payload())
+
+    assert isinstance(state, Succeeded)
+    assert state.payload.value["name"] == "notes.txt"
+    ledger = await stored_ledger(host_env)
+    assert ledger.operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert ledger.revision == 2 == run.revision
+    assert "hello" not in ledger.to_json()  # fingerprints only
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+    assert (worker_env.published / "notes.txt").read_text() == "hello"
+    assert client.published["dispatch_operation"] == 1
+    assert client.published["reconcile_operation"] == 0
+
+
+async def test_compensation_after_success_removes_the_file(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    assert isinstance(await client.dispatch(session, run, key, publish_payload()), Succeeded)
+
+    inverse = undo_payload()
+    action = AllowUndo(canonical_operation_input_bytes(inverse))
+    target = compensation_target(worker_env.scope, key, action.allowed_input, action)
+    compensation_key = await client.record_compensation(run, target, inverse, b"undo:1")
+    assert compensation_key.startswith("cmp-")
+    state = await client.compensate(
+        session, run, target, WorkflowCompensationDispatch("c-1", inverse)
+    )
+
+    assert isinstance(state, Succeeded)
+    assert not (worker_env.published / "notes.txt").exists()
+    assert len(read_effect_log(worker_env.effect_log)) == 2
+    ledger = await stored_ledger(host_env)
+    operation = ledger.operation(key)
+    assert operation is not None and operation.state == StateKind.SUCCEEDED
+    assert operation.compensation is not None
+    assert operation.compensation.compensation_key == compensation_key
+    assert operation.compensation.state == StateKind.SUCCEEDED
+    # Action verifier: at recording, at approval, right before sealing.
+    assert action.calls == 3
+
+
+async def test_compensation_of_a_pending_original_is_refused_before_sealing(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    await wait_session(daemon, worker_env.scope, session.session_id)
+    sealed_before = session.authenticator.export_state().next_outgoing
+    head_before = await daemon.store.head_revision(worker_env.scope)
+    inverse = undo_payload()
+    target = compensation_target(worker_env.scope, key, canonical_operation_input_bytes(inverse))
+
+    with pytest.raises(CompensationRequiresSucceededOperation):
+        await client.compensate(session, run, target, WorkflowCompensationDispatch("c-1", inverse))
+
+    assert session.authenticator.export_state().next_outgoing == sealed_before
+    assert client.published["compensate_operation"] == 0
+    assert run.state(key) == StateKind.PENDING and run.revision == 1
+    await asyncio.sleep(0.2)
+    assert await daemon.store.head_revision(worker_env.scope) == head_before
+    assert read_effect_log(worker_env.effect_log) == []
+
+
+async def test_the_same_frame_twice_has_one_effect_and_two_answers(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    plan, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    outbound = client.engine.prepare_authenticated_operation_dispatch(
+        plan, run.ledger, key, publish_payload(), "d-twice", session.authenticator
+    )
+
+    first = await client.send(session, outbound)
+    second = await client.send(session, outbound)
+
+    for answer in (first, second):
+        assert isinstance(answer, OperationResult)
+        assert answer.result.request_id == "d-twice"
+        assert isinstance(answer.result.status, Succeeded)
+    assert first.result.status == second.result.status  # type: ignore[union-attr]
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+    assert client.published["dispatch_operation"] == 2
+
+
+async def test_reply_timeout_reconciles_the_same_key_and_never_redispatches(
+    workers: WorkerRunner, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    adapter = SlowPublish(worker_env, delay=1.2)
+    await workers.start(adapters=registry(adapter))
+    client = await hosts.start(reply_timeout=0.5, backoff_initial=0.05)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+
+    state = await client.dispatch(session, run, key, publish_payload())
+
+    assert isinstance(state, Succeeded)
+    assert client.published["dispatch_operation"] == 1
+    assert client.published["reconcile_operation"] >= 1
+    assert adapter.dispatches == 1
+    assert adapter.reconciliations >= 1
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+
+    # Asked again, the client reconciles a key it already dispatched.
+    again = await client.dispatch(session, run, key, publish_payload())
+    assert again == state
+    assert client.published["dispatch_operation"] == 1
+    assert adapter.dispatches == 1
+
+
+async def test_recover_after_a_host_restart_resolves_a_pending_operation(
+    workers: WorkerRunner,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    names: Names,
+    dead_letters: Inbox,
+) -> None:
+    await workers.start(adapters=registry(SlowPublish(worker_env, delay=0.5)))
+    host_id = names.host("-restart")
+    before = await hosts.start(host_id=host_id)
+    plan, run, key = await recorded(before)
+    session = await before.open_session(worker_env.scope, manifest())
+    outbound = before.engine.prepare_authenticated_operation_dispatch(
+        plan, run.ledger, key, publish_payload(), "d-1", session.authenticator
+    )
+    await before.publish(session, outbound.frame, "d-1", kind="dispatch_operation")
+    await hosts.close(before)  # the host "crashes" with the operation pending
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not read_effect_log(worker_env.effect_log) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+
+    after = await hosts.start(host_id=host_id, engine=WorkflowEngine())
+    rebuilt = after.engine.plan(STEPS)
+    summary = await after.recover(
+        RUN, rebuilt, worker_env.scope, manifest(), inputs={key: publish_payload()}
+    )
+
+    assert summary.operations == {key: StateKind.SUCCEEDED}
+    assert summary.reconciled == [key]
+    assert summary.unresolved == []
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert after.published["dispatch_operation"] == 0
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+    # The old session's reply reached the new process, which does not know it.
+    stale = await dead_letters.wait_for(
+        lambda m: header(m, HEADER_SESSION) == session.session_id
+    )
+    assert reason_of(stale) == "unknown_session"
+
+
+async def test_recover_dispatches_a_key_the_worker_never_admitted(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    before = await hosts.start()
+    _, _, key = await recorded(before)  # recorded and persisted, never published
+    await hosts.close(before)
+
+    after = await hosts.start(engine=WorkflowEngine())
+    summary = await after.recover(
+        RUN, after.engine.plan(STEPS), worker_env.scope, manifest(),
+        inputs={key: publish_payload()},
+    )
+
+    assert summary.operations == {key: StateKind.SUCCEEDED}
+    assert after.published["reconcile_operation"] == 1  # answered unknown_operation
+    assert after.published["dispatch_operation"] == 1
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_a_frame_of_a_closed_session_is_dead_lettered(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv, dead_letters: Inbox
+) -> None:
+    client = await hosts.start()
+    plan, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    assert isinstance(await client.dispatch(session, run, key, publish_payload()), Succeeded)
+
+    await client.close_session(session)
+    await wait_session(daemon, worker_env.scope, session.session_id, "closed")
+    head = await daemon.store.head_revision(worker_env.scope)
+    outbound = client.engine.prepare_authenticated_operation_reconciliation(
+        plan,
+        run.ledger,
+        key,
+        canonical_operation_input_bytes(publish_payload()),
+        "r-after-close",
+        session.authenticator,
+    )
+    with pytest.raises(SessionClosed):
+        await client.send(session, outbound)
+    await client.publish(session, outbound.frame, "r-after-close", kind="reconcile_operation")
+
+    dead = await dead_letters.wait_for(lambda m: m.correlation_id == "r-after-close")
+    assert reason_of(dead) == "session_closed"
+    assert header(dead, HEADER_SESSION) == session.session_id
+    assert await daemon.store.head_revision(worker_env.scope) == head
+    assert run.state(key) == StateKind.SUCCEEDED

@@ -1,0 +1,303 @@
+"""The worker daemon on the real broker, driven by frames crafted by hand (W§12.2-12.4, D5, D8).
+
+A hand-made host seals frames with a HOST authenticator and publishes them
+raw to ``octo.v5.worker.<scope>``. Every frame the daemon must refuse is
+expected as a copy on ``octo.v5.dead`` with the right ``octo-reason``, with no
+reply on the host's queue and no change to the worker journal's revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+
+from octo_common.errors import DuplicateFrame
+from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
+from octo_common.limits import MAX_WIRE_FRAME_BYTES
+from octo_common.messages import (
+    DispatchOperation,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    OperationResult,
+    ReconciledOperation,
+    ReconcileOperation,
+    WorkerMessage,
+)
+from octo_common.payload import ToolPayload
+from octo_common.states import Succeeded
+from octo_common.transport import HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
+from octo_worker.adapters_files import read_effect_log
+from octo_worker.daemon import WorkerDaemon
+
+from .conftest import (
+    TOOL,
+    Inbox,
+    RawHost,
+    RawSession,
+    WorkerEnv,
+    WorkerRunner,
+    header,
+    marker_of,
+    reason_of,
+    unique,
+    wait_session,
+)
+
+pytestmark = pytest.mark.rabbitmq
+
+QUIET = 0.3  # how long "no reply" is watched for after the dead letter arrived
+
+
+def publish_payload(name: str = "notes.txt", content: str = "hello") -> ToolPayload:
+    return ToolPayload.json({"name": name, "content": content})
+
+
+def dispatch_frame(session: RawSession, request_id: str, key: str, content: str = "hello") -> bytes:
+    request = OperationDispatchRequest(
+        session.session_id, request_id, TOOL, key, publish_payload(content=content)
+    )
+    return session.auth.seal(DispatchOperation(request))
+
+
+def operation_key() -> str:
+    return "op-" + secrets.token_hex(16)
+
+
+async def answer(raw_host: RawHost, session: RawSession, request_id: str) -> WorkerMessage:
+    """The next authentic reply for ``request_id``; copies the host already
+    accepted (a republished outbox frame) are dropped, as the host does (D5)."""
+    seen: set[int] = set()
+    while True:
+        reply = await raw_host.replies.wait_for(
+            lambda m: m.correlation_id == request_id and id(m) not in seen
+        )
+        seen.add(id(reply))
+        try:
+            return session.auth.open(reply.body)
+        except DuplicateFrame:
+            continue
+
+
+async def opened(raw_host: RawHost, daemon: WorkerDaemon, key: ScopeKey | None = None) -> RawSession:
+    session = raw_host.session(key)
+    await raw_host.open(session, marker=unique("open"))
+    await wait_session(daemon, raw_host.scope, session.session_id)
+    return session
+
+
+async def assert_refused(
+    dead_letters: Inbox,
+    raw_host: RawHost,
+    daemon: WorkerDaemon,
+    marker: str,
+    reason: str,
+    head_before: int,
+) -> None:
+    """Dead-lettered with ``reason``, never answered, journal revision unchanged."""
+    dead = await dead_letters.wait_for(marker_of(marker))
+    assert reason_of(dead) == reason
+    await asyncio.sleep(QUIET)
+    assert raw_host.replies.items == []
+    assert await daemon.store.head_revision(raw_host.scope) == head_before
+
+
+async def test_open_session_sealed_with_another_scope_key_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    head = await daemon.store.head_revision(raw_host.scope)
+    wrong = raw_host.session(ScopeKey.from_bytes(secrets.token_bytes(32)))
+    await raw_host.open(wrong, marker="open-wrong-key")
+
+    await assert_refused(
+        dead_letters, raw_host, daemon, "open-wrong-key", "invalid_authentication_tag", head
+    )
+    assert wrong.session_id not in await daemon.store.load_sessions(raw_host.scope)
+
+
+async def test_frame_sealed_with_another_scope_key_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox, worker_env: WorkerEnv
+) -> None:
+    session = await opened(raw_host, daemon)
+    # Same session id and nonce, key derived from a foreign scope key.
+    foreign = ScopeKey.from_bytes(secrets.token_bytes(32))
+    forged = RawSession(
+        session.session_id,
+        session.nonce,
+        SessionAuthenticator(
+            session.session_id,
+            SessionKey.derive(foreign, raw_host.scope, session.session_id, session.nonce),
+            SessionRole.HOST,
+        ),
+    )
+    head = await daemon.store.head_revision(raw_host.scope)
+    frame = dispatch_frame(forged, "d-forged", operation_key())
+    await raw_host.publish(
+        frame, headers=raw_host.headers(session, "forged"), correlation_id="d-forged"
+    )
+
+    await assert_refused(
+        dead_letters, raw_host, daemon, "forged", "invalid_authentication_tag", head
+    )
+    assert read_effect_log(worker_env.effect_log) == []
+
+
+async def test_tampered_frame_is_dead_lettered_and_the_original_still_works(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox, worker_env: WorkerEnv
+) -> None:
+    session = await opened(raw_host, daemon)
+    key = operation_key()
+    frame = dispatch_frame(session, "d-1", key, content="hello")
+    tampered = frame.replace(b'"content":"hello"', b'"content":"jello"')
+    assert tampered != frame
+    head = await daemon.store.head_revision(raw_host.scope)
+
+    await raw_host.publish(
+        tampered, headers=raw_host.headers(session, "tampered"), correlation_id="d-1"
+    )
+    await assert_refused(
+        dead_letters, raw_host, daemon, "tampered", "invalid_authentication_tag", head
+    )
+    assert read_effect_log(worker_env.effect_log) == []
+
+    # Nothing of the tampered copy was kept: the authentic frame is new to the worker.
+    await raw_host.publish(frame, headers=raw_host.headers(session, "genuine"), correlation_id="d-1")
+    message = await answer(raw_host, session, "d-1")
+    assert isinstance(message, OperationResult)
+    assert isinstance(message.result.status, Succeeded)
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+    assert (worker_env.published / "notes.txt").read_text() == "hello"
+
+
+async def test_reflected_worker_frame_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    session = await opened(raw_host, daemon)
+    await raw_host.publish(
+        dispatch_frame(session, "d-1", operation_key()),
+        headers=raw_host.headers(session, "dispatch"),
+        correlation_id="d-1",
+    )
+    reply = await raw_host.replies.wait_for(lambda m: m.correlation_id == "d-1")
+    raw_host.replies.items.clear()
+    head = await daemon.store.head_revision(raw_host.scope)
+
+    # The worker's own sealed answer, sent back to it with valid headers.
+    await raw_host.publish(
+        reply.body, headers=raw_host.headers(session, "reflected"), correlation_id="d-1"
+    )
+    await assert_refused(
+        dead_letters, raw_host, daemon, "reflected", "invalid_authentication_tag", head
+    )
+
+
+async def test_scope_header_naming_another_scope_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    session = await opened(raw_host, daemon)
+    head = await daemon.store.head_revision(raw_host.scope)
+    headers = raw_host.headers(session, "other-scope")
+    headers[HEADER_SCOPE] = unique("t-other")
+    await raw_host.publish(
+        dispatch_frame(session, "d-1", operation_key()), headers=headers, correlation_id="d-1"
+    )
+    await assert_refused(dead_letters, raw_host, daemon, "other-scope", "scope_mismatch", head)
+
+
+async def test_oversize_body_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    session = await opened(raw_host, daemon)
+    head = await daemon.store.head_revision(raw_host.scope)
+    body = b"{" + b" " * MAX_WIRE_FRAME_BYTES + b"}"
+    await raw_host.publish(body, headers=raw_host.headers(session, "oversize"))
+    await assert_refused(
+        dead_letters, raw_host, daemon, "oversize", "wire_frame_too_large", head
+    )
+
+
+async def test_missing_or_malformed_headers_are_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    session = await opened(raw_host, daemon)
+    head = await daemon.store.head_revision(raw_host.scope)
+    cases = [
+        ("no-session", HEADER_SESSION, None, "invalid_frame_headers"),
+        ("no-scope", HEADER_SCOPE, None, "scope_mismatch"),
+        ("no-nonce", HEADER_KEY_NONCE, None, "invalid_frame_headers"),
+        ("bad-nonce", HEADER_KEY_NONCE, "AB" * 32, "invalid_frame_headers"),
+        ("bad-session", HEADER_SESSION, "Not A Token", "invalid_frame_headers"),
+    ]
+    for index, (marker, name, value, _) in enumerate(cases):
+        headers = raw_host.headers(session, marker)
+        if value is None:
+            del headers[name]
+        else:
+            headers[name] = value
+        request_id = f"d-{index}"
+        await raw_host.publish(
+            dispatch_frame(session, request_id, operation_key()),
+            headers=headers,
+            correlation_id=request_id,
+        )
+    for marker, _, _, reason in cases:
+        dead = await dead_letters.wait_for(marker_of(marker))
+        assert reason_of(dead) == reason, marker
+    await asyncio.sleep(QUIET)
+    assert raw_host.replies.items == []
+    assert await daemon.store.head_revision(raw_host.scope) == head
+
+
+async def test_frame_of_an_unknown_session_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    head = await daemon.store.head_revision(raw_host.scope)
+    never_opened = raw_host.session()
+    await raw_host.publish(
+        dispatch_frame(never_opened, "d-1", operation_key()),
+        headers=raw_host.headers(never_opened, "unknown"),
+        correlation_id="d-1",
+    )
+    await assert_refused(dead_letters, raw_host, daemon, "unknown", "unknown_session", head)
+    dead = dead_letters.matching(marker_of("unknown"))[0]
+    assert header(dead, HEADER_SESSION) == never_opened.session_id
+
+
+async def test_worker_restart_answers_an_accepted_frame_from_the_journal(
+    workers: WorkerRunner, raw_host: RawHost, dead_letters: Inbox, worker_env: WorkerEnv
+) -> None:
+    first = await workers.start()
+    session = await opened(raw_host, first)
+    key = operation_key()
+    frame = dispatch_frame(session, "d-1", key)
+    await raw_host.publish(frame, headers=raw_host.headers(session, "d-1"), correlation_id="d-1")
+    first_answer = await answer(raw_host, session, "d-1")
+    assert isinstance(first_answer, OperationResult)
+    assert isinstance(first_answer.result.status, Succeeded)
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+    await workers.stop(first)
+    raw_host.replies.items.clear()
+    # The same accepted frame again, queued while no worker runs (a redelivery).
+    await raw_host.publish(frame, headers=raw_host.headers(session, "again"), correlation_id="d-1")
+    second = await workers.start()
+
+    again = await answer(raw_host, session, "d-1")
+    assert isinstance(again, OperationResult)
+    assert again.result.status == first_answer.result.status
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+    # The restored session keeps serving: a new request is handled as new.
+    reconcile = session.auth.seal(
+        ReconcileOperation(OperationReconcileRequest(session.session_id, "r-1", TOOL, key))
+    )
+    await raw_host.publish(
+        reconcile, headers=raw_host.headers(session, "r-1"), correlation_id="r-1"
+    )
+    reconciled = await answer(raw_host, session, "r-1")
+    assert isinstance(reconciled, ReconciledOperation)
+    assert reconciled.result.status == first_answer.result.status
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+    assert dead_letters.matching(lambda m: header(m, HEADER_SESSION) == session.session_id) == []
+    await workers.stop(second)
