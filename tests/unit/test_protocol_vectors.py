@@ -236,12 +236,21 @@ def test_canonical_rejections_inside_a_dispatch_frame(case: dict[str, Any]) -> N
 # grant_fingerprints / grant_rejections ------------------------------------------
 
 
+_GRANT_FIELDS = (
+    "tool",
+    "format",
+    "max_calls",
+    "max_input_bytes",
+    "max_output_bytes",
+    "max_compensations",
+)
+
+
 def _grant_from_object(grant: dict[str, Any]) -> CapabilityGrant:
-    fields = dict(grant)
-    fields["resources"] = [
-        ResourceSelector(r["kind"], r["id"]) for r in fields.get("resources", [])
-    ]
-    return CapabilityGrant(**fields)
+    # Unknown keys are ignored on decode, so the object form may carry some too.
+    fields = {name: grant[name] for name in _GRANT_FIELDS if name in grant}
+    resources = [ResourceSelector(r["kind"], r["id"]) for r in grant.get("resources", [])]
+    return CapabilityGrant(**fields, resources=resources)
 
 
 @pytest.mark.parametrize("case", _cases("grant_fingerprints"))
