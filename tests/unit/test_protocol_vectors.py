@@ -249,7 +249,7 @@ _GRANT_FIELDS = (
 def _grant_from_object(grant: dict[str, Any]) -> CapabilityGrant:
     # Unknown keys are ignored on decode, so the object form may carry some too.
     fields = {name: grant[name] for name in _GRANT_FIELDS if name in grant}
-    resources = [ResourceSelector(r["kind"], r["id"]) for r in grant.get("resources", [])]
+    resources = tuple(ResourceSelector(r["kind"], r["id"]) for r in grant.get("resources", []))
     return CapabilityGrant(**fields, resources=resources)
 
 
