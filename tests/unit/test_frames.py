@@ -699,3 +699,20 @@ def test_exported_state_is_msgspec_encodable() -> None:
         SESSION, _key(), SessionRole.WORKER, msgspec.json.decode(encoded, type=AuthenticatorState)
     )
     assert restored.export_state() == state
+
+
+def test_open_checks_tag_then_session_then_exhaustion_then_window() -> None:
+    _, worker = _pair()
+    foreign = CLOSE_JSON.replace(b"session-1", b"session-2")
+    # Bad tag beats everything after it.
+    bad_tag = _manual_frame(foreign, MAX, key=OTHER_KEY_BYTES)
+    with pytest.raises(InvalidAuthenticationTag):
+        worker.open(bad_tag)
+    # Session mismatch (valid tag) beats the exhausted sequence.
+    with pytest.raises(UnknownSession):
+        worker.open(_manual_frame(foreign, MAX))
+    # Session mismatch beats the replay window.
+    worker.open(_manual_frame(CLOSE_JSON, 5))
+    with pytest.raises(UnknownSession):
+        worker.open(_manual_frame(foreign, 5))
+    assert worker.export_state() == AuthenticatorState(1, 5, 1)
