@@ -498,6 +498,25 @@ async def test_a_tampered_envelope_fails_closed(store: SqliteJournalStore, db_pa
         await store.load_records(SCOPE, ["op-1"])
 
 
+async def test_a_failing_load_fails_alone_among_concurrent_loads(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None), (pending("op-2"), None)))
+    sql(db_path, "UPDATE items SET envelope = CAST('{}' AS BLOB) WHERE item = 'op-2'")
+
+    outcomes = await asyncio.gather(
+        store.load_records(SCOPE, ["op-1"]),
+        store.load_records(SCOPE, ["op-2"]),
+        store.head_revision(SCOPE),
+        return_exceptions=True,
+    )
+
+    assert outcomes[0] == {"op-1": (pending("op-1"), 1)}
+    assert isinstance(outcomes[1], InvalidEnvelope)
+    assert outcomes[2] == 1
+
+
 async def test_row_revision_edits_fail_closed(store: SqliteJournalStore, db_path: Path) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
