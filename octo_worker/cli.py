@@ -178,6 +178,28 @@ def configure_logging(level: str = "info", log_format: str = "json") -> None:
     root.setLevel(max(logging.WARNING, _LEVELS.get(level, logging.INFO)))
 
 
+def _drop_event(_logger: Any, _method: str, _event: Any) -> NoReturn:
+    raise structlog.DropEvent
+
+
+def quiet_logging() -> None:
+    """For the operator verbs: library and daemon-module logs stay silent.
+
+    Those verbs report every failure themselves, as one line; a library
+    warning (aiormq's "error when creating transport") would be a second one.
+    """
+    structlog.configure(
+        processors=[_drop_event],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(logging.NullHandler())
+    root.setLevel(logging.CRITICAL + 1)
+
+
 # Output --------------------------------------------------------------------------------
 
 
@@ -220,7 +242,8 @@ def _table(rows: Sequence[Sequence[str]], out: Output) -> None:
         return
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        out.line("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        out.line("  ".join(cells).rstrip())
 
 
 # Argument parsing ------------------------------------------------------------------------
@@ -393,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as exit_:  # --help / --version
             return exit_.code if isinstance(exit_.code, int) else EXIT_OK
         out.json_mode = bool(getattr(args, "json", False))
+        if args.handler is not cmd_run:
+            quiet_logging()
         handler: Callable[[argparse.Namespace, Output], int] = args.handler
         return handler(args, out)
     except CliError as error:
@@ -1147,37 +1172,62 @@ async def _dead_queue(connection: AbstractConnection) -> AbstractQueue:
         ) from None
 
 
-async def _take(queue: AbstractQueue, count: int) -> list[AbstractIncomingMessage]:
-    """Up to ``count`` messages from the head, held unacknowledged on one channel.
+# How much of the dead-letter queue one inspection may hold at once.
+_MAX_HELD_MESSAGES: Final = 10_000
+_MAX_HELD_BYTES: Final = 256 * 1024 * 1024
 
-    Holding them all at once is what lets a listing see N distinct messages;
-    every one is then settled explicitly (requeued, or acked by ``drop``).
+
+@dataclass
+class _Held:
+    """Messages of the dead-letter queue, held unacknowledged on one channel."""
+
+    messages: list[AbstractIncomingMessage]
+    complete: bool  # False: the queue is larger than one inspection may hold
+    total: int
+
+    def entries(self, count: int, body: bool) -> list[dict[str, Any]]:
+        return [_dead_letter_entry(i + 1, m, body) for i, m in enumerate(self.messages[:count])]
+
+
+@contextlib.asynccontextmanager
+async def _holding(config: WorkerConfig) -> AsyncIterator[_Held]:
+    """Hold the whole queue (bounded), then requeue every message not acked.
+
+    A quorum queue puts a requeued message at its tail, so inspecting only
+    the first N would rotate the queue and change every position. Holding
+    everything and requeuing it in delivery order keeps the order (and the
+    positions) as they were; only a queue beyond the bounds is rotated, and
+    the listing says so. Nothing is lost: a message is only removed by an
+    explicit ack (``drop``).
     """
-    held: list[AbstractIncomingMessage] = []
-    while len(held) < count:
-        message = await queue.get(no_ack=False, fail=False, timeout=10)
-        if message is None:
-            break
-        held.append(message)
-    return held
-
-
-async def _release(messages: Iterable[AbstractIncomingMessage]) -> None:
-    # Requeue in delivery order so the queue keeps its order.
-    for message in messages:
-        await message.reject(requeue=True)
-
-
-async def _peek(config: WorkerConfig, count: int, body: bool) -> tuple[int, list[dict[str, Any]]]:
     async with _broker(config) as connection:
         queue = await _dead_queue(connection)
         total = int(queue.declaration_result.message_count or 0)
-        held = await _take(queue, count)
+        held = _Held([], True, total)
+        size = 0
         try:
-            entries = [_dead_letter_entry(i + 1, m, body) for i, m in enumerate(held)]
+            while True:
+                if len(held.messages) >= _MAX_HELD_MESSAGES or size >= _MAX_HELD_BYTES:
+                    held.complete = False
+                    break
+                message = await queue.get(no_ack=False, fail=False, timeout=10)
+                if message is None:
+                    break
+                held.messages.append(message)
+                size += len(message.body)
+            yield held
         finally:
-            await _release(held)
-        return total, entries
+            for message in held.messages:
+                await message.reject(requeue=True)
+
+
+def _rotation_note(held: _Held, out: Output) -> None:
+    if not held.complete:
+        out.line(
+            f"note: {DEAD_QUEUE} is larger than one inspection holds "
+            f"({_MAX_HELD_MESSAGES} messages / {_MAX_HELD_BYTES // (1024 * 1024)} MiB); "
+            "the inspected messages moved to its tail"
+        )
 
 
 def _entry_line(entry: Mapping[str, Any]) -> str:
@@ -1195,25 +1245,39 @@ def _print_body(entry: Mapping[str, Any], out: Output) -> None:
 
 def cmd_dlq_list(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
-    total, entries = asyncio.run(_peek(config, args.limit, args.body))
+
+    async def peek() -> tuple[_Held, list[dict[str, Any]]]:
+        async with _holding(config) as held:
+            return held, held.entries(args.limit, args.body)
+
+    held, entries = asyncio.run(peek())
+    total = max(held.total, len(held.messages))
     out.line(f"{DEAD_QUEUE}: {total} message(s); showing {len(entries)}")
     for entry in entries:
         out.line(_entry_line(entry))
         _print_body(entry, out)
-    out.document({"ok": True, "queue": DEAD_QUEUE, "messages": total, "entries": entries})
+    _rotation_note(held, out)
+    out.document(
+        {
+            "ok": True,
+            "queue": DEAD_QUEUE,
+            "messages": total,
+            "order_kept": held.complete,
+            "entries": entries,
+        }
+    )
     return EXIT_OK
 
 
-def _check_position(
-    held: Sequence[AbstractIncomingMessage], position: int, message_id: str | None
-) -> AbstractIncomingMessage:
-    if len(held) < position:
+def _chosen(held: _Held, position: int, message_id: str | None) -> AbstractIncomingMessage:
+    messages = held.messages
+    if len(messages) < position:
         raise CliError(
             EXIT_CHECK_FAILED,
-            f"no message at position {position} ({DEAD_QUEUE} holds {len(held)})",
+            f"no message at position {position} ({DEAD_QUEUE} holds {len(messages)})",
             "not_found",
         )
-    chosen = held[position - 1]
+    chosen = messages[position - 1]
     if message_id is not None and chosen.message_id != message_id:
         raise CliError(
             EXIT_CHECK_FAILED,
@@ -1228,14 +1292,9 @@ def cmd_dlq_show(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
 
     async def show() -> dict[str, Any]:
-        async with _broker(config) as connection:
-            queue = await _dead_queue(connection)
-            held = await _take(queue, args.position)
-            try:
-                chosen = _check_position(held, args.position, args.message_id)
-                return _dead_letter_entry(args.position, chosen, args.body)
-            finally:
-                await _release(held)
+        async with _holding(config) as held:
+            chosen = _chosen(held, args.position, args.message_id)
+            return _dead_letter_entry(args.position, chosen, args.body)
 
     entry = asyncio.run(show())
     for name, value in entry.items():
@@ -1257,18 +1316,12 @@ def cmd_dlq_drop(args: argparse.Namespace, out: Output) -> int:
             return int(getattr(result, "message_count", 0) or 0)
 
     async def drop_one() -> dict[str, Any]:
-        async with _broker(config) as connection:
-            queue = await _dead_queue(connection)
-            held = await _take(queue, args.position)
-            keep = list(held)
-            try:
-                chosen = _check_position(held, args.position, args.message_id)
-                entry = _dead_letter_entry(args.position, chosen, False)
-                await chosen.ack()
-                keep.remove(chosen)
-                return entry
-            finally:
-                await _release(keep)
+        async with _holding(config) as held:
+            chosen = _chosen(held, args.position, args.message_id)
+            entry = _dead_letter_entry(args.position, chosen, False)
+            await chosen.ack()
+            held.messages.remove(chosen)  # everything else is requeued, in order
+            return entry
 
     if args.all:
         if args.message_id is not None:
