@@ -815,6 +815,7 @@ class SqliteJournalStore:
 
     async def _drain_reads(self) -> None:
         """The reader task: hand every waiting read to the reader thread at once."""
+        batch: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
         try:
             while self._read_queue:
                 batch, self._read_queue = self._read_queue, []
@@ -823,7 +824,7 @@ class SqliteJournalStore:
                 try:
                     outcomes = await work
                 except Exception as exc:  # a defect in the runner: fail the batch only
-                    outcomes = [(False, _backend_error(exc))] * len(batch)
+                    outcomes = [(False, _backend_error(exc)) for _ in batch]
                 for (_function, future), (ok, value) in zip(batch, outcomes, strict=True):
                     if future.done():  # its caller was cancelled
                         continue
@@ -832,10 +833,10 @@ class SqliteJournalStore:
                     else:
                         future.set_exception(value)
         except BaseException as exc:
-            failure = _backend_error(exc)
-            for _function, future in self._read_queue:
+            # Only loop shutdown gets here: no waiting reader is left hanging.
+            for _function, future in [*batch, *self._read_queue]:
                 if not future.done():
-                    future.set_exception(failure)
+                    future.set_exception(_backend_error(exc))
             self._read_queue = []
             raise
         finally:
@@ -890,6 +891,7 @@ class SqliteJournalStore:
     # Writer thread ------------------------------------------------------------------------
 
     def _open_writer(self, check_anchor: bool) -> None:
+        self._close_writer()  # a failed earlier attempt may have left one open
         directory = self._path.parent
         if not directory.exists():
             directory.mkdir(mode=0o700, parents=True)
@@ -1206,6 +1208,7 @@ class SqliteJournalStore:
     # Reader thread -------------------------------------------------------------------------
 
     def _open_reader(self) -> None:
+        self._close_reader()
         connection = sqlite3.connect(
             self._path,
             timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
