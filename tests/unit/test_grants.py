@@ -5,6 +5,11 @@ max_calls=2, 128-byte limits and the ``network_origin`` ``math-api``
 resource; ``GC = G.with_compensation_limit(1)``.
 """
 
+# These tests call the API in the spec's own forms (`resources=[...]`,
+# `ManifestAttenuation(allowed_tools=set())`, W§15 example 3); grants.py annotates
+# those parameters as tuple/frozenset only, so mypy's arg-type check is off here.
+# mypy: disable-error-code="arg-type"
+
 from __future__ import annotations
 
 import msgspec
