@@ -440,7 +440,9 @@ class RawHost:
         session_id = unique("s")
         nonce = secrets.token_bytes(32)
         derived = SessionKey.derive(key or self.key, self.scope, session_id, nonce)
-        return RawSession(session_id, nonce, SessionAuthenticator(session_id, derived, SessionRole.HOST))
+        return RawSession(
+            session_id, nonce, SessionAuthenticator(session_id, derived, SessionRole.HOST)
+        )
 
     def headers(self, session: RawSession, marker: str) -> dict[str, str]:
         return {
@@ -471,9 +473,7 @@ class RawHost:
         )
 
     async def open(self, session: RawSession, marker: str = "open") -> None:
-        frame = session.auth.seal(
-            OpenSession(CapabilityManifest(session.session_id, [GRANT]))
-        )
+        frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
         await self.publish(frame, headers=self.headers(session, marker))
 
 

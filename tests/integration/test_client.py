@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from octo_common.errors import CompensationRequiresSucceededOperation, SessionClosed
+from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import OperationResult
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import StateKind, Succeeded
@@ -74,6 +75,20 @@ class SlowPublish(FilesPublishAdapter):
     async def reconcile_operation(self, request: Any, grant: Any) -> Any:
         self.reconciliations += 1
         return await super().reconcile_operation(request, grant)
+
+
+class SlowUndo(FilesPublishAdapter):
+    """``files.publish`` whose compensation takes ``delay`` seconds before removing."""
+
+    def __init__(self, env: WorkerEnv, delay: float) -> None:
+        super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
+        self.delay = delay
+        self.compensations = 0
+
+    async def compensate_operation(self, request: Any, grant: Any) -> Any:
+        self.compensations += 1
+        await asyncio.sleep(self.delay)
+        return await super().compensate_operation(request, grant)
 
 
 def registry(adapter: FilesPublishAdapter) -> WorkerAdapterRegistry:
@@ -260,9 +275,7 @@ async def test_recover_after_a_host_restart_resolves_a_pending_operation(
     assert after.published["dispatch_operation"] == 0
     assert len(read_effect_log(worker_env.effect_log)) == 1
     # The old session's reply reached the new process, which does not know it.
-    stale = await dead_letters.wait_for(
-        lambda m: header(m, HEADER_SESSION) == session.session_id
-    )
+    stale = await dead_letters.wait_for(lambda m: header(m, HEADER_SESSION) == session.session_id)
     assert reason_of(stale) == "unknown_session"
 
 
@@ -275,7 +288,10 @@ async def test_recover_dispatches_a_key_the_worker_never_admitted(
 
     after = await hosts.start(engine=WorkflowEngine())
     summary = await after.recover(
-        RUN, after.engine.plan(STEPS), worker_env.scope, manifest(),
+        RUN,
+        after.engine.plan(STEPS),
+        worker_env.scope,
+        manifest(),
         inputs={key: publish_payload()},
     )
 
@@ -313,3 +329,64 @@ async def test_a_frame_of_a_closed_session_is_dead_lettered(
     assert header(dead, HEADER_SESSION) == session.session_id
     assert await daemon.store.head_revision(worker_env.scope) == head
     assert run.state(key) == StateKind.SUCCEEDED
+
+
+async def test_compensation_timeout_repeats_the_same_key_under_a_fresh_approval(
+    workers: WorkerRunner, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    adapter = SlowUndo(worker_env, delay=1.0)
+    await workers.start(adapters=registry(adapter))
+    client = await hosts.start(reply_timeout=0.4, backoff_initial=0.05)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    assert isinstance(await client.dispatch(session, run, key, publish_payload()), Succeeded)
+    inverse = undo_payload()
+    action = AllowUndo(canonical_operation_input_bytes(inverse))
+    target = compensation_target(worker_env.scope, key, action.allowed_input, action)
+    compensation_key = await client.record_compensation(run, target, inverse, b"undo:1")
+
+    state = await client.compensate(
+        session, run, target, WorkflowCompensationDispatch("c-1", inverse)
+    )
+
+    assert isinstance(state, Succeeded)
+    sent = client.published["compensate_operation"]
+    assert sent >= 2  # repeated after the timeout ...
+    assert action.calls == 1 + 2 * sent  # ... each time under a fresh approval
+    assert adapter.compensations == 1  # ... and the inverse ran once
+    assert len(read_effect_log(worker_env.effect_log)) == 2
+    operation = (await stored_ledger(host_env)).operation(key)
+    assert operation is not None and operation.compensation is not None
+    assert operation.compensation.compensation_key == compensation_key
+    assert operation.compensation.state == StateKind.SUCCEEDED
+
+
+async def test_spent_call_budget_opens_a_new_session_and_reconciles_first(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    plan = client.engine.plan(
+        [WorkflowStep("publish", "publish the notes"), WorkflowStep("announce", "and again")]
+    )
+    run = await client.load_run(RUN, plan)
+    one_call = CapabilityManifest("manifest", [CapabilityGrant(TOOL, "json", max_calls=1)])
+    first_payload = publish_payload("one.txt", "1")
+    second_payload = publish_payload("two.txt", "2")
+    first = await client.record_operation(run, "publish", TOOL, first_payload, b"n:1")
+    second = await client.record_operation(run, "announce", TOOL, second_payload, b"n:2")
+    session = await client.open_session(worker_env.scope, one_call)
+    assert isinstance(await client.dispatch(session, run, first, first_payload), Succeeded)
+
+    # The session's one call is spent: the worker refuses before admitting.
+    state = await client.dispatch(session, run, second, second_payload)
+
+    assert isinstance(state, Succeeded)
+    fresh = session.current()
+    assert fresh is not session and session.closed
+    assert fresh.manifest.grants == one_call.grants
+    assert client.published["open_session"] == 2
+    assert client.published["reconcile_operation"] == 1  # answered unknown_operation
+    assert client.published["dispatch_operation"] == 3
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [first, second]
+    ledger = await stored_ledger(host_env)
+    assert [op.state for op in ledger.operations] == [StateKind.SUCCEEDED] * 2

@@ -80,7 +80,9 @@ async def answer(raw_host: RawHost, session: RawSession, request_id: str) -> Wor
             continue
 
 
-async def opened(raw_host: RawHost, daemon: WorkerDaemon, key: ScopeKey | None = None) -> RawSession:
+async def opened(
+    raw_host: RawHost, daemon: WorkerDaemon, key: ScopeKey | None = None
+) -> RawSession:
     session = raw_host.session(key)
     await raw_host.open(session, marker=unique("open"))
     await wait_session(daemon, raw_host.scope, session.session_id)
@@ -162,7 +164,9 @@ async def test_tampered_frame_is_dead_lettered_and_the_original_still_works(
     assert read_effect_log(worker_env.effect_log) == []
 
     # Nothing of the tampered copy was kept: the authentic frame is new to the worker.
-    await raw_host.publish(frame, headers=raw_host.headers(session, "genuine"), correlation_id="d-1")
+    await raw_host.publish(
+        frame, headers=raw_host.headers(session, "genuine"), correlation_id="d-1"
+    )
     message = await answer(raw_host, session, "d-1")
     assert isinstance(message, OperationResult)
     assert isinstance(message.result.status, Succeeded)
@@ -212,9 +216,7 @@ async def test_oversize_body_is_dead_lettered(
     head = await daemon.store.head_revision(raw_host.scope)
     body = b"{" + b" " * MAX_WIRE_FRAME_BYTES + b"}"
     await raw_host.publish(body, headers=raw_host.headers(session, "oversize"))
-    await assert_refused(
-        dead_letters, raw_host, daemon, "oversize", "wire_frame_too_large", head
-    )
+    await assert_refused(dead_letters, raw_host, daemon, "oversize", "wire_frame_too_large", head)
 
 
 async def test_missing_or_malformed_headers_are_dead_lettered(
