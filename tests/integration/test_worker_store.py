@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import pickle
+import random
 import shutil
 import sqlite3
 import stat
@@ -837,6 +838,72 @@ async def test_without_group_commit_every_change_set_is_its_own_transaction(
         assert (store.stats.transactions, store.stats.largest_batch) == (8, 1)
     finally:
         await store.close()
+
+
+async def test_group_commit_outcomes_equal_a_serial_model(store: SqliteJournalStore) -> None:
+    """Random concurrent change sets (some stale) get exactly their serial outcome."""
+    chooser = random.Random(20261202)
+    scopes = [SCOPE, OTHER_SCOPE]
+    leases = {scope: await store.reserve_fence(scope) for scope in scopes}
+    heads = dict.fromkeys(scopes, 0)
+    model: dict[tuple[str, str], tuple[str, int]] = {}  # (scope, key) -> (tag, revision)
+    conflicts = 0
+
+    for round_number in range(25):
+        submitted: list[tuple[str, list[tuple[str, int | None]], str]] = []
+        for index in range(chooser.randint(1, 12)):
+            scope = chooser.choice(scopes)
+            keys = chooser.sample([f"op-{k}" for k in range(8)], chooser.randint(1, 3))
+            changes: list[tuple[str, int | None]] = []
+            for key in keys:
+                current = model.get((scope, key))
+                base = None if current is None else current[1]
+                if chooser.random() < 0.25:  # a stale or wrong expectation
+                    base = chooser.choice([None, 1, (base or 0) + 5])
+                changes.append((key, base))
+            submitted.append((scope, changes, f"r{round_number}-{index}"))
+
+        outcomes = await asyncio.gather(
+            *(
+                store.commit(
+                    scope,
+                    leases[scope],
+                    rows(scope, *((pending(key, tag), base) for key, base in changes)),
+                )
+                for scope, changes, tag in submitted
+            ),
+            return_exceptions=True,
+        )
+
+        for (scope, changes, tag), outcome in zip(submitted, outcomes, strict=True):
+            stale = [
+                (base, model.get((scope, key), (None, None))[1])
+                for key, base in changes
+                if model.get((scope, key), (None, None))[1] != base
+            ]
+            if stale:
+                assert isinstance(outcome, WriteConflict)
+                assert (outcome.expected, outcome.actual) == stale[0]
+                conflicts += 1
+                continue
+            heads[scope] += 1
+            assert outcome == heads[scope]
+            for key, _base in changes:
+                model[(scope, key)] = (tag, heads[scope])
+
+    assert conflicts > 10 and sum(heads.values()) > 50  # both outcomes were exercised
+    for scope in scopes:
+        stored = {
+            record.operation_key: (record, revision)
+            for record, revision in await store.list_records(scope)
+        }
+        expected = {
+            key: (pending(key, tag), revision)
+            for (row_scope, key), (tag, revision) in model.items()
+            if row_scope == scope
+        }
+        assert stored == expected
+        assert await store.head_revision(scope) == heads[scope]
 
 
 async def test_a_cancelled_caller_still_commits(store: SqliteJournalStore) -> None:
