@@ -12,12 +12,15 @@ import asyncio
 import secrets
 
 import pytest
+from aio_pika.abc import AbstractConnection
 
 from octo_common.errors import DuplicateFrame
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
+from octo_common.grants import CapabilityManifest
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
 from octo_common.messages import (
     DispatchOperation,
+    OpenSession,
     OperationDispatchRequest,
     OperationReconcileRequest,
     OperationResult,
@@ -32,8 +35,10 @@ from octo_worker.adapters_files import read_effect_log
 from octo_worker.daemon import WorkerDaemon
 
 from .conftest import (
+    GRANT,
     TOOL,
     Inbox,
+    Names,
     RawHost,
     RawSession,
     WorkerEnv,
@@ -303,3 +308,91 @@ async def test_worker_restart_answers_an_accepted_frame_from_the_journal(
     assert len(read_effect_log(worker_env.effect_log)) == 1
     assert dead_letters.matching(lambda m: header(m, HEADER_SESSION) == session.session_id) == []
     await workers.stop(second)
+
+
+async def test_open_session_without_reply_to_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    head = await daemon.store.head_revision(raw_host.scope)
+    session = raw_host.session()
+    frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    await raw_host.publish(frame, headers=raw_host.headers(session, "no-reply-to"), reply_to="")
+    await assert_refused(
+        dead_letters, raw_host, daemon, "no-reply-to", "invalid_frame_headers", head
+    )
+    assert session.session_id not in await daemon.store.load_sessions(raw_host.scope)
+
+
+async def test_reopening_a_session_id_is_session_replay_and_a_redelivered_open_is_dropped(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    session = raw_host.session()
+    opening = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    await raw_host.publish(opening, headers=raw_host.headers(session, "open"))
+    await wait_session(daemon, raw_host.scope, session.session_id)
+
+    # The same opening frame again (a redelivery): a duplicate, acked and dropped.
+    await raw_host.publish(opening, headers=raw_host.headers(session, "open-again"))
+    # A new authentic opening of the same id, same nonce: SessionReplay.
+    reopen = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    await raw_host.publish(reopen, headers=raw_host.headers(session, "reopen"))
+    # The same id under another nonce: SessionReplay before any authentication.
+    other = raw_host.session()
+    other = RawSession(
+        session.session_id,
+        other.nonce,
+        SessionAuthenticator(
+            session.session_id,
+            SessionKey.derive(raw_host.key, raw_host.scope, session.session_id, other.nonce),
+            SessionRole.HOST,
+        ),
+    )
+    hijack = other.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    await raw_host.publish(hijack, headers=raw_host.headers(other, "other-nonce"))
+
+    for marker in ("reopen", "other-nonce"):
+        dead = await dead_letters.wait_for(marker_of(marker))
+        assert reason_of(dead) == "session_replay", marker
+    await asyncio.sleep(QUIET)
+    assert dead_letters.matching(marker_of("open-again")) == []
+    assert raw_host.replies.items == []
+    sessions = await daemon.store.load_sessions(raw_host.scope)
+    assert sessions[session.session_id].status == "open"
+
+    # The session still works with its first nonce.
+    await raw_host.publish(
+        dispatch_frame(session, "d-1", operation_key()),
+        headers=raw_host.headers(session, "d-1"),
+        correlation_id="d-1",
+    )
+    assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
+
+
+async def test_undecodable_body_of_a_known_session_is_dead_lettered(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    session = await opened(raw_host, daemon)
+    head = await daemon.store.head_revision(raw_host.scope)
+    await raw_host.publish(
+        b'{"not":"a frame"', headers=raw_host.headers(session, "garbage"), correlation_id="d-1"
+    )
+    await assert_refused(dead_letters, raw_host, daemon, "garbage", "serialization", head)
+
+
+async def test_replies_go_to_the_queue_recorded_at_open(
+    daemon: WorkerDaemon, raw_host: RawHost, names: Names, broker: AbstractConnection
+) -> None:
+    session = await opened(raw_host, daemon)
+    elsewhere = RawHost(raw_host.channel, raw_host.scope, names.host("-elsewhere"), raw_host.key)
+    await elsewhere.start(broker)
+
+    # reply_to is unauthenticated: a later frame cannot redirect the answers.
+    await raw_host.publish(
+        dispatch_frame(session, "d-1", operation_key()),
+        headers=raw_host.headers(session, "d-1"),
+        correlation_id="d-1",
+        reply_to=elsewhere.reply_queue,
+    )
+    assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
+    await asyncio.sleep(QUIET)
+    assert elsewhere.replies.items == []
