@@ -435,3 +435,39 @@ def test_manifest_attenuation_never_adds_or_widens(
         assert grant.max_calls <= parent.max_calls
         assert grant.max_compensations <= parent.max_compensations
         assert set(grant.resources) <= set(parent.resources)
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix]
+    if isinstance(node, dict):
+        for key, child in node.items():
+            found.extend(_paths(child, (*prefix, key)))
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            found.extend(_paths(child, (*prefix, index)))
+    return found
+
+
+@FAST
+@given(MESSAGES, st.data())
+def test_structurally_mutated_messages_raise_only_octo_errors(
+    message: Any, data: st.DataObject
+) -> None:
+    document = json.loads(encode_message(message))
+    path = data.draw(st.sampled_from(_paths(document)[1:]), label="path")
+    replacement = data.draw(JSONISH, label="replacement")
+    parent = document
+    for step in path[:-1]:
+        parent = parent[step]
+    if data.draw(st.booleans(), label="delete") and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = replacement
+    text = json.dumps(document).encode()
+    worker = SessionAuthenticator(SESSION, KEY, SessionRole.WORKER)
+    frame = b'{"sequence":1,"message":' + text + b',"auth_tag":"' + b"0" * 64 + b'"}'
+    for decode, blob in ((decode_message, text), (worker.open, frame)):
+        try:
+            decode(blob)
+        except OctoError:
+            pass
