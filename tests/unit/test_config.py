@@ -1,0 +1,273 @@
+"""worker.toml validation (octo_worker.config): every bad key is named in one line.
+
+Real files in tmp_path: the configuration, key files with real permissions,
+symlinks, and systemd's ``$CREDENTIALS_DIRECTORY``. No broker, no database.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from octo_common.frames import ScopeKey
+from octo_common.records import StorageKeyring
+from octo_worker.config import InvalidConfiguration, WorkerConfig, load_config
+
+GOOD = """
+[worker]
+state_dir = "state"
+log_level = "warning"
+shutdown_grace_seconds = 12
+
+[broker]
+url = "amqp://octo@broker.internal:5672/octo"
+password_file = "broker.password"
+
+[storage]
+journal = "journal.sqlite3"
+key = { id = "k2", key_file = "storage.key" }
+read_keys = [{ id = "k1", key_file = "storage-old.key" }]
+
+[[scopes]]
+name = "tenant-release"
+key_file = "scope.key"
+max_concurrency = 8
+
+[adapters]
+enabled = ["files.publish"]
+
+[adapters.options."files.publish"]
+target_dir = "./published"
+effect_log = "./effects.log"
+
+[metrics]
+listen = "127.0.0.1:9464"
+"""
+
+
+def private(path: Path, data: bytes | str, mode: int = 0o600) -> Path:
+    if isinstance(data, str):
+        path.write_text(data)
+    else:
+        path.write_bytes(data)
+    path.chmod(mode)
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    private(tmp_path / "scope.key", bytes(range(1, 33)))
+    private(tmp_path / "storage.key", (bytes([7]) * 32).hex() + "\n")  # hex form
+    private(tmp_path / "storage-old.key", bytes([9]) * 32)
+    private(tmp_path / "broker.password", "s3cret-pass\n")
+    (tmp_path / "worker.toml").write_text(GOOD)
+    return tmp_path
+
+
+def load(tree: Path, text: str) -> WorkerConfig:
+    (tree / "worker.toml").write_text(text)
+    return load_config(tree / "worker.toml")
+
+
+def refused(tree: Path, text: str) -> str:
+    with pytest.raises(InvalidConfiguration) as caught:
+        load(tree, text)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_good_config_resolves_paths_keys_and_the_broker_password(tree: Path) -> None:
+    config = load_config(tree / "worker.toml")
+    assert config.journal_path == tree / "state" / "journal.sqlite3"
+    assert config.worker.log_level == "warning"
+    assert config.worker.shutdown_grace_seconds == 12
+    assert config.scopes[0].name == "tenant-release"
+    assert config.scopes[0].max_concurrency == 8
+    assert config.metrics.listen == "127.0.0.1:9464"
+    assert config.broker.delivery_limit == 5  # default
+    keys = config.scope_keys()
+    assert isinstance(keys["tenant-release"], ScopeKey)
+    assert isinstance(config.storage_keyring(), StorageKeyring)
+    assert config.data_keyring() is None
+    url = config.broker_url()
+    assert url == "amqp://octo:s3cret-pass@broker.internal:5672/octo"
+    assert "s3cret" not in config.redacted_broker_url()
+    assert "s3cret" not in repr(config)
+
+
+def test_defaults_need_only_a_scope(tree: Path) -> None:
+    config = load(tree, '[[scopes]]\nname = "a"\nkey_file = "scope.key"\n')
+    assert config.broker.url == "amqp://guest:guest@127.0.0.1:5672/"
+    assert config.worker.log_format == "json"
+    assert config.metrics.listen is None
+    with pytest.raises(InvalidConfiguration, match=r"storage\.key: a storage key"):
+        config.storage_keyring()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            ("[worker]\n", '[worker]\ncolour = "blue"\n'),
+            r"^invalid configuration: worker: .*`colour`",
+        ),
+        (("[metrics]\n", "[metric]\n"), r"unknown field `metric`"),
+        (("max_concurrency = 8", 'max_concurrency = 8\nkey = "x"'), r"scopes\[0\]: .*`key`"),
+    ],
+)
+def test_unknown_key_is_named(tree: Path, change: tuple[str, str], expected: str) -> None:
+    message = refused(tree, GOOD.replace(*change, 1))
+    assert re.search(expected, message), message
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        (("max_concurrency = 8", 'max_concurrency = "eight"'), "scopes[0].max_concurrency"),
+        (
+            ("shutdown_grace_seconds = 12", "shutdown_grace_seconds = true"),
+            "worker.shutdown_grace_seconds",
+        ),
+        (('log_level = "warning"', 'log_level = "loud"'), "worker.log_level"),
+        (('enabled = ["files.publish"]', 'enabled = "files.publish"'), "adapters.enabled"),
+        (('listen = "127.0.0.1:9464"', "listen = 9464"), "metrics.listen"),
+    ],
+)
+def test_wrong_type_is_named(tree: Path, change: tuple[str, str], where: str) -> None:
+    message = refused(tree, GOOD.replace(*change, 1))
+    assert where in message, message
+
+
+def test_scopes_are_required_and_checked(tree: Path) -> None:
+    without = GOOD.split("[[scopes]]", maxsplit=1)[0] + GOOD.split("max_concurrency = 8\n")[1]
+    assert "scopes: at least one [[scopes]] entry is required" in refused(tree, without)
+
+    bad = refused(tree, GOOD.replace('name = "tenant-release"', 'name = "Tenant Release"'))
+    assert "scopes[0].name" in bad and "not a token" in bad
+
+    twice = GOOD + '\n[[scopes]]\nname = "tenant-release"\nkey_file = "scope.key"\n'
+    message = refused(tree, twice)
+    assert "scopes[1].name" in message and "listed twice" in message
+
+    zero = refused(tree, GOOD.replace("max_concurrency = 8", "max_concurrency = 0"))
+    assert "scopes[0].max_concurrency" in zero
+
+
+def test_world_readable_key_file_gets_a_chmod_hint(tree: Path) -> None:
+    (tree / "scope.key").chmod(0o644)
+    config = load_config(tree / "worker.toml")
+    with pytest.raises(InvalidConfiguration) as caught:
+        config.scope_keys()
+    message = str(caught.value)
+    assert "scopes[0].key_file" in message
+    assert f"chmod 600 {tree / 'scope.key'}" in message
+    assert "644" in message
+
+    (tree / "scope.key").chmod(0o600)
+    (tree / "storage-old.key").chmod(0o640)
+    with pytest.raises(InvalidConfiguration, match=r"storage_read_keys\[0\].*chmod 600"):
+        config.storage_keyring()
+
+
+def test_missing_and_malformed_key_files(tree: Path) -> None:
+    config = load(tree, GOOD.replace('key_file = "scope.key"', 'key_file = "absent.key"'))
+    with pytest.raises(
+        InvalidConfiguration, match=r"scopes\[0\]\.key_file: .*absent\.key does not exist"
+    ):
+        config.scope_keys()
+
+    for content in (b"short", bytes(33), b"AB" * 32, (b"ab" * 32) + b"\n\n"):
+        private(tree / "scope.key", content)
+        with pytest.raises(InvalidConfiguration, match="32 raw bytes or 64 lowercase hex"):
+            load(tree, GOOD).scope_keys()
+
+    private(tree / "scope.key", bytes(32))  # the all-zero key
+    with pytest.raises(InvalidConfiguration, match=r"scopes\[0\]\.key_file: .*scope key is weak"):
+        load(tree, GOOD).scope_keys()
+
+    private(tree / "storage.key", b"\x01" * 31)
+    with pytest.raises(InvalidConfiguration, match=r"storage_key\.key_file"):
+        load(tree, GOOD).storage_keyring()
+
+
+def test_key_file_symlink_and_directory_are_refused(tree: Path) -> None:
+    (tree / "link.key").symlink_to(tree / "scope.key")
+    config = load(tree, GOOD.replace('key_file = "scope.key"', 'key_file = "link.key"'))
+    with pytest.raises(InvalidConfiguration, match=r"scopes\[0\]\.key_file: cannot open"):
+        config.scope_keys()
+
+    (tree / "keys.d").mkdir(mode=0o700)
+    config = load(tree, GOOD.replace('key_file = "scope.key"', 'key_file = "keys.d"'))
+    with pytest.raises(InvalidConfiguration, match="scopes"):
+        config.scope_keys()
+
+
+def test_password_in_url_and_password_file_is_refused(tree: Path) -> None:
+    message = refused(tree, GOOD.replace("amqp://octo@", "amqp://octo:inline@"))
+    assert message.startswith("invalid configuration: broker.url: give the password in")
+    assert "inline" not in message
+
+    scheme = refused(tree, GOOD.replace("amqp://octo@", "http://octo@"))
+    assert "broker.url" in scheme
+
+    (tree / "broker.password").chmod(0o644)
+    config = load(tree, GOOD)
+    with pytest.raises(InvalidConfiguration, match=r"broker\.password_file: .*chmod 600"):
+        config.broker_url()
+
+
+@pytest.mark.parametrize(
+    "listen", ["localhost", "127.0.0.1:0", "127.0.0.1:65536", ":9464", "127.0.0.1:http"]
+)
+def test_bad_metrics_listen(tree: Path, listen: str) -> None:
+    message = refused(tree, GOOD.replace('listen = "127.0.0.1:9464"', f'listen = "{listen}"'))
+    assert message == "invalid configuration: metrics.listen: expected HOST:PORT"
+
+
+def test_options_for_an_adapter_that_is_not_enabled(tree: Path) -> None:
+    message = refused(tree, GOOD.replace('enabled = ["files.publish"]', "enabled = []"))
+    assert "adapters.options.files.publish: adapter is not enabled" in message
+
+
+def test_toml_syntax_error_and_missing_file(tree: Path) -> None:
+    assert "TOML syntax error" in refused(tree, "[worker\n")
+    with pytest.raises(InvalidConfiguration, match="does not exist"):
+        load_config(tree / "absent.toml")
+
+
+def test_credentials_directory_expansion(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    credentials = tree / "credentials"
+    credentials.mkdir(mode=0o700)
+    private(credentials / "tenant-release.key", bytes(range(40, 72)))
+    private(credentials / "storage.key", bytes([3]) * 32)
+    text = GOOD.replace(
+        'key_file = "scope.key"', 'key_file = "${CREDENTIALS_DIRECTORY}/tenant-release.key"'
+    ).replace('key_file = "storage.key"', 'key_file = "${CREDENTIALS_DIRECTORY}/storage.key"')
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    config = load(tree, text)
+    assert config.path(config.scopes[0].key_file) == credentials / "tenant-release.key"
+    key = config.scope_keys()["tenant-release"]
+    assert key == ScopeKey.from_bytes(bytes(range(40, 72)))
+    config.storage_keyring()
+
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    with pytest.raises(
+        InvalidConfiguration, match=r"CREDENTIALS_DIRECTORY.*not set.*LoadCredential"
+    ):
+        config.scope_keys()
+
+
+def test_relative_paths_are_relative_to_the_config_file(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tree / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(os.path.relpath(tree / "worker.toml", elsewhere))
+    assert config.path("scope.key") == tree / "scope.key"
+    assert config.state_path("x") == tree / "state" / "x"
+    config.scope_keys()
