@@ -25,6 +25,7 @@ from octo_common.errors import (
     InvalidSequence,
     InvalidSessionKeyLength,
     InvalidToken,
+    OctoError,
     SequenceExhausted,
     SerializationError,
     StaleFrame,
@@ -716,3 +717,35 @@ def test_open_checks_tag_then_session_then_exhaustion_then_window() -> None:
     with pytest.raises(UnknownSession):
         worker.open(_manual_frame(foreign, 5))
     assert worker.export_state() == AuthenticatorState(1, 5, 1)
+
+
+# Tampering ---------------------------------------------------------------------------
+
+
+def test_every_single_byte_change_of_a_frame_is_refused() -> None:
+    message = Invoke(ToolInvocation(SESSION, "r-1", "text.echo", ToolPayload.json({"a": [1, 2.5]})))
+    frame = SessionAuthenticator(SESSION, _key(), SessionRole.HOST).seal(message)
+    worker = SessionAuthenticator(SESSION, _key(), SessionRole.WORKER)
+    accepted = []
+    for index in range(len(frame)):
+        for value in range(256):
+            if value == frame[index]:
+                continue
+            try:
+                worker.open(frame[:index] + bytes([value]) + frame[index + 1 :])
+            except OctoError:
+                continue
+            accepted.append((index, value))
+    assert accepted == []
+    assert worker.export_state() == AuthenticatorState(1, 0, 0)
+
+
+def test_a_change_that_keeps_the_model_verifies_as_the_same_message() -> None:
+    # W§7.4: the tag covers the model. Renaming an empty `resources` key makes it an
+    # ignored unknown key, and the grant's `resources` defaults to [] (W§4.1): same model.
+    message = OpenSession(CapabilityManifest(SESSION, [CapabilityGrant.text("text.echo")]))
+    frame = SessionAuthenticator(SESSION, _key(), SessionRole.HOST).seal(message)
+    renamed = frame.replace(b'"resources":[]', b'"resourcez":[]')
+    assert renamed != frame
+    _, worker = _pair()
+    assert worker.open(renamed) == message
