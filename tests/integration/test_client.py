@@ -7,6 +7,10 @@ and the real ``files.publish`` adapter, whose effect log counts real effects.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import sys
 from typing import Any
 
 import pytest
@@ -29,6 +33,7 @@ from octo_worker.daemon import WorkerDaemon
 
 from .conftest import (
     TOOL,
+    URL,
     WAIT,
     AllowUndo,
     HostEnv,
@@ -390,3 +395,133 @@ async def test_spent_call_budget_opens_a_new_session_and_reconciles_first(
     assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [first, second]
     ledger = await stored_ledger(host_env)
     assert [op.state for op in ledger.operations] == [StateKind.SUCCEEDED] * 2
+
+
+_CRASHING_HOST = """
+import asyncio, json, sys
+from octo_common.frames import ScopeKey
+from octo_common.grants import CapabilityGrant, CapabilityManifest
+from octo_common.payload import ToolPayload
+from octo_common.records import StorageKeyring
+from octo_host.client import HostClient
+from octo_host.plan import WorkflowStep
+from octo_host.store import SqliteLedgerStore
+
+async def main(a):
+    keyring = StorageKeyring("host-k1", bytes.fromhex(a["storage_key"]))
+    store = SqliteLedgerStore(a["ledger"], keyring)
+    client = HostClient(a["url"], host_id=a["host_id"], store=store,
+                        scope_keys={a["scope"]: ScopeKey.from_file(a["scope_key_file"])})
+    await client.start()
+    plan = client.engine.plan([WorkflowStep(s, src) for s, src in a["steps"]])
+    run = await client.load_run(a["run"], plan)
+    payload = ToolPayload.json(a["payload"])
+    key = await client.record_operation(run, "publish", a["tool"], payload, b"release-42:1")
+    print("RECORDED", key, flush=True)
+    grant = CapabilityGrant(a["tool"], "json", max_calls=8, max_compensations=1)
+    session = await client.open_session(a["scope"], CapabilityManifest("manifest", [grant]))
+    await client.dispatch(session, run, key, payload)  # OCTO_FAULT kills us before the publish
+    print("survived", flush=True)
+
+asyncio.run(main(json.loads(sys.argv[1])))
+"""
+
+
+async def test_host_killed_after_its_ledger_commit_recovers_by_dispatching_the_same_key(
+    daemon: WorkerDaemon,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    names: Names,
+) -> None:
+    arguments = {
+        "url": URL,
+        "host_id": names.host("-crash"),
+        "scope": worker_env.scope,
+        "scope_key_file": str(worker_env.root / "worker" / "keys" / "scope.key"),
+        "ledger": str(host_env.ledger_path),
+        "storage_key": host_env.keyring_bytes.hex(),
+        "steps": [[step.id, step.source] for step in STEPS],
+        "run": RUN,
+        "tool": TOOL,
+        "payload": publish_payload().value,
+    }
+    env = dict(os.environ, OCTO_FAULT="host.after_ledger_commit")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CRASHING_HOST,
+        json.dumps(arguments),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=20.0)
+    assert process.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    assert b"SIGKILL at host.after_ledger_commit" in err
+    key = out.decode().split("RECORDED ", 1)[1].split()[0]
+    assert b"survived" not in out
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
+    assert read_effect_log(worker_env.effect_log) == []
+
+    client = await hosts.start(engine=WorkflowEngine())
+    summary = await client.recover(
+        RUN,
+        client.engine.plan(STEPS),
+        worker_env.scope,
+        manifest(),
+        inputs={key: publish_payload()},
+    )
+
+    assert summary.operations == {key: StateKind.SUCCEEDED}
+    assert client.published["reconcile_operation"] == 1  # unknown_operation: never admitted
+    assert client.published["dispatch_operation"] == 1
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+
+
+async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
+    workers: WorkerRunner, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    adapter = SlowUndo(worker_env, delay=0.5)
+    await workers.start(adapters=registry(adapter))
+    before = await hosts.start()
+    plan, run, key = await recorded(before)
+    session = await before.open_session(worker_env.scope, manifest())
+    assert isinstance(await before.dispatch(session, run, key, publish_payload()), Succeeded)
+    inverse = undo_payload()
+    target = compensation_target(worker_env.scope, key, canonical_operation_input_bytes(inverse))
+    compensation_key = await before.record_compensation(run, target, inverse, b"undo:1")
+    ledger = run.ledger
+    approval = before.engine.approve_compensation(
+        plan, ledger, target, canonical_operation_input_bytes(inverse), session.authenticator
+    )
+    outbound = before.engine.prepare_authenticated_operation_compensation(
+        plan,
+        ledger,
+        target,
+        WorkflowCompensationDispatch("c-1", inverse),
+        approval,
+        session.authenticator,
+    )
+    await before.publish(session, outbound.frame, "c-1", kind="compensate_operation")
+    await hosts.close(before)  # crashes while the inverse runs
+
+    after = await hosts.start(engine=WorkflowEngine())
+    rebuilt = after.engine.plan(STEPS)
+    action = AllowUndo(canonical_operation_input_bytes(inverse))
+    fresh_target = compensation_target(worker_env.scope, key, action.allowed_input, action)
+    summary = await after.recover(
+        RUN, rebuilt, worker_env.scope, manifest(), compensations={key: (fresh_target, inverse)}
+    )
+
+    assert summary.operations == {key: StateKind.SUCCEEDED}
+    assert summary.compensations == {key: StateKind.SUCCEEDED}
+    assert summary.reconciled == [compensation_key]
+    assert summary.unresolved == []
+    assert action.calls >= 2  # a fresh approval and the check before sealing
+    assert adapter.compensations == 1
+    assert len(read_effect_log(worker_env.effect_log)) == 2
+    assert not (worker_env.published / "notes.txt").exists()
+    stored = (await stored_ledger(host_env)).operation(key)
+    assert stored is not None and stored.compensation is not None
+    assert stored.compensation.state == StateKind.SUCCEEDED
