@@ -493,18 +493,29 @@ class _DatabaseThread:
     def __init__(self, name: str) -> None:
         self._name = name
         self._inbox: queue.SimpleQueue[
-            tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop] | None
+            tuple[
+                Callable[[], Any],
+                Callable[[tuple[bool, Any]], None],
+                asyncio.AbstractEventLoop,
+            ]
+            | None
         ] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, function: Callable[[], T]) -> asyncio.Future[T]:
-        """Queue ``function``; the returned future resolves on the running loop."""
+    def call(
+        self, function: Callable[[], Any], callback: Callable[[tuple[bool, Any]], None]
+    ) -> None:
+        """Run ``function`` there; ``callback((ok, value))`` then runs on this loop."""
         loop = asyncio.get_running_loop()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
-        future: asyncio.Future[T] = loop.create_future()
-        self._inbox.put((function, future, loop))
+        self._inbox.put((function, callback, loop))
+
+    def submit(self, function: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``function`` there; the returned future resolves on this loop."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.call(function, functools.partial(_resolve, future))
         return future
 
     def stop(self) -> None:
@@ -516,13 +527,13 @@ class _DatabaseThread:
             work = self._inbox.get()
             if work is None:
                 return
-            function, future, loop = work
+            function, callback, loop = work
             try:
                 outcome: tuple[bool, Any] = (True, function())
             except BaseException as exc:  # delivered to the awaiting caller
                 outcome = (False, exc)
             try:
-                loop.call_soon_threadsafe(_resolve, future, outcome)
+                loop.call_soon_threadsafe(callback, outcome)
             except RuntimeError:  # the loop is gone: nobody is waiting any more
                 continue
 
@@ -586,9 +597,17 @@ class SqliteJournalStore:
         self._opened = False
         self._closed = False
         self._queue: list[_Pending] = []
-        self._writer_task: asyncio.Task[None] | None = None
+        # Each thread runs one batch at a time; ``*_scheduled`` means a start
+        # is already on the loop's ready queue (it collects every change set
+        # submitted in the same loop iteration), ``*_busy`` that a batch is in
+        # its thread. ``_idle`` is set while neither holds (close waits on it).
+        self._writer_scheduled = False
+        self._writer_busy = False
         self._read_queue: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
-        self._reader_task: asyncio.Task[None] | None = None
+        self._reader_scheduled = False
+        self._reader_busy = False
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._transactions = 0
         self._change_sets = 0
         self._committed = 0
@@ -651,8 +670,10 @@ class SqliteJournalStore:
             )
         )
         self._change_sets += 1
-        if self._writer_task is None:
-            self._writer_task = loop.create_task(self._drain())
+        if not (self._writer_scheduled or self._writer_busy):
+            self._writer_scheduled = True
+            self._idle.clear()
+            loop.call_soon(self._start_writes)
         outcome = await asyncio.shield(future)
         if isinstance(outcome, OctoError):
             raise outcome
@@ -768,9 +789,7 @@ class SqliteJournalStore:
         if self._closed:
             return
         self._closed = True
-        for task in (self._writer_task, self._reader_task):
-            if task is not None:
-                await asyncio.shield(task)
+        await self._idle.wait()
         try:
             await self._writer_thread.submit(lambda: _guarded(self._close_writer))
             await self._reader_thread.submit(lambda: _guarded(self._close_reader))
@@ -809,74 +828,83 @@ class SqliteJournalStore:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._read_queue.append((function, future))
-        if self._reader_task is None:
-            self._reader_task = loop.create_task(self._drain_reads())
+        if not (self._reader_scheduled or self._reader_busy):
+            self._reader_scheduled = True
+            self._idle.clear()
+            loop.call_soon(self._start_reads)
         return cast(T, await future)
 
-    async def _drain_reads(self) -> None:
-        """The reader task: hand every waiting read to the reader thread at once."""
-        batch: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
-        try:
-            while self._read_queue:
-                batch, self._read_queue = self._read_queue, []
-                functions = [function for function, _future in batch]
-                work = self._reader_thread.submit(functools.partial(self._run_reads, functions))
-                try:
-                    outcomes = await work
-                except Exception as exc:  # a defect in the runner: fail the batch only
-                    outcomes = [(False, _backend_error(exc)) for _ in batch]
-                for (_function, future), (ok, value) in zip(batch, outcomes, strict=True):
-                    if future.done():  # its caller was cancelled
-                        continue
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(value)
-        except BaseException as exc:
-            # Only loop shutdown gets here: no waiting reader is left hanging.
-            for _function, future in [*batch, *self._read_queue]:
-                if not future.done():
-                    future.set_exception(_backend_error(exc))
-            self._read_queue = []
-            raise
-        finally:
-            self._reader_task = None
+    def _settle_idle(self) -> None:
+        if not (self._writer_scheduled or self._writer_busy) and not (
+            self._reader_scheduled or self._reader_busy
+        ):
+            self._idle.set()
 
-    async def _drain(self) -> None:
-        """The writer task: apply queued change sets, batch after batch."""
-        try:
-            while self._queue:
-                if self._group_commit:
-                    batch, self._queue = self._queue, []
-                else:
-                    batch = [self._queue.pop(0)]
-                work = self._writer_thread.submit(functools.partial(self._apply_batch, batch))
-                try:
-                    await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    # Only loop shutdown cancels this task: the transaction
-                    # still finishes in its thread, and its callers hear of it.
-                    await asyncio.wait([work])
-                    self._release(batch, work)
-                    raise
-                self._release(batch, work)
-        except BaseException as exc:
-            failure = exc if isinstance(exc, OctoError) else _backend_error(exc)
-            for pending in self._queue:
-                pending.future.set_result(_copy_error(failure))
-            self._queue = []
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self._writer_task = None
+    def _start_reads(self) -> None:
+        """Hand every waiting read to the reader thread at once."""
+        self._reader_scheduled = False
+        if self._reader_busy or not self._read_queue:
+            self._settle_idle()
+            return
+        batch, self._read_queue = self._read_queue, []
+        functions = [function for function, _future in batch]
+        self._reader_busy = True
+        self._reader_thread.call(
+            functools.partial(self._run_reads, functions),
+            functools.partial(self._reads_done, batch),
+        )
 
-    def _release(
-        self, batch: Sequence[_Pending], work: asyncio.Future[list[int | OctoError]]
+    def _reads_done(
+        self,
+        batch: Sequence[tuple[Callable[[], Any], asyncio.Future[Any]]],
+        outcome: tuple[bool, Any],
     ) -> None:
+        self._reader_busy = False
+        ok, value = outcome
+        # ``_run_reads`` keeps every read's outcome apart; only a defect in it
+        # fails the whole batch.
+        outcomes = value if ok else [(False, _backend_error(value)) for _ in batch]
         try:
-            outcomes: Sequence[int | OctoError] = work.result()
-        except Exception as exc:  # a defect in the batch function: fail the batch, not the loop
-            outcomes = [_backend_error(exc) for _ in batch]
+            for (_function, future), (read_ok, result) in zip(batch, outcomes, strict=True):
+                if future.done():  # its caller was cancelled
+                    continue
+                if read_ok:
+                    future.set_result(result)
+                else:
+                    future.set_exception(result)
+        finally:
+            # Reads queued meanwhile go at once: they already waited one batch.
+            self._start_reads()
+
+    def _start_writes(self) -> None:
+        """Apply the queued change sets: all of them (group commit) or the oldest."""
+        self._writer_scheduled = False
+        if self._writer_busy or not self._queue:
+            self._settle_idle()
+            return
+        if self._group_commit:
+            batch, self._queue = self._queue, []
+        else:
+            batch = [self._queue.pop(0)]
+        self._writer_busy = True
+        self._writer_thread.call(
+            functools.partial(self._apply_batch, batch),
+            functools.partial(self._writes_done, batch),
+        )
+
+    def _writes_done(self, batch: Sequence[_Pending], outcome: tuple[bool, Any]) -> None:
+        self._writer_busy = False
+        ok, value = outcome
+        # ``_apply_batch`` returns every change set's outcome; only a defect in
+        # it fails the whole batch.
+        outcomes = value if ok else [_backend_error(value) for _ in batch]
+        try:
+            self._release(batch, outcomes)
+        finally:
+            # Change sets queued during this batch go at once, together.
+            self._start_writes()
+
+    def _release(self, batch: Sequence[_Pending], outcomes: Sequence[int | OctoError]) -> None:
         self._transactions += 1
         self._largest_batch = max(self._largest_batch, len(batch))
         for pending, outcome in zip(batch, outcomes, strict=True):
