@@ -16,7 +16,7 @@ checks that the document names the row's scope and item.
 
 Commits follow W§11.2 steps 1-5 inside one ``BEGIN IMMEDIATE`` transaction.
 **Group commit** (ARCHITECTURE.md decision 5): concurrent ``commit`` calls are
-queued; one writer task drains the queue and applies every waiting change set
+queued; the writer thread takes the whole queue and applies every waiting change set
 in ONE transaction and ONE fsync, each under its own ``SAVEPOINT`` so a change
 set that fails its checks is rolled back alone. A lone caller is committed at
 once (no batching delay). Each caller awaits its own, shielded outcome.
