@@ -1088,6 +1088,8 @@ class SqliteJournalStore:
         # here (the write lock is ours) and written back once before COMMIT.
         heads: dict[str, tuple[int, int]] = {}
         advanced: dict[str, int] = {}
+        # Alone in its transaction, a change set needs no savepoint: a refusal
+        # rolls the whole (otherwise empty) transaction back.
         use_savepoints = len(batch) > 1
         try:
             connection = self._connection()
