@@ -407,11 +407,7 @@ class HostClient:
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), timeout=5.0)
-        for session in self._sessions.values():
-            for waiter in session._waiters.values():
-                waiter.abandoned = True
-                if not waiter.future.done():
-                    waiter.future.cancel()
+        # Callers still waiting time out on their own and then fail to publish.
 
     async def __aenter__(self) -> HostClient:
         await self.start()
@@ -485,7 +481,12 @@ class HostClient:
         attempts: int = 3,
     ) -> None:
         """One confirmed publish of ``frame``; an unconfirmed one is retried with the
-        same bytes (the worker treats a second copy as ``DuplicateFrame``)."""
+        same bytes (the worker treats a second copy as ``DuplicateFrame``).
+
+        Low level: no reply is awaited and the session's state is not checked
+        (``send`` and the verbs refuse closed sessions). Callers publish a
+        durable request only once the ledger revision behind it is durable.
+        """
         envelope = build_host_publish(
             session.scope,
             session.session_id,
@@ -1029,10 +1030,11 @@ class HostClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # Unexpected: leave the delivery to the broker (redelivered later).
+            # Unexpected: keep a copy for the operator rather than redelivering
+            # it forever (the reply queue has no delivery limit).
             self._log.error("reply_handling_failed", error=type(exc).__name__)
             with contextlib.suppress(Exception):
-                await message.nack(requeue=True)
+                await self._dead_letter(message, "host_internal_error")
 
     async def _route(self, message: AbstractIncomingMessage) -> None:
         body = message.body

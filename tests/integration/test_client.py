@@ -14,13 +14,16 @@ import sys
 from typing import Any
 
 import pytest
+from aio_pika.abc import AbstractChannel
 
 from octo_common.errors import CompensationRequiresSucceededOperation, SessionClosed
+from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
-from octo_common.messages import OperationResult
+from octo_common.messages import OperationReconcileResult, OperationResult
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import StateKind, Succeeded
-from octo_common.transport import HEADER_SESSION
+from octo_common.transport import EXCHANGE, HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
+from octo_host.amqp import publish_confirmed
 from octo_host.client import HostClient, HostRun
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.engine import WorkflowEngine
@@ -45,6 +48,7 @@ from .conftest import (
     compensation_target,
     header,
     manifest,
+    marker_of,
     reason_of,
     wait_session,
 )
@@ -525,3 +529,81 @@ async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
     stored = (await stored_ledger(host_env)).operation(key)
     assert stored is not None and stored.compensation is not None
     assert stored.compensation.state == StateKind.SUCCEEDED
+
+
+async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(
+    workers: WorkerRunner,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    channel: AbstractChannel,
+    dead_letters: Inbox,
+) -> None:
+    await workers.start(adapters=registry(SlowPublish(worker_env, delay=0.5)))
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not session._waiters and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    (request_id,) = session._waiters
+
+    # A "worker" that does not hold the scope key claims success.
+    forger = SessionAuthenticator(
+        session.session_id,
+        SessionKey.derive(
+            ScopeKey.from_bytes(os.urandom(32)),
+            worker_env.scope,
+            session.session_id,
+            session.key_nonce,
+        ),
+        SessionRole.WORKER,
+    )
+    forged = forger.seal(
+        OperationResult(
+            OperationReconcileResult(
+                session.session_id, request_id, TOOL, key, Succeeded(ToolPayload.json({}))
+            )
+        )
+    )
+    good_headers = {
+        HEADER_SCOPE: worker_env.scope,
+        HEADER_SESSION: session.session_id,
+        HEADER_KEY_NONCE: session.key_nonce.hex(),
+    }
+    cases = {
+        "forged": (good_headers, "invalid_authentication_tag"),
+        "no-session": (
+            {k: v for k, v in good_headers.items() if k != HEADER_SESSION},
+            "invalid_frame_headers",
+        ),
+        "other-scope": ({**good_headers, HEADER_SCOPE: "t-elsewhere"}, "scope_mismatch"),
+        "other-nonce": (
+            {**good_headers, HEADER_KEY_NONCE: "00" * 32},
+            "invalid_authentication_tag",
+        ),
+    }
+    for marker, (headers, _) in cases.items():
+        await publish_confirmed(
+            channel,
+            EXCHANGE,
+            client.reply_queue,
+            forged,
+            message_id=marker,
+            correlation_id=request_id,
+            reply_to=None,
+            headers={**headers, "x-test-marker": marker},
+            timeout=WAIT,
+        )
+    for marker, (_, reason) in cases.items():
+        dead = await dead_letters.wait_for(marker_of(marker))
+        assert reason_of(dead) == reason, marker
+    assert not dispatching.done()
+    assert run.state(key) == StateKind.PENDING
+
+    state = await asyncio.wait_for(dispatching, WAIT)
+    assert isinstance(state, Succeeded)
+    assert state.payload.value["name"] == "notes.txt"  # the genuine answer, not the forged {}
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
