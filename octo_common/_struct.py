@@ -24,8 +24,9 @@ class ProtocolStructMeta(msgspec.StructMeta):
         build = getattr(cls, "_build_arguments", None)
         if build is not None:
             args, kwargs = build(args, kwargs)
-        if getattr(cls, "__versioned__", False) and "protocol_version" not in kwargs:
-            args = (PROTOCOL_VERSION, *args)
+        if getattr(cls, "__versioned__", False):
+            # The version is the first field on the wire but never positional.
+            args = (kwargs.pop("protocol_version", PROTOCOL_VERSION), *args)
         obj = super().__call__(*args, **kwargs)
         obj.validate()
         return obj

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
@@ -110,6 +111,19 @@ class CapabilityGrant(msgspec.Struct, frozen=True):
     max_compensations: U32 = DEFAULT_MAX_COMPENSATIONS
     resources: tuple[ResourceSelector, ...] = ()
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            tool: str,
+            format: Format,
+            max_calls: int = DEFAULT_MAX_CALLS,
+            max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+            max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+            max_compensations: int = DEFAULT_MAX_COMPENSATIONS,
+            resources: Iterable[ResourceSelector] = (),
+        ) -> None: ...
+
     def __post_init__(self) -> None:
         if self.format not in ("text", "json"):
             raise SerializationError("grant format must be text or json")
@@ -131,6 +145,14 @@ class CapabilityGrant(msgspec.Struct, frozen=True):
 
     def validate(self) -> None:
         validate_token("tool", self.tool)
+        for limit in (
+            self.max_calls,
+            self.max_input_bytes,
+            self.max_output_bytes,
+            self.max_compensations,
+        ):
+            if type(limit) is not int or not 0 <= limit <= MAX_U32:
+                raise InvalidGrant("limits must be integers in 0..4294967295")
         if self.max_calls == 0:
             raise InvalidGrant("max_calls must be greater than zero")
         if self.max_input_bytes == 0 or self.max_output_bytes == 0:
@@ -138,6 +160,8 @@ class CapabilityGrant(msgspec.Struct, frozen=True):
         if len(self.resources) > MAX_RESOURCES_PER_GRANT:
             raise TooManyResources(MAX_RESOURCES_PER_GRANT)
         for resource in self.resources:
+            if not isinstance(resource, ResourceSelector):
+                raise InvalidGrant("resources must be ResourceSelector values")
             validate_token("resource selector", resource.id)
 
     def compensation_fingerprint(self) -> str:
@@ -199,6 +223,17 @@ class GrantAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
     max_output_bytes: U32 | None = None
     max_compensations: U32 | None = None
     resources: frozenset[ResourceSelector] | None = None
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            max_calls: int | None = None,
+            max_input_bytes: int | None = None,
+            max_output_bytes: int | None = None,
+            max_compensations: int | None = None,
+            resources: Iterable[ResourceSelector] | None = None,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         resources: Any = self.resources
@@ -286,10 +321,18 @@ class ManifestAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
     allowed_tools: frozenset[str] | None = None
     grants: Mapping[str, GrantAttenuation] = msgspec.field(default_factory=dict)
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            allowed_tools: AbstractSet[str] | Iterable[str] | None = None,
+            grants: Mapping[str, GrantAttenuation] | None = None,
+        ) -> None: ...
+
     def __post_init__(self) -> None:
         allowed: Any = self.allowed_tools
         if allowed is not None and not isinstance(allowed, frozenset):
             msgspec.structs.force_setattr(self, "allowed_tools", frozenset(allowed))
         grants: Any = self.grants
         if not isinstance(grants, dict):
-            msgspec.structs.force_setattr(self, "grants", dict(grants))
+            msgspec.structs.force_setattr(self, "grants", dict(grants or {}))

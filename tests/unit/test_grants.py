@@ -569,12 +569,6 @@ def test_attenuation_encodings_omit_none_fields() -> None:
 # Integer widths (W§1, W§4.1) --------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grants.CapabilityGrant.validate: limits outside u32 (max_calls=2**32, -1) or bools "
-    "pass validate(), so encode_message(OpenSession(...)) writes a manifest that "
-    "decode_message rejects with SerializationError (W§1 u32 ranges, W§4.1 no bools)",
-)
 @pytest.mark.parametrize("value", [2**32, -1, True])
 def test_limits_outside_u32_are_refused_before_encoding(value: int) -> None:
     with pytest.raises(OctoError):
@@ -583,12 +577,6 @@ def test_limits_outside_u32_are_refused_before_encoding(value: int) -> None:
         encode_message(OpenSession(CapabilityManifest("s", [grant])))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grants.CapabilityGrant.attenuate: a negative GrantAttenuation limit "
-    "(max_calls=-1 or max_compensations=-5) is accepted and yields a grant whose limit is "
-    "negative (W§6.3 step 6: the result is validated; u32 range of W§4.1)",
-)
 @pytest.mark.parametrize(
     "attenuation", [GrantAttenuation(max_calls=-1), GrantAttenuation(max_compensations=-5)]
 )

@@ -680,13 +680,6 @@ def test_text_input_with_a_lone_surrogate_is_a_serialization_error() -> None:
         decode_message('{"type":"close_session","protocol_version":5,"session_id":"\ud800"}')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_struct.ProtocolStructMeta.__call__: the declared keyword `protocol_version` "
-    "(CloseSession(session_id, *, protocol_version=5)) raises TypeError 'given by name and "
-    "position' because the positional arguments are not shifted; expected the constructor "
-    "to validate and raise UnsupportedVersion(6) (W§4.4)",
-)
 def test_an_explicit_protocol_version_is_validated() -> None:
     assert CloseSession("s", protocol_version=5) == CloseSession("s")
     with pytest.raises(UnsupportedVersion):
