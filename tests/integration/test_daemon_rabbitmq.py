@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Any
 
+import msgspec
 import pytest
 from aio_pika.abc import AbstractConnection
 
@@ -26,17 +28,20 @@ from octo_common.messages import (
     OperationResult,
     ReconciledOperation,
     ReconcileOperation,
+    RequestRejected,
     WorkerMessage,
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
 from octo_common.transport import HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters import WorkerAdapterRegistry
+from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 from octo_worker.daemon import WorkerDaemon
 
 from .conftest import (
     GRANT,
     TOOL,
+    WAIT,
     Inbox,
     Names,
     RawHost,
@@ -396,3 +401,98 @@ async def test_replies_go_to_the_queue_recorded_at_open(
     assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
     await asyncio.sleep(QUIET)
     assert elsewhere.replies.items == []
+
+
+class _SlowFiles(FilesPublishAdapter):
+    def __init__(self, env: WorkerEnv, delay: float) -> None:
+        super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
+        self.delay = delay
+        self.dispatches = 0
+
+    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+        self.dispatches += 1
+        await asyncio.sleep(self.delay)
+        return await super().dispatch_operation(request, grant)
+
+
+async def test_two_copies_in_flight_at_once_run_one_effect_and_both_are_answered(
+    workers: WorkerRunner, raw_host: RawHost, dead_letters: Inbox, worker_env: WorkerEnv
+) -> None:
+    adapter = _SlowFiles(worker_env, delay=0.4)
+    adapters = WorkerAdapterRegistry()
+    adapters.register(TOOL, adapter)
+    daemon = await workers.start(adapters=adapters)
+    session = await opened(raw_host, daemon)
+    frame = dispatch_frame(session, "d-1", operation_key())
+
+    # The second copy arrives while the first one's adapter call is running.
+    await raw_host.publish(frame, headers=raw_host.headers(session, "copy-1"), correlation_id="d-1")
+    await raw_host.publish(frame, headers=raw_host.headers(session, "copy-2"), correlation_id="d-1")
+
+    first = await answer(raw_host, session, "d-1")
+    second = await answer(raw_host, session, "d-1")
+    for message in (first, second):
+        assert isinstance(message, OperationResult)
+        assert isinstance(message.result.status, Succeeded)
+    assert adapter.dispatches == 1
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+    assert dead_letters.matching(lambda m: header(m, HEADER_SESSION) == session.session_id) == []
+
+
+async def test_worker_stopped_during_an_effect_leaves_it_pending_for_reconciliation(
+    raw_host: RawHost, dead_letters: Inbox, worker_env: WorkerEnv
+) -> None:
+    # A short grace: the stop cancels the handler while the adapter still sleeps.
+    config = msgspec.structs.replace(
+        worker_env.config,
+        worker=msgspec.structs.replace(worker_env.config.worker, shutdown_grace_seconds=0.2),
+    )
+    adapter = _SlowFiles(worker_env, delay=3.0)
+    adapters = WorkerAdapterRegistry()
+    adapters.register(TOOL, adapter)
+    runner = WorkerRunner(worker_env)
+    first = WorkerDaemon(config, adapters=adapters)
+    task = asyncio.create_task(first.run())
+    try:
+        await asyncio.wait_for(first.wait_ready(), WAIT)
+        session = await opened(raw_host, first)
+        key = operation_key()
+        frame = dispatch_frame(session, "d-1", key)
+        await raw_host.publish(
+            frame, headers=raw_host.headers(session, "d-1"), correlation_id="d-1"
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while adapter.dispatches == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert adapter.dispatches == 1
+    finally:
+        first.request_stop()
+        await asyncio.wait_for(task, 15.0)
+    assert read_effect_log(worker_env.effect_log) == []
+
+    second = await runner.start()
+    try:
+        records = {r.operation_key: r for r, _ in await second.store.list_records(raw_host.scope)}
+        assert records[key].state.kind.value == "pending"
+        # The same frame again: still pending at the worker, never run again.
+        await raw_host.publish(
+            frame, headers=raw_host.headers(session, "d-1-again"), correlation_id="d-1"
+        )
+        refused = await answer(raw_host, session, "d-1")
+        assert isinstance(refused, RequestRejected), refused
+        assert refused.code == "pending_operation"
+        # Reconciliation resolves it from the adapter's own record.
+        reconcile = session.auth.seal(
+            ReconcileOperation(OperationReconcileRequest(session.session_id, "r-1", TOOL, key))
+        )
+        await raw_host.publish(
+            reconcile, headers=raw_host.headers(session, "r-1"), correlation_id="r-1"
+        )
+        reconciled = await answer(raw_host, session, "r-1")
+        assert isinstance(reconciled, ReconciledOperation)
+        assert reconciled.result.status.kind.value == "failed"
+        assert adapter.dispatches == 1
+        assert read_effect_log(worker_env.effect_log) == []
+    finally:
+        await runner.stop_all()
