@@ -370,6 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prune.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
     prune.set_defaults(handler=cmd_journal_prune)
+    anchor = journal_verbs.add_parser(
+        "init-anchor",
+        parents=[common],
+        help="create the rollback anchor file from the database (storage.anchor)",
+    )
+    anchor.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing anchor (after restoring a backup on purpose)",
+    )
+    anchor.set_defaults(handler=cmd_journal_init_anchor)
 
     adapters = verbs.add_parser("adapters", help="installed adapter plug-ins")
     adapter_verbs = adapters.add_subparsers(
@@ -611,6 +622,14 @@ def _probe_adapters(config: WorkerConfig) -> str:
 
 async def _probe_journal(config: WorkerConfig) -> str:
     path = config.journal_path
+    anchor = config.anchor_path
+    if anchor is not None and not anchor.exists():
+        raise CliError(
+            EXIT_STORAGE,
+            f"storage.anchor: {anchor} does not exist; the daemon refuses to open the journal "
+            f"without it (create it with: {PROG} journal init-anchor)",
+            "rollback_anchor_missing",
+        )
     if not path.exists():
         parent = path.parent
         where = "exists" if parent.is_dir() else "will be created"
@@ -695,8 +714,13 @@ async def _store(config: WorkerConfig) -> AsyncIterator[SqliteJournalStore]:
         try:
             await store.integrity_check()  # opens the database and checks the anchor
         except OctoError as error:
+            hint = ""
+            if error.code == "rollback_anchor_missing":
+                hint = f" (create it with: {PROG} journal init-anchor)"
             raise CliError(
-                EXIT_STORAGE, f"journal {path}: cannot open: {error.code}: {error}", error.code
+                EXIT_STORAGE,
+                f"journal {path}: cannot open: {error.code}: {error}{hint}",
+                error.code,
             ) from None
         yield store
     finally:
@@ -1048,6 +1072,43 @@ def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
         "(the journal store records no write times and offers no row removal)",
         "not_supported",
     )
+
+
+def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:
+    config = _config(args)
+    anchor = config.anchor_path
+    if anchor is None:
+        raise CliError(EXIT_USAGE, "storage.anchor is not configured", "invalid_configuration")
+    if anchor.exists() and not args.force:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"{anchor} already exists; --force re-anchors to the database as it is now, "
+            "which accepts any rollback that happened (only after restoring a backup on purpose)",
+            "exists",
+        )
+
+    async def initialize() -> dict[str, int]:
+        store = SqliteJournalStore(
+            config.journal_path,
+            config.storage_keyring(),
+            anchor_path=anchor,
+            data_keyring=config.data_keyring(),
+        )
+        try:
+            await store.initialize_anchor()
+            return {scope: await store.head_revision(scope) for scope in await store.scopes()}
+        except OctoError as error:
+            raise _storage_failure(f"journal {config.journal_path}", error) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await store.close()
+
+    heads = asyncio.run(initialize())
+    out.line(f"anchored {len(heads)} scope(s) in {anchor}")
+    for scope, revision in heads.items():
+        out.line(f"  {scope}: revision {revision}")
+    out.document({"ok": True, "anchor": str(anchor), "scopes": heads})
+    return EXIT_OK
 
 
 # adapters ------------------------------------------------------------------------------------

@@ -280,14 +280,24 @@ class RunningWorker:
     stopped: bool = False
 
     @classmethod
-    def start(cls, files: WorkerFiles, *, ready_timeout: float = 20.0) -> RunningWorker:
+    def start(
+        cls, files: WorkerFiles, *, ready_timeout: float = 20.0, wrapper: list[str] | None = None
+    ) -> RunningWorker:
         notify = NotifyListener()
         env = dict(os.environ, NOTIFY_SOCKET=notify.name)
         env.pop("WATCHDOG_USEC", None)
         stderr_path = files.root / "run.stderr"
         with stderr_path.open("w") as stderr:
             process = subprocess.Popen(
-                [PYTHON, "-m", "octo_worker", "run", "--config", str(files.config)],
+                [
+                    *(wrapper or []),
+                    PYTHON,
+                    "-m",
+                    "octo_worker",
+                    "run",
+                    "--config",
+                    str(files.config),
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 text=True,
@@ -872,3 +882,69 @@ def test_daemon_declares_queues_and_topology_declare_adds_the_policy(tmp_path: P
             assert running.process.poll() is None  # re-declaring beside it is harmless
         finally:
             assert running.stop() == 0
+
+
+def test_rollback_anchor_is_created_by_init_anchor_and_checked(
+    tmp_path: Path, vhost: Broker
+) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-anchor")
+    files.write(
+        files.config.read_text().replace(
+            'journal = "journal.sqlite3"', 'journal = "journal.sqlite3"\nanchor = "journal.anchor"'
+        )
+    )
+    anchor = tmp_path / "state" / "journal.anchor"
+    before = octo_worker("check", config=files.config)
+    assert before.returncode == 4
+    assert "journal init-anchor" in one_line(before.stderr)
+    assert "journal: FAIL" in before.stdout
+
+    created = octo_worker("journal", "init-anchor", "--json", config=files.config)
+    assert created.returncode == 0, created.stderr
+    assert json_out(created)["anchor"] == str(anchor)
+    assert anchor.stat().st_mode & 0o777 == 0o600
+    assert octo_worker("check", config=files.config).returncode == 0
+
+    again = octo_worker("journal", "init-anchor", config=files.config)
+    assert again.returncode == 1
+    assert "--force" in one_line(again.stderr)
+    assert octo_worker("journal", "init-anchor", "--force", config=files.config).returncode == 0
+
+    anchor.unlink()
+    missing = octo_worker("journal", "verify", config=files.config)
+    assert missing.returncode == 4
+    assert "rollback_anchor_missing" in one_line(missing.stderr)
+
+
+MDWE_WRAPPER = """
+import ctypes, os, sys
+PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 65, 1
+if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0):
+    sys.exit(97)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_run_serves_under_memory_deny_write_execute(tmp_path: Path, vhost: Broker) -> None:
+    """The unit's MemoryDenyWriteExecute=yes, emulated with prctl(PR_SET_MDWE).
+
+    The flag survives execve, so the whole daemon (CPython, aio-pika, SQLite,
+    cryptography, BLAKE3, msgspec, the files.publish adapter) runs with
+    writable+executable mappings refused, exactly as systemd would run it.
+    """
+    probe = subprocess.run(
+        [PYTHON, "-c", MDWE_WRAPPER, PYTHON, "-c", "pass"], capture_output=True, check=False
+    )
+    if probe.returncode == 97:
+        pytest.skip("this kernel has no PR_SET_MDWE (Linux >= 6.3)")
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-mdwe")
+    running = RunningWorker.start(files, wrapper=[PYTHON, "-c", MDWE_WRAPPER])
+    try:
+        peer = HostPeer(vhost.url, "tenant-mdwe", files.scope_key)
+        answers = asyncio.run(peer.dispatch_files(["mdwe.txt"]))
+        assert all(succeeded(answer) for _, answer in answers), running.log()[-2000:]
+        assert (files.published / "mdwe.txt").read_text() == "content of mdwe.txt"
+    finally:
+        status = running.stop()
+        running.kill()
+    assert status == 0, running.log()[-2000:]
