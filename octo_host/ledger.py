@@ -69,7 +69,7 @@ from octo_common.messages import (
     OperationReconcileResult,
 )
 from octo_common.payload import canonical_operation_input_bytes
-from octo_common.states import OperationStatus, StateKind, accepts
+from octo_common.states import TERMINAL_KINDS, OperationStatus, StateKind, accepts
 from octo_host.plan import WorkflowPlan, is_step_id
 
 if TYPE_CHECKING:
@@ -541,6 +541,30 @@ class WorkflowOperationLedger:
             self._operations[index] = replace(operation, state=observed)
             self._revision = revision
         return status
+
+    def resolve_by_operator(self, operation_key: str, state: StateKind | str) -> StateKind:
+        """Record an operator's decision for a stuck operation (no worker answer).
+
+        Only a ``pending`` or ``running`` operation can be resolved, only to a
+        terminal state, and only along the one transition table; nothing is
+        sent and no effect runs. The ledger keeps the state only: who decided
+        and why belong in the audit record the caller writes with it.
+        Advances the revision (the state changes by construction).
+        """
+        self.validate_syntax()
+        target = StateKind(state)
+        if target not in TERMINAL_KINDS:
+            raise InvalidStateTransition(StateKind.PENDING, target)
+        index = self._index(operation_key)
+        if index is None:
+            raise UnknownOperation(operation_key)
+        operation = self._operations[index]
+        if operation.state in TERMINAL_KINDS or not accepts(operation.state, target):
+            raise InvalidStateTransition(operation.state, target)
+        revision = _next_revision(self._revision)
+        self._operations[index] = replace(operation, state=target)
+        self._revision = revision
+        return target
 
     def apply_verified_compensation(
         self, request: OperationCompensationRequest, result: OperationCompensationResult

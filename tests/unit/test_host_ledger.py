@@ -849,3 +849,46 @@ def test_compensation_revision_moves_only_when_its_state_changes(
         assert ledger.revision == before_revision + (1 if changed else 0)
         after = ledger.operation(KEY)
         assert after is not None and after.state is StateKind.SUCCEEDED
+
+
+# Operator resolution (issue 6: `octo-host resolve`) -----------------------------
+
+
+def _ledger_with_pending() -> tuple[WorkflowOperationLedger, str]:
+    from octo_common.digest import plan_fingerprint as _plan_fp
+    from octo_host.plan import WorkflowStep as _Step
+
+    ledger = WorkflowOperationLedger(_plan_fp([_Step("publish", "x")]))
+    ledger.record("publish", "release.publish", "release-2026-9", b"input")
+    return ledger, "release-2026-9"
+
+
+def test_operator_resolution_moves_a_pending_operation_to_a_terminal_state() -> None:
+    ledger, key = _ledger_with_pending()
+    before = ledger.revision
+    assert ledger.resolve_by_operator(key, "failed") == StateKind.FAILED
+    operation = ledger.operation(key)
+    assert operation is not None and operation.state == StateKind.FAILED
+    assert ledger.revision == before + 1
+
+
+@pytest.mark.parametrize("target", ["pending", "running"])
+def test_operator_resolution_only_to_terminal_states(target: str) -> None:
+    ledger, key = _ledger_with_pending()
+    before = ledger.copy()
+    with pytest.raises(InvalidStateTransition):
+        ledger.resolve_by_operator(key, target)
+    assert ledger == before
+
+
+def test_operator_resolution_refuses_terminal_operations_and_unknown_keys() -> None:
+    ledger, key = _ledger_with_pending()
+    ledger.resolve_by_operator(key, "succeeded")
+    after = ledger.copy()
+    with pytest.raises(InvalidStateTransition):
+        ledger.resolve_by_operator(key, "failed")
+    with pytest.raises(InvalidStateTransition):
+        ledger.resolve_by_operator(key, "succeeded")
+    with pytest.raises(UnknownOperation):
+        ledger.resolve_by_operator("release-2026-10", "failed")
+    assert ledger == after
