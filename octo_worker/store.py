@@ -19,7 +19,8 @@ Commits follow W§11.2 steps 1-5 inside one ``BEGIN IMMEDIATE`` transaction.
 queued; the writer thread takes the whole queue and applies every waiting change set
 in ONE transaction and ONE fsync, each under its own ``SAVEPOINT`` so a change
 set that fails its checks is rolled back alone. A lone caller is committed at
-once (no batching delay). Each caller awaits its own, shielded outcome.
+once (no batching delay). Each caller awaits its own outcome; a submitted
+commit is shielded from its caller's cancellation.
 
 Threads
 -------
@@ -365,8 +366,9 @@ class _Pending:
     writes: tuple[_RowWrite, ...]
     new_sessions: tuple[str, ...]
     outbox_delete: tuple[str, ...]
-    # Resolved with the revision or the error: never with an exception, so a
-    # caller that was cancelled leaves nothing unretrieved behind.
+    # The caller's window on the outcome: resolved with the revision or the
+    # error (never an exception, so nothing is left unretrieved), or cancelled
+    # with its caller, which the writer then skips.
     future: asyncio.Future[int | OctoError]
 
 
@@ -644,8 +646,8 @@ class SqliteJournalStore:
         """Commit one change set (W§11.2); returns the new scope revision.
 
         Concurrent calls share transactions (group commit); each caller gets
-        the outcome it would have had alone. The outcome is shielded from the
-        caller's cancellation.
+        the outcome it would have had alone. Once submitted, the commit is
+        shielded from the caller's cancellation: it completes or fails.
         """
         _check_scope(scope)
         if not isinstance(lease, WorkerJournalLease) or lease._scope != scope:
@@ -674,7 +676,12 @@ class SqliteJournalStore:
             self._writer_scheduled = True
             self._idle.clear()
             loop.call_soon(self._start_writes)
-        outcome = await asyncio.shield(future)
+        # Shielded by construction, as ``asyncio.shield`` would do but one
+        # callback hop cheaper: the change set now belongs to the writer's
+        # queue, and ``future`` is only this caller's window on its outcome.
+        # Cancelling the caller cancels that window, never the commit; the
+        # writer skips a cancelled window and the commit completes or fails.
+        outcome = await future
         if isinstance(outcome, OctoError):
             raise outcome
         return outcome
