@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -948,3 +949,58 @@ def test_run_serves_under_memory_deny_write_execute(tmp_path: Path, vhost: Broke
         status = running.stop()
         running.kill()
     assert status == 0, running.log()[-2000:]
+
+
+def test_rabbitmq_definitions_import_and_agree_with_topology_declare(tmp_path: Path) -> None:
+    """deploy/rabbitmq-definitions.json, imported with rabbitmqctl into a private vhost."""
+    from octo_common.transport import DEFAULT_DELIVERY_LIMIT, WORKER_POLICY_PATTERN
+    from octo_worker.topology import POLICY_PRIORITY
+
+    definitions = json.loads((REPO / "deploy" / "rabbitmq-definitions.json").read_text())
+    (policy,) = definitions["policies"]
+    assert policy["name"] == WORKER_POLICY_NAME
+    assert policy["pattern"] == WORKER_POLICY_PATTERN
+    assert policy["priority"] == POLICY_PRIORITY
+    assert policy["definition"] == {
+        "delivery-limit": DEFAULT_DELIVERY_LIMIT,
+        "dead-letter-exchange": "octo.v5.dead",
+    }
+    with private_vhost("octo-defs") as own:
+        text = json.dumps(definitions).replace('"vhost": "/"', f'"vhost": "{own.vhost}"')
+        document = json.loads(text)
+        document["vhosts"] = [{"name": own.vhost}]
+        # rabbitmqctl runs as the rabbitmq user, who cannot read tmp_path (and
+        # 3.10 does not read "-" from stdin): a public file in /tmp, no secret in it.
+        handle, name = tempfile.mkstemp(prefix="octo-defs-", suffix=".json", dir="/tmp")
+        try:
+            os.write(handle, json.dumps(document).encode())
+            os.close(handle)
+            os.chmod(name, 0o644)
+            imported = subprocess.run(
+                [str(RABBITMQCTL), "import_definitions", name],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        finally:
+            os.unlink(name)
+        assert imported.returncode == 0, imported.stdout + imported.stderr
+
+        files = WorkerFiles(tmp_path / "worker", own.url, "tenant-release")
+
+        def imported_queues() -> bool:
+            shown = octo_worker(
+                "topology", "show", "--host-id", "host-1", "--json", config=files.config
+            )
+            return all(queue["exists"] for queue in json_out(shown)["queues"])
+
+        assert wait_until(imported_queues), "the import never created the queues"
+        # The queues the file made are exactly what the worker declares: a
+        # re-declaration with different arguments would fail (exit 3).
+        declared = octo_worker(
+            "topology", "declare", "--skip-policy", "--host-id", "host-1", config=files.config
+        )
+        assert declared.returncode == 0, declared.stderr
+        listed = rabbitmqctl("list_policies", "-p", own.vhost, "--formatter", "json")
+        assert [p["name"] for p in json.loads(listed.stdout)] == [WORKER_POLICY_NAME]
