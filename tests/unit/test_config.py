@@ -10,11 +10,14 @@ import os
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from octo_common.frames import ScopeKey
 from octo_common.records import StorageKeyring
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "worker.toml.example"
 
 GOOD = """
 [worker]
@@ -271,3 +274,33 @@ def test_relative_paths_are_relative_to_the_config_file(
     assert config.path("scope.key") == tree / "scope.key"
     assert config.state_path("x") == tree / "state" / "x"
     config.scope_keys()
+
+
+def _keys(struct: type[msgspec.Struct]) -> set[str]:
+    names: set[str] = set()
+    for info in msgspec.structs.fields(struct):
+        names.add(info.name)
+        for inner in (info.type, *getattr(info.type, "__args__", ())):
+            if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
+                names |= _keys(inner)
+    return names
+
+
+def test_the_example_config_is_valid_and_documents_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", "/run/credentials/octo-worker@worker.service")
+    config = load_config(EXAMPLE)
+    assert config.scopes[0].name == "tenant-release"
+    assert config.path(config.scopes[0].key_file) == Path(
+        "/run/credentials/octo-worker@worker.service/tenant-release.key"
+    )
+    assert config.journal_path == Path("/var/lib/octo-worker/worker/journal.sqlite3")
+    text = EXAMPLE.read_text()
+    undocumented = {
+        key
+        for key in _keys(WorkerConfig) - {"base_dir"}
+        if not re.search(rf"^\s*(# )?{key} =|\b{key} = ", text, re.MULTILINE)
+        and not re.search(rf"^\[+[\w.]*\b{key}\b", text, re.MULTILINE)  # a table header
+    }
+    assert undocumented == set()
