@@ -204,6 +204,8 @@ class _Scope:
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
     persisted_poisoned: set[str] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Handlers past the pause gate: a reload waits for these only.
+    active: set[asyncio.Task[Any]] = field(default_factory=set)
     open_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     queue: AbstractQueue | None = None
     consumer_tag: str | None = None
@@ -685,11 +687,14 @@ class WorkerDaemon:
         self, scope: _Scope, message: AbstractIncomingMessage, channel: AbstractChannel
     ) -> None:
         async with scope.semaphore:
-            if not scope.running.is_set():
+            while not scope.running.is_set():
                 await scope.running.wait()
             if scope.superseded:
                 return  # never acked: another worker owns the scope now
             delivery = _Delivery(self, scope, message, channel, None)
+            current = asyncio.current_task()
+            if current is not None:
+                scope.active.add(current)
             try:
                 await self._deliver(scope, message, delivery)
             except asyncio.CancelledError:
@@ -698,6 +703,9 @@ class WorkerDaemon:
                 self._log.error("delivery_failed", scope=scope.name, error=type(exc).__name__)
                 with contextlib.suppress(Exception):
                     await delivery.requeue()
+            finally:
+                if current is not None:
+                    scope.active.discard(current)
             self.metrics.deliveries.labels(scope.name, delivery.outcome).inc()
             self.metrics.progress()
         await self._after_delivery(scope, delivery)
@@ -824,13 +832,13 @@ class WorkerDaemon:
 
     async def _reload_scope(self, scope: _Scope) -> None:
         """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume."""
-        current = asyncio.current_task()
         try:
             scope.running.clear()
             await self._stop_consuming(scope)
-            others = [t for t in scope.tasks if t is not current]
-            if others:
-                await asyncio.wait(others)
+            # The handler that poisoned the session is done with it; wait for
+            # every other running handler of the scope (their commits may fail too).
+            while scope.active:
+                await asyncio.wait(list(scope.active))
             if scope.superseded or self._require_daemon_store().superseded.__contains__(scope.name):
                 await self._give_up_scope(scope)
                 return

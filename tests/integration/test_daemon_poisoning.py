@@ -1,0 +1,106 @@
+"""The daemon's side of poisoning (W§10.9 steps 3-5) with a fault at the store boundary.
+
+A commit that fails poisons its session: the host gets a best-effort refusal,
+the daemon pauses the scope, reloads it under a freshly reserved fence, records
+the session as ``poisoned`` and resumes. The adapter never runs for the failed
+admission; a new session then dispatches the same key and the effect happens
+exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from octo_common.errors import StorageBackendError
+from octo_common.messages import DispatchOperation, OperationDispatchRequest, RequestRejected
+from octo_common.payload import ToolPayload
+from octo_common.states import Succeeded
+from octo_worker.adapters_files import read_effect_log
+from octo_worker.daemon import WorkerDaemon
+
+from .conftest import TOOL, WAIT, RawHost, RawSession, WorkerEnv, unique, wait_session
+
+pytestmark = pytest.mark.rabbitmq
+
+
+def _dispatch(session: RawSession, request_id: str, key: str) -> bytes:
+    payload = ToolPayload.json({"name": "poison.txt", "content": "once"})
+    request = OperationDispatchRequest(session.session_id, request_id, TOOL, key, payload)
+    return session.auth.seal(DispatchOperation(request))
+
+
+async def _ask(raw_host: RawHost, session: RawSession, request_id: str, key: str) -> Any:
+    await raw_host.publish(
+        _dispatch(session, request_id, key),
+        headers=raw_host.headers(session, unique("m")),
+        correlation_id=request_id,
+    )
+    reply = await raw_host.replies.wait_for(lambda m: m.correlation_id == request_id)
+    return session.auth.open(reply.body)
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]]) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_failed_admission_commit_poisons_and_the_scope_reloads(
+    daemon: WorkerDaemon, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    scope = worker_env.scope
+    session = raw_host.session()
+    await raw_host.open(session)
+    await wait_session(daemon, scope, session.session_id)
+    lease = daemon._scopes[scope].lease
+    assert lease is not None
+    fence_before = lease.token
+
+    # Arm one failing commit at the store boundary the sessions use.
+    store = daemon._require_daemon_store()
+    real_commit = store.commit
+    failures = 0
+
+    async def failing_once(*args: Any) -> int:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise StorageBackendError("injected")
+        return await real_commit(*args)
+
+    store.commit = failing_once  # type: ignore[method-assign]
+    key = "op-poisoned-1"
+    refused = await _ask(raw_host, session, "d-1", key)
+
+    assert isinstance(refused, RequestRejected)
+    assert refused.code == "journal_persistence_failed"
+    assert read_effect_log(worker_env.effect_log) == []  # the adapter never ran
+
+    # The daemon reloads the scope and records the session as poisoned.
+    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    await _eventually(lambda: _consuming(daemon, scope))
+    reloaded = daemon._scopes[scope].lease
+    assert reloaded is not None and reloaded.token > fence_before  # a freshly reserved fence
+
+    # The poisoned session keeps refusing; a new session reaches the same key.
+    again = await _ask(raw_host, session, "d-2", key)
+    assert isinstance(again, RequestRejected) and again.code == "session_poisoned"
+
+    fresh = raw_host.session()
+    await raw_host.open(fresh)
+    await wait_session(daemon, scope, fresh.session_id)
+    answer = await _ask(raw_host, fresh, "d-3", key)
+    assert answer.result.status == Succeeded(answer.result.status.payload)
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+
+
+async def _consuming(daemon: WorkerDaemon, scope: str) -> bool:
+    state = daemon._scopes[scope]
+    return state.consumer_tag is not None and not state.reloading
