@@ -54,9 +54,9 @@ import sqlite3
 import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, NoReturn, TypeVar, cast
+from typing import Any, Final, NamedTuple, NoReturn, TypeVar, cast
 
 import msgspec
 import structlog
@@ -221,8 +221,7 @@ class WorkerJournalLease:
         raise TypeError("WorkerJournalLease cannot be copied")
 
 
-@dataclass(frozen=True, slots=True)
-class SessionDocuments:
+class SessionDocuments(msgspec.Struct, frozen=True):
     """A session's documents for one commit (W§10.3).
 
     ``state``/``opening`` are compact JSON written by the session module; both
@@ -231,24 +230,31 @@ class SessionDocuments:
     written at; None means a new session, which must supply ``opening``.
     """
 
-    state: bytes = field(repr=False)
-    opening: bytes | None = field(default=None, repr=False)
+    state: bytes
+    opening: bytes | None = None
     base_revision: int | None = None
 
+    def __repr__(self) -> str:
+        return f"SessionDocuments(base_revision={self.base_revision!r})"
 
-@dataclass(frozen=True, slots=True)
-class PersistedSession:
+
+class PersistedSession(msgspec.Struct, frozen=True):
     """A session as loaded: ``revision`` is its state row's revision."""
 
     session_id: str
     status: str
-    opening: bytes = field(repr=False)
-    state: bytes = field(repr=False)
+    opening: bytes
+    state: bytes
     revision: int
 
+    def __repr__(self) -> str:
+        return (
+            f"PersistedSession(session_id={self.session_id!r}, status={self.status!r}, "
+            f"revision={self.revision!r})"
+        )
 
-@dataclass(frozen=True, slots=True)
-class OutboxEntry:
+
+class OutboxEntry(msgspec.Struct, frozen=True):
     """A committed reply frame waiting for its publish confirmation (W§11.4).
 
     ``message_id`` is the hex BLAKE3 of ``frame``. Pass ``revision=0`` on
@@ -259,22 +265,33 @@ class OutboxEntry:
     session_id: str
     reply_to: str
     correlation_id: str | None
-    frame: bytes = field(repr=False)
+    frame: bytes
     revision: int = 0
 
+    def __repr__(self) -> str:
+        return (
+            f"OutboxEntry(message_id={self.message_id!r}, session_id={self.session_id!r}, "
+            f"revision={self.revision!r})"
+        )
 
-@dataclass(frozen=True, slots=True)
-class WorkerCommit:
+
+class WorkerCommit(msgspec.Struct, frozen=True):
     """The ``changes`` argument of ``SqliteJournalStore.commit`` (W§10.11 rule 12)."""
 
     journal: JournalChangeset | None = None
-    sessions: dict[str, SessionDocuments] = field(default_factory=dict)
-    outbox_insert: list[OutboxEntry] = field(default_factory=list)
-    outbox_delete: list[str] = field(default_factory=list)
+    sessions: dict[str, SessionDocuments] = msgspec.field(default_factory=dict)
+    outbox_insert: list[OutboxEntry] = msgspec.field(default_factory=list)
+    outbox_delete: list[str] = msgspec.field(default_factory=list)
+
+    def __repr__(self) -> str:
+        rows = 0 if self.journal is None else len(self.journal.rows)
+        return (
+            f"WorkerCommit(journal_rows={rows}, sessions={sorted(self.sessions)!r}, "
+            f"outbox_insert={len(self.outbox_insert)}, outbox_delete={len(self.outbox_delete)})"
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class StoreStats:
+class StoreStats(msgspec.Struct, frozen=True):
     """Counters for observability: a snapshot, not a live view."""
 
     transactions: int
@@ -350,8 +367,7 @@ def _state_status(document: bytes, scope: str, session_id: str) -> str:
 # Prepared change sets ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _RowWrite:
+class _RowWrite(NamedTuple):
     namespace: str
     item: str
     document: bytes
@@ -372,8 +388,7 @@ class _Pending:
     future: asyncio.Future[int | OctoError]
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
+class _Row(NamedTuple):
     item: str
     revision: int
     envelope: bytes
