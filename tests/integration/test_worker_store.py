@@ -474,6 +474,16 @@ async def test_outbox_insert_delete_and_load_order(store: SqliteJournalStore) ->
     ]
 
 
+def test_value_reprs_never_show_documents_or_frames() -> None:
+    frame = b'{"secret":"' + SECRET_TEXT.encode() + b'"}'
+    values = [
+        outbox("sess-1", frame),
+        SessionDocuments(frame, frame, 3),
+        WorkerCommit(outbox_insert=[outbox("sess-1", frame)]),
+    ]
+    assert all(SECRET_TEXT not in repr(value) for value in values)
+
+
 async def test_outbox_message_id_must_be_the_frame_digest(store: SqliteJournalStore) -> None:
     lease = await store.reserve_fence(SCOPE)
     entry = outbox("sess-1", b'{"frame":1}')
