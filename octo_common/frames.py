@@ -17,6 +17,7 @@ import secrets
 import stat
 from typing import Annotated, Any, Final, NoReturn
 
+import blake3
 import msgspec
 
 from octo_common.codec import convert_tree, decode_fast, encode_struct, parse_tree
@@ -210,23 +211,33 @@ class _Frame(msgspec.Struct, frozen=True):
     auth_tag: str
 
 
-def _tag_input(sender: str, sequence: int, session_id: str, message_bytes: bytes) -> bytes:
-    # session ids are tokens: no JSON escaping is ever needed.
+_TAG_DOMAIN_HEAD = (
+    b'{"domain":"' + FRAME_AUTH_DOMAIN.encode() + b'","protocol_version":5,"sender":"'
+)
+
+
+def _tag_head(sender: str, sequence: int, session_id: str) -> bytes:
+    """W§7.4: the tag input up to the message (session ids are tokens: no escaping)."""
     return b"".join(
         (
-            b'{"domain":"',
-            FRAME_AUTH_DOMAIN.encode(),
-            b'","protocol_version":5,"sender":"',
+            _TAG_DOMAIN_HEAD,
             sender.encode(),
             b'","sequence":',
             str(sequence).encode(),
             b',"session_id":"',
             session_id.encode(),
             b'","message":',
-            message_bytes,
-            b"}",
         )
     )
+
+
+def _tag_input(sender: str, sequence: int, session_id: str, message_bytes: bytes) -> bytes:
+    """The whole tag input P (W§7.4)."""
+    return _tag_head(sender, sequence, session_id) + message_bytes + b"}"
+
+
+_FRAME_HEAD = len(b'{"sequence":') + len(b',"message":')
+_FRAME_TAIL = len(b',"auth_tag":"') + 64 + len(b'"}')
 
 
 def _frame_bytes(sequence: int, message_bytes: bytes, tag_hex: str) -> bytes:
@@ -268,8 +279,7 @@ def decode_frame(data: bytes) -> tuple[int, WorkerMessage, str, bytes]:
     frame = decode_fast(raw, _Frame)
     if frame is not None:
         # Canonical input: the message bytes are exactly the middle of the frame.
-        head = len(b'{"sequence":') + len(str(frame.sequence)) + len(b',"message":')
-        message_bytes = raw[head : -len(b',"auth_tag":"') - 64 - 2]
+        message_bytes = raw[_FRAME_HEAD + len(str(frame.sequence)) : -_FRAME_TAIL]
     else:
         tree = parse_tree(raw)
         frame = convert_tree(tree, _Frame)
@@ -331,10 +341,15 @@ class SessionAuthenticator:
     __deepcopy__ = _refuse_copy
 
     def _tag(self, sender: SessionRole, sequence: int, message_bytes: bytes) -> bytes:
-        data = _tag_input(sender.value, sequence, self._session_id, message_bytes)
-        if len(data) > MAX_WIRE_FRAME_BYTES:
-            raise WireFrameTooLarge(len(data), MAX_WIRE_FRAME_BYTES)
-        return keyed_blake3(self._key.expose(), data)
+        head = _tag_head(sender.value, sequence, self._session_id)
+        size = len(head) + len(message_bytes) + 1
+        if size > MAX_WIRE_FRAME_BYTES:
+            raise WireFrameTooLarge(size, MAX_WIRE_FRAME_BYTES)
+        # The tag input P, hashed in three parts rather than built in memory.
+        hasher = blake3.blake3(head, key=self._key.expose())
+        hasher.update(message_bytes)
+        hasher.update(b"}")
+        return bytes(hasher.digest())
 
     def seal(self, message: WorkerMessage) -> bytes:
         """Number, tag and encode a message; the counter moves only on success."""

@@ -40,9 +40,14 @@ def is_token(value: object) -> bool:
     return isinstance(value, str) and _TOKEN.fullmatch(value) is not None
 
 
+_TOKEN_FULLMATCH = _TOKEN.fullmatch
+
+
 def validate_token(field: str, value: str) -> None:
     """Raise ``InvalidToken(field, value)`` unless ``value`` is a token."""
-    if not (isinstance(value, str) and _TOKEN.fullmatch(value) is not None):
+    if type(value) is not str or _TOKEN_FULLMATCH(value) is None:
+        if isinstance(value, str) and _TOKEN_FULLMATCH(value) is not None:
+            return  # a str subclass holding a valid token
         raise InvalidToken(field, value)
 
 

@@ -667,7 +667,27 @@ def _body(message: Any) -> Any:
 
 def session_id_of(message: Any) -> str:
     """The session field of the inner struct (``manifest.session_id`` for open)."""
-    return str(_body(message).session_id)
+    getter = _SESSION_ID_OF.get(type(message))
+    if getter is None:
+        return str(_body(message).session_id)
+    return str(getter(message))
+
+
+_SESSION_ID_OF: dict[type, Any] = {
+    OpenSession: lambda m: m.manifest.session_id,
+    Invoke: lambda m: m.invocation.session_id,
+    Result: lambda m: m.result.session_id,
+    DispatchOperation: lambda m: m.request.session_id,
+    OperationResult: lambda m: m.result.session_id,
+    CompensateOperation: lambda m: m.request.session_id,
+    CompensationResult: lambda m: m.result.session_id,
+    ReconcileOperation: lambda m: m.request.session_id,
+    ReconciledOperation: lambda m: m.result.session_id,
+    Cancel: lambda m: m.request.session_id,
+    CancellationResult: lambda m: m.result.session_id,
+    CloseSession: lambda m: m.session_id,
+    RequestRejected: lambda m: m.session_id,
+}
 
 
 def request_id_of(message: Any) -> str | None:
