@@ -124,7 +124,6 @@ _SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
 _SESSION_ROWS: Final = frozenset({NS_SESSION, NS_SESSION_OPEN})
 _OUTBOX_FORMAT_VERSION: Final = 1
 _MESSAGE_ID = re.compile(r"[0-9a-f]{64}")
-_SCHEMA_VERSION: Final = 1
 _BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item IN "
 _SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
 
@@ -151,6 +150,8 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )""",
     ),
 )
+
+_SCHEMA_VERSION: Final = len(_MIGRATIONS)
 
 T = TypeVar("T")
 
