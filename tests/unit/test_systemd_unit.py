@@ -83,6 +83,8 @@ def test_service_type_watchdog_and_start_command(unit: Unit) -> None:
         "/opt/octo/.venv/bin/octo-worker run --config /etc/octo/%i.toml"
     )
     assert one(unit, "Service", "Restart") == "on-failure"
+    # exit 2 = configuration error (octo_worker.cli.EXIT_USAGE): a restart cannot fix it
+    assert one(unit, "Service", "RestartPreventExitStatus") == "2"
     assert one(unit, "Service", "KillSignal") == "SIGTERM"
     assert one(unit, "Install", "WantedBy") == "multi-user.target"
 
@@ -205,3 +207,51 @@ def test_the_syntax_check_would_catch_a_broken_unit(tmp_path: Path) -> None:
     ]
     assert len(syntax) == 2, syntax
     assert any("Restrat" in line for line in syntax)
+
+
+def test_provision_keys_creates_private_keys_the_worker_accepts(tmp_path: Path) -> None:
+    from octo_worker.config import load_key_file, load_scope_key
+
+    script = REPO / "deploy" / "provision-keys.sh"
+    keys = tmp_path / "keys"
+    done = subprocess.run(
+        ["sh", str(script), "--dir", str(keys), "worker", "tenant-release", "tenant-b"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        f"LoadCredential={name}:{keys}/{name}"
+        for name in ("tenant-release.key", "tenant-b.key", "storage-k1.key")
+    ]
+    assert keys.stat().st_mode & 0o777 == 0o700
+    contents = set()
+    for name in ("tenant-release.key", "tenant-b.key", "storage-k1.key"):
+        path = keys / name
+        assert path.stat().st_mode & 0o777 == 0o600
+        contents.add(load_key_file(path, name))
+        assert path.read_bytes().hex() not in done.stdout + done.stderr
+    assert len(contents) == 3  # independent random keys
+    load_scope_key(keys / "tenant-release.key", "scope")
+
+    before = (keys / "tenant-release.key").read_bytes()
+    again = subprocess.run(
+        ["sh", str(script), "--dir", str(keys), "worker", "tenant-release"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert "exists; kept" in again.stderr
+    assert (keys / "tenant-release.key").read_bytes() == before
+
+    refused = subprocess.run(
+        ["sh", str(script), "--dir", str(keys), "worker", "Not A Token"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "not a token" in refused.stderr
