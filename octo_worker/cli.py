@@ -27,6 +27,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
+import aiormq
 import structlog
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
@@ -486,6 +488,14 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         raise CliError(EXIT_STORAGE, f"journal storage: {error}", error.code) from None
     except OctoError as error:
         raise CliError(EXIT_USAGE, f"start-up failed: {error}", error.code) from None
+    except OSError as error:
+        # The state directory or journal file cannot be created or opened.
+        where = f" ({error.filename})" if error.filename else ""
+        raise CliError(
+            EXIT_STORAGE,
+            f"start-up failed: {error.strerror or type(error).__name__}{where}",
+            "storage_backend_error",
+        ) from None
     return EXIT_OK
 
 
@@ -514,6 +524,11 @@ def cmd_check(args: argparse.Namespace, out: Output) -> int:
             return False
         except OctoError as error:
             checks.append(_Check(name, False, f"{error.code}: {error}", status))
+            return False
+        except OSError as error:
+            where = f" ({error.filename})" if error.filename else ""
+            reason = error.strerror or type(error).__name__
+            checks.append(_Check(name, False, f"{reason}{where}", status))
             return False
         checks.append(_Check(name, True, detail, EXIT_OK))
         return True
@@ -620,6 +635,26 @@ def _probe_adapters(config: WorkerConfig) -> str:
     return ", ".join(tools) + " loaded" if tools else "none enabled"
 
 
+def _creatable(directory: Path) -> str:
+    """Whether ``run`` can create the journal in ``directory`` (as this user)."""
+    ancestor = directory
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CliError(
+            EXIT_STORAGE,
+            f"cannot create {directory}: {ancestor} is not a directory",
+            "storage_backend_error",
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CliError(
+            EXIT_STORAGE,
+            f"cannot create the journal in {directory}: {ancestor} is not writable by this user",
+            "storage_backend_error",
+        )
+    return "run creates it" if ancestor == directory else f"run creates it and {directory}"
+
+
 async def _probe_journal(config: WorkerConfig) -> str:
     path = config.journal_path
     anchor = config.anchor_path
@@ -631,9 +666,7 @@ async def _probe_journal(config: WorkerConfig) -> str:
             "rollback_anchor_missing",
         )
     if not path.exists():
-        parent = path.parent
-        where = "exists" if parent.is_dir() else "will be created"
-        return f"{path} not created yet (run creates it; directory {where})"
+        return f"{path} not created yet ({_creatable(path.parent)})"
     async with _store(config) as store:
         problems = await store.integrity_check()
         if problems != ["ok"]:
@@ -658,7 +691,8 @@ async def _probe_broker(config: WorkerConfig) -> str:
             try:
                 await channel.declare_queue(worker_queue(scope.name), passive=True)
                 declared += 1
-            except Exception:  # a missing queue closes the channel
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                # Not declared yet (the daemon declares it); the broker closed the channel.
                 channel = await connection.channel()
     return (
         f"{config.redacted_broker_url()} reachable; "
@@ -1220,8 +1254,6 @@ def _dead_letter_entry(
 
 
 async def _dead_queue(connection: AbstractConnection) -> AbstractQueue:
-    import aiormq
-
     channel = await connection.channel(publisher_confirms=False)
     try:
         return await channel.declare_queue(DEAD_QUEUE, passive=True)
@@ -1278,8 +1310,12 @@ async def _holding(config: WorkerConfig) -> AsyncIterator[_Held]:
                 size += len(message.body)
             yield held
         finally:
-            for message in held.messages:
-                await message.reject(requeue=True)
+            try:
+                for message in held.messages:
+                    await message.reject(requeue=True)
+            except (aiormq.exceptions.AMQPError, ConnectionError):
+                # The channel is gone: the broker requeues every unacked message itself.
+                pass
 
 
 def _rotation_note(held: _Held, out: Output) -> None:

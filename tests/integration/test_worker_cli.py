@@ -1004,3 +1004,21 @@ def test_rabbitmq_definitions_import_and_agree_with_topology_declare(tmp_path: P
         assert declared.returncode == 0, declared.stderr
         listed = rabbitmqctl("list_policies", "-p", own.vhost, "--formatter", "json")
         assert [p["name"] for p in json.loads(listed.stdout)] == [WORKER_POLICY_NAME]
+
+
+def test_run_with_an_unusable_state_directory_is_a_storage_error(
+    tmp_path: Path, vhost: Broker
+) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-nostate")
+    (tmp_path / "occupied").write_text("a file where the state directory should be")
+    files.write(
+        files.config.read_text().replace('state_dir = "state"', 'state_dir = "occupied/state"')
+    )
+    run = octo_worker("run", config=files.config)
+    assert run.returncode == 4
+    line = run_error(run.stderr)
+    assert "start-up failed" in line and "occupied" in line, line
+    check = octo_worker("check", config=files.config)
+    assert check.returncode == 4  # check foresees it
+    assert "occupied is not a directory" in one_line(check.stderr)
+    assert "journal: FAIL" in check.stdout
