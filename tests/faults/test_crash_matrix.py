@@ -1,0 +1,55 @@
+"""The SIGKILL crash matrix: every kill point, five runs each, real processes.
+
+For each run the armed process (the worker runner, or the host runner for
+``host.after_ledger_commit``) kills itself at the chosen point and count;
+the worker restarts without the fault on the same files; the host recovers
+the run; and :func:`check_outcome` (see ``conftest.py``) asserts that every
+key is known, no effect and no compensation happened twice, and the journal
+and the ledger agree. Counts 1-3 land on the dispatches, count 4 on the
+compensation of the first key; the fifth run dispatches all keys at once.
+For worker faults, runs 1 and 3 also abandon the host's interrupted call and
+recover with a new ``HostClient`` (a host restart); the others let the same
+client's timeouts lead to reconciliation and then call ``recover``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import HOST_POINT, WORKER_POINTS, Case, Launcher, run_scenario
+
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
+
+COUNTS = (1, 2, 3, 4, 2)
+
+
+def case_for(point: str, run: int) -> Case:
+    return Case(point, COUNTS[run], concurrent=run == len(COUNTS) - 1, restart_host=run % 2 == 1)
+
+
+CASES = [(point, run) for point in (*WORKER_POINTS, HOST_POINT) for run in range(len(COUNTS))]
+
+
+def _next_case(point: str, run: int) -> Case | None:
+    index = CASES.index((point, run)) + 1
+    return case_for(*CASES[index]) if index < len(CASES) else None
+
+
+@pytest.mark.parametrize("run", range(len(COUNTS)))
+@pytest.mark.parametrize("point", [*WORKER_POINTS, HOST_POINT])
+async def test_sigkill_at_every_point_leaves_every_key_known_and_effects_single(
+    launcher: Launcher, tmp_path: Path, point: str, run: int
+) -> None:
+    case = case_for(point, run)
+    following = _next_case(point, run)
+    if following is not None:
+        # Start the next run's armed interpreter while this one runs.
+        armed = following.point == HOST_POINT
+        launcher.prewarm("host" if armed else "worker", following.fault)
+
+    outcome = await run_scenario(launcher, tmp_path, case)
+
+    assert len(outcome.keys) == 3
+    assert outcome.seconds < 20.0, outcome.seconds
