@@ -33,7 +33,7 @@ pytest: venv
 	$(PY) -m pytest -q
 
 demo: venv rabbitmq
-	$(PY) -m octo_worker.demo
+	$(PY) demo/demo.py
 
 bench: venv rabbitmq
 	$(PY) -m pip install --quiet -e '.[test,bench]'
