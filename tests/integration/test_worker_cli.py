@@ -41,6 +41,7 @@ from octo_common.messages import (
     OpenSession,
     OperationDispatchRequest,
     OperationResult,
+    RequestRejected,
     WorkerMessage,
 )
 from octo_common.payload import ToolPayload
@@ -282,10 +283,15 @@ class RunningWorker:
 
     @classmethod
     def start(
-        cls, files: WorkerFiles, *, ready_timeout: float = 20.0, wrapper: list[str] | None = None
+        cls,
+        files: WorkerFiles,
+        *,
+        ready_timeout: float = 20.0,
+        wrapper: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> RunningWorker:
         notify = NotifyListener()
-        env = dict(os.environ, NOTIFY_SOCKET=notify.name)
+        env = dict(env or os.environ, NOTIFY_SOCKET=notify.name)
         env.pop("WATCHDOG_USEC", None)
         stderr_path = files.root / "run.stderr"
         with stderr_path.open("w") as stderr:
@@ -386,6 +392,13 @@ class HostPeer:
         self, names: list[str], timeout: float = 15.0
     ) -> list[tuple[str, Any]]:
         """Open the session, dispatch one publish per name; return (key, answer)."""
+        payloads = [ToolPayload.json({"name": n, "content": f"content of {n}"}) for n in names]
+        return await self.dispatch(PUBLISH, payloads, timeout=timeout)
+
+    async def dispatch(
+        self, tool: str, payloads: list[ToolPayload], timeout: float = 15.0
+    ) -> list[tuple[str, Any]]:
+        """Open the session, dispatch one operation per payload; return (key, answer)."""
         connection = await aio_pika.connect(self.url, timeout=5)
         try:
             channel = await connection.channel(publisher_confirms=True)
@@ -395,23 +408,17 @@ class HostPeer:
             exchange = await channel.get_exchange(EXCHANGE, ensure=False)
             await replies.bind(exchange, routing_key=reply_queue(self.host_id))
             grant = CapabilityGrant(
-                PUBLISH, "json", max_calls=16, max_input_bytes=1024, max_output_bytes=1024
+                tool, "json", max_calls=16, max_input_bytes=1024, max_output_bytes=1024
             )
             manifest = CapabilityManifest(self.session_id, [grant])
             await self.publish(channel, self.host.seal(OpenSession(manifest)), None)
             keys: dict[str, str] = {}
-            for name in names:
+            for payload in payloads:
                 self.counter += 1
                 request_id = f"dispatch-{self.counter}"
                 key = f"op-{uuid.uuid4().hex}"
                 keys[request_id] = key
-                request = OperationDispatchRequest(
-                    self.session_id,
-                    request_id,
-                    PUBLISH,
-                    key,
-                    ToolPayload.json({"name": name, "content": f"content of {name}"}),
-                )
+                request = OperationDispatchRequest(self.session_id, request_id, tool, key, payload)
                 await self.publish(channel, self.host.seal(DispatchOperation(request)), request_id)
             answers: dict[str, WorkerMessage] = {}
             async with asyncio.timeout(timeout):
@@ -1022,3 +1029,113 @@ def test_run_with_an_unusable_state_directory_is_a_storage_error(
     assert check.returncode == 4  # check foresees it
     assert "occupied is not a directory" in one_line(check.stderr)
     assert "journal: FAIL" in check.stdout
+
+
+# A third-party adapter, installed the way a plug-in package installs one: a
+# module plus a dist-info directory declaring an ``octo.adapters`` entry point.
+SLOW_ADAPTER = """
+import asyncio
+
+from octo_common.errors import AdapterUnsupported
+from octo_common.payload import ToolPayload
+from octo_common.states import Succeeded
+from octo_worker.adapters import DurableOperationContract
+
+
+class SlowAdapter:
+    \"\"\"Takes two seconds per dispatch and declares no deadline of its own.\"\"\"
+
+    tool = "test.slow"
+
+    def invocation_safety(self):
+        return None
+
+    def durable_operation_contract(self):
+        return DurableOperationContract.RECONCILIATION
+
+    async def invoke(self, request, grant):
+        raise AdapterUnsupported("invoke")
+
+    async def dispatch_operation(self, request, grant):
+        await asyncio.sleep(2.0)
+        return Succeeded(ToolPayload.json({"slow": True}))
+
+    async def compensate_operation(self, request, grant):
+        raise AdapterUnsupported("compensate_operation")
+
+    async def reconcile_operation(self, request, grant):
+        return Succeeded(ToolPayload.json({"slow": True}))
+"""
+
+
+def install_slow_adapter(site: Path) -> dict[str, str]:
+    """Install the plug-in into ``site``; returns the environment that sees it."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "octo_test_slow_adapter.py").write_text(SLOW_ADAPTER)
+    info = site / "octo_test_slow_adapter-1.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: octo-test-slow-adapter\nVersion: 1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[octo.adapters]\ntest.slow = octo_test_slow_adapter:SlowAdapter\n"
+    )
+    return dict(os.environ, PYTHONPATH=str(site))
+
+
+def test_adapters_list_shows_a_third_party_plug_in(tmp_path: Path, vhost: Broker) -> None:
+    env = install_slow_adapter(tmp_path / "site")
+    files = WorkerFiles(tmp_path / "worker", vhost.url, "tenant-plugin", adapters=("test.slow",))
+    listed = subprocess.run(
+        [PYTHON, "-m", "octo_worker", "adapters", "list", "--json", "--config", str(files.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+        env=env,
+    )
+    assert listed.returncode == 0, listed.stderr
+    rows = {item["name"]: item for item in json_out(listed)["adapters"]}
+    assert rows["test.slow"]["enabled"] is True
+    assert rows["test.slow"]["distribution"] == "octo-test-slow-adapter"
+    assert rows["test.slow"]["durable_operation_contract"] == "reconciliation"
+    assert rows[PUBLISH]["enabled"] is False
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="daemon/config bug: [adapters] deadline_seconds is validated by config.py but never "
+    "read; WorkerDaemon._instrument uses adapter_deadline(adapter), i.e. the adapter's own "
+    "deadline_seconds or DEFAULT_ADAPTER_DEADLINE_SECONDS (30 s), so a configured 0.5 s deadline "
+    "does not bound an adapter that declares none",
+)
+def test_configured_adapter_deadline_bounds_an_adapter_without_its_own(
+    tmp_path: Path, vhost: Broker
+) -> None:
+    env = install_slow_adapter(tmp_path / "site")
+    files = WorkerFiles(
+        tmp_path / "worker",
+        vhost.url,
+        "tenant-deadline",
+        adapters=("test.slow",),
+        extra="",
+    )
+    files.write(
+        files.config.read_text().replace(
+            'enabled = ["test.slow"]', 'enabled = ["test.slow"]\ndeadline_seconds = 0.5'
+        )
+    )
+    running = RunningWorker.start(files, env=env)
+    try:
+        peer = HostPeer(vhost.url, "tenant-deadline", files.scope_key)
+        started = time.monotonic()
+        ((_, answer),) = asyncio.run(peer.dispatch("test.slow", [ToolPayload.json({"n": 1})]))
+        elapsed = time.monotonic() - started
+    finally:
+        running.stop()
+        running.kill()
+    # Past the configured deadline the outcome is unknown: the row stays pending.
+    assert isinstance(answer, RequestRejected), answer
+    assert answer.code == "indeterminate_operation"
+    assert elapsed < 1.8
