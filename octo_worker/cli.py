@@ -768,6 +768,13 @@ async def _store(config: WorkerConfig) -> AsyncIterator[SqliteJournalStore]:
 def cmd_topology_declare(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
     limit = None if args.skip_policy else (args.delivery_limit or config.broker.delivery_limit)
+    if limit is not None and not 1 <= limit <= 2**31 - 1:
+        # Only reachable through the configuration (the option is checked by argparse).
+        raise CliError(
+            EXIT_USAGE,
+            "broker.delivery_limit: must be between 1 and 2147483647",
+            "invalid_configuration",
+        )
     report = asyncio.run(_declare(config, list(args.host_id), limit))
     queues, via = report
     applied = (

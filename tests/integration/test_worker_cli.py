@@ -1139,3 +1139,15 @@ def test_configured_adapter_deadline_bounds_an_adapter_without_its_own(
     assert isinstance(answer, RequestRejected), answer
     assert answer.code == "indeterminate_operation"
     assert elapsed < 1.8
+
+
+def test_topology_declare_refuses_a_configured_delivery_limit_below_one(
+    tmp_path: Path, vhost: Broker
+) -> None:
+    files = WorkerFiles(tmp_path, vhost.url, "tenant-limit", delivery_limit=0)
+    result = octo_worker("topology", "declare", config=files.config)
+    assert result.returncode == 2
+    assert "broker.delivery_limit" in one_line(result.stderr)
+    flag = octo_worker("topology", "declare", "--delivery-limit", "0", config=files.config)
+    assert flag.returncode == 2
+    assert "--delivery-limit" in one_line(flag.stderr)
