@@ -1,0 +1,262 @@
+"""Operator decisions on stuck operations, and their audit record.
+
+When an operation stays ``pending`` or ``running`` and no worker answer can
+settle it (the worker's journal is lost, the provider confirms out of band),
+an operator may decide its state. This module owns that decision:
+
+* the ledger change goes through
+  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_by_operator`, the
+  one transition table, on a copy that is written back with compare-and-swap;
+  nothing is sent to a worker and no effect runs;
+* every decision is first appended to the run's audit record
+  ``("workflow-audit", RUN)``, an authenticated record in the same
+  :class:`~octo_host.store.SqliteLedgerStore` as the ledger, written with
+  compare-and-swap so entries are only ever appended: the entry names the
+  run, key, previous and new state, operator, reason, UTC time and the
+  ledger revision the decision produces.
+
+Order: the audit entry is durable before the ledger changes, so a crash in
+between leaves a recorded decision that did not land (``ledger_agrees`` is
+false in :func:`load_audit`) and never a ledger change without its entry.
+
+It must never forge a worker answer (no reconcile request/result is built),
+resolve a terminal operation or one with a compensation, rewrite or drop an
+audit entry, or log the reason (only ids, states and revisions are logged).
+"""
+
+from __future__ import annotations
+
+import datetime
+import unicodedata
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import structlog
+
+from octo_common.codec import decode_struct, encode_struct
+from octo_common.errors import OctoError, UnknownOperation
+from octo_common.limits import MAX_WORKFLOW_OPERATIONS
+from octo_common.records import StorageRecordKey
+from octo_common.states import TERMINAL_KINDS, StateKind
+from octo_host.ledger import WorkflowOperationLedger
+from octo_host.plan import WorkflowPlan
+from octo_host.store import AuthenticatedStore, ledger_record_key
+
+__all__ = [
+    "AUDIT_NAMESPACE",
+    "AuditEntry",
+    "AuditRecordInvalid",
+    "AuditedEntry",
+    "ResolutionRefused",
+    "audit_record_key",
+    "load_audit",
+    "resolve_operation",
+]
+
+AUDIT_NAMESPACE = "workflow-audit"
+AUDIT_FORMAT_VERSION = 1
+MAX_REASON_BYTES = 1024
+MAX_OPERATOR_CHARS = 128
+# Each operation can be resolved at most once (the state is terminal afterwards).
+MAX_AUDIT_ENTRIES = MAX_WORKFLOW_OPERATIONS
+
+_log = structlog.get_logger("octo.host.audit")
+
+
+class ResolutionRefused(OctoError):
+    """An operator decision that the ledger's rules do not allow (nothing changed)."""
+
+    _fields = ("operation_key", "reason")
+    _text = "operator resolution refused"
+    operation_key: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"resolution of {self.operation_key} refused: {self.reason}"
+
+
+class AuditRecordInvalid(OctoError):
+    """The audit record authenticated but does not hold a valid audit document."""
+
+    _fields = ("detail",)
+    _text = "invalid audit record"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"invalid audit record: {self.detail}"
+
+
+def audit_record_key(run: str) -> StorageRecordKey:
+    """The record key of a run's audit record: ``("workflow-audit", run)``."""
+    return StorageRecordKey(AUDIT_NAMESPACE, run)
+
+
+class AuditEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One operator decision, as stored."""
+
+    run: str
+    key: str
+    from_state: StateKind = msgspec.field(name="from")
+    to_state: StateKind = msgspec.field(name="to")
+    operator: str
+    reason: str
+    time: str
+    ledger_revision: Annotated[int, msgspec.Meta(ge=1)]
+
+    def __repr__(self) -> str:
+        # The reason is operator text: kept out of reprs (and so out of logs).
+        return (
+            f"AuditEntry(run={self.run!r}, key={self.key!r}, from={self.from_state.value!r}, "
+            f"to={self.to_state.value!r}, operator={self.operator!r}, time={self.time!r}, "
+            f"ledger_revision={self.ledger_revision})"
+        )
+
+
+class _AuditDoc(msgspec.Struct, forbid_unknown_fields=True):
+    format_version: int
+    run: str
+    entries: list[AuditEntry]
+
+
+@dataclass(frozen=True)
+class AuditedEntry:
+    """An entry and whether the stored ledger shows its decision."""
+
+    entry: AuditEntry
+    ledger_agrees: bool
+
+
+def _decode(payload: bytes, run: str) -> list[AuditEntry]:
+    doc = decode_struct(payload, _AuditDoc, error=AuditRecordInvalid)
+    if doc.format_version != AUDIT_FORMAT_VERSION:
+        raise AuditRecordInvalid(f"unsupported format version {doc.format_version}")
+    if doc.run != run or any(entry.run != run for entry in doc.entries):
+        raise AuditRecordInvalid("the record belongs to another run")
+    if len(doc.entries) > MAX_AUDIT_ENTRIES:
+        raise AuditRecordInvalid("too many entries")
+    return list(doc.entries)
+
+
+def _encode(run: str, entries: list[AuditEntry]) -> bytes:
+    return encode_struct(_AuditDoc(AUDIT_FORMAT_VERSION, run, entries))
+
+
+def _check_text(operation_key: str, operator: str, reason: str) -> None:
+    def printable(text: str) -> bool:
+        return all(unicodedata.category(c)[0] != "C" for c in text)
+
+    if not operator or len(operator) > MAX_OPERATOR_CHARS or not printable(operator):
+        raise ResolutionRefused(
+            operation_key, f"the operator name must be 1..{MAX_OPERATOR_CHARS} printable characters"
+        )
+    size = len(reason.encode("utf-8", "surrogatepass"))
+    if not reason.strip() or size > MAX_REASON_BYTES:
+        raise ResolutionRefused(
+            operation_key, f"a reason of 1..{MAX_REASON_BYTES} bytes is required"
+        )
+    try:
+        reason.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ResolutionRefused(operation_key, "the reason is not valid text") from None
+
+
+def _utc_now() -> str:
+    now = datetime.datetime.now(datetime.UTC)
+    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def load_audit(store: AuthenticatedStore, run: str) -> list[AuditedEntry]:
+    """The run's audit entries, oldest first, each compared with the stored ledger."""
+    record = await store.load(audit_record_key(run))
+    if record is None:
+        return []
+    entries = _decode(record.payload, run)
+    ledger_record = await store.load(ledger_record_key(run))
+    ledger = (
+        None if ledger_record is None else WorkflowOperationLedger.from_json(ledger_record.payload)
+    )
+    audited = []
+    for entry in entries:
+        operation = None if ledger is None else ledger.operation(entry.key)
+        agrees = (
+            ledger is not None
+            and operation is not None
+            and ledger.revision >= entry.ledger_revision
+            and operation.state == entry.to_state
+        )
+        audited.append(AuditedEntry(entry, agrees))
+    return audited
+
+
+async def resolve_operation(
+    store: AuthenticatedStore,
+    run: str,
+    operation_key: str,
+    state: StateKind | str,
+    *,
+    operator: str,
+    reason: str,
+    plan: WorkflowPlan | None = None,
+    time: str | None = None,
+) -> AuditEntry:
+    """Apply an operator's decision to a stuck operation and audit it.
+
+    Refuses (``ResolutionRefused``, ``UnknownOperation`` or the ledger's
+    ``InvalidStateTransition``; nothing written) a missing run or key, a
+    terminal or compensated operation, a non-terminal target state, and an
+    empty reason. Writes the audit entry, then the ledger, both with
+    compare-and-swap (``WriteConflict`` when someone else wrote first).
+    """
+    target = StateKind(state)
+    _check_text(operation_key, operator, reason)
+    ledger_key = ledger_record_key(run)
+    record = await store.load(ledger_key)
+    if record is None:
+        raise ResolutionRefused(operation_key, f"run {run!r} has no ledger")
+    ledger = WorkflowOperationLedger.from_json(record.payload)
+    if plan is not None:
+        ledger.validate_for(plan)
+    operation = ledger.operation(operation_key)
+    if operation is None:
+        raise UnknownOperation(operation_key)
+    if operation.compensation is not None:
+        raise ResolutionRefused(operation_key, "the operation has a compensation")
+    if operation.state in TERMINAL_KINDS:
+        raise ResolutionRefused(
+            operation_key, f"the operation is already {operation.state.value} (terminal)"
+        )
+    if target not in TERMINAL_KINDS:
+        raise ResolutionRefused(operation_key, "the decided state must be terminal")
+    candidate = ledger.copy()
+    candidate.resolve_by_operator(operation_key, target)
+    ledger_payload = candidate.to_json().encode("utf-8")
+
+    entry = AuditEntry(
+        run=run,
+        key=operation_key,
+        from_state=operation.state,
+        to_state=target,
+        operator=operator,
+        reason=reason,
+        time=time or _utc_now(),
+        ledger_revision=candidate.revision,
+    )
+    audit_key = audit_record_key(run)
+    audit = await store.load(audit_key)
+    entries = [] if audit is None else _decode(audit.payload, run)
+    if len(entries) >= MAX_AUDIT_ENTRIES:
+        raise ResolutionRefused(operation_key, "the audit record is full")
+    await store.compare_and_swap(
+        audit_key, None if audit is None else audit.revision, _encode(run, [*entries, entry])
+    )
+    await store.compare_and_swap(ledger_key, record.revision, ledger_payload)
+    _log.info(
+        "operation_resolved_by_operator",
+        run=run,
+        operation_key=operation_key,
+        state_from=operation.state.value,
+        state_to=target.value,
+        revision=candidate.revision,
+    )
+    return entry
