@@ -53,6 +53,7 @@ import re
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ from octo_common.records import (
     open_record,
     seal_record,
 )
+from octo_common.states import TERMINAL_KINDS
 from octo_worker.journal import JournalChangeset, WorkerOperationRecord
 
 __all__ = [
@@ -106,6 +108,7 @@ __all__ = [
     "NS_SESSION_OPEN",
     "OutboxEntry",
     "PersistedSession",
+    "PruneReport",
     "SessionDocuments",
     "SqliteJournalStore",
     "StoreStats",
@@ -148,6 +151,12 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             envelope BLOB NOT NULL,
             UNIQUE (namespace, name, item)
         )""",
+    ),
+    # 1 -> 2: when each row was last written (unauthenticated metadata, used only
+    # to choose prune candidates; rows written before the migration count as new).
+    (
+        "ALTER TABLE items ADD COLUMN written_at REAL NOT NULL DEFAULT 0",
+        "UPDATE items SET written_at = CAST(strftime('%s', 'now') AS REAL)",
     ),
 )
 
@@ -274,6 +283,13 @@ class OutboxEntry(msgspec.Struct, frozen=True):
             f"OutboxEntry(message_id={self.message_id!r}, session_id={self.session_id!r}, "
             f"revision={self.revision!r})"
         )
+
+
+class PruneReport(NamedTuple):
+    """What ``prune`` did: rows removed, candidates kept (not terminal)."""
+
+    removed: int
+    kept: int
 
 
 class WorkerCommit(msgspec.Struct, frozen=True):
@@ -728,6 +744,68 @@ class SqliteJournalStore:
             record = WorkerOperationRecord.from_row_json(document, scope, row.item)
             records.append((record, row.revision))
         return records
+
+    async def prune(self, scope: str, older_than_seconds: float) -> PruneReport:
+        """Remove terminal journal rows not written for ``older_than_seconds``.
+
+        Only an operation in a terminal state whose compensation is absent or
+        terminal is removed; ``pending`` and ``running`` rows are never touched.
+        Every candidate is authenticated before it is chosen, and a row written
+        again since (another revision) is kept. The scope head does not move.
+
+        A pruned key is forgotten: a later request for it is admitted as new.
+        Prune only keys whose host runs are finished (see OPERATIONS.md).
+        """
+        _check_scope(scope)
+        if not older_than_seconds >= 0:
+            raise ValueError("older_than_seconds must be a non-negative number")
+        cutoff = time.time() - older_than_seconds
+        rows = await self._read_call(lambda: self._read_prunable(scope, cutoff))
+        victims: list[tuple[str, int]] = []
+        kept = 0
+        for row in rows:
+            record = WorkerOperationRecord.from_row_json(
+                self._open_row(scope, NS_JOURNAL, row), scope, row.item
+            )
+            compensation = record.compensation
+            if record.state.kind in TERMINAL_KINDS and (
+                compensation is None or compensation.state.kind in TERMINAL_KINDS
+            ):
+                victims.append((row.item, row.revision))
+            else:
+                kept += 1
+        removed = await self._write_call(lambda: self._delete_journal_rows(scope, victims))
+        if removed:
+            _log.info("journal_pruned", scope=scope, removed=removed, kept=kept)
+        return PruneReport(removed=removed, kept=kept)
+
+    def _read_prunable(self, scope: str, cutoff: float) -> list[_Row]:
+        def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            return connection.execute(
+                "SELECT item, revision, envelope FROM items "
+                "WHERE namespace = ? AND name = ? AND written_at < ? ORDER BY revision, id",
+                (NS_JOURNAL, scope, cutoff),
+            ).fetchall()
+
+        head, rows = self._read_transaction(select, scope)
+        return self._checked_rows(rows, head)
+
+    def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            removed = 0
+            for item, revision in victims:
+                removed += connection.execute(
+                    "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? "
+                    "AND revision = ?",
+                    (NS_JOURNAL, scope, item, revision),
+                ).rowcount
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+        return removed
 
     async def load_sessions(self, scope: str) -> dict[str, PersistedSession]:
         """Every session of ``scope`` (every status), keyed by session id."""
@@ -1202,6 +1280,7 @@ class SqliteJournalStore:
                     raise conflict
             raise RevisionExhausted()
         revision = head_revision + 1
+        now = time.time()
         sealed = [(write, self._seal(scope, write, revision)) for write in pending.writes]
         # Step 3 is checked by the writes themselves, one statement per row: an
         # insert meets the UNIQUE key when the row exists, an update names the
@@ -1211,9 +1290,9 @@ class SqliteJournalStore:
             if write.base_revision is None:
                 try:
                     connection.execute(
-                        "INSERT INTO items (namespace, name, item, revision, envelope) "
-                        "VALUES (?, ?, ?, ?, ?)",
-                        (write.namespace, scope, write.item, revision, envelope),
+                        "INSERT INTO items (namespace, name, item, revision, envelope, "
+                        "written_at) VALUES (?, ?, ?, ?, ?, ?)",
+                        (write.namespace, scope, write.item, revision, envelope, now),
                     )
                 except sqlite3.IntegrityError:
                     if write.item in pending.new_sessions and write.namespace in _SESSION_ROWS:
@@ -1221,9 +1300,17 @@ class SqliteJournalStore:
                     raise self._conflict(connection, scope, write, head_revision) from None
             else:
                 updated = connection.execute(
-                    "UPDATE items SET revision = ?, envelope = ? "
+                    "UPDATE items SET revision = ?, envelope = ?, written_at = ? "
                     "WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
-                    (revision, envelope, write.namespace, scope, write.item, write.base_revision),
+                    (
+                        revision,
+                        envelope,
+                        now,
+                        write.namespace,
+                        scope,
+                        write.item,
+                        write.base_revision,
+                    ),
                 ).rowcount
                 if updated != 1:
                     raise self._conflict(connection, scope, write, head_revision)
