@@ -1151,3 +1151,39 @@ def test_topology_declare_refuses_a_configured_delivery_limit_below_one(
     flag = octo_worker("topology", "declare", "--delivery-limit", "0", config=files.config)
     assert flag.returncode == 2
     assert "--delivery-limit" in one_line(flag.stderr)
+
+
+LOGGING_PROBE = """
+import logging
+import structlog
+from octo_worker.cli import configure_logging
+
+configure_logging("info", "json")
+log = structlog.get_logger("octo.test")
+log.debug("hidden_below_level")
+try:
+    raise ValueError("adapter said: the secret is 42")
+except ValueError:
+    log.exception("adapter_call_failed", code="adapter_failed")
+    logging.getLogger("aiormq.connection").warning("library warning", exc_info=True)
+log.info("plain_event", scope="tenant-x")
+"""
+
+
+def test_run_logging_is_json_without_exception_text() -> None:
+    done = subprocess.run(
+        [PYTHON, "-c", LOGGING_PROBE], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout == ""
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [line["event"] for line in lines] == [
+        "adapter_call_failed",
+        "library warning",
+        "plain_event",
+    ]
+    failed, library, plain = lines
+    assert failed["level"] == "error" and failed["code"] == "adapter_failed"
+    assert failed["error_type"] == "ValueError"
+    assert library["level"] == "warning" and library["error_type"] == "ValueError"
+    assert plain["scope"] == "tenant-x" and plain["timestamp"].endswith("Z")
+    assert "secret" not in done.stderr and "Traceback" not in done.stderr
