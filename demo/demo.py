@@ -876,9 +876,11 @@ def main(argv: list[str] | None = None) -> int:
             status = 0
         except StepFailed as failed:
             print(f"FAILED: {failed.step}: expected {failed.expected}, got {failed.got}")
-        except KeyboardInterrupt:
-            print("interrupted: stopping the daemon and cleaning up")
-            status = 130
+        except KeyboardInterrupt as interrupt:
+            # SIGINT (Ctrl-C) or SIGTERM (see _terminate): clean up, then 128 + signal.
+            terminated = bool(interrupt.args) and interrupt.args[0] == "SIGTERM"
+            print("interrupted: stopping the daemon and cleaning up", flush=True)
+            status = 128 + (signal.SIGTERM if terminated else signal.SIGINT)
         finally:
             daemon_status, _ = stop_daemon(demo)
             if daemon_status not in (None, 0) and status == 0:
@@ -895,10 +897,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"  look: {sys.executable} -m octo_worker journal list --config {demo.config}"
                 )
         else:
-            print(
-                f"demo failed after {elapsed:.1f} s"
-                + (f"; files kept in {root}" if args.keep else "")
-            )
+            what = "interrupted" if status > 128 else "failed"
+            kept = f"; files kept in {root}" if args.keep else ""
+            print(f"demo {what} after {elapsed:.1f} s{kept}")
     return status
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -121,6 +123,38 @@ def test_keep_leaves_private_keys_journal_and_effect_log() -> None:
         assert not (root / "worker" / "published" / "release-42.txt").exists()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.rabbitmq
+@needs_broker
+def test_sigterm_during_the_host_steps_stops_the_daemon_and_cleans_up() -> None:
+    process = subprocess.Popen(
+        [sys.executable, str(DEMO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            seen.append(line)
+            if line.startswith(f"[1/{STEPS}]"):
+                break
+        # The daemon is up and the host steps are starting: interrupt them.
+        process.send_signal(signal.SIGTERM)
+        rest, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    out = "".join(seen) + rest
+
+    assert process.returncode == 128 + signal.SIGTERM, out + errors
+    assert "interrupted: stopping the daemon and cleaning up" in out
+    assert f"[{STEPS}/{STEPS}]" not in out and "FAILED" not in out
+    found = re.search(r"octo-worker run pid (\d+)", seen[-1])
+    assert found is not None, out
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(found.group(1)), 0)  # stopped and reaped by the demo
+    assert not private_dir(out).exists()
 
 
 def test_a_daemon_that_cannot_start_fails_step_one_with_its_log(tmp_path: Path) -> None:
