@@ -360,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     jlist.add_argument("--scope", metavar="S")
     jlist.set_defaults(handler=cmd_journal_list)
     jshow = journal_verbs.add_parser("show", parents=[common], help="show one journal row")
-    jshow.add_argument("key", metavar="KEY", help="operation key (op-...)")
+    jshow.add_argument(
+        "key", metavar="KEY", help="operation key (op-...) or compensation key (cmp-...)"
+    )
     jshow.add_argument("--scope", metavar="S")
     jshow.set_defaults(handler=cmd_journal_show)
     verify = journal_verbs.add_parser(
@@ -746,7 +748,7 @@ async def _store(config: WorkerConfig) -> AsyncIterator[SqliteJournalStore]:
     )
     try:
         try:
-            await store.integrity_check()  # opens the database and checks the anchor
+            await store.scopes()  # opens the database (and checks the anchor)
         except OctoError as error:
             hint = ""
             if error.code == "rollback_anchor_missing":
@@ -971,12 +973,22 @@ def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
             found: list[dict[str, Any]] = []
             for scope in await _scopes_of(store, args.scope):
                 try:
-                    loaded = await store.load_records(scope, [args.key])
+                    if args.key.startswith("cmp-"):
+                        # A compensation lives in the row of the operation it undoes.
+                        rows = await store.list_records(scope)
+                        entries = [
+                            (record, revision)
+                            for record, revision in rows
+                            if record.compensation is not None
+                            and record.compensation.compensation_key == args.key
+                        ]
+                    else:
+                        loaded = await store.load_records(scope, [args.key])
+                        entry = loaded.get(args.key)
+                        entries = [] if entry is None else [entry]
                 except OctoError as error:
                     raise _storage_failure(f"scope {scope}", error) from None
-                entry = loaded.get(args.key)
-                if entry is not None:
-                    found.append(_record_detail(scope, *entry))
+                found.extend(_record_detail(scope, *entry) for entry in entries)
             return found
 
     found = asyncio.run(find())

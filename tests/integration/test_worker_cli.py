@@ -37,8 +37,12 @@ import pytest
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import (
+    CompensateOperation,
+    CompensationResult,
     DispatchOperation,
     OpenSession,
+    OperationCompensationBinding,
+    OperationCompensationRequest,
     OperationDispatchRequest,
     OperationResult,
     RequestRejected,
@@ -430,6 +434,66 @@ class HostPeer:
                         if len(answers) == len(keys):
                             break
             return [(keys[rid], answers[rid]) for rid in keys]
+        finally:
+            await connection.close()
+
+    async def dispatch_then_compensate(
+        self, name: str, timeout: float = 15.0
+    ) -> tuple[str, str, list[Any]]:
+        """Publish ``name``, then undo it: (operation key, compensation key, answers)."""
+        grant = CapabilityGrant(
+            PUBLISH,
+            "json",
+            max_calls=16,
+            max_input_bytes=1024,
+            max_output_bytes=1024,
+            max_compensations=1,
+        )
+        key = f"op-{uuid.uuid4().hex}"
+        undo_key = f"cmp-{uuid.uuid4().hex}"
+        dispatch = DispatchOperation(
+            OperationDispatchRequest(
+                self.session_id,
+                "dispatch-undo-1",
+                PUBLISH,
+                key,
+                ToolPayload.json({"name": name, "content": f"content of {name}"}),
+            )
+        )
+        binding = OperationCompensationBinding(
+            PUBLISH, key, undo_key, self.scope, grant.compensation_fingerprint()
+        )
+        compensate = CompensateOperation(
+            OperationCompensationRequest(
+                self.session_id,
+                "compensate-undo-1",
+                binding,
+                ToolPayload.json({"undo": "publish", "name": name}),
+            )
+        )
+        connection = await aio_pika.connect(self.url, timeout=5)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            replies = await channel.declare_queue(
+                reply_queue(self.host_id), durable=True, arguments={"x-queue-type": "quorum"}
+            )
+            exchange = await channel.get_exchange(EXCHANGE, ensure=False)
+            await replies.bind(exchange, routing_key=reply_queue(self.host_id))
+            manifest = CapabilityManifest(self.session_id, [grant])
+            await self.publish(channel, self.host.seal(OpenSession(manifest)), None)
+            answers: list[Any] = []
+            async with asyncio.timeout(timeout), replies.iterator() as messages:
+                # One request at a time: the compensation needs the success first.
+                for message, request_id in (
+                    (dispatch, "dispatch-undo-1"),
+                    (compensate, "compensate-undo-1"),
+                ):
+                    await self.publish(channel, self.host.seal(message), request_id)
+                    async for reply in messages:
+                        await reply.ack()
+                        answers.append(self.host.open(reply.body))
+                        break
+            return key, undo_key, answers
         finally:
             await connection.close()
 
@@ -1187,3 +1251,32 @@ def test_run_logging_is_json_without_exception_text() -> None:
     assert library["level"] == "warning" and library["error_type"] == "ValueError"
     assert plain["scope"] == "tenant-x" and plain["timestamp"].endswith("Z")
     assert "secret" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_journal_show_finds_a_compensation_by_its_key(worker: RunningWorker, vhost: Broker) -> None:
+    peer = HostPeer(vhost.url, SCOPE, worker.files.scope_key)
+    key, undo_key, answers = asyncio.run(peer.dispatch_then_compensate("undone.txt"))
+    assert succeeded(answers[0]), answers
+    assert isinstance(answers[1], CompensationResult), answers
+    assert isinstance(answers[1].result.status, Succeeded)
+    assert not (worker.files.published / "undone.txt").exists()
+
+    config = worker.files.config
+    by_operation = json_out(octo_worker("journal", "show", key, "--json", config=config))
+    by_compensation = json_out(octo_worker("journal", "show", undo_key, "--json", config=config))
+    assert by_operation == by_compensation
+    (record,) = by_compensation["records"]
+    assert record["operation_key"] == key and record["state"] == "succeeded"
+    compensation = record["compensation"]
+    assert compensation["compensation_key"] == undo_key
+    assert compensation["state"] == "succeeded"
+    assert len(compensation["grant_fingerprint"]) == 64
+    assert compensation["payload"]["format"] == "json"
+    human = octo_worker("journal", "show", undo_key, config=config).stdout
+    assert f"compensation key:   {undo_key}" in human
+    listed = {
+        r["operation_key"]: r
+        for r in json_out(octo_worker("journal", "list", "--json", config=config))["records"]
+    }
+    assert listed[key]["compensation_state"] == "succeeded"
+    assert "undone.txt" not in human  # the inverse payload is never shown
