@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import getpass
 import json
 import logging
 import os
@@ -505,13 +506,13 @@ def _ledger_lock(config: HostConfig) -> Iterator[None]:
 @contextlib.asynccontextmanager
 async def _store(config: HostConfig, *, create: bool) -> AsyncIterator[SqliteLedgerStore]:
     path = config.database_path
+    keyring = config.storage_keyring()  # configuration problems first
     if not create and not path.exists():
         raise CliError(
             EXIT_CHECK_FAILED,
             f"ledger database {path} does not exist (nothing recorded yet)",
             "not_found",
         )
-    keyring = config.storage_keyring()
     store = SqliteLedgerStore(path, keyring, anchor_path=config.anchor_path)
     try:
         try:
@@ -1056,9 +1057,17 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
 # resolve / audit ---------------------------------------------------------------------------------
 
 
+def _login_name() -> str:
+    """``$USER`` (then ``$LOGNAME`` and the password database), or empty."""
+    try:
+        return os.environ.get("USER") or getpass.getuser()
+    except (OSError, KeyError):
+        return ""
+
+
 def cmd_resolve(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
-    operator = args.operator if args.operator is not None else os.environ.get("USER", "")
+    operator = args.operator if args.operator is not None else _login_name()
     if not operator:
         raise CliError(EXIT_USAGE, "--operator: no name given and $USER is not set", "usage")
 

@@ -1,0 +1,373 @@
+"""The ``octo-host`` command as a user runs it: a subprocess against the real broker.
+
+Each test writes its own ``host.toml`` (the worker's scope key file, a
+ledger key made by ``octo-host keys generate``, a files.publish grant, an
+action rule and a plan), runs ``python -m octo_host ...`` and looks at the
+exit status, stdout, stderr, the published directory and the worker's
+effect log. The worker is the in-process daemon of ``conftest.py``, started
+in the test's event loop, so the subprocesses are awaited asynchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from octo_worker.adapters_files import read_effect_log
+
+from .conftest import TOOL, Names, WorkerEnv, WorkerRunner, write_private
+
+pytestmark = pytest.mark.rabbitmq
+
+PYTHON = sys.executable
+RUN = "release-7"
+PUBLISH = json.dumps({"name": "notes.txt", "content": "secret-release-body"})
+UNDO = json.dumps({"undo": "publish", "name": "notes.txt"})
+REASON = "provider support confirmed nothing was published (ticket 4711)"
+
+
+@dataclass
+class Result:
+    status: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+class HostCli:
+    """One host configuration in ``tmp_path/host`` and a runner for the command."""
+
+    def __init__(self, root: Path, names: Names, worker: WorkerEnv) -> None:
+        self.root = root
+        self.names = names
+        self.worker = worker
+        self.host_id = names.host()
+        self.config = root / "host.toml"
+        self.keys = root / "keys"
+        self.scope_key = self.keys / f"{names.scope}.key"
+        self.ledger_key = self.keys / "storage-h1.key"
+
+    def write_config(
+        self, *, url: str = "amqp://guest:guest@127.0.0.1:5672/", extra: str = ""
+    ) -> None:
+        self.config.write_text(
+            f"""
+[host]
+host_id = "{self.host_id}"
+
+[broker]
+url = "{url}"
+connect_timeout_seconds = 3.0
+publish_timeout_seconds = 5.0
+reply_timeout_seconds = 5.0
+max_attempts = 4
+backoff_initial_seconds = 0.05
+
+[ledger]
+database = "state/ledger.sqlite3"
+key = {{ id = "h1", key_file = "keys/storage-h1.key" }}
+
+[[scopes]]
+name = "{self.names.scope}"
+key_file = "keys/{self.names.scope}.key"
+
+[[grants]]
+scope = "{self.names.scope}"
+tool = "{TOOL}"
+format = "json"
+max_calls = 8
+max_compensations = 1
+
+[[actions]]
+tool = "{TOOL}"
+inverse = {{ undo = "publish" }}
+match = ["name"]
+
+[[plans]]
+name = "release"
+steps = [{{ id = "publish", source = "publish the release notes" }}]
+{extra}
+""",
+            encoding="utf-8",
+        )
+
+    async def run(
+        self, *args: str, config: bool = True, env: dict[str, str] | None = None
+    ) -> Result:
+        argv = [PYTHON, "-m", "octo_host", *args]
+        if config:
+            argv += ["--config", str(self.config)]
+        environment = {k: v for k, v in os.environ.items() if k != "OCTO_FAULT"}
+        environment.update(env or {})
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=environment,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60.0)
+        assert process.returncode is not None
+        return Result(process.returncode, stdout.decode(), stderr.decode())
+
+    async def provision(self) -> None:
+        """Ledger key from ``keys generate``; the worker's scope key copied in (0600)."""
+        generated = await self.run("keys", "generate", "--storage", "h1", "--out", str(self.keys))
+        assert generated.status == 0, generated.stderr
+        key_file = self.worker.root / "worker" / "keys" / "scope.key"
+        write_private(self.scope_key, key_file.read_bytes())
+        self.write_config()
+
+    async def dispatch(self, *extra: str) -> Result:
+        return await self.run(
+            "dispatch", RUN, "--plan", "release", "--step", "publish", "--tool", TOOL,
+            "--scope", self.names.scope, "--payload", PUBLISH, "--json", *extra,
+        )  # fmt: skip
+
+
+def assert_one_line_error(result: Result, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("octo-host: ")
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+async def cli(tmp_path: Path, names: Names, worker_env: WorkerEnv) -> HostCli:
+    host = HostCli(tmp_path / "host", names, worker_env)
+    await host.provision()
+    return host
+
+
+# keys ------------------------------------------------------------------------------------
+
+
+async def test_keys_generate_writes_a_private_key_once(tmp_path: Path, cli: HostCli) -> None:
+    out = tmp_path / "new-keys"
+    made = await cli.run("keys", "generate", "--scope", "tenant-a", "--out", str(out), "--json")
+
+    assert made.status == 0, made.stderr
+    path = out / "tenant-a.key"
+    assert made.json() == {"ok": True, "kind": "scope", "path": str(path)}
+    content = path.read_bytes()
+    assert len(content) == 65 and content.endswith(b"\n")
+    bytes.fromhex(content[:64].decode())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert content[:64].decode() not in made.stdout + made.stderr
+
+    again = await cli.run("keys", "generate", "--scope", "tenant-a", "--out", str(out))
+    assert again.status == 1
+    assert_one_line_error(again, str(path), "refusing to overwrite")
+    assert path.read_bytes() == content
+
+    storage = await cli.run("keys", "generate", "--storage", "k2", "--out", str(out))
+    assert storage.status == 0 and storage.stdout.strip() == str(out / "storage-k2.key")
+    assert stat.S_IMODE((out / "storage-k2.key").stat().st_mode) == 0o600
+
+
+# the main path ----------------------------------------------------------------------------
+
+
+async def test_dispatch_show_compensate_and_a_refused_second_compensation(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv
+) -> None:
+    dispatched = await cli.dispatch()
+    assert dispatched.status == 0, dispatched.stderr
+    result = dispatched.json()
+    key = result["operation_key"]
+    assert result["ok"] is True and result["newly_recorded"] is True
+    assert result["observed"]["state"] == "succeeded"
+    assert result["ledger_state"] == "succeeded" and result["revision"] == 2
+    assert (worker_env.published / "notes.txt").read_text() == "secret-release-body"
+    assert "secret-release-body" not in dispatched.stdout + dispatched.stderr
+
+    # The same command again: the same derived key, answered, no second effect.
+    repeated = await cli.dispatch()
+    assert repeated.status == 0, repeated.stderr
+    assert repeated.json()["operation_key"] == key
+    assert repeated.json()["newly_recorded"] is False
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+
+    shown = await cli.run("ledger", "show", RUN, "--json")
+    assert shown.status == 0, shown.stderr
+    ledger = shown.json()
+    assert ledger["plan"] == "release" and ledger["format_version"] == 2
+    [operation] = ledger["operations"]
+    assert operation["operation_key"] == key and operation["state"] == "succeeded"
+    assert operation["step"] == "publish" and operation["compensation"] is None
+    assert "secret-release-body" not in shown.stdout
+    human = await cli.run("ledger", "show", RUN)
+    assert key in human.stdout and "succeeded" in human.stdout
+
+    compensated = await cli.run(
+        "compensate", RUN, key, "--scope", cli.names.scope, "--payload", UNDO,
+        "--nonce", "undo-1", "--original", PUBLISH, "--json",
+    )  # fmt: skip
+    assert compensated.status == 0, compensated.stderr
+    document = compensated.json()
+    assert document["compensation_key"].startswith("cmp-")
+    assert document["compensation_state"] == "succeeded"
+    assert not (worker_env.published / "notes.txt").exists()
+    assert len(read_effect_log(worker_env.effect_log)) == 2
+
+    second = await cli.run(
+        "compensate", RUN, key, "--scope", cli.names.scope, "--payload", UNDO,
+        "--nonce", "undo-2", "--original", PUBLISH,
+    )  # fmt: skip
+    assert second.status == 1
+    assert_one_line_error(second, "compensation_already_recorded")
+    assert len(read_effect_log(worker_env.effect_log)) == 2
+
+    after = (await cli.run("ledger", "show", RUN, "--json")).json()
+    compensation = after["operations"][0]["compensation"]
+    assert compensation["compensation_key"] == document["compensation_key"]
+    assert compensation["state"] == "succeeded"
+
+
+async def test_the_action_rule_refuses_another_inverse_before_anything_is_recorded(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv
+) -> None:
+    key = (await cli.dispatch()).json()["operation_key"]
+    other_file = json.dumps({"undo": "publish", "name": "other.txt"})
+    refused = await cli.run(
+        "compensate", RUN, key, "--scope", cli.names.scope, "--payload", other_file,
+        "--nonce", "undo-1", "--original", PUBLISH,
+    )  # fmt: skip
+    assert refused.status == 1
+    assert_one_line_error(refused, "compensation_action_denied")
+    # A different "original" than the one recorded is refused the same way.
+    forged = json.dumps({"name": "other.txt", "content": "x"})
+    refused = await cli.run(
+        "compensate", RUN, key, "--scope", cli.names.scope, "--payload", other_file,
+        "--nonce", "undo-1", "--original", forged,
+    )  # fmt: skip
+    assert_one_line_error(refused, "compensation_action_denied")
+    ledger = (await cli.run("ledger", "show", RUN, "--json")).json()
+    assert ledger["operations"][0]["compensation"] is None
+    assert (worker_env.published / "notes.txt").exists()
+
+
+# recovery and operator decisions ---------------------------------------------------------
+
+
+async def test_recover_dispatches_a_key_the_worker_never_saw(
+    workers: WorkerRunner, cli: HostCli, worker_env: WorkerEnv, tmp_path: Path
+) -> None:
+    # No worker yet: the operation is recorded, then the publish finds no queue.
+    first = await cli.dispatch()
+    assert first.status == 3
+    assert_one_line_error(first, "no worker queue")
+    ledger = (await cli.run("ledger", "show", RUN, "--json")).json()
+    [operation] = ledger["operations"]
+    key = operation["operation_key"]
+    assert operation["state"] == "pending"
+
+    await workers.start()
+    blind = await cli.run("recover", RUN, "--scope", cli.names.scope, "--json")
+    assert blind.status == 1
+    assert blind.json()["unresolved"] == [key]
+    assert_one_line_error(blind, "unresolved", key)
+
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps({"operations": {key: json.loads(PUBLISH)}}))
+    recovered = await cli.run(
+        "recover", RUN, "--scope", cli.names.scope, "--inputs", str(inputs), "--json"
+    )
+    assert recovered.status == 0, recovered.stderr
+    summary = recovered.json()
+    assert summary["operations"] == {key: "succeeded"}
+    assert summary["reconciled"] == [key] and summary["unresolved"] == []
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+
+
+async def test_resolve_records_an_audited_decision_without_sending_anything(
+    workers: WorkerRunner, cli: HostCli, worker_env: WorkerEnv
+) -> None:
+    assert (await cli.dispatch()).status == 3  # recorded, never delivered
+    key = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"][0]["operation_key"]
+
+    resolved = await cli.run(
+        "resolve", RUN, key, "--state", "failed", "--reason", REASON, "--operator", "alice",
+        "--json",
+    )  # fmt: skip
+    assert resolved.status == 0, resolved.stderr
+    decision = resolved.json()
+    assert decision["from"] == "pending" and decision["to"] == "failed"
+    assert decision["operator"] == "alice" and decision["ledger_revision"] == 2
+    assert REASON not in resolved.stdout + resolved.stderr
+
+    ledger = (await cli.run("ledger", "show", RUN, "--json")).json()
+    assert ledger["operations"][0]["state"] == "failed" and ledger["revision"] == 2
+
+    audit = await cli.run("audit", "show", RUN, "--json")
+    assert audit.status == 0, audit.stderr
+    [entry] = audit.json()["entries"]
+    assert entry["operation_key"] == key and entry["operator"] == "alice"
+    assert entry["from"] == "pending" and entry["to"] == "failed"
+    assert entry["reason"] == REASON and entry["ledger_agrees"] is True
+    assert entry["ledger_revision"] == 2 and entry["time"].endswith("Z")
+
+    # Terminal now: a second decision is refused and nothing is appended.
+    again = await cli.run(
+        "resolve", RUN, key, "--state", "succeeded", "--reason", "changed my mind",
+        env={"USER": "bob"},
+    )  # fmt: skip
+    assert again.status == 1
+    assert_one_line_error(again, "terminal")
+    assert len((await cli.run("audit", "show", RUN, "--json")).json()["entries"]) == 1
+    # Nothing reached a worker: none ran, and no effect was logged.
+    assert read_effect_log(worker_env.effect_log) == []
+
+
+# failures: configuration, keys, broker -------------------------------------------------
+
+
+async def test_a_wrong_configuration_exits_2_naming_the_key(cli: HostCli) -> None:
+    cli.write_config(extra="\n[[grants]]\nscope = 'nope'\ntool = 'x'\nformat = 'json'\n")
+    bad = await cli.run("ledger", "show", RUN)
+    assert bad.status == 2
+    assert_one_line_error(bad, "grants[1].scope")
+
+    cli.config.write_text(cli.config.read_text().replace("host_id", "hostid"))
+    bad = await cli.run("ledger", "show", RUN, "--json")
+    assert bad.status == 2
+    assert bad.json()["ok"] is False
+    assert_one_line_error(bad, "hostid")
+
+    missing = await cli.run(
+        "ledger", "show", RUN, "--config", "/nonexistent/host.toml", config=False
+    )
+    assert missing.status == 2
+    assert_one_line_error(missing, "does not exist")
+
+
+@pytest.mark.parametrize("which", ["scope", "ledger"])
+async def test_a_world_readable_key_exits_2_naming_the_file(cli: HostCli, which: str) -> None:
+    key_file = cli.scope_key if which == "scope" else cli.ledger_key
+    key_file.chmod(0o644)
+    result = await cli.dispatch()
+    assert result.status == 2
+    assert_one_line_error(result, str(key_file), "chmod 600")
+    content = key_file.read_bytes()
+    secret = content.hex() if len(content) == 32 else content[:64].decode()
+    assert secret not in result.stderr
+
+
+async def test_an_unreachable_broker_exits_3(cli: HostCli) -> None:
+    cli.write_config(url="amqp://guest:guest@127.0.0.1:1/")
+    result = await cli.dispatch()
+    assert result.status == 3
+    assert_one_line_error(result, "unreachable", "127.0.0.1:1")
+    assert "guest:guest" not in result.stderr
