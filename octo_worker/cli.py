@@ -1,7 +1,8 @@
 """The ``octo-worker`` command: run the daemon and operate what it keeps.
 
 Verbs: ``run``, ``check``, ``topology declare|show``, ``journal
-list|show|verify|prune``, ``adapters list`` and ``dlq list|show|drop``. Every
+list|show|verify|init-anchor|prune`` (prune is refused until the store can
+select rows by age), ``adapters list`` and ``dlq list|show|drop``. Every
 verb takes ``--config PATH`` (default ``/etc/octo/worker.toml``) and ``--json``
 (one JSON document on stdout, for scripts).
 
@@ -46,6 +47,7 @@ from octo_common.errors import (
     OctoError,
     StorageError,
 )
+from octo_common.ids import is_token
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, Succeeded
 from octo_common.transport import (
@@ -54,6 +56,8 @@ from octo_common.transport import (
     HEADER_REASON,
     HEADER_SCOPE,
     HEADER_SESSION,
+    WORKER_POLICY_NAME,
+    worker_queue,
 )
 from octo_worker.adapters import ADAPTER_ENTRY_POINT_GROUP, adapter_deadline, load_adapters
 from octo_worker.config import (
@@ -64,6 +68,13 @@ from octo_worker.config import (
 )
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.store import SqliteJournalStore
+from octo_worker.topology import (
+    TopologyError,
+    connect,
+    declare_topology,
+    describe_topology,
+    open_confirm_channel,
+)
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -463,6 +474,8 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
+    # Only `run` needs the daemon (sessions, adapters' runtime); the operator
+    # verbs stay quick to start without it.
     from octo_worker.daemon import WorkerDaemon
     from octo_worker.metrics import WorkerMetrics
 
@@ -684,8 +697,6 @@ async def _probe_journal(config: WorkerConfig) -> str:
 
 
 async def _probe_broker(config: WorkerConfig) -> str:
-    from octo_common.transport import worker_queue
-
     async with _broker(config) as connection:
         channel = await connection.channel()
         declared = 0
@@ -712,8 +723,6 @@ def _vhost(url: str) -> str:
 
 @contextlib.asynccontextmanager
 async def _broker(config: WorkerConfig) -> AsyncIterator[AbstractConnection]:
-    from octo_worker.topology import TopologyError, connect
-
     url = config.broker_url()
     timeout = min(config.broker.connect_timeout_seconds, _PROBE_TIMEOUT_SECONDS)
     try:
@@ -782,7 +791,7 @@ def cmd_topology_declare(args: argparse.Namespace, out: Output) -> int:
     applied = (
         "not applied (--skip-policy)"
         if limit is None
-        else f"{_policy_name()} delivery-limit={limit} applied via {via}"
+        else f"{WORKER_POLICY_NAME} delivery-limit={limit} applied via {via}"
     )
     for queue in queues:
         out.line(f"declared {queue}")
@@ -793,23 +802,15 @@ def cmd_topology_declare(args: argparse.Namespace, out: Output) -> int:
             "queues": list(queues),
             "policy": None
             if limit is None
-            else {"name": _policy_name(), "delivery_limit": limit, "applied_via": via},
+            else {"name": WORKER_POLICY_NAME, "delivery_limit": limit, "applied_via": via},
         }
     )
     return EXIT_OK
 
 
-def _policy_name() -> str:
-    from octo_common.transport import WORKER_POLICY_NAME
-
-    return WORKER_POLICY_NAME
-
-
 async def _declare(
     config: WorkerConfig, host_ids: list[str], limit: int | None
 ) -> tuple[tuple[str, ...], str | None]:
-    from octo_worker.topology import TopologyError, declare_topology, open_confirm_channel
-
     _check_tokens("--host-id", host_ids)
     async with _broker(config) as connection:
         channel = await open_confirm_channel(connection)
@@ -827,8 +828,6 @@ async def _declare(
 
 
 def _check_tokens(option: str, values: Iterable[str]) -> None:
-    from octo_common.ids import is_token
-
     for value in values:
         if not is_token(value):
             raise CliError(EXIT_USAGE, f"{option}: {_printable(value)!r} is not a token", "usage")
@@ -866,8 +865,6 @@ def cmd_topology_show(args: argparse.Namespace, out: Output) -> int:
 
 
 async def _describe(config: WorkerConfig, host_ids: list[str]) -> list[Any]:
-    from octo_worker.topology import describe_topology
-
     _check_tokens("--host-id", host_ids)
     async with _broker(config) as connection:
         channel = await connection.channel()
