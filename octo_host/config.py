@@ -37,9 +37,9 @@ Keys (relative paths are relative to the file's directory;
     scope = "tenant-release"
     tool = "files.publish"
     format = "json"                  # "json" or "text": also the format of --payload
-    max_calls = 64
-    max_input_bytes = 1048576
-    max_output_bytes = 1048576
+    max_calls = 64                   # limits default to the protocol's defaults
+    max_input_bytes = 16384
+    max_output_bytes = 65536
     max_compensations = 1            # 0: this tool is never compensated
     resources = [{ kind = "file_root", id = "published" }]
 
@@ -96,6 +96,12 @@ from octo_common.errors import (
 from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityGrant, CapabilityManifest, ResourceKind, ResourceSelector
 from octo_common.ids import is_token
+from octo_common.limits import (
+    DEFAULT_MAX_CALLS,
+    DEFAULT_MAX_COMPENSATIONS,
+    DEFAULT_MAX_INPUT_BYTES,
+    DEFAULT_MAX_OUTPUT_BYTES,
+)
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageKey, StorageKeyId, StorageKeyring
 from octo_host.compensation import WorkflowCompensationAction
@@ -178,10 +184,11 @@ class GrantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scope: str
     tool: str
     format: Literal["text", "json"]
-    max_calls: int = 64
-    max_input_bytes: int = 1_048_576
-    max_output_bytes: int = 1_048_576
-    max_compensations: int = 0
+    # Defaults are the protocol's (CapabilityGrant's) defaults.
+    max_calls: int = DEFAULT_MAX_CALLS
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
+    max_compensations: int = DEFAULT_MAX_COMPENSATIONS
     resources: tuple[ResourceConfig, ...] = ()
 
     def grant(self) -> CapabilityGrant:
