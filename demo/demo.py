@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -179,6 +180,7 @@ class DemoDir:
         self.notify_socket = root / "notify.sock"
         self.daemon_log = root / "daemon.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.notify: socket.socket | None = None
         self.policy = "not declared"
 
     def provision(self) -> None:
@@ -251,6 +253,12 @@ def declare_topology(demo: DemoDir, step: str) -> str:
             f"via {policy.get('applied_via')}"
         )
     reason = one_line(done.stderr) or f"exit status {done.returncode}"
+    expect(
+        step,
+        "policy" in reason,
+        "octo-worker topology declare to succeed",
+        f"exit status {done.returncode}: {reason}",
+    )
     print(f"warning: the worker queue policy was not applied ({reason}); continuing without it")
     again = subprocess.run(  # noqa: S603
         demo.octo_worker("topology", "declare", "--skip-policy"),
@@ -265,72 +273,103 @@ def declare_topology(demo: DemoDir, step: str) -> str:
         "octo-worker topology declare to succeed",
         f"exit status {again.returncode}: {one_line(again.stderr)}",
     )
-    return "no policy (see warning)"
+    return "queues only, the policy was not applied (see the warning)"
 
 
 def start_daemon(demo: DemoDir, step: str) -> float:
     """Start ``octo-worker run`` and wait for READY=1 on a real notify socket."""
     started = time.monotonic()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
-        notify.bind(str(demo.notify_socket))
-        notify.settimeout(0.2)
-        env = {k: v for k, v in os.environ.items() if k not in ("OCTO_FAULT", "WATCHDOG_USEC")}
-        env["NOTIFY_SOCKET"] = str(demo.notify_socket)
-        env["PYTHONUNBUFFERED"] = "1"
-        with open(demo.daemon_log, "wb") as log:
-            # Its own session: Ctrl-C reaches only this script, which stops the
-            # daemon with SIGTERM (and waits) on every path.
-            demo.process = subprocess.Popen(  # noqa: S603
-                demo.octo_worker("run"),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
+    # The sd_notify socket systemd would give a Type=notify service: a real one.
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    demo.notify = notify
+    notify.bind(str(demo.notify_socket))
+    notify.settimeout(0.2)
+    env = {k: v for k, v in os.environ.items() if k not in ("OCTO_FAULT", "WATCHDOG_USEC")}
+    env["NOTIFY_SOCKET"] = str(demo.notify_socket)
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(demo.daemon_log, "wb") as log:
+        # Its own session: Ctrl-C reaches only this script, which stops the
+        # daemon with SIGTERM (and waits) on every path.
+        demo.process = subprocess.Popen(  # noqa: S603
+            demo.octo_worker("run"),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    deadline = started + READY_TIMEOUT
+    while True:
+        if "READY=1" in notifications(notify):
+            return time.monotonic() - started
+        status = demo.process.poll()
+        if status is not None:
+            raise StepFailed(
+                step,
+                "the worker daemon to report READY=1",
+                f"it exited with status {status}; its last lines:\n{demo.daemon_tail()}",
             )
-        deadline = started + READY_TIMEOUT
-        while True:
-            try:
-                datagram = notify.recv(4096)
-            except TimeoutError:
-                datagram = b""
-            if b"READY=1" in datagram.split(b"\n"):
-                ready = time.monotonic() - started
-                demo.notify_socket.unlink()  # the daemon finds no socket later: a no-op
-                return ready
-            status = demo.process.poll()
-            if status is not None:
-                raise StepFailed(
-                    step,
-                    "the worker daemon to report READY=1",
-                    f"it exited with status {status}; its last lines:\n{demo.daemon_tail()}",
-                )
-            if time.monotonic() > deadline:
-                raise StepFailed(
-                    step,
-                    f"the worker daemon to report READY=1 within {READY_TIMEOUT:.0f} s",
-                    f"no READY=1; its last lines:\n{demo.daemon_tail()}",
-                )
+        if time.monotonic() > deadline:
+            raise StepFailed(
+                step,
+                f"the worker daemon to report READY=1 within {READY_TIMEOUT:.0f} s",
+                f"no READY=1; its last lines:\n{demo.daemon_tail()}",
+            )
 
 
-def stop_daemon(demo: DemoDir) -> tuple[int | None, float]:
-    """SIGTERM, wait; SIGKILL only if it does not stop in time. Returns (status, seconds)."""
+def notifications(notify: socket.socket) -> list[str]:
+    """The ``KEY=VALUE`` lines of one datagram (none after the socket's timeout)."""
+    try:
+        datagram = notify.recv(4096)
+    except (TimeoutError, BlockingIOError):
+        return []
+    return datagram.decode("utf-8", "replace").split("\n")
+
+
+def stop_daemon(demo: DemoDir) -> tuple[int | None, float, bool]:
+    """SIGTERM, wait (SIGKILL only if it does not stop in time).
+
+    Returns (exit status or None when killed, seconds, whether STOPPING=1 arrived).
+    """
     process = demo.process
     if process is None:
-        return None, 0.0
+        return None, 0.0, False
     started = time.monotonic()
+    seen: list[str] = []
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
+        deadline = started + STOP_TIMEOUT
+        while process.poll() is None and time.monotonic() < deadline:
+            if demo.notify is None:
+                time.sleep(0.05)
+            else:
+                seen += notifications(demo.notify)
+        if process.poll() is None:
             process.kill()
             process.wait()
-            demo.process = None
-            return None, time.monotonic() - started
+    took = time.monotonic() - started
+    if demo.notify is not None:  # what it sent just before exiting is still queued
+        demo.notify.setblocking(False)
+        while lines := notifications(demo.notify):
+            seen += lines
     demo.process = None
-    return process.returncode, time.monotonic() - started
+    status = process.returncode
+    return (None if status < 0 else status), took, "STOPPING=1" in seen
+
+
+def close_notify(demo: DemoDir) -> None:
+    if demo.notify is not None:
+        demo.notify.close()
+        demo.notify = None
+        with contextlib.suppress(OSError):
+            demo.notify_socket.unlink()
+
+
+def describe(error: BaseException) -> str:
+    """An unexpected error in one line: its class and code, never its arguments."""
+    code = getattr(error, "code", None)
+    return type(error).__name__ + (f" ({code})" if isinstance(code, str) else "")
 
 
 # The host side ----------------------------------------------------------------------------
@@ -747,26 +786,57 @@ class HostDemo:
         )
 
 
+def step_name(number: int) -> str:
+    return f"[{number}/{TOTAL}] {STEP_NAMES[number - 1]}"
+
+
+async def host_steps(host: HostDemo, current: list[str]) -> None:
+    """Steps 2-5 in order; ``current[0]`` names the step under way."""
+    current[0] = step_name(2)
+    await host.start()
+    run, session, key, first = await host.publish(current[0])
+    current[0] = step_name(3)
+    await host.same_frame_again(current[0], run, session, key, first)
+    current[0] = step_name(4)
+    target, cmp_key = await host.compensate(current[0], run, session, key)
+    current[0] = step_name(5)
+    await host.second_compensation(current[0], run, session, key, target, cmp_key)
+
+
+async def daemon_exit(process: subprocess.Popen[bytes]) -> int:
+    while (status := process.poll()) is None:
+        await asyncio.sleep(0.1)
+    return status
+
+
 async def drive_host(demo: DemoDir) -> None:
+    """Steps 2-5; a daemon that dies meanwhile fails the step at once (no reply timeouts)."""
+    assert demo.process is not None
     observer = Observer(demo)
     host = HostDemo(demo, observer)
-    step = f"[2/{TOTAL}] {STEP_NAMES[1]}"
+    current = [step_name(2)]
+    steps = asyncio.ensure_future(host_steps(host, current))
+    watcher = asyncio.ensure_future(daemon_exit(demo.process))
     try:
-        await host.start()
-        run, session, key, first = await host.publish(step)
-        step = f"[3/{TOTAL}] {STEP_NAMES[2]}"
-        await host.same_frame_again(step, run, session, key, first)
-        step = f"[4/{TOTAL}] {STEP_NAMES[3]}"
-        target, cmp_key = await host.compensate(step, run, session, key)
-        step = f"[5/{TOTAL}] {STEP_NAMES[4]}"
-        await host.second_compensation(step, run, session, key, target, cmp_key)
+        await asyncio.wait({steps, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not steps.done():
+            steps.cancel()
+            with contextlib.suppress(BaseException):
+                await steps
+            raise StepFailed(
+                current[0],
+                "the worker daemon to keep running",
+                f"it exited with status {watcher.result()}; its last lines:\n{demo.daemon_tail()}",
+            )
+        steps.result()
     except StepFailed:
         raise
     except Exception as error:
-        code = getattr(error, "code", None)
-        got = f"{type(error).__name__}" + (f" ({code})" if code else "")
-        raise StepFailed(step, "the step to complete", got) from None
+        raise StepFailed(current[0], "the step to complete", describe(error)) from None
     finally:
+        for task in (steps, watcher):
+            task.cancel()
+        await asyncio.gather(steps, watcher, return_exceptions=True)
         await host.close()
         await observer.close()
 
@@ -818,37 +888,44 @@ def private_directory(keep: bool) -> Iterator[Path]:
         yield root
     finally:
         if not keep:
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
 
 
 def run_demo(demo: DemoDir) -> None:
-    step = f"[1/{TOTAL}] {STEP_NAMES[0]}"
-    demo.provision()
-    demo.policy = declare_topology(demo, step)
-    ready = start_daemon(demo, step)
+    step = step_name(1)
+    try:
+        demo.provision()
+        demo.policy = declare_topology(demo, step)
+        ready = start_daemon(demo, step)
+    except StepFailed:
+        raise
+    except Exception as error:
+        raise StepFailed(step, "the step to complete", describe(error)) from None
     assert demo.process is not None
+    pid = demo.process.pid
     print(
         f"[1/{TOTAL}] worker up: 3 keys (0600) + worker.toml in a 0700 dir"
-        f" | topology declared ({demo.policy})"
-        f" | octo-worker run pid {demo.process.pid} consuming {worker_queue(demo.scope)}"
+        f" | topology declared: {demo.policy}"
+        f" | octo-worker run pid {pid} consuming {worker_queue(demo.scope)}"
         f" (READY=1 after {ready:.1f} s)",
         flush=True,
     )
 
     asyncio.run(drive_host(demo))
 
-    step = f"[6/{TOTAL}] {STEP_NAMES[5]}"
-    pid = demo.process.pid if demo.process else 0
-    status, took = stop_daemon(demo)
+    step = step_name(6)
+    status, took, stopping = stop_daemon(demo)
     expect(
         step,
         status == 0,
         "the daemon to exit 0 after SIGTERM",
         "no exit (killed)" if status is None else f"exit status {status}\n{demo.daemon_tail()}",
     )
-    print(f"[6/{TOTAL}] stop: SIGTERM to pid {pid} -> exited 0 after {took:.1f} s", flush=True)
+    expect(step, stopping, "STOPPING=1 on the notify socket", "no STOPPING=1")
+    print(
+        f"[{TOTAL}/{TOTAL}] stop: SIGTERM to pid {pid} -> STOPPING=1, exited 0 after {took:.1f} s",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -882,9 +959,8 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted: stopping the daemon and cleaning up", flush=True)
             status = 128 + (signal.SIGTERM if terminated else signal.SIGINT)
         finally:
-            daemon_status, _ = stop_daemon(demo)
-            if daemon_status not in (None, 0) and status == 0:
-                status = 1
+            stop_daemon(demo)  # already stopped after step 6; here for every other path
+            close_notify(demo)
             # The queues go in any case (the daemon declares them again when run).
             with contextlib.suppress(Exception):
                 asyncio.run(delete_queues(demo))

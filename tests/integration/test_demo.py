@@ -91,7 +91,7 @@ def test_demo_passes_every_step_and_cleans_up() -> None:
     assert "request_rejected compensation_budget_exhausted (same session)" in second
     assert "compensation_identity_mismatch (fresh session)" in second
     assert second.endswith("effect log: 1 publish + 1 remove")
-    assert "exited 0" in stop
+    assert "STOPPING=1, exited 0" in stop
     assert done.stdout.splitlines()[-1].startswith(f"OK: all {STEPS} steps matched")
     # The private directory (keys included) is gone.
     assert not private_dir(done.stdout).exists()
@@ -157,6 +157,39 @@ def test_sigterm_during_the_host_steps_stops_the_daemon_and_cleans_up() -> None:
     assert not private_dir(out).exists()
 
 
+@pytest.mark.rabbitmq
+@needs_broker
+def test_a_daemon_killed_mid_run_fails_the_step_with_exit_status_one() -> None:
+    process = subprocess.Popen(
+        [sys.executable, str(DEMO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            seen.append(line)
+            if line.startswith(f"[1/{STEPS}]"):
+                break
+        found = re.search(r"octo-worker run pid (\d+)", seen[-1])
+        assert found is not None, "".join(seen)
+        os.kill(int(found.group(1)), signal.SIGKILL)
+        rest, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    out = "".join(seen) + rest
+
+    assert process.returncode == 1, out + errors
+    failed = [line for line in out.splitlines() if line.startswith("FAILED: ")]
+    assert failed == [
+        f"FAILED: [2/{STEPS}] publish: expected the worker daemon to keep running, "
+        "got it exited with status -9; its last lines:"
+    ]
+    assert f"[2/{STEPS}]" not in "".join(step_lines(out))
+    assert not private_dir(out).exists()
+
+
 def test_a_daemon_that_cannot_start_fails_step_one_with_its_log(tmp_path: Path) -> None:
     demo_module = load_demo_module()
     root = tmp_path / "demo"
@@ -165,8 +198,11 @@ def test_a_daemon_that_cannot_start_fails_step_one_with_its_log(tmp_path: Path) 
     demo.provision()
     demo.scope_key.chmod(0o644)  # the daemon refuses a key readable by others
 
-    with pytest.raises(demo_module.StepFailed) as failed:
-        demo_module.start_daemon(demo, "[1/6] worker up")
+    try:
+        with pytest.raises(demo_module.StepFailed) as failed:
+            demo_module.start_daemon(demo, "[1/6] worker up")
+    finally:
+        demo_module.close_notify(demo)
 
     assert failed.value.expected == "the worker daemon to report READY=1"
     assert "exited with status 2" in failed.value.got
