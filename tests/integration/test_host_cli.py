@@ -331,6 +331,83 @@ async def test_resolve_records_an_audited_decision_without_sending_anything(
     assert read_effect_log(worker_env.effect_log) == []
 
 
+CRASH = {"OCTO_FAULT": "host.after_ledger_commit"}
+
+
+async def test_a_dispatch_killed_before_publishing_is_finished_by_the_same_command(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv
+) -> None:
+    killed = await cli.run(
+        "dispatch", RUN, "--plan", "release", "--step", "publish", "--tool", TOOL,
+        "--scope", cli.names.scope, "--payload", PUBLISH, env=CRASH,
+    )  # fmt: skip
+    assert killed.status == -9  # SIGKILL after the ledger commit, before the publish
+    [pending] = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"]
+    assert pending["state"] == "pending"
+    assert read_effect_log(worker_env.effect_log) == []
+
+    again = await cli.dispatch()
+    assert again.status == 0, again.stderr
+    assert again.json()["operation_key"] == pending["operation_key"]
+    assert again.json()["newly_recorded"] is False
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_recover_finishes_a_compensation_killed_before_it_was_sent(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv, tmp_path: Path
+) -> None:
+    key = (await cli.dispatch()).json()["operation_key"]
+    killed = await cli.run(
+        "compensate", RUN, key, "--scope", cli.names.scope, "--payload", UNDO,
+        "--nonce", "undo-1", "--original", PUBLISH, env=CRASH,
+    )  # fmt: skip
+    assert killed.status == -9
+    compensation = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"][0][
+        "compensation"
+    ]
+    assert compensation["state"] == "pending"
+    assert (worker_env.published / "notes.txt").exists()
+
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(
+        json.dumps(
+            {"compensations": {key: {"inverse": json.loads(UNDO), "original": json.loads(PUBLISH)}}}
+        )
+    )
+    recovered = await cli.run(
+        "recover", RUN, "--scope", cli.names.scope, "--inputs", str(inputs), "--json"
+    )
+    assert recovered.status == 0, recovered.stderr
+    summary = recovered.json()
+    assert summary["compensations"] == {key: "succeeded"}
+    assert summary["reconciled"] == [compensation["compensation_key"]]
+    assert not (worker_env.published / "notes.txt").exists()
+    assert len(read_effect_log(worker_env.effect_log)) == 2
+
+
+async def test_a_configured_anchor_must_exist_and_init_anchor_creates_it(
+    daemon: object, cli: HostCli
+) -> None:
+    assert (await cli.dispatch()).status == 0
+    cli.write_config(extra="")
+    text = cli.config.read_text()
+    cli.config.write_text(
+        text.replace('database = "state/ledger.sqlite3"', 'database = "state/ledger.sqlite3"\n'
+                     'anchor = "state/ledger.anchor"')
+    )  # fmt: skip
+    blocked = await cli.run("ledger", "show", RUN)
+    assert blocked.status == 4
+    assert_one_line_error(blocked, "rollback_anchor_missing", "octo-host ledger init-anchor")
+
+    created = await cli.run("ledger", "init-anchor")
+    assert created.status == 0, created.stderr
+    assert stat.S_IMODE((cli.root / "state" / "ledger.anchor").stat().st_mode) == 0o600
+    assert (await cli.run("ledger", "show", RUN)).status == 0
+    refused = await cli.run("ledger", "init-anchor")
+    assert refused.status == 1
+    assert_one_line_error(refused, "already exists")
+
+
 # failures: configuration, keys, broker -------------------------------------------------
 
 
