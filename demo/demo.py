@@ -14,13 +14,15 @@ prints one line with what was sent and what the worker journal (read with
 a separate ``SqliteJournalStore``), the host ledger (read with a separate
 ``SqliteLedgerStore``), the published directory and the adapter's effect
 log say. Exit status 0 only when every step matched its expectation;
-otherwise ``FAILED: <step>: expected X, got Y`` and exit status 1.
+otherwise ``FAILED: <step>: expected X, got Y`` and exit status 1 (a daemon
+that dies during the host steps fails the current step at once, with the
+tail of its log). Ctrl-C or SIGTERM: cleanup, then exit status 128 + signal.
 
 What it must never do: print a key, a nonce, a frame or a payload (keys are
 shown shortened, payloads as sizes), leave the daemon running (it is stopped
 on every path, Ctrl-C included), or reuse another run's scope, host id,
-queues or files (``--keep`` keeps the directory and the queues for a look
-afterwards; otherwise both are removed).
+queues or files. This run's queues are deleted at the end; the directory
+too, unless ``--keep`` asks to keep it for a look afterwards.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageKeyring
 from octo_common.states import StateKind, Succeeded
 from octo_common.transport import reply_queue, worker_queue
+from octo_host.amqp import connect
 from octo_host.client import HostClient, HostRun, HostSession
 from octo_host.compensation import (
     WorkflowCompensationAction,
@@ -189,6 +192,8 @@ class DemoDir:
             directory.mkdir(mode=0o700)
         for path in (self.scope_key, self.storage_key, self.ledger_key):
             write_private(path, os.urandom(32).hex().encode("ascii") + b"\n")
+            if path.stat().st_mode & 0o077:
+                raise StepFailed(step_name(1), f"{path.name} mode 0600", oct(path.stat().st_mode))
         self.config.write_text(
             f"""# Written by demo/demo.py for one demo run; names files, holds no secret.
 [worker]
@@ -843,8 +848,6 @@ async def drive_host(demo: DemoDir) -> None:
 
 async def delete_queues(demo: DemoDir) -> None:
     """Remove this run's worker and reply queues (unique names; nobody else uses them)."""
-    from octo_host.amqp import connect
-
     connection = await connect(URL, timeout=5.0, name="octo-demo-cleanup")
     try:
         for name in (worker_queue(demo.scope), reply_queue(demo.host_id)):
