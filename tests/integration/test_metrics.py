@@ -191,5 +191,5 @@ def test_group_commit_batch_sizes_are_observed(
     answers = asyncio.run(peer.dispatch_files(["batch-1.txt"]))
     assert all(succeeded(answer) for _, answer in answers)
     assert wait_until(
-        lambda: value(scrape(port), "octo_journal_commit_batch_size_count") > before, timeout=3
+        lambda: value(scrape(port), "octo_journal_commit_batch_size_count") > before, timeout=1
     )
