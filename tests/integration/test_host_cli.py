@@ -230,6 +230,13 @@ async def test_dispatch_show_compensate_and_a_refused_second_compensation(
     assert_one_line_error(second, "compensation_already_recorded")
     assert len(read_effect_log(worker_env.effect_log)) == 2
 
+    # A compensated operation is never an operator's to resolve.
+    resolve = await cli.run(
+        "resolve", RUN, key, "--state", "failed", "--reason", "test", "--operator", "alice"
+    )
+    assert resolve.status == 1
+    assert_one_line_error(resolve, "has a compensation")
+
     after = (await cli.run("ledger", "show", RUN, "--json")).json()
     compensation = after["operations"][0]["compensation"]
     assert compensation["compensation_key"] == document["compensation_key"]
@@ -300,9 +307,10 @@ async def test_resolve_records_an_audited_decision_without_sending_anything(
 
     resolved = await cli.run(
         "resolve", RUN, key, "--state", "failed", "--reason", REASON, "--operator", "alice",
-        "--json",
+        "--json", "--verbose",
     )  # fmt: skip
     assert resolved.status == 0, resolved.stderr
+    assert "operation_resolved_by_operator" in resolved.stderr  # logged, without the reason
     decision = resolved.json()
     assert decision["from"] == "pending" and decision["to"] == "failed"
     assert decision["operator"] == "alice" and decision["ledger_revision"] == 2
