@@ -15,6 +15,7 @@ import re
 import socket
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,9 @@ from tests.integration.test_worker_cli import (
     HostPeer,
     RunningWorker,
     WorkerFiles,
+    octo_worker,
     private_vhost,
+    run_error,
     succeeded,
     wait_until,
 )
@@ -193,3 +196,17 @@ def test_group_commit_batch_sizes_are_observed(
     assert wait_until(
         lambda: value(scrape(port), "octo_journal_commit_batch_size_count") > before, timeout=1
     )
+
+
+def test_a_metrics_port_in_use_is_a_configuration_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        files = WorkerFiles(
+            tmp_path, "amqp://guest:guest@127.0.0.1:1/", SCOPE, metrics_listen=f"127.0.0.1:{port}"
+        )
+        run = octo_worker("run", config=files.config)
+    assert run.returncode == 2
+    line = run_error(run.stderr)
+    assert f"metrics.listen: cannot listen on 127.0.0.1:{port}" in line, line
