@@ -316,10 +316,14 @@ class RunningWorker:
         ready_timeout: float = 20.0,
         wrapper: list[str] | None = None,
         env: dict[str, str] | None = None,
+        watchdog_usec: int | None = None,
     ) -> RunningWorker:
         notify = NotifyListener()
         env = dict(env or os.environ, NOTIFY_SOCKET=notify.name)
         env.pop("WATCHDOG_USEC", None)
+        env.pop("WATCHDOG_PID", None)
+        if watchdog_usec is not None:
+            env["WATCHDOG_USEC"] = str(watchdog_usec)
         stderr_path = files.root / "run.stderr"
         with stderr_path.open("w") as stderr:
             process = subprocess.Popen(
@@ -1304,3 +1308,35 @@ def test_journal_show_finds_a_compensation_by_its_key(worker: RunningWorker, vho
     }
     assert listed[key]["compensation_state"] == "succeeded"
     assert "undone.txt" not in human  # the inverse payload is never shown
+
+
+def test_watchdog_pings_while_healthy_and_stops_after_a_stall(tmp_path: Path) -> None:
+    """WatchdogSec as systemd sets it; the broker vanishes (its vhost is deleted)."""
+    with private_vhost("octo-watchdog") as own:
+        files = WorkerFiles(tmp_path, own.url, "tenant-watchdog")
+        files.write(
+            files.config.read_text().replace(
+                'log_level = "info"', 'log_level = "info"\nwatchdog_stall_seconds = 0.5'
+            )
+        )
+        running = RunningWorker.start(files, watchdog_usec=400_000)  # a ping every 0.2 s
+        try:
+            notify = running.notify
+
+            def pings() -> int:
+                notify.wait_for("never", 0.05)  # collect what arrived
+                return sum("WATCHDOG=1" in d.splitlines() for d in notify.received)
+
+            assert wait_until(lambda: pings() >= 3, timeout=5), notify.received
+            rabbitmqctl("delete_vhost", own.vhost)  # the connection is closed, for good
+            time.sleep(1.5)  # unhealthy for longer than watchdog_stall_seconds
+            stalled = pings()
+            time.sleep(0.8)  # four ping periods
+            assert pings() == stalled, "the daemon kept pinging a stalled watchdog"
+            assert running.process.poll() is None  # systemd, not the daemon, acts on it
+        finally:
+            status = running.stop()
+            running.kill()
+        assert status == 0, running.log()[-2000:]
+        events = {event["event"] for event in running.log_events()}
+        assert "broker_connect_failed" in events
