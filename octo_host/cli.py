@@ -52,6 +52,7 @@ from octo_common.errors import (
     OctoError,
     StorageError,
     UnknownOperation,
+    WorkerRequestRejected,
 )
 from octo_common.ids import is_token
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
@@ -861,6 +862,15 @@ def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
         session = await client.open_session(scope, manifest)
         try:
             state = await client.reconcile(session, run, args.key, payload)
+        except WorkerRequestRejected as error:
+            if error.rejection_code != "unknown_operation":
+                raise
+            raise CliError(
+                EXIT_CHECK_FAILED,
+                f"the worker never admitted {args.key}; send it with: {PROG} recover "
+                f"{args.run} --scope {scope} --inputs FILE (or dispatch it again)",
+                "unknown_operation",
+            ) from None
         finally:
             await _close_quietly(client, session)
         return _operation_result(run, args.key, state, None), state.kind

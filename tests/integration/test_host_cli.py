@@ -200,6 +200,18 @@ async def test_dispatch_show_compensate_and_a_refused_second_compensation(
     assert repeated.json()["newly_recorded"] is False
     assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
 
+    reconciled = await cli.run(
+        "reconcile", RUN, key, "--scope", cli.names.scope, "--payload", PUBLISH, "--json"
+    )
+    assert reconciled.status == 0, reconciled.stderr
+    assert reconciled.json()["observed"]["state"] == "succeeded"
+    wrong = await cli.run(
+        "reconcile", RUN, key, "--scope", cli.names.scope, "--payload", UNDO, "--json"
+    )
+    assert wrong.status == 1
+    assert_one_line_error(wrong, "input_fingerprint_mismatch")
+    assert "undo" not in wrong.stderr  # the payload is never echoed
+
     shown = await cli.run("ledger", "show", RUN, "--json")
     assert shown.status == 0, shown.stderr
     ledger = shown.json()
@@ -282,6 +294,9 @@ async def test_recover_dispatches_a_key_the_worker_never_saw(
     assert operation["state"] == "pending"
 
     await workers.start()
+    never = await cli.run("reconcile", RUN, key, "--scope", cli.names.scope, "--payload", PUBLISH)
+    assert never.status == 1
+    assert_one_line_error(never, "never admitted", key)
     blind = await cli.run("recover", RUN, "--scope", cli.names.scope, "--json")
     assert blind.status == 1
     assert blind.json()["unresolved"] == [key]
