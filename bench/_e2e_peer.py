@@ -1,0 +1,152 @@
+"""The worker side of ``bench/e2e.py``: one ``WorkerDaemon`` in its own process.
+
+    python bench/_e2e_peer.py CONFIG [--stages PATH] [--profile PREFIX]
+
+Runs the daemon exactly as ``octo-worker run`` does (``WorkerDaemon(config)
+.run(install_signal_handlers=True)``, logs at warning on stderr) and prints
+``ready`` once consuming. Measurement aids, both off by default:
+
+* ``--stages PATH``: wraps a few daemon, session, store and frame functions
+  with wall-clock timers (this process only; nothing is edited on disk).
+  Each SIGUSR1 appends the totals so far to PATH as one JSON line and
+  resets them, so the benchmark brackets exactly its measured phase.
+* ``--profile PREFIX``: runs cProfile; each SIGUSR1 also writes
+  ``PREFIX-<n>.prof`` and restarts the profiler.
+
+SIGTERM stops the daemon cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from octo_worker.config import load_config
+from octo_worker.daemon import WorkerDaemon
+
+
+class StageTimers:
+    """Wall-clock time and call counts of wrapped functions, by label."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = {}
+
+    def reset(self) -> None:
+        self.totals = {}
+
+    def add(self, label: str, seconds: float) -> None:
+        entry = self.totals.setdefault(label, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+        add = self.add
+        if asyncio.iscoroutinefunction(original):
+
+            @functools.wraps(original)
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    add(label, time.perf_counter() - started)
+
+            setattr(owner, name, timed_async)
+            return
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                add(label, time.perf_counter() - started)
+
+        setattr(owner, name, timed)
+
+
+def instrument_worker(timers: StageTimers) -> None:
+    """The worker pipeline's stages (see bench/e2e.py for how they nest)."""
+    from octo_common import authorizer, frames
+    from octo_worker import daemon, journal, session, store
+
+    timers.wrap(daemon.WorkerDaemon, "_on_message", "delivery_total")
+    timers.wrap(session.WorkerSession, "handle", "session_handle")
+    timers.wrap(frames.SessionAuthenticator, "open", "frame_open")
+    timers.wrap(frames.SessionAuthenticator, "seal", "frame_seal")
+    timers.wrap(authorizer.SessionAuthorizer, "authorize_operation", "authorize")
+    timers.wrap(session, "worker_input_fingerprint", "input_fingerprint")
+    timers.wrap(journal.WorkerOperationJournal, "admit", "journal_admit")
+    timers.wrap(journal.WorkerOperationJournal, "observe", "journal_observe")
+    timers.wrap(session.WorkerSession, "_state_document", "state_document_encode")
+    timers.wrap(session.WorkerSession, "confirm_published", "outbox_mark")
+    timers.wrap(store.SqliteJournalStore, "commit", "journal_commit")
+    timers.wrap(store.SqliteJournalStore, "load_records", "journal_load")
+    timers.wrap(daemon._Delivery, "ack", "ack")
+    timers.wrap(daemon._Delivery, "reply", "reply_publish_confirmed")
+    timers.wrap(daemon._InstrumentedAdapter, "dispatch_operation", "adapter")
+
+
+async def _serve(config_path: str, on_usr1: Callable[[], None]) -> None:
+    daemon = WorkerDaemon(load_config(config_path))
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
+    running = asyncio.ensure_future(daemon.run(install_signal_handlers=True))
+    ready = asyncio.ensure_future(daemon.wait_ready())
+    done, _ = await asyncio.wait({running, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if ready in done:
+        print("ready", flush=True)
+    else:
+        ready.cancel()
+    await running
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("--stages")
+    parser.add_argument("--profile")
+    args = parser.parse_args(argv)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    timers = StageTimers()
+    if args.stages:
+        instrument_worker(timers)
+    profiler = cProfile.Profile() if args.profile else None
+    dumps = 0
+
+    def on_usr1() -> None:
+        nonlocal dumps
+        dumps += 1
+        if args.stages:
+            with open(args.stages, "a", encoding="utf-8") as out:
+                out.write(json.dumps(timers.totals) + "\n")
+            timers.reset()
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(f"{args.profile}-{dumps}.prof")
+            profiler.clear()
+            profiler.enable()
+
+    if profiler is not None:
+        profiler.enable()
+    asyncio.run(_serve(args.config, on_usr1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
