@@ -97,6 +97,7 @@ EXIT_BROKER: Final = 3
 EXIT_STORAGE: Final = 4
 
 _KEY_BYTES: Final = 32
+_SCOPE_HELP: Final = "tenant scope (default: the only [[scopes]] entry)"
 _MAX_PAYLOAD_FILE_BYTES: Final = 4 * 1024 * 1024
 
 
@@ -275,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--plan", type=_token_arg, required=True, metavar="NAME")
     dispatch.add_argument("--step", required=True, metavar="STEP")
     dispatch.add_argument("--tool", type=_token_arg, required=True, metavar="TOOL")
-    dispatch.add_argument("--scope", type=_token_arg, required=True, metavar="S")
+    dispatch.add_argument("--scope", type=_token_arg, metavar="S", help=_SCOPE_HELP)
     dispatch.add_argument("--payload", required=True, metavar="JSON|@FILE")
     dispatch.add_argument(
         "--nonce", metavar="TEXT", help="key nonce (default RUN/STEP: the same command, same key)"
@@ -287,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reconcile.add_argument("run", type=_token_arg, metavar="RUN")
     reconcile.add_argument("key", type=_token_arg, metavar="KEY")
-    reconcile.add_argument("--scope", type=_token_arg, required=True, metavar="S")
+    reconcile.add_argument("--scope", type=_token_arg, metavar="S", help=_SCOPE_HELP)
     reconcile.add_argument(
         "--payload", required=True, metavar="JSON|@FILE", help="the operation's input"
     )
@@ -299,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compensate.add_argument("run", type=_token_arg, metavar="RUN")
     compensate.add_argument("key", type=_token_arg, metavar="KEY")
-    compensate.add_argument("--scope", type=_token_arg, required=True, metavar="S")
+    compensate.add_argument("--scope", type=_token_arg, metavar="S", help=_SCOPE_HELP)
     compensate.add_argument(
         "--payload", required=True, metavar="JSON|@FILE", help="the inverse input"
     )
@@ -316,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "recover", parents=[common], help="reconcile every unfinished key of a run"
     )
     recover.add_argument("run", type=_token_arg, metavar="RUN")
-    recover.add_argument("--scope", type=_token_arg, required=True, metavar="S")
+    recover.add_argument("--scope", type=_token_arg, metavar="S", help=_SCOPE_HELP)
     recover.add_argument(
         "--inputs",
         metavar="FILE",
@@ -399,6 +400,17 @@ def _fail(out: Output, status: int, message: str, code: str) -> int:
 
 def _config(args: argparse.Namespace) -> HostConfig:
     return load_config(args.config)
+
+
+def _scope(config: HostConfig, given: str | None) -> str:
+    """``--scope``, or the one configured scope when there is exactly one."""
+    if given is not None:
+        return given
+    if len(config.scopes) == 1:
+        return config.scopes[0].name
+    raise CliError(
+        EXIT_USAGE, f"--scope: required ({len(config.scopes)} scopes are configured)", "usage"
+    )
 
 
 def _read_argument(text: str, option: str) -> str:
@@ -776,7 +788,7 @@ def cmd_ledger_init_anchor(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_dispatch(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
-    scope, tool, step = args.scope, args.tool, args.step
+    scope, tool, step = _scope(config, args.scope), args.tool, args.step
     payload = _payload(_grant_format(config, scope, tool), args.payload, "--payload")
     manifest = config.manifest(scope)
     nonce_text = args.nonce if args.nonce is not None else f"{args.run}/{step}"
@@ -851,7 +863,7 @@ def _recorded_operation(run: HostRun, key: str) -> WorkflowOperation:
 
 def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
-    scope = args.scope
+    scope = _scope(config, args.scope)
     manifest = config.manifest(scope)
 
     async def body(client: HostClient) -> tuple[dict[str, Any], StateKind]:
@@ -905,7 +917,7 @@ def _target(
 
 def cmd_compensate(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
-    scope = args.scope
+    scope = _scope(config, args.scope)
     manifest = config.manifest(scope)
     nonce = args.nonce.encode("utf-8")
 
@@ -915,6 +927,14 @@ def cmd_compensate(args: argparse.Namespace, out: Output) -> int:
         fmt = _grant_format(config, scope, operation.tool)
         inverse = _payload(fmt, args.payload, "--payload")
         original = None if args.original is None else _payload(fmt, args.original, "--original")
+        rule = config.action(operation.tool)
+        if rule is not None and rule.match and original is None:
+            raise CliError(
+                EXIT_USAGE,
+                f"--original: required for {operation.tool} (its [[actions]] entry matches "
+                f"{', '.join(rule.match)} against the original input)",
+                "usage",
+            )
         target = _target(config, scope, operation, original)
         existing = operation.compensation
         if existing is None:
@@ -986,7 +1006,7 @@ def _read_inputs(path: str | None) -> tuple[dict[str, Any], dict[str, dict[str, 
 
 def cmd_recover(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
-    scope = args.scope
+    scope = _scope(config, args.scope)
     manifest = config.manifest(scope)
     raw_operations, raw_compensations = _read_inputs(args.inputs)
 

@@ -266,6 +266,11 @@ async def test_the_action_rule_refuses_another_inverse_before_anything_is_record
     )  # fmt: skip
     assert refused.status == 1
     assert_one_line_error(refused, "compensation_action_denied")
+    without = await cli.run(
+        "compensate", RUN, key, "--scope", cli.names.scope, "--payload", UNDO, "--nonce", "u"
+    )
+    assert without.status == 2
+    assert_one_line_error(without, "--original: required for files.publish", "name")
     # A different "original" than the one recorded is refused the same way.
     forged = json.dumps({"name": "other.txt", "content": "x"})
     refused = await cli.run(
@@ -297,7 +302,8 @@ async def test_recover_dispatches_a_key_the_worker_never_saw(
     never = await cli.run("reconcile", RUN, key, "--scope", cli.names.scope, "--payload", PUBLISH)
     assert never.status == 1
     assert_one_line_error(never, "never admitted", key)
-    blind = await cli.run("recover", RUN, "--scope", cli.names.scope, "--json")
+    # One [[scopes]] entry: --scope may be left out.
+    blind = await cli.run("recover", RUN, "--json")
     assert blind.status == 1
     assert blind.json()["unresolved"] == [key]
     assert_one_line_error(blind, "unresolved", key)
