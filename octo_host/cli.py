@@ -13,7 +13,19 @@ no worker queue exists for the scope); 4 the ledger database is unusable.
 
 Payloads (``--payload``, ``--original``) are given inline or as ``@FILE``;
 their format is the configured grant's: JSON for ``format = "json"`` (strict
-parse), the text as is for ``format = "text"``.
+parse), the text as is for ``format = "text"``. The ledger keeps only
+fingerprints, so the verbs that resend an input take it again and check it
+against the recorded fingerprint. ``recover --inputs FILE`` reads
+``{"operations": {KEY: input}, "compensations": {KEY: {"inverse": input,
+"original": input}}}`` (inputs as JSON values: objects for JSON tools,
+strings for text tools).
+
+``dispatch`` derives the ``op-`` key from plan, step, tool, input and nonce
+(default nonce ``RUN/STEP``), so repeating the same command after a crash
+finds the recorded key and settles it instead of creating another.
+``compensate`` resumes a recorded, unfinished compensation with the same
+inverse (fresh approval) and refuses any other second compensation.
+``resolve`` is :func:`octo_host.audit.resolve_operation`: no frame is sent.
 
 One command at a time per ledger: the broker verbs and ``resolve`` hold an
 exclusive lock on ``<database>.lock``, because two processes of one host id
