@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import stat
 import sys
 from dataclasses import dataclass
@@ -358,6 +359,35 @@ async def test_resolve_records_an_audited_decision_without_sending_anything(
     assert len((await cli.run("audit", "show", RUN, "--json")).json()["entries"]) == 1
     # Nothing reached a worker: none ran, and no effect was logged.
     assert read_effect_log(worker_env.effect_log) == []
+
+
+async def test_a_tampered_audit_record_or_ledger_is_refused_as_storage(
+    workers: WorkerRunner, cli: HostCli
+) -> None:
+    assert (await cli.dispatch()).status == 3  # recorded, never delivered
+    key = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"][0]["operation_key"]
+    resolved = await cli.run(
+        "resolve", RUN, key, "--state", "cancelled", "--reason", REASON, "--operator", "carol"
+    )
+    assert resolved.status == 0, resolved.stderr
+
+    database = cli.root / "state" / "ledger.sqlite3"
+    for namespace, verb in [("workflow-audit", "audit"), ("workflow-ledger", "ledger")]:
+        with sqlite3.connect(database) as connection:
+            (envelope,) = connection.execute(
+                "SELECT envelope FROM items WHERE namespace = ? AND name = ?", (namespace, RUN)
+            ).fetchone()
+            # The last hex digit of the tag (the envelope ends with `..."auth_tag":"<hex>"}`).
+            tampered = bytearray(envelope)
+            tampered[-3] = ord("0") if tampered[-3] != ord("0") else ord("1")
+            connection.execute(
+                "UPDATE items SET envelope = ? WHERE namespace = ? AND name = ?",
+                (bytes(tampered), namespace, RUN),
+            )
+        refused = await cli.run(verb, "show", RUN)
+        assert refused.status == 4, refused.stderr
+        assert_one_line_error(refused, "ledger storage", "invalid_record_authentication_tag")
+        assert REASON not in refused.stderr
 
 
 CRASH = {"OCTO_FAULT": "host.after_ledger_commit"}
