@@ -10,6 +10,7 @@ except through the key objects of ``octo_common`` (whose reprs are redacted).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -311,8 +312,21 @@ def _check(config: WorkerConfig) -> None:
         if scope.max_concurrency < 1:
             raise InvalidConfiguration(f"scopes[{index}].max_concurrency: must be at least 1")
     broker = config.broker
-    if broker.prefetch < 1:
-        raise InvalidConfiguration("broker.prefetch: must be at least 1")
+    if not 1 <= broker.prefetch <= 65535:
+        raise InvalidConfiguration("broker.prefetch: must be in 1..65535")
+    if not 1 <= broker.delivery_limit <= 1000:
+        raise InvalidConfiguration("broker.delivery_limit: must be in 1..1000")
+    for name in ("connect_timeout_seconds", "publish_timeout_seconds"):
+        value = getattr(broker, name)
+        if not (math.isfinite(value) and 0 < value <= 3600):
+            raise InvalidConfiguration(f"broker.{name}: must be a positive number of seconds")
+    initial, ceiling = broker.reconnect_initial_seconds, broker.reconnect_max_seconds
+    if not (math.isfinite(initial) and 0 < initial <= 3600):
+        raise InvalidConfiguration("broker.reconnect_initial_seconds: must be positive")
+    if not (math.isfinite(ceiling) and initial <= ceiling <= 3600):
+        raise InvalidConfiguration(
+            "broker.reconnect_max_seconds: must be at least reconnect_initial_seconds"
+        )
     if not broker.url.startswith(("amqp://", "amqps://")):
         raise InvalidConfiguration("broker.url: must start with amqp:// or amqps://")
     if urllib.parse.urlsplit(broker.url).password and broker.password_file:
@@ -323,14 +337,20 @@ def _check(config: WorkerConfig) -> None:
     for name in config.adapters.options:
         if name not in config.adapters.enabled:
             raise InvalidConfiguration(f"adapters.options.{name}: adapter is not enabled")
-    if config.adapters.deadline_seconds <= 0:
+    if not (
+        math.isfinite(config.adapters.deadline_seconds) and config.adapters.deadline_seconds > 0
+    ):
         raise InvalidConfiguration("adapters.deadline_seconds: must be positive")
     if config.limits.reconciliations_per_tool < 1:
         raise InvalidConfiguration("limits.reconciliations_per_tool: must be at least 1")
     if config.limits.reconciliations_per_session < 1:
         raise InvalidConfiguration("limits.reconciliations_per_session: must be at least 1")
-    if config.worker.shutdown_grace_seconds < 0:
+    grace = config.worker.shutdown_grace_seconds
+    if not (math.isfinite(grace) and grace >= 0):
         raise InvalidConfiguration("worker.shutdown_grace_seconds: must not be negative")
+    stall = config.worker.watchdog_stall_seconds
+    if not (math.isfinite(stall) and stall > 0):
+        raise InvalidConfiguration("worker.watchdog_stall_seconds: must be positive")
     listen = config.metrics.listen
     if listen is not None:
         host, _, port = listen.rpartition(":")
