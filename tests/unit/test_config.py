@@ -314,13 +314,11 @@ def test_the_example_config_is_valid_and_documents_every_key(
             "broker",
             "reconnect_initial_seconds = 0.0",
             "broker.reconnect_initial",
-            marks=_UNBOUNDED,
         ),
         pytest.param(
             "broker",
             "reconnect_initial_seconds = 5.0\nreconnect_max_seconds = 1.0",
             "broker.reconnect_max_seconds",
-            marks=_UNBOUNDED,
         ),
         pytest.param("broker", "publish_timeout_seconds = -1.0", "broker.publish_timeout"),
         pytest.param("broker", "connect_timeout_seconds = 0.0", "broker.connect_timeout"),
