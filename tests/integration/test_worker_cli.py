@@ -1329,7 +1329,12 @@ def test_watchdog_pings_while_healthy_and_stops_after_a_stall(tmp_path: Path) ->
 
             assert wait_until(lambda: pings() >= 3, timeout=5), notify.received
             rabbitmqctl("delete_vhost", own.vhost)  # the connection is closed, for good
-            time.sleep(1.5)  # unhealthy for longer than watchdog_stall_seconds
+
+            def reconnecting() -> bool:
+                return any(e["event"] == "broker_connect_failed" for e in running.log_events())
+
+            assert wait_until(reconnecting, timeout=10), running.log()[-2000:]
+            time.sleep(1.0)  # unhealthy for longer than watchdog_stall_seconds
             stalled = pings()
             time.sleep(0.8)  # four ping periods
             assert pings() == stalled, "the daemon kept pinging a stalled watchdog"
