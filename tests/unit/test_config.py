@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from pathlib import Path
 
 import msgspec
@@ -336,3 +337,18 @@ def test_out_of_range_values_are_refused(
     text = f'[[scopes]]\nname = "a"\nkey_file = "scope.key"\n\n[{section}]\n{setting}\n'
     message = refused(tree, text)
     assert where in message, message
+
+
+def test_the_host_example_config_loads_with_the_host_configuration() -> None:
+    # deploy/host.toml.example documents octo_host.config; it must stay valid for it.
+    from octo_host.config import load_config as load_host_config
+
+    host = load_host_config(EXAMPLE.with_name("host.toml.example"))
+    assert host.host.host_id == "host-1"
+    assert [scope.name for scope in host.scopes] == ["tenant-release"]
+    assert [(grant.scope, grant.tool) for grant in host.grants] == [
+        ("tenant-release", "files.publish")
+    ]
+    example = tomllib.loads(EXAMPLE.read_text())
+    # The host and the worker serve the same example scope.
+    assert {s["name"] for s in example["scopes"]} == {s.name for s in host.scopes}
