@@ -1,8 +1,8 @@
 """The ``octo-worker`` command: run the daemon and operate what it keeps.
 
 Verbs: ``run``, ``check``, ``topology declare|show``, ``journal
-list|show|verify|init-anchor|prune`` (prune is refused until the store can
-select rows by age), ``adapters list`` and ``dlq list|show|drop``. Every
+list|show|verify|init-anchor|prune``, ``adapters list`` and ``dlq
+list|show|drop``. Every
 verb takes ``--config PATH`` (default ``/etc/octo/worker.toml``) and ``--json``
 (one JSON document on stdout, for scripts).
 
@@ -381,9 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(handler=cmd_journal_verify)
     prune = journal_verbs.add_parser(
-        "prune", parents=[common], help="remove old terminal rows (needs store support)"
+        "prune",
+        parents=[common],
+        help="remove terminal rows not written for DURATION (never pending or running)",
     )
-    prune.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION")
+    prune.add_argument(
+        "--older-than",
+        type=parse_duration,
+        required=True,
+        metavar="DURATION",
+        help="age of the last write: 30d, 12h, 45m, 90s, 2w",
+    )
+    prune.add_argument("--scope", metavar="S", help="only this scope (default: every scope)")
     prune.set_defaults(handler=cmd_journal_prune)
     anchor = journal_verbs.add_parser(
         "init-anchor",
@@ -1112,16 +1121,41 @@ def cmd_journal_verify(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
-    # The store keeps no write times and has no way to delete a journal row,
-    # so no safe selection ("terminal, older than, never pending or running,
-    # never under a non-terminal compensation") can be made from outside it.
-    _config(args)
-    raise CliError(
-        EXIT_USAGE,
-        "journal prune: not supported by this store version "
-        "(the journal store records no write times and offers no row removal)",
-        "not_supported",
+    """Remove old terminal rows; the store chooses them (W§9: never pending/running).
+
+    A pruned operation key is forgotten: a frame that names it later is
+    admitted as new. Prune only keys whose host runs are finished.
+    """
+    config = _config(args)
+
+    async def prune() -> dict[str, dict[str, int]]:
+        async with _store(config) as store:
+            reports: dict[str, dict[str, int]] = {}
+            for scope in await _scopes_of(store, args.scope):
+                try:
+                    report = await store.prune(scope, float(args.older_than))
+                except OctoError as error:
+                    raise _storage_failure(f"scope {scope}", error) from None
+                reports[scope] = {"removed": report.removed, "kept": report.kept}
+            return reports
+
+    reports = asyncio.run(prune())
+    for scope, report in reports.items():
+        out.line(
+            f"scope {scope}: removed {report['removed']} row(s); kept {report['kept']} old "
+            "row(s) that are not terminal (pending, running, or an open compensation)"
+        )
+    removed = sum(report["removed"] for report in reports.values())
+    out.line(f"removed {removed} journal row(s) older than {args.older_than} s")
+    out.document(
+        {
+            "ok": True,
+            "older_than_seconds": args.older_than,
+            "scopes": reports,
+            "removed": removed,
+        }
     )
+    return EXIT_OK
 
 
 def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:

@@ -524,6 +524,26 @@ class HostPeer:
         finally:
             await connection.close()
 
+    async def dispatch_without_waiting(self, tool: str, payload: ToolPayload) -> str:
+        """Open the session and publish one dispatch; returns its operation key."""
+        connection = await aio_pika.connect(self.url, timeout=5)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            replies = await channel.declare_queue(
+                reply_queue(self.host_id), durable=True, arguments={"x-queue-type": "quorum"}
+            )
+            exchange = await channel.get_exchange(EXCHANGE, ensure=False)
+            await replies.bind(exchange, routing_key=reply_queue(self.host_id))
+            grant = CapabilityGrant(tool, "json", max_calls=4)
+            manifest = CapabilityManifest(self.session_id, [grant])
+            await self.publish(channel, self.host.seal(OpenSession(manifest)), None)
+            key = f"op-{uuid.uuid4().hex}"
+            request = OperationDispatchRequest(self.session_id, "dispatch-1", tool, key, payload)
+            await self.publish(channel, self.host.seal(DispatchOperation(request)), "dispatch-1")
+            return key
+        finally:
+            await connection.close()
+
     async def publish_garbage(self, headers: dict[str, Any], body: bytes) -> str:
         """A frame the daemon must dead-letter; returns its message id."""
         message_id = f"garbage-{uuid.uuid4().hex[:12]}"
@@ -824,13 +844,15 @@ def test_journal_verify_with_a_wrong_storage_key_names_the_first_failure(
     assert f"scope {SCOPE}" in one_line(listing.stderr)
 
 
-def test_journal_prune_refuses_until_the_store_supports_it(worker: RunningWorker) -> None:
-    refused = octo_worker("journal", "prune", "--older-than", "30d", config=worker.files.config)
-    assert refused.returncode == 2
-    assert "not supported by this store version" in one_line(refused.stderr)
+def test_journal_prune_rejects_a_bad_duration(worker: RunningWorker) -> None:
     bad = octo_worker("journal", "prune", "--older-than", "thirty", config=worker.files.config)
     assert bad.returncode == 2
     assert "not a duration" in one_line(bad.stderr)
+    recent = octo_worker(
+        "journal", "prune", "--older-than", "1h", "--json", config=worker.files.config
+    )
+    assert recent.returncode == 0, recent.stderr
+    assert json_out(recent)["removed"] == 0  # every row here was written moments ago
 
 
 def test_journal_verbs_never_create_a_database(tmp_path: Path, vhost: Broker) -> None:
@@ -1345,3 +1367,42 @@ def test_watchdog_pings_while_healthy_and_stops_after_a_stall(tmp_path: Path) ->
         assert status == 0, running.log()[-2000:]
         events = {event["event"] for event in running.log_events()}
         assert "broker_connect_failed" in events
+
+
+def test_journal_prune_removes_old_terminal_rows_and_never_a_pending_one(
+    tmp_path: Path, vhost: Broker
+) -> None:
+    env = install_slow_adapter(tmp_path / "site")
+    files = WorkerFiles(
+        tmp_path / "worker", vhost.url, "tenant-prune", adapters=(PUBLISH, "test.slow")
+    )
+    running = RunningWorker.start(files, env=env)
+    try:
+        peer = HostPeer(vhost.url, "tenant-prune", files.scope_key)
+        ((done_key, answer),) = asyncio.run(peer.dispatch_files(["old.txt"]))
+        assert succeeded(answer)
+        slow = HostPeer(vhost.url, "tenant-prune", files.scope_key)
+        pending_key = asyncio.run(
+            slow.dispatch_without_waiting("test.slow", ToolPayload.json({"n": 1}))
+        )
+
+        def admitted() -> bool:
+            listed = octo_worker("journal", "list", "--json", config=files.config)
+            states = {r["operation_key"]: r["state"] for r in json_out(listed)["records"]}
+            return states.get(pending_key) == "pending"
+
+        assert wait_until(admitted, timeout=10), running.log()[-2000:]
+    finally:
+        running.kill()  # SIGKILL while the slow adapter runs: the row stays pending
+    time.sleep(1.2)
+
+    pruned = octo_worker("journal", "prune", "--older-than", "1s", "--json", config=files.config)
+    assert pruned.returncode == 0, pruned.stderr
+    assert json_out(pruned)["scopes"] == {"tenant-prune": {"removed": 1, "kept": 1}}
+    remaining = json_out(octo_worker("journal", "list", "--json", config=files.config))
+    assert [(r["operation_key"], r["state"]) for r in remaining["records"]] == [
+        (pending_key, "pending")
+    ]
+    missing = octo_worker("journal", "show", done_key, config=files.config)
+    assert missing.returncode == 1  # forgotten: prune only keys of finished runs
+    assert octo_worker("journal", "verify", config=files.config).returncode == 0
