@@ -29,6 +29,7 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from octo_common.states import StateKind
 from tests.faults.conftest import (
     HOST_POINT,
     REQUESTS_PER_RUN,
@@ -102,6 +103,15 @@ def _summary(outcomes: list[Outcome], failures: list[tuple[Case, str]], elapsed:
     print("final operation states: " + ", ".join(f"{k}={n}" for k, n in sorted(states.items())))
     compensations = Counter(o.compensation.value if o.compensation else "none" for o in outcomes)
     print("first-key compensations: " + ", ".join(f"{k}={n}" for k, n in compensations.items()))
+    stuck = Counter(o.case.point for o in outcomes if o.compensation == StateKind.PENDING)
+    if stuck:
+        print(
+            "compensations left pending (admitted, outcome unknown), by kill point: "
+            + ", ".join(f"{p}={n}" for p, n in sorted(stuck.items()))
+        )
+    gaps = [gap for o in outcomes for gap in o.gaps]
+    if gaps:
+        print(f"known files.publish gap (effect done, log line missing): {len(gaps)}")
     errors = Counter(o.flow_error for o in outcomes if o.flow_error)
     if errors:
         print("interrupted host calls raised: " + ", ".join(f"{k}={n}" for k, n in errors.items()))

@@ -14,6 +14,7 @@ client's timeouts lead to reconciliation and then call ``recover``.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,5 @@ async def test_sigkill_at_every_point_leaves_every_key_known_and_effects_single(
 
     assert len(outcome.keys) == 3
     assert outcome.seconds < 20.0, outcome.seconds
+    for gap in outcome.gaps:
+        warnings.warn(gap, stacklevel=1)
