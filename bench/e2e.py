@@ -179,6 +179,8 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 # The Octo measurement -------------------------------------------------------------------

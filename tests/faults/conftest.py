@@ -293,6 +293,10 @@ class Runner:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(5.0)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 class Launcher:
