@@ -64,7 +64,12 @@ from octo_common.transport import (
     host_id_of_reply_queue,
     worker_queue,
 )
-from octo_worker.adapters import WorkerAdapterRegistry, adapter_deadline, load_adapters
+from octo_worker.adapters import (
+    DEFAULT_ADAPTER_DEADLINE_SECONDS,
+    WorkerAdapterRegistry,
+    adapter_deadline,
+    load_adapters,
+)
 from octo_worker.config import InvalidConfiguration, WorkerConfig
 from octo_worker.faults import FaultInjector
 from octo_worker.journal import WorkerOperationRecord
@@ -136,13 +141,23 @@ class _InstrumentedAdapter:
     """Delegates to a plug-in adapter; counts outcomes and hosts a fault point."""
 
     def __init__(
-        self, tool: str, adapter: Any, metrics: WorkerMetrics, faults: FaultInjector
+        self,
+        tool: str,
+        adapter: Any,
+        metrics: WorkerMetrics,
+        faults: FaultInjector,
+        default_deadline: float,
     ) -> None:
         self.tool = tool
         self._adapter = adapter
         self._metrics = metrics
         self._faults = faults
-        self.deadline_seconds = adapter_deadline(adapter)
+        # The adapter's own deadline wins; otherwise [adapters] deadline_seconds.
+        own = adapter_deadline(adapter)
+        declared = getattr(adapter, "deadline_seconds", None)
+        if declared is None or own == DEFAULT_ADAPTER_DEADLINE_SECONDS:
+            own = default_deadline
+        self.deadline_seconds = own
 
     def invocation_safety(self) -> Any:
         return self._adapter.invocation_safety()
@@ -380,7 +395,13 @@ class WorkerDaemon:
         journal = config.journal_path
         journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         anchor = config.anchor_path
-        store = SqliteJournalStore(journal, keyring, anchor_path=anchor, data_keyring=data_keyring)
+        store = SqliteJournalStore(
+            journal,
+            keyring,
+            anchor_path=anchor,
+            data_keyring=data_keyring,
+            on_batch=self.metrics.commit_batch.observe,
+        )
         self._store = store
         self._daemon_store = _DaemonStore(store, self.metrics)
         for scope_config in config.scopes:
@@ -425,7 +446,10 @@ class WorkerDaemon:
         wrapped = WorkerAdapterRegistry()
         for tool in registry.tools():
             adapter = registry.get(tool)
-            wrapped.register(tool, _InstrumentedAdapter(tool, adapter, self.metrics, self.faults))
+            instrumented = _InstrumentedAdapter(
+                tool, adapter, self.metrics, self.faults, self.config.adapters.deadline_seconds
+            )
+            wrapped.register(tool, instrumented)
         return wrapped
 
     async def _load_scope(self, scope: _Scope) -> None:

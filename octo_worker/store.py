@@ -604,6 +604,7 @@ class SqliteJournalStore:
         anchor_path: str | os.PathLike[str] | None = None,
         data_keyring: StorageKeyring | None = None,
         group_commit: bool = True,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         if not isinstance(keyring, StorageKeyring):
             raise TypeError("keyring must be a StorageKeyring")
@@ -613,6 +614,8 @@ class SqliteJournalStore:
         self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path))
         self._keyring = keyring
         self._data_keyring = data_keyring
+        # Told the size of every group-commit transaction (metrics), on the loop.
+        self._on_batch = on_batch
         self._group_commit = group_commit
         self._writer_thread = _DatabaseThread("octo-journal-writer")
         self._reader_thread = _DatabaseThread("octo-journal-reader")
@@ -1008,6 +1011,8 @@ class SqliteJournalStore:
     def _release(self, batch: Sequence[_Pending], outcomes: Sequence[int | OctoError]) -> None:
         self._transactions += 1
         self._largest_batch = max(self._largest_batch, len(batch))
+        if self._on_batch is not None:
+            self._on_batch(len(batch))
         for pending, outcome in zip(batch, outcomes, strict=True):
             if pending.future.done():
                 continue

@@ -179,12 +179,6 @@ def test_metrics_endpoint_serves_the_text_format(
         assert f"# TYPE {family.removesuffix('_total')}" in body, family
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon bug: WorkerMetrics.commit_batch ('octo_journal_commit_batch_size', change "
-    "sets per group-commit transaction) is declared but never observed: neither the daemon's "
-    "_DaemonStore nor the store reports batch sizes, so the histogram stays empty",
-)
 def test_group_commit_batch_sizes_are_observed(
     metrics_worker: tuple[RunningWorker, int, Broker],
 ) -> None:

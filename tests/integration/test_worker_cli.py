@@ -1217,13 +1217,6 @@ def test_adapters_list_shows_a_third_party_plug_in(tmp_path: Path, vhost: Broker
     assert rows[PUBLISH]["enabled"] is False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon/config bug: [adapters] deadline_seconds is validated by config.py but never "
-    "read; WorkerDaemon._instrument uses adapter_deadline(adapter), i.e. the adapter's own "
-    "deadline_seconds or DEFAULT_ADAPTER_DEADLINE_SECONDS (30 s), so a configured 0.5 s deadline "
-    "does not bound an adapter that declares none",
-)
 def test_configured_adapter_deadline_bounds_an_adapter_without_its_own(
     tmp_path: Path, vhost: Broker
 ) -> None:
