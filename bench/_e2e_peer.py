@@ -1,6 +1,6 @@
 """The worker side of ``bench/e2e.py``: one ``WorkerDaemon`` in its own process.
 
-    python bench/_e2e_peer.py CONFIG [--stages PATH] [--profile PREFIX]
+    python bench/_e2e_peer.py CONFIG [--stages PATH] [--profile PREFIX] [--log-level L]
 
 Runs the daemon exactly as ``octo-worker run`` does (``WorkerDaemon(config)
 .run(install_signal_handlers=True)``, logs at warning on stderr) and prints
@@ -117,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config")
     parser.add_argument("--stages")
     parser.add_argument("--profile")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)
     structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[args.log_level.upper()]
+        ),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

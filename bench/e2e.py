@@ -24,7 +24,9 @@ the lanes over that many concurrent sessions (default 1).
 
 Beside Octo, in the same run and at the same concurrency, the two baselines
 of ``bench/baselines.py``: the plain aio-pika request/reply ceiling (no
-persistence at all) and Celery (acks late, rpc backend). Each figure is the
+persistence at all) and Celery (acks late, rpc backend). ``--durable-ceiling``
+adds the same aio-pika request/reply on quorum queues (Octo's own topology),
+the floor under any durable design here. Each figure is the
 median of ``--runs`` measurements with min-max; the ratios the acceptance
 criteria name are printed at the end.
 
@@ -53,6 +55,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -334,6 +337,43 @@ async def _delete_queue(name: str) -> None:
         await connection.close()
 
 
+# The ceiling on Octo's own topology --------------------------------------------------------
+
+
+async def durable_ceiling(in_flight: int, total: int) -> dict[str, float]:
+    """The aio-pika request/reply of ``bench/baselines.py`` on quorum queues.
+
+    Same peer and driver as the plain ceiling; only the queues differ: the
+    request queue and the reply queue are quorum queues, as Octo's worker and
+    reply queues are (W§12.5), so every message is replicated to the Raft log
+    and fsynced before it is confirmed or delivered. Octo adds its journal,
+    ledger and frames on top of exactly this.
+    """
+    import aio_pika
+
+    request_queue = f"octo.bench.qrpc.{uuid.uuid4().hex[:12]}"
+    connection = await aio_pika.connect(URL, timeout=10)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        await channel.set_qos(prefetch_count=max(in_flight * 2, 16))
+        quorum: dict[str, Any] = {"x-queue-type": "quorum"}
+        await channel.declare_queue(request_queue, durable=True, arguments=quorum)
+        replies = await channel.declare_queue(
+            f"{request_queue}.reply", durable=True, arguments=quorum
+        )
+        peer = await baselines._start_peer(URL, request_queue, prefetch=in_flight)
+        try:
+            return await baselines._drive_aiopika(
+                channel, request_queue, replies, in_flight, total, baselines.BODY_BYTES
+            )
+        finally:
+            await baselines._stop_peer(peer)
+            await channel.queue_delete(request_queue)
+            await channel.queue_delete(replies.name)
+    finally:
+        await connection.close()
+
+
 # Reporting --------------------------------------------------------------------------------
 
 
@@ -350,7 +390,7 @@ def print_table(results: dict[str, list[dict[str, float]]], in_flights: list[int
     print(f"{'system':<22}{'in flight':>10}  {'ops/s median (min-max)':<26}", end="")
     print(f"{'p50 ms':<24}{'p99 ms':<24}")
     for in_flight in in_flights:
-        for system in ("octo", "aiopika_ceiling", "celery"):
+        for system in ("octo", "aiopika_ceiling", "aiopika_quorum", "celery"):
             runs = results.get(f"{system}@{in_flight}")
             if not runs:
                 continue
@@ -453,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=1, help="concurrent host sessions")
     parser.add_argument("--ops-per-session", type=int, default=OPS_PER_SESSION)
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument(
+        "--durable-ceiling",
+        action="store_true",
+        help="also measure the aio-pika ceiling on quorum queues (Octo's topology)",
+    )
     parser.add_argument("--profile", type=Path, help="directory for the profiling pass")
     parser.add_argument("--json", action="store_true", help="also print one JSON document")
     args = parser.parse_args(argv)
@@ -484,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
                         results.setdefault(f"aiopika_ceiling@{in_flight}", []).append(ceiling)
                         results.setdefault(f"celery@{in_flight}", []).append(celery)
                         line += f" ceiling {ceiling} celery {celery}"
+                    if args.durable_ceiling:
+                        durable = asyncio.run(durable_ceiling(in_flight, args.total))
+                        results.setdefault(f"aiopika_quorum@{in_flight}", []).append(durable)
+                        line += f" quorum-ceiling {durable}"
                     print(line, flush=True)
         finally:
             worker.stop()
