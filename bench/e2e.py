@@ -174,6 +174,11 @@ class WorkerProcess:
     def last_profile(self) -> Path | None:
         return None if self.profile is None else Path(f"{self.profile}-{self.dumps}.prof")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the worker process so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -311,7 +316,9 @@ async def measure_octo(
         latencies: list[float] = []
         if profiler is not None:
             profiler.enable()
+        host_cpu, worker_cpu = time.process_time(), worker.cpu_seconds()
         elapsed = await phase(measured_runs, latencies)
+        host_cpu, worker_cpu = time.process_time() - host_cpu, worker.cpu_seconds() - worker_cpu
         if profiler is not None:
             profiler.disable()
             assert host_profile is not None
@@ -319,6 +326,9 @@ async def measure_octo(
         worker.checkpoint()
         figures = baselines.summarize(latencies, elapsed)
         figures["run_create_ms"] = round(statistics.median(creation) * 1000, 3)
+        # CPU per operation, all threads (the host's includes its SQLite thread).
+        figures["host_cpu_us"] = round(host_cpu / total * 1e6, 1)
+        figures["worker_cpu_us"] = round(worker_cpu / total * 1e6, 1)
         return figures
     finally:
         await client.close()
@@ -368,8 +378,12 @@ async def durable_ceiling(in_flight: int, total: int) -> dict[str, float]:
             )
         finally:
             await baselines._stop_peer(peer)
-            await channel.queue_delete(request_queue)
-            await channel.queue_delete(replies.name)
+            # Close the consuming channel first: deleting a queue under its own
+            # consumer makes the broker cancel it, which aio-pika reports.
+            await channel.close()
+            cleanup = await connection.channel()
+            await cleanup.queue_delete(request_queue)
+            await cleanup.queue_delete(replies.name)
     finally:
         await connection.close()
 
@@ -406,6 +420,15 @@ def print_table(results: dict[str, list[dict[str, float]]], in_flights: list[int
     if octo_create:
         median = statistics.median(octo_create)
         print(f"(run creation, outside the latency window: median {median:.2f} ms)")
+    for in_flight in in_flights:
+        runs = results.get(f"octo@{in_flight}")
+        if runs and "host_cpu_us" in runs[0]:
+            host = statistics.median(r["host_cpu_us"] for r in runs)
+            worker = statistics.median(r["worker_cpu_us"] for r in runs)
+            print(
+                f"(octo@{in_flight} CPU per operation: host {host:.0f} us, worker {worker:.0f} us;"
+                " all threads of each process)"
+            )
 
 
 def ratios(results: dict[str, list[dict[str, float]]]) -> dict[str, float]:
