@@ -10,11 +10,27 @@ separates the two cases cleanly.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import msgspec
 
 from octo_common.limits import PROTOCOL_VERSION
+
+# Structs validated since they were built. They are immutable, so a validated
+# struct stays valid: sealing it again need not repeat the work. Keyed by
+# identity (hashing a struct would walk it); entries vanish with the struct.
+_VALIDATED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def mark_validated(obj: Any) -> None:
+    """Remember that ``obj`` passed ``validate()``."""
+    _VALIDATED[id(obj)] = obj
+
+
+def is_validated(obj: Any) -> bool:
+    """True when ``obj`` itself passed ``validate()`` since it was built."""
+    return _VALIDATED.get(id(obj)) is obj
 
 
 class ProtocolStructMeta(msgspec.StructMeta):
@@ -29,10 +45,11 @@ class ProtocolStructMeta(msgspec.StructMeta):
             args = (kwargs.pop("protocol_version", PROTOCOL_VERSION), *args)
         obj = super().__call__(*args, **kwargs)
         obj.validate()
+        mark_validated(obj)
         return obj
 
 
-class ProtocolStruct(msgspec.Struct, frozen=True, metaclass=ProtocolStructMeta):
+class ProtocolStruct(msgspec.Struct, frozen=True, weakref=True, metaclass=ProtocolStructMeta):
     """Base of the validating protocol structs."""
 
     def validate(self) -> None:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Final, NoReturn
 import blake3
 import msgspec
 
+from octo_common._struct import is_validated, mark_validated
 from octo_common.codec import convert_tree, decode_fast, encode_struct, parse_tree
 from octo_common.digest import FRAME_AUTH_DOMAIN, SESSION_KEY_CONTEXT, derive_key, keyed_blake3, lp
 from octo_common.errors import (
@@ -353,7 +354,9 @@ class SessionAuthenticator:
 
     def seal(self, message: WorkerMessage) -> bytes:
         """Number, tag and encode a message; the counter moves only on success."""
-        validate_message(message)
+        if not is_validated(message):
+            validate_message(message)
+            mark_validated(message)
         actual = session_id_of(message)
         if actual != self._session_id:
             raise UnknownSession(actual)

@@ -51,6 +51,27 @@ def validate_token(field: str, value: str) -> None:
         raise InvalidToken(field, value)
 
 
+_TOKEN_LINES = re.compile(r"[a-z0-9._-]{1,128}(?:\n[a-z0-9._-]{1,128})*").fullmatch
+
+
+def all_tokens(*values: str) -> bool:
+    """True when every value is a token (one regex for all of them)."""
+    try:
+        joined = "\n".join(values)
+    except TypeError:
+        return False  # a non-string value
+    # A value holding a newline would split into two lines: count them.
+    return joined.count("\n") == len(values) - 1 and _TOKEN_LINES(joined) is not None
+
+
+def validate_tokens(*fields: tuple[str, str]) -> None:
+    """``validate_token`` for several fields in order (one regex when all pass)."""
+    if all_tokens(*[value for _, value in fields]):
+        return
+    for field, value in fields:
+        validate_token(field, value)
+
+
 def validate_compensation_key(value: str) -> None:
     """Token check first (field ``compensation key``), then the ``cmp-`` prefix."""
     validate_token("compensation key", value)

@@ -18,12 +18,14 @@ from octo_common.codec import convert_tree, decode_fast, encode_struct, parse_tr
 from octo_common.errors import (
     CancellationIdMatchesRequest,
     InvalidCompensationGrantFingerprint,
+    InvalidCompensationKey,
     SerializationError,
     UnsupportedVersion,
     WireFrameTooLarge,
 )
 from octo_common.grants import CapabilityManifest
 from octo_common.ids import (
+    all_tokens,
     is_fingerprint,
     validate_compensation_key,
     validate_rejection_code,
@@ -114,6 +116,8 @@ class ToolInvocation(_Versioned, frozen=True):
     def validate(self) -> None:
         """Header only: an invocation's payload is checked by the authorizer."""
         _check_version(self.protocol_version)
+        if all_tokens(self.session_id, self.request_id, self.tool):
+            return
         validate_token("session id", self.session_id)
         validate_token("request id", self.request_id)
         validate_token("tool", self.tool)
@@ -229,6 +233,8 @@ class OperationDispatchRequest(_Versioned, frozen=True, forbid_unknown_fields=Tr
 
     def validate_header(self) -> None:
         _check_version(self.protocol_version)
+        if all_tokens(self.session_id, self.request_id, self.tool, self.operation_key):
+            return
         validate_token("session id", self.session_id)
         validate_token("request id", self.request_id)
         validate_token("tool", self.tool)
@@ -260,10 +266,11 @@ class OperationReconcileRequest(_Versioned, frozen=True):
 
     def validate(self) -> None:
         _check_version(self.protocol_version)
-        validate_token("session id", self.session_id)
-        validate_token("request id", self.request_id)
-        validate_token("tool", self.tool)
-        validate_token("operation key", self.operation_key)
+        if not all_tokens(self.session_id, self.request_id, self.tool, self.operation_key):
+            validate_token("session id", self.session_id)
+            validate_token("request id", self.request_id)
+            validate_token("tool", self.tool)
+            validate_token("operation key", self.operation_key)
 
 
 class OperationReconcileResult(_Versioned, frozen=True):
@@ -291,10 +298,11 @@ class OperationReconcileResult(_Versioned, frozen=True):
 
     def validate(self) -> None:
         _check_version(self.protocol_version)
-        validate_token("session id", self.session_id)
-        validate_token("request id", self.request_id)
-        validate_token("tool", self.tool)
-        validate_token("operation key", self.operation_key)
+        if not all_tokens(self.session_id, self.request_id, self.tool, self.operation_key):
+            validate_token("session id", self.session_id)
+            validate_token("request id", self.request_id)
+            validate_token("tool", self.tool)
+            validate_token("operation key", self.operation_key)
         _check_status(self.status)
 
     def matches_request(self, request: Any) -> bool:
@@ -360,6 +368,19 @@ def _binding_arguments(
 class _CompensationFields(_Versioned, frozen=True):
     def _validate_header(self) -> None:
         _check_version(self.protocol_version)  # type: ignore[attr-defined]
+        if all_tokens(
+            self.session_id,  # type: ignore[attr-defined]
+            self.request_id,  # type: ignore[attr-defined]
+            self.tool,  # type: ignore[attr-defined]
+            self.operation_key,  # type: ignore[attr-defined]
+            self.compensation_key,  # type: ignore[attr-defined]
+            self.tenant_scope,  # type: ignore[attr-defined]
+        ):
+            # Every token passes, so only the cmp- prefix and the fingerprint remain.
+            if not self.compensation_key.startswith("cmp-"):  # type: ignore[attr-defined]
+                raise InvalidCompensationKey(self.compensation_key)  # type: ignore[attr-defined]
+            _check_fingerprint(self.grant_fingerprint)  # type: ignore[attr-defined]
+            return
         validate_token("session id", self.session_id)  # type: ignore[attr-defined]
         validate_token("request id", self.request_id)  # type: ignore[attr-defined]
         validate_token("tool", self.tool)  # type: ignore[attr-defined]
