@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import sqlite3
 import stat
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import aiosqlite
 import structlog
 
 from octo_common.errors import (
@@ -492,17 +493,47 @@ def _secure_database_files(database: Path) -> None:
                 raise StorageBackendError("database file permissions could not be set")
 
 
+class _Work:
+    """One submitted backend operation, run in the database thread."""
+
+    __slots__ = ("function", "future", "loop", "operation", "write")
+
+    def __init__(
+        self,
+        operation: str,
+        function: Callable[[sqlite3.Connection], Any],
+        write: bool,
+        future: asyncio.Future[Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.operation = operation
+        self.function = function
+        self.write = write
+        self.future = future
+        self.loop = loop
+
+
+_CLOSE = "close"
+
+
 class SqliteRecordBackend:
     """The H§17.6 semantics with the state in one SQLite database (H§17.7).
 
     No I/O in the constructor: the first awaited call creates the directory
     (0o700) and the database (0o600, WAL, ``synchronous=FULL``, busy timeout
     5 s, ``foreign_keys=ON``), migrates the schema forward and checks the
-    rollback anchor. Each CAS and fence change is one ``BEGIN IMMEDIATE``
-    transaction; operations of one backend object are serialised and
-    shielded from cancellation, so a submitted write always completes or
-    fails, and with an anchor configured the anchor file is rewritten after
-    the ``COMMIT`` and before the caller is released.
+    rollback anchor.
+
+    One dedicated thread owns the connection and runs every operation in
+    submission order. Writes (CAS, fence reservation, fence establishment)
+    that are waiting together share one ``BEGIN IMMEDIATE`` transaction and
+    one fsync (group commit, H§17.7): each caller gets the outcome it would
+    have had alone, because a write is decided against the state its
+    predecessors left and a refused write changes nothing. A database error
+    fails every write of that transaction (nothing of it is committed). With
+    an anchor configured, the anchor file is rewritten once after the
+    ``COMMIT`` and before any caller of that transaction is released. A
+    submitted operation completes or fails even if its caller is cancelled.
 
     Revisions and fences stop at 2^63 - 1 (SQLite ``INTEGER``). Use one
     backend object per database when an anchor is configured: the anchor is
@@ -519,169 +550,209 @@ class SqliteRecordBackend:
     ) -> None:
         self._path = Path(os.fspath(path)).absolute()
         self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path)).absolute()
+        # Owned by the database thread.
         self._anchor: dict[StorageRecordKey, int] | None = None
-        self._db: aiosqlite.Connection | None = None
-        self._lock = asyncio.Lock()
+        self._db: sqlite3.Connection | None = None
+        self._raised: dict[StorageRecordKey, int] = {}
+        self._advanced: dict[StorageRecordKey, int] = {}
+        # Event-loop side.
+        self._inbox: queue.SimpleQueue[_Work] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         self._closed = False
+        self._transactions = 0
+        self._batched_writes = 0
 
     @property
     def path(self) -> Path:
         """The database file."""
         return self._path
 
+    @property
+    def group_commit_stats(self) -> tuple[int, int]:
+        """(write transactions committed or attempted, writes they carried)."""
+        return self._transactions, self._batched_writes
+
     def __repr__(self) -> str:
         return f"SqliteRecordBackend(path={str(self._path)!r})"
 
-    # Opening --------------------------------------------------------------
+    # Submitting (event loop) ------------------------------------------------
 
-    async def _open(self) -> aiosqlite.Connection:
+    def _submit(
+        self, operation: str, function: Callable[[sqlite3.Connection], _T], *, write: bool
+    ) -> asyncio.Future[_T]:
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        return self._enqueue(operation, function, write)
+
+    def _enqueue(
+        self, operation: str, function: Callable[[sqlite3.Connection], Any], write: bool
+    ) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name="octo-ledger-sqlite", daemon=True
+            )
+            self._thread.start()
+        self._inbox.put(_Work(operation, function, write, future, loop))
+        return future
+
+    # The database thread ------------------------------------------------------
+
+    def _serve(self) -> None:
+        inbox = self._inbox
+        while True:
+            batch = [inbox.get()]
+            while True:
+                try:
+                    batch.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if self._run_batch(batch):
+                return
+
+    def _run_batch(self, batch: list[_Work]) -> bool:
+        """Run one drained batch in order; True once the backend closed."""
+        outcomes: list[tuple[_Work, bool, Any]] = []
+        writes: list[_Work] = []
+        stopped = False
+        for work in batch:
+            if stopped:
+                outcomes.append((work, False, StorageBackendError("store is closed")))
+            elif work.write:
+                writes.append(work)
+            else:
+                self._write_group(writes, outcomes)
+                writes = []
+                if work.operation == _CLOSE:
+                    stopped = True
+                outcomes.append(self._read(work))
+        self._write_group(writes, outcomes)
+        _deliver_outcomes(outcomes)
+        return stopped
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            self._db = self._open()
+        return self._db
+
+    def _read(self, work: _Work) -> tuple[_Work, bool, Any]:
+        try:
+            if work.operation == _CLOSE:
+                connection, self._db = self._db, None
+                if connection is not None:
+                    connection.close()
+                return (work, True, None)
+            return (work, True, work.function(self._connection()))
+        except BaseException as exc:  # delivered to the awaiting caller
+            return (work, False, _translated(work.operation, exc))
+
+    def _write_group(self, writes: list[_Work], outcomes: list[tuple[_Work, bool, Any]]) -> None:
+        """One transaction for ``writes``; per-write refusals, all-or-nothing commit."""
+        if not writes:
+            return
+        self._transactions += 1
+        self._batched_writes += len(writes)
+        self._raised.clear()
+        self._advanced.clear()
+        results: list[tuple[_Work, bool, Any]] = []
+        try:
+            connection = self._connection()
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                for work in writes:
+                    try:
+                        results.append((work, True, work.function(connection)))
+                    except OctoError as exc:
+                        # Decided before that write changed anything.
+                        results.append((work, False, exc))
+                connection.execute("COMMIT")
+            except BaseException:
+                _roll_back(connection)
+                raise
+        except BaseException as exc:
+            outcomes.extend((work, False, _translated(work.operation, exc)) for work in writes)
+            return
+        if self._anchor is not None:
+            anchor = self._anchor
+            for key, floor in self._raised.items():
+                anchor[key] = max(floor, anchor.get(key, 0))
+            if self._advanced:
+                failure = self._write_anchor(self._advanced)
+                if failure is not None:
+                    # The database holds the commit, but the callers must not proceed.
+                    results = [
+                        (work, False, StorageBackendError(failure))
+                        if ok and isinstance(value, Stored)
+                        else (work, ok, value)
+                        for work, ok, value in results
+                    ]
+        outcomes.extend(results)
+
+    def _write_anchor(self, advanced: dict[StorageRecordKey, int]) -> str | None:
+        assert self._anchor is not None and self._anchor_path is not None
+        for key, revision in advanced.items():
+            self._anchor[key] = max(revision, self._anchor.get(key, 0))
+        try:
+            _write_anchor_file(self._anchor_path, encode_anchor(self._anchor))
+        except OSError as exc:
+            return f"rollback anchor write failed: {exc.strerror}"
+        return None
+
+    # Opening (database thread) -------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
         anchor = None
         if self._anchor_path is not None:
             # Before creating anything: a configured anchor must already exist.
-            anchor = await asyncio.to_thread(_read_anchor_file, self._anchor_path)
+            anchor = _read_anchor_file(self._anchor_path)
         try:
-            await asyncio.to_thread(_prepare_files, self._path)
+            _prepare_files(self._path)
         except OSError as exc:
             raise StorageBackendError(f"open: {exc.strerror}") from exc
-        connection = await aiosqlite.connect(self._path, isolation_level=None)
+        connection = sqlite3.connect(self._path, isolation_level=None)
         try:
             busy_ms = int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)
-            await connection.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            cursor = await connection.execute("PRAGMA journal_mode = WAL")
-            row = await cursor.fetchone()
+            connection.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            row = connection.execute("PRAGMA journal_mode = WAL").fetchone()
             if row is None or str(row[0]).lower() != "wal":
                 raise StorageBackendError("open: WAL journal mode unavailable")
-            await connection.execute("PRAGMA synchronous = FULL")
-            await connection.execute("PRAGMA foreign_keys = ON")
-            await self._migrate(connection)
-            await asyncio.to_thread(_secure_database_files, self._path)
+            connection.execute("PRAGMA synchronous = FULL")
+            connection.execute("PRAGMA foreign_keys = ON")
+            _migrate(connection)
+            _secure_database_files(self._path)
             if anchor is not None:
-                await self._check_anchor_at_open(connection, anchor)
+                _check_anchor_at_open(connection, anchor)
         except BaseException:
-            await connection.close()
+            connection.close()
             raise
         self._anchor = anchor
         return connection
 
-    @staticmethod
-    async def _migrate(connection: aiosqlite.Connection) -> None:
-        async def body() -> None:
-            await connection.execute(
-                "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"
-            )
-            cursor = await connection.execute("SELECT version FROM schema_version")
-            rows = list(await cursor.fetchall())
-            if len(rows) > 1 or (rows and type(rows[0][0]) is not int):
-                raise StorageBackendError("open: malformed schema_version table")
-            version = rows[0][0] if rows else 0
-            if version > _SCHEMA_VERSION:
-                raise StorageBackendError(f"open: schema version {version} is newer than supported")
-            for statements in _MIGRATIONS[version:]:
-                for statement in statements:
-                    await connection.execute(statement)
-            if not rows:
-                await connection.execute(
-                    "INSERT INTO schema_version (version) VALUES (?)", (_SCHEMA_VERSION,)
-                )
-            elif version != _SCHEMA_VERSION:
-                await connection.execute(
-                    "UPDATE schema_version SET version = ?", (_SCHEMA_VERSION,)
-                )
-
-        await _transaction(connection, body)
-
-    async def _check_anchor_at_open(
-        self, connection: aiosqlite.Connection, anchor: dict[StorageRecordKey, int]
-    ) -> None:
-        cursor = await connection.execute(
-            "SELECT heads.namespace, heads.name, heads.revision, items.revision "
-            "FROM heads LEFT JOIN items ON items.namespace = heads.namespace "
-            "AND items.name = heads.name AND items.item = ?",
-            (_SINGLE_ITEM,),
-        )
-        found: dict[StorageRecordKey, tuple[int, int | None]] = {}
-        for namespace, name, floor, item_revision in await cursor.fetchall():
-            try:
-                key = StorageRecordKey(namespace, name)
-            except OctoError:
-                raise StorageBackendError("malformed head row") from None
-            if type(floor) is not int or not (item_revision is None or type(item_revision) is int):
-                raise StorageBackendError("malformed head row")
-            found[key] = (floor, item_revision)
-        for key, anchored in anchor.items():
-            floor, item_revision = found.get(key, (0, None))
-            _compare_with_anchor(anchored, floor, item_revision)
-        for key, (floor, _) in found.items():
-            if floor > anchor.get(key, 0):
-                anchor[key] = floor  # a crash between COMMIT and anchor write
-
-    def _check_anchor(self, key: StorageRecordKey, head: _Head) -> None:
+    def _check_anchor(self, key: StorageRecordKey, head: _Head, *, in_write: bool) -> None:
         if self._anchor is None:
             return
         anchored = self._anchor.get(key, 0)
         record_revision = None if head.record is None else head.record.revision
         _compare_with_anchor(anchored, head.floor, record_revision)
         if head.floor > anchored:
-            self._anchor[key] = head.floor
-
-    async def _advance_anchor(self, key: StorageRecordKey, revision: int) -> None:
-        if self._anchor is None or self._anchor_path is None:
-            return
-        self._anchor[key] = max(revision, self._anchor.get(key, 0))
-        content = encode_anchor(self._anchor)
-        try:
-            await asyncio.to_thread(_write_anchor_file, self._anchor_path, content)
-        except OSError as exc:
-            # The database holds the commit, but the caller must not proceed.
-            raise StorageBackendError(f"rollback anchor write failed: {exc.strerror}") from exc
-
-    # Running operations -----------------------------------------------------
-
-    async def _connection(self) -> aiosqlite.Connection:
-        if self._closed:
-            raise StorageBackendError("store is closed")
-        if self._db is None:
-            self._db = await self._open()
-        return self._db
-
-    async def _locked(
-        self, operation: str, body: Callable[[aiosqlite.Connection], Awaitable[_T]]
-    ) -> _T:
-        async with self._lock:
-            try:
-                connection = await self._connection()
-                return await body(connection)
-            except sqlite3.Error as exc:
-                raise StorageBackendError(_sqlite_detail(operation, exc)) from exc
-            except OSError as exc:
-                raise StorageBackendError(f"{operation}: {exc.strerror}") from exc
-
-    async def _run(
-        self, operation: str, body: Callable[[aiosqlite.Connection], Awaitable[_T]]
-    ) -> _T:
-        # Shielded: a cancelled caller never leaves a transaction half-done
-        # or an anchor unwritten; the operation finishes on its own.
-        task = asyncio.ensure_future(self._locked(operation, body))
-        task.add_done_callback(_retrieve_outcome)
-        return await asyncio.shield(task)
-
-    async def _read_head(self, connection: aiosqlite.Connection, key: StorageRecordKey) -> _Head:
-        cursor = await connection.execute(
-            _SELECT_RECORD, {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM}
-        )
-        return _head_from_row(await cursor.fetchone())
+            if in_write:
+                # Seen inside a transaction: kept only once it commits.
+                self._raised[key] = max(head.floor, self._raised.get(key, 0))
+            else:
+                self._anchor[key] = head.floor
 
     # Contract ---------------------------------------------------------------
 
     async def load(self, key: StorageRecordKey) -> StorageSnapshot:
         key = _check_key(key)
 
-        async def body(connection: aiosqlite.Connection) -> StorageSnapshot:
-            head = await self._read_head(connection, key)  # one statement: one snapshot
-            self._check_anchor(key, head)
+        def body(connection: sqlite3.Connection) -> StorageSnapshot:
+            head = _read_head(connection, key)  # one statement: one snapshot
+            self._check_anchor(key, head, in_write=False)
             return StorageSnapshot(head.record, head.floor)
 
-        return await self._run("load", body)
+        return await self._submit("load", body, write=False)
 
     async def compare_and_swap(
         self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
@@ -691,6 +762,7 @@ class SqliteRecordBackend:
             _check_key(key),
             _check_expected(expected_revision),
             _check_replacement(replacement),
+            None,
             None,
         )
 
@@ -707,6 +779,29 @@ class SqliteRecordBackend:
             _check_expected(expected_revision),
             _check_replacement(replacement),
             _check_token(token),
+            None,
+        )
+
+    async def compare_and_swap_opened(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        opener: Callable[[StorageSnapshot], None],
+    ) -> Stored | Conflict:
+        """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
+
+        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write step
+        2-3) so that the read, the check and the swap are one atomic step and
+        one hand-off to the database thread. ``opener`` raises to refuse.
+        """
+        return await self._swap(
+            "compare_and_swap",
+            _check_key(key),
+            _check_expected(expected_revision),
+            _check_replacement(replacement),
+            None,
+            opener,
         )
 
     async def _swap(
@@ -716,100 +811,201 @@ class SqliteRecordBackend:
         expected: int | None,
         replacement: StoredRecord,
         token: int | None,
+        opener: Callable[[StorageSnapshot], None] | None,
     ) -> Stored | Conflict:
         if not isinstance(replacement.data, bytes):
             raise TypeError("replacement data must be bytes")
 
-        async def transaction(connection: aiosqlite.Connection) -> Stored | Conflict:
-            head = await self._read_head(connection, key)
+        def transaction(connection: sqlite3.Connection) -> Stored | Conflict:
+            head = _read_head(connection, key)
+            if opener is not None:
+                self._check_anchor(key, head, in_write=True)
+                opener(StorageSnapshot(head.record, head.floor))
             if token is None:
                 if head.fence != 0:
                     raise FencingRequired(head.fence)
             else:
                 _fenced_check(head.fence, token)
-            self._check_anchor(key, head)
+            self._check_anchor(key, head, in_write=True)
             actual = None if head.record is None else head.record.revision
             conflict = _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
             if conflict is not None:
                 return conflict
-            await connection.execute(
+            connection.execute(
                 "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
                 "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
                 (key.namespace, key.name, replacement.revision),
             )
-            await connection.execute(
+            connection.execute(
                 "INSERT INTO items (namespace, name, item, revision, envelope) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name, item) DO UPDATE "
                 "SET revision = excluded.revision, envelope = excluded.envelope",
                 (key.namespace, key.name, _SINGLE_ITEM, replacement.revision, replacement.data),
             )
+            if self._anchor is not None:
+                self._advanced[key] = replacement.revision
             return Stored(replacement.revision)
 
-        async def body(connection: aiosqlite.Connection) -> Stored | Conflict:
-            outcome = await _transaction(connection, lambda: transaction(connection))
-            if isinstance(outcome, Stored):
-                await self._advance_anchor(key, outcome.revision_floor)
-            return outcome
-
-        return await self._run(operation, body)
+        return await self._submit(operation, transaction, write=True)
 
     async def current_fence(self, key: StorageRecordKey) -> int:
         key = _check_key(key)
-
-        async def body(connection: aiosqlite.Connection) -> int:
-            return (await self._read_head(connection, key)).fence
-
-        return await self._run("current_fence", body)
+        return await self._submit(
+            "current_fence", lambda connection: _read_head(connection, key).fence, write=False
+        )
 
     async def reserve_fence(self, key: StorageRecordKey) -> int:
         key = _check_key(key)
 
-        async def transaction(connection: aiosqlite.Connection) -> int:
-            current = (await self._read_head(connection, key)).fence
+        def transaction(connection: sqlite3.Connection) -> int:
+            current = _read_head(connection, key).fence
             if current >= self.ceiling:
                 raise FencingTokenExhausted()
-            await _store_fence(connection, key, current + 1)
+            _store_fence(connection, key, current + 1)
             return current + 1
 
-        return await self._run(
-            "reserve_fence",
-            lambda connection: _transaction(connection, lambda: transaction(connection)),
-        )
+        return await self._submit("reserve_fence", transaction, write=True)
 
     async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
         key = _check_key(key)
         token = _check_token(token)
         _establish_decision(0, token, self.ceiling)  # token 0 / overflow before any I/O
 
-        async def transaction(connection: aiosqlite.Connection) -> None:
-            current = (await self._read_head(connection, key)).fence
+        def transaction(connection: sqlite3.Connection) -> None:
+            current = _read_head(connection, key).fence
             if _establish_decision(current, token, self.ceiling):
-                await _store_fence(connection, key, token)
+                _store_fence(connection, key, token)
 
-        await self._run(
-            "establish_fence",
-            lambda connection: _transaction(connection, lambda: transaction(connection)),
-        )
+        await self._submit("establish_fence", transaction, write=True)
 
     async def integrity_check(self) -> list[str]:
         """``PRAGMA integrity_check``: ``["ok"]`` for a sound database."""
 
-        async def body(connection: aiosqlite.Connection) -> list[str]:
-            cursor = await connection.execute("PRAGMA integrity_check")
-            return [str(row[0]) for row in await cursor.fetchall()]
+        def body(connection: sqlite3.Connection) -> list[str]:
+            rows = connection.execute("PRAGMA integrity_check").fetchall()
+            return [str(row[0]) for row in rows]
 
-        return await self._run("integrity_check", body)
+        return await self._submit("integrity_check", body, write=False)
 
     async def close(self) -> None:
-        """Close the connection (after any running operation); idempotent."""
-        async with self._lock:
-            self._closed = True
-            connection, self._db = self._db, None
-            if connection is not None:
-                try:
-                    await connection.close()
-                except sqlite3.Error as exc:
-                    raise StorageBackendError(_sqlite_detail("close", exc)) from exc
+        """Close the connection after every operation already submitted; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is None:
+            return
+        future = self._enqueue(_CLOSE, lambda connection: None, False)
+        await asyncio.shield(future)
+        self._thread.join(timeout=5.0)
+
+
+def _translated(operation: str, exc: BaseException) -> BaseException:
+    """The error a caller sees for ``exc`` raised by ``operation`` in the thread."""
+    if isinstance(exc, sqlite3.Error):
+        return StorageBackendError(_sqlite_detail(operation, exc))
+    if isinstance(exc, OSError):
+        return StorageBackendError(f"{operation}: {exc.strerror}")
+    return exc
+
+
+def _deliver_outcomes(outcomes: list[tuple[_Work, bool, Any]]) -> None:
+    """Hand outcomes to their loops: one wake-up per loop per batch."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Work, bool, Any]]] = {}
+    shared: set[int] = set()
+    for work, ok, value in outcomes:
+        outcome = value
+        if not ok and isinstance(value, OctoError):
+            # One instance per caller, so tracebacks do not mix.
+            if id(value) in shared:
+                outcome = _copy_error(value)
+            shared.add(id(value))
+        by_loop.setdefault(work.loop, []).append((work, ok, outcome))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(_resolve_all, items)
+
+
+def _copy_error(error: OctoError) -> OctoError:
+    rebuild, arguments = error.__reduce__()[:2]
+    copy = rebuild(*arguments)
+    assert isinstance(copy, OctoError)
+    return copy
+
+
+def _resolve_all(items: list[tuple[_Work, bool, Any]]) -> None:
+    for work, ok, value in items:
+        future = work.future
+        if future.done():  # its caller was cancelled; the operation still ran
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
+def _read_head(connection: sqlite3.Connection, key: StorageRecordKey) -> _Head:
+    row = connection.execute(
+        _SELECT_RECORD, {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM}
+    ).fetchone()
+    return _head_from_row(row)
+
+
+def _migrate(connection: sqlite3.Connection) -> None:
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        connection.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        rows = connection.execute("SELECT version FROM schema_version").fetchall()
+        if len(rows) > 1 or (rows and type(rows[0][0]) is not int):
+            raise StorageBackendError("open: malformed schema_version table")
+        version = rows[0][0] if rows else 0
+        if version > _SCHEMA_VERSION:
+            raise StorageBackendError(f"open: schema version {version} is newer than supported")
+        for statements in _MIGRATIONS[version:]:
+            for statement in statements:
+                connection.execute(statement)
+        if not rows:
+            connection.execute(
+                "INSERT INTO schema_version (version) VALUES (?)", (_SCHEMA_VERSION,)
+            )
+        elif version != _SCHEMA_VERSION:
+            connection.execute("UPDATE schema_version SET version = ?", (_SCHEMA_VERSION,))
+        connection.execute("COMMIT")
+    except BaseException:
+        _roll_back(connection)
+        raise
+
+
+def _roll_back(connection: sqlite3.Connection) -> None:
+    """Undo an open transaction after a failure (the failure is what gets reported)."""
+    if connection.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            connection.execute("ROLLBACK")
+
+
+def _check_anchor_at_open(
+    connection: sqlite3.Connection, anchor: dict[StorageRecordKey, int]
+) -> None:
+    rows = connection.execute(
+        "SELECT heads.namespace, heads.name, heads.revision, items.revision "
+        "FROM heads LEFT JOIN items ON items.namespace = heads.namespace "
+        "AND items.name = heads.name AND items.item = ?",
+        (_SINGLE_ITEM,),
+    ).fetchall()
+    found: dict[StorageRecordKey, tuple[int, int | None]] = {}
+    for namespace, name, floor, item_revision in rows:
+        try:
+            key = StorageRecordKey(namespace, name)
+        except OctoError:
+            raise StorageBackendError("malformed head row") from None
+        if type(floor) is not int or not (item_revision is None or type(item_revision) is int):
+            raise StorageBackendError("malformed head row")
+        found[key] = (floor, item_revision)
+    for key, anchored in anchor.items():
+        floor, item_revision = found.get(key, (0, None))
+        _compare_with_anchor(anchored, floor, item_revision)
+    for key, (floor, _) in found.items():
+        if floor > anchor.get(key, 0):
+            anchor[key] = floor  # a crash between COMMIT and anchor write
 
 
 def _compare_with_anchor(anchored: int, floor: int, record_revision: int | None) -> None:
@@ -822,33 +1018,12 @@ def _compare_with_anchor(anchored: int, floor: int, record_revision: int | None)
         raise RollbackDetected(record_revision, anchored)
 
 
-async def _store_fence(connection: aiosqlite.Connection, key: StorageRecordKey, fence: int) -> None:
-    await connection.execute(
+def _store_fence(connection: sqlite3.Connection, key: StorageRecordKey, fence: int) -> None:
+    connection.execute(
         "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 0, ?) "
         "ON CONFLICT (namespace, name) DO UPDATE SET fence = excluded.fence",
         (key.namespace, key.name, fence),
     )
-
-
-async def _transaction(connection: aiosqlite.Connection, body: Callable[[], Awaitable[_T]]) -> _T:
-    """Run ``body`` inside ``BEGIN IMMEDIATE`` … ``COMMIT``; roll back on any failure."""
-    await connection.execute("BEGIN IMMEDIATE")
-    try:
-        result = await body()
-        await connection.execute("COMMIT")
-    except BaseException:
-        if connection.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                await connection.execute("ROLLBACK")
-        raise
-    return result
-
-
-def _retrieve_outcome(task: asyncio.Future[Any]) -> None:
-    # A shielded operation whose caller was cancelled still finishes; read its
-    # outcome so asyncio does not report an unretrieved exception.
-    if not task.cancelled():
-        task.exception()
 
 
 # AuthenticatedStore (H§17.4-17.5) ----------------------------------------------------
@@ -913,8 +1088,27 @@ class AuthenticatedStore:
         key = _check_key(key)
         expected = _check_expected(expected)
         data = _payload_bytes(payload)
+        backend = self._backend
+        if (
+            isinstance(backend, SqliteRecordBackend)
+            and len(data) <= MAX_AUTHENTICATED_PAYLOAD_BYTES
+        ):
+            # One hand-off: seal first (it depends only on the expectation),
+            # then open the current record, compare and swap in one
+            # transaction. A seal failure takes the step-by-step path below,
+            # which reports the errors in the H§17.4 order.
+            sealed = self._seal_quietly(key, expected, data)
+            if sealed is not None:
+                replacement, key_id = sealed
+                outcome = await backend.compare_and_swap_opened(
+                    key,
+                    expected,
+                    replacement,
+                    lambda snapshot: self._check_current(key, expected, snapshot),
+                )
+                return self._finish(expected, replacement, key_id, data, outcome)
         replacement, key_id = await self._prepare(key, expected, data)
-        outcome = await self._backend.compare_and_swap(key, expected, replacement)
+        outcome = await backend.compare_and_swap(key, expected, replacement)
         return self._finish(expected, replacement, key_id, data, outcome)
 
     async def compare_and_swap_fenced(
@@ -952,12 +1146,24 @@ class AuthenticatedStore:
     ) -> tuple[StoredRecord, str]:
         if len(payload) > MAX_AUTHENTICATED_PAYLOAD_BYTES:
             raise PayloadTooLarge(len(payload), MAX_AUTHENTICATED_PAYLOAD_BYTES)
-        current = self._open_snapshot(key, await self._backend.load(key))
+        self._check_current(key, expected, await self._backend.load(key))
+        return self._seal(key, expected, payload)
+
+    def _check_current(
+        self, key: StorageRecordKey, expected: int | None, snapshot: StorageSnapshot
+    ) -> None:
+        """H§17.4 write steps 2-3: open the current record fully, compare the expectation."""
+        current = self._open_snapshot(key, snapshot)
         if current is None:
             if expected is not None:
                 raise WriteConflict(expected, None, 0)
         elif expected != current.revision:
             raise WriteConflict(expected, current.revision, current.revision)
+
+    def _seal(
+        self, key: StorageRecordKey, expected: int | None, payload: bytes
+    ) -> tuple[StoredRecord, str]:
+        """H§17.4 write step 4: the new revision sealed with the active key."""
         new_revision = (expected or 0) + 1
         if new_revision > MAX_U64:
             raise RevisionExhausted()
@@ -965,6 +1171,14 @@ class AuthenticatedStore:
         key_id = self._keyring.active_id
         envelope = seal_record(self._keyring, key, new_revision, payload)
         return StoredRecord(new_revision, envelope), key_id
+
+    def _seal_quietly(
+        self, key: StorageRecordKey, expected: int | None, payload: bytes
+    ) -> tuple[StoredRecord, str] | None:
+        try:
+            return self._seal(key, expected, payload)
+        except OctoError:
+            return None
 
     def _finish(
         self,

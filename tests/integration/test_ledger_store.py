@@ -930,3 +930,87 @@ async def test_item_whose_head_row_was_deleted_is_not_mistaken_for_absence(tmp_p
             await store.create(RUN, b"overwrite")
     finally:
         await store.close()
+
+
+# Group commit (H§17.7) ---------------------------------------------------------------
+
+
+async def test_concurrent_writes_share_transactions_and_keep_their_own_outcomes(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    backend = SqliteRecordBackend(path)
+    store = AuthenticatedStore(backend, new_keyring())
+    keys = [StorageRecordKey("workflow-ledger", f"run-{i}") for i in range(40)]
+    try:
+        await store.create(keys[0], b"first")
+        await backend.reserve_fence(keys[1])  # plain writes to it are refused
+        before = backend.group_commit_stats
+        outcomes = await asyncio.gather(
+            *(store.create(key, f"v{i}".encode()) for i, key in enumerate(keys)),
+            # Two writers of one key in the same batch: the second sees the first.
+            store.replace(keys[2], 1, b"second"),
+            store.replace(keys[2], 1, b"loser"),
+            return_exceptions=True,
+        )
+        transactions, writes = (
+            now - then for now, then in zip(backend.group_commit_stats, before, strict=True)
+        )
+        assert writes == 42
+        assert transactions < writes  # several writes per transaction
+        assert isinstance(outcomes[0], WriteConflict)
+        assert isinstance(outcomes[1], FencingRequired)
+        assert outcomes[2] == AuthenticatedRecord(1, "storage-v1", b"v2")
+        assert all(
+            outcomes[i] == AuthenticatedRecord(1, "storage-v1", f"v{i}".encode())
+            for i in range(3, 40)
+        )
+        assert outcomes[40] == AuthenticatedRecord(2, "storage-v1", b"second")
+        assert isinstance(outcomes[41], WriteConflict)
+    finally:
+        await store.close()
+    # Everything the callers were told is on disk, and nothing else.
+    reopened = SqliteLedgerStore(path, new_keyring())
+    try:
+        assert (await reopened.load(keys[0])) == AuthenticatedRecord(1, "storage-v1", b"first")
+        assert await reopened.load(keys[1]) is None
+        assert (await reopened.load(keys[2])) == AuthenticatedRecord(2, "storage-v1", b"second")
+        for i in range(3, 40):
+            assert (await reopened.load(keys[i])) == AuthenticatedRecord(
+                1, "storage-v1", f"v{i}".encode()
+            )
+    finally:
+        await reopened.close()
+
+
+async def test_a_database_error_fails_every_write_of_its_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("octo_host.store.SQLITE_BUSY_TIMEOUT_SECONDS", 0.2)
+    path = tmp_path / "ledger.db"
+    backend = SqliteRecordBackend(path)
+    keys = [StorageRecordKey("workflow-ledger", f"run-{i}") for i in range(8)]
+    try:
+        await backend.load(keys[0])  # open
+        # Another connection holds the write lock longer than the busy timeout
+        # allows: BEGIN IMMEDIATE fails for the whole group.
+        blocker = sqlite3.connect(path, isolation_level=None, timeout=0)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(
+                    *(backend.compare_and_swap(k, None, StoredRecord(1, b"x")) for k in keys),
+                    return_exceptions=True,
+                ),
+                timeout=30,
+            )
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert all(isinstance(o, StorageBackendError) for o in outcomes)
+        assert len({id(o) for o in outcomes}) == len(keys)  # one instance per caller
+        assert all("SQLITE_BUSY" in str(o) for o in outcomes)
+        for key in keys:
+            assert await backend.load(key) == StorageSnapshot(None, 0)
+    finally:
+        await backend.close()
