@@ -26,7 +26,14 @@ whose deadline expired) always sees that dispatch's finished outcome.
 
 This adapter must never log or store payload content outside the published
 file, never write into ``target_dir`` outside the names above, and never
-perform an effect from ``reconcile_operation``.
+perform an effect from ``reconcile_operation``. Reconciliation may finish the
+bookkeeping of a publication a crash interrupted (the missing effect line and
+record of a file that is already there, or the refusal of one that never
+appeared), exactly as a repeated dispatch does, so the effect log holds one
+line per published key whichever of the two comes first.
+
+One process owns ``target_dir``: the single file thread is what orders a
+reconciliation after a dispatch, so two daemons must not share a directory.
 """
 
 from __future__ import annotations
@@ -333,6 +340,10 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         outcome; after a crash nothing resumes an interrupted publication
         (a repeated dispatch of such a key also answers "not published"),
         so an effect that is not in the directory now never will be.
+
+        An interrupted publication is settled here as a repeated dispatch
+        settles it (its effect line written once, its record finished), so
+        the effect log never misses a publication reconciliation reports.
         """
         return await self._run(self._lookup, request.operation_key)
 
@@ -474,10 +485,15 @@ class FilesPublishAdapter(BaseWorkerAdapter):
                 record = self._read_record(key)
                 if record is None:
                     return Failed(FAILED_NOT_PUBLISHED)
+                if record.state == "publishing":
+                    # A crash cut this publication short. Finish its bookkeeping
+                    # exactly as a repeated dispatch would: a file that appeared
+                    # gets its one effect line and the `published` record; one
+                    # that did not never will, and the key is refused for good.
+                    # Neither writes the published file itself.
+                    record = self._resolve_publishing(record)
                 if record.state == "refused":
                     return Failed(record.reason or FAILED_NOT_PUBLISHED)
-                if record.state == "publishing" and not self._is_published(record):
-                    return Failed(FAILED_NOT_PUBLISHED)
                 return Succeeded(_publish_payload(record))
             except OSError:
                 raise AdapterFailed("file system error during lookup") from None

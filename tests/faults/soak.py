@@ -109,9 +109,6 @@ def _summary(outcomes: list[Outcome], failures: list[tuple[Case, str]], elapsed:
             "compensations left pending (admitted, outcome unknown), by kill point: "
             + ", ".join(f"{p}={n}" for p, n in sorted(stuck.items()))
         )
-    gaps = [gap for o in outcomes for gap in o.gaps]
-    if gaps:
-        print(f"known files.publish gap (effect done, log line missing): {len(gaps)}")
     errors = Counter(o.flow_error for o in outcomes if o.flow_error)
     if errors:
         print("interrupted host calls raised: " + ", ".join(f"{k}={n}" for k, n in errors.items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import stat
 import time
@@ -486,6 +487,125 @@ async def test_a_crash_after_the_file_appeared_is_recovered_as_published(
         assert again == expected_success("notes.txt")
         await recovered.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
         assert effects(log_path) == [("publish", KEY)]  # logged exactly once
+    finally:
+        recovered.close()
+
+
+def record_state(target: Path, key: str) -> str:
+    document = json.loads((target / ".octo-publish" / f"op.{key}.json").read_bytes())
+    return str(document["state"])
+
+
+async def crash_between_link_and_log_line(
+    target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SIGKILL cut: the file is linked, its effect line and record are not written."""
+    doomed = restart(target, log_path)
+    crash_on(monkeypatch, "_append_line")
+    with pytest.raises(Crash):
+        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    doomed.close()
+    monkeypatch.undo()
+    assert visible_files(target) == ["notes.txt"]
+    assert record_state(target, KEY) == "publishing"
+    assert effects(log_path) == []
+
+
+async def test_reconciliation_after_a_cut_between_link_and_log_line_writes_the_line_once(
+    target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await crash_between_link_and_log_line(target, log_path, monkeypatch)
+
+    recovered = restart(target, log_path)
+    try:
+        status = await recovered.reconcile_operation(reconcile(KEY), GRANT)
+        assert status == expected_success("notes.txt")
+        # Reconciliation reports the publish, so the log holds its one line.
+        assert effects(log_path) == [("publish", KEY)]
+        assert record_state(target, KEY) == "published"
+        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == status
+    finally:
+        recovered.close()
+    again = restart(target, log_path)
+    try:
+        assert await again.reconcile_operation(reconcile(KEY), GRANT) == status
+        repeated = await again.dispatch_operation(
+            dispatch(KEY, publish_payload("notes.txt")), GRANT
+        )
+        assert repeated == status
+        assert effects(log_path) == [("publish", KEY)]
+        assert visible_files(target) == ["notes.txt"]
+        assert leftovers(target) == []
+    finally:
+        again.close()
+
+
+async def test_reconciliation_after_a_cut_before_the_record_does_not_log_twice(
+    target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The effect line is durable, the `published` record is not.
+    doomed = restart(target, log_path)
+    crash_on(monkeypatch, "_replace_file", when=lambda path, data: b'"published"' in data)
+    with pytest.raises(Crash):
+        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    doomed.close()
+    monkeypatch.undo()
+    assert record_state(target, KEY) == "publishing"
+    assert effects(log_path) == [("publish", KEY)]
+
+    recovered = restart(target, log_path)
+    try:
+        for _ in range(2):
+            status = await recovered.reconcile_operation(reconcile(KEY), GRANT)
+            assert status == expected_success("notes.txt")
+        assert effects(log_path) == [("publish", KEY)]
+        assert record_state(target, KEY) == "published"
+    finally:
+        recovered.close()
+
+
+async def test_reconciliation_after_a_cut_then_compensation_logs_each_effect_once(
+    target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await crash_between_link_and_log_line(target, log_path, monkeypatch)
+
+    recovered = restart(target, log_path)
+    try:
+        published = await recovered.reconcile_operation(reconcile(KEY), GRANT)
+        assert published == expected_success("notes.txt")
+        removed = await recovered.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+        assert removed == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))
+        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == published
+        assert effects(log_path) == [("publish", KEY), ("remove", KEY)]
+        assert visible_files(target) == []
+    finally:
+        recovered.close()
+
+
+async def test_reconciliation_after_a_cut_before_the_link_refuses_the_key_for_good(
+    target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doomed = restart(target, log_path)
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    doomed.close()
+    monkeypatch.undo()
+    assert record_state(target, KEY) == "publishing"
+
+    recovered = restart(target, log_path)
+    try:
+        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
+        # Settled on disk: the record is final and the name's claim is released.
+        assert record_state(target, KEY) == "refused"
+        assert not (target / ".octo-publish" / "name.notes.txt").exists()
+        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
+        again = await recovered.dispatch_operation(
+            dispatch(KEY, publish_payload("notes.txt")), GRANT
+        )
+        assert again == Failed("not published")
+        assert effects(log_path) == []
+        assert visible_files(target) == []
     finally:
         recovered.close()
 
