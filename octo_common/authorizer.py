@@ -11,6 +11,10 @@ Rules this module keeps:
 
 * Every method is all-or-nothing: all checks run before the first mutation, so
   an error leaves the state (``export_state()``) unchanged.
+* ``export_state()`` is called several times per durable operation: the
+  retained request ids are kept as ``RetainedRequestId`` values and the
+  immutable parts of the export are cached until the next mutation, so an
+  export costs no more than copying the counters.
 * Tokens carry the provenance (object identity) of the issuing instance; a
   validator refuses a token of another instance first. A restored authorizer
   is a new instance and refuses the old instance's tokens.
@@ -284,6 +288,7 @@ class SessionAuthorizer:
         "_calls",
         "_compensation_fingerprints",
         "_compensations",
+        "_exported",
         "_identities",
         "_manifest",
         "_provenance",
@@ -298,8 +303,14 @@ class SessionAuthorizer:
         self._calls: dict[str, int] = {}
         self._compensations: dict[str, int] = {}
         self._identities: set[CompensationIdentity] = set()
-        # Insertion order is retention order; the value is the completed flag.
-        self._request_ids: dict[str, bool] = {}
+        # Insertion order is retention order; the value is the exported entry
+        # (request id and completed flag), replaced in place when completed.
+        self._request_ids: dict[str, RetainedRequestId] = {}
+        # The last export, dropped by every mutation. Each mutating method
+        # retains a request id (``_retain``) or completes one
+        # (``_mark_completed``) after its last check, and those two helpers
+        # drop it; ``restore`` fills a fresh instance before any export.
+        self._exported: AuthorizerState | None = None
         self._provenance = _Provenance()
 
     def __repr__(self) -> str:
@@ -338,7 +349,8 @@ class SessionAuthorizer:
 
     def is_completed(self, request_id: str) -> bool:
         """Whether a result for ``request_id`` was validated."""
-        return self._request_ids.get(request_id, False)
+        entry = self._request_ids.get(request_id)
+        return entry is not None and entry.completed
 
     # -- request ids -----------------------------------------------------------
 
@@ -347,7 +359,12 @@ class SessionAuthorizer:
         validate_token("request id", request_id)
         self._check_request_id_free(request_id)
         self._check_request_capacity()
-        self._request_ids[request_id] = False
+        self._retain(request_id)
+
+    def _retain(self, request_id: str) -> None:
+        # The only way a request id enters retention (after every check).
+        self._request_ids[request_id] = RetainedRequestId(request_id, False)
+        self._exported = None
 
     def _check_request_id_free(self, request_id: str) -> None:
         if request_id in self._request_ids:
@@ -382,7 +399,7 @@ class SessionAuthorizer:
         if spent >= grant.max_calls:
             raise CallBudgetExhausted(request.tool, grant.max_calls)
         self._check_request_capacity()
-        self._request_ids[request.request_id] = False
+        self._retain(request.request_id)
         self._calls[request.tool] = spent + 1
         return grant
 
@@ -415,7 +432,7 @@ class SessionAuthorizer:
         grant = self._active_grant(request.session_id, request.tool)
         self._check_request_id_free(request.request_id)
         self._check_request_capacity()
-        self._request_ids[request.request_id] = False
+        self._retain(request.request_id)
         token: AuthorizedOperationReconciliation = AuthorizedOperationReconciliation._issue(
             request, grant, self._provenance
         )
@@ -458,7 +475,7 @@ class SessionAuthorizer:
         if is_new and spent >= grant.max_compensations:
             raise CompensationBudgetExhausted(request.tool, grant.max_compensations)
         self._check_request_capacity()
-        self._request_ids[request.request_id] = False
+        self._retain(request.request_id)
         if is_new:
             self._identities.add(identity)
             self._compensations[request.tool] = spent + 1
@@ -481,13 +498,14 @@ class SessionAuthorizer:
             raise UnknownSession(session_id)
 
     def _check_not_completed(self, request_id: str) -> None:
-        if self._request_ids.get(request_id, False):
+        if self.is_completed(request_id):
             raise DuplicateResult(request_id)
 
     def _mark_completed(self, request_id: str) -> None:
         # A token of this instance always names a retained id; assigning keeps
         # its position in retention order.
-        self._request_ids[request_id] = True
+        self._request_ids[request_id] = RetainedRequestId(request_id, True)
+        self._exported = None
 
     def validate_result(self, auth: AuthorizedInvocation, result: ToolResult) -> None:
         """Check an invocation result and mark its request completed (W§8.4)."""
@@ -545,15 +563,26 @@ class SessionAuthorizer:
     # -- persistence -----------------------------------------------------------
 
     def export_state(self) -> AuthorizerState:
-        """Everything but provenance, in a canonical order (D4)."""
+        """Everything but provenance, in a canonical order (D4).
+
+        Each call returns a new ``AuthorizerState`` with its own counter maps;
+        its tuples (immutable, of frozen values) are shared with earlier
+        exports until the next mutation of this authorizer.
+        """
+        exported = self._exported
+        if exported is None:
+            exported = self._exported = AuthorizerState(
+                calls_by_tool={t: n for t, n in sorted(self._calls.items()) if n},
+                compensations_by_tool={t: n for t, n in sorted(self._compensations.items()) if n},
+                compensation_identities=tuple(sorted(self._identities)),
+                request_ids=tuple(self._request_ids.values()),
+            )
+        # Copies of the maps: a caller that mutates its export cannot alter the cache.
         return AuthorizerState(
-            calls_by_tool={t: n for t, n in sorted(self._calls.items()) if n},
-            compensations_by_tool={t: n for t, n in sorted(self._compensations.items()) if n},
-            compensation_identities=tuple(sorted(self._identities)),
-            request_ids=tuple(
-                RetainedRequestId(request_id, completed)
-                for request_id, completed in self._request_ids.items()
-            ),
+            calls_by_tool=dict(exported.calls_by_tool),
+            compensations_by_tool=dict(exported.compensations_by_tool),
+            compensation_identities=exported.compensation_identities,
+            request_ids=exported.request_ids,
         )
 
     @classmethod
@@ -647,12 +676,12 @@ def _restore_identities(
     return restored
 
 
-def _restore_request_ids(entries: object) -> dict[str, bool]:
+def _restore_request_ids(entries: object) -> dict[str, RetainedRequestId]:
     if not isinstance(entries, Sequence) or isinstance(entries, str | bytes):
         _bad_state("request_ids is not a list")
     if len(entries) > MAX_SESSION_REQUEST_IDS:
         _bad_state("more request ids than a session retains")
-    restored: dict[str, bool] = {}
+    restored: dict[str, RetainedRequestId] = {}
     for entry in entries:
         if not isinstance(entry, RetainedRequestId):
             _bad_state("retained request id is malformed")
@@ -663,5 +692,6 @@ def _restore_request_ids(entries: object) -> dict[str, bool]:
             _bad_state("completed flag is not a boolean")
         if request_id in restored:
             _bad_state("request id retained twice")
-        restored[request_id] = completed
+        # A fresh value of exactly this type, whatever the caller passed.
+        restored[request_id] = RetainedRequestId(request_id, completed)
     return restored

@@ -1153,6 +1153,45 @@ def test_export_state_is_canonical_and_encodable() -> None:
     assert msgspec.json.decode(encoded, type=AuthorizerState) == state
 
 
+def test_export_state_follows_every_mutation_and_earlier_exports_never_change() -> None:
+    auth = authorizer(grant_gc(2), echo_grant())
+    first = auth.export_state()
+    assert auth.export_state() == first == AuthorizerState({}, {}, (), ())
+
+    token = auth.authorize_operation(dispatch("d-1"))
+    second = auth.export_state()
+    assert second == AuthorizerState({TOOL: 1}, {}, (), (RetainedRequestId("d-1", False),))
+    assert first == AuthorizerState({}, {}, (), ())
+
+    auth.validate_operation_result(
+        token, OperationReconcileResult(SESSION, "d-1", TOOL, OP_KEY, Running())
+    )
+    third = auth.export_state()
+    assert third.request_ids == (RetainedRequestId("d-1", True),)
+    assert second.request_ids == (RetainedRequestId("d-1", False),)
+
+    fingerprint = grant_gc(2).compensation_fingerprint()
+    auth.authorize_compensation(compensation("c-1", fingerprint=fingerprint))
+    auth.authorize_reconciliation(reconcile("r-1"))
+    auth.reserve_request_id("reserved-1")
+    fourth = auth.export_state()
+    assert fourth.compensations_by_tool == {TOOL: 1}
+    assert len(fourth.compensation_identities) == 1
+    assert [r.request_id for r in fourth.request_ids] == ["d-1", "c-1", "r-1", "reserved-1"]
+    assert third.compensations_by_tool == {}
+
+    # A caller that changes its export's maps changes neither the authorizer
+    # nor any later export.
+    fourth.calls_by_tool[TOOL] = 99
+    fourth.compensations_by_tool.clear()
+    fifth = auth.export_state()
+    assert fifth.calls_by_tool == {TOOL: 1}
+    assert fifth.compensations_by_tool == {TOOL: 1}
+    assert auth.calls_for(TOOL) == 1
+    restored = SessionAuthorizer.restore(auth.manifest, fifth)
+    assert restored.export_state() == fifth
+
+
 def test_restore_rebuilds_an_equal_authorizer_that_keeps_its_budgets() -> None:
     original = busy_authorizer()
     state = msgspec.json.decode(msgspec.json.encode(original.export_state()), type=AuthorizerState)
