@@ -531,13 +531,19 @@ class HostClient:
         if len(waiters) >= _MAX_WAITERS_PER_SESSION:
             oldest = next(iter(waiters))
             waiters.pop(oldest).abandoned = True
-        waiter = _Waiter(kind, request, run, asyncio.get_running_loop().create_future())
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # A waiter given up on (timeout, cancelled verb) may still be failed by a
+        # late routing; its outcome is read so it is never reported as lost.
+        future.add_done_callback(_retrieve)
+        waiter = _Waiter(kind, request, run, future)
         waiters[request_id] = waiter
         return waiter
 
     async def _await(self, session: HostSession, request_id: str, waiter: _Waiter) -> Any:
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self.reply_timeout)
+            async with asyncio.timeout(self.reply_timeout):
+                # Shielded: a timeout leaves the waiter registered for a late reply.
+                return await asyncio.shield(waiter.future)
         except TimeoutError:
             # Stay registered: a late reply is still applied to the ledger.
             waiter.abandoned = True
@@ -606,6 +612,28 @@ class HostClient:
         if candidate.revision == run._durable_ledger_revision and candidate == run._ledger:
             return
         payload = candidate.to_json().encode("utf-8")
+        # The write and the adoption of its outcome run to the end even if the
+        # caller is cancelled, and the caller (who holds the run lock) waits
+        # for them: otherwise the run's stored revision would fall behind the
+        # database and every later write of the run would be a WriteConflict.
+        task = asyncio.ensure_future(self._swap_and_adopt(run, candidate, payload))
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True
+            except BaseException:
+                break  # the task is done: its outcome is raised below
+        if cancelled:
+            if not task.cancelled():
+                task.exception()  # retrieved: the caller sees its cancellation
+            raise asyncio.CancelledError()
+        task.result()
+
+    async def _swap_and_adopt(
+        self, run: HostRun, candidate: WorkflowOperationLedger, payload: bytes
+    ) -> None:
         record = await self.store.compare_and_swap(run.record_key, run._stored_revision, payload)
         run._stored_revision = record.revision
         run._ledger = candidate
@@ -1229,3 +1257,8 @@ def _header_text(value: object) -> str | None:
         except UnicodeDecodeError:
             return None
     return None
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

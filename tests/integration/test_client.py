@@ -607,3 +607,31 @@ async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(
     assert isinstance(state, Succeeded)
     assert state.payload.value["name"] == "notes.txt"  # the genuine answer, not the forged {}
     assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+
+
+async def test_a_verb_cancelled_during_its_ledger_write_leaves_the_run_consistent(
+    host_env: HostEnv,
+) -> None:
+    """The ledger CAS and its adoption finish even when the verb is cancelled."""
+    store = host_env.store()
+    client = HostClient(URL, host_id="cancel-host", scope_keys={}, store=store)
+    try:
+        plan = client.engine.plan([*STEPS, WorkflowStep("announce", "announce it")])
+        run = await client.load_run(RUN, plan)
+        stored_before = run._stored_revision
+        verb = asyncio.ensure_future(
+            client.record_operation(run, "publish", TOOL, publish_payload(), b"n:1")
+        )
+        await asyncio.sleep(0)  # the write is submitted to the database thread
+        verb.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await verb
+        # The cancelled write landed and the run adopted it: the next write of
+        # the same run is not a WriteConflict.
+        assert run._stored_revision == stored_before + 1
+        await client.record_operation(run, "announce", TOOL, publish_payload("b.txt"), b"n:2")
+        ledger = await stored_ledger(host_env)
+        assert ledger == run.ledger
+        assert len(ledger.operations) == 2
+    finally:
+        await store.close()
