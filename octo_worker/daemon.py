@@ -221,7 +221,9 @@ class _Scope:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Handlers past the pause gate: a reload waits for these only.
     active: set[asyncio.Task[Any]] = field(default_factory=set)
-    open_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Sessions whose open_session is being handled: a frame for one of them
+    # waits for the open's outcome (the session, or None if it failed).
+    opening: dict[str, asyncio.Future[WorkerSession | None]] = field(default_factory=dict)
     queue: AbstractQueue | None = None
     consumer_tag: str | None = None
     running: asyncio.Event = field(default_factory=asyncio.Event)
@@ -748,11 +750,14 @@ class WorkerDaemon:
             return
         session_id = headers.session_id
         session = scope.sessions.get(session_id)
-        if session is None:
+        while session is None and session_id in scope.opening:
             # The host gets no answer to open_session and may send the next
-            # frame at once: wait for an open of this scope in progress.
-            async with scope.open_lock:
-                session = scope.sessions.get(session_id)
+            # frame at once: wait for the open of this session in progress.
+            # (shield: a cancelled waiter must not cancel the others' future.)
+            await asyncio.shield(scope.opening[session_id])
+            session = scope.sessions.get(session_id)
+        # From the last lookup to registering an open in _open_session there is
+        # no await, so no other handler can open this session id in between.
         opening = False
         kind: str | None = None
         if session is None or b"open_session" in body or b"\\u" in body:
@@ -799,30 +804,42 @@ class WorkerDaemon:
         session_id: str,
         key_nonce: bytes,
     ) -> None:
-        async with scope.open_lock:
-            if session_id in scope.sessions:
-                await delivery.dead_letter(SessionReplay.code)
-                return
+        # Called with no await since the caller found neither the session nor
+        # an open of it in progress: registering here makes this the one open.
+        if session_id in scope.sessions or session_id in scope.opening:
+            await delivery.dead_letter(SessionReplay.code)
+            return
+        pending: asyncio.Future[WorkerSession | None] = asyncio.get_running_loop().create_future()
+        scope.opening[session_id] = pending
+        session: WorkerSession | None = None
+        refused: str | None = None
+        try:
             lease = scope.lease
             assert lease is not None
-            try:
-                key = SessionKey.derive(scope.key, scope.name, session_id, key_nonce)
-                authenticator = SessionAuthenticator(session_id, key, SessionRole.WORKER)
-                session = await WorkerSession.open(
-                    authenticator,
-                    message.body,
-                    scope=scope.name,
-                    key_nonce=key_nonce,
-                    reply_to=str(message.reply_to),
-                    store=self._require_daemon_store(),
-                    lease=lease,
-                    adapters=self._adapters,
-                    limits=self._limits,
-                )
-            except OctoError as exc:
-                await delivery.dead_letter(exc.code)
-                return
+            key = SessionKey.derive(scope.key, scope.name, session_id, key_nonce)
+            authenticator = SessionAuthenticator(session_id, key, SessionRole.WORKER)
+            session = await WorkerSession.open(
+                authenticator,
+                message.body,
+                scope=scope.name,
+                key_nonce=key_nonce,
+                reply_to=str(message.reply_to),
+                store=self._require_daemon_store(),
+                lease=lease,
+                adapters=self._adapters,
+                limits=self._limits,
+            )
             scope.sessions[session_id] = session
+        except OctoError as exc:
+            refused = exc.code
+        finally:
+            # Waiters look the session up again once this resolves (also when
+            # the open failed or this handler was cancelled).
+            del scope.opening[session_id]
+            pending.set_result(session)
+        if session is None:
+            await delivery.dead_letter(refused or SessionReplay.code)
+            return
         delivery.session = session
         try:
             await delivery.ack()
