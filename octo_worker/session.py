@@ -578,8 +578,9 @@ class WorkerSession:
             adapters=adapters,
             limits=limits,
         )
+        pending = session._snapshot()
         documents = SessionDocuments(
-            state=session._state_document(),
+            state=session._state_document(pending),
             opening=session._opening_document(),
             base_revision=None,
         )
@@ -590,7 +591,7 @@ class WorkerSession:
             raise InvalidJournalRevision(1, revision)
         session._state_revision = revision
         session._highest_revision = revision
-        session._durable = session._snapshot()
+        session._durable = pending
         session._log.info("session_opened", revision=revision, grants=len(manifest.grants))
         return session
 
@@ -1083,13 +1084,13 @@ class WorkerSession:
             if isinstance(error, AdapterIndeterminate):
                 return await self._refuse_locked(run, IndeterminateOperation(key, "adapter"))
             return await self._refuse_locked(run, AdapterError(request.tool, _adapter_code(error)))
-        protocol = IndeterminateOperation(key, "protocol")
+        # Built only when refused: this is the hot path of every dispatch.
         if not isinstance(status, _STATUS_TYPES):
-            return await self._refuse_locked(run, protocol)
+            return await self._refuse_locked(run, IndeterminateOperation(key, "protocol"))
         try:
             journal.observe(auth, status)
         except OctoError:
-            return await self._refuse_locked(run, protocol)
+            return await self._refuse_locked(run, IndeterminateOperation(key, "protocol"))
         try:
             result = OperationReconcileResult(
                 self._session_id, request.request_id, request.tool, key, status
@@ -1098,7 +1099,7 @@ class WorkerSession:
             frame = self._authenticator.seal(OperationResult(result))
         except OctoError:
             # The observation is dropped: the refusal commits no journal change.
-            return await self._refuse_locked(run, protocol)
+            return await self._refuse_locked(run, IndeterminateOperation(key, "protocol"))
         run.log.info("dispatch_observed", state=str(status.kind))
         return await self._commit_reply_locked(run, frame, journal.changeset())
 
@@ -1170,13 +1171,17 @@ class WorkerSession:
                     run, IndeterminateCompensation(key, cmp_key, "adapter")
                 )
             return await self._refuse_locked(run, AdapterError(request.tool, _adapter_code(error)))
-        protocol = IndeterminateCompensation(key, cmp_key, "protocol")
+        # Built only when refused, as for dispatch.
         if not isinstance(status, _STATUS_TYPES):
-            return await self._refuse_locked(run, protocol)
+            return await self._refuse_locked(
+                run, IndeterminateCompensation(key, cmp_key, "protocol")
+            )
         try:
             journal.observe_compensation(auth, status)
         except OctoError:
-            return await self._refuse_locked(run, protocol)
+            return await self._refuse_locked(
+                run, IndeterminateCompensation(key, cmp_key, "protocol")
+            )
         try:
             result = OperationCompensationResult(
                 self._session_id, request.request_id, request.binding, status
@@ -1184,7 +1189,9 @@ class WorkerSession:
             self._authorizer.validate_compensation_result(auth, result)
             frame = self._authenticator.seal(CompensationResult(result))
         except OctoError:
-            return await self._refuse_locked(run, protocol)
+            return await self._refuse_locked(
+                run, IndeterminateCompensation(key, cmp_key, "protocol")
+            )
         run.log.info("compensation_observed", state=str(status.kind))
         return await self._commit_reply_locked(run, frame, journal.changeset())
 
@@ -1347,14 +1354,18 @@ class WorkerSession:
     ) -> int:
         """One commit of the session state (plus journal rows and an outbox row).
 
-        Raises ``_CommitFailed`` after poisoning the session in memory.
+        Raises ``_CommitFailed`` after poisoning the session in memory. The
+        snapshot the state document is written from becomes the durable point
+        once the commit succeeds (the session lock is held throughout, so
+        nothing changes the state in between).
         """
         deletes = list(self._confirmed)
+        pending = self._snapshot()
         changes = WorkerCommit(
             journal=journal if journal else None,
             sessions={
                 self._session_id: SessionDocuments(
-                    state=self._state_document(), base_revision=self._state_revision
+                    state=self._state_document(pending), base_revision=self._state_revision
                 )
             },
             outbox_insert=[outbox] if outbox is not None else [],
@@ -1393,7 +1404,7 @@ class WorkerSession:
         for done in deletes:
             with contextlib.suppress(ValueError):
                 self._confirmed.remove(done)
-        self._durable = self._snapshot()
+        self._durable = pending
         if cancelled:
             raise asyncio.CancelledError()
         return revision
@@ -1477,7 +1488,14 @@ class WorkerSession:
             )
         )
 
-    def _state_document(self) -> bytes:
+    def _state_document(self, snapshot: _Snapshot | None = None) -> bytes:
+        """The state document (W§10.3) that a commit writes.
+
+        Status and authenticator are read now; budgets, request ids and
+        reconciliation counters come from ``snapshot`` (default: taken now).
+        """
+        if snapshot is None:
+            snapshot = self._snapshot()
         auth = self._authenticator.export_state()
         return encode_struct(
             _StateDocument(
@@ -1490,10 +1508,10 @@ class WorkerSession:
                     inbound_highest=auth.inbound_highest,
                     inbound_seen=_seen_hex(auth.inbound_seen),
                 ),
-                authorizer=self._authorizer.export_state(),
+                authorizer=snapshot.authorizer,
                 reconciliations=_ReconciliationDocument(
-                    total=self._reconciliations_total,
-                    by_tool=dict(sorted(self._reconciliations_by_tool.items())),
+                    total=snapshot.total,
+                    by_tool=dict(sorted(snapshot.by_tool.items())),
                 ),
             )
         )

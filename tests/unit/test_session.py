@@ -1157,6 +1157,28 @@ async def test_confirmed_replies_are_deleted_inside_the_next_commit(world: World
     assert outbox[0].message_id not in [entry.message_id for entry in remaining]
 
 
+async def test_each_committed_state_document_is_the_durable_point(world: World) -> None:
+    # The snapshot a failed commit goes back to is exactly what the last
+    # successful commit wrote: admission, then observation.
+    start = len(world.store.commits)
+    await world.send(world.dispatch("key-durable", publish_payload(), tool=SCRIPTED))
+    commits = commits_since(world, start)
+    assert len(commits) == 2
+    for commit in commits:
+        state = decode_struct(commit.sessions[SESSION].state, session_module._StateDocument)
+        assert state.authorizer.calls_by_tool == {SCRIPTED: 1}
+    admitted, observed = (
+        decode_struct(c.sessions[SESSION].state, session_module._StateDocument) for c in commits
+    )
+    assert [r.completed for r in admitted.authorizer.request_ids] == [False]
+    assert [r.completed for r in observed.authorizer.request_ids] == [True]
+    durable = world.session._durable
+    assert durable.authorizer == observed.authorizer
+    assert (durable.total, dict(durable.by_tool)) == (0, {})
+    persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]
+    assert persisted.state == commits[-1].sessions[SESSION].state
+
+
 async def test_state_document_is_strict(world: World) -> None:
     persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]
     tampered = persisted.state.replace(b'"status":"open"', b'"status":"open","extra":1')
