@@ -256,6 +256,34 @@ async def test_many_sessions_rotating_at_once_lose_no_first_frame(routing: Routi
     assert sorted(r[1] or "" for r in routing.replies) == sorted(s.session_id for s in sessions)
     stored = await routing.daemon.store.load_sessions(SCOPE)
     assert {s.session_id for s in sessions} <= set(stored)
+    # The daemon's bound metric children feed the same families and labels.
+    sample = routing.daemon.metrics.registry.get_sample_value
+    assert sample("octo_deliveries_total", {"scope": SCOPE, "outcome": "acked"}) == 24
+    assert sample("octo_replies_total", {"scope": SCOPE, "outcome": "confirmed"}) == 12
+    admitted = {"scope": SCOPE, "kind": "operation", "result": "dispatch"}
+    assert sample("octo_admissions_total", admitted) == 12
+    calls = {"tool": TOOL, "method": "dispatch_operation", "outcome": "ok"}
+    assert sample("octo_adapter_outcomes_total", calls) == 12
+    durations = {"tool": TOOL, "method": "dispatch_operation"}
+    assert sample("octo_adapter_duration_seconds_count", durations) == 12
+
+
+async def test_dead_letters_count_by_reason(routing: Routing) -> None:
+    stray = routing.session(1)
+    for index in range(3):
+        await _settle([routing.deliver(routing.dispatch_message(stray, f"req-{index}"))])
+    # The routing stand-in replaces the broker copy, so count through the real method.
+    await routing.daemon.__class__.dead_letter(
+        routing.daemon,
+        routing.daemon._scopes[SCOPE],
+        routing.dispatch_message(stray, "req-x"),  # type: ignore[arg-type]
+        routing.channel,  # type: ignore[arg-type]
+        "unknown_session",
+    )
+    sample = routing.daemon.metrics.registry.get_sample_value
+    labels = {"scope": SCOPE, "reason": "unknown_session"}
+    assert sample("octo_frames_rejected_total", labels) == 1
+    assert sample("octo_deliveries_total", {"scope": SCOPE, "outcome": "dead_lettered"}) == 3
 
 
 async def test_a_duplicate_open_behind_the_first_is_handled_once_not_opened_twice(
