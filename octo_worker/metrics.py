@@ -3,11 +3,18 @@
 One ``WorkerMetrics`` object per daemon, on its own registry so tests and
 several daemons in one process never collide. Labels carry outcomes, codes,
 tools and scopes only: never keys, payloads, operation keys or adapter text.
+
+The ``*_for`` methods return a metric's labelled child, remembered per label
+tuple: ``labels()`` checks and copies its arguments and takes a lock on
+every call, and the per-delivery metrics are touched several times per
+operation. Children are never removed from these metrics, so a remembered
+child stays the one the registry exposes.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +30,24 @@ __all__ = ["WorkerMetrics"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _ADAPTER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
+
+_MetricT = TypeVar("_MetricT", Counter, Gauge, Histogram)
+
+
+class _Children(Generic[_MetricT]):
+    """``metric.labels(*values)``, looked up once per distinct label tuple."""
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: _MetricT) -> None:
+        self._metric: _MetricT = metric
+        self._cache: dict[tuple[str, ...], _MetricT] = {}
+
+    def __call__(self, *values: str) -> _MetricT:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
 
 
 class WorkerMetrics:
@@ -112,20 +137,60 @@ class WorkerMetrics:
             "Unix time of the last delivery the daemon finished handling",
             registry=r,
         )
-        self._pending_since: dict[tuple[str, str], float] = {}
+        # scope -> operation key -> when it was first noted pending.
+        self._pending_since: dict[str, dict[str, float]] = {}
+        self._admissions = _Children(self.admissions)
+        self._adapter_outcomes = _Children(self.adapter_outcomes)
+        self._adapter_duration = _Children(self.adapter_duration)
+        self._deliveries = _Children(self.deliveries)
+        self._frames_rejected = _Children(self.frames_rejected)
+        self._replies = _Children(self.replies)
+        self._oldest_pending_age = _Children(self.oldest_pending_age)
+
+    # Labelled children, remembered (see the module docstring).
+
+    def admissions_for(self, scope: str, kind: str, result: str) -> Counter:
+        """``admissions.labels(scope, kind, result)``."""
+        return self._admissions(scope, kind, result)
+
+    def adapter_outcomes_for(self, tool: str, method: str, outcome: str) -> Counter:
+        """``adapter_outcomes.labels(tool, method, outcome)``."""
+        return self._adapter_outcomes(tool, method, outcome)
+
+    def adapter_duration_for(self, tool: str, method: str) -> Histogram:
+        """``adapter_duration.labels(tool, method)``."""
+        return self._adapter_duration(tool, method)
+
+    def deliveries_for(self, scope: str, outcome: str) -> Counter:
+        """``deliveries.labels(scope, outcome)``."""
+        return self._deliveries(scope, outcome)
+
+    def frames_rejected_for(self, scope: str, reason: str) -> Counter:
+        """``frames_rejected.labels(scope, reason)``."""
+        return self._frames_rejected(scope, reason)
+
+    def replies_for(self, scope: str, outcome: str) -> Counter:
+        """``replies.labels(scope, outcome)``."""
+        return self._replies(scope, outcome)
 
     def note_pending(self, scope: str, key: str, pending: bool) -> None:
         """Track operations left pending (an adapter error or crash) until resolved."""
-        slot = (scope, key)
+        slots = self._pending_since.get(scope)
         if pending:
-            self._pending_since.setdefault(slot, time.time())
-        else:
-            self._pending_since.pop(slot, None)
+            if slots is None:
+                slots = self._pending_since[scope] = {}
+            slots.setdefault(key, time.time())
+        elif slots is not None:
+            slots.pop(key, None)
+            if not slots:
+                del self._pending_since[scope]
         self.refresh_pending_age(scope)
 
     def refresh_pending_age(self, scope: str) -> None:
-        ages = [time.time() - since for (s, _), since in self._pending_since.items() if s == scope]
-        self.oldest_pending_age.labels(scope).set(max(ages) if ages else 0.0)
+        """Set the scope's oldest-pending age (0 when nothing is pending)."""
+        slots = self._pending_since.get(scope)
+        age = time.time() - min(slots.values()) if slots else 0.0
+        self._oldest_pending_age(scope).set(age)
 
     def progress(self) -> None:
         self.last_progress.set(time.time())

@@ -1,0 +1,100 @@
+"""WorkerMetrics: remembered label children and the oldest-pending gauge."""
+
+from __future__ import annotations
+
+import pytest
+
+from octo_worker import metrics as metrics_module
+from octo_worker.metrics import WorkerMetrics
+
+
+def sample(metrics: WorkerMetrics, name: str, labels: dict[str, str]) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_children_are_the_registry_children_and_are_remembered() -> None:
+    m = WorkerMetrics()
+
+    pairs = [
+        (
+            m.admissions_for("s1", "dispatch", "dispatch"),
+            m.admissions.labels("s1", "dispatch", "dispatch"),
+        ),
+        (
+            m.adapter_outcomes_for("t.op", "dispatch_operation", "ok"),
+            m.adapter_outcomes.labels("t.op", "dispatch_operation", "ok"),
+        ),
+        (
+            m.adapter_duration_for("t.op", "dispatch_operation"),
+            m.adapter_duration.labels("t.op", "dispatch_operation"),
+        ),
+        (m.deliveries_for("s1", "acked"), m.deliveries.labels("s1", "acked")),
+        (
+            m.frames_rejected_for("s1", "invalid_frame"),
+            m.frames_rejected.labels("s1", "invalid_frame"),
+        ),
+        (m.replies_for("s1", "confirmed"), m.replies.labels("s1", "confirmed")),
+    ]
+    for cached, direct in pairs:
+        assert cached is direct
+    assert m.replies_for("s1", "confirmed") is m.replies_for("s1", "confirmed")
+    assert m.replies_for("s1", "failed") is not m.replies_for("s1", "confirmed")
+
+
+def test_children_count_into_the_exposition() -> None:
+    m = WorkerMetrics()
+
+    m.admissions_for("s1", "dispatch", "dispatch").inc()
+    m.admissions_for("s1", "dispatch", "dispatch").inc()
+    m.admissions.labels("s1", "dispatch", "dispatch").inc()
+    m.replies_for("s2", "confirmed").inc()
+    m.deliveries_for("s1", "acked").inc()
+    m.adapter_outcomes_for("t.op", "invoke", "ok").inc()
+    m.adapter_duration_for("t.op", "invoke").observe(0.003)
+
+    labels = {"scope": "s1", "kind": "dispatch", "result": "dispatch"}
+    assert sample(m, "octo_admissions_total", labels) == 3.0
+    assert sample(m, "octo_replies_total", {"scope": "s2", "outcome": "confirmed"}) == 1.0
+    assert sample(m, "octo_replies_total", {"scope": "s1", "outcome": "confirmed"}) is None
+    assert sample(m, "octo_deliveries_total", {"scope": "s1", "outcome": "acked"}) == 1.0
+    outcome = {"tool": "t.op", "method": "invoke", "outcome": "ok"}
+    assert sample(m, "octo_adapter_outcomes_total", outcome) == 1.0
+    duration = {"tool": "t.op", "method": "invoke"}
+    assert sample(m, "octo_adapter_duration_seconds_count", duration) == 1.0
+    assert b'octo_admissions_total{kind="dispatch",result="dispatch",scope="s1"} 3.0' in (
+        m.exposition()
+    )
+
+
+def test_oldest_pending_age_is_per_scope_and_resets_when_resolved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "time", lambda: now[0])
+    m = WorkerMetrics()
+
+    def age(scope: str) -> float | None:
+        return sample(m, "octo_oldest_unresolved_pending_seconds", {"scope": scope})
+
+    m.note_pending("s1", "key-a", True)
+    assert age("s1") == 0.0
+    now[0] = 1010.0
+    m.note_pending("s1", "key-b", True)
+    m.note_pending("s2", "key-a", True)
+    assert (age("s1"), age("s2")) == (10.0, 0.0)
+    now[0] = 1015.0
+    # Noting a key pending again keeps its first time.
+    m.note_pending("s1", "key-a", True)
+    assert age("s1") == 15.0
+    m.note_pending("s1", "key-a", False)
+    assert age("s1") == 5.0
+    m.note_pending("s1", "unknown", False)
+    assert age("s1") == 5.0
+    m.note_pending("s1", "key-b", False)
+    assert age("s1") == 0.0
+    # A scope's gauge moves only when that scope is noted or refreshed.
+    assert age("s2") == 0.0
+    m.refresh_pending_age("s2")
+    assert age("s2") == 5.0
+    m.note_pending("s3", "never", False)
+    assert age("s3") == 0.0
