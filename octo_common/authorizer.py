@@ -240,11 +240,26 @@ class AuthorizedInvocation(_AuthorizationToken[ToolInvocation]):
 class AuthorizedOperationInvocation(_AuthorizationToken[OperationDispatchRequest]):
     """Token for a durable ``dispatch_operation`` (W§8.1)."""
 
-    __slots__ = ()
+    __slots__ = ("_input_fingerprint",)
+
+    _input_fingerprint: str
 
     @property
     def operation_key(self) -> str:
         return self._request.operation_key
+
+    @property
+    def input_fingerprint(self) -> str:
+        """``worker_input_fingerprint`` of the request's payload, computed once.
+
+        The journal needs it at admission and again at observation.
+        """
+        try:
+            return self._input_fingerprint
+        except AttributeError:
+            fingerprint = worker_input_fingerprint(self._request.payload)
+            object.__setattr__(self, "_input_fingerprint", fingerprint)
+            return fingerprint
 
 
 class AuthorizedOperationReconciliation(_AuthorizationToken[OperationReconcileRequest]):

@@ -21,6 +21,7 @@ Reprs show tool, key and state kind only.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -171,13 +172,37 @@ def _text_size(text: bytes | str) -> int:
     return len(text)
 
 
+# The row documents of the records validated last, by record identity (each
+# entry keeps its record alive, so an id is not reused while remembered). A
+# view validates every candidate before it changes, and the store validates
+# the same record object again when it commits it. Records are immutable all
+# the way down (frozen structs, immutable payloads), so the same object under
+# the same scope always validates to the same document.
+_VALIDATED: OrderedDict[int, tuple[WorkerOperationRecord, str, bytes]] = OrderedDict()
+_VALIDATED_MAX = 256
+
+
 def validate_record(scope: str, record: WorkerOperationRecord) -> bytes:
     """W§9.1 record validation in order; returns the compact row document.
 
     1. scope token; 2. tool and operation key tokens; 3. input fingerprint;
     4. state; 5. a compensation requires a succeeded operation; 6. the
     compensation's key, fingerprints and state; 7. the row size.
+
+    A record object that passed under the same scope a moment ago is not
+    checked again: its remembered document is returned.
     """
+    remembered = _VALIDATED.get(id(record))
+    if remembered is not None and remembered[0] is record and remembered[1] == scope:
+        return remembered[2]
+    encoded = _validate_record(scope, record)
+    _VALIDATED[id(record)] = (record, scope, encoded)
+    if len(_VALIDATED) > _VALIDATED_MAX:
+        _VALIDATED.popitem(last=False)
+    return encoded
+
+
+def _validate_record(scope: str, record: WorkerOperationRecord) -> bytes:
     validate_token(_SCOPE_FIELD, scope)
     validate_token("tool", record.tool)
     validate_token("operation key", record.operation_key)
@@ -324,12 +349,11 @@ class WorkerOperationJournal:
         request = auth.request
         key = request.operation_key
         current = self._loaded(key)
-        existing = self._existing_operation(current, request, auth.grant)
+        fingerprint = auth.input_fingerprint
+        existing = self._existing_operation(current, request, auth.grant, fingerprint)
         if existing is not None:
             return existing
-        candidate = WorkerOperationRecord(
-            request.tool, key, worker_input_fingerprint(request.payload), Pending(), None
-        )
+        candidate = WorkerOperationRecord(request.tool, key, fingerprint, Pending(), None)
         self._replace(key, candidate)
         return Dispatch()
 
@@ -341,7 +365,7 @@ class WorkerOperationJournal:
         key = request.operation_key
         current = self._loaded(key)
         validate_operation_status_for_grant(status, auth.grant)
-        fingerprint = worker_input_fingerprint(request.payload)
+        fingerprint = auth.input_fingerprint
         if current is None:
             raise UnknownOperation(key)
         if current.tool != request.tool or current.input_fingerprint != fingerprint:
@@ -430,7 +454,9 @@ class WorkerOperationJournal:
         current = self._loaded(key)
         if grant is None:
             raise UnknownTool(request.tool)
-        existing = self._existing_operation(current, request, grant)
+        existing = self._existing_operation(
+            current, request, grant, worker_input_fingerprint(request.payload)
+        )
         if existing is None:
             raise UnknownOperation(key)
         return existing
@@ -476,9 +502,12 @@ class WorkerOperationJournal:
         current: WorkerOperationRecord | None,
         request: OperationDispatchRequest,
         grant: CapabilityGrant,
+        fingerprint: str,
     ) -> Existing | None:
-        """``admit`` steps 1-2: None when the key has no record."""
-        fingerprint = worker_input_fingerprint(request.payload)
+        """``admit`` steps 1-2: None when the key has no record.
+
+        ``fingerprint`` is the request's input fingerprint, computed once by the caller.
+        """
         if current is None:
             return None
         if current.tool != request.tool or current.input_fingerprint != fingerprint:

@@ -1104,6 +1104,25 @@ def test_tokens_cannot_be_pickled_forged_or_changed() -> None:
     assert "left" not in repr(token) and "invoke-1" in repr(token)
 
 
+def test_a_dispatch_token_computes_its_input_fingerprint_once() -> None:
+    from octo_common.digest import worker_input_fingerprint
+
+    auth = authorizer()
+    token = auth.authorize_operation(dispatch("d-1"))
+    other = authorizer().authorize_operation(dispatch("d-1"))
+
+    fingerprint = token.input_fingerprint
+    assert fingerprint == worker_input_fingerprint(ADD)
+    assert token.input_fingerprint is fingerprint
+    assert copy.copy(token) is token and copy.copy(token).input_fingerprint is fingerprint
+    # Remembering it changes neither equality nor immutability.
+    assert token != other and token == copy.deepcopy(token)
+    with pytest.raises(AttributeError):
+        token._input_fingerprint = "0" * 64
+    with pytest.raises(TypeError):
+        pickle.dumps(token)
+
+
 def test_a_token_of_the_wrong_kind_is_a_programming_error() -> None:
     auth = authorizer()
     token = auth.authorize_reconciliation(reconcile("r-1"))

@@ -1023,6 +1023,31 @@ def test_validate_record_checks_in_order() -> None:
     assert cmp_token.value.field == "compensation key"
 
 
+def test_validate_record_remembers_only_what_passed_under_that_scope() -> None:
+    from octo_worker import journal as journal_module
+
+    record = stored(SUCCESS)
+    document = validate_record(SCOPE, record)
+    # The store's check of the same record object returns the same document.
+    assert validate_record(SCOPE, record) is document
+    assert record.to_row_json(SCOPE) is document
+    # An equal but distinct record, or another scope, is validated again.
+    assert validate_record(SCOPE, stored(SUCCESS)) == document
+    with pytest.raises(InvalidToken):
+        validate_record("Bad Scope", record)
+    other = validate_record("tenant-other", record)
+    assert json.loads(other)["scope"] == "tenant-other"
+    # A record that failed is refused every time.
+    bad = WorkerOperationRecord(TOOL, KEY, "bad", SUCCESS, None)
+    for _ in range(2):
+        with pytest.raises(InvalidOperationFingerprint):
+            validate_record(SCOPE, bad)
+    # The memory is bounded.
+    for index in range(journal_module._VALIDATED_MAX + 10):
+        validate_record(SCOPE, stored(SUCCESS, key=f"key-{index}"))
+    assert len(journal_module._VALIDATED) == journal_module._VALIDATED_MAX
+
+
 # Conformance vectors ------------------------------------------------------------------
 
 
