@@ -425,7 +425,9 @@ class _Run:
 class _Reply:
     frame: bytes = field(repr=False)
     correlation_id: str | None
-    outboxed: bool = True  # False for best-effort refusals (nothing committed)
+    # The message id of the frame's outbox row; None for best-effort refusals
+    # (nothing committed).
+    outbox_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -824,8 +826,8 @@ class WorkerSession:
         if isinstance(step, _Reply):
             published = await run.publish(step.frame, step.correlation_id)
             if published:
-                if step.outboxed:
-                    self.confirm_published(message_id(step.frame))
+                if step.outbox_id is not None:
+                    self.confirm_published(step.outbox_id)
                 await run.ack()
             else:
                 # The reply stays in the outbox and is republished after a restart.
@@ -886,7 +888,7 @@ class WorkerSession:
         """W§10.11 rule 3: refuse in a poisoned session, sealed and published without a commit."""
         frame = self._seal_best_effort(run, error)
         # Nothing to publish: there is no answer to wait for, so drop the frame.
-        return _Ack() if frame is None else _Reply(frame, run.request_id, outboxed=False)
+        return _Ack() if frame is None else _Reply(frame, run.request_id)
 
     def _name_any_request(self, message: WorkerMessage, run: _Run) -> None:
         if isinstance(message, Invoke):
@@ -1331,7 +1333,7 @@ class WorkerSession:
             await self._commit_locked(run.store, journal=changes, outbox=entry)
         except _CommitFailed as failed:
             return self._poisoned_answer_locked(run, failed.error)
-        return _Reply(frame, run.request_id)
+        return _Reply(frame, run.request_id, entry.message_id)
 
     def _rejection(self, run: _Run, error: OctoError) -> RequestRejected:
         assert run.request_id is not None
@@ -1436,7 +1438,7 @@ class WorkerSession:
         frame = self._seal_best_effort(run, error)
         if frame is None:
             return _Requeue()
-        return _Reply(frame, run.request_id, outboxed=False)
+        return _Reply(frame, run.request_id)
 
     @staticmethod
     def _poison_refusal(run: _Run, failure: OctoError) -> OctoError:
