@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _loop
 import structlog
 
 from octo_worker.config import load_config
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if profiler is not None:
         profiler.enable()
-    asyncio.run(_serve(args.config, on_usr1))
+    _loop.run(_serve(args.config, on_usr1))
     return 0
 
 

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+import _loop
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     url = os.environ.get("OCTO_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/")
-    asyncio.run(serve(url, argv[1], int(argv[2])))
+    _loop.run(serve(url, argv[1], int(argv[2])))
     return 0
 
 

@@ -46,6 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import _loop
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -200,7 +201,7 @@ def run_aiopika_ceiling(in_flight: int, total: int, *, url: str = BROKER_URL) ->
     Blocking: runs its own event loop, so call it outside a running loop
     (``await aiopika_ceiling(...)`` from async code).
     """
-    return asyncio.run(aiopika_ceiling(in_flight, total, url=url))
+    return _loop.run(aiopika_ceiling(in_flight, total, url=url))
 
 
 # Celery ------------------------------------------------------------------------------

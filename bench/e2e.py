@@ -1,7 +1,8 @@
 """End-to-end durable dispatch round trips, host and worker in separate processes.
 
     .venv/bin/python bench/e2e.py [--total 2000] [--runs 5] [--in-flight 1 64]
-                                  [--profile DIR] [--no-baselines] [--json]
+                                  [--loop uvloop|asyncio] [--profile DIR]
+                                  [--no-baselines] [--json]
 
 One Octo operation, as measured here (latency window in brackets):
 
@@ -26,7 +27,9 @@ Beside Octo, in the same run and at the same concurrency, the two baselines
 of ``bench/baselines.py``: the plain aio-pika request/reply ceiling (no
 persistence at all) and Celery (acks late, rpc backend). ``--durable-ceiling``
 adds the same aio-pika request/reply on quorum queues (Octo's own topology),
-the floor under any durable design here. Each figure is the
+the floor under any durable design here. ``--loop`` (default uvloop, the
+worker daemon's default event loop) applies to every asyncio process alike:
+Octo's host and worker and both aio-pika peers. Each figure is the
 median of ``--runs`` measurements with min-max; the ratios the acceptance
 criteria name are printed at the end.
 
@@ -72,6 +75,7 @@ from octo_host.store import SqliteLedgerStore
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _loop  # noqa: E402
 import baselines  # noqa: E402
 from _e2e_peer import StageTimers  # noqa: E402
 
@@ -523,7 +527,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", type=Path, help="directory for the profiling pass")
     parser.add_argument("--json", action="store_true", help="also print one JSON document")
+    parser.add_argument(
+        "--loop",
+        choices=_loop.CHOICES,
+        default=os.environ.get("OCTO_BENCH_LOOP", "uvloop"),
+        help="event loop of every process: Octo's host and worker and the aio-pika baselines",
+    )
     args = parser.parse_args(argv)
+    os.environ["OCTO_BENCH_LOOP"] = args.loop  # inherited by every peer process
+    print(f"event loop: {args.loop} (every process of Octo and of the aio-pika baselines)")
     _quiet_logs()
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="octo-e2e-") as tmp:
@@ -533,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for run in range(args.runs):
                 for in_flight in args.in_flight:
-                    octo = asyncio.run(
+                    octo = _loop.run(
                         measure_octo(
                             files,
                             worker,
@@ -553,13 +565,13 @@ def main(argv: list[str] | None = None) -> int:
                         results.setdefault(f"celery@{in_flight}", []).append(celery)
                         line += f" ceiling {ceiling} celery {celery}"
                     if args.durable_ceiling:
-                        durable = asyncio.run(durable_ceiling(in_flight, args.total))
+                        durable = _loop.run(durable_ceiling(in_flight, args.total))
                         results.setdefault(f"aiopika_quorum@{in_flight}", []).append(durable)
                         line += f" quorum-ceiling {durable}"
                     print(line, flush=True)
         finally:
             worker.stop()
-            asyncio.run(_delete_queue(worker_queue(files.scope)))
+            _loop.run(_delete_queue(worker_queue(files.scope)))
         print_table(results, args.in_flight)
         found = ratios(results)
         print_ratios(found)
@@ -583,7 +595,7 @@ def profile_pass(args: argparse.Namespace, root: Path) -> None:
         )
         host_profile = out / f"host-{in_flight}.prof"
         try:
-            figures = asyncio.run(
+            figures = _loop.run(
                 measure_octo(
                     files,
                     worker,
@@ -598,7 +610,7 @@ def profile_pass(args: argparse.Namespace, root: Path) -> None:
             )
         finally:
             worker.stop()
-            asyncio.run(_delete_queue(worker_queue(files.scope)))
+            _loop.run(_delete_queue(worker_queue(files.scope)))
         print(f"\n=== profiled pass, {in_flight} in flight (profilers slow it): {figures}")
         print_stages("host stages", host_timers.totals, args.total)
         print_stages("worker stages", worker.last_stages(), args.total)

@@ -33,10 +33,10 @@ import re
 import sys
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, NoReturn, TextIO
+from typing import Any, Final, NoReturn, TextIO, TypeVar
 
 import aiormq
 import structlog
@@ -89,6 +89,7 @@ __all__ = [
 
 DEFAULT_CONFIG: Final = "/etc/octo/worker.toml"
 PROG: Final = "octo-worker"
+T = TypeVar("T")
 
 EXIT_OK: Final = 0
 EXIT_CHECK_FAILED: Final = 1
@@ -156,6 +157,30 @@ class _LibraryLogFormatter(logging.Formatter):
         if record.exc_info and record.exc_info[0] is not None:
             document["error_type"] = record.exc_info[0].__name__
         return json.dumps(document, separators=(",", ":"))
+
+
+def run_event_loop(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
+    """Run ``main`` to completion on the configured event loop (``[worker] event_loop``).
+
+    ``auto`` takes uvloop when it is importable (about a quarter less CPU per
+    delivery on the machines measured, see README) and asyncio otherwise;
+    ``uvloop`` insists on it; ``asyncio`` is the standard library loop.
+    """
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                main.close()
+                raise CliError(
+                    EXIT_USAGE,
+                    "worker.event_loop: uvloop is not installed",
+                    "invalid_configuration",
+                ) from None
+        else:
+            result: T = uvloop.run(main)
+            return result
+    return asyncio.run(main)
 
 
 def configure_logging(level: str = "info", log_format: str = "json") -> None:
@@ -505,7 +530,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         log.info("metrics_listening", listen=listen)
     daemon = WorkerDaemon(config, metrics=metrics)
     try:
-        asyncio.run(daemon.run(install_signal_handlers=True))
+        run_event_loop(daemon.run(install_signal_handlers=True), config.worker.event_loop)
     except InvalidConfiguration as error:
         raise CliError(EXIT_USAGE, str(error), error.code) from None
     except StorageError as error:

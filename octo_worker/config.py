@@ -107,6 +107,8 @@ class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "console"] = "json"
     watchdog_stall_seconds: float = 60.0
+    # "auto": uvloop when it is installed (it is a dependency on Linux), else asyncio.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

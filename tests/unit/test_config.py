@@ -6,6 +6,7 @@ symlinks, and systemd's ``$CREDENTIALS_DIRECTORY``. No broker, no database.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import tomllib
@@ -16,6 +17,7 @@ import pytest
 
 from octo_common.frames import ScopeKey
 from octo_common.records import StorageKeyring
+from octo_worker.cli import run_event_loop
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "worker.toml.example"
@@ -107,6 +109,7 @@ def test_defaults_need_only_a_scope(tree: Path) -> None:
     config = load(tree, '[[scopes]]\nname = "a"\nkey_file = "scope.key"\n')
     assert config.broker.url == "amqp://guest:guest@127.0.0.1:5672/"
     assert config.worker.log_format == "json"
+    assert config.worker.event_loop == "auto"
     assert config.metrics.listen is None
     with pytest.raises(InvalidConfiguration, match=r"storage\.key: a storage key"):
         config.storage_keyring()
@@ -137,6 +140,7 @@ def test_unknown_key_is_named(tree: Path, change: tuple[str, str], expected: str
             "worker.shutdown_grace_seconds",
         ),
         (('log_level = "warning"', 'log_level = "loud"'), "worker.log_level"),
+        (('log_level = "warning"', 'event_loop = "trio"'), "worker.event_loop"),
         (('enabled = ["files.publish"]', 'enabled = "files.publish"'), "adapters.enabled"),
         (('listen = "127.0.0.1:9464"', "listen = 9464"), "metrics.listen"),
     ],
@@ -352,3 +356,13 @@ def test_the_host_example_config_loads_with_the_host_configuration() -> None:
     example = tomllib.loads(EXAMPLE.read_text())
     # The host and the worker serve the same example scope.
     assert {s["name"] for s in example["scopes"]} == {s.name for s in host.scopes}
+
+
+@pytest.mark.parametrize(
+    ("choice", "module"), [("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")]
+)
+def test_the_configured_event_loop_runs_the_daemon(choice: str, module: str) -> None:
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    assert run_event_loop(which(), choice) == module
