@@ -126,11 +126,12 @@ async def publish_confirmed(
     ``PublishChannelClosed``: each is a failed publish (W§12.1) that the
     caller may retry with the same bytes (H§16.2).
     """
-    message = aio_pika.Message(
-        body,
-        headers=dict(headers),
+    # Straight to aiormq: an aio_pika.Message and an Exchange object per
+    # publish cost about a fifth of the publish's CPU (measured).
+    properties = aiormq.spec.Basic.Properties(
         content_type=CONTENT_TYPE,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        delivery_mode=2,  # persistent
+        headers=dict(headers),
         message_id=message_id,
         correlation_id=correlation_id,
         reply_to=reply_to,
@@ -150,8 +151,17 @@ async def publish_confirmed(
         if remaining <= 0:
             raise PublishTimedOut(routing_key, timeout)
         try:
-            target = await channel.get_exchange(exchange, ensure=False)
-            result = await target.publish(message, routing_key, mandatory=True, timeout=remaining)
+            if channel.is_closed:  # as aio-pika's Exchange.publish checks
+                raise aiormq.exceptions.ChannelInvalidStateError()
+            underlay = await channel.get_underlay_channel()
+            result = await underlay.basic_publish(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=properties,
+                mandatory=True,
+                timeout=remaining,
+            )
         except aiormq.exceptions.PublishError as error:
             code = getattr(error.frame, "reply_code", 312)
             raise PublishReturned(routing_key, code if isinstance(code, int) else 312) from None

@@ -178,13 +178,12 @@ async def publish_confirmed(
     """
     if not getattr(channel, "publisher_confirms", False):
         raise TopologyError("publish_confirmed needs a channel with publisher confirms")
-    message = aio_pika.Message(
-        body,
-        headers=dict(headers),
+    # The frame goes straight to aiormq: an aio_pika.Message and an Exchange
+    # object per publish cost about a fifth of the publish's CPU (measured).
+    properties = aiormq.spec.Basic.Properties(
         content_type=CONTENT_TYPE,
-        delivery_mode=(
-            aio_pika.DeliveryMode.PERSISTENT if persistent else aio_pika.DeliveryMode.NOT_PERSISTENT
-        ),
+        delivery_mode=2 if persistent else 1,
+        headers=dict(headers),
         message_id=message_id,
         correlation_id=correlation_id,
         reply_to=reply_to,
@@ -204,7 +203,8 @@ async def publish_confirmed(
             channel,
             exchange,
             routing_key,
-            message,
+            body,
+            properties,
             remaining=deadline - loop.time(),
             timeout=timeout,
         )
@@ -217,7 +217,8 @@ async def _publish_once(
     channel: AbstractChannel,
     exchange_name: str,
     routing_key: str,
-    message: aio_pika.Message,
+    body: bytes,
+    properties: aiormq.spec.Basic.Properties,
     *,
     remaining: float,
     timeout: float,
@@ -225,8 +226,17 @@ async def _publish_once(
     if remaining <= 0:
         raise PublishTimedOut(routing_key, timeout)
     try:
-        exchange = await channel.get_exchange(exchange_name, ensure=False)
-        result = await exchange.publish(message, routing_key, mandatory=True, timeout=remaining)
+        if channel.is_closed:  # as aio-pika's Exchange.publish checks
+            raise aiormq.exceptions.ChannelInvalidStateError()
+        underlay = await channel.get_underlay_channel()
+        result = await underlay.basic_publish(
+            body,
+            exchange=exchange_name,
+            routing_key=routing_key,
+            properties=properties,
+            mandatory=True,
+            timeout=remaining,
+        )
     except aiormq.exceptions.PublishError as error:
         raise PublishReturned(routing_key, _reply_code(error)) from None
     except aiormq.exceptions.DeliveryError:
