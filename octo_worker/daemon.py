@@ -34,7 +34,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import structlog
 from aio_pika.abc import (
@@ -43,7 +43,6 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
 )
-from prometheus_client import Counter, Gauge, Histogram
 
 from octo_common.errors import (
     FencingTokenRejected,
@@ -95,41 +94,6 @@ __all__ = ["WorkerDaemon"]
 _log = structlog.get_logger("octo.worker.daemon")
 
 _KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation"})
-
-_Family = TypeVar("_Family", Counter, Gauge, Histogram)
-
-
-class _Children(Generic[_Family]):
-    """One metric family's children, each bound once per label values.
-
-    ``family.labels(...)`` validates and converts its arguments and takes the
-    family's lock on every call; the daemon updates a few families on every
-    delivery with a handful of distinct label tuples, so it keeps the bound
-    children instead. Same names, same labels, same samples.
-    """
-
-    __slots__ = ("_bound", "_family")
-
-    def __init__(self, family: _Family) -> None:
-        self._family: _Family = family
-        self._bound: dict[tuple[str, ...], _Family] = {}
-
-    def __call__(self, *labels: str) -> _Family:
-        child = self._bound.get(labels)
-        if child is None:
-            child = self._bound[labels] = self._family.labels(*labels)
-        return child
-
-
-class _DeliveryMetrics:
-    """The children the delivery path updates, bound once per daemon."""
-
-    def __init__(self, metrics: WorkerMetrics) -> None:
-        self.deliveries = _Children(metrics.deliveries)
-        self.admissions = _Children(metrics.admissions)
-        self.replies = _Children(metrics.replies)
-        self.frames_rejected = _Children(metrics.frames_rejected)
-
 
 # The store as sessions see it --------------------------------------------------
 
@@ -185,8 +149,7 @@ class _InstrumentedAdapter:
     ) -> None:
         self.tool = tool
         self._adapter = adapter
-        self._outcomes = _Children(metrics.adapter_outcomes)
-        self._durations = _Children(metrics.adapter_duration)
+        self._metrics = metrics
         self._faults = faults
         # The adapter's own deadline wins; otherwise [adapters] deadline_seconds.
         own = adapter_deadline(adapter)
@@ -216,8 +179,9 @@ class _InstrumentedAdapter:
             outcome = "adapter_failed"
             raise
         finally:
-            self._outcomes(self.tool, method, outcome).inc()
-            self._durations(self.tool, method).observe(time.perf_counter() - started)
+            metrics = self._metrics
+            metrics.adapter_outcomes_for(self.tool, method, outcome).inc()
+            metrics.adapter_duration_for(self.tool, method).observe(time.perf_counter() - started)
         if effect:
             self._faults.reach("worker.after_effect")
         return result
@@ -300,8 +264,8 @@ class _Delivery:
         await self._message.ack()
         self.outcome = "acked"
         if admission:
-            counters = self._daemon.counters
-            counters.admissions(self._scope.name, _short(self.kind), "dispatch").inc()
+            metrics = self._daemon.metrics
+            metrics.admissions_for(self._scope.name, _short(self.kind), "dispatch").inc()
             key = _peek_operation_key(self._message.body)
             if key is not None:
                 self._daemon.metrics.note_pending(self._scope.name, key, True)
@@ -324,20 +288,20 @@ class _Delivery:
         try:
             await self._daemon.publish(envelope)
         except PublishFailed:
-            self._daemon.counters.replies(self._scope.name, "failed").inc()
+            self._daemon.metrics.replies_for(self._scope.name, "failed").inc()
             raise
-        counters = self._daemon.counters
-        counters.replies(self._scope.name, "confirmed").inc()
+        metrics = self._daemon.metrics
+        metrics.replies_for(self._scope.name, "confirmed").inc()
         if self.kind in _KEYED_TYPES:
             rejected = b'"type":"request_rejected"' in frame
             if self.outcome == "unsettled":
                 # Answered before any ack: an Existing record or a refusal.
-                counters.admissions(
+                metrics.admissions_for(
                     self._scope.name, _short(self.kind), "refused" if rejected else "existing"
                 ).inc()
             key = _peek_operation_key(self._message.body)
             if key is not None and not rejected:
-                self._daemon.metrics.note_pending(self._scope.name, key, False)
+                metrics.note_pending(self._scope.name, key, False)
         self.replied = True
         faults.reach("worker.after_reply")
 
@@ -370,7 +334,6 @@ class WorkerDaemon:
     ) -> None:
         self.config = config
         self.metrics = metrics or WorkerMetrics()
-        self.counters = _DeliveryMetrics(self.metrics)
         self.faults = faults or FaultInjector()
         self._notifier = notifier or Notifier()
         self._given_adapters = adapters
@@ -687,7 +650,7 @@ class WorkerDaemon:
         reason: str,
     ) -> None:
         """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
-        self.counters.frames_rejected(scope.name, reason).inc()
+        self.metrics.frames_rejected_for(scope.name, reason).inc()
         self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
         publish = self._publish_channel
         copied = False
@@ -767,7 +730,7 @@ class WorkerDaemon:
             finally:
                 if current is not None:
                     scope.active.discard(current)
-            self.counters.deliveries(scope.name, delivery.outcome).inc()
+            self.metrics.deliveries_for(scope.name, delivery.outcome).inc()
             self.metrics.progress()
         await self._after_delivery(scope, delivery)
 
