@@ -21,7 +21,11 @@ one more fsynced write, reported separately). Sessions are rotated every
 ``--ops-per-session`` operations (default 100; a session remembers at most
 1024 request ids, and the worker's session document, written twice per
 operation, grows with every request id it remembers); ``--sessions`` spreads
-the lanes over that many concurrent sessions (default 1).
+the lanes over that many concurrent sessions (default 1). At more than 1 in
+flight a second Octo row, ``octo_lanes``, gives every lane its own session
+(as concurrent workflow runs would have): a worker session commits one
+request at a time (its state document is one compare-and-swap chain), so
+lanes sharing one session queue behind each other at the worker.
 
 Beside Octo, in the same run and at the same concurrency, the two baselines
 of ``bench/baselines.py``: the plain aio-pika request/reply ceiling (no
@@ -408,7 +412,7 @@ def print_table(results: dict[str, list[dict[str, float]]], in_flights: list[int
     print(f"{'system':<22}{'in flight':>10}  {'ops/s median (min-max)':<26}", end="")
     print(f"{'p50 ms':<24}{'p99 ms':<24}")
     for in_flight in in_flights:
-        for system in ("octo", "aiopika_ceiling", "aiopika_quorum", "celery"):
+        for system in ("octo", "octo_lanes", "aiopika_ceiling", "aiopika_quorum", "celery"):
             runs = results.get(f"{system}@{in_flight}")
             if not runs:
                 continue
@@ -446,10 +450,15 @@ def ratios(results: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     celery64 = median("celery@64", "ops_per_s")
     octo1 = median("octo@1", "p50_ms")
     ceiling1 = median("aiopika_ceiling@1", "p50_ms")
+    lanes64 = median("octo_lanes@64", "ops_per_s")
     if octo64 and ceiling64:
         found["octo_vs_ceiling_ops@64"] = round(octo64 / ceiling64, 3)
     if octo64 and celery64:
         found["octo_vs_celery_ops@64"] = round(octo64 / celery64, 3)
+    if lanes64 and ceiling64:
+        found["octo_lanes_vs_ceiling_ops@64"] = round(lanes64 / ceiling64, 3)
+    if lanes64 and celery64:
+        found["octo_lanes_vs_celery_ops@64"] = round(lanes64 / celery64, 3)
     if octo1 and ceiling1:
         found["octo_vs_ceiling_p50@1"] = round(octo1 / ceiling1, 3)
     return found
@@ -459,13 +468,15 @@ def print_ratios(found: dict[str, float]) -> None:
     targets = {
         "octo_vs_ceiling_ops@64": (">=", 0.85),
         "octo_vs_celery_ops@64": (">=", 1.3),
+        "octo_lanes_vs_ceiling_ops@64": (">=", 0.85),
+        "octo_lanes_vs_celery_ops@64": (">=", 1.3),
         "octo_vs_ceiling_p50@1": ("<=", 1.5),
     }
     print()
     for name, value in found.items():
         sign, target = targets[name]
         ok = value >= target if sign == ">=" else value <= target
-        print(f"{name:<26}{value:>8.3f}   target {sign} {target}   {'met' if ok else 'NOT met'}")
+        print(f"{name:<30}{value:>8.3f}   target {sign} {target}   {'met' if ok else 'NOT met'}")
 
 
 def print_stages(title: str, stages: dict[str, list[float]], ops: int) -> None:
@@ -521,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops-per-session", type=int, default=OPS_PER_SESSION)
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument(
+        "--no-lane-sessions",
+        action="store_true",
+        help="skip the second Octo row (one session per lane) at more than 1 in flight",
+    )
+    parser.add_argument(
         "--durable-ceiling",
         action="store_true",
         help="also measure the aio-pika ceiling on quorum queues (Octo's topology)",
@@ -558,6 +574,20 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     results.setdefault(f"octo@{in_flight}", []).append(octo)
                     line = f"run {run + 1}: octo@{in_flight} {octo}"
+                    if in_flight > 1 and not args.no_lane_sessions:
+                        lanes = _loop.run(
+                            measure_octo(
+                                files,
+                                worker,
+                                in_flight,
+                                args.total,
+                                ledger_dir=root,
+                                sessions_count=in_flight,
+                                per_session=args.ops_per_session,
+                            )
+                        )
+                        results.setdefault(f"octo_lanes@{in_flight}", []).append(lanes)
+                        line += f" octo_lanes {lanes}"
                     if not args.no_baselines:
                         ceiling = baselines.run_aiopika_ceiling(in_flight, args.total, url=URL)
                         celery = baselines.run_celery(in_flight, args.total, url=URL)
