@@ -608,7 +608,21 @@ class SqliteRecordBackend:
                     batch.append(inbox.get_nowait())
                 except queue.Empty:
                     break
-            if self._run_batch(batch):
+            try:
+                stopped = self._run_batch(batch)
+            except BaseException as exc:  # a defect here must not strand every later caller
+                _deliver_outcomes(
+                    [
+                        (
+                            work,
+                            False,
+                            StorageBackendError(f"{work.operation}: {type(exc).__name__}"),
+                        )
+                        for work in batch
+                    ]
+                )
+                stopped = False
+            if stopped:
                 return
 
     def _run_batch(self, batch: list[_Work]) -> bool:

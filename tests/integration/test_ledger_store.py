@@ -16,6 +16,7 @@ import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -1012,5 +1013,32 @@ async def test_a_database_error_fails_every_write_of_its_transaction(
         assert all("SQLITE_BUSY" in str(o) for o in outcomes)
         for key in keys:
             assert await backend.load(key) == StorageSnapshot(None, 0)
+    finally:
+        await backend.close()
+
+
+async def test_a_defect_in_the_database_thread_fails_its_batch_and_not_the_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+    original = SqliteRecordBackend._write_group
+    calls = 0
+
+    def broken_once(self: SqliteRecordBackend, writes: Any, outcomes: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("defect")
+        original(self, writes, outcomes)
+
+    monkeypatch.setattr(SqliteRecordBackend, "_write_group", broken_once)
+    try:
+        with pytest.raises(StorageBackendError, match="RuntimeError"):
+            await asyncio.wait_for(
+                backend.compare_and_swap(RUN, None, StoredRecord(1, b"v1")), timeout=10
+            )
+        # The thread is still serving.
+        assert await backend.compare_and_swap(RUN, None, StoredRecord(1, b"v1")) == Stored(1)
+        assert await backend.load(RUN) == StorageSnapshot(StoredRecord(1, b"v1"), 1)
     finally:
         await backend.close()
