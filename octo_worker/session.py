@@ -301,6 +301,26 @@ async def _key_lock(store: object, scope: str, key: str) -> AsyncIterator[None]:
             del _KEY_LOCKS[name]
 
 
+class _PeekRequest(msgspec.Struct):
+    operation_key: str
+
+
+class _PeekMessage(msgspec.Struct):
+    type: str
+    request: _PeekRequest | None = None
+
+
+class _PeekFrame(msgspec.Struct):
+    message: _PeekMessage
+
+
+# Decodes only the three fields the key lock needs and skips the rest. For
+# well-formed JSON it finds the same key as the strict parse below
+# (duplicate keys are last-wins in both); anything it cannot decode goes to
+# the strict parse.
+_PEEK = msgspec.json.Decoder(_PeekFrame)
+
+
 def _peek_operation_key(frame: bytes) -> str | None:
     """The operation key of a keyed request frame, decoded without any state change.
 
@@ -308,6 +328,16 @@ def _peek_operation_key(frame: bytes) -> str | None:
     frame that does not parse is handled without a key lock (``open()``
     refuses it with the same error).
     """
+    try:
+        peeked = _PEEK.decode(frame)
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        pass
+    else:
+        peeked_message = peeked.message
+        if peeked_message.type not in _KEYED_TYPES or peeked_message.request is None:
+            return None
+        peeked_key = peeked_message.request.operation_key
+        return peeked_key if is_token(peeked_key) else None
     try:
         tree = parse_json(frame)
     except OctoError:

@@ -1207,3 +1207,53 @@ async def test_commit_count_per_handling_matches_the_cadence(world: World) -> No
 def test_state_kind_strings_are_wire_spellings() -> None:
     # The session logs state kinds with str(); they must be the wire words.
     assert str(StateKind.SUCCEEDED) == "succeeded"
+
+
+def _strict_peek(frame: bytes) -> str | None:
+    """The key lock's choice by the strict parser alone (the reference)."""
+    from octo_common.codec import parse_json
+    from octo_common.errors import OctoError as _OctoError
+    from octo_common.ids import is_token
+
+    try:
+        tree = parse_json(frame)
+    except _OctoError:
+        return None
+    message = tree.get("message") if isinstance(tree, dict) else None
+    if not isinstance(message, dict) or message.get("type") not in (
+        "dispatch_operation",
+        "compensate_operation",
+        "reconcile_operation",
+    ):
+        return None
+    request = message.get("request")
+    key = request.get("operation_key") if isinstance(request, dict) else None
+    return key if isinstance(key, str) and is_token(key) else None
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"sequence":1,"message":{"type":"dispatch_operation","request":{"session_id":"s",'
+        b'"operation_key":"op-1","payload":{"format":"json","value":{"a":[1,2,{"b":null}]}}}},'
+        b'"auth_tag":"00"}',
+        b'{"message":{"type":"compensate_operation","request":{"operation_key":"op-2"}}}',
+        b'{"message":{"type":"reconcile_operation","request":{"operation_key":"op-3"}}}',
+        b'{ "message" : { "type" : "dispatch_operation" , "request" : {"operation_key":"op-4"}}}',
+        b'{"message":{"type":"dispatch_operation","request":{"operation_key":"a",'
+        b'"operation_key":"op-5"}}}',
+        b'{"message":{"type":"dispatch_operation","request":{"operation_key":"NOT A TOKEN"}}}',
+        b'{"message":{"type":"dispatch_operation","request":{"operation_key":7}}}',
+        b'{"message":{"type":"dispatch_operation","request":[]}}',
+        b'{"message":{"type":"dispatch_operation"}}',
+        b'{"message":{"type":"invoke","invocation":{"request_id":"r"}}}',
+        b'{"message":{"type":"dispatch_operation","request":{"operation_key":"op-6",'
+        b'"big":123456789012345678901234567890}}}',
+        b'{"message":{"type":"dispatch_operation","request":{"operation_key":"op-7"}}',
+        b"[]",
+        b"",
+        b"\xff\xfe",
+    ],
+)
+def test_the_key_lock_peek_agrees_with_the_strict_parse(frame: bytes) -> None:
+    assert session_module._peek_operation_key(frame) == _strict_peek(frame)
