@@ -235,6 +235,19 @@ class WorkflowEngine:
     ) -> OperationDispatchRequest:
         """The dispatch request for a recorded operation whose input matches (any state)."""
         self.validate_operation_ledger(plan, ledger)
+        return self._dispatch_request_of_valid_ledger(
+            ledger, operation_key, payload, session_id, request_id
+        )
+
+    @staticmethod
+    def _dispatch_request_of_valid_ledger(
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        payload: ToolPayload,
+        session_id: str,
+        request_id: str,
+    ) -> OperationDispatchRequest:
+        # The caller has just validated ``ledger`` for the plan (same call, no await).
         operation = _lookup(ledger, operation_key)
         request = OperationDispatchRequest(
             session_id, request_id, operation.tool, operation.operation_key, payload
@@ -271,8 +284,9 @@ class WorkflowEngine:
         result as a reconciliation observation."""
         self._own(plan)
         self.validate_operation_ledger(plan, ledger)
-        expected = self.operation_dispatch_request(
-            plan,
+        # The ledger was validated just above and nothing changes it before the
+        # apply, so the steps below do not validate it again.
+        expected = self._dispatch_request_of_valid_ledger(
             ledger,
             request.operation_key,
             request.payload,
@@ -284,7 +298,7 @@ class WorkflowEngine:
         reconcile = OperationReconcileRequest(
             request.session_id, request.request_id, request.tool, request.operation_key
         )
-        return self.apply_verified_operation_reconciliation(plan, ledger, reconcile, result)
+        return ledger.apply_verified_reconciliation(reconcile, result)
 
     def apply_authenticated_operation_dispatch_result(
         self,
