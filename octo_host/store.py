@@ -530,7 +530,10 @@ class SqliteRecordBackend:
     one fsync (group commit, H§17.7): each caller gets the outcome it would
     have had alone, because a write is decided against the state its
     predecessors left and a refused write changes nothing. A database error
-    fails every write of that transaction (nothing of it is committed). With
+    fails every write of that transaction (nothing of it is committed); any
+    other failure of one write is undone to its savepoint and fails that write
+    only. Submissions, the thread's start and ``close`` are ordered by one
+    lock, so event loops in several threads may share a backend. With
     an anchor configured, the anchor file is rewritten once after the
     ``COMMIT`` and before any caller of that transaction is released. A
     submitted operation completes or fails even if its caller is cancelled.
@@ -557,7 +560,9 @@ class SqliteRecordBackend:
         self._advanced: dict[StorageRecordKey, int] = {}
         # Event-loop side.
         self._inbox: queue.SimpleQueue[_Work] = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # set when the thread has closed and exited
         self._closed = False
         self._transactions = 0
         self._batched_writes = 0
@@ -580,20 +585,26 @@ class SqliteRecordBackend:
     def _submit(
         self, operation: str, function: Callable[[sqlite3.Connection], _T], *, write: bool
     ) -> asyncio.Future[_T]:
-        if self._closed:
-            raise StorageBackendError("store is closed")
-        return self._enqueue(operation, function, write)
+        # One lock orders submissions against close() and the thread's start,
+        # also when several event loops in several threads share the backend.
+        with self._submit_lock:
+            if self._closed:
+                raise StorageBackendError("store is closed")
+            return self._enqueue(operation, function, write)
 
     def _enqueue(
         self, operation: str, function: Callable[[sqlite3.Connection], Any], write: bool
     ) -> asyncio.Future[Any]:
+        """Queue one operation (``_submit_lock`` held), starting the thread first if needed."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name="octo-ledger-sqlite", daemon=True
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._serve, name="octo-ledger-sqlite", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: fail this call, retry the next
+                raise StorageBackendError(f"{operation}: cannot start the database thread") from exc
+            self._thread = thread
         self._inbox.put(_Work(operation, function, write, future, loop))
         return future
 
@@ -621,8 +632,13 @@ class SqliteRecordBackend:
                         for work in batch
                     ]
                 )
-                stopped = False
+                stopped = any(work.operation == _CLOSE for work in batch)
+                if stopped and self._db is not None:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.close()
+                    self._db = None
             if stopped:
+                self._stopped.set()
                 return
 
     def _run_batch(self, batch: list[_Work]) -> bool:
@@ -675,11 +691,7 @@ class SqliteRecordBackend:
             connection.execute("BEGIN IMMEDIATE")
             try:
                 for work in writes:
-                    try:
-                        results.append((work, True, work.function(connection)))
-                    except OctoError as exc:
-                        # Decided before that write changed anything.
-                        results.append((work, False, exc))
+                    results.append(_isolated(work, connection))
                 connection.execute("COMMIT")
             except BaseException:
                 _roll_back(connection)
@@ -902,24 +914,67 @@ class SqliteRecordBackend:
         return await self._submit("integrity_check", body, write=False)
 
     async def close(self) -> None:
-        """Close the connection after every operation already submitted; idempotent."""
-        if self._closed:
+        """Close the connection after every operation already submitted; idempotent.
+
+        Every call, the first or a later one, returns once the database thread
+        has run the work submitted before the first call, closed the
+        connection and exited. Calls made after it raise ``StorageBackendError``.
+        """
+        with self._submit_lock:
+            first = not self._closed
+            self._closed = True
+            thread = self._thread
+            future = (
+                self._enqueue(_CLOSE, lambda connection: None, False)
+                if first and thread is not None
+                else None
+            )
+        if thread is None:
             return
-        self._closed = True
-        if self._thread is None:
-            return
-        future = self._enqueue(_CLOSE, lambda connection: None, False)
-        await asyncio.shield(future)
-        self._thread.join(timeout=5.0)
+        if future is not None:
+            await asyncio.shield(future)
+        if not self._stopped.is_set():
+            # Without blocking this loop (the first close may run on another one).
+            await asyncio.to_thread(self._stopped.wait, 30.0)
+
+
+def _isolated(work: _Work, connection: sqlite3.Connection) -> tuple[_Work, bool, Any]:
+    """One write of a group inside its own savepoint.
+
+    A refusal (``OctoError``) is decided before the write changes anything; any
+    other failure of this write alone (a defect) is undone back to the
+    savepoint and reported to this caller only. A database error fails the
+    whole group (raised).
+    """
+    connection.execute("SAVEPOINT octo_write")
+    try:
+        value = work.function(connection)
+    except OctoError as exc:
+        connection.execute("RELEASE octo_write")
+        return (work, False, exc)
+    except sqlite3.Error:
+        raise
+    except Exception as exc:
+        connection.execute("ROLLBACK TO octo_write")
+        connection.execute("RELEASE octo_write")
+        return (work, False, _translated(work.operation, exc))
+    connection.execute("RELEASE octo_write")
+    return (work, True, value)
 
 
 def _translated(operation: str, exc: BaseException) -> BaseException:
-    """The error a caller sees for ``exc`` raised by ``operation`` in the thread."""
+    """The error a caller sees for ``exc`` raised by ``operation`` in the thread.
+
+    Protocol errors pass through; database and OS errors, and anything else (a
+    defect), become a fresh ``StorageBackendError`` naming only the class.
+    """
+    if isinstance(exc, OctoError):
+        return exc
     if isinstance(exc, sqlite3.Error):
         return StorageBackendError(_sqlite_detail(operation, exc))
     if isinstance(exc, OSError):
         return StorageBackendError(f"{operation}: {exc.strerror}")
-    return exc
+    return StorageBackendError(f"{operation}: {type(exc).__name__}")
 
 
 def _deliver_outcomes(outcomes: list[tuple[_Work, bool, Any]]) -> None:

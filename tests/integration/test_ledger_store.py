@@ -13,6 +13,7 @@ import os
 import shutil
 import sqlite3
 import stat
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1042,3 +1043,71 @@ async def test_a_defect_in_the_database_thread_fails_its_batch_and_not_the_backe
         assert await backend.load(RUN) == StorageSnapshot(StoredRecord(1, b"v1"), 1)
     finally:
         await backend.close()
+
+
+async def test_a_defect_in_one_write_fails_that_caller_only(tmp_path: Path) -> None:
+    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+    keys = [StorageRecordKey("workflow-ledger", name) for name in ("a", "b", "c")]
+
+    def broken_opener(snapshot: StorageSnapshot) -> None:
+        raise ValueError("a defect in this caller's check")
+
+    try:
+        await backend.load(keys[0])  # open, so the three writes below share a group
+        outcomes = await asyncio.gather(
+            backend.compare_and_swap(keys[0], None, StoredRecord(1, b"a")),
+            backend.compare_and_swap_opened(keys[1], None, StoredRecord(1, b"b"), broken_opener),
+            backend.reserve_fence(keys[2]),
+            return_exceptions=True,
+        )
+        assert outcomes[0] == Stored(1)
+        assert isinstance(outcomes[1], StorageBackendError)
+        assert "ValueError" in str(outcomes[1])
+        assert outcomes[2] == 1
+        assert await backend.load(keys[0]) == StorageSnapshot(StoredRecord(1, b"a"), 1)
+        assert await backend.load(keys[1]) == StorageSnapshot(None, 0)
+    finally:
+        await backend.close()
+
+
+async def test_every_close_waits_for_the_work_submitted_before_the_first(tmp_path: Path) -> None:
+    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+    await backend.load(RUN)
+
+    def slow_write(connection: sqlite3.Connection) -> Stored:
+        time.sleep(0.3)
+        connection.execute(
+            "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 1, 0)",
+            (RUN.namespace, RUN.name),
+        )
+        return Stored(1)
+
+    write = backend._submit("slow_write", slow_write, write=True)
+    first = asyncio.ensure_future(backend.close())
+    await asyncio.sleep(0)
+    await backend.close()  # the second close returns only once the thread is done
+    assert write.done() and write.result() == Stored(1)
+    await first
+    with pytest.raises(StorageBackendError, match="closed"):
+        await backend.load(RUN)
+
+
+async def test_a_thread_that_cannot_start_fails_the_call_and_not_the_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+    original = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(StorageBackendError, match="database thread"):
+        await backend.load(RUN)
+    monkeypatch.setattr(threading.Thread, "start", original)
+    try:
+        assert await asyncio.wait_for(backend.load(RUN), timeout=10) == StorageSnapshot(None, 0)
+    finally:
+        await asyncio.wait_for(backend.close(), timeout=10)
