@@ -561,33 +561,25 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for run in range(args.runs):
                 for in_flight in args.in_flight:
-                    octo = _loop.run(
-                        measure_octo(
-                            files,
-                            worker,
-                            in_flight,
-                            args.total,
-                            ledger_dir=root,
-                            sessions_count=args.sessions,
-                            per_session=args.ops_per_session,
-                        )
-                    )
-                    results.setdefault(f"octo@{in_flight}", []).append(octo)
-                    line = f"run {run + 1}: octo@{in_flight} {octo}"
+                    # "octo": --sessions sessions; "octo_lanes": one session per lane.
+                    variants = [("octo", args.sessions)]
                     if in_flight > 1 and not args.no_lane_sessions:
-                        lanes = _loop.run(
+                        variants.append(("octo_lanes", in_flight))
+                    line = f"run {run + 1}:"
+                    for name, sessions in variants:
+                        octo = _loop.run(
                             measure_octo(
                                 files,
                                 worker,
                                 in_flight,
                                 args.total,
                                 ledger_dir=root,
-                                sessions_count=in_flight,
+                                sessions_count=sessions,
                                 per_session=args.ops_per_session,
                             )
                         )
-                        results.setdefault(f"octo_lanes@{in_flight}", []).append(lanes)
-                        line += f" octo_lanes {lanes}"
+                        results.setdefault(f"{name}@{in_flight}", []).append(octo)
+                        line += f" {name}@{in_flight} {octo}"
                     if not args.no_baselines:
                         ceiling = baselines.run_aiopika_ceiling(in_flight, args.total, url=URL)
                         celery = baselines.run_celery(in_flight, args.total, url=URL)
