@@ -852,7 +852,8 @@ class SqliteRecordBackend:
                     raise FencingRequired(head.fence)
             else:
                 _fenced_check(head.fence, token)
-            self._check_anchor(key, head, in_write=True)
+            if opener is None:  # with an opener the anchor was checked before it
+                self._check_anchor(key, head, in_write=True)
             actual = None if head.record is None else head.record.revision
             conflict = _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
             if conflict is not None:
