@@ -268,7 +268,7 @@ class _Delivery:
             metrics.admissions_for(self._scope.name, _short(self.kind), "dispatch").inc()
             key = _peek_operation_key(self._message.body)
             if key is not None:
-                self._daemon.metrics.note_pending(self._scope.name, key, True)
+                metrics.note_pending(self._scope.name, key, True)
             faults.reach("worker.after_ack", settle=0.2)
 
     async def reply(self, frame: bytes, correlation_id: str | None) -> None:
