@@ -486,6 +486,9 @@ def _config_error(exc: msgspec.ValidationError) -> InvalidConfiguration:
 
 def parse_config(data: Mapping[str, Any], *, base_dir: Path) -> HostConfig:
     """Validate a decoded TOML mapping; see :func:`load_config`."""
+    if "base_dir" in data:
+        # set from the file's location below, never from the file itself
+        raise InvalidConfiguration("Object contains unknown field `base_dir`")
     try:
         config = msgspec.convert(dict(data), HostConfig)
     except msgspec.ValidationError as exc:

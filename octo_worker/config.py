@@ -173,7 +173,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         storage = self.storage
         if storage.key is None:
             raise InvalidConfiguration("storage.key: a storage key (id and key_file) is required")
-        return _keyring(self, storage.key, storage.read_keys, "storage")
+        return _keyring(self, storage.key, storage.read_keys, "storage", "key", "read_keys")
 
     def data_keyring(self) -> StorageKeyring | None:
         storage = self.storage
@@ -181,29 +181,36 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             if storage.data_read_keys:
                 raise InvalidConfiguration("storage.data_read_keys needs storage.data_key")
             return None
-        return _keyring(self, storage.data_key, storage.data_read_keys, "storage.data")
+        return _keyring(
+            self, storage.data_key, storage.data_read_keys, "storage", "data_key", "data_read_keys"
+        )
 
 
 def _keyring(
     config: WorkerConfig,
     active: StorageKeyConfig,
     read: tuple[StorageKeyConfig, ...],
-    where: str,
+    table: str,
+    active_name: str,
+    read_name: str,
 ) -> StorageKeyring:
+    """The keyring of ``[table]``: errors name the exact key (``storage.key.key_file``)."""
     try:
         ring = StorageKeyring(
             StorageKeyId(active.id),
-            load_storage_key(config.path(active.key_file), f"{where}_key.key_file"),
+            load_storage_key(config.path(active.key_file), f"{table}.{active_name}.key_file"),
         )
         for index, extra in enumerate(read):
             ring.add_read_key(
                 StorageKeyId(extra.id),
-                load_storage_key(config.path(extra.key_file), f"{where}_read_keys[{index}]"),
+                load_storage_key(
+                    config.path(extra.key_file), f"{table}.{read_name}[{index}].key_file"
+                ),
             )
     except InvalidConfiguration:
         raise
     except OctoError as exc:
-        raise InvalidConfiguration(f"{where}: {exc.code}") from None
+        raise InvalidConfiguration(f"{table}.{active_name}: {exc.code}") from None
     return ring
 
 
@@ -290,6 +297,9 @@ def _config_error(exc: msgspec.ValidationError) -> InvalidConfiguration:
 
 def parse_config(data: Mapping[str, Any], *, base_dir: Path) -> WorkerConfig:
     """Validate a decoded TOML mapping; see :func:`load_config`."""
+    if "base_dir" in data:
+        # set from the file's location below, never from the file itself
+        raise InvalidConfiguration("Object contains unknown field `base_dir`")
     try:
         config = msgspec.convert(dict(data), WorkerConfig)
     except msgspec.ValidationError as exc:

@@ -123,6 +123,7 @@ def test_defaults_need_only_a_scope(tree: Path) -> None:
             r"^invalid configuration: worker: .*`colour`",
         ),
         (("[metrics]\n", "[metric]\n"), r"unknown field `metric`"),
+        (("[worker]\n", 'base_dir = "/elsewhere"\n[worker]\n'), r"unknown field `base_dir`"),
         (("max_concurrency = 8", 'max_concurrency = 8\nkey = "x"'), r"scopes\[0\]: .*`key`"),
     ],
 )
@@ -177,7 +178,9 @@ def test_world_readable_key_file_gets_a_chmod_hint(tree: Path) -> None:
 
     (tree / "scope.key").chmod(0o600)
     (tree / "storage-old.key").chmod(0o640)
-    with pytest.raises(InvalidConfiguration, match=r"storage_read_keys\[0\].*chmod 600"):
+    with pytest.raises(
+        InvalidConfiguration, match=r"storage\.read_keys\[0\]\.key_file: .*chmod 600"
+    ):
         config.storage_keyring()
 
 
@@ -198,8 +201,30 @@ def test_missing_and_malformed_key_files(tree: Path) -> None:
         load(tree, GOOD).scope_keys()
 
     private(tree / "storage.key", b"\x01" * 31)
-    with pytest.raises(InvalidConfiguration, match=r"storage_key\.key_file"):
+    with pytest.raises(InvalidConfiguration, match=r"configuration: storage\.key\.key_file: "):
         load(tree, GOOD).storage_keyring()
+
+
+def test_data_key_errors_name_the_exact_key(tree: Path) -> None:
+    data = GOOD.replace(
+        'read_keys = [{ id = "k1", key_file = "storage-old.key" }]',
+        'read_keys = [{ id = "k1", key_file = "storage-old.key" }]\n'
+        'data_key = { id = "d2", key_file = "data.key" }\n'
+        'data_read_keys = [{ id = "d1", key_file = "data-old.key" }]',
+    )
+    config = load(tree, data)
+    with pytest.raises(
+        InvalidConfiguration, match=r"configuration: storage\.data_key\.key_file: .*does not exist"
+    ):
+        config.data_keyring()
+    private(tree / "data.key", b"\x05" * 32)
+    with pytest.raises(
+        InvalidConfiguration,
+        match=r"configuration: storage\.data_read_keys\[0\]\.key_file: .*does not exist",
+    ):
+        config.data_keyring()
+    private(tree / "data-old.key", b"\x06" * 32)
+    assert isinstance(config.data_keyring(), StorageKeyring)
 
 
 def test_key_file_symlink_and_directory_are_refused(tree: Path) -> None:

@@ -180,6 +180,7 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("missing host", _set("host", _DELETE), "host"),
     ("host id", _set("host.host_id", "Host One"), "host.host_id"),
     ("unknown top-level key", _set("hosts", {}), "hosts"),
+    ("base_dir is not a key", _set("base_dir", "/elsewhere"), "base_dir"),
     ("unknown broker key", _set("broker.reply_timeout", 3), "broker"),
     ("broker scheme", _set("broker.url", "http://127.0.0.1/"), "broker.url"),
     (
