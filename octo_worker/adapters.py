@@ -65,6 +65,7 @@ __all__ = [
     "WorkerAdapter",
     "WorkerAdapterRegistry",
     "adapter_deadline",
+    "effective_adapter_deadline",
     "call_adapter",
     "load_adapters",
 ]
@@ -327,6 +328,19 @@ def adapter_deadline(adapter: object) -> float:
     if not math.isfinite(value) or value <= 0:
         return DEFAULT_ADAPTER_DEADLINE_SECONDS
     return float(value)
+
+
+def effective_adapter_deadline(adapter: object, configured: float) -> float:
+    """The deadline the daemon applies to ``adapter``.
+
+    The adapter's own ``deadline_seconds`` when it sets one other than the base
+    default; otherwise ``configured`` (``[adapters] deadline_seconds``).
+    """
+    own = adapter_deadline(adapter)
+    declared = getattr(adapter, "deadline_seconds", None)
+    if declared is None or own == DEFAULT_ADAPTER_DEADLINE_SECONDS:
+        return configured
+    return own
 
 
 async def call_adapter(

@@ -59,7 +59,11 @@ from octo_common.transport import (
     WORKER_POLICY_NAME,
     worker_queue,
 )
-from octo_worker.adapters import ADAPTER_ENTRY_POINT_GROUP, adapter_deadline, load_adapters
+from octo_worker.adapters import (
+    ADAPTER_ENTRY_POINT_GROUP,
+    effective_adapter_deadline,
+    load_adapters,
+)
 from octo_worker.config import (
     InvalidConfiguration,
     WorkerConfig,
@@ -1250,7 +1254,9 @@ def cmd_adapters_list(args: argparse.Namespace, out: Output) -> int:
                     "tool": getattr(adapter, "tool", None) or name,
                     "invocation_safety": None if safety is None else str(safety),
                     "durable_operation_contract": None if contract is None else str(contract),
-                    "deadline_seconds": adapter_deadline(adapter),
+                    "deadline_seconds": effective_adapter_deadline(
+                        adapter, config.adapters.deadline_seconds
+                    ),
                 }
             )
         items.append(item)

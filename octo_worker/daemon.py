@@ -65,9 +65,8 @@ from octo_common.transport import (
     worker_queue,
 )
 from octo_worker.adapters import (
-    DEFAULT_ADAPTER_DEADLINE_SECONDS,
     WorkerAdapterRegistry,
-    adapter_deadline,
+    effective_adapter_deadline,
     load_adapters,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig
@@ -151,12 +150,7 @@ class _InstrumentedAdapter:
         self._adapter = adapter
         self._metrics = metrics
         self._faults = faults
-        # The adapter's own deadline wins; otherwise [adapters] deadline_seconds.
-        own = adapter_deadline(adapter)
-        declared = getattr(adapter, "deadline_seconds", None)
-        if declared is None or own == DEFAULT_ADAPTER_DEADLINE_SECONDS:
-            own = default_deadline
-        self.deadline_seconds = own
+        self.deadline_seconds = effective_adapter_deadline(adapter, default_deadline)
 
     def invocation_safety(self) -> Any:
         return self._adapter.invocation_safety()

@@ -44,6 +44,7 @@ from octo_worker.adapters import (
     WorkerAdapterRegistry,
     adapter_deadline,
     call_adapter,
+    effective_adapter_deadline,
     load_adapters,
 )
 from octo_worker.adapters_files import FilesPublishAdapter
@@ -463,3 +464,20 @@ def test_entry_points_that_do_not_yield_the_named_adapter(
 def test_a_name_listed_twice_is_a_duplicate(plugin_distribution: Path) -> None:
     with pytest.raises(DuplicateTool):
         load_adapters(["echo.tool", "echo.tool"])
+
+
+class _Deadline:
+    def __init__(self, seconds: object) -> None:
+        self.deadline_seconds = seconds
+
+
+def test_effective_deadline_prefers_the_adapters_own_then_the_configured_one(
+    tmp_path: Path,
+) -> None:
+    # `octo-worker adapters list` and the daemon apply this one rule.
+    assert effective_adapter_deadline(_Deadline(10.0), 45.0) == 10.0
+    assert effective_adapter_deadline(_Deadline(DEFAULT_ADAPTER_DEADLINE_SECONDS), 45.0) == 45.0
+    assert effective_adapter_deadline(object(), 45.0) == 45.0
+    assert effective_adapter_deadline(_Deadline(-1), 45.0) == 45.0  # invalid: the base default
+    files = FilesPublishAdapter(tmp_path / "out", tmp_path / "log")
+    assert effective_adapter_deadline(files, 45.0) == 10.0
