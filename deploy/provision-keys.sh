@@ -7,7 +7,12 @@
 # per tenant scope (SCOPE.key) and one storage key (storage-ID.key, default
 # ID k1), each mode 0600 in a 0700 directory. An existing key file is never
 # overwritten: rotating a key is a deliberate step (deploy/OPERATIONS.md).
-# Prints the LoadCredential= lines the unit needs; never prints a key.
+# Prints the LoadCredential= lines of these keys; never prints a key.
+#
+# It does not create DIR/broker.password, which the unit's
+# LoadCredential=broker.password line also needs: create that file yourself,
+# mode 0600, without the password on a command line (deploy/OPERATIONS.md,
+# Install, step 4).
 #
 # The same scope key must reach the host that opens sessions for SCOPE: copy
 # the file over a channel you trust (never through the broker, a command line
