@@ -345,6 +345,7 @@ class WorkerDaemon:
         self._connected = asyncio.Event()
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
+        self._consuming_since_connect = False
         self._background: set[asyncio.Task[Any]] = set()
         self._log = _log.bind(worker=config.worker.state_dir)
 
@@ -446,7 +447,7 @@ class WorkerDaemon:
             wrapped.register(tool, instrumented)
         return wrapped
 
-    async def _load_scope(self, scope: _Scope) -> None:
+    async def _load_scope(self, scope: _Scope, *, open_gate: bool = True) -> None:
         """Reserve a fence, then rebuild every session from the store (W§10.10)."""
         store = self.store
         daemon_store = self._require_daemon_store()
@@ -467,7 +468,8 @@ class WorkerDaemon:
             if session.status == "poisoned":
                 scope.persisted_poisoned.add(session_id)
         scope.sessions = sessions
-        scope.running.set()
+        if open_gate:
+            scope.running.set()
         self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions))
 
     def _require_daemon_store(self) -> _DaemonStore:
@@ -475,7 +477,14 @@ class WorkerDaemon:
             raise RuntimeError("the daemon has not started")
         return self._daemon_store
 
-    async def _shutdown(self) -> None:
+    async def _drain(self) -> None:
+        """Stop consuming, then let running handlers finish within the grace period.
+
+        Runs while the connection is still open (when there is one), so the
+        handlers that finish can still ack, publish their replies and mark
+        them published. Deliveries that had not started never start (see
+        ``_on_message``): unacked, the broker redelivers them.
+        """
         self._notifier.stopping()
         self._stopping.set()
         await self._stop_consuming()
@@ -487,7 +496,11 @@ class WorkerDaemon:
             for task in pending:
                 task.cancel()
             if pending:
+                self._log.warning("worker_drain_cut", handlers=len(pending))
                 await asyncio.wait(pending, timeout=5.0)
+
+    async def _shutdown(self) -> None:
+        await self._drain()
         for task in list(self._background):
             task.cancel()
         await self._close_connection()
@@ -517,18 +530,26 @@ class WorkerDaemon:
                 await self._sleep_or_stop(delay)
                 delay = min(delay * 2, broker.reconnect_max_seconds)
                 continue
-            delay = broker.reconnect_initial_seconds
+            self._consuming_since_connect = False
             try:
                 await self._serve(connection)
             except asyncio.CancelledError:
                 raise
+            except OctoError as exc:
+                # OctoError text carries codes and names, never the URL or a key.
+                self._log.warning("broker_session_ended", error=exc.code, detail=str(exc))
             except Exception as exc:
                 self._log.warning("broker_session_ended", error=type(exc).__name__)
             finally:
                 await self._close_connection()
             if not self._stopping.is_set():
+                if self._consuming_since_connect:
+                    # It served: a fresh loss, retried from the initial delay.
+                    delay = broker.reconnect_initial_seconds
                 self._log.warning("broker_connection_lost", retry_in=delay)
                 await self._sleep_or_stop(delay)
+                # A set-up that keeps failing after connecting backs off too.
+                delay = min(delay * 2, broker.reconnect_max_seconds)
 
     async def _sleep_or_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -548,6 +569,20 @@ class WorkerDaemon:
         publish = await open_confirm_channel(connection)
         consume.close_callbacks.add(on_close)
         publish.close_callbacks.add(on_close)
+
+        def on_consumer_cancelled(frame: Any) -> None:
+            # The broker cancelled a consumer (its queue was deleted, or the
+            # queue's leader moved away): serve again from a fresh connection,
+            # which re-declares the queues and consumes them.
+            tag = getattr(frame, "consumer_tag", None)
+            for scope in self._scopes.values():
+                if scope.consumer_tag is not None and scope.consumer_tag == tag:
+                    self._log.warning("consumer_cancelled_by_broker", scope=scope.name)
+                    scope.consumer_tag = None
+                    on_close()
+
+        underlay = await consume.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(on_consumer_cancelled)
         self._consume_channel = consume
         self._publish_channel = publish
         # Queues only: the delivery-limit policy belongs to `octo-worker topology
@@ -560,12 +595,15 @@ class WorkerDaemon:
         for scope in self._scopes.values():
             if not scope.superseded:
                 await self._start_consuming(scope)
+        self._consuming_since_connect = True
         self._ready.set()
         self._notifier.ready(f"serving {len(self._scopes)} scope(s)")
         self._log.info("worker_consuming", scopes=len(self._scopes))
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait([closed, stop], return_when=asyncio.FIRST_COMPLETED)
+            if self._stopping.is_set() and not closed.done():
+                await self._drain()
         finally:
             stop.cancel()
             self._connected.clear()
@@ -614,8 +652,13 @@ class WorkerDaemon:
 
     # -- publishing ------------------------------------------------------------------------
 
-    async def publish(self, envelope: Any) -> None:
-        """A confirmed publish that survives a reconnect (same bytes, current channel)."""
+    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None:
+        """A confirmed publish that survives a reconnect (same bytes, current channel).
+
+        With ``await_reconnect=False`` a closed channel fails at once (the
+        outbox republish runs on the connection being set up: waiting for a
+        reconnect there would wait for itself).
+        """
         loop = asyncio.get_running_loop()
         timeout = self.config.broker.publish_timeout_seconds
         deadline = loop.time() + 3 * timeout
@@ -623,10 +666,19 @@ class WorkerDaemon:
             channel = self._publish_channel
             if channel is None or channel.is_closed:
                 remaining = deadline - loop.time()
-                if remaining <= 0 or (self._stopping.is_set() and not self._connected.is_set()):
+                if (
+                    not await_reconnect
+                    or remaining <= 0
+                    or (self._stopping.is_set() and not self._connected.is_set())
+                ):
                     raise PublishChannelClosed(envelope.routing_key)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._connected.wait(), timeout=min(remaining, 1.0))
+                if self._connected.is_set():
+                    # The channel died before the connection loop noticed:
+                    # wait for it to clear the flag (never spin on a set event).
+                    await asyncio.sleep(min(remaining, 0.1))
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._connected.wait(), timeout=min(remaining, 1.0))
                 continue
             try:
                 await publish_envelope(channel, envelope, timeout=timeout)
@@ -690,10 +742,22 @@ class WorkerDaemon:
                 correlation_id=entry.correlation_id,
             )
             try:
-                await self.publish(envelope)
+                await self.publish(envelope, await_reconnect=False)
+            except PublishChannelClosed:
+                self._log.warning(
+                    "outbox_republish_failed", scope=scope.name, error=PublishChannelClosed.code
+                )
+                return  # the next connection republishes from here
             except PublishFailed as exc:
-                self._log.warning("outbox_republish_failed", scope=scope.name, error=exc.code)
-                return
+                # Returned (the reply queue is gone), nacked or timed out: this
+                # row stays in the outbox for the next start; the rest go on.
+                self._log.warning(
+                    "outbox_republish_failed",
+                    scope=scope.name,
+                    session=entry.session_id,
+                    error=exc.code,
+                )
+                continue
             session.confirm_published(entry.message_id)
             published += 1
         if published:
@@ -707,8 +771,14 @@ class WorkerDaemon:
         async with scope.semaphore:
             while not scope.running.is_set():
                 await scope.running.wait()
+            if self._stopping.is_set():
+                return  # stopping: never started, never acked; the broker redelivers it
             if scope.superseded:
-                return  # never acked: another worker owns the scope now
+                # Another worker owns the scope now: hand the delivery back.
+                if not channel.is_closed:
+                    with contextlib.suppress(Exception):
+                        await message.reject(requeue=True)
+                return
             delivery = _Delivery(self, scope, message, channel, None)
             current = asyncio.current_task()
             if current is not None:
@@ -862,6 +932,11 @@ class WorkerDaemon:
             detail="another worker holds the scope's fence; this worker stops serving it",
         )
         await self._stop_consuming(scope)
+        if all(item.superseded for item in self._scopes.values()):
+            self._log.error(
+                "worker_superseded", detail="every scope is served by another worker; stopping"
+            )
+            self.request_stop()
 
     async def _reload_scope(self, scope: _Scope) -> None:
         """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume."""
@@ -881,7 +956,10 @@ class WorkerDaemon:
                 if session.status == "poisoned" and sid not in scope.persisted_poisoned
             }
             scope.persisted_poisoned = set()
-            await self._load_scope(scope)
+            # The gate stays shut until every poisoned session is marked
+            # poisoned again (the finally opens it): a frame for one of them
+            # must not meet the reloaded session while it still reads "open".
+            await self._load_scope(scope, open_gate=False)
             for session_id, sealed in poisoned.items():
                 restored = scope.sessions.get(session_id)
                 if restored is None:

@@ -43,6 +43,13 @@ async def _ask(raw_host: RawHost, session: RawSession, request_id: str, key: str
     return session.auth.open(reply.body)
 
 
+async def _opened(daemon: WorkerDaemon, raw_host: RawHost, scope: str) -> RawSession:
+    session = raw_host.session()
+    await raw_host.open(session)
+    await wait_session(daemon, scope, session.session_id)
+    return session
+
+
 async def _eventually(check: Callable[[], Awaitable[bool]]) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT
@@ -56,9 +63,7 @@ async def test_a_failed_admission_commit_poisons_and_the_scope_reloads(
     daemon: WorkerDaemon, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
     scope = worker_env.scope
-    session = raw_host.session()
-    await raw_host.open(session)
-    await wait_session(daemon, scope, session.session_id)
+    session = await _opened(daemon, raw_host, scope)
     lease = daemon._scopes[scope].lease
     assert lease is not None
     fence_before = lease.token
@@ -104,3 +109,34 @@ async def test_a_failed_admission_commit_poisons_and_the_scope_reloads(
 async def _consuming(daemon: WorkerDaemon, scope: str) -> bool:
     state = daemon._scopes[scope]
     return state.consumer_tag is not None and not state.reloading
+
+
+async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
+    daemon: WorkerDaemon, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    scope = worker_env.scope
+    session = await _opened(daemon, raw_host, scope)
+    store = daemon._require_daemon_store()
+    real_commit = store.commit
+    calls = 0
+    gate_open_at_marking: list[bool] = []
+
+    async def observed(*args: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise StorageBackendError("injected")
+        if calls == 2:
+            # The reload's first commit marks the session poisoned: the scope's
+            # gate must still be shut, so no queued frame runs against the
+            # reloaded session while it still reads "open".
+            gate_open_at_marking.append(daemon._scopes[scope].running.is_set())
+        return await real_commit(*args)
+
+    store.commit = observed  # type: ignore[method-assign]
+    refused = await _ask(raw_host, session, "d-1", "op-gated-1")
+    assert isinstance(refused, RequestRejected)
+    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    await _eventually(lambda: _consuming(daemon, scope))
+    assert gate_open_at_marking == [False]
+    assert daemon._scopes[scope].running.is_set()
