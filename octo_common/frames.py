@@ -118,7 +118,7 @@ class ScopeKey(_SecretBytes):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ScopeKey:
-        """A regular file not readable or writable by group or others.
+        """A regular file with no permissions for group or others.
 
         Content: exactly 32 raw bytes, or 64 hex characters and one optional
         newline. The key never appears in an error.

@@ -67,8 +67,8 @@ The manifest of a session for scope ``S`` is exactly the ``[[grants]]`` of
   original is refused). Tools without an ``[[actions]]`` entry, and text
   tools, are never compensated.
 
-Key files (scope and ledger keys, password file): regular files, not
-readable or writable by group or others (``chmod 600``); keys hold 32 raw
+Key files (scope and ledger keys, password file): regular files with no
+permissions for group or others (``chmod 600`` or ``400``); keys hold 32 raw
 bytes or 64 lowercase hex characters (one trailing newline allowed).
 """
 
@@ -426,7 +426,7 @@ def _read_private_file(path: Path, where: str) -> bytes:
             raise InvalidConfiguration(f"{where}: {path} is not a regular file")
         if info.st_mode & 0o077:
             raise InvalidConfiguration(
-                f"{where}: {path} is readable or writable by group or others "
+                f"{where}: {path} grants permissions to group or others "
                 f"(mode {info.st_mode & 0o777:o}); run chmod 600 {path}"
             )
         with os.fdopen(os.dup(fd), "rb") as handle:

@@ -109,7 +109,7 @@ def _key_file_error(reason: str) -> InvalidStorageKey:
 def load_storage_key(path: str | os.PathLike[str]) -> StorageKey:
     """Read a 32-byte storage key from a file.
 
-    The file must be a regular file not readable or writable by group or
+    The file must be a regular file with no permissions for group or
     others (``mode & 0o077 == 0``); its content is exactly 32 raw bytes, or
     64 hex characters optionally followed by one ``\\n``. Every failure is
     ``InvalidStorageKey`` with a note naming the problem (unreadable,

@@ -240,7 +240,7 @@ def _check_private_file(path: Path, where: str) -> bytes:
             raise InvalidConfiguration(f"{where}: {path} is not a regular file")
         if info.st_mode & 0o077:
             raise InvalidConfiguration(
-                f"{where}: {path} is readable or writable by group or others "
+                f"{where}: {path} grants permissions to group or others "
                 f"(mode {info.st_mode & 0o777:o}); run chmod 600 {path}"
             )
         with os.fdopen(os.dup(fd), "rb") as handle:
