@@ -564,9 +564,13 @@ class WorkerDaemon:
                 closed.set_result(None)
 
         connection.close_callbacks.add(on_close)
-        consume = await connection.channel(publisher_confirms=False)
-        await consume.set_qos(prefetch_count=self.config.broker.prefetch)
-        publish = await open_confirm_channel(connection)
+        # Every set-up call is bounded: a broker that accepts the connection
+        # but never answers (a queue without quorum) must not hang the loop.
+        bound = self.config.broker.connect_timeout_seconds
+        async with asyncio.timeout(bound):
+            consume = await connection.channel(publisher_confirms=False)
+            await consume.set_qos(prefetch_count=self.config.broker.prefetch)
+            publish = await open_confirm_channel(connection)
         consume.close_callbacks.add(on_close)
         publish.close_callbacks.add(on_close)
 
@@ -587,14 +591,16 @@ class WorkerDaemon:
         self._publish_channel = publish
         # Queues only: the delivery-limit policy belongs to `octo-worker topology
         # declare` (a sandboxed daemon may not be able to run rabbitmqctl).
-        await declare_topology(publish, list(self._scopes), delivery_limit=None)
+        async with asyncio.timeout(bound * (1 + len(self._scopes))):
+            await declare_topology(publish, list(self._scopes), delivery_limit=None)
         self._connected.set()
         for scope in self._scopes.values():
             if not scope.superseded:
                 await self._republish_outbox(scope)
         for scope in self._scopes.values():
             if not scope.superseded:
-                await self._start_consuming(scope)
+                async with asyncio.timeout(bound):
+                    await self._start_consuming(scope)
         self._consuming_since_connect = True
         self._ready.set()
         self._notifier.ready(f"serving {len(self._scopes)} scope(s)")
