@@ -4,7 +4,7 @@ Owns the few broker operations the host client needs (W§12.1, W§12.5,
 H§16.2): a plain (non-robust) aio-pika connection, a channel in confirm mode
 whose mandatory publishes raise when returned, the idempotent declaration of
 the ``octo.v5`` exchange and of this host's quorum reply queue
-``octo.v5.reply.<host-id>``, one persistent, mandatory, publisher-confirmed
+``octo.v5.reply.<host-id>`` and its consumer, one persistent, mandatory, publisher-confirmed
 publish of a :class:`~octo_common.transport.FrameEnvelope`, and the
 dead-letter copy of a reply the host refuses (W§12.3 applied to the host).
 
@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
 from pamqp.commands import Basic
 from pamqp.common import FieldTable
 
@@ -43,6 +48,7 @@ from octo_common.transport import (
 __all__ = [
     "BrokerUnavailable",
     "connect",
+    "consume_reply_queue",
     "declare_reply_queue",
     "open_confirm_channel",
     "publish_confirmed",
@@ -51,10 +57,15 @@ __all__ = [
 ]
 
 _QUORUM: Final[FieldTable] = {"x-queue-type": "quorum"}
+# What a broker operation raises when the broker, the connection or the
+# channel fails (aio-pika reports a closed connection or channel as a
+# RuntimeError, aiormq's ChannelInvalidStateError among them).
+_BROKER_ERRORS: Final = (TimeoutError, OSError, RuntimeError, aiormq.exceptions.AMQPError)
 
 
 class BrokerUnavailable(OctoError):
-    """The broker could not be reached or refused a declaration.
+    """The broker could not be reached (or the URL is malformed), or refused a
+    channel, a declaration or a consume.
 
     ``reason`` names the failure's class only (a URL may carry a password).
     """
@@ -71,13 +82,38 @@ async def connect(
     properties: FieldTable | None = {"connection_name": name} if name else None
     try:
         return await aio_pika.connect(url, timeout=timeout, client_properties=properties)
-    except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as error:
+    except (ValueError, *_BROKER_ERRORS) as error:
+        # ValueError: a malformed URL. Only the class is named: the URL may hold a password.
         raise BrokerUnavailable(f"cannot connect ({type(error).__name__})") from None
 
 
 async def open_confirm_channel(connection: AbstractConnection) -> AbstractChannel:
     """A channel in publisher-confirm mode; a returned mandatory publish raises."""
-    return await connection.channel(publisher_confirms=True, on_return_raises=True)
+    try:
+        return await connection.channel(publisher_confirms=True, on_return_raises=True)
+    except _BROKER_ERRORS as error:
+        raise BrokerUnavailable(f"cannot open a channel ({type(error).__name__})") from None
+
+
+async def consume_reply_queue(
+    connection: AbstractConnection,
+    host_id: str,
+    callback: Callable[[AbstractIncomingMessage], Awaitable[Any]],
+    *,
+    prefetch_count: int,
+) -> tuple[AbstractChannel, AbstractQueue, str]:
+    """Consume this host's (declared) reply queue on a channel of its own, with
+    manual acks; returns the channel, the queue and the consumer tag."""
+    try:
+        channel = await connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch_count)
+        queue = await channel.get_queue(reply_queue(host_id), ensure=False)
+        tag = await queue.consume(callback, no_ack=False)
+    except _BROKER_ERRORS as error:
+        raise BrokerUnavailable(
+            f"cannot consume the reply queue ({type(error).__name__})"
+        ) from None
+    return channel, queue, tag
 
 
 async def declare_reply_queue(channel: AbstractChannel, host_id: str) -> str:
@@ -92,7 +128,7 @@ async def declare_reply_queue(channel: AbstractChannel, host_id: str) -> str:
             name, durable=True, arguments=dict(_QUORUM)
         )
         await queue.bind(exchange, routing_key=name)
-    except aiormq.exceptions.AMQPError as error:
+    except _BROKER_ERRORS as error:
         raise BrokerUnavailable(
             f"reply queue declaration failed ({type(error).__name__})"
         ) from None

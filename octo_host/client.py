@@ -52,6 +52,7 @@ from octo_common.errors import (
     DuplicateFrame,
     InvalidAuthenticationTag,
     InvalidFrameHeaders,
+    InvalidScopeKey,
     LedgerError,
     OctoError,
     SessionClosed,
@@ -94,6 +95,7 @@ from octo_common.transport import (
 )
 from octo_host.amqp import (
     connect,
+    consume_reply_queue,
     declare_reply_queue,
     open_confirm_channel,
     publish_dead_letter,
@@ -374,7 +376,12 @@ class HostClient:
     # -- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, declare the reply queue and start consuming replies."""
+        """Connect, declare the reply queue and start consuming replies.
+
+        Raises :class:`~octo_host.amqp.BrokerUnavailable` when the broker cannot
+        be reached, a channel cannot be opened or the queue cannot be declared
+        or consumed (the client is closed again).
+        """
         connection = await connect(
             self._url, timeout=self.publish_timeout, name=f"octo-host-{self.host_id}"
         )
@@ -382,11 +389,10 @@ class HostClient:
         try:
             self._publish_channel = await open_confirm_channel(connection)
             await declare_reply_queue(self._publish_channel, self.host_id)
-            consume = await connection.channel(publisher_confirms=False)
-            await consume.set_qos(prefetch_count=64)
-            self._consume_channel = consume
-            self._queue = await consume.get_queue(self.reply_queue, ensure=False)
-            self._consumer_tag = await self._queue.consume(self._on_delivery, no_ack=False)
+            consumer = await consume_reply_queue(
+                connection, self.host_id, self._on_delivery, prefetch_count=64
+            )
+            self._consume_channel, self._queue, self._consumer_tag = consumer
         except BaseException:
             await self.close()
             raise
@@ -424,10 +430,13 @@ class HostClient:
     # -- sessions (H§16.1) -----------------------------------------------------------
 
     async def open_session(self, scope: str, manifest: CapabilityManifest) -> HostSession:
-        """Open a fresh session: new id, new nonce, derived key; no reply is expected."""
+        """Open a fresh session: new id, new nonce, derived key; no reply is expected.
+
+        A scope this client has no key for raises ``InvalidScopeKey("missing")``.
+        """
         scope_key = self._scope_keys.get(scope)
         if scope_key is None:
-            raise KeyError(f"no scope key configured for scope {scope!r}")
+            raise InvalidScopeKey("missing")  # no key configured for this scope
         session_id = f"s-{secrets.token_hex(12)}"
         key_nonce = secrets.token_bytes(32)
         key = SessionKey.derive(scope_key, scope, session_id, key_nonce)

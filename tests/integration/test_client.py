@@ -14,16 +14,27 @@ import sys
 from typing import Any
 
 import pytest
-from aio_pika.abc import AbstractChannel
+from aio_pika.abc import AbstractChannel, AbstractConnection
 
-from octo_common.errors import CompensationRequiresSucceededOperation, SessionClosed
+from octo_common.errors import (
+    CompensationRequiresSucceededOperation,
+    InvalidScopeKey,
+    SessionClosed,
+)
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import OperationReconcileResult, OperationResult
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import StateKind, Succeeded
 from octo_common.transport import EXCHANGE, HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
-from octo_host.amqp import publish_confirmed
+from octo_host import client as client_module
+from octo_host.amqp import (
+    BrokerUnavailable,
+    connect,
+    declare_reply_queue,
+    open_confirm_channel,
+    publish_confirmed,
+)
 from octo_host.client import HostClient, HostRun
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.engine import WorkflowEngine
@@ -635,3 +646,70 @@ async def test_a_verb_cancelled_during_its_ledger_write_leaves_the_run_consisten
         assert len(ledger.operations) == 2
     finally:
         await store.close()
+
+
+# Errors reaching callers are Octo errors (#8) ------------------------------------------------
+
+
+async def test_a_session_for_a_scope_without_a_key_is_refused_with_an_octo_error(
+    hosts: HostFactory,
+) -> None:
+    client = await hosts.start()
+
+    with pytest.raises(InvalidScopeKey) as refused:
+        await client.open_session("t-not-configured", manifest())
+
+    assert refused.value.code == "invalid_scope_key"
+    assert client.published["open_session"] == 0
+
+
+async def test_a_malformed_broker_url_is_broker_unavailable_and_not_shown(
+    host_env: HostEnv,
+) -> None:
+    url = "amqp://guest:s3cret-pw@127.0.0.1:not-a-port/"
+    with pytest.raises(BrokerUnavailable) as refused:
+        await connect(url, timeout=2.0)
+    assert "s3cret" not in str(refused.value) and "s3cret" not in repr(refused.value)
+
+    store = host_env.store()
+    client = HostClient(url, host_id="malformed-url-host", scope_keys={}, store=store)
+    try:
+        with pytest.raises(BrokerUnavailable) as refused:
+            await client.start()
+        assert "s3cret" not in str(refused.value)
+    finally:
+        await store.close()
+
+
+async def test_a_channel_on_a_closed_connection_is_broker_unavailable(
+    broker: AbstractConnection,
+) -> None:
+    connection = await connect(URL, timeout=WAIT, name="octo-test-closed")
+    await connection.close()
+
+    with pytest.raises(BrokerUnavailable):
+        await open_confirm_channel(connection)
+
+
+async def test_a_reply_consumer_that_cannot_start_is_broker_unavailable(
+    hosts: HostFactory,
+    broker: AbstractConnection,
+    names: Names,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reply queue vanishes between its declaration and the consume (real broker)."""
+
+    async def declare_then_lose(channel: AbstractChannel, host_id: str) -> str:
+        name = await declare_reply_queue(channel, host_id)
+        other = await broker.channel()
+        await other.queue_delete(name)
+        await other.close()
+        return name
+
+    monkeypatch.setattr(client_module, "declare_reply_queue", declare_then_lose)
+    host_id = names.host("-lost")
+
+    with pytest.raises(BrokerUnavailable) as refused:
+        await hosts.start(host_id=host_id)
+
+    assert "ChannelNotFoundEntity" in refused.value.reason
