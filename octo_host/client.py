@@ -17,7 +17,8 @@ Owns, for one host id:
   correlation id, ``DuplicateFrame`` dropped, other refusals dead-lettered.
 
 It must never: send a second ``dispatch_operation`` for a key the worker may
-have admitted (only ``unknown_operation`` on reconcile proves it never did),
+have admitted (only ``unknown_operation`` on reconcile, for a key the ledger
+still holds ``pending``, proves it never did),
 create a new key to make progress, publish a frame before the ledger
 revision that justifies it is durable, seal a compensation without a fresh
 approval, persist or reuse a session, or log keys, nonces, payloads or
@@ -291,8 +292,11 @@ class HostRun:
         self._stored_revision = stored_revision
         self._durable_ledger_revision = ledger.revision
         self._lock = asyncio.Lock()
-        # Keys this process published a dispatch for: the worker may have admitted them.
-        self._dispatched: set[str] = set()
+        # Keys this object recorded and sent no dispatch for (changed under the
+        # lock): the only keys a dispatch_operation may go to directly. A key
+        # read from the store, whatever its state, may have been sent before
+        # (another process, a crash): it is reconciled first (H§16.5).
+        self._unsent: set[str] = set()
 
     @property
     def ledger(self) -> WorkflowOperationLedger:
@@ -326,6 +330,10 @@ class RecoverySummary:
     compensations: dict[str, StateKind] = field(default_factory=dict)
     reconciled: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
+
+
+class _SentBefore(Exception):
+    """Internal to :meth:`HostClient.dispatch`: the key may have been sent; reconcile it."""
 
 
 # The client ------------------------------------------------------------------------
@@ -612,6 +620,10 @@ class HostClient:
         self.engine.validate_operation_ledger_at_or_after(plan, ledger, watermark)
         self._watermarks[name] = ledger.revision
         run = HostRun(name, plan, ledger, record.revision)
+        replaced = self._runs.get(name)
+        if replaced is not None:
+            # Two objects for one run: neither may dispatch a key without reconciling.
+            replaced._unsent.clear()
         self._runs[name] = run
         self._log.info("run_loaded", run=name, revision=ledger.revision, plan=plan.fingerprint)
         return run
@@ -674,6 +686,7 @@ class HostClient:
                     run.plan, candidate, step_id, tool, operation_key, data
                 )
             await self._persist_locked(run, candidate)
+            run._unsent.add(operation_key)
         self._log.info("operation_recorded", run=run.name, operation_key=operation_key, tool=tool)
         return operation_key
 
@@ -712,7 +725,8 @@ class HostClient:
         """Persist, seal (``build``), register, fault point, publish, await the reply.
 
         ``build(auth) -> OutboundFrame`` runs under the run lock after the
-        ledger is durable, so an approval and its sealing see one revision.
+        ledger is durable, so an approval and its sealing see one revision,
+        and a decision to send sees the ledger it is made from.
         """
         if session.closed:
             raise SessionClosed(session.session_id)
@@ -720,8 +734,6 @@ class HostClient:
             await self._persist_locked(run, run._ledger)
             outbound = build(session.authenticator)
             request = outbound.request
-            if kind == "dispatch":
-                run._dispatched.add(request.operation_key)
             waiter = self._register(session, request.request_id, kind, request, run)
         self._faults.reach(_HOST_FAULT_POINT)
         try:
@@ -733,14 +745,43 @@ class HostClient:
         return state
 
     async def _dispatch_once(
-        self, session: HostSession, run: HostRun, operation_key: str, payload: ToolPayload
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        payload: ToolPayload,
+        unknown: WorkerRequestRejected | None = None,
     ) -> OperationStatus:
+        """One ``dispatch_operation``, decided under the run lock (H§16.4, H§16.5).
+
+        Without ``unknown``, only a ``pending`` key this run recorded and never
+        sent goes out; any other raises :class:`_SentBefore`. With ``unknown``
+        (the worker's ``unknown_operation`` for the key), only a key the ledger
+        still holds ``pending`` goes out; for any other the ledger says the
+        worker saw the key and its journal has forgotten it, and a new dispatch
+        could run the effect twice: ``unknown`` is raised (fail closed).
+        """
         request_id = _request_id("d")
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[OperationDispatchRequest]:
-            return self.engine.prepare_authenticated_operation_dispatch(
+            state = run.state(operation_key)
+            if unknown is None:
+                if state != StateKind.PENDING or operation_key not in run._unsent:
+                    raise _SentBefore()
+            elif state != StateKind.PENDING:
+                self._log.error(
+                    "dispatch_refused",
+                    run=run.name,
+                    operation_key=operation_key,
+                    ledger_state=state.value,
+                    code=unknown.rejection_code,
+                )
+                raise unknown
+            outbound = self.engine.prepare_authenticated_operation_dispatch(
                 run.plan, run._ledger, operation_key, payload, request_id, auth
             )
+            run._unsent.discard(operation_key)
+            return outbound
 
         return await self._send_prepared(session, run, "dispatch", build)
 
@@ -781,17 +822,20 @@ class HostClient:
     ) -> WorkerOperationState:
         """Dispatch a recorded operation and return its observed state.
 
-        A key the worker may already have admitted (published before by this
-        client, or no longer ``pending`` in the ledger) is reconciled instead.
-        A timeout or a ``pending``/``indeterminate``/``adapter_error`` refusal
-        leads to reconciliation of the same key (H§16.4).
+        Only a ``pending`` key this run recorded and never sent is dispatched
+        directly. Any other key (read from the store, sent before, no longer
+        ``pending``) is reconciled instead, and dispatched again only if the
+        worker answers ``unknown_operation`` while the ledger still says
+        ``pending``; otherwise that refusal is raised. A timeout or a
+        ``pending``/``indeterminate``/``adapter_error`` refusal leads to
+        reconciliation of the same key (H§16.4).
         """
         session = session.current()
         data = canonical_operation_input_bytes(payload)
-        if run.state(operation_key) != StateKind.PENDING or operation_key in run._dispatched:
-            return await self._settle(session, run, operation_key, data, payload, None)
         try:
             state = await self._dispatch_once(session, run, operation_key, payload)
+        except _SentBefore:
+            return await self._settle(session, run, operation_key, data, payload, None)
         except ReplyTimedOut as exc:
             return await self._settle(session, run, operation_key, data, payload, exc)
         except WorkerRequestRejected as exc:
@@ -814,7 +858,8 @@ class HostClient:
         """Reconcile a recorded operation (retries, new sessions as H§16.4 says).
 
         ``unknown_operation`` is raised as ``WorkerRequestRejected``: the
-        worker never admitted the key, and the caller may dispatch it.
+        worker never admitted the key (or has forgotten it); ``dispatch``
+        sends it again only while the ledger says ``pending``.
         """
         session = session.current()
         if isinstance(input, ToolPayload):
@@ -840,7 +885,9 @@ class HostClient:
         """Reconcile ``operation_key`` until a terminal state or the attempts run out.
 
         With ``payload``, ``unknown_operation`` (proof that the worker never
-        admitted the key) lets the same key be dispatched again.
+        admitted the key) lets the same key be dispatched again while the
+        ledger still says ``pending``; for a key in any other state it is
+        raised (the ledger says the worker did admit it).
         """
         timeouts = 1 if isinstance(cause, ReplyTimedOut) else 0
         new_session = (
@@ -876,9 +923,10 @@ class HostClient:
                     if payload is None:
                         raise
                     # Admission precedes every effect: the worker never saw it.
-                    run._dispatched.discard(operation_key)
                     try:
-                        state = await self._dispatch_once(session, run, operation_key, payload)
+                        state = await self._dispatch_once(
+                            session, run, operation_key, payload, unknown=exc
+                        )
                     except ReplyTimedOut:
                         timeouts += 1
                         continue
@@ -987,7 +1035,8 @@ class HostClient:
         unfinished compensation's target and inverse payload in
         ``compensations``. Keys without them are reported in ``unresolved``.
         An operation the worker never admitted (``unknown_operation``) is
-        dispatched again under its same key.
+        dispatched again under its same key if the ledger still says
+        ``pending``.
         """
         inputs = inputs or {}
         compensations = compensations or {}

@@ -1,0 +1,148 @@
+"""When the host client may send a dispatch again, and recovery key by key (H§16.4, H§16.5).
+
+Real RabbitMQ, the in-process worker daemon with the real ``files.publish``
+adapter (its effect log counts real effects) and real SQLite files for the
+host ledger and the worker journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from octo_common.errors import WorkerRequestRejected
+from octo_common.states import StateKind, Succeeded
+from octo_host.client import HostClient
+from octo_host.engine import WorkflowEngine
+from octo_host.plan import WorkflowStep
+from octo_worker.adapters_files import read_effect_log
+from octo_worker.daemon import WorkerDaemon
+
+from .conftest import (
+    TOOL,
+    HostEnv,
+    HostFactory,
+    WorkerEnv,
+    WorkerRunner,
+    manifest,
+)
+from .test_client import (
+    RUN,
+    STEPS,
+    SlowPublish,
+    publish_payload,
+    recorded,
+    registry,
+    stored_ledger,
+)
+
+pytestmark = pytest.mark.rabbitmq
+
+TWO_STEPS = [
+    WorkflowStep("publish", "publish the release notes"),
+    WorkflowStep("announce", "announce the release"),
+]
+
+
+async def recorded_two(client: HostClient) -> tuple[str, str]:
+    """Two operations of one run, recorded and persisted, never sent."""
+    run = await client.load_run(RUN, client.engine.plan(TWO_STEPS))
+    first = await client.record_operation(
+        run, "publish", TOOL, publish_payload("one.txt", "1"), b"n:1"
+    )
+    second = await client.record_operation(
+        run, "announce", TOOL, publish_payload("two.txt", "2"), b"n:2"
+    )
+    return first, second
+
+
+def effect_keys(worker_env: WorkerEnv) -> list[str]:
+    return [e["operation_key"] for e in read_effect_log(worker_env.effect_log)]
+
+
+def record_kinds(client: HostClient) -> list[str]:
+    """The kinds of frame ``client`` publishes from now on, in order (a spy, not a stub)."""
+    kinds: list[str] = []
+    publish = client.publish
+
+    async def spy(*args: Any, kind: str = "frame", **kwargs: Any) -> None:
+        kinds.append(kind)
+        await publish(*args, kind=kind, **kwargs)
+
+    client.publish = spy  # type: ignore[method-assign]
+    return kinds
+
+
+# Re-dispatch only on unknown_operation for a key the ledger still holds pending ----------
+
+
+async def test_a_succeeded_key_the_worker_forgot_is_never_dispatched_again(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    assert isinstance(await client.dispatch(session, run, key, publish_payload()), Succeeded)
+    await asyncio.sleep(0.05)
+    assert (await daemon.store.prune(worker_env.scope, 0)).removed == 1  # journal pruned
+
+    # The operator runs the dispatch again: the worker answers unknown_operation.
+    with pytest.raises(WorkerRequestRejected) as refused:
+        await client.dispatch(session, run, key, publish_payload())
+
+    assert refused.value.rejection_code == "unknown_operation"
+    assert key in str(refused.value)
+    assert client.published["dispatch_operation"] == 1
+    assert effect_keys(worker_env) == [key]  # the effect ran once
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+
+
+async def test_dispatch_after_a_host_restart_reconciles_a_pending_key_first(
+    workers: WorkerRunner, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    adapter = SlowPublish(worker_env, delay=0.5)
+    await workers.start(adapters=registry(adapter))
+    before = await hosts.start()
+    plan, run, key = await recorded(before)
+    session = await before.open_session(worker_env.scope, manifest())
+    outbound = before.engine.prepare_authenticated_operation_dispatch(
+        plan, run.ledger, key, publish_payload(), "d-1", session.authenticator
+    )
+    await before.publish(session, outbound.frame, "d-1", kind="dispatch_operation")
+    await hosts.close(before)  # the host "crashes" with the operation pending (maybe sent)
+
+    after = await hosts.start(engine=WorkflowEngine())
+    again = await after.load_run(RUN, after.engine.plan(STEPS))
+    assert again.state(key) == StateKind.PENDING
+    fresh = await after.open_session(worker_env.scope, manifest())
+    state = await after.dispatch(fresh, again, key, publish_payload())
+
+    assert isinstance(state, Succeeded)
+    assert after.published["dispatch_operation"] == 0
+    assert after.published["reconcile_operation"] >= 1
+    assert adapter.dispatches == 1
+    assert effect_keys(worker_env) == [key]
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+
+
+async def test_two_concurrent_dispatches_of_one_key_send_one_dispatch_first(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    run = await client.load_run(RUN, client.engine.plan(TWO_STEPS))
+    key = await client.record_operation(run, "publish", TOOL, publish_payload(), b"n:1")
+    session = await client.open_session(worker_env.scope, manifest())
+    kinds = record_kinds(client)
+
+    # The first task holds the run lock (a ledger write) while both dispatches start.
+    _, first, second = await asyncio.gather(
+        client.record_operation(run, "announce", TOOL, publish_payload("two.txt"), b"n:2"),
+        client.dispatch(session, run, key, publish_payload()),
+        client.dispatch(session, run, key, publish_payload()),
+    )
+
+    assert isinstance(first, Succeeded) and first == second
+    assert kinds[:2] == ["dispatch_operation", "reconcile_operation"]
+    assert effect_keys(worker_env) == [key]
