@@ -322,7 +322,12 @@ class HostRun:
 
 @dataclass
 class RecoverySummary:
-    """What :meth:`HostClient.recover` found and did, key by key."""
+    """What :meth:`HostClient.recover` found and did, key by key.
+
+    ``errors`` holds, for each key whose recovery failed (it is also in
+    ``unresolved``), the error's code; for a worker refusal, the worker's
+    rejection code (``unknown_operation``, ...).
+    """
 
     run: HostRun
     session: HostSession
@@ -330,6 +335,7 @@ class RecoverySummary:
     compensations: dict[str, StateKind] = field(default_factory=dict)
     reconciled: list[str] = field(default_factory=list)
     unresolved: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class _SentBefore(Exception):
@@ -1036,59 +1042,86 @@ class HostClient:
         ``compensations``. Keys without them are reported in ``unresolved``.
         An operation the worker never admitted (``unknown_operation``) is
         dispatched again under its same key if the ledger still says
-        ``pending``.
+        ``pending``. A key whose recovery raises an :class:`OctoError`
+        (a verifier's refusal, a wrong input, a worker refusal, a failed
+        publish or ledger write) is reported in ``unresolved`` with its code in
+        ``errors``, and recovery goes on with the next key. The fresh session
+        is handed to the caller in the summary; if recovery itself fails, it
+        is closed before the error is raised.
         """
         inputs = inputs or {}
         compensations = compensations or {}
         run = await self.load_run(run_name, plan, minimum_revision=minimum_revision)
         session = await self.open_session(scope, manifest)
         summary = RecoverySummary(run, session)
-        for operation in run.ledger.operations:
-            key = operation.operation_key
-            if operation.state not in TERMINAL_KINDS:
-                payload = inputs.get(key)
-                if payload is None:
+        try:
+            for operation in run.ledger.operations:
+                key = operation.operation_key
+                if operation.state not in TERMINAL_KINDS:
+                    payload = inputs.get(key)
+                    if payload is None:
+                        summary.unresolved.append(key)
+                        continue
+                    try:
+                        await self._settle(
+                            session,
+                            run,
+                            key,
+                            canonical_operation_input_bytes(payload),
+                            payload,
+                            None,
+                        )
+                    except OctoError as exc:
+                        session = session.current()
+                        self._recovery_failed(summary, key, exc)
+                        failed = run.operation(key)
+                        if failed is not None:
+                            summary.operations[key] = failed.state
+                        continue
+                    summary.reconciled.append(key)
+                    session = session.current()
+                current = run.operation(key)
+                if current is None:
+                    continue
+                summary.operations[key] = current.state
+                if current.state not in TERMINAL_KINDS:
                     summary.unresolved.append(key)
+                compensation = current.compensation
+                if compensation is None:
                     continue
-                await self._settle(
-                    session,
-                    run,
-                    key,
-                    canonical_operation_input_bytes(payload),
-                    payload,
-                    None,
-                )
-                summary.reconciled.append(key)
-                session = session.current()
-            current = run.operation(key)
-            if current is None:
-                continue
-            summary.operations[key] = current.state
-            if current.state not in TERMINAL_KINDS:
-                summary.unresolved.append(key)
-            compensation = current.compensation
-            if compensation is None:
-                continue
-            if compensation.state not in TERMINAL_KINDS:
-                entry = compensations.get(key)
-                if entry is None:
-                    summary.unresolved.append(compensation.compensation_key)
-                    summary.compensations[key] = compensation.state
-                    continue
-                target, inverse = entry
-                await self.compensate(
-                    session,
-                    run,
-                    target,
-                    WorkflowCompensationDispatch(_request_id("c"), inverse),
-                )
-                session = session.current()
-                summary.reconciled.append(compensation.compensation_key)
-            final = run.operation(key)
-            if final is not None and final.compensation is not None:
-                summary.compensations[key] = final.compensation.state
-                if final.compensation.state not in TERMINAL_KINDS:
-                    summary.unresolved.append(final.compensation.compensation_key)
+                if compensation.state not in TERMINAL_KINDS:
+                    entry = compensations.get(key)
+                    if entry is None:
+                        summary.unresolved.append(compensation.compensation_key)
+                        summary.compensations[key] = compensation.state
+                        continue
+                    target, inverse = entry
+                    try:
+                        await self.compensate(
+                            session,
+                            run,
+                            target,
+                            WorkflowCompensationDispatch(_request_id("c"), inverse),
+                        )
+                    except OctoError as exc:
+                        session = session.current()
+                        self._recovery_failed(summary, compensation.compensation_key, exc)
+                        failed = run.operation(key)
+                        if failed is not None and failed.compensation is not None:
+                            summary.compensations[key] = failed.compensation.state
+                        continue
+                    session = session.current()
+                    summary.reconciled.append(compensation.compensation_key)
+                final = run.operation(key)
+                if final is not None and final.compensation is not None:
+                    summary.compensations[key] = final.compensation.state
+                    if final.compensation.state not in TERMINAL_KINDS:
+                        summary.unresolved.append(final.compensation.compensation_key)
+        except BaseException:
+            # Not a key's failure (a defect, a cancellation): no summary to hand over.
+            with contextlib.suppress(OctoError):
+                await self.close_session(session)
+            raise
         summary.session = session
         self._log.info(
             "run_recovered",
@@ -1098,6 +1131,12 @@ class HostClient:
             unresolved=len(summary.unresolved),
         )
         return summary
+
+    def _recovery_failed(self, summary: RecoverySummary, key: str, error: OctoError) -> None:
+        code = error.rejection_code if isinstance(error, WorkerRequestRejected) else error.code
+        summary.unresolved.append(key)
+        summary.errors[key] = code
+        self._log.warning("recovery_key_failed", run=summary.run.name, key=key, error=code)
 
     async def _backoff(self, attempt: int) -> None:
         delay = min(self._backoff_initial * (2 ** (attempt - 1)), self._backoff_max)
