@@ -1064,6 +1064,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             "compensations": {k: v.value for k, v in summary.compensations.items()},
             "reconciled": list(summary.reconciled),
             "unresolved": list(dict.fromkeys(summary.unresolved)),
+            "errors": dict(summary.errors),
         }
 
     document = asyncio.run(_with_client(config, scope, body))
@@ -1086,6 +1087,8 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
     else:
         out.line("no operations")
     out.document(document)
+    for key, code in document["errors"].items():
+        out.line(f"failed:    {key}: {code}")
     if not ok:
         out.error(
             f"{len(document['unresolved'])} key(s) unresolved: "

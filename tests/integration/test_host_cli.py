@@ -309,6 +309,15 @@ async def test_recover_dispatches_a_key_the_worker_never_saw(
     assert blind.json()["unresolved"] == [key]
     assert_one_line_error(blind, "unresolved", key)
 
+    # A wrong input is refused by its recorded fingerprint, named with its code.
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"operations": {key: {"name": "x.txt", "content": "no"}}}))
+    refused = await cli.run("recover", RUN, "--inputs", str(wrong), "--json")
+    assert refused.status == 1
+    assert refused.json()["unresolved"] == [key]
+    assert refused.json()["errors"] == {key: "input_fingerprint_mismatch"}
+    assert read_effect_log(worker_env.effect_log) == []
+
     inputs = tmp_path / "inputs.json"
     inputs.write_text(json.dumps({"operations": {key: json.loads(PUBLISH)}}))
     recovered = await cli.run(
