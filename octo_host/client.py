@@ -148,6 +148,7 @@ _NEW_SESSION: Final = frozenset(
 _TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
 # Late replies remembered per session (their requests timed out).
 _MAX_WAITERS_PER_SESSION: Final = 1024
+_MAX_SENT_REMEMBERED: Final = 4096
 
 
 class ReplyTimedOut(OctoError):
@@ -249,6 +250,10 @@ class HostSession:
         self.closed = False
         self.replaced_by: HostSession | None = None
         self._waiters: dict[str, _Waiter] = {}
+        # Request ids this session sent (the newest _MAX_SENT_REMEMBERED, in
+        # order): an authentic reply to one whose waiter is gone is a late or
+        # repeated answer (W§10.7), dropped; one to any other id is unexpected.
+        self._sent: dict[str, None] = {}
 
     @property
     def session_id(self) -> str:
@@ -560,6 +565,10 @@ class HostClient:
         future.add_done_callback(_retrieve)
         waiter = _Waiter(kind, request, run, future)
         waiters[request_id] = waiter
+        sent = session._sent
+        sent[request_id] = None
+        if len(sent) > _MAX_SENT_REMEMBERED:
+            del sent[next(iter(sent))]
         return waiter
 
     async def _await(self, session: HostSession, request_id: str, waiter: _Waiter) -> Any:
@@ -1202,6 +1211,20 @@ class HostClient:
             return
         except OctoError as exc:
             await self._dead_letter(message, exc.code)
+            return
+        if message.correlation_id is not None and message.correlation_id in session._sent:
+            # The worker answers each copy of a request (a publish retried
+            # after a lost confirm, a redelivery), and a reply may come after
+            # its caller gave up (the key is then reconciled): not an attack,
+            # nothing to apply twice.
+            self._log.info(
+                "reply_dropped",
+                session_id=session.session_id,
+                type=message_type(opened),
+                request_id=message.correlation_id,
+                reason="answered_or_abandoned",
+            )
+            await self._ack(message)
             return
         self._log.warning(
             "reply_unrequested",

@@ -232,6 +232,34 @@ async def test_the_same_frame_twice_has_one_effect_and_two_answers(
     assert client.published["dispatch_operation"] == 2
 
 
+async def test_a_repeated_answer_to_an_answered_request_is_dropped_not_dead_lettered(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv, dead_letters: Inbox
+) -> None:
+    client = await hosts.start()
+    plan, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    outbound = client.engine.prepare_authenticated_operation_dispatch(
+        plan, run.ledger, key, publish_payload(), "d-again", session.authenticator
+    )
+    answer = await client.send(session, outbound)
+    assert isinstance(answer, OperationResult)
+
+    # A second copy of the frame (a publish retried after a lost confirm): the
+    # worker answers it again with the same request id, and nobody waits for it.
+    await client.publish(session, outbound.frame, "d-again")
+    await asyncio.sleep(1.0)
+    assert dead_letters.matching(lambda m: m.correlation_id == "d-again") == []
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+    # A reply to a request id this session never sent is still refused.
+    stranger = client.engine.prepare_authenticated_operation_dispatch(
+        plan, run.ledger, key, publish_payload(), "d-never", session.authenticator
+    )
+    await client.publish(session, stranger.frame, "d-never")
+    dead = await dead_letters.wait_for(lambda m: m.correlation_id == "d-never")
+    assert reason_of(dead) == "unexpected_message"
+
+
 async def test_reply_timeout_reconciles_the_same_key_and_never_redispatches(
     workers: WorkerRunner, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
 ) -> None:
