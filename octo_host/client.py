@@ -95,6 +95,7 @@ from octo_common.transport import (
     reply_queue,
 )
 from octo_host.amqp import (
+    BrokerUnavailable,
     connect,
     consume_reply_queue,
     declare_reply_queue,
@@ -388,6 +389,8 @@ class HostClient:
         self._runs: dict[str, HostRun] = {}
         self._watermarks: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Why replies can no longer arrive (None while the consumer is alive).
+        self._replies_lost: str | None = None
         # Frames published, by message type (observability; tests read it).
         self.published: Counter[str] = Counter()
         self._log = _log.bind(host=host_id)
@@ -405,6 +408,7 @@ class HostClient:
             self._url, timeout=self.publish_timeout, name=f"octo-host-{self.host_id}"
         )
         self._connection = connection
+        self._replies_lost = None
         try:
             self._publish_channel = await open_confirm_channel(connection)
             await declare_reply_queue(self._publish_channel, self.host_id)
@@ -412,10 +416,41 @@ class HostClient:
                 connection, self.host_id, self._on_delivery, prefetch_count=64
             )
             self._consume_channel, self._queue, self._consumer_tag = consumer
+            await self._watch_replies(connection, self._consume_channel)
         except BaseException:
             await self.close()
             raise
         self._log.info("host_client_started", reply_queue=self.reply_queue)
+
+    async def _watch_replies(
+        self, connection: AbstractConnection, channel: AbstractChannel
+    ) -> None:
+        """Fail every waiting call at once when no reply can arrive any more.
+
+        The connection or the consume channel closed, or the broker cancelled
+        the consumer (the reply queue was deleted): a caller would otherwise
+        sit out its whole reply timeout and reconcile into the same silence.
+        """
+
+        def lost(reason: str) -> None:
+            if self._replies_lost is not None:
+                return
+            self._replies_lost = reason
+            waiting = [w for s in self._sessions.values() for w in s._waiters.values()]
+            if self._consumer_tag is not None:  # not our own close()
+                self._log.error("replies_lost", reason=reason, waiting=len(waiting))
+            for waiter in waiting:
+                waiter.fail(BrokerUnavailable(f"no replies: {reason}"))
+
+        connection.close_callbacks.add(lambda *_: lost("the connection closed"))
+        channel.close_callbacks.add(lambda *_: lost("the reply channel closed"))
+
+        def cancelled(frame: Any) -> None:
+            if getattr(frame, "consumer_tag", None) == self._consumer_tag:
+                lost("the broker cancelled the reply consumer")
+
+        underlay = await channel.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(cancelled)
 
     async def close(self) -> None:
         """Stop consuming, let reply handlers finish, close the connection. Idempotent."""
@@ -555,6 +590,8 @@ class HostClient:
         request: Any,
         run: HostRun | None,
     ) -> _Waiter:
+        if self._replies_lost is not None:
+            raise BrokerUnavailable(f"no replies: {self._replies_lost}")
         waiters = session._waiters
         if len(waiters) >= _MAX_WAITERS_PER_SESSION:
             oldest = next(iter(waiters))

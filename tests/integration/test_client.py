@@ -741,3 +741,29 @@ async def test_a_reply_consumer_that_cannot_start_is_broker_unavailable(
         await hosts.start(host_id=host_id)
 
     assert "ChannelNotFoundEntity" in refused.value.reason
+
+
+async def test_a_lost_reply_consumer_fails_waiting_calls_at_once(
+    workers: WorkerRunner, hosts: HostFactory, worker_env: WorkerEnv, channel: AbstractChannel
+) -> None:
+    await workers.start(adapters=registry(SlowPublish(worker_env, delay=1.5)))
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not session._waiters and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert session._waiters
+
+    # The reply queue is deleted: the broker cancels the client's consumer.
+    started = loop.time()
+    await channel.queue_delete(client.reply_queue)
+    with pytest.raises(BrokerUnavailable, match="cancelled the reply consumer"):
+        await asyncio.wait_for(dispatching, WAIT)
+    assert loop.time() - started < 1.0  # not the reply timeout
+    # The intent stays durable and pending: recover() resolves it later.
+    assert run.state(key) == StateKind.PENDING
+    with pytest.raises(BrokerUnavailable):
+        await client.reconcile(session, run, key, publish_payload())
