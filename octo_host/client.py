@@ -391,6 +391,7 @@ class HostClient:
         self._tasks: set[asyncio.Task[None]] = set()
         # Why replies can no longer arrive (None while the consumer is alive).
         self._replies_lost: str | None = None
+        self._replace_lock = asyncio.Lock()
         # Frames published, by message type (observability; tests read it).
         self.published: Counter[str] = Counter()
         self._log = _log.bind(host=host_id)
@@ -508,9 +509,18 @@ class HostClient:
         await self._close_exact(session.current())
 
     async def _replace_session(self, session: HostSession, reason: str) -> HostSession:
-        """H§16.4: open a new session under the same manifest; close the old one."""
-        fresh = await self.open_session(session.scope, session.manifest)
-        session.replaced_by = fresh
+        """H§16.4: open a new session under the same manifest; close the old one.
+
+        ``session`` is the one that failed. If another call replaced it already,
+        its successor is returned: concurrent verbs that saw the same failure
+        open one fresh session, and a late failure of an old session never
+        replaces (and closes) a newer one.
+        """
+        async with self._replace_lock:
+            if session.replaced_by is not None:
+                return session.current()
+            fresh = await self.open_session(session.scope, session.manifest)
+            session.replaced_by = fresh
         self._log.warning(
             "session_replaced",
             scope=session.scope,
@@ -958,7 +968,7 @@ class HostClient:
                 await self._backoff(attempt)
             if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
                 reason = "rejection" if new_session else "timeouts"
-                session = await self._replace_session(session.current(), reason)
+                session = await self._replace_session(session, reason)
                 new_session, timeouts = False, 0
             session = session.current()
             try:
@@ -1034,7 +1044,7 @@ class HostClient:
                 dispatch = WorkflowCompensationDispatch(_request_id("c"), dispatch.payload)
             if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
                 reason = "rejection" if new_session else "timeouts"
-                session = await self._replace_session(session.current(), reason)
+                session = await self._replace_session(session, reason)
                 new_session, timeouts = False, 0
             session = session.current()
             try:

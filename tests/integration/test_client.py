@@ -767,3 +767,19 @@ async def test_a_lost_reply_consumer_fails_waiting_calls_at_once(
     assert run.state(key) == StateKind.PENDING
     with pytest.raises(BrokerUnavailable):
         await client.reconcile(session, run, key, publish_payload())
+
+
+async def test_a_failed_session_is_replaced_once_and_never_replaces_its_successor(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    first = await client.open_session(worker_env.scope, manifest())
+    # Two verbs saw the same session fail at once: one fresh session for both.
+    a, b = await asyncio.gather(
+        client._replace_session(first, "rejection"), client._replace_session(first, "timeouts")
+    )
+    assert a is b and first.replaced_by is a and first.closed
+    # A late failure reported on the old session does not replace (close) the new one.
+    again = await client._replace_session(first, "rejection")
+    assert again is a and not a.closed and a.replaced_by is None
+    assert client.published["open_session"] == 2
