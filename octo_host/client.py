@@ -57,11 +57,13 @@ from octo_common.errors import (
     LedgerError,
     OctoError,
     SessionClosed,
+    StorageBackendError,
     UnexpectedMessage,
     UnknownOperation,
     WireFrameTooLarge,
     WorkerRequestRejected,
     WorkflowError,
+    WriteConflict,
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityManifest
@@ -717,12 +719,40 @@ class HostClient:
     async def _swap_and_adopt(
         self, run: HostRun, candidate: WorkflowOperationLedger, payload: bytes
     ) -> None:
-        record = await self.store.compare_and_swap(run.record_key, run._stored_revision, payload)
+        try:
+            record = await self.store.compare_and_swap(
+                run.record_key, run._stored_revision, payload
+            )
+        except (WriteConflict, StorageBackendError):
+            # The stored ledger is not what this run holds (another writer, or
+            # a write reported failed after its commit): adopt what the store
+            # holds, so the next verb starts from it instead of failing forever.
+            await self._resync(run)
+            raise
         run._stored_revision = record.revision
         run._ledger = candidate
         run._durable_ledger_revision = candidate.revision
         self._watermarks[run.name] = candidate.revision
         self._log.debug("ledger_persisted", run=run.name, revision=candidate.revision)
+
+    async def _resync(self, run: HostRun) -> None:
+        """Adopt the stored ledger of ``run`` if it validates; else keep the run as is."""
+        try:
+            record = await self.store.load(run.record_key)
+            if record is None or record.revision == run._stored_revision:
+                return
+            ledger = WorkflowOperationLedger.from_json(record.payload)
+            watermark = self._watermarks.get(run.name, 0)
+            self.engine.validate_operation_ledger_at_or_after(run.plan, ledger, watermark)
+        except OctoError as exc:
+            self._log.error("ledger_resync_failed", run=run.name, error=exc.code)
+            return
+        run._stored_revision = record.revision
+        run._ledger = ledger
+        run._durable_ledger_revision = ledger.revision
+        run._unsent.clear()  # the other writer may have sent any key
+        self._watermarks[run.name] = ledger.revision
+        self._log.warning("ledger_resynced", run=run.name, revision=ledger.revision)
 
     async def record_operation(
         self,

@@ -20,6 +20,7 @@ from octo_common.errors import (
     CompensationRequiresSucceededOperation,
     InvalidScopeKey,
     SessionClosed,
+    WriteConflict,
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
@@ -783,3 +784,27 @@ async def test_a_failed_session_is_replaced_once_and_never_replaces_its_successo
     again = await client._replace_session(first, "rejection")
     assert again is a and not a.closed and a.replaced_by is None
     assert client.published["open_session"] == 2
+
+
+async def test_a_write_conflict_resyncs_the_run_so_the_next_write_succeeds(
+    hosts: HostFactory, host_env: HostEnv
+) -> None:
+    first = await hosts.start()
+    _, run, key = await recorded(first)
+    # Another writer (a second client on the same ledger file) moves the run on.
+    second = await hosts.start()
+    other_run = await second.load_run(RUN, second.engine.plan(STEPS))
+    theirs = await second.record_operation(
+        other_run, "publish", TOOL, publish_payload("b.txt"), b"release-42:2"
+    )
+    with pytest.raises(WriteConflict):
+        await first.record_operation(
+            run, "publish", TOOL, publish_payload("c.txt"), b"release-42:3"
+        )
+    # The failed write adopted the stored ledger: the next one goes through.
+    mine = await first.record_operation(
+        run, "publish", TOOL, publish_payload("c.txt"), b"release-42:3"
+    )
+    stored = await stored_ledger(host_env)
+    assert [o.operation_key for o in stored.operations] == [key, theirs, mine]
+    assert run.ledger == stored
