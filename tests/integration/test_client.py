@@ -36,7 +36,7 @@ from octo_host.amqp import (
     open_confirm_channel,
     publish_confirmed,
 )
-from octo_host.client import HostClient, HostRun
+from octo_host.client import HostClient, HostRun, HostSession
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
@@ -123,6 +123,20 @@ async def recorded(client: HostClient) -> tuple[WorkflowPlan, HostRun, str]:
     run = await client.load_run(RUN, plan)
     key = await client.record_operation(run, "publish", TOOL, publish_payload(), b"release-42:1")
     return plan, run, key
+
+
+async def dispatch_in_flight(
+    client: HostClient, worker_env: WorkerEnv
+) -> tuple[HostRun, str, HostSession, asyncio.Task[Any]]:
+    """A recorded key dispatched in the background, returned once its request is out."""
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not session._waiters and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return run, key, session, dispatching
 
 
 async def stored_ledger(host_env: HostEnv) -> WorkflowOperationLedger:
@@ -581,13 +595,7 @@ async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(
 ) -> None:
     await workers.start(adapters=registry(SlowPublish(worker_env, delay=0.5)))
     client = await hosts.start()
-    _, run, key = await recorded(client)
-    session = await client.open_session(worker_env.scope, manifest())
-    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT
-    while not session._waiters and loop.time() < deadline:
-        await asyncio.sleep(0.01)
+    run, key, session, dispatching = await dispatch_in_flight(client, worker_env)
     (request_id,) = session._waiters
 
     # A "worker" that does not hold the scope key claims success.
@@ -749,16 +757,11 @@ async def test_a_lost_reply_consumer_fails_waiting_calls_at_once(
 ) -> None:
     await workers.start(adapters=registry(SlowPublish(worker_env, delay=1.5)))
     client = await hosts.start()
-    _, run, key = await recorded(client)
-    session = await client.open_session(worker_env.scope, manifest())
-    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT
-    while not session._waiters and loop.time() < deadline:
-        await asyncio.sleep(0.01)
+    run, key, session, dispatching = await dispatch_in_flight(client, worker_env)
     assert session._waiters
 
     # The reply queue is deleted: the broker cancels the client's consumer.
+    loop = asyncio.get_running_loop()
     started = loop.time()
     await channel.queue_delete(client.reply_queue)
     with pytest.raises(BrokerUnavailable, match="cancelled the reply consumer"):
