@@ -1,13 +1,16 @@
 """Operator decisions on stuck operations, and their audit record.
 
-When an operation stays ``pending`` or ``running`` and no worker answer can
-settle it (the worker's journal is lost, the provider confirms out of band),
-an operator may decide its state. This module owns that decision:
+When an operation, or a compensation (named by its ``cmp-`` key), stays
+``pending`` or ``running`` and no worker answer can settle it (the worker's
+journal is lost, a crash cut the adapter and it has no status lookup, the
+provider confirms out of band), an operator may decide its state. This module
+owns that decision:
 
 * the ledger change goes through
-  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_by_operator`, the
-  one transition table, on a copy that is written back with compare-and-swap;
-  nothing is sent to a worker and no effect runs;
+  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_by_operator` or
+  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_compensation_by_operator`,
+  the one transition table, on a copy that is written back with
+  compare-and-swap; nothing is sent to a worker and no effect runs;
 * every decision is first appended to the run's audit record
   ``("workflow-audit", RUN)``, an authenticated record in the same
   :class:`~octo_host.store.SqliteLedgerStore` as the ledger, written with
@@ -20,8 +23,9 @@ between leaves a recorded decision that did not land (``ledger_agrees`` is
 false in :func:`load_audit`) and never a ledger change without its entry.
 
 It must never forge a worker answer (no reconcile request/result is built),
-resolve a terminal operation or one with a compensation, rewrite or drop an
-audit entry, or log the reason (only ids, states and revisions are logged).
+resolve a terminal operation or compensation, decide an original that has a
+compensation (its compensation is decided instead), rewrite or drop an audit
+entry, or log the reason (only ids, states and revisions are logged).
 """
 
 from __future__ import annotations
@@ -166,6 +170,17 @@ def _utc_now() -> str:
     return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def _decided_state(ledger: WorkflowOperationLedger, key: str) -> StateKind | None:
+    """The state an entry's key names: an operation's, or a compensation's (``cmp-`` key)."""
+    operation = ledger.operation(key)
+    if operation is not None:
+        return operation.state
+    compensated = ledger.compensated_operation(key)
+    if compensated is not None and compensated.compensation is not None:
+        return compensated.compensation.state
+    return None
+
+
 async def load_audit(store: AuthenticatedStore, run: str) -> list[AuditedEntry]:
     """The run's audit entries, oldest first, each compared with the stored ledger."""
     record = await store.load(audit_record_key(run))
@@ -178,12 +193,12 @@ async def load_audit(store: AuthenticatedStore, run: str) -> list[AuditedEntry]:
     )
     audited = []
     for entry in entries:
-        operation = None if ledger is None else ledger.operation(entry.key)
+        state = None if ledger is None else _decided_state(ledger, entry.key)
         agrees = (
             ledger is not None
-            and operation is not None
+            and state is not None
             and ledger.revision >= entry.ledger_revision
-            and operation.state == entry.to_state
+            and state == entry.to_state
         )
         audited.append(AuditedEntry(entry, agrees))
     return audited
@@ -200,13 +215,15 @@ async def resolve_operation(
     plan: WorkflowPlan | None = None,
     time: str | None = None,
 ) -> AuditEntry:
-    """Apply an operator's decision to a stuck operation and audit it.
+    """Apply an operator's decision to a stuck operation or compensation and audit it.
 
-    Refuses (``ResolutionRefused``, ``UnknownOperation`` or the ledger's
-    ``InvalidStateTransition``; nothing written) a missing run or key, a
-    terminal or compensated operation, a non-terminal target state, and an
-    empty reason. Writes the audit entry, then the ledger, both with
-    compare-and-swap (``WriteConflict`` when someone else wrote first).
+    ``operation_key`` names an operation, or a compensation by its ``cmp-``
+    key. Refuses (``ResolutionRefused``, ``UnknownOperation`` or the ledger's
+    transition errors; nothing written) a missing run or key, a terminal
+    operation or compensation, an original that has a compensation, a
+    non-terminal target state, and an empty reason. Writes the audit entry,
+    then the ledger, both with compare-and-swap (``WriteConflict`` when
+    someone else wrote first).
     """
     target = StateKind(state)
     _check_text(operation_key, operator, reason)
@@ -218,24 +235,36 @@ async def resolve_operation(
     if plan is not None:
         ledger.validate_for(plan)
     operation = ledger.operation(operation_key)
-    if operation is None:
+    compensated = ledger.compensated_operation(operation_key) if operation is None else None
+    if compensated is not None and compensated.compensation is not None:
+        what, current = "compensation", compensated.compensation.state
+    elif operation is not None:
+        what, current = "operation", operation.state
+        compensation = operation.compensation
+        if compensation is not None:
+            hint = (
+                f"; decide its compensation {compensation.compensation_key} instead"
+                if compensation.state not in TERMINAL_KINDS
+                else ""
+            )
+            raise ResolutionRefused(operation_key, f"the operation has a compensation{hint}")
+    else:
         raise UnknownOperation(operation_key)
-    if operation.compensation is not None:
-        raise ResolutionRefused(operation_key, "the operation has a compensation")
-    if operation.state in TERMINAL_KINDS:
-        raise ResolutionRefused(
-            operation_key, f"the operation is already {operation.state.value} (terminal)"
-        )
+    if current in TERMINAL_KINDS:
+        raise ResolutionRefused(operation_key, f"the {what} is already {current.value} (terminal)")
     if target not in TERMINAL_KINDS:
         raise ResolutionRefused(operation_key, "the decided state must be terminal")
     candidate = ledger.copy()
-    candidate.resolve_by_operator(operation_key, target)
+    if what == "compensation":
+        candidate.resolve_compensation_by_operator(operation_key, target)
+    else:
+        candidate.resolve_by_operator(operation_key, target)
     ledger_payload = candidate.to_json().encode("utf-8")
 
     entry = AuditEntry(
         run=run,
         key=operation_key,
-        from_state=operation.state,
+        from_state=current,
         to_state=target,
         operator=operator,
         reason=reason,
@@ -252,10 +281,10 @@ async def resolve_operation(
     )
     await store.compare_and_swap(ledger_key, record.revision, ledger_payload)
     _log.info(
-        "operation_resolved_by_operator",
+        f"{what}_resolved_by_operator",
         run=run,
         operation_key=operation_key,
-        state_from=operation.state.value,
+        state_from=current.value,
         state_to=target.value,
         revision=candidate.revision,
     )

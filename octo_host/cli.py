@@ -25,7 +25,8 @@ strings for text tools).
 finds the recorded key and settles it instead of creating another.
 ``compensate`` resumes a recorded, unfinished compensation with the same
 inverse (fresh approval) and refuses any other second compensation.
-``resolve`` is :func:`octo_host.audit.resolve_operation`: no frame is sent.
+``resolve`` is :func:`octo_host.audit.resolve_operation` (an ``op-`` key
+decides an operation, a ``cmp-`` key a compensation): no frame is sent.
 
 One command at a time per ledger: the broker verbs and ``resolve`` hold an
 exclusive lock on ``<database>.lock``, because two processes of one host id
@@ -340,10 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     recover.set_defaults(handler=cmd_recover)
 
     resolve = verbs.add_parser(
-        "resolve", parents=[common], help="an operator's audited decision for a stuck operation"
+        "resolve",
+        parents=[common],
+        help="an operator's audited decision for a stuck operation or compensation",
     )
     resolve.add_argument("run", type=_token_arg, metavar="RUN")
-    resolve.add_argument("key", type=_token_arg, metavar="KEY")
+    resolve.add_argument(
+        "key", type=_token_arg, metavar="KEY", help="an operation key, or a compensation's cmp- key"
+    )
     resolve.add_argument(
         "--state", required=True, choices=["succeeded", "failed", "cancelled"], metavar="STATE"
     )

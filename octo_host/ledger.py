@@ -566,6 +566,45 @@ class WorkflowOperationLedger:
         self._revision = revision
         return target
 
+    def compensated_operation(self, compensation_key: str) -> WorkflowOperation | None:
+        """The operation whose compensation has exactly this ``cmp-`` key, or None."""
+        for operation in self._operations:
+            compensation = operation.compensation
+            if compensation is not None and compensation.compensation_key == compensation_key:
+                return operation
+        return None
+
+    def resolve_compensation_by_operator(
+        self, compensation_key: str, state: StateKind | str
+    ) -> StateKind:
+        """Record an operator's decision for a stuck compensation (no worker answer).
+
+        The compensation counterpart of :meth:`resolve_by_operator`: only a
+        ``pending`` or ``running`` compensation, only to a terminal state,
+        along the one transition table. The original stays ``succeeded``;
+        nothing is sent and no inverse runs. Advances the revision.
+        """
+        self.validate_syntax()
+        target = StateKind(state)
+        operation = self.compensated_operation(compensation_key)
+        if operation is None or operation.compensation is None:
+            raise UnknownCompensation(compensation_key)
+        compensation = operation.compensation
+        if (
+            target not in TERMINAL_KINDS
+            or compensation.state in TERMINAL_KINDS
+            or not accepts(compensation.state, target)
+        ):
+            raise InvalidCompensationStateTransition(compensation_key, compensation.state, target)
+        index = self._index(operation.operation_key)
+        assert index is not None  # found above
+        revision = _next_revision(self._revision)
+        self._operations[index] = replace(
+            operation, compensation=replace(compensation, state=target)
+        )
+        self._revision = revision
+        return target
+
     def apply_verified_compensation(
         self, request: OperationCompensationRequest, result: OperationCompensationResult
     ) -> OperationStatus:

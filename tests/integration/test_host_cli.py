@@ -421,20 +421,29 @@ async def test_a_dispatch_killed_before_publishing_is_finished_by_the_same_comma
     assert len(read_effect_log(worker_env.effect_log)) == 1
 
 
-async def test_recover_finishes_a_compensation_killed_before_it_was_sent(
-    daemon: object, cli: HostCli, worker_env: WorkerEnv, tmp_path: Path
-) -> None:
+async def _compensation_killed_before_it_was_sent(
+    cli: HostCli, worker_env: WorkerEnv
+) -> tuple[str, dict[str, Any]]:
+    """A succeeded dispatch, then `compensate` SIGKILLed after its ledger commit.
+
+    Returns the operation key and the ledger's compensation (``pending``)."""
     key = (await cli.dispatch()).json()["operation_key"]
     killed = await cli.run(
         "compensate", RUN, key, "--scope", cli.names.scope, "--payload", UNDO,
         "--nonce", "undo-1", "--original", PUBLISH, env=CRASH,
     )  # fmt: skip
     assert killed.status == -9
-    compensation = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"][0][
-        "compensation"
-    ]
-    assert compensation["state"] == "pending"
+    [operation] = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"]
+    compensation: dict[str, Any] = operation["compensation"]
+    assert operation["state"] == "succeeded" and compensation["state"] == "pending"
     assert (worker_env.published / "notes.txt").exists()
+    return key, compensation
+
+
+async def test_recover_finishes_a_compensation_killed_before_it_was_sent(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv, tmp_path: Path
+) -> None:
+    key, compensation = await _compensation_killed_before_it_was_sent(cli, worker_env)
 
     inputs = tmp_path / "inputs.json"
     inputs.write_text(
@@ -451,6 +460,49 @@ async def test_recover_finishes_a_compensation_killed_before_it_was_sent(
     assert summary["reconciled"] == [compensation["compensation_key"]]
     assert not (worker_env.published / "notes.txt").exists()
     assert len(read_effect_log(worker_env.effect_log)) == 2
+
+
+async def test_resolve_decides_a_stuck_compensation_by_its_cmp_key(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv
+) -> None:
+    key, compensation = await _compensation_killed_before_it_was_sent(cli, worker_env)
+    cmp_key = compensation["compensation_key"]
+
+    # The original is not the operator's to decide; the refusal names the compensation.
+    refused = await cli.run(
+        "resolve", RUN, key, "--state", "failed", "--reason", REASON, "--operator", "alice"
+    )
+    assert refused.status == 1
+    assert_one_line_error(refused, "has a compensation", cmp_key)
+
+    resolved = await cli.run(
+        "resolve", RUN, cmp_key, "--state", "cancelled", "--reason", REASON,
+        "--operator", "alice", "--json", "--verbose",
+    )  # fmt: skip
+    assert resolved.status == 0, resolved.stderr
+    assert "compensation_resolved_by_operator" in resolved.stderr
+    assert REASON not in resolved.stdout + resolved.stderr
+    decision = resolved.json()
+    assert decision["operation_key"] == cmp_key
+    assert decision["from"] == "pending" and decision["to"] == "cancelled"
+
+    ledger = (await cli.run("ledger", "show", RUN, "--json")).json()
+    [after] = ledger["operations"]
+    assert after["state"] == "succeeded" and after["compensation"]["state"] == "cancelled"
+    assert ledger["revision"] == decision["ledger_revision"]
+    [entry] = (await cli.run("audit", "show", RUN, "--json")).json()["entries"]
+    assert entry["operation_key"] == cmp_key and entry["ledger_agrees"] is True
+    assert entry["from"] == "pending" and entry["to"] == "cancelled"
+
+    # Terminal now: refused, nothing appended; and no inverse ever ran.
+    again = await cli.run(
+        "resolve", RUN, cmp_key, "--state", "succeeded", "--reason", "no", "--operator", "bob"
+    )
+    assert again.status == 1
+    assert_one_line_error(again, "compensation is already cancelled")
+    assert len((await cli.run("audit", "show", RUN, "--json")).json()["entries"]) == 1
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+    assert (worker_env.published / "notes.txt").exists()
 
 
 async def test_a_configured_anchor_must_exist_and_init_anchor_creates_it(

@@ -892,3 +892,43 @@ def test_operator_resolution_refuses_terminal_operations_and_unknown_keys() -> N
     with pytest.raises(UnknownOperation):
         ledger.resolve_by_operator("release-2026-10", "failed")
     assert ledger == after
+
+
+# Operator resolution of a compensation (`octo-host resolve RUN cmp-...`) --------
+
+
+@pytest.mark.parametrize("observed", [None, Running()])
+@pytest.mark.parametrize("target", ["succeeded", "failed", "cancelled"])
+def test_operator_resolution_decides_a_stuck_compensation_only(
+    observed: OperationStatus | None, target: str
+) -> None:
+    ledger = with_compensation()
+    if observed is not None:
+        ledger.apply_verified_compensation(compensation_request(), compensation_result(observed))
+    before = ledger.revision
+    assert ledger.compensated_operation("cmp-undo") == ledger.operation(KEY)
+    assert ledger.resolve_compensation_by_operator("cmp-undo", target) == StateKind(target)
+    operation = ledger.operation(KEY)
+    assert operation is not None and operation.compensation is not None
+    assert operation.state is StateKind.SUCCEEDED  # the original is never touched
+    assert operation.compensation.state is StateKind(target)
+    assert ledger.revision == before + 1
+    # Terminal now: a second decision is refused and changes nothing.
+    after = ledger.copy()
+    with pytest.raises(InvalidCompensationStateTransition):
+        ledger.resolve_compensation_by_operator("cmp-undo", "failed")
+    assert ledger == after
+
+
+def test_operator_resolution_of_a_compensation_refuses_other_keys_and_targets() -> None:
+    ledger = with_compensation()
+    before = ledger.copy()
+    for target in ("pending", "running"):
+        with pytest.raises(InvalidCompensationStateTransition):
+            ledger.resolve_compensation_by_operator("cmp-undo", target)
+    with pytest.raises(UnknownCompensation):
+        ledger.resolve_compensation_by_operator("cmp-other", "failed")
+    with pytest.raises(UnknownCompensation):  # an operation key is not a compensation key
+        ledger.resolve_compensation_by_operator(KEY, "failed")
+    assert ledger.compensated_operation(KEY) is None
+    assert ledger == before
