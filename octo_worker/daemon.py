@@ -210,6 +210,8 @@ class _Scope:
     lease: WorkerJournalLease | None = None
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
     persisted_poisoned: set[str] = field(default_factory=set)
+    # Of those, the highest refusal sequence persisted as sealed (W§10.11 rule 2).
+    poisoned_sealed: dict[str, int] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Handlers past the pause gate: a reload waits for these only.
     active: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -922,11 +924,34 @@ class WorkerDaemon:
         if session is None or session.status != "poisoned":
             return
         if session.session_id in scope.persisted_poisoned:
+            await self._persist_refusal_sequence(scope, session)
             return
         self.metrics.sessions_poisoned.labels(scope.name).inc()
         if not scope.reloading:
             scope.reloading = True
             self._spawn(self._reload_scope(scope))
+
+    async def _persist_refusal_sequence(self, scope: _Scope, session: WorkerSession) -> None:
+        """A stored-poisoned session sealed a ``session_poisoned`` refusal: persist
+        ``next_outgoing`` past it, so no later refusal (after a restart or a
+        reload, which load the session from the store) reuses its sequence
+        number for other bytes (W§10.11 rule 2); the host would drop that one
+        as a duplicate and wait for its timeout."""
+        high = session.best_effort_sequence_high
+        if high <= scope.poisoned_sealed.get(session.session_id, 0):
+            return
+        scope.poisoned_sealed[session.session_id] = high
+        try:
+            await session.persist_poisoned(self._require_daemon_store(), sealed_through=high)
+        except Exception as exc:
+            scope.poisoned_sealed.pop(session.session_id, None)
+            code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+            self._log.warning(
+                "poisoned_sequence_persist_failed",
+                scope=scope.name,
+                session=session.session_id,
+                error=code,
+            )
 
     async def _give_up_scope(self, scope: _Scope) -> None:
         if scope.superseded:
@@ -962,6 +987,7 @@ class WorkerDaemon:
                 if session.status == "poisoned" and sid not in scope.persisted_poisoned
             }
             scope.persisted_poisoned = set()
+            scope.poisoned_sealed = {}
             # The gate stays shut until every poisoned session is marked
             # poisoned again (the finally opens it): a frame for one of them
             # must not meet the reloaded session while it still reads "open".

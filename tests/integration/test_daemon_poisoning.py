@@ -50,6 +50,22 @@ async def _opened(daemon: WorkerDaemon, raw_host: RawHost, scope: str) -> RawSes
     return session
 
 
+def _fail_the_next_commit(daemon: WorkerDaemon) -> None:
+    """Arm one failing commit at the store boundary the sessions use."""
+    store = daemon._require_daemon_store()
+    real_commit = store.commit
+    failures = 0
+
+    async def failing_once(*args: Any) -> int:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise StorageBackendError("injected")
+        return await real_commit(*args)
+
+    store.commit = failing_once  # type: ignore[method-assign]
+
+
 async def _eventually(check: Callable[[], Awaitable[bool]]) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT
@@ -68,19 +84,7 @@ async def test_a_failed_admission_commit_poisons_and_the_scope_reloads(
     assert lease is not None
     fence_before = lease.token
 
-    # Arm one failing commit at the store boundary the sessions use.
-    store = daemon._require_daemon_store()
-    real_commit = store.commit
-    failures = 0
-
-    async def failing_once(*args: Any) -> int:
-        nonlocal failures
-        if failures == 0:
-            failures += 1
-            raise StorageBackendError("injected")
-        return await real_commit(*args)
-
-    store.commit = failing_once  # type: ignore[method-assign]
+    _fail_the_next_commit(daemon)
     key = "op-poisoned-1"
     refused = await _ask(raw_host, session, "d-1", key)
 
@@ -140,3 +144,28 @@ async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
     await _eventually(lambda: _consuming(daemon, scope))
     assert gate_open_at_marking == [False]
     assert daemon._scopes[scope].running.is_set()
+
+
+async def test_refusals_of_a_stored_poisoned_session_never_reuse_a_sequence_number(
+    workers: Any, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    scope = worker_env.scope
+    daemon = await workers.start()
+    session = await _opened(daemon, raw_host, scope)
+    _fail_the_next_commit(daemon)
+    first = await _ask(raw_host, session, "d-1", unique("op"))
+    assert isinstance(first, RequestRejected) and first.code == "journal_persistence_failed"
+    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    # Stored as poisoned now: every later frame is refused with a new sequence number.
+    second = await _ask(raw_host, session, "d-2", unique("op"))
+    assert isinstance(second, RequestRejected) and second.code == "session_poisoned"
+
+    # A restart loads the session from the store; its next refusal must not be
+    # sealed with d-2's sequence (the host would drop it as a duplicate).
+    await workers.stop(daemon)
+    await workers.start()
+    for request_id in ("d-3", "d-4"):
+        refused = await _ask(raw_host, session, request_id, unique("op"))
+        assert isinstance(refused, RequestRejected) and refused.code == "session_poisoned"
+        assert refused.request_id == request_id
+    assert read_effect_log(worker_env.effect_log) == []
