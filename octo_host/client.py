@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal
 
+import msgspec
 import structlog
 from aio_pika.abc import (
     AbstractChannel,
@@ -49,10 +50,12 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 
+from octo_common.codec import decode_struct, encode_struct
 from octo_common.errors import (
     DuplicateFrame,
     InvalidAuthenticationTag,
     InvalidFrameHeaders,
+    InvalidLedgerEncoding,
     InvalidScopeKey,
     LedgerError,
     OctoError,
@@ -79,6 +82,7 @@ from octo_common.messages import (
     message_type,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.records import StorageRecordKey
 from octo_common.states import (
     TERMINAL_KINDS,
     OperationStatus,
@@ -112,11 +116,14 @@ from octo_host.plan import WorkflowPlan
 from octo_host.store import SqliteLedgerStore, ledger_record_key
 
 __all__ = [
+    "ROUTES_NAMESPACE",
+    "DispatchScopeMismatch",
     "HostClient",
     "HostRun",
     "HostSession",
     "RecoverySummary",
     "ReplyTimedOut",
+    "routes_record_key",
 ]
 
 _log = structlog.get_logger("octo.host.client")
@@ -161,6 +168,44 @@ class ReplyTimedOut(OctoError):
     _text = "no reply within the timeout"
     request_id: str
     timeout: float
+
+
+class DispatchScopeMismatch(OctoError):
+    """The key was bound to another tenant scope by its first dispatch; nothing is sent.
+
+    The ledger does not name a scope and worker journals are per scope, so
+    an ``unknown_operation`` from a second scope is no evidence: dispatching
+    there could run the effect twice (PROTOCOL.md §1, H§16.4). Fail closed.
+    """
+
+    _fields = ("operation_key", "bound_scope", "scope")
+    _text = "operation key bound to another scope"
+    operation_key: str
+    bound_scope: str
+    scope: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.operation_key} was dispatched to scope {self.bound_scope}, "
+            f"refused for scope {self.scope}"
+        )
+
+
+ROUTES_NAMESPACE: Final = "workflow-routes"
+_ROUTES_FORMAT_VERSION: Final = 1
+
+
+class _RoutesDoc(msgspec.Struct, forbid_unknown_fields=True):
+    """``("workflow-routes", RUN)``: the scope each operation key was first dispatched to."""
+
+    format_version: int
+    run: str
+    routes: dict[str, str]
+
+
+def routes_record_key(run: str) -> StorageRecordKey:
+    """The record key of a run's dispatch routes: ``("workflow-routes", run)``."""
+    return StorageRecordKey(ROUTES_NAMESPACE, run)
 
 
 # Fault injection (same variable and semantics as the worker's) -----------------
@@ -305,6 +350,9 @@ class HostRun:
         # read from the store, whatever its state, may have been sent before
         # (another process, a crash): it is reconciled first (H§16.5).
         self._unsent: set[str] = set()
+        # ("workflow-routes", name): loaded on the first dispatch (None until then).
+        self._routes: dict[str, str] | None = None
+        self._routes_revision: int | None = None
 
     @property
     def ledger(self) -> WorkflowOperationLedger:
@@ -826,6 +874,9 @@ class HostClient:
             await self._persist_locked(run, run._ledger)
             outbound = build(session.authenticator)
             request = outbound.request
+            if kind == "dispatch":
+                # Durable before the first publish of the key, never changed.
+                await self._bind_route(run, request.operation_key, session.scope)
             waiter = self._register(session, request.request_id, kind, request, run)
         self._faults.reach(_HOST_FAULT_POINT)
         try:
@@ -835,6 +886,44 @@ class HostClient:
             raise
         state: OperationStatus = await self._await(session, request.request_id, waiter)
         return state
+
+    async def _bind_route(self, run: HostRun, operation_key: str, scope: str) -> None:
+        """Bind ``operation_key`` to ``scope`` before its first ``dispatch_operation``.
+
+        Raises :class:`DispatchScopeMismatch` when an earlier dispatch bound it
+        to another scope. Called under the run lock.
+        """
+        key = routes_record_key(run.name)
+        if run._routes is None:
+            record = await self.store.load(key)
+            if record is None:
+                run._routes, run._routes_revision = {}, None
+            else:
+                doc = decode_struct(record.payload, _RoutesDoc, error=InvalidLedgerEncoding)
+                if doc.format_version != _ROUTES_FORMAT_VERSION or doc.run != run.name:
+                    raise InvalidLedgerEncoding("routes record of another run or version")
+                run._routes, run._routes_revision = dict(doc.routes), record.revision
+        bound = run._routes.get(operation_key)
+        if bound == scope:
+            return
+        if bound is not None:
+            self._log.error(
+                "dispatch_refused",
+                run=run.name,
+                operation_key=operation_key,
+                code=DispatchScopeMismatch.code,
+                bound_scope=bound,
+                scope=scope,
+            )
+            raise DispatchScopeMismatch(operation_key, bound, scope)
+        routes = {**run._routes, operation_key: scope}
+        payload = encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
+        try:
+            record = await self.store.compare_and_swap(key, run._routes_revision, payload)
+        except BaseException:
+            run._routes = None  # reloaded from the store on the next dispatch
+            raise
+        run._routes, run._routes_revision = routes, record.revision
 
     async def _dispatch_once(
         self,

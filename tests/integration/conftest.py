@@ -372,12 +372,13 @@ class HostFactory:
         host_id: str | None = None,
         engine: WorkflowEngine | None = None,
         reply_timeout: float = WAIT,
+        extra_scope_keys: dict[str, ScopeKey] | None = None,
         **kwargs: Any,
     ) -> HostClient:
         client = HostClient(
             URL,
             host_id=host_id or self.names.host(),
-            scope_keys={self.worker.scope: self.worker.scope_key},
+            scope_keys={self.worker.scope: self.worker.scope_key, **(extra_scope_keys or {})},
             store=self.env.store(),
             engine=engine,
             reply_timeout=reply_timeout,

@@ -7,8 +7,10 @@ and the real ``files.publish`` adapter, whose effect log counts real effects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 from typing import Any
@@ -27,7 +29,13 @@ from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import OperationReconcileResult, OperationResult
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import StateKind, Succeeded
-from octo_common.transport import EXCHANGE, HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
+from octo_common.transport import (
+    EXCHANGE,
+    HEADER_KEY_NONCE,
+    HEADER_SCOPE,
+    HEADER_SESSION,
+    worker_queue,
+)
 from octo_host import client as client_module
 from octo_host.amqp import (
     BrokerUnavailable,
@@ -36,7 +44,7 @@ from octo_host.amqp import (
     open_confirm_channel,
     publish_confirmed,
 )
-from octo_host.client import HostClient, HostRun, HostSession
+from octo_host.client import DispatchScopeMismatch, HostClient, HostRun, HostSession
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
@@ -62,6 +70,7 @@ from .conftest import (
     manifest,
     marker_of,
     reason_of,
+    unique,
     wait_session,
 )
 
@@ -362,6 +371,57 @@ async def test_recover_dispatches_a_key_the_worker_never_admitted(
     assert after.published["reconcile_operation"] == 1  # answered unknown_operation
     assert after.published["dispatch_operation"] == 1
     assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_a_key_dispatched_to_one_scope_is_never_dispatched_to_another(
+    daemon: WorkerDaemon,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    names: Names,
+    channel: AbstractChannel,
+) -> None:
+    # A second tenant scope whose worker is down: its dispatch stays queued.
+    other = unique("t-other")
+    names.queues.append(worker_queue(other))
+    queue = await channel.declare_queue(
+        worker_queue(other), durable=True, arguments={"x-queue-type": "quorum"}
+    )
+    await queue.bind(EXCHANGE, routing_key=worker_queue(other))
+    client = await hosts.start(extra_scope_keys={other: ScopeKey(secrets.token_bytes(32))})
+    _, run, key = await recorded(client)
+    away = await client.open_session(other, manifest())
+    dispatching = asyncio.create_task(client.dispatch(away, run, key, publish_payload()))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not away._waiters and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert client.published["dispatch_operation"] == 1  # out, to the other scope
+    dispatching.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await dispatching
+
+    # The same key on this scope: its worker never admitted it (unknown_operation),
+    # yet the key was sent elsewhere, so a dispatch here could run it twice.
+    session = await client.open_session(worker_env.scope, manifest())
+    with pytest.raises(DispatchScopeMismatch) as refused:
+        await client.dispatch(session, run, key, publish_payload())
+    assert refused.value.code == "dispatch_scope_mismatch"
+    assert refused.value.bound_scope == other and refused.value.scope == worker_env.scope
+    assert client.published["reconcile_operation"] == 1
+    assert client.published["dispatch_operation"] == 1  # nothing more was sent
+    assert read_effect_log(worker_env.effect_log) == []
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
+
+    # The binding is durable: a restarted host refuses the same way.
+    await hosts.close(client)
+    after = await hosts.start(engine=WorkflowEngine())
+    summary = await after.recover(
+        RUN, after.engine.plan(STEPS), worker_env.scope, manifest(), inputs={key: publish_payload()}
+    )
+    assert summary.unresolved == [key] and summary.errors == {key: "dispatch_scope_mismatch"}
+    assert after.published["dispatch_operation"] == 0
+    assert read_effect_log(worker_env.effect_log) == []
 
 
 async def test_a_frame_of_a_closed_session_is_dead_lettered(
