@@ -1032,6 +1032,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
         plan = _plan_for(config, client.engine, ledger, args.plan)
         inputs: dict[str, ToolPayload] = {}
         compensations: dict[str, tuple[WorkflowCompensationTarget, ToolPayload]] = {}
+        refused: dict[str, str] = {}
         for key, value in raw_operations.items():
             operation = ledger.operation(key)
             if operation is None:
@@ -1040,7 +1041,11 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
                     f"--inputs: operations: {_printable(key)} is not in the run",
                     "usage",
                 )
-            fmt = _grant_format(config, scope, operation.tool)
+            try:
+                fmt = _grant_format(config, scope, operation.tool)
+            except CliError as error:  # this key's grant is gone: the others go on
+                refused[key] = error.code
+                continue
             inputs[key] = _payload_from_value(fmt, value, f"--inputs operations.{key}")
         for key, entry in raw_compensations.items():
             operation = ledger.operation(key)
@@ -1050,18 +1055,32 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
                     f"--inputs: compensations: {_printable(key)} is not in the run",
                     "usage",
                 )
-            fmt = _grant_format(config, scope, operation.tool)
+            named = (
+                key if operation.compensation is None else operation.compensation.compensation_key
+            )
+            try:
+                fmt = _grant_format(config, scope, operation.tool)
+            except CliError as error:
+                refused[named] = error.code
+                continue
             inverse = _payload_from_value(fmt, entry["inverse"], f"--inputs compensations.{key}")
             original = (
                 None
                 if "original" not in entry
                 else _payload_from_value(fmt, entry["original"], f"--inputs compensations.{key}")
             )
-            compensations[key] = (_target(config, scope, operation, original), inverse)
+            try:
+                target = _target(config, scope, operation, original)
+            except (CliError, OctoError) as error:  # e.g. compensation revoked (max 0)
+                refused[named] = error.code
+                continue
+            compensations[key] = (target, inverse)
         summary = await client.recover(
             args.run, plan, scope, manifest, inputs=inputs, compensations=compensations
         )
         await _close_quietly(client, summary.session)
+        # A key refused here was left out of recover(), which lists it unresolved.
+        errors = {**refused, **summary.errors}
         return {
             "run": args.run,
             "revision": summary.run.revision,
@@ -1069,7 +1088,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             "compensations": {k: v.value for k, v in summary.compensations.items()},
             "reconciled": list(summary.reconciled),
             "unresolved": list(dict.fromkeys(summary.unresolved)),
-            "errors": dict(summary.errors),
+            "errors": errors,
         }
 
     document = asyncio.run(_with_client(config, scope, body))

@@ -505,6 +505,49 @@ async def test_resolve_decides_a_stuck_compensation_by_its_cmp_key(
     assert (worker_env.published / "notes.txt").exists()
 
 
+async def test_recover_goes_on_past_a_compensation_whose_grant_was_revoked(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv, tmp_path: Path
+) -> None:
+    key, compensation = await _compensation_killed_before_it_was_sent(cli, worker_env)
+    second = PUBLISH.replace("notes.txt", "more.txt")
+    killed = await cli.run(
+        "dispatch", RUN, "--plan", "release", "--step", "publish", "--tool", TOOL,
+        "--scope", cli.names.scope, "--payload", second, "--nonce", "second", env=CRASH,
+    )  # fmt: skip
+    assert killed.status == -9
+    pending = [
+        op["operation_key"]
+        for op in (await cli.run("ledger", "show", RUN, "--json")).json()["operations"]
+        if op["state"] == "pending"
+    ]
+    assert len(pending) == 1
+    # The operator revokes compensation for the tool.
+    text = cli.config.read_text()
+    cli.config.write_text(text.replace("max_compensations = 1", "max_compensations = 0"))
+
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(
+        json.dumps(
+            {
+                "operations": {pending[0]: json.loads(second)},
+                "compensations": {
+                    key: {"inverse": json.loads(UNDO), "original": json.loads(PUBLISH)}
+                },
+            }
+        )
+    )
+    recovered = await cli.run("recover", RUN, "--inputs", str(inputs), "--json")
+    assert recovered.status == 1, recovered.stderr
+    summary = recovered.json()
+    cmp_key = compensation["compensation_key"]
+    assert summary["errors"] == {cmp_key: "compensation_not_granted"}
+    assert summary["unresolved"] == [cmp_key]
+    assert summary["operations"][pending[0]] == "succeeded"  # the other key went on
+    assert summary["compensations"] == {key: "pending"}
+    assert (worker_env.published / "notes.txt").exists()  # no inverse ran
+    assert (worker_env.published / "more.txt").exists()
+
+
 async def test_a_configured_anchor_must_exist_and_init_anchor_creates_it(
     daemon: object, cli: HostCli
 ) -> None:
