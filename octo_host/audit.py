@@ -225,7 +225,12 @@ async def resolve_operation(
     then the ledger, both with compare-and-swap (``WriteConflict`` when
     someone else wrote first).
     """
-    target = StateKind(state)
+    try:
+        target = StateKind(state)
+    except ValueError:
+        raise ResolutionRefused(
+            operation_key, "the decided state must be succeeded, failed or cancelled"
+        ) from None
     _check_text(operation_key, operator, reason)
     ledger_key = ledger_record_key(run)
     record = await store.load(ledger_key)

@@ -1111,3 +1111,24 @@ async def test_a_thread_that_cannot_start_fails_the_call_and_not_the_backend(
         assert await asyncio.wait_for(backend.load(RUN), timeout=10) == StorageSnapshot(None, 0)
     finally:
         await asyncio.wait_for(backend.close(), timeout=10)
+
+
+async def test_an_unknown_decided_state_is_refused_as_an_octo_error(env: Env) -> None:
+    from octo_host.audit import ResolutionRefused, load_audit, resolve_operation
+    from octo_host.engine import WorkflowEngine
+    from octo_host.plan import WorkflowStep
+
+    engine = WorkflowEngine()
+    plan = engine.plan([WorkflowStep("publish", "publish the notes")])
+    ledger = engine.operation_ledger(plan)
+    ledger.record("publish", "files.publish", "op-stuck", b"input")
+    await env.store.create(RUN, ledger.to_json().encode("utf-8"))
+
+    for state in ("exploded", "Failed", ""):
+        with pytest.raises(ResolutionRefused, match="must be succeeded, failed or cancelled"):
+            await resolve_operation(
+                env.store, RUN.name, "op-stuck", state, operator="alice", reason="checked"
+            )
+    assert await load_audit(env.store, RUN.name) == []  # nothing was written
+    stored = await env.store.load(RUN)
+    assert stored is not None and stored.revision == 1
