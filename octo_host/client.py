@@ -719,7 +719,7 @@ class HostClient:
         the highest revision this client stored for the run, or ``minimum_revision``.
         """
         cached = self._runs.get(name)
-        if cached is not None and cached.plan is plan:
+        if cached is not None and cached.plan is plan and cached.revision >= minimum_revision:
             return cached
         key = ledger_record_key(name)
         record = await self.store.load(key)

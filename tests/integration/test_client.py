@@ -22,6 +22,7 @@ from octo_common.errors import (
     CompensationRequiresSucceededOperation,
     InvalidScopeKey,
     SessionClosed,
+    StaleRevision,
     WriteConflict,
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
@@ -179,6 +180,18 @@ async def test_dispatch_succeeds_and_the_ledger_is_persisted(
     assert (worker_env.published / "notes.txt").read_text() == "hello"
     assert client.published["dispatch_operation"] == 1
     assert client.published["reconcile_operation"] == 0
+
+
+async def test_load_run_checks_the_minimum_revision_even_for_a_cached_run(
+    hosts: HostFactory,
+) -> None:
+    client = await hosts.start()
+    plan, run, _ = await recorded(client)
+    assert await client.load_run(RUN, plan, minimum_revision=run.revision) is run
+    # A caller that knows of a later revision (another host wrote it, or the
+    # store was rolled back under this one) is refused, not handed the cache.
+    with pytest.raises(StaleRevision):
+        await client.load_run(RUN, plan, minimum_revision=run.revision + 1)
 
 
 async def test_compensation_after_success_removes_the_file(
