@@ -10,9 +10,12 @@ decisions 1–8). For each delivery on ``octo.v5.worker.<scope>``:
 Unauthenticated or undecodable frames are copied to ``octo.v5.dead`` with an
 ``octo-reason`` header and never answered. At start and after every reconnect
 the outbox of each scope is republished (same bytes; the host drops what it
-already has). A commit failure poisons its session; the daemon then pauses the
-scope, lets its handlers finish, reserves a fresh fence, reloads the scope from
-the store and resumes (W§10.9 steps 3–5). A commit refused with
+already has), and the rows the broker confirmed are then deleted at once
+rather than in their session's next commit, which an idle, abandoned or
+closed session never makes (so no reply is republished at every start). A
+commit failure poisons its session; the daemon then pauses the scope, lets
+its handlers finish, reserves a fresh fence, reloads the scope from the
+store and resumes (W§10.9 steps 3–5). A commit refused with
 ``FencingTokenRejected`` means another worker took the scope: this one stops
 serving it and never takes the fence back.
 
@@ -598,7 +601,7 @@ class WorkerDaemon:
         self._connected.set()
         for scope in self._scopes.values():
             if not scope.superseded:
-                await self._republish_outbox(scope)
+                self._release_outbox_later(scope, await self._republish_outbox(scope))
         for scope in self._scopes.values():
             if not scope.superseded:
                 async with asyncio.timeout(bound):
@@ -732,11 +735,18 @@ class WorkerDaemon:
             # The queue's own dead-letter exchange takes it (without octo-reason).
             await message.reject(requeue=False)
 
-    async def _republish_outbox(self, scope: _Scope) -> None:
-        """W§11.4: every committed reply not yet confirmed, oldest first."""
+    async def _republish_outbox(self, scope: _Scope) -> list[WorkerSession]:
+        """W§11.4: every committed reply not yet confirmed, oldest first.
+
+        Returns the sessions whose rows the broker confirmed: the caller
+        releases those rows (:meth:`_release_outbox`) rather than leaving them
+        to each session's next commit, which an idle, abandoned or closed
+        session never makes.
+        """
         entries = await self.store.load_outbox(scope.name)
         self.metrics.outbox_pending.labels(scope.name).set(len(entries))
         published = 0
+        finished: dict[str, WorkerSession] = {}
         for entry in entries:
             session = scope.sessions.get(entry.session_id)
             if session is None:
@@ -755,7 +765,7 @@ class WorkerDaemon:
                 self._log.warning(
                     "outbox_republish_failed", scope=scope.name, error=PublishChannelClosed.code
                 )
-                return  # the next connection republishes from here
+                return list(finished.values())  # the next connection republishes from here
             except PublishFailed as exc:
                 # Returned (the reply queue is gone), nacked or timed out: this
                 # row stays in the outbox for the next start; the rest go on.
@@ -768,8 +778,60 @@ class WorkerDaemon:
                 continue
             session.confirm_published(entry.message_id)
             published += 1
+            finished[session.session_id] = session
         if published:
             self._log.info("outbox_republished", scope=scope.name, frames=published)
+        return list(finished.values())
+
+    def _release_outbox_later(self, scope: _Scope, sessions: list[WorkerSession]) -> None:
+        """Run :meth:`_release_outbox` as a handler of the scope.
+
+        Registered in ``scope.active`` from its creation, so a reload (which
+        waits for every active handler before it reserves a new fence) never
+        runs under it; none is started while a reload is pending (the reload
+        republishes and releases itself).
+        """
+        if not sessions or scope.reloading or scope.superseded:
+            return
+        task = self._spawn(self._release_outbox(scope, sessions))
+        scope.active.add(task)
+        task.add_done_callback(scope.active.discard)
+
+    async def _release_outbox(self, scope: _Scope, sessions: list[WorkerSession]) -> None:
+        """Delete the confirmed outbox rows of ``sessions`` now (W§11.4).
+
+        The rows of a session otherwise go in its next commit, and an idle or
+        abandoned session never makes one, nor does a closed one: without this
+        its last replies would be republished at every start and reconnect, for
+        ever. Run only where the scope's lease cannot change underneath (a
+        registered handler, or the reload itself). A session poisoned in memory
+        commits nothing (W§10.9); one stored as poisoned may.
+        """
+        store = self._require_daemon_store()
+        for session in sessions:
+            if scope.superseded or scope.sessions.get(session.session_id) is not session:
+                continue  # a reloaded scope has its own copy of the session
+            if session.status == "poisoned" and session.session_id not in scope.persisted_poisoned:
+                continue
+            try:
+                released = await session.release_confirmed(store)
+            except Exception as exc:
+                # The rows stay; the next start republishes them and tries again.
+                code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+                self._log.warning(
+                    "outbox_release_failed",
+                    scope=scope.name,
+                    session=session.session_id,
+                    error=code,
+                )
+                continue
+            if released:
+                self._log.info(
+                    "outbox_released",
+                    scope=scope.name,
+                    session=session.session_id,
+                    frames=released,
+                )
 
     # -- deliveries --------------------------------------------------------------------
 
@@ -793,6 +855,11 @@ class WorkerDaemon:
                 scope.active.add(current)
             try:
                 await self._deliver(scope, message, delivery)
+                closed = delivery.session
+                if closed is not None and closed.status == "closed":
+                    # A reply confirmed after its session's close commit has no
+                    # later commit to be deleted in.
+                    await self._release_outbox(scope, [closed])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -1000,7 +1067,7 @@ class WorkerDaemon:
                 scope.persisted_poisoned.add(session_id)
             self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
             if self._connected.is_set():
-                await self._republish_outbox(scope)
+                await self._release_outbox(scope, await self._republish_outbox(scope))
                 await self._start_consuming(scope)
         except asyncio.CancelledError:
             raise

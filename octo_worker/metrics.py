@@ -122,7 +122,7 @@ class WorkerMetrics:
         )
         self.outbox_pending = Gauge(
             "octo_outbox_pending",
-            "Reply frames committed but not yet confirmed",
+            "Outbox rows found at the last start, reconnect or reload (each republished)",
             ["scope"],
             registry=r,
         )

@@ -769,6 +769,38 @@ class WorkerSession:
         if message_id not in self._confirmed:
             self._confirmed.append(message_id)
 
+    async def release_confirmed(self, store: WorkerSessionStore) -> int:
+        """Delete this session's confirmed outbox rows now, in a commit of their own.
+
+        They otherwise go in the session's next commit (PROTOCOL.md §2.4), and
+        a closed session never makes one, nor does an idle or abandoned one:
+        its last replies would stay in the outbox and be republished at every
+        start, for ever. W§11.4 lets deletions be batched freely; this is one
+        outbox-only commit (the session state is not written), taken under the
+        session lock. The daemon calls it for sessions whose rows it has just
+        republished and for closed ones, never for a session poisoned in memory
+        (W§10.9: it commits nothing more; its scope is reloaded).
+
+        Returns the number of rows deleted (0, without a commit, when none is
+        confirmed). A failed commit is raised; the rows stay noted.
+        """
+        async with self._lock:
+            if not self._confirmed:
+                return 0
+            deletes = list(self._confirmed)
+            revision = await store.commit(
+                self._scope, self._lease, WorkerCommit(outbox_delete=deletes)
+            )
+            if isinstance(revision, bool) or not isinstance(revision, int):
+                raise InvalidJournalRevision(self._highest_revision + 1, -1)
+            if revision <= self._highest_revision:
+                raise InvalidJournalRevision(self._highest_revision + 1, revision)
+            self._highest_revision = revision
+            for done in deletes:
+                with contextlib.suppress(ValueError):
+                    self._confirmed.remove(done)
+            return len(deletes)
+
     async def persist_poisoned(self, store: WorkerSessionStore, *, sealed_through: int = 0) -> int:
         """Record this (restored) session as ``poisoned`` (W§10.9 step 4, §10.11 rule 2).
 

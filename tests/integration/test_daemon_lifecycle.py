@@ -268,3 +268,49 @@ async def test_a_set_up_that_keeps_failing_after_connecting_backs_off(
     await asyncio.wait_for(task, 15.0)
     # 0.1 + 0.2 + 0.4 + 0.8 s of back-off fit in 2 s; a fixed 0.1 s would allow ~20.
     assert 2 <= attempts <= 6, attempts
+
+
+async def test_a_republished_reply_leaves_the_outbox_and_is_not_republished_at_every_start(
+    names: Names, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    runner = WorkerRunner(worker_env)
+    first = await runner.start()
+    try:
+        session = await opened(raw_host, first)
+        await raw_host.publish(
+            _publish_frame(session, "d-idle", operation_key(), "idle.txt"),
+            headers=raw_host.headers(session, "d-idle"),
+            correlation_id="d-idle",
+        )
+        reply = await asyncio.wait_for(answer(raw_host, session, "d-idle"), WAIT)
+        assert isinstance(reply, OperationResult)
+        # The session goes idle: the reply's row waits for a next commit that
+        # never comes (the host went away, or just has nothing more to send).
+        assert len(await first.store.load_outbox(names.scope)) == 1
+    finally:
+        await runner.stop_all()
+
+    def copies() -> int:
+        return len(raw_host.replies.matching(lambda m: m.correlation_id == "d-idle"))
+
+    second = await runner.start()
+    try:
+        # Republished once at the start (the host drops it as a duplicate),
+        # then deleted: nothing is left to republish.
+        await _until(lambda: copies() == 2, "the republished copy")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while await second.store.load_outbox(names.scope):
+            assert loop.time() < deadline, "the confirmed row was never deleted"
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.stop_all()
+
+    third = await runner.start()
+    try:
+        await asyncio.sleep(0.5)
+        assert copies() == 2
+        assert await third.store.load_outbox(names.scope) == []
+    finally:
+        await runner.stop_all()
+    assert len(read_effect_log(worker_env.effect_log)) == 1

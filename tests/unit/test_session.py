@@ -1157,6 +1157,25 @@ async def test_confirmed_replies_are_deleted_inside_the_next_commit(world: World
     assert outbox[0].message_id not in [entry.message_id for entry in remaining]
 
 
+async def test_release_confirmed_deletes_the_rows_in_an_outbox_only_commit(world: World) -> None:
+    await world.send(world.invoke(ToolPayload.json({"a": 1})))
+    (entry,) = await world.real_store.load_outbox(SCOPE)
+    # The reply was published and confirmed; no further frame comes (the
+    # session idles, or is closed): its next commit never happens.
+    commits_before = len(world.store.commits)
+    assert await world.session.release_confirmed(world.store) == 1
+    (release,) = world.store.commits[commits_before:]
+    assert release.outbox_delete == [entry.message_id]
+    assert release.sessions == {} and release.journal is None and release.outbox_insert == []
+    assert await world.real_store.load_outbox(SCOPE) == []
+    assert world.session.highest_revision == await world.real_store.head_revision(SCOPE)
+    # Nothing is left to release, and the next commit deletes nothing.
+    assert await world.session.release_confirmed(world.store) == 0
+    assert len(world.store.commits) == commits_before + 1
+    await world.send(world.invoke(ToolPayload.json({"a": 2})))
+    assert world.store.commits[commits_before + 1].outbox_delete == []
+
+
 async def test_each_committed_state_document_is_the_durable_point(world: World) -> None:
     # The snapshot a failed commit goes back to is exactly what the last
     # successful commit wrote: admission, then observation.
