@@ -96,6 +96,7 @@ __all__ = ["WorkerDaemon"]
 _log = structlog.get_logger("octo.worker.daemon")
 
 _KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation"})
+_TERMINAL_STATES = frozenset({b"succeeded", b"failed", b"cancelled"})
 
 # The store as sessions see it --------------------------------------------------
 
@@ -291,7 +292,12 @@ class _Delivery:
             raise
         metrics = self._daemon.metrics
         metrics.replies_for(self._scope.name, "confirmed").inc()
-        if self.kind in _KEYED_TYPES:
+        if self.kind == "reconcile_operation":
+            if _peek_state(frame) in _TERMINAL_STATES:
+                key = _peek_operation_key(self._message.body)
+                if key is not None:
+                    metrics.note_pending(self._scope.name, key, False)
+        elif self.kind in _KEYED_TYPES:
             rejected = b'"type":"request_rejected"' in frame
             if self.outcome == "unsettled":
                 # Answered before any ack: an Existing record or a refusal.
@@ -1120,6 +1126,21 @@ def _peek_operation_key(body: bytes) -> str | None:
     """The operation key of a canonical frame, for metrics only (None if unsure)."""
     match = _OPERATION_KEY.search(body)
     return None if match is None else match.group(1).decode("ascii")
+
+
+def _peek_state(frame: bytes) -> bytes | None:
+    """The state of the first ``status`` of a canonical reply frame, for metrics only.
+
+    Every field before a result's ``status`` is a token or a number, so its
+    first occurrence is the result's own (None if absent).
+    """
+    marker = b'"status":{"state":"'
+    start = frame.find(marker)
+    if start < 0:
+        return None
+    start += len(marker)
+    end = frame.find(b'"', start, start + 20)
+    return None if end < 0 else frame[start:end]
 
 
 def _peek_type(body: bytes) -> str | None:

@@ -128,7 +128,7 @@ class WorkerMetrics:
         )
         self.oldest_pending_age = Gauge(
             "octo_oldest_unresolved_pending_seconds",
-            "Age of the oldest admission still pending after its handler finished",
+            "Age of the oldest admission (since this start) not yet answered or reconciled",
             ["scope"],
             registry=r,
         )
@@ -139,6 +139,7 @@ class WorkerMetrics:
         )
         # scope -> operation key -> when it was first noted pending.
         self._pending_since: dict[str, dict[str, float]] = {}
+        self._pending_gauges: set[str] = set()
         self._admissions = _Children(self.admissions)
         self._adapter_outcomes = _Children(self.adapter_outcomes)
         self._adapter_duration = _Children(self.adapter_duration)
@@ -174,7 +175,12 @@ class WorkerMetrics:
         return self._replies(scope, outcome)
 
     def note_pending(self, scope: str, key: str, pending: bool) -> None:
-        """Track operations left pending (an adapter error or crash) until resolved."""
+        """Track a key acked (admitted) and not yet answered until it is resolved.
+
+        Resolved: a reply other than a refusal to its dispatch or compensation,
+        or a reconciliation that found it terminal. The scope's gauge is read
+        at scrape time, so it keeps growing while a key stays unresolved.
+        """
         slots = self._pending_since.get(scope)
         if pending:
             if slots is None:
@@ -184,13 +190,14 @@ class WorkerMetrics:
             slots.pop(key, None)
             if not slots:
                 del self._pending_since[scope]
-        self.refresh_pending_age(scope)
+        if scope not in self._pending_gauges:
+            self._pending_gauges.add(scope)
+            self._oldest_pending_age(scope).set_function(lambda: self.oldest_pending_age_of(scope))
 
-    def refresh_pending_age(self, scope: str) -> None:
-        """Set the scope's oldest-pending age (0 when nothing is pending)."""
+    def oldest_pending_age_of(self, scope: str) -> float:
+        """Seconds since the oldest unresolved key of ``scope`` was admitted (0 if none)."""
         slots = self._pending_since.get(scope)
-        age = time.time() - min(slots.values()) if slots else 0.0
-        self._oldest_pending_age(scope).set(age)
+        return time.time() - min(slots.values()) if slots else 0.0
 
     def progress(self) -> None:
         self.last_progress.set(time.time())

@@ -34,7 +34,7 @@ from octo_common.messages import (
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
 from octo_common.transport import HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
-from octo_worker.adapters import WorkerAdapterRegistry
+from octo_worker.adapters import AdapterIndeterminate, WorkerAdapterRegistry
 from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 from octo_worker.daemon import WorkerDaemon
 
@@ -496,3 +496,55 @@ async def test_worker_stopped_during_an_effect_leaves_it_pending_for_reconciliat
         assert read_effect_log(worker_env.effect_log) == []
     finally:
         await runner.stop_all()
+
+
+class _LostAnswerFiles(FilesPublishAdapter):
+    """Runs the effect, then cannot tell whether it happened (indeterminate)."""
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
+
+    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+        await super().dispatch_operation(request, grant)
+        raise AdapterIndeterminate("lost the answer")
+
+
+async def test_a_key_left_pending_counts_in_the_oldest_pending_gauge_until_reconciled(
+    workers: WorkerRunner, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    adapters = WorkerAdapterRegistry()
+    adapters.register(TOOL, _LostAnswerFiles(worker_env))
+    daemon = await workers.start(adapters=adapters)
+    session = await opened(raw_host, daemon)
+    key = operation_key()
+    await raw_host.publish(
+        dispatch_frame(session, "d-1", key),
+        headers=raw_host.headers(session, "d-1"),
+        correlation_id="d-1",
+    )
+    refused = await answer(raw_host, session, "d-1")
+    assert isinstance(refused, RequestRejected) and refused.code == "indeterminate_operation"
+
+    def age() -> float:
+        sample = daemon.metrics.registry.get_sample_value(
+            "octo_oldest_unresolved_pending_seconds", {"scope": raw_host.scope}
+        )
+        assert sample is not None
+        return sample
+
+    first = age()
+    assert first > 0
+    await asyncio.sleep(0.2)
+    # Read when scraped: it grows while the key stays unresolved.
+    assert age() >= first + 0.2
+    reconcile = session.auth.seal(
+        ReconcileOperation(OperationReconcileRequest(session.session_id, "r-1", TOOL, key))
+    )
+    await raw_host.publish(
+        reconcile, headers=raw_host.headers(session, "r-1"), correlation_id="r-1"
+    )
+    reconciled = await answer(raw_host, session, "r-1")
+    assert isinstance(reconciled, ReconciledOperation)
+    assert isinstance(reconciled.result.status, Succeeded)
+    assert age() == 0.0
+    assert len(read_effect_log(worker_env.effect_log)) == 1
