@@ -333,14 +333,30 @@ def adapter_deadline(adapter: object) -> float:
 def effective_adapter_deadline(adapter: object, configured: float) -> float:
     """The deadline the daemon applies to ``adapter``.
 
-    The adapter's own ``deadline_seconds`` when it sets one other than the base
-    default; otherwise ``configured`` (``[adapters] deadline_seconds``).
+    The adapter's own ``deadline_seconds`` when it sets one (on the instance,
+    or on its class or a base class other than :class:`BaseWorkerAdapter`,
+    whose class default does not count), valid (a positive finite number);
+    otherwise ``configured`` (``[adapters] deadline_seconds``).
     """
-    own = adapter_deadline(adapter)
-    declared = getattr(adapter, "deadline_seconds", None)
-    if declared is None or own == DEFAULT_ADAPTER_DEADLINE_SECONDS:
+    if not _declares_deadline(adapter):
         return configured
-    return own
+    value = getattr(adapter, "deadline_seconds", None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return configured
+    if not math.isfinite(value) or value <= 0:
+        return configured
+    return float(value)
+
+
+def _declares_deadline(adapter: object) -> bool:
+    if "deadline_seconds" in getattr(adapter, "__dict__", {}):
+        return True
+    for cls in type(adapter).__mro__:
+        if cls is BaseWorkerAdapter:
+            return False
+        if "deadline_seconds" in vars(cls):
+            return True
+    return False
 
 
 async def call_adapter(

@@ -476,8 +476,26 @@ def test_effective_deadline_prefers_the_adapters_own_then_the_configured_one(
 ) -> None:
     # `octo-worker adapters list` and the daemon apply this one rule.
     assert effective_adapter_deadline(_Deadline(10.0), 45.0) == 10.0
-    assert effective_adapter_deadline(_Deadline(DEFAULT_ADAPTER_DEADLINE_SECONDS), 45.0) == 45.0
+    # An adapter that sets the base class's default value still means it.
+    assert effective_adapter_deadline(_Deadline(DEFAULT_ADAPTER_DEADLINE_SECONDS), 45.0) == (
+        DEFAULT_ADAPTER_DEADLINE_SECONDS
+    )
     assert effective_adapter_deadline(object(), 45.0) == 45.0
-    assert effective_adapter_deadline(_Deadline(-1), 45.0) == 45.0  # invalid: the base default
+    assert effective_adapter_deadline(_Deadline(-1), 45.0) == 45.0  # invalid: the configured one
+    assert effective_adapter_deadline(_Deadline(True), 45.0) == 45.0
+
+    class Inherits(BaseWorkerAdapter):
+        pass
+
+    class OwnClassDefault(BaseWorkerAdapter):
+        deadline_seconds = DEFAULT_ADAPTER_DEADLINE_SECONDS
+
+    class FromItsParent(OwnClassDefault):
+        pass
+
+    # BaseWorkerAdapter's class default is no choice of the adapter's own.
+    assert effective_adapter_deadline(Inherits(), 45.0) == 45.0
+    assert effective_adapter_deadline(OwnClassDefault(), 45.0) == DEFAULT_ADAPTER_DEADLINE_SECONDS
+    assert effective_adapter_deadline(FromItsParent(), 45.0) == DEFAULT_ADAPTER_DEADLINE_SECONDS
     files = FilesPublishAdapter(tmp_path / "out", tmp_path / "log")
     assert effective_adapter_deadline(files, 45.0) == 10.0
