@@ -213,6 +213,8 @@ class _Scope:
     semaphore: asyncio.Semaphore
     lease: WorkerJournalLease | None = None
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
+    # Closed sessions held by id only (see _load_scope and _forget_closed).
+    closed: set[str] = field(default_factory=set)
     persisted_poisoned: set[str] = field(default_factory=set)
     # Of those, the highest refusal sequence persisted as sealed (W§10.11 rule 2).
     poisoned_sealed: dict[str, int] = field(default_factory=dict)
@@ -459,13 +461,25 @@ class WorkerDaemon:
         return wrapped
 
     async def _load_scope(self, scope: _Scope, *, open_gate: bool = True) -> None:
-        """Reserve a fence, then rebuild every session from the store (W§10.10)."""
+        """Reserve a fence, then rebuild the sessions from the store (W§10.10).
+
+        A closed session is remembered by its id only (``scope.closed``): it
+        answers nothing more, and restoring every session a long-lived worker
+        ever closed would cost start-up time and memory without end. One with
+        replies still in the outbox is restored, so they can be republished
+        and released.
+        """
         store = self.store
         daemon_store = self._require_daemon_store()
         scope.lease = await store.reserve_fence(scope.name)
         persisted = await store.load_sessions(scope.name)
+        in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
         sessions: dict[str, WorkerSession] = {}
+        closed: set[str] = set()
         for session_id, record in persisted.items():
+            if record.status == "closed" and session_id not in in_outbox:
+                closed.add(session_id)
+                continue
             session = await WorkerSession.restore(
                 record,
                 scope_key=scope.key,
@@ -479,9 +493,10 @@ class WorkerDaemon:
             if session.status == "poisoned":
                 scope.persisted_poisoned.add(session_id)
         scope.sessions = sessions
+        scope.closed = closed
         if open_gate:
             scope.running.set()
-        self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions))
+        self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions), closed=len(closed))
 
     def _require_daemon_store(self) -> _DaemonStore:
         if self._daemon_store is None:
@@ -789,6 +804,17 @@ class WorkerDaemon:
             self._log.info("outbox_republished", scope=scope.name, frames=published)
         return list(finished.values())
 
+    def _forget_closed(self, scope: _Scope, session: WorkerSession) -> None:
+        """Hold a closed session by its id only, from now on.
+
+        A handler of it still running keeps its own reference and finishes;
+        a reply of it confirmed later is then released at the next start
+        (republished once more, dropped by the host as a duplicate).
+        """
+        if scope.sessions.get(session.session_id) is session:
+            del scope.sessions[session.session_id]
+            scope.closed.add(session.session_id)
+
     def _release_outbox_later(self, scope: _Scope, sessions: list[WorkerSession]) -> None:
         """Run :meth:`_release_outbox` as a handler of the scope.
 
@@ -866,6 +892,7 @@ class WorkerDaemon:
                     # A reply confirmed after its session's close commit has no
                     # later commit to be deleted in.
                     await self._release_outbox(scope, [closed])
+                    self._forget_closed(scope, closed)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -915,6 +942,9 @@ class WorkerDaemon:
             kind = _peek_type(body)
         delivery.kind = kind
         if session is None:
+            if session_id in scope.closed:
+                await delivery.dead_letter(SessionReplay.code if opening else "session_closed")
+                return
             if not opening:
                 await delivery.dead_letter("unknown_session")
                 return
@@ -949,7 +979,11 @@ class WorkerDaemon:
     ) -> None:
         # Called with no await since the caller found neither the session nor
         # an open of it in progress: registering here makes this the one open.
-        if session_id in scope.sessions or session_id in scope.opening:
+        if (
+            session_id in scope.sessions
+            or session_id in scope.opening
+            or session_id in scope.closed
+        ):
             await delivery.dead_letter(SessionReplay.code)
             return
         pending: asyncio.Future[WorkerSession | None] = asyncio.get_running_loop().create_future()

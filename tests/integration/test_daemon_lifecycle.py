@@ -17,7 +17,14 @@ import msgspec
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
-from octo_common.messages import DispatchOperation, OperationDispatchRequest, OperationResult
+from octo_common.grants import CapabilityManifest
+from octo_common.messages import (
+    CloseSession,
+    DispatchOperation,
+    OpenSession,
+    OperationDispatchRequest,
+    OperationResult,
+)
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
 from octo_common.transport import FrameEnvelope, worker_queue
@@ -26,7 +33,20 @@ from octo_worker.adapters_files import read_effect_log
 from octo_worker.daemon import WorkerDaemon
 from octo_worker.topology import PublishChannelClosed, TopologyError
 
-from .conftest import TOOL, WAIT, Names, RawHost, RawSession, WorkerEnv, WorkerRunner
+from .conftest import (
+    GRANT,
+    TOOL,
+    WAIT,
+    Inbox,
+    Names,
+    RawHost,
+    RawSession,
+    WorkerEnv,
+    WorkerRunner,
+    marker_of,
+    reason_of,
+    wait_session,
+)
 from .test_daemon_rabbitmq import _SlowFiles, answer, dispatch_frame, opened, operation_key
 
 pytestmark = pytest.mark.rabbitmq
@@ -314,3 +334,46 @@ async def test_a_republished_reply_leaves_the_outbox_and_is_not_republished_at_e
     finally:
         await runner.stop_all()
     assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_a_closed_session_is_held_by_its_id_only_and_still_refuses_every_frame(
+    names: Names, raw_host: RawHost, worker_env: WorkerEnv, dead_letters: Inbox
+) -> None:
+    runner = WorkerRunner(worker_env)
+    first = await runner.start()
+    try:
+        session = await opened(raw_host, first)
+        await raw_host.publish(
+            session.auth.seal(CloseSession(session.session_id)),
+            headers=raw_host.headers(session, "close"),
+        )
+        await wait_session(first, names.scope, session.session_id, "closed")
+        scope = first._scopes[names.scope]
+        await _until(lambda: session.session_id in scope.closed, "the session to be let go")
+        # Nothing of it is kept but its id (a long-lived worker closes many).
+        assert session.session_id not in scope.sessions
+    finally:
+        await runner.stop_all()
+    open_frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+
+    second = await runner.start()
+    try:
+        scope = second._scopes[names.scope]
+        assert session.session_id in scope.closed
+        assert session.session_id not in scope.sessions  # not restored at start
+        head = await second.store.head_revision(names.scope)
+        await raw_host.publish(
+            _publish_frame(session, "d-late", operation_key(), "late.txt"),
+            headers=raw_host.headers(session, "late"),
+            correlation_id="d-late",
+        )
+        await raw_host.publish(open_frame, headers=raw_host.headers(session, "reopen"))
+        assert reason_of(await dead_letters.wait_for(marker_of("late"))) == "session_closed"
+        assert reason_of(await dead_letters.wait_for(marker_of("reopen"))) == "session_replay"
+        assert await second.store.head_revision(names.scope) == head
+        assert raw_host.replies.matching(lambda m: m.correlation_id == "d-late") == []
+        persisted = await second.store.load_sessions(names.scope)
+        assert persisted[session.session_id].status == "closed"
+    finally:
+        await runner.stop_all()
+    assert read_effect_log(worker_env.effect_log) == []
