@@ -110,6 +110,14 @@ def _check_input_size(data: bytes) -> None:
         raise InputTooLarge(len(data), MAX_WORKFLOW_OPERATION_INPUT_BYTES)
 
 
+def _decided_state(value: StateKind | str) -> StateKind | None:
+    """The state kind an operator decision names, or None for an unknown spelling."""
+    try:
+        return StateKind(value)
+    except (ValueError, TypeError):
+        return None
+
+
 def _next_revision(revision: int) -> int:
     if revision >= MAX_U64:
         raise RevisionExhausted()
@@ -549,16 +557,21 @@ class WorkflowOperationLedger:
         terminal state, and only along the one transition table; nothing is
         sent and no effect runs. The ledger keeps the state only: who decided
         and why belong in the audit record the caller writes with it.
-        Advances the revision (the state changes by construction).
+        Advances the revision (the state changes by construction). A target
+        that is no state spelling at all raises ``InvalidStateTransition``
+        (current state, the given value) like any other refused target.
         """
         self.validate_syntax()
-        target = StateKind(state)
-        if target not in TERMINAL_KINDS:
+        target = _decided_state(state)
+        if target is not None and target not in TERMINAL_KINDS:
             raise InvalidStateTransition(StateKind.PENDING, target)
         index = self._index(operation_key)
         if index is None:
             raise UnknownOperation(operation_key)
         operation = self._operations[index]
+        if target is None:
+            # Not a state spelling at all: refused like any other illegal target.
+            raise InvalidStateTransition(operation.state, state)
         if operation.state in TERMINAL_KINDS or not accepts(operation.state, target):
             raise InvalidStateTransition(operation.state, target)
         revision = _next_revision(self._revision)
@@ -582,14 +595,18 @@ class WorkflowOperationLedger:
         The compensation counterpart of :meth:`resolve_by_operator`: only a
         ``pending`` or ``running`` compensation, only to a terminal state,
         along the one transition table. The original stays ``succeeded``;
-        nothing is sent and no inverse runs. Advances the revision.
+        nothing is sent and no inverse runs. Advances the revision. A target
+        that is no state spelling raises ``InvalidCompensationStateTransition``.
         """
         self.validate_syntax()
-        target = StateKind(state)
+        target = _decided_state(state)
         operation = self.compensated_operation(compensation_key)
         if operation is None or operation.compensation is None:
             raise UnknownCompensation(compensation_key)
         compensation = operation.compensation
+        if target is None:
+            # Not a state spelling at all: refused like any other illegal target.
+            raise InvalidCompensationStateTransition(compensation_key, compensation.state, state)
         if (
             target not in TERMINAL_KINDS
             or compensation.state in TERMINAL_KINDS

@@ -932,3 +932,32 @@ def test_operator_resolution_of_a_compensation_refuses_other_keys_and_targets() 
         ledger.resolve_compensation_by_operator(KEY, "failed")
     assert ledger.compensated_operation(KEY) is None
     assert ledger == before
+
+
+@pytest.mark.parametrize("target", ["exploded", "Failed", "", None])
+def test_operator_resolution_refuses_an_unknown_state_with_a_ledger_error(
+    target: object,
+) -> None:
+    # Library callers get the ledger's own refusal (a stable code), not a raw ValueError.
+    ledger, key = _ledger_with_pending()
+    before = ledger.copy()
+    with pytest.raises(InvalidStateTransition) as refused:
+        ledger.resolve_by_operator(key, target)  # type: ignore[arg-type]
+    assert refused.value.code == "invalid_state_transition"
+    assert refused.value.current is StateKind.PENDING
+    assert refused.value.observed == target
+    assert ledger == before
+
+
+@pytest.mark.parametrize("target", ["exploded", "Cancelled", "", None])
+def test_operator_resolution_of_a_compensation_refuses_an_unknown_state(
+    target: object,
+) -> None:
+    ledger = with_compensation()
+    before = ledger.copy()
+    with pytest.raises(InvalidCompensationStateTransition) as refused:
+        ledger.resolve_compensation_by_operator("cmp-undo", target)  # type: ignore[arg-type]
+    assert refused.value.code == "invalid_compensation_state_transition"
+    assert refused.value.compensation_key == "cmp-undo"
+    assert refused.value.current is StateKind.PENDING
+    assert ledger == before
