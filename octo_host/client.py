@@ -14,7 +14,9 @@ Owns, for one host id:
   which persist the ledger before every send and after every applied reply,
   and react to timeouts and ``request_rejected`` as H§16.4 says;
 * reply handling (H§16.3): size and headers, session lookup, routing by
-  correlation id, ``DuplicateFrame`` dropped, other refusals dead-lettered.
+  correlation id, ``DuplicateFrame`` dropped, a late outcome applied (also
+  after a ``pending_*`` refusal of the same request), other refusals
+  dead-lettered.
 
 It must never: send a second ``dispatch_operation`` for a key the worker may
 have admitted (only ``unknown_operation`` on reconcile, for a key the ledger
@@ -153,10 +155,15 @@ _NEW_SESSION: Final = frozenset(
         "session_closed",
     }
 )
+# Refusals after which the worker may still send the request's outcome under
+# the same request id (W§10.7: a duplicate copy answered while the first copy
+# was being handled); the waiter stays registered so that outcome is applied.
+_OUTCOME_MAY_FOLLOW: Final = frozenset({"pending_operation", "pending_compensation"})
 # Consecutive unanswered requests after which the session itself is suspect
 # (a refused open or a dead-lettered session shows up only as silence, H§16.1).
 _TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
-# Late replies remembered per session (their requests timed out).
+# Waiters kept per session for late replies (their requests timed out, or the
+# worker answered pending_* first); the oldest is dropped beyond this.
 _MAX_WAITERS_PER_SESSION: Final = 1024
 _MAX_SENT_REMEMBERED: Final = 4096
 
@@ -1450,9 +1457,16 @@ class HostClient:
                 return
             except WorkerRequestRejected as exc:
                 # Authentic refusal; the ledger is unchanged (H§12.9).
-                session._waiters.pop(correlation_id, None)
+                if exc.rejection_code in _OUTCOME_MAY_FOLLOW:
+                    # The worker may still send this request's outcome (W§10.7: a
+                    # copy answered while the first was in flight): stay registered,
+                    # abandoned, so it is applied (H§16.3); _register bounds these.
+                    waiter.fail(exc)
+                    waiter.abandoned = True
+                else:
+                    session._waiters.pop(correlation_id, None)
+                    waiter.fail(exc)
                 await self._ack(message)
-                waiter.fail(exc)
                 return
             except (LedgerError, WorkflowError) as exc:
                 # Authentic but inconsistent with the ledger: fail closed.

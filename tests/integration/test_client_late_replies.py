@@ -1,0 +1,246 @@
+"""Late and stale authentic replies reaching the host client (H§16.3, W§10.7).
+
+The worker side is a scripted peer: the test consumes the scope's worker
+queue itself on the real broker, opens each session with a WORKER-role
+``SessionAuthenticator`` derived from the scope key, and seals the replies it
+is told to send, in the order a worker answering duplicate deliveries
+concurrently may send them. The host ledger is a real SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+
+from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
+from octo_common.messages import (
+    CloseSession,
+    CompensateOperation,
+    CompensationResult,
+    DispatchOperation,
+    OpenSession,
+    OperationCompensationResult,
+    OperationReconcileResult,
+    OperationResult,
+    ReconciledOperation,
+    ReconcileOperation,
+    RequestRejected,
+    WorkerMessage,
+    message_type,
+)
+from octo_common.payload import ToolPayload
+from octo_common.states import OperationStatus, Pending, StateKind, Succeeded
+from octo_common.transport import (
+    EXCHANGE,
+    HEADER_KEY_NONCE,
+    HEADER_SESSION,
+    build_worker_reply,
+    worker_queue,
+)
+from octo_host.amqp import publish_envelope
+
+from .conftest import (
+    WAIT,
+    HostEnv,
+    HostFactory,
+    Inbox,
+    WorkerEnv,
+    header,
+    manifest,
+)
+from .test_client import publish_payload, recorded, stored_ledger
+
+pytestmark = pytest.mark.rabbitmq
+
+OUTPUT = ToolPayload.json({"name": "notes.txt"})
+
+
+@dataclass
+class Received:
+    """One request the scripted worker opened, with what it needs to answer it."""
+
+    session_id: str
+    nonce: bytes
+    reply_to: str
+    auth: SessionAuthenticator
+    message: WorkerMessage
+
+    @property
+    def type(self) -> str:
+        return message_type(self.message)
+
+    @property
+    def request(self) -> Any:
+        return self.message.request  # type: ignore[union-attr]
+
+
+class ScriptedWorker:
+    """The worker end of the scope's queue, answering only what the test says.
+
+    Every delivery is acked on arrival; ``open_session`` creates the worker
+    authenticator of its session, every other request is queued for
+    :meth:`next`, unless :meth:`answer_all` set an automatic answer.
+    """
+
+    def __init__(self, channel: AbstractChannel, scope: str, scope_key: ScopeKey) -> None:
+        self.channel, self.scope, self.scope_key = channel, scope, scope_key
+        self._auth: dict[str, SessionAuthenticator] = {}
+        self._requests: asyncio.Queue[Received] = asyncio.Queue()
+        self._auto: Callable[[Received], WorkerMessage] | None = None
+
+    async def start(self, broker: AbstractConnection) -> None:
+        consume = await broker.channel()
+        exchange = await consume.declare_exchange(
+            EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
+        )
+        name = worker_queue(self.scope)
+        queue = await consume.declare_queue(
+            name,
+            durable=True,
+            arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+        )
+        await queue.bind(exchange, routing_key=name)
+        await queue.consume(self._on_message)
+
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        await message.ack()
+        session_id = header(message, HEADER_SESSION)
+        nonce_hex = header(message, HEADER_KEY_NONCE)
+        assert session_id is not None and nonce_hex is not None and message.reply_to
+        nonce = bytes.fromhex(nonce_hex)
+        auth = self._auth.get(session_id)
+        if auth is None:
+            key = SessionKey.derive(self.scope_key, self.scope, session_id, nonce)
+            auth = self._auth[session_id] = SessionAuthenticator(
+                session_id, key, SessionRole.WORKER
+            )
+        opened = auth.open(message.body)
+        if isinstance(opened, OpenSession | CloseSession):
+            return
+        received = Received(session_id, nonce, message.reply_to, auth, opened)
+        if self._auto is not None:
+            await self.reply(received, self._auto(received))
+        else:
+            self._requests.put_nowait(received)
+
+    async def next(self, kind: str) -> Received:
+        received = await asyncio.wait_for(self._requests.get(), WAIT)
+        assert received.type == kind
+        return received
+
+    def answer_all(self, answer: Callable[[Received], WorkerMessage] | None) -> None:
+        """From now on answer every request at once with ``answer`` (None: queue them)."""
+        self._auto = answer
+
+    async def reply(self, received: Received, answer: WorkerMessage) -> None:
+        body = received.auth.seal(answer)
+        envelope = build_worker_reply(
+            self.scope,
+            received.session_id,
+            received.nonce,
+            body,
+            reply_to=received.reply_to,
+            correlation_id=received.request.request_id,
+        )
+        await publish_envelope(self.channel, envelope, timeout=WAIT)
+
+
+def outcome(received: Received, status: OperationStatus) -> WorkerMessage:
+    """The worker's answer to ``received`` with ``status``, in the request's message type."""
+    request = received.request
+    if isinstance(received.message, CompensateOperation):
+        return CompensationResult(
+            OperationCompensationResult(
+                request.session_id, request.request_id, request.binding, status
+            )
+        )
+    result = OperationReconcileResult(
+        request.session_id, request.request_id, request.tool, request.operation_key, status
+    )
+    if isinstance(received.message, ReconcileOperation):
+        return ReconciledOperation(result)
+    assert isinstance(received.message, DispatchOperation)
+    return OperationResult(result)
+
+
+def refusal(received: Received, code: str) -> RequestRejected:
+    request = received.request
+    return RequestRejected(
+        request.session_id,
+        request.request_id,
+        code,
+        request.operation_key,
+        getattr(request, "compensation_key", None),
+    )
+
+
+def succeeded(received: Received) -> WorkerMessage:
+    return outcome(received, Succeeded(OUTPUT))
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"never: {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def scripted(
+    broker: AbstractConnection, channel: AbstractChannel, worker_env: WorkerEnv
+) -> AsyncIterator[ScriptedWorker]:
+    worker = ScriptedWorker(channel, worker_env.scope, worker_env.scope_key)
+    await worker.start(broker)
+    yield worker
+    worker.answer_all(None)
+
+
+# A pending_* refusal, then the outcome for the same request id -----------------------------
+
+
+async def test_an_outcome_after_a_pending_refusal_of_the_same_request_is_applied(
+    scripted: ScriptedWorker,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    dead_letters: Inbox,
+) -> None:
+    client = await hosts.start(max_attempts=1, backoff_initial=0.01)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
+
+    # A copy of the dispatch answered while the first copy is still being
+    # handled (W§10.7): pending_operation, under the dispatch's request id.
+    dispatch = await scripted.next("dispatch_operation")
+    await scripted.reply(dispatch, refusal(dispatch, "pending_operation"))
+    # The reconciliation that follows finds the key still pending too.
+    reconcile = await scripted.next("reconcile_operation")
+    await scripted.reply(reconcile, refusal(reconcile, "pending_operation"))
+    assert isinstance(await asyncio.wait_for(dispatching, WAIT), Pending)
+    assert run.state(key) == StateKind.PENDING
+
+    # The first copy's outcome arrives late, for the same request id (H§16.3).
+    await scripted.reply(dispatch, succeeded(dispatch))
+
+    await until(lambda: run.state(key) == StateKind.SUCCEEDED, "the late outcome is applied")
+    stored = await stored_ledger(host_env)
+    assert stored.operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert stored.revision == 2
+
+    # One more copy of that outcome is dropped: not applied twice, not dead-lettered.
+    await scripted.reply(dispatch, succeeded(dispatch))
+    await asyncio.sleep(0.5)
+    assert run.revision == 2
+    assert (await stored_ledger(host_env)).revision == 2
+    request_id = dispatch.request.request_id
+    assert dead_letters.matching(lambda m: m.correlation_id == request_id) == []
+    assert client.published["dispatch_operation"] == 1
