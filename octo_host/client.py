@@ -15,8 +15,8 @@ Owns, for one host id:
   and react to timeouts and ``request_rejected`` as H§16.4 says;
 * reply handling (H§16.3): size and headers, session lookup, routing by
   correlation id, ``DuplicateFrame`` dropped, a late outcome applied (also
-  after a ``pending_*`` refusal of the same request), other refusals
-  dead-lettered.
+  after a ``pending_*`` refusal of the same request), a stale ``running``
+  for a terminal record acked and dropped, other refusals dead-lettered.
 
 It must never: send a second ``dispatch_operation`` for a key the worker may
 have admitted (only ``unknown_operation`` on reconcile, for a key the ledger
@@ -56,9 +56,11 @@ from octo_common.codec import decode_struct, encode_struct
 from octo_common.errors import (
     DuplicateFrame,
     InvalidAuthenticationTag,
+    InvalidCompensationStateTransition,
     InvalidFrameHeaders,
     InvalidLedgerEncoding,
     InvalidScopeKey,
+    InvalidStateTransition,
     LedgerError,
     OctoError,
     SessionClosed,
@@ -89,6 +91,7 @@ from octo_common.states import (
     TERMINAL_KINDS,
     OperationStatus,
     Pending,
+    Running,
     StateKind,
     WorkerOperationState,
 )
@@ -1468,17 +1471,28 @@ class HostClient:
                     waiter.fail(exc)
                 await self._ack(message)
                 return
-            except (LedgerError, WorkflowError) as exc:
-                # Authentic but inconsistent with the ledger: fail closed.
+            except (InvalidStateTransition, InvalidCompensationStateTransition) as exc:
+                if not _stale_observation(exc):
+                    await self._refused_by_ledger(session, message, waiter, correlation_id, exc)
+                    return
+                # Authentic and merely older than what the ledger already holds
+                # (a `running` answered before the terminal state we applied):
+                # nothing to apply, no attack; the caller sees what it was told.
                 session._waiters.pop(correlation_id, None)
-                self._log.error(
-                    "reply_refused_by_ledger",
+                await self._ack(message)
+                self._log.info(
+                    "reply_stale",
                     run=run.name,
+                    type=waiter.kind,
                     request_id=correlation_id,
-                    error=exc.code,
+                    operation_key=getattr(waiter.request, "operation_key", None),
+                    state=exc.observed.value,
+                    ledger_state=exc.current.value,
                 )
-                await self._dead_letter(message, exc.code)
-                waiter.fail(exc)
+                waiter.resolve(Running())
+                return
+            except (LedgerError, WorkflowError) as exc:
+                await self._refused_by_ledger(session, message, waiter, correlation_id, exc)
                 return
             except OctoError as exc:
                 # Did not open (tag, stale, syntax): not from this session's worker.
@@ -1505,6 +1519,25 @@ class HostClient:
             late=waiter.abandoned,
         )
         waiter.resolve(state)
+
+    async def _refused_by_ledger(
+        self,
+        session: HostSession,
+        message: AbstractIncomingMessage,
+        waiter: _Waiter,
+        correlation_id: str,
+        error: OctoError,
+    ) -> None:
+        """Authentic but inconsistent with the ledger: fail closed (dead-letter)."""
+        session._waiters.pop(correlation_id, None)
+        self._log.error(
+            "reply_refused_by_ledger",
+            run=waiter.run.name if waiter.run is not None else None,
+            request_id=correlation_id,
+            error=error.code,
+        )
+        await self._dead_letter(message, error.code)
+        waiter.fail(error)
 
     async def _ack(self, message: AbstractIncomingMessage) -> None:
         with contextlib.suppress(Exception):
@@ -1557,6 +1590,18 @@ def _header_text(value: object) -> str | None:
         except UnicodeDecodeError:
             return None
     return None
+
+
+def _stale_observation(
+    error: InvalidStateTransition | InvalidCompensationStateTransition,
+) -> bool:
+    """An observed ``running`` for a record already terminal: older, not contradictory.
+
+    ``running`` precedes every terminal state (W§9.3), so it is an answer the
+    worker gave before the outcome the ledger holds. A terminal state that
+    differs from the stored one is a contradiction and stays refused.
+    """
+    return error.observed == StateKind.RUNNING and error.current in TERMINAL_KINDS
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

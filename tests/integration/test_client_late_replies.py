@@ -18,6 +18,7 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
+from octo_common.errors import InvalidStateTransition
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.messages import (
     CloseSession,
@@ -34,8 +35,15 @@ from octo_common.messages import (
     WorkerMessage,
     message_type,
 )
-from octo_common.payload import ToolPayload
-from octo_common.states import OperationStatus, Pending, StateKind, Succeeded
+from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.states import (
+    Failed,
+    OperationStatus,
+    Pending,
+    Running,
+    StateKind,
+    Succeeded,
+)
 from octo_common.transport import (
     EXCHANGE,
     HEADER_KEY_NONCE,
@@ -44,6 +52,8 @@ from octo_common.transport import (
     worker_queue,
 )
 from octo_host.amqp import publish_envelope
+from octo_host.client import HostRun
+from octo_host.compensation import WorkflowCompensationDispatch
 
 from .conftest import (
     WAIT,
@@ -51,10 +61,12 @@ from .conftest import (
     HostFactory,
     Inbox,
     WorkerEnv,
+    compensation_target,
     header,
     manifest,
+    reason_of,
 )
-from .test_client import publish_payload, recorded, stored_ledger
+from .test_client import publish_payload, recorded, stored_ledger, undo_payload
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -193,6 +205,12 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+def compensation_state(run: HostRun, key: str) -> StateKind | None:
+    operation = run.operation(key)
+    assert operation is not None
+    return None if operation.compensation is None else operation.compensation.state
+
+
 @pytest.fixture
 async def scripted(
     broker: AbstractConnection, channel: AbstractChannel, worker_env: WorkerEnv
@@ -244,3 +262,115 @@ async def test_an_outcome_after_a_pending_refusal_of_the_same_request_is_applied
     request_id = dispatch.request.request_id
     assert dead_letters.matching(lambda m: m.correlation_id == request_id) == []
     assert client.published["dispatch_operation"] == 1
+
+
+# A stale running after the ledger's terminal state ------------------------------------------
+
+
+async def test_a_stale_running_reply_after_succeeded_is_dropped_not_dead_lettered(
+    scripted: ScriptedWorker,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    dead_letters: Inbox,
+) -> None:
+    client = await hosts.start(backoff_initial=0.01)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    # Two callers reconcile the key at once; the worker answers the second first.
+    first = asyncio.create_task(client.reconcile(session, run, key, publish_payload()))
+    second = asyncio.create_task(client.reconcile(session, run, key, publish_payload()))
+    older = await scripted.next("reconcile_operation")
+    newer = await scripted.next("reconcile_operation")
+    await scripted.reply(newer, succeeded(newer))
+    await until(lambda: run.state(key) == StateKind.SUCCEEDED, "succeeded is applied")
+
+    # The answer to the other request, sealed earlier while the effect ran.
+    scripted.answer_all(succeeded)  # whatever the host asks next
+    await scripted.reply(older, outcome(older, Running()))
+
+    states = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), WAIT)
+    await asyncio.sleep(0.5)
+    request_id = older.request.request_id
+    assert dead_letters.matching(lambda m: m.correlation_id == request_id) == []
+    # The caller told `running` asks again and gets the outcome; none sees an error.
+    assert all(isinstance(state, Succeeded) for state in states), states
+    stored = await stored_ledger(host_env)
+    assert stored.operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert stored.revision == 2 == run.revision
+
+
+async def test_a_contradicting_terminal_reply_is_still_dead_lettered(
+    scripted: ScriptedWorker,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    dead_letters: Inbox,
+) -> None:
+    # The guard beside the stale case: `failed` after `succeeded` is no older
+    # answer but a contradiction, and the host still fails closed.
+    client = await hosts.start(backoff_initial=0.01)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    first = asyncio.create_task(client.reconcile(session, run, key, publish_payload()))
+    second = asyncio.create_task(client.reconcile(session, run, key, publish_payload()))
+    older = await scripted.next("reconcile_operation")
+    newer = await scripted.next("reconcile_operation")
+    await scripted.reply(newer, succeeded(newer))
+    await until(lambda: run.state(key) == StateKind.SUCCEEDED, "succeeded is applied")
+
+    await scripted.reply(older, outcome(older, Failed("it did not happen")))
+
+    request_id = older.request.request_id
+    dead = await dead_letters.wait_for(lambda m: m.correlation_id == request_id)
+    assert reason_of(dead) == "invalid_state_transition"
+    outcomes = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), WAIT)
+    assert sum(isinstance(o, InvalidStateTransition) for o in outcomes) == 1
+    assert sum(isinstance(o, Succeeded) for o in outcomes) == 1
+    stored = await stored_ledger(host_env)
+    assert stored.operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert stored.revision == 2
+
+
+async def test_a_stale_running_compensation_reply_is_dropped_not_dead_lettered(
+    scripted: ScriptedWorker,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    dead_letters: Inbox,
+) -> None:
+    client = await hosts.start(backoff_initial=0.01)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    scripted.answer_all(succeeded)
+    assert isinstance(await client.dispatch(session, run, key, publish_payload()), Succeeded)
+    scripted.answer_all(None)
+    inverse = undo_payload()
+    target = compensation_target(worker_env.scope, key, canonical_operation_input_bytes(inverse))
+    await client.record_compensation(run, target, inverse, b"undo:1")
+    revision = run.revision
+
+    first = asyncio.create_task(
+        client.compensate(session, run, target, WorkflowCompensationDispatch("c-one", inverse))
+    )
+    second = asyncio.create_task(
+        client.compensate(session, run, target, WorkflowCompensationDispatch("c-two", inverse))
+    )
+    older = await scripted.next("compensate_operation")
+    newer = await scripted.next("compensate_operation")
+    await scripted.reply(newer, succeeded(newer))
+    await until(lambda: compensation_state(run, key) == StateKind.SUCCEEDED, "succeeded")
+
+    scripted.answer_all(succeeded)  # whatever the host asks next
+    await scripted.reply(older, outcome(older, Running()))
+
+    states = await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), WAIT)
+    await asyncio.sleep(0.5)
+    request_id = older.request.request_id
+    assert dead_letters.matching(lambda m: m.correlation_id == request_id) == []
+    # The caller told `running` asks again and gets the outcome; none sees an error.
+    assert all(isinstance(state, Succeeded) for state in states), states
+    assert run.revision == revision + 1
+    stored = (await stored_ledger(host_env)).operation(key)
+    assert stored is not None and stored.compensation is not None
+    assert stored.compensation.state == StateKind.SUCCEEDED
