@@ -169,6 +169,9 @@ _TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
 # worker answered pending_* first); the oldest is dropped beyond this.
 _MAX_WAITERS_PER_SESSION: Final = 1024
 _MAX_SENT_REMEMBERED: Final = 4096
+# Closed sessions let go of (their id and authenticator kept, to recognise a
+# late reply of theirs): the oldest is forgotten beyond this.
+_MAX_RETIRED_SESSIONS: Final = 4096
 
 
 class ReplyTimedOut(OctoError):
@@ -306,6 +309,7 @@ class HostSession:
         self.key_nonce = key_nonce
         self.authenticator = authenticator
         self.closed = False
+        self.closed_at: float | None = None  # loop time of the close
         self.replaced_by: HostSession | None = None
         self._waiters: dict[str, _Waiter] = {}
         # Request ids this session sent (the newest _MAX_SENT_REMEMBERED, in
@@ -446,6 +450,8 @@ class HostClient:
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
         self._sessions: dict[str, HostSession] = {}
+        # Session id -> authenticator of closed sessions let go of (see _retire).
+        self._retired: dict[str, SessionAuthenticator] = {}
         self._runs: dict[str, HostRun] = {}
         self._watermarks: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -514,7 +520,34 @@ class HostClient:
         underlay.on_consumer_cancel_callbacks.add(cancelled)
 
     async def close(self) -> None:
-        """Stop consuming, let reply handlers finish, close the connection. Idempotent."""
+        """Close this client's open sessions at the worker, stop consuming, let
+        reply handlers finish, close the connection. Idempotent.
+
+        Sessions are process-local (H§16.1): no later client can use them, and
+        a session left open is kept (and restored at every start) by the
+        worker for ever. A session with a request still awaited is left open:
+        its ``close_session`` could overtake that request at the worker, which
+        would then refuse it rather than run it. The others' ``close_session``
+        frames are published best effort, within one publish timeout.
+        """
+        open_sessions = [
+            s
+            for s in self._sessions.values()
+            if not s.closed and all(w.abandoned for w in s._waiters.values())
+        ]
+        if open_sessions and self._publish_channel is not None:
+            closing = [asyncio.ensure_future(self._close_exact(s)) for s in open_sessions]
+            done, late = await asyncio.wait(closing, timeout=self.publish_timeout)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+                self._log.warning("session_close_failed", sessions=len(late), error="timeout")
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    code = error.code if isinstance(error, OctoError) else type(error).__name__
+                    self._log.warning("session_close_failed", sessions=1, error=code)
         queue, tag = self._queue, self._consumer_tag
         self._queue, self._consumer_tag = None, None
         if queue is not None and tag is not None:
@@ -559,6 +592,7 @@ class HostClient:
         opening = CapabilityManifest(session_id, manifest.grants)
         session = HostSession(scope, opening, key_nonce, authenticator)
         frame = authenticator.seal(OpenSession(opening))
+        self._retire_closed()
         self._sessions[session_id] = session
         await self.publish(session, frame, None, kind="open_session")
         self._log.info("session_opened", scope=scope, session_id=session_id)
@@ -593,12 +627,37 @@ class HostClient:
                 await self._close_exact(session)
         return fresh
 
+    def _retire_closed(self) -> None:
+        """Let go of closed sessions no caller waits on any more.
+
+        A session closed for longer than a whole verb's retries (every attempt
+        a reply timeout plus the longest backoff) whose waiters are all given
+        up is dropped with its waiters (and the runs they hold); only its id
+        and authenticator are kept, so a late reply of it is still recognised
+        and dropped, not dead-lettered. A long-lived client otherwise keeps
+        every session it ever opened.
+        """
+        now = asyncio.get_running_loop().time()
+        grace = self.max_attempts * (self.reply_timeout + self._backoff_max)
+        for session_id, session in list(self._sessions.items()):
+            closed_at = session.closed_at
+            if closed_at is None or now - closed_at < grace:
+                continue
+            if any(not waiter.abandoned for waiter in session._waiters.values()):
+                continue
+            del self._sessions[session_id]
+            self._retired[session_id] = session.authenticator
+            if len(self._retired) > _MAX_RETIRED_SESSIONS:
+                del self._retired[next(iter(self._retired))]
+            self._log.info("session_retired", scope=session.scope, session_id=session_id)
+
     async def _close_exact(self, session: HostSession) -> None:
         """Close exactly this session (not its successor)."""
         if session.closed:
             return
         frame = session.authenticator.seal(CloseSession(session.session_id))
         session.closed = True
+        session.closed_at = asyncio.get_running_loop().time()
         await self.publish(session, frame, None, kind="close_session")
         self._log.info("session_closed", scope=session.scope, session_id=session.session_id)
 
@@ -1358,7 +1417,11 @@ class HostClient:
             return
         session = self._sessions.get(session_id)
         if session is None:
-            await self._dead_letter(message, "unknown_session")
+            retired = self._retired.get(session_id)
+            if retired is None:
+                await self._dead_letter(message, "unknown_session")
+                return
+            await self._retired_reply(retired, message)
             return
         try:
             checked = check_delivery(session.scope, len(body), headers)
@@ -1377,6 +1440,27 @@ class HostClient:
             await self._deliver_raw(session, message, waiter, str(correlation_id))
             return
         await self._apply(session, message, waiter, str(correlation_id))
+
+    async def _retired_reply(
+        self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
+    ) -> None:
+        """A reply of a session let go of: authentic ones are dropped (too late to apply)."""
+        try:
+            opened = authenticator.open(message.body)
+        except DuplicateFrame:
+            await self._ack(message)
+            return
+        except OctoError as exc:
+            await self._dead_letter(message, exc.code)
+            return
+        self._log.info(
+            "reply_dropped",
+            session_id=authenticator.session_id,
+            type=message_type(opened),
+            request_id=message.correlation_id,
+            reason="session_retired",
+        )
+        await self._ack(message)
 
     async def _unrequested(self, session: HostSession, message: AbstractIncomingMessage) -> None:
         """An authenticated reply nobody waits for: a duplicate is dropped."""

@@ -21,6 +21,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from octo_common.errors import (
     CompensationRequiresSucceededOperation,
     InvalidScopeKey,
+    OctoError,
     SessionClosed,
     StaleRevision,
     WriteConflict,
@@ -339,10 +340,18 @@ async def test_recover_after_a_host_restart_resolves_a_pending_operation(
     outbound = before.engine.prepare_authenticated_operation_dispatch(
         plan, run.ledger, key, publish_payload(), "d-1", session.authenticator
     )
-    await before.publish(session, outbound.frame, "d-1", kind="dispatch_operation")
-    await hosts.close(before)  # the host "crashes" with the operation pending
-    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
+    # The host goes away while it awaits the answer, with the operation pending
+    # (a session with a request awaited is left open by close()).
+    awaiting = asyncio.ensure_future(before.send(session, outbound))
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while before.published["dispatch_operation"] == 0 and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    await hosts.close(before)
+    awaiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, OctoError):
+        await awaiting
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
     deadline = loop.time() + WAIT
     while not read_effect_log(worker_env.effect_log) and loop.time() < deadline:
         await asyncio.sleep(0.05)
@@ -435,6 +444,21 @@ async def test_a_key_dispatched_to_one_scope_is_never_dispatched_to_another(
     assert summary.unresolved == [key] and summary.errors == {key: "dispatch_scope_mismatch"}
     assert after.published["dispatch_operation"] == 0
     assert read_effect_log(worker_env.effect_log) == []
+
+
+async def test_closing_the_client_closes_its_idle_sessions_at_the_worker(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    assert isinstance(await client.dispatch(session, run, key, publish_payload()), Succeeded)
+
+    # Sessions are process-local: left open, the worker would keep this one
+    # (and restore it at every start) for ever.
+    await hosts.close(client)
+    await wait_session(daemon, worker_env.scope, session.session_id, "closed")
+    assert session.closed
 
 
 async def test_a_frame_of_a_closed_session_is_dead_lettered(

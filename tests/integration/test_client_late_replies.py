@@ -374,3 +374,49 @@ async def test_a_stale_running_compensation_reply_is_dropped_not_dead_lettered(
     stored = (await stored_ledger(host_env)).operation(key)
     assert stored is not None and stored.compensation is not None
     assert stored.compensation.state == StateKind.SUCCEEDED
+
+
+# A closed session let go of ---------------------------------------------------------------
+
+
+async def test_a_closed_session_is_let_go_of_and_its_late_replies_are_still_recognised(
+    scripted: ScriptedWorker, hosts: HostFactory, worker_env: WorkerEnv, dead_letters: Inbox
+) -> None:
+    # Grace before a closed session is let go of: one attempt of 0.3 s, no backoff.
+    client = await hosts.start(reply_timeout=0.3, max_attempts=1, backoff_max=0.0)
+    _, run, key = await recorded(client)
+    first = await client.open_session(worker_env.scope, manifest())
+    dispatching = asyncio.create_task(client.dispatch(first, run, key, publish_payload()))
+    dispatch = await scripted.next("dispatch_operation")
+    await scripted.reply(dispatch, succeeded(dispatch))
+    assert isinstance(await asyncio.wait_for(dispatching, WAIT), Succeeded)
+    await client.close_session(first)
+
+    await asyncio.sleep(0.4)
+    second = await client.open_session(worker_env.scope, manifest())
+    # The closed session (its waiters, its sent ids) is dropped; the open one stays.
+    assert first.session_id not in client._sessions
+    assert second.session_id in client._sessions
+
+    # A late authentic copy of its reply is dropped quietly, not dead-lettered...
+    await scripted.reply(dispatch, succeeded(dispatch))
+    # ... and a forged one under its session id still is.
+    forged_key = SessionKey.derive(
+        ScopeKey(bytes(32)), worker_env.scope, first.session_id, first.key_nonce
+    )
+    forged = SessionAuthenticator(first.session_id, forged_key, SessionRole.WORKER)
+    envelope = build_worker_reply(
+        worker_env.scope,
+        first.session_id,
+        first.key_nonce,
+        forged.seal(succeeded(dispatch)),
+        reply_to=client.reply_queue,
+        correlation_id="forged",
+    )
+    await publish_envelope(scripted.channel, envelope, timeout=WAIT)
+    dead = await dead_letters.wait_for(lambda m: m.correlation_id == "forged")
+    assert reason_of(dead) == "invalid_authentication_tag"
+    await asyncio.sleep(0.3)
+    late = [m for m in dead_letters.items if header(m, HEADER_SESSION) == first.session_id]
+    assert late == [dead]
+    assert run.state(key) == StateKind.SUCCEEDED and run.revision == 2
