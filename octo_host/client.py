@@ -431,6 +431,7 @@ class HostClient:
         max_attempts: int = 6,
         backoff_initial: float = 0.1,
         backoff_max: float = 2.0,
+        max_cached_runs: int = 4096,
     ) -> None:
         self._url = url
         self.host_id = host_id
@@ -452,7 +453,9 @@ class HostClient:
         self._sessions: dict[str, HostSession] = {}
         # Session id -> authenticator of closed sessions let go of (see _retire).
         self._retired: dict[str, SessionAuthenticator] = {}
+        # Runs loaded, least recently loaded first; bounded (see _evict_runs).
         self._runs: dict[str, HostRun] = {}
+        self.max_cached_runs = max(1, max_cached_runs)
         self._watermarks: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # Why replies can no longer arrive (None while the consumer is alive).
@@ -789,6 +792,8 @@ class HostClient:
         """
         cached = self._runs.get(name)
         if cached is not None and cached.plan is plan and cached.revision >= minimum_revision:
+            del self._runs[name]
+            self._runs[name] = cached  # most recently used
             return cached
         key = ledger_record_key(name)
         record = await self.store.load(key)
@@ -801,13 +806,34 @@ class HostClient:
         self.engine.validate_operation_ledger_at_or_after(plan, ledger, watermark)
         self._watermarks[name] = ledger.revision
         run = HostRun(name, plan, ledger, record.revision)
-        replaced = self._runs.get(name)
+        replaced = self._runs.pop(name, None)
         if replaced is not None:
             # Two objects for one run: neither may dispatch a key without reconciling.
             replaced._unsent.clear()
         self._runs[name] = run
+        self._evict_runs()
         self._log.info("run_loaded", run=name, revision=ledger.revision, plan=plan.fingerprint)
         return run
+
+    def _evict_runs(self) -> None:
+        """Keep at most ``max_cached_runs`` runs loaded, dropping the least recently used.
+
+        A long-lived client otherwise keeps the ledger of every run it ever
+        loaded. A run in use (its lock held) or holding keys it recorded and
+        never sent is kept: a second object for that run, loaded later, could
+        not tell them unsent from sent. Any other run is safe to load again:
+        the new object reconciles its keys before it dispatches any.
+        """
+        excess = len(self._runs) - self.max_cached_runs
+        if excess <= 0:
+            return
+        for name, run in list(self._runs.items()):
+            if run._lock.locked() or run._unsent:
+                continue
+            del self._runs[name]
+            excess -= 1
+            if excess <= 0:
+                return
 
     async def _persist_locked(self, run: HostRun, candidate: WorkflowOperationLedger) -> None:
         """Compare-and-swap ``candidate`` over the stored ledger; then adopt it."""

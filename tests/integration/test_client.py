@@ -446,6 +446,27 @@ async def test_a_key_dispatched_to_one_scope_is_never_dispatched_to_another(
     assert read_effect_log(worker_env.effect_log) == []
 
 
+async def test_the_run_cache_is_bounded_and_keeps_runs_with_unsent_keys(
+    hosts: HostFactory,
+) -> None:
+    client = await hosts.start(max_cached_runs=2)
+    plan = client.engine.plan(STEPS)
+    busy = await client.load_run("run-busy", plan)
+    key = await client.record_operation(busy, "publish", TOOL, publish_payload(), b"busy:1")
+    idle = await client.load_run("run-idle", plan)
+    await client.load_run("run-third", plan)
+    # Over the bound: the least recently used run is dropped, except one whose
+    # recorded key was never sent (a second object could not know it unsent).
+    assert await client.load_run("run-busy", plan) is busy
+    assert key in busy._unsent
+    again = await client.load_run("run-idle", plan)
+    assert again is not idle and again.revision == idle.revision
+    assert len(client._runs) == 2
+    for name in ("run-a", "run-b", "run-c", "run-d"):
+        await client.load_run(name, plan)
+    assert list(client._runs) == ["run-busy", "run-d"]
+
+
 async def test_closing_the_client_closes_its_idle_sessions_at_the_worker(
     daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
 ) -> None:
