@@ -364,6 +364,10 @@ class HostRun:
         # read from the store, whatever its state, may have been sent before
         # (another process, a crash): it is reconciled first (H§16.5).
         self._unsent: set[str] = set()
+        # Set when the client no longer holds this object as the run's (dropped
+        # from its cache, or another object loaded for the run): from then on
+        # it dispatches no key without reconciling first, ``_unsent`` or not.
+        self._detached = False
         # ("workflow-routes", name): loaded on the first dispatch (None until then).
         self._routes: dict[str, str] | None = None
         self._routes_revision: int | None = None
@@ -810,6 +814,7 @@ class HostClient:
         if replaced is not None:
             # Two objects for one run: neither may dispatch a key without reconciling.
             replaced._unsent.clear()
+            replaced._detached = True
         self._runs[name] = run
         self._evict_runs()
         self._log.info("run_loaded", run=name, revision=ledger.revision, plan=plan.fingerprint)
@@ -819,18 +824,28 @@ class HostClient:
         """Keep at most ``max_cached_runs`` runs loaded, dropping the least recently used.
 
         A long-lived client otherwise keeps the ledger of every run it ever
-        loaded. A run in use (its lock held) or holding keys it recorded and
-        never sent is kept: a second object for that run, loaded later, could
-        not tell them unsent from sent. Any other run is safe to load again:
-        the new object reconciles its keys before it dispatches any.
+        loaded. Kept whatever the bound: the run just loaded, a run in use (its
+        lock held, or a request of it awaited, or a late reply of it still
+        expected), and a run holding keys it recorded and never sent (a second
+        object for the run could not tell them from sent ones). A dropped
+        object is detached: if a caller still holds it, it reconciles every key
+        before dispatching any, like the object loaded for the run next.
         """
         excess = len(self._runs) - self.max_cached_runs
         if excess <= 0:
             return
+        waited = {
+            id(waiter.run)
+            for session in self._sessions.values()
+            for waiter in session._waiters.values()
+            if waiter.run is not None
+        }
+        newest = next(reversed(self._runs))
         for name, run in list(self._runs.items()):
-            if run._lock.locked() or run._unsent:
+            if name == newest or run._lock.locked() or run._unsent or id(run) in waited:
                 continue
             del self._runs[name]
+            run._detached = True
             excess -= 1
             if excess <= 0:
                 return
@@ -1042,7 +1057,7 @@ class HostClient:
         def build(auth: SessionAuthenticator) -> OutboundFrame[OperationDispatchRequest]:
             state = run.state(operation_key)
             if unknown is None:
-                if state != StateKind.PENDING or operation_key not in run._unsent:
+                if state != StateKind.PENDING or operation_key not in run._unsent or run._detached:
                     raise _SentBefore()
             elif state != StateKind.PENDING:
                 self._log.error(
@@ -1570,7 +1585,7 @@ class HostClient:
                 return
             except WorkerRequestRejected as exc:
                 # Authentic refusal; the ledger is unchanged (H§12.9).
-                if exc.rejection_code in _OUTCOME_MAY_FOLLOW:
+                if exc.rejection_code in _OUTCOME_MAY_FOLLOW and waiter.kind != "reconcile":
                     # The worker may still send this request's outcome (W§10.7: a
                     # copy answered while the first was in flight): stay registered,
                     # abandoned, so it is applied (H§16.3); _register bounds these.
@@ -1590,7 +1605,9 @@ class HostClient:
                 # nothing to apply, no attack; the caller sees what it was told.
                 session._waiters.pop(correlation_id, None)
                 await self._ack(message)
-                self._log.info(
+                # A warning: after an operator's decision (octo-host resolve) a
+                # `running` is also what an effect still going on would send.
+                self._log.warning(
                     "reply_stale",
                     run=run.name,
                     type=waiter.kind,

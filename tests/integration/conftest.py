@@ -393,6 +393,13 @@ class HostFactory:
         await client.close()
         await client.store.close()
 
+    async def crash(self, client: HostClient) -> None:
+        """The host process dies: it sends nothing more, not even the
+        ``close_session`` frames a clean ``close()`` publishes."""
+        for session in client._sessions.values():
+            session.closed = True
+        await self.close(client)
+
     async def close_all(self) -> None:
         for client in self._clients:
             with contextlib.suppress(Exception):

@@ -467,6 +467,29 @@ async def test_the_run_cache_is_bounded_and_keeps_runs_with_unsent_keys(
     assert list(client._runs) == ["run-busy", "run-d"]
 
 
+async def test_a_run_dropped_from_the_cache_reconciles_before_it_dispatches(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start(max_cached_runs=1)
+    plan = client.engine.plan(STEPS)
+    busy = await client.load_run("run-busy", plan)
+    await client.record_operation(busy, "publish", TOOL, publish_payload(), b"busy:1")
+    # The run just loaded is kept even over the bound.
+    held = await client.load_run("run-held", plan)
+    assert await client.load_run("run-held", plan) is held
+    await client.load_run("run-next", plan)
+    assert "run-held" not in client._runs
+    # A caller still holding the dropped object records and dispatches on it:
+    # another object may be loaded for the run at any time, so the key is
+    # reconciled first and sent only on the worker's unknown_operation.
+    key = await client.record_operation(held, "publish", TOOL, publish_payload(), b"held:1")
+    session = await client.open_session(worker_env.scope, manifest())
+    assert isinstance(await client.dispatch(session, held, key, publish_payload()), Succeeded)
+    assert client.published["reconcile_operation"] == 1
+    assert client.published["dispatch_operation"] == 1
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
 async def test_closing_the_client_closes_its_idle_sessions_at_the_worker(
     daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
 ) -> None:
@@ -680,7 +703,7 @@ async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
         session.authenticator,
     )
     await before.publish(session, outbound.frame, "c-1", kind="compensate_operation")
-    await hosts.close(before)  # crashes while the inverse runs
+    await hosts.crash(before)  # while the inverse runs
 
     after = await hosts.start(engine=WorkflowEngine())
     rebuilt = after.engine.plan(STEPS)

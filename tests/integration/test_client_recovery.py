@@ -154,7 +154,7 @@ async def test_dispatch_after_a_host_restart_reconciles_a_pending_key_first(
         plan, run.ledger, key, publish_payload(), "d-1", session.authenticator
     )
     await before.publish(session, outbound.frame, "d-1", kind="dispatch_operation")
-    await hosts.close(before)  # the host "crashes" with the operation pending (maybe sent)
+    await hosts.crash(before)  # with the operation pending (maybe sent)
 
     after = await hosts.start(engine=WorkflowEngine())
     again = await after.load_run(RUN, after.engine.plan(STEPS))
