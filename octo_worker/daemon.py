@@ -215,6 +215,9 @@ class _Scope:
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
     # Closed sessions held by id only (see _load_scope and _forget_closed).
     closed: set[str] = field(default_factory=set)
+    # Deliveries being handled, per session id (a closed session is let go of
+    # by the last one, so no reply of it is committed after that).
+    handling: dict[str, int] = field(default_factory=dict)
     persisted_poisoned: set[str] = field(default_factory=set)
     # Of those, the highest refusal sequence persisted as sealed (W§10.11 rule 2).
     poisoned_sealed: dict[str, int] = field(default_factory=dict)
@@ -804,13 +807,26 @@ class WorkerDaemon:
             self._log.info("outbox_republished", scope=scope.name, frames=published)
         return list(finished.values())
 
-    def _forget_closed(self, scope: _Scope, session: WorkerSession) -> None:
-        """Hold a closed session by its id only, from now on.
+    @staticmethod
+    def _attach(scope: _Scope, delivery: _Delivery, session: WorkerSession) -> None:
+        delivery.session = session
+        sid = session.session_id
+        scope.handling[sid] = scope.handling.get(sid, 0) + 1
 
-        A handler of it still running keeps its own reference and finishes;
-        a reply of it confirmed later is then released at the next start
-        (republished once more, dropped by the host as a duplicate).
-        """
+    @staticmethod
+    def _detach(scope: _Scope, delivery: _Delivery) -> None:
+        session = delivery.session
+        if session is None:
+            return
+        sid = session.session_id
+        left = scope.handling.get(sid, 0) - 1
+        if left > 0:
+            scope.handling[sid] = left
+        else:
+            scope.handling.pop(sid, None)
+
+    def _forget_closed(self, scope: _Scope, session: WorkerSession) -> None:
+        """Hold a closed session by its id only, from now on (its last handler calls this)."""
         if scope.sessions.get(session.session_id) is session:
             del scope.sessions[session.session_id]
             scope.closed.add(session.session_id)
@@ -856,6 +872,9 @@ class WorkerDaemon:
                     session=session.session_id,
                     error=code,
                 )
+                if scope.name in store.superseded:
+                    await self._give_up_scope(scope)  # another worker holds the fence
+                    return
                 continue
             if released:
                 self._log.info(
@@ -888,9 +907,14 @@ class WorkerDaemon:
             try:
                 await self._deliver(scope, message, delivery)
                 closed = delivery.session
-                if closed is not None and closed.status == "closed":
-                    # A reply confirmed after its session's close commit has no
-                    # later commit to be deleted in.
+                if (
+                    closed is not None
+                    and closed.status == "closed"
+                    and scope.handling.get(closed.session_id) == 1
+                ):
+                    # The last handler of a closed session: a reply confirmed
+                    # after the close commit has no later commit to be deleted
+                    # in, and nothing more of the session is needed in memory.
                     await self._release_outbox(scope, [closed])
                     self._forget_closed(scope, closed)
             except asyncio.CancelledError:
@@ -902,6 +926,7 @@ class WorkerDaemon:
             finally:
                 if current is not None:
                     scope.active.discard(current)
+                self._detach(scope, delivery)
             self.metrics.deliveries_for(scope.name, delivery.outcome).inc()
             self.metrics.progress()
         await self._after_delivery(scope, delivery)
@@ -954,7 +979,7 @@ class WorkerDaemon:
                 return
             await self._open_session(scope, message, delivery, session_id, headers.key_nonce)
             return
-        delivery.session = session
+        self._attach(scope, delivery, session)
         if opening:
             if session.status in ("open", "poisoned") and headers.key_nonce == session.key_nonce:
                 await session.handle(body, self._require_daemon_store(), delivery)
@@ -1017,7 +1042,7 @@ class WorkerDaemon:
         if session is None:
             await delivery.dead_letter(refused or SessionReplay.code)
             return
-        delivery.session = session
+        self._attach(scope, delivery, session)
         try:
             await delivery.ack()
         except Exception as exc:
@@ -1108,6 +1133,8 @@ class WorkerDaemon:
             self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
             if self._connected.is_set():
                 await self._release_outbox(scope, await self._republish_outbox(scope))
+                if scope.name in self._require_daemon_store().superseded:
+                    return  # the release met another writer's fence: given up
                 await self._start_consuming(scope)
         except asyncio.CancelledError:
             raise

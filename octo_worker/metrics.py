@@ -196,8 +196,11 @@ class WorkerMetrics:
 
     def oldest_pending_age_of(self, scope: str) -> float:
         """Seconds since the oldest unresolved key of ``scope`` was admitted (0 if none)."""
+        # Called by the scrape thread while the loop may change the slots:
+        # one copy (a single C-level call, atomic under the GIL), then read it.
         slots = self._pending_since.get(scope)
-        return time.time() - min(slots.values()) if slots else 0.0
+        since = list(slots.values()) if slots is not None else []
+        return time.time() - min(since) if since else 0.0
 
     def progress(self) -> None:
         self.last_progress.set(time.time())

@@ -377,3 +377,73 @@ async def test_a_closed_session_is_held_by_its_id_only_and_still_refuses_every_f
     finally:
         await runner.stop_all()
     assert read_effect_log(worker_env.effect_log) == []
+
+
+async def test_a_session_closed_while_a_handler_runs_is_let_go_of_after_that_handler(
+    names: Names, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    adapter = _SlowFiles(worker_env, delay=0.8)
+    adapters = WorkerAdapterRegistry()
+    adapters.register(TOOL, adapter)
+    runner = WorkerRunner(worker_env)
+    daemon = await runner.start(adapters=adapters)
+    try:
+        session = await opened(raw_host, daemon)
+        await raw_host.publish(
+            _publish_frame(session, "d-slow", operation_key(), "slow.txt"),
+            headers=raw_host.headers(session, "d-slow"),
+            correlation_id="d-slow",
+        )
+        await _until(lambda: adapter.dispatches == 1, "the effect to start")
+        await raw_host.publish(
+            session.auth.seal(CloseSession(session.session_id)),
+            headers=raw_host.headers(session, "close"),
+        )
+        await wait_session(daemon, names.scope, session.session_id, "closed")
+        scope = daemon._scopes[names.scope]
+        # Its dispatch is still running: the session is kept for it.
+        assert session.session_id in scope.sessions
+        reply = await asyncio.wait_for(answer(raw_host, session, "d-slow"), WAIT)
+        assert isinstance(reply, OperationResult)
+        assert isinstance(reply.result.status, Succeeded)
+        # The dispatch's reply, confirmed after the close commit, leaves the
+        # outbox; then the session is held by its id only.
+        await _until(lambda: session.session_id in scope.closed, "the session to be let go")
+        assert session.session_id not in scope.sessions
+        assert await daemon.store.load_outbox(names.scope) == []
+    finally:
+        await runner.stop_all()
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_an_outbox_release_meeting_a_newer_fence_gives_the_scope_up(
+    raw_host: RawHost, worker_env: WorkerEnv, workers: WorkerRunner
+) -> None:
+    old = WorkerDaemon(worker_env.config)
+    old_task = asyncio.create_task(old.run())
+    try:
+        await asyncio.wait_for(old.wait_ready(), WAIT)
+        session = await opened(raw_host, old)
+        await raw_host.publish(
+            _publish_frame(session, "d-1", operation_key(), "a.txt"),
+            headers=raw_host.headers(session, "d-1"),
+            correlation_id="d-1",
+        )
+        assert isinstance(
+            await asyncio.wait_for(answer(raw_host, session, "d-1"), WAIT), OperationResult
+        )
+        scope = old._scopes[raw_host.scope]
+        held = scope.sessions[session.session_id]
+        await _until(lambda: len(held._confirmed) == 1, "the reply's confirm")
+        # A second worker on the same journal reserves a newer fence; the old
+        # one then releases its confirmed row (as after a reconnect's republish).
+        await workers.start()
+        await old._release_outbox(scope, [held])
+        # The commit met the newer fence: the old worker gives the scope up and,
+        # with no other scope, stops by itself.
+        assert scope.superseded
+        await asyncio.wait_for(old_task, WAIT)
+    finally:
+        if not old_task.done():
+            old.request_stop()
+            await asyncio.wait_for(old_task, 15.0)
