@@ -845,7 +845,9 @@ class WorkerDaemon:
         scope.active.add(task)
         task.add_done_callback(scope.active.discard)
 
-    async def _release_outbox(self, scope: _Scope, sessions: list[WorkerSession]) -> None:
+    async def _release_outbox(
+        self, scope: _Scope, sessions: list[WorkerSession], *, handlers: int = 0
+    ) -> None:
         """Delete the confirmed outbox rows of ``sessions`` now (W§11.4).
 
         The rows of a session otherwise go in its next commit, and an idle or
@@ -883,6 +885,28 @@ class WorkerDaemon:
                     session=session.session_id,
                     frames=released,
                 )
+            if session.status == "closed":
+                await self._let_go_if_done(scope, session, handlers)
+
+    async def _let_go_if_done(self, scope: _Scope, session: WorkerSession, handlers: int) -> None:
+        """Hold a closed session by its id only once nothing of it is pending.
+
+        ``handlers``: how many of its deliveries the caller is (1 from its last
+        handler, 0 after a republish). A reply of it still in the outbox (its
+        publish failed) keeps it, so the next reconnect republishes that reply.
+        """
+        sid = session.session_id
+        if scope.handling.get(sid, 0) > handlers:
+            return
+        try:
+            entries = await self.store.load_outbox(scope.name)
+        except Exception:
+            return  # kept; a later delivery or start tries again
+        if any(entry.session_id == sid for entry in entries):
+            return
+        if scope.handling.get(sid, 0) > handlers:
+            return  # another delivery of it started meanwhile (dead-lettered: closed)
+        self._forget_closed(scope, session)
 
     # -- deliveries --------------------------------------------------------------------
 
@@ -915,8 +939,7 @@ class WorkerDaemon:
                     # The last handler of a closed session: a reply confirmed
                     # after the close commit has no later commit to be deleted
                     # in, and nothing more of the session is needed in memory.
-                    await self._release_outbox(scope, [closed])
-                    self._forget_closed(scope, closed)
+                    await self._release_outbox(scope, [closed], handlers=1)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

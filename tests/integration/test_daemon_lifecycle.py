@@ -447,3 +447,47 @@ async def test_an_outbox_release_meeting_a_newer_fence_gives_the_scope_up(
         if not old_task.done():
             old.request_stop()
             await asyncio.wait_for(old_task, 15.0)
+
+
+async def test_a_closed_session_whose_last_reply_is_unsent_is_kept_for_the_republish(
+    broker: AbstractConnection, names: Names, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    adapter = _SlowFiles(worker_env, delay=0.8)
+    adapters = WorkerAdapterRegistry()
+    adapters.register(TOOL, adapter)
+    runner = WorkerRunner(worker_env)
+    daemon = await runner.start(adapters=adapters)
+    admin = await broker.channel()
+    try:
+        session = await opened(raw_host, daemon)
+        await raw_host.publish(
+            _publish_frame(session, "d-lost", operation_key(), "lost.txt"),
+            headers=raw_host.headers(session, "d-lost"),
+            correlation_id="d-lost",
+        )
+        await _until(lambda: adapter.dispatches == 1, "the effect to start")
+        # The host closes the session and its reply queue vanishes: the
+        # dispatch's reply, committed after the close, cannot be published.
+        await raw_host.publish(
+            session.auth.seal(CloseSession(session.session_id)),
+            headers=raw_host.headers(session, "close"),
+        )
+        await wait_session(daemon, names.scope, session.session_id, "closed")
+        await admin.queue_delete(raw_host.reply_queue)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while not await daemon.store.load_outbox(names.scope):
+            assert loop.time() < deadline, "the reply never reached the outbox"
+            await asyncio.sleep(0.05)
+        scope = daemon._scopes[names.scope]
+        await _until(lambda: not scope.handling, "its handlers to finish")
+        # Its reply is still to be sent: the session is kept, so the next
+        # reconnect (not only the next start) republishes it.
+        assert session.session_id in scope.sessions
+        assert session.session_id not in scope.closed
+        (entry,) = await daemon.store.load_outbox(names.scope)
+        assert entry.session_id == session.session_id
+    finally:
+        await runner.stop_all()
+        await admin.close()
+    assert len(read_effect_log(worker_env.effect_log)) == 1
