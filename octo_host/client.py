@@ -795,7 +795,11 @@ class HostClient:
         the highest revision this client stored for the run, or ``minimum_revision``.
         """
         cached = self._runs.get(name)
-        if cached is not None and cached.plan is plan and cached.revision >= minimum_revision:
+        if (
+            cached is not None
+            and (cached.plan is plan or cached.plan.fingerprint == plan.fingerprint)
+            and cached.revision >= minimum_revision
+        ):
             del self._runs[name]
             self._runs[name] = cached  # most recently used
             return cached
@@ -825,8 +829,8 @@ class HostClient:
 
         A long-lived client otherwise keeps the ledger of every run it ever
         loaded. Kept whatever the bound: the run just loaded, a run in use (its
-        lock held, or a request of it awaited, or a late reply of it still
-        expected), and a run holding keys it recorded and never sent (a second
+        lock held, or a reply to a request of it awaited by a caller), and a
+        run holding keys it recorded and never sent (a second
         object for the run could not tell them from sent ones). A dropped
         object is detached: if a caller still holds it, it reconciles every key
         before dispatching any, like the object loaded for the run next.
@@ -834,11 +838,14 @@ class HostClient:
         excess = len(self._runs) - self.max_cached_runs
         if excess <= 0:
             return
+        # Runs a caller awaits a reply for. A waiter given up on (timed out, or
+        # kept after a pending_* refusal) does not pin its run: no reply may
+        # ever come for it, and the worker's journal keeps what it would say.
         waited = {
             id(waiter.run)
             for session in self._sessions.values()
             for waiter in session._waiters.values()
-            if waiter.run is not None
+            if waiter.run is not None and not waiter.abandoned
         }
         newest = next(reversed(self._runs))
         for name, run in list(self._runs.items()):

@@ -467,6 +467,19 @@ async def test_the_run_cache_is_bounded_and_keeps_runs_with_unsent_keys(
     assert list(client._runs) == ["run-busy", "run-d"]
 
 
+async def test_loading_a_run_again_with_an_equal_plan_keeps_the_same_object(
+    hosts: HostFactory,
+) -> None:
+    client = await hosts.start()
+    run = await client.load_run(RUN, client.engine.plan(STEPS))
+    # recover() and the CLI build the plan again: an equal plan (same
+    # fingerprint) must not replace the object a running verb still uses.
+    rebuilt = client.engine.plan(STEPS)
+    assert rebuilt is not run.plan and rebuilt.fingerprint == run.plan.fingerprint
+    assert await client.load_run(RUN, rebuilt) is run
+    assert not run._detached
+
+
 async def test_a_run_dropped_from_the_cache_reconciles_before_it_dispatches(
     daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv
 ) -> None:
