@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +149,29 @@ def test_watchdog_interval(
         else:
             monkeypatch.setenv(name, value)
     assert watchdog_interval() == expected
+
+
+def test_a_manager_that_reads_nothing_never_blocks_the_sender(path_manager: Manager) -> None:
+    # The daemon notifies from its event loop: once the manager's queue is
+    # full (net.unix.max_dgram_qlen), a blocking send would stop the daemon.
+    notifier = Notifier(path_manager.address)
+    results: list[bool] = []
+
+    def ping() -> None:
+        results.extend(notifier.watchdog() for _ in range(200))
+
+    sender = threading.Thread(target=ping, daemon=True)
+    started = time.monotonic()
+    sender.start()
+    sender.join(timeout=5.0)
+    assert not sender.is_alive(), "a watchdog ping blocked on a full notify socket"
+    assert time.monotonic() - started < 5.0
+    assert results[0] is True and results[-1] is False  # queued, then dropped
+    # READY and STOPPING wait a little for room, then give up as well.
+    started = time.monotonic()
+    assert notifier.stopping() is False
+    assert 0.9 <= time.monotonic() - started < 3.0
+    # Once the manager reads, notifications go through again.
+    while not path_manager.nothing_pending():
+        pass
+    assert notifier.watchdog() is True
