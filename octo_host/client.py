@@ -1489,17 +1489,26 @@ class HostClient:
             return
         await self._apply(session, message, waiter, str(correlation_id))
 
+    async def _open_or_settle(
+        self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
+    ) -> WorkerMessage | None:
+        """Open a reply; None once it is settled (a duplicate acked, a bad frame dead-lettered)."""
+        try:
+            opened: WorkerMessage = authenticator.open(message.body)
+        except DuplicateFrame:
+            await self._ack(message)
+            return None
+        except OctoError as exc:
+            await self._dead_letter(message, exc.code)
+            return None
+        return opened
+
     async def _retired_reply(
         self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
     ) -> None:
         """A reply of a session let go of: authentic ones are dropped (too late to apply)."""
-        try:
-            opened = authenticator.open(message.body)
-        except DuplicateFrame:
-            await self._ack(message)
-            return
-        except OctoError as exc:
-            await self._dead_letter(message, exc.code)
+        opened = await self._open_or_settle(authenticator, message)
+        if opened is None:
             return
         self._log.info(
             "reply_dropped",
@@ -1512,13 +1521,8 @@ class HostClient:
 
     async def _unrequested(self, session: HostSession, message: AbstractIncomingMessage) -> None:
         """An authenticated reply nobody waits for: a duplicate is dropped."""
-        try:
-            opened = session.authenticator.open(message.body)
-        except DuplicateFrame:
-            await self._ack(message)
-            return
-        except OctoError as exc:
-            await self._dead_letter(message, exc.code)
+        opened = await self._open_or_settle(session.authenticator, message)
+        if opened is None:
             return
         if message.correlation_id is not None and message.correlation_id in session._sent:
             # The worker answers each copy of a request (a publish retried
@@ -1549,13 +1553,8 @@ class HostClient:
         waiter: _Waiter,
         correlation_id: str,
     ) -> None:
-        try:
-            opened = session.authenticator.open(message.body)
-        except DuplicateFrame:
-            await self._ack(message)
-            return
-        except OctoError as exc:
-            await self._dead_letter(message, exc.code)
+        opened = await self._open_or_settle(session.authenticator, message)
+        if opened is None:
             return
         session._waiters.pop(correlation_id, None)
         await self._ack(message)

@@ -485,13 +485,13 @@ def test_effective_deadline_prefers_the_adapters_own_then_the_configured_one(
     assert effective_adapter_deadline(_Deadline(True), 45.0) == 45.0
 
     class Inherits(BaseWorkerAdapter):
-        pass
+        """Sets no deadline of its own."""
 
     class OwnClassDefault(BaseWorkerAdapter):
         deadline_seconds = DEFAULT_ADAPTER_DEADLINE_SECONDS
 
     class FromItsParent(OwnClassDefault):
-        pass
+        """Inherits its parent's own choice."""
 
     # BaseWorkerAdapter's class default is no choice of the adapter's own.
     assert effective_adapter_deadline(Inherits(), 45.0) == 45.0
