@@ -369,7 +369,7 @@ class WrongTool(BaseWorkerAdapter):
 
 
 class NotAnAdapter:
-    pass
+    ...
 """
 
 ENTRY_POINTS = f"""[{ADAPTER_ENTRY_POINT_GROUP}]
