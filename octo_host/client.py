@@ -1503,6 +1503,19 @@ class HostClient:
             return None
         return opened
 
+    async def _drop_reply(
+        self, session_id: str, opened: WorkerMessage, message: AbstractIncomingMessage, reason: str
+    ) -> None:
+        """An authentic reply with nothing to apply: logged, acked."""
+        self._log.info(
+            "reply_dropped",
+            session_id=session_id,
+            type=message_type(opened),
+            request_id=message.correlation_id,
+            reason=reason,
+        )
+        await self._ack(message)
+
     async def _retired_reply(
         self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
     ) -> None:
@@ -1510,14 +1523,7 @@ class HostClient:
         opened = await self._open_or_settle(authenticator, message)
         if opened is None:
             return
-        self._log.info(
-            "reply_dropped",
-            session_id=authenticator.session_id,
-            type=message_type(opened),
-            request_id=message.correlation_id,
-            reason="session_retired",
-        )
-        await self._ack(message)
+        await self._drop_reply(authenticator.session_id, opened, message, "session_retired")
 
     async def _unrequested(self, session: HostSession, message: AbstractIncomingMessage) -> None:
         """An authenticated reply nobody waits for: a duplicate is dropped."""
@@ -1529,14 +1535,7 @@ class HostClient:
             # after a lost confirm, a redelivery), and a reply may come after
             # its caller gave up (the key is then reconciled): not an attack,
             # nothing to apply twice.
-            self._log.info(
-                "reply_dropped",
-                session_id=session.session_id,
-                type=message_type(opened),
-                request_id=message.correlation_id,
-                reason="answered_or_abandoned",
-            )
-            await self._ack(message)
+            await self._drop_reply(session.session_id, opened, message, "answered_or_abandoned")
             return
         self._log.warning(
             "reply_unrequested",

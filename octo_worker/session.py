@@ -791,10 +791,9 @@ class WorkerSession:
             revision = await store.commit(
                 self._scope, self._lease, WorkerCommit(outbox_delete=deletes)
             )
-            if isinstance(revision, bool) or not isinstance(revision, int):
-                raise InvalidJournalRevision(self._highest_revision + 1, -1)
-            if revision <= self._highest_revision:
-                raise InvalidJournalRevision(self._highest_revision + 1, revision)
+            failure = self._revision_error(revision)
+            if failure is not None:
+                raise failure
             self._highest_revision = revision
             for done in deletes:
                 with contextlib.suppress(ValueError):
@@ -1454,10 +1453,7 @@ class WorkerSession:
             failure = exc if isinstance(exc, OctoError) else StorageBackendError(type(exc).__name__)
         else:
             revision = task.result()
-            if isinstance(revision, bool) or not isinstance(revision, int):
-                failure = InvalidJournalRevision(self._highest_revision + 1, -1)
-            elif revision <= self._highest_revision:
-                failure = InvalidJournalRevision(self._highest_revision + 1, revision)
+            failure = self._revision_error(revision)
         if failure is not None:
             self._poison_in_memory(failure)
             if cancelled:
@@ -1472,6 +1468,14 @@ class WorkerSession:
         if cancelled:
             raise asyncio.CancelledError()
         return revision
+
+    def _revision_error(self, revision: object) -> InvalidJournalRevision | None:
+        """W§10.1: a commit must return an int above every revision seen so far."""
+        if isinstance(revision, bool) or not isinstance(revision, int):
+            return InvalidJournalRevision(self._highest_revision + 1, -1)
+        if revision <= self._highest_revision:
+            return InvalidJournalRevision(self._highest_revision + 1, revision)
+        return None
 
     def _poison_in_memory(self, failure: OctoError) -> None:
         """W§10.9 step 1: back to the last durable point, then ``poisoned``.
