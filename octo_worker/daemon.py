@@ -112,6 +112,8 @@ class _DaemonStore:
         self._store = store
         self._metrics = metrics
         self.superseded: set[str] = set()
+        # Sessions pipeline their commits when the store chains them.
+        self.chains_session_commits: bool = store.chains_session_commits
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         started = time.perf_counter()

@@ -16,8 +16,13 @@ adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
   deleted only inside such a commit (PROTOCOL.md §2.4 "Commit cadence");
 * work on one operation key is serialised by a key lock shared by every
   session of the scope on the same store; session state is changed only
-  under the session lock, which is never held while waiting for a key lock
-  or an adapter;
+  under the session lock, which is never held while waiting for a key lock,
+  an adapter or a commit's fsync;
+* a session's commits are built in order and settle in that order; with a
+  store that chains them (``SqliteJournalStore``), the next commit is
+  submitted while the previous one is in flight, on top of it, so concurrent
+  handlings of one session share transactions (each still waits for its own
+  durability before it acks, runs an adapter or publishes);
 * a failed commit poisons the session: its memory goes back to the last
   durable point and a refusal is published best-effort (W§10.9 steps 1–2;
   the daemon runs steps 3–5).
@@ -32,6 +37,7 @@ a document, a log line or a refusal.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -126,6 +132,7 @@ from octo_worker.store import (
     SessionDocuments,
     WorkerCommit,
     WorkerJournalLease,
+    next_commit_link,
 )
 
 __all__ = [
@@ -357,6 +364,23 @@ def _peek_operation_key(frame: bytes) -> str | None:
 # Per-handling bookkeeping ----------------------------------------------------
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """One submitted commit of a session, until it is applied to memory."""
+
+    task: asyncio.Future[int]
+    link: int | None
+    snapshot: _Snapshot
+    deletes: list[str]
+    # Resolved (in build order) with the revision or the failure.
+    settled: asyncio.Future[int | OctoError]
+
+
+def _chains(store: object) -> bool:
+    """Whether ``store`` takes chained session commits (``SessionDocuments.after``)."""
+    return getattr(store, "chains_session_commits", False) is True
+
+
 class _CommitFailed(Exception):
     """Internal: a commit failed; the session is already poisoned in memory."""
 
@@ -545,6 +569,14 @@ class WorkerSession:
         self._limits = limits
         self._lock = asyncio.Lock()
         self._confirmed: list[str] = []
+        # Commits submitted and not yet applied to memory, oldest first; the
+        # first failure (the session is poisoned from then on).
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        # Set from a failed commit until nothing is in flight any more (every
+        # commit settled meanwhile fails with it); failures so far, the last.
+        self._broken: OctoError | None = None
+        self._failures = 0
+        self._last_failure: OctoError | None = None
         self._best_effort_high = 0
         self._durable = self._snapshot()
         self._log = _log.bind(scope=scope, session=session_id)
@@ -785,6 +817,7 @@ class WorkerSession:
         confirmed). A failed commit is raised; the rows stay noted.
         """
         async with self._lock:
+            await self._drain_locked()
             if not self._confirmed:
                 return 0
             deletes = list(self._confirmed)
@@ -1417,57 +1450,124 @@ class WorkerSession:
     ) -> int:
         """One commit of the session state (plus journal rows and an outbox row).
 
-        Raises ``_CommitFailed`` after poisoning the session in memory. The
-        snapshot the state document is written from becomes the durable point
-        once the commit succeeds (the session lock is held throughout, so
-        nothing changes the state in between).
+        Called with the session lock held; returns with it held again. The
+        state document is built now, from the state as it is, so a commit
+        carries every change made under the lock before it. While it is in
+        flight the lock is released: the next handling builds its own commit
+        and, when the store can chain (``SqliteJournalStore``), submits it at
+        once on top of this one (``SessionDocuments.link``/``after``), so that
+        concurrent handlings of one session share an fsync instead of queueing
+        for one each. Commits settle in the order they were built; each
+        caller still waits for its own durability.
+
+        Raises ``_CommitFailed`` after poisoning the session in memory: the
+        state goes back to the snapshot of the last commit that succeeded,
+        and every commit built after the failed one fails with it.
         """
-        deletes = list(self._confirmed)
+        if self._in_flight and not _chains(store):
+            # A store that cannot chain: one commit at a time, as built. If the
+            # one waited for fails, this one was built on it and fails too.
+            failures = self._failures
+            await self._drain_locked()
+            if self._failures != failures and self._last_failure is not None:
+                raise _CommitFailed(self._last_failure)
+        deletes, self._confirmed = self._confirmed, []
         pending = self._snapshot()
+        if _chains(store):
+            link: int | None = next_commit_link()
+            after = self._in_flight[-1].link if self._in_flight else None
+        else:
+            link = after = None
+        documents = SessionDocuments(
+            state=self._state_document(pending),
+            base_revision=None if after is not None else self._state_revision,
+            link=link,
+            after=after,
+        )
         changes = WorkerCommit(
             journal=journal if journal else None,
-            sessions={
-                self._session_id: SessionDocuments(
-                    state=self._state_document(pending), base_revision=self._state_revision
-                )
-            },
+            sessions={self._session_id: documents},
             outbox_insert=[outbox] if outbox is not None else [],
             outbox_delete=deletes,
         )
+        commit = _InFlight(
+            task=asyncio.ensure_future(store.commit(self._scope, self._lease, changes)),
+            link=link,
+            snapshot=pending,
+            deletes=deletes,
+            settled=asyncio.get_running_loop().create_future(),
+        )
+        self._in_flight.append(commit)
+        commit.task.add_done_callback(self._settle_commits)
+        self._lock.release()
         cancelled = False
-        task = asyncio.ensure_future(store.commit(self._scope, self._lease, changes))
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                # The commit goes on (the store shields it); learn its outcome so
-                # memory matches the disk, then stop.
-                cancelled = True
-            except Exception:
-                break  # the task is done: its outcome is read below
-        failure: OctoError | None = None
-        revision = 0
-        if task.cancelled():
-            failure = StorageBackendError("commit cancelled")
-        elif (exc := task.exception()) is not None:
-            failure = exc if isinstance(exc, OctoError) else StorageBackendError(type(exc).__name__)
-        else:
-            revision = task.result()
-            failure = self._revision_error(revision)
-        if failure is not None:
-            self._poison_in_memory(failure)
+        try:
+            while not commit.settled.done():
+                try:
+                    await asyncio.shield(commit.settled)
+                except asyncio.CancelledError:
+                    # The commit goes on (the store shields it) and settles
+                    # this session's memory when it ends; wait for that, then stop.
+                    cancelled = True
+        finally:
+            cancelled = await self._reacquire() or cancelled
+        outcome = commit.settled.result()
+        if isinstance(outcome, OctoError):
             if cancelled:
                 raise asyncio.CancelledError()
-            raise _CommitFailed(failure)
-        self._highest_revision = revision
-        self._state_revision = revision
-        for done in deletes:
-            with contextlib.suppress(ValueError):
-                self._confirmed.remove(done)
-        self._durable = pending
+            raise _CommitFailed(outcome)
         if cancelled:
             raise asyncio.CancelledError()
-        return revision
+        return outcome
+
+    async def _reacquire(self) -> bool:
+        """Take the session lock back, whatever happens; True if cancelled meanwhile."""
+        cancelled = False
+        while True:
+            try:
+                await self._lock.acquire()
+                return cancelled
+            except asyncio.CancelledError:
+                cancelled = True
+
+    async def _drain_locked(self) -> None:
+        """Wait (lock held, so nothing new is built) until no commit is in flight."""
+        while self._in_flight:
+            await asyncio.wait({self._in_flight[-1].settled})
+
+    def _settle_commits(self, _task: object = None) -> None:
+        """Apply finished commits to memory, strictly in the order they were built."""
+        while self._in_flight and self._in_flight[0].task.done():
+            commit = self._in_flight.popleft()
+            task = commit.task
+            # Once one fails, so does every commit built on it (all those in
+            # flight behind it); a commit built later starts afresh.
+            failure: OctoError | None = self._broken
+            revision = 0
+            if task.cancelled():
+                failure = failure or StorageBackendError("commit cancelled")
+            elif (exc := task.exception()) is not None:
+                failure = failure or (
+                    exc if isinstance(exc, OctoError) else StorageBackendError(type(exc).__name__)
+                )
+            elif failure is None:
+                revision = task.result()
+                failure = self._revision_error(revision)
+            if failure is not None:
+                # Its rows stay noted; a later commit (or the reload) deletes them.
+                self._confirmed[:0] = [m for m in commit.deletes if m not in self._confirmed]
+                if self._broken is None:
+                    self._broken = self._last_failure = failure
+                    self._failures += 1
+                    self._poison_in_memory(failure)
+                commit.settled.set_result(failure)
+            else:
+                self._highest_revision = revision
+                self._state_revision = revision
+                self._durable = commit.snapshot
+                commit.settled.set_result(revision)
+        if not self._in_flight:
+            self._broken = None
 
     def _revision_error(self, revision: object) -> InvalidJournalRevision | None:
         """W§10.1: a commit must return an int above every revision seen so far."""

@@ -47,6 +47,7 @@ import asyncio
 import base64
 import binascii
 import functools
+import itertools
 import os
 import queue
 import re
@@ -127,6 +128,9 @@ _SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
 _SESSION_ROWS: Final = frozenset({NS_SESSION, NS_SESSION_OPEN})
 _OUTBOX_FORMAT_VERSION: Final = 1
 _MESSAGE_ID = re.compile(r"[0-9a-f]{64}")
+# Sessions whose last committed state revision the writer remembers for
+# chained commits (SessionDocuments.chained); about 100 bytes each.
+_SESSION_TAIL_LIMIT: Final = 65536
 _BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item IN "
 _SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
 
@@ -238,14 +242,30 @@ class SessionDocuments(msgspec.Struct, frozen=True):
     carry ``format_version`` 1, ``scope`` and ``session_id`` (the state also
     ``status``). ``base_revision`` is the revision the state row was last
     written at; None means a new session, which must supply ``opening``.
+
+    Pipelined commits (only with a store whose ``chains_session_commits`` is
+    True): ``link`` is a number naming this commit, unique in the process
+    (``next_commit_link()``); ``after`` (with ``base_revision`` None and no
+    ``opening``) names the base revision another way: the revision that the
+    change set whose ``link`` is ``after`` wrote, through this store
+    instance, that change set being still queued or in flight. A session
+    submits its next commit this way without waiting for the previous one's
+    fsync, and the two share a transaction. The row's revision is still
+    compared in SQL; if that change set failed, never reached the store, or
+    the row was written since, the chained one fails with ``WriteConflict``.
     """
 
     state: bytes
     opening: bytes | None = None
     base_revision: int | None = None
+    link: int | None = None
+    after: int | None = None
 
     def __repr__(self) -> str:
-        return f"SessionDocuments(base_revision={self.base_revision!r})"
+        return (
+            f"SessionDocuments(base_revision={self.base_revision!r}, "
+            f"link={self.link!r}, after={self.after!r})"
+        )
 
 
 class PersistedSession(msgspec.Struct, frozen=True):
@@ -390,6 +410,10 @@ class _RowWrite(NamedTuple):
     document: bytes
     # The revision the row must currently have; None: the row must be absent.
     base_revision: int | None
+    # Session state rows only (SessionDocuments.link/after): this write's
+    # link, and the link of the change set whose revision is its base.
+    link: int | None = None
+    after: int | None = None
 
 
 @dataclass(slots=True)
@@ -453,7 +477,18 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
         validate_token("session id", session_id)
         _check_base_revision(documents.base_revision)
         _state_status(documents.state, scope, session_id)
-        writes.append(_RowWrite(NS_SESSION, session_id, documents.state, documents.base_revision))
+        link, after = documents.link, documents.after
+        for value in (link, after):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError("a commit link is a positive int")
+        if after is not None:
+            if documents.base_revision is not None or documents.opening is not None:
+                raise ValueError("a chained commit names neither a base revision nor an opening")
+            writes.append(_RowWrite(NS_SESSION, session_id, documents.state, None, link, after))
+            continue
+        writes.append(
+            _RowWrite(NS_SESSION, session_id, documents.state, documents.base_revision, link)
+        )
         if documents.base_revision is None:
             if documents.opening is None:
                 raise ValueError("a new session must supply its opening document")
@@ -482,6 +517,25 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
         if not isinstance(message, str) or _MESSAGE_ID.fullmatch(message) is None:
             raise InvalidToken("message id", message)
     return tuple(writes), tuple(new_sessions)
+
+
+def _note_tails(
+    tails: dict[tuple[str, str], tuple[int, int] | None], pending: _Pending, revision: int | None
+) -> None:
+    """Note what a change set did to session state rows (None: nothing to chain on)."""
+    for write in pending.writes:
+        if write.namespace == NS_SESSION:
+            link = write.link
+            name = (pending.scope, write.item)
+            tails[name] = None if link is None or revision is None else (link, revision)
+
+
+_LINKS = itertools.count(1)
+
+
+def next_commit_link() -> int:
+    """A number naming one session commit, never repeated in this process."""
+    return next(_LINKS)
 
 
 # Errors -------------------------------------------------------------------------------
@@ -622,6 +676,11 @@ class SqliteJournalStore:
         # Owned by the writer thread: its connection and the commit baselines.
         self._writer: sqlite3.Connection | None = None
         self._baselines: dict[str, int] = {}
+        # (scope, session id) -> (link, revision) of the last change set that
+        # wrote the session's state row through this instance: the base of a
+        # chained commit (bounded; an evicted entry only makes a chained
+        # commit fail closed).
+        self._session_tails: dict[tuple[str, str], tuple[int, int]] = {}
         # Owned by the reader thread: its connection and the anchor its
         # current snapshot is compared with.
         self._reader: sqlite3.Connection | None = None
@@ -650,6 +709,9 @@ class SqliteJournalStore:
         self._committed = 0
         self._failed = 0
         self._largest_batch = 0
+
+    # Takes chained session commits (SessionDocuments.link/after).
+    chains_session_commits: Final = True
 
     def __repr__(self) -> str:
         return f"SqliteJournalStore(path={os.fspath(self._path)!r})"
@@ -1194,6 +1256,9 @@ class SqliteJournalStore:
         # here (the write lock is ours) and written back once before COMMIT.
         heads: dict[str, tuple[int, int]] = {}
         advanced: dict[str, int] = {}
+        # Session state rows written (or failed: None) by this transaction so
+        # far; folded into ``_session_tails`` once it commits.
+        tails: dict[tuple[str, str], tuple[int, int] | None] = {}
         # Alone in its transaction, a change set needs no savepoint: a refusal
         # rolls the whole (otherwise empty) transaction back.
         use_savepoints = len(batch) > 1
@@ -1205,15 +1270,17 @@ class SqliteJournalStore:
                     if use_savepoints:
                         connection.execute("SAVEPOINT change_set")
                     try:
-                        revision = self._apply_one(connection, pending, heads, advanced)
+                        revision = self._apply_one(connection, pending, heads, advanced, tails)
                     except OctoError as exc:
                         if use_savepoints:
                             connection.execute("ROLLBACK TO change_set")
                             connection.execute("RELEASE change_set")
                         outcomes.append(exc)
+                        _note_tails(tails, pending, None)
                         continue
                     if use_savepoints:
                         connection.execute("RELEASE change_set")
+                    _note_tails(tails, pending, revision)
                     heads[pending.scope] = (revision, heads[pending.scope][1])
                     advanced[pending.scope] = revision
                     outcomes.append(revision)
@@ -1228,6 +1295,8 @@ class SqliteJournalStore:
                     connection.execute("ROLLBACK")
                 raise
         except (sqlite3.Error, OSError, OctoError) as exc:
+            for tail in tails:
+                self._session_tails.pop(tail, None)
             failure: OctoError = exc if isinstance(exc, OctoError) else _backend_error(exc)
             failed: list[int | OctoError] = [
                 o if isinstance(o, OctoError) else _copy_error(failure) for o in outcomes
@@ -1236,6 +1305,7 @@ class SqliteJournalStore:
         # Committed: the database is the truth for this instance's baselines,
         # even if the anchor write below fails its callers.
         self._baselines.update(advanced)
+        self._fold_tails(tails)
         if advanced and self._anchor_path is not None:
             anchor = dict(self._anchor)
             for scope, revision in advanced.items():
@@ -1256,6 +1326,7 @@ class SqliteJournalStore:
         pending: _Pending,
         heads: dict[str, tuple[int, int]],
         advanced: Mapping[str, int],
+        tails: Mapping[tuple[str, str], tuple[int, int] | None],
     ) -> int:
         """W§11.2 steps 1-4 for one change set, inside the open transaction.
 
@@ -1276,8 +1347,11 @@ class SqliteJournalStore:
         baseline = advanced.get(scope, self._baselines.get(scope))
         if baseline != head_revision:  # step 2
             raise WriteConflict(baseline, head_revision, head_revision)
+        writes = pending.writes
+        if any(write.after is not None for write in writes):
+            writes = tuple(self._chain(connection, scope, w, head_revision, tails) for w in writes)
         if head_revision >= SQLITE_MAX_INTEGER:  # step 4, after step 3's verdict
-            for write in pending.writes:
+            for write in writes:
                 conflict = self._conflict(connection, scope, write, head_revision)
                 if conflict.actual != write.base_revision:
                     if write.item in pending.new_sessions and write.namespace in _SESSION_ROWS:
@@ -1286,7 +1360,7 @@ class SqliteJournalStore:
             raise RevisionExhausted()
         revision = head_revision + 1
         now = time.time()
-        sealed = [(write, self._seal(scope, write, revision)) for write in pending.writes]
+        sealed = [(write, self._seal(scope, write, revision)) for write in writes]
         # Step 3 is checked by the writes themselves, one statement per row: an
         # insert meets the UNIQUE key when the row exists, an update names the
         # base revision. A refused change set is undone by the caller (its
@@ -1326,6 +1400,35 @@ class SqliteJournalStore:
             )
         return revision
 
+    def _chain(
+        self,
+        connection: sqlite3.Connection,
+        scope: str,
+        write: _RowWrite,
+        head_revision: int,
+        tails: Mapping[tuple[str, str], tuple[int, int] | None],
+    ) -> _RowWrite:
+        """A chained session write with its base: what the change set it follows wrote."""
+        if write.after is None:
+            return write
+        name = (scope, write.item)
+        tail = tails[name] if name in tails else self._session_tails.get(name)
+        if tail is None or tail[0] != write.after:
+            # That change set failed, never came here, or was written over since.
+            raise self._conflict(connection, scope, write, head_revision)
+        return _RowWrite(write.namespace, write.item, write.document, tail[1], write.link)
+
+    def _fold_tails(self, tails: Mapping[tuple[str, str], tuple[int, int] | None]) -> None:
+        known = self._session_tails
+        for name, revision in tails.items():
+            known.pop(name, None)  # re-inserted last: the bound drops the oldest
+            if revision is not None:
+                known[name] = revision
+        excess = len(known) - _SESSION_TAIL_LIMIT
+        if excess > 0:
+            for name in list(itertools.islice(known, excess)):
+                del known[name]
+
     @staticmethod
     def _conflict(
         connection: sqlite3.Connection, scope: str, write: _RowWrite, head_revision: int
@@ -1346,6 +1449,7 @@ class SqliteJournalStore:
         return seal_record(self._keyring, _record_key(write.namespace, scope), revision, payload)
 
     def _close_writer(self) -> None:
+        self._session_tails.clear()
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -1,7 +1,8 @@
 """Concurrent admissions through real sessions on one real SQLite journal.
 
 Issue 3's acceptance: 1,000 concurrent admissions of 100 keys from two
-sessions give exactly 100 Dispatch. Every delivery goes through
+sessions give exactly 100 Dispatch; and one session's concurrent handlings
+share transactions (pipelined commits) without weakening any of that. Every delivery goes through
 ``WorkerSession.handle`` (open, authorize, key lock, journal, group commit,
 adapter, observation); the adapter counts its calls, so a second effect for
 any key would show.
@@ -14,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from octo_common.errors import StorageBackendError
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import (
@@ -25,19 +27,20 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
-from octo_common.states import Succeeded
+from octo_common.states import Pending, Succeeded
 from octo_worker.adapters import (
     BaseWorkerAdapter,
     DurableOperationContract,
     WorkerAdapterRegistry,
 )
 from octo_worker.session import WorkerSession, WorkerSessionLimits
-from octo_worker.store import SqliteJournalStore
+from octo_worker.store import SqliteJournalStore, WorkerCommit, WorkerJournalLease
 
 SCOPE = "tenant-concurrency"
 TOOL = "count.effect"
 KEYS = 100
 DELIVERIES = 1000
+SCOPE_KEY = ScopeKey.from_bytes(bytes(range(1, 33)))
 
 
 class CountingAdapter(BaseWorkerAdapter):
@@ -60,9 +63,10 @@ class CountingAdapter(BaseWorkerAdapter):
 class Delivery:
     def __init__(self, host: SessionAuthenticator, answers: list[Any]) -> None:
         self.host, self.answers = host, answers
+        self.acked = False
 
     async def ack(self) -> None:
-        return None
+        self.acked = True
 
     async def reply(self, frame: bytes, correlation_id: str | None) -> None:
         self.answers.append(self.host.open(frame))
@@ -70,35 +74,16 @@ class Delivery:
     async def dead_letter(self, reason: str) -> None:
         raise AssertionError(f"dead-lettered: {reason}")
 
+    async def requeue(self) -> None:
+        return None
+
 
 async def test_1000_concurrent_admissions_of_100_keys_from_two_sessions(tmp_path: Path) -> None:
     store = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
     lease = await store.reserve_fence(SCOPE)
     adapter = CountingAdapter()
-    adapters = WorkerAdapterRegistry()
-    adapters.register(TOOL, adapter)
-    scope_key = ScopeKey.from_bytes(bytes(range(1, 33)))
-    grant = CapabilityGrant(TOOL, "json", max_calls=DELIVERIES)
-
-    sessions: list[tuple[WorkerSession, SessionAuthenticator]] = []
-    for index in range(2):
-        session_id, nonce = f"session-{index}", bytes([index + 1]) * 32
-        key = SessionKey.derive(scope_key, SCOPE, session_id, nonce)
-        host = SessionAuthenticator(session_id, key, SessionRole.HOST)
-        worker = SessionAuthenticator(session_id, key, SessionRole.WORKER)
-        opening = host.seal(OpenSession(CapabilityManifest(session_id, [grant])))
-        session = await WorkerSession.open(
-            worker,
-            opening,
-            scope=SCOPE,
-            key_nonce=nonce,
-            reply_to="octo.v5.reply.host-1",
-            store=store,
-            lease=lease,
-            adapters=adapters,
-            limits=WorkerSessionLimits(),
-        )
-        sessions.append((session, host))
+    adapters = registry(adapter)
+    sessions = [await open_session(store, lease, adapters, DELIVERIES, index) for index in (0, 1)]
 
     answers: list[Any] = []
     handlings = []
@@ -127,3 +112,189 @@ async def test_1000_concurrent_admissions_of_100_keys_from_two_sessions(tmp_path
         assert all(session.status == "open" for session, _ in sessions)
     finally:
         await store.close()
+
+
+# One session, many concurrent handlings ----------------------------------------------------
+#
+# A session's commits are one compare-and-swap chain on its state row. With a
+# store that chains them (``SqliteJournalStore``), a handling submits its
+# commit while the previous one is still in flight, so concurrent handlings
+# of one session share transactions. These keep every promise of the
+# one-at-a-time version: each admission durable before its effect, the
+# durable state equal to the durable journal, and one failed commit failing
+# every commit built on it (the session poisons) instead of letting a later
+# one land on older state.
+
+
+class FailingCommitStore:
+    """The real store, with one commit failing before it reaches the database.
+
+    The fault the daemon's own boundary can raise at any commit (a store
+    closing under it, a change set refused before I/O); the commits the
+    session built on top of it are already submitted when it fails.
+    """
+
+    chains_session_commits = True
+
+    def __init__(self, store: SqliteJournalStore, fail_at: int) -> None:
+        self.store, self.fail_at, self.calls = store, fail_at, 0
+        self.outcomes: dict[int, str] = {}
+
+    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
+        self.calls += 1
+        call = self.calls
+        if call == self.fail_at:
+            await asyncio.sleep(0)
+            self.outcomes[call] = "injected"
+            raise StorageBackendError("injected")
+        try:
+            revision = await self.store.commit(scope, lease, changes)
+        except Exception as exc:
+            self.outcomes[call] = type(exc).__name__
+            raise
+        self.outcomes[call] = "ok"
+        return revision
+
+    async def load_records(self, scope: str, keys: list[str]) -> Any:
+        return await self.store.load_records(scope, keys)
+
+    async def head_revision(self, scope: str) -> int:
+        return await self.store.head_revision(scope)
+
+
+async def open_session(
+    store: Any, lease: WorkerJournalLease, adapters: WorkerAdapterRegistry, calls: int, index: int
+) -> tuple[WorkerSession, SessionAuthenticator]:
+    session_id, nonce = f"session-{index}", bytes([index + 1]) * 32
+    key = SessionKey.derive(SCOPE_KEY, SCOPE, session_id, nonce)
+    host = SessionAuthenticator(session_id, key, SessionRole.HOST)
+    worker = SessionAuthenticator(session_id, key, SessionRole.WORKER)
+    grant = CapabilityGrant(TOOL, "json", max_calls=calls)
+    opening = host.seal(OpenSession(CapabilityManifest(session_id, [grant])))
+    session = await WorkerSession.open(
+        worker,
+        opening,
+        scope=SCOPE,
+        key_nonce=nonce,
+        reply_to="octo.v5.reply.host-1",
+        store=store,
+        lease=lease,
+        adapters=adapters,
+        limits=WorkerSessionLimits(),
+    )
+    return session, host
+
+
+def dispatch(host: SessionAuthenticator, n: int) -> bytes:
+    request = OperationDispatchRequest(
+        host.session_id, f"d-{n}", TOOL, f"op-{n:03d}", ToolPayload.json({"n": n})
+    )
+    return host.seal(DispatchOperation(request))
+
+
+async def restored_calls(store: SqliteJournalStore, lease: WorkerJournalLease) -> int:
+    """What the durable session state says this session spent."""
+    persisted = (await store.load_sessions(SCOPE))["session-1"]
+    restored = await WorkerSession.restore(
+        persisted,
+        scope_key=SCOPE_KEY,
+        scope=SCOPE,
+        store=store,
+        lease=lease,
+        adapters=registry(CountingAdapter()),
+        limits=WorkerSessionLimits(),
+    )
+    return restored.calls_for(TOOL)
+
+
+def registry(adapter: CountingAdapter) -> WorkerAdapterRegistry:
+    adapters = WorkerAdapterRegistry()
+    adapters.register(TOOL, adapter)
+    return adapters
+
+
+async def test_concurrent_handlings_of_one_session_share_transactions(tmp_path: Path) -> None:
+    count = 200
+    store = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        adapter = CountingAdapter()
+        session, host = await open_session(store, lease, registry(adapter), count, 1)
+        before = store.stats
+        answers: list[Any] = []
+        deliveries = [Delivery(host, answers) for _ in range(count)]
+
+        await asyncio.gather(
+            *(session.handle(dispatch(host, n), store, deliveries[n]) for n in range(count))
+        )
+
+        stats = store.stats
+        # Two commits per dispatch (admission, observation with the reply).
+        assert stats.change_sets - before.change_sets == 2 * count
+        assert stats.failed_change_sets == before.failed_change_sets
+        # Held one at a time, one session's commits never share a transaction.
+        assert stats.transactions - before.transactions < count
+        assert stats.largest_batch > 1
+        assert len(answers) == count and all(d.acked for d in deliveries)
+        assert all(isinstance(a, OperationResult) for a in answers)
+        assert all(isinstance(a.result.status, Succeeded) for a in answers)
+        assert sum(adapter.calls.values()) == count and set(adapter.calls.values()) == {1}
+        assert session.status == "open"
+        assert session.highest_revision == await store.head_revision(SCOPE)
+        # The last state row written holds every handling's change.
+        assert await restored_calls(store, lease) == count
+        records = await store.list_records(SCOPE)
+        assert len(records) == count
+        assert all(isinstance(record.state, Succeeded) for record, _ in records)
+    finally:
+        await store.close()
+
+
+async def test_a_failed_commit_fails_every_commit_built_on_it(tmp_path: Path) -> None:
+    count = 40
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        adapter = CountingAdapter()
+        # Commit 1 opens the session; commit 4 is an admission with others behind it.
+        store = FailingCommitStore(real, fail_at=4)
+        session, host = await open_session(store, lease, registry(adapter), count, 1)
+        answers: list[Any] = []
+
+        await asyncio.gather(
+            *(
+                session.handle(dispatch(host, n), store, Delivery(host, answers))
+                for n in range(count)
+            )
+        )
+
+        assert session.status == "poisoned"
+        # The commits submitted after the failed one were built on it (they
+        # were in flight when it failed): each failed, none landed on the
+        # state before it. Those before it committed.
+        later = [store.outcomes[call] for call in sorted(store.outcomes) if call > 4]
+        assert later and set(later) == {"WriteConflict"}
+        assert [store.outcomes[call] for call in (1, 2, 3, 4)] == ["ok", "ok", "ok", "injected"]
+        admitted = {record.operation_key for record, _ in await real.list_records(SCOPE)}
+        # The effect ran only for durable admissions, once each.
+        assert set(adapter.calls) <= admitted
+        assert set(adapter.calls.values()) <= {1}
+        # The durable session state and the durable journal agree: every
+        # durable admission is counted, and nothing else is.
+        assert await restored_calls(real, lease) == len(admitted)
+        # Every delivery got an answer: a result, or a refusal.
+        assert len(answers) == count
+        refused = [a for a in answers if isinstance(a, RequestRejected)]
+        assert refused
+        assert {a.code for a in refused} <= {
+            "journal_persistence_failed",
+            "session_poisoned",
+            "indeterminate_operation",
+        }
+        records = dict((r.operation_key, r) for r, _ in await real.list_records(SCOPE))
+        for answer in answers:
+            if isinstance(answer, OperationResult):
+                key = answer.result.operation_key
+                assert not isinstance(records[key].state, Pending)
+    finally:
+        await real.close()

@@ -1007,3 +1007,118 @@ async def test_a_newer_schema_is_refused(db_path: Path) -> None:
             await newer.scopes()
     finally:
         await newer.close()
+
+
+# Chained session commits (SessionDocuments.link/after) ---------------------------------------
+
+
+async def open_session(store: SqliteJournalStore, lease: WorkerJournalLease, sid: str) -> int:
+    documents = SessionDocuments(state_doc(SCOPE, sid), opening_doc(SCOPE, sid), link=None)
+    return await store.commit(SCOPE, lease, WorkerCommit(sessions={sid: documents}))
+
+
+def session_step(
+    sid: str, counter: int, *, base: int | None = None, link: int | None, after: int | None = None
+) -> WorkerCommit:
+    documents = SessionDocuments(
+        state_doc(SCOPE, sid, counter=counter), base_revision=base, link=link, after=after
+    )
+    return WorkerCommit(sessions={sid: documents})
+
+
+async def test_chained_commits_of_one_session_share_a_transaction_in_build_order(
+    store: SqliteJournalStore,
+) -> None:
+    assert store.chains_session_commits is True
+    lease = await store.reserve_fence(SCOPE)
+    opened = await open_session(store, lease, "sess-1")
+    before = store.stats
+
+    # Submitted together: the first names its base revision, each next one the
+    # link of the one before it, whose revision nobody knows yet.
+    commits = [store.commit(SCOPE, lease, session_step("sess-1", 1, base=opened, link=101))]
+    commits += [
+        store.commit(SCOPE, lease, session_step("sess-1", n, link=100 + n, after=99 + n))
+        for n in range(2, 9)
+    ]
+    revisions = await asyncio.gather(*commits)
+
+    assert revisions == list(range(opened + 1, opened + 9))
+    assert store.stats.transactions - before.transactions == 1
+    loaded = (await store.load_sessions(SCOPE))["sess-1"]
+    assert loaded.revision == opened + 8
+    assert loaded.state == state_doc(SCOPE, "sess-1", counter=8)
+
+
+async def test_a_commit_chained_on_a_failed_one_fails_and_the_rest_of_the_batch_commits(
+    store: SqliteJournalStore,
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    opened = await open_session(store, lease, "sess-1")
+    await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+
+    # The first commit's journal row is stale (op-1 exists): it fails alone,
+    # and the commit chained on it must not land on the older state.
+    stale = WorkerCommit(
+        journal=rows(SCOPE, (pending("op-1", "x"), None)).journal,
+        sessions={
+            "sess-1": SessionDocuments(
+                state_doc(SCOPE, "sess-1", counter=1), base_revision=opened, link=201
+            )
+        },
+    )
+    outcomes = await asyncio.gather(
+        store.commit(SCOPE, lease, stale),
+        store.commit(SCOPE, lease, session_step("sess-1", 2, link=202, after=201)),
+        store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None))),
+        return_exceptions=True,
+    )
+
+    assert isinstance(outcomes[0], WriteConflict)
+    assert isinstance(outcomes[1], WriteConflict)
+    assert outcomes[1].actual == opened  # the row still holds what the open wrote
+    assert isinstance(outcomes[2], int)
+    loaded = (await store.load_sessions(SCOPE))["sess-1"]
+    assert (loaded.revision, loaded.state) == (opened, state_doc(SCOPE, "sess-1"))
+    # The chain stays broken: a commit naming the failed link fails too.
+    with pytest.raises(WriteConflict):
+        await store.commit(SCOPE, lease, session_step("sess-1", 3, link=203, after=201))
+
+
+async def test_a_chain_fails_closed_on_a_link_this_store_did_not_commit(db_path: Path) -> None:
+    store = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        opened = await open_session(store, lease, "sess-1")
+        first = await store.commit(SCOPE, lease, session_step("sess-1", 1, base=opened, link=301))
+        # A link that never reached the store (its caller failed before submitting).
+        with pytest.raises(WriteConflict):
+            await store.commit(SCOPE, lease, session_step("sess-1", 2, link=303, after=302))
+        # A write without a link moves the row: what 301 wrote is no base any more.
+        await store.commit(SCOPE, lease, session_step("sess-1", 9, base=first, link=None))
+        with pytest.raises(WriteConflict):
+            await store.commit(SCOPE, lease, session_step("sess-1", 2, link=304, after=301))
+    finally:
+        await store.close()
+    # Another instance (a restarted worker) knows no link at all.
+    reopened = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        lease = await reopened.reserve_fence(SCOPE)
+        with pytest.raises(WriteConflict):
+            await reopened.commit(SCOPE, lease, session_step("sess-1", 3, link=305, after=301))
+    finally:
+        await reopened.close()
+
+
+async def test_chained_documents_are_checked_before_any_io(store: SqliteJournalStore) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    bad = [
+        SessionDocuments(state_doc(SCOPE, "sess-1"), base_revision=1, link=2, after=1),
+        SessionDocuments(state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1"), after=1),
+        SessionDocuments(state_doc(SCOPE, "sess-1"), base_revision=1, link=0),
+        SessionDocuments(state_doc(SCOPE, "sess-1"), after=True),  # type: ignore[arg-type]
+    ]
+    for documents in bad:
+        with pytest.raises(ValueError):
+            await store.commit(SCOPE, lease, WorkerCommit(sessions={"sess-1": documents}))
+    assert await store.head_revision(SCOPE) == 0
