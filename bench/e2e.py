@@ -23,9 +23,10 @@ one more fsynced write, reported separately). Sessions are rotated every
 operation, grows with every request id it remembers); ``--sessions`` spreads
 the lanes over that many concurrent sessions (default 1). At more than 1 in
 flight a second Octo row, ``octo_lanes``, gives every lane its own session
-(as concurrent workflow runs would have): a worker session commits one
-request at a time (its state document is one compare-and-swap chain), so
-lanes sharing one session queue behind each other at the worker.
+(as concurrent workflow runs would have). A worker session's state document
+is one compare-and-swap chain; the worker pipelines it (each commit is
+submitted on top of the one in flight, and they share a transaction), so
+lanes sharing one session cost little more than separate sessions.
 
 Beside Octo, in the same run and at the same concurrency, the two baselines
 of ``bench/baselines.py``: the plain aio-pika request/reply ceiling (no
@@ -205,9 +206,8 @@ class WorkerProcess:
 class Sessions:
     """``count`` concurrent host sessions, each replaced after ``per_session`` operations.
 
-    Lane ``i`` uses session ``i % count``. A worker session handles one
-    request's commits at a time (its session lock), so lanes sharing a
-    session queue behind each other at the worker.
+    Lane ``i`` uses session ``i % count``. A worker session's commits are
+    one chain, pipelined (see the module docstring).
     """
 
     def __init__(self, client: HostClient, scope: str, count: int, per_session: int) -> None:

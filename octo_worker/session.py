@@ -817,8 +817,12 @@ class WorkerSession:
         confirmed). A failed commit is raised; the rows stay noted.
         """
         async with self._lock:
-            await self._drain_locked()
-            if not self._confirmed:
+            failures = self._failures
+            if await self._drain_locked():
+                raise asyncio.CancelledError()
+            if self._failures != failures or not self._confirmed:
+                # A commit that failed meanwhile poisoned the session: it
+                # commits nothing more (W§10.9); the daemon reloads the scope.
                 return 0
             deletes = list(self._confirmed)
             revision = await store.commit(
@@ -1464,13 +1468,25 @@ class WorkerSession:
         state goes back to the snapshot of the last commit that succeeded,
         and every commit built after the failed one fails with it.
         """
+        cancelled = False
+        failure: OctoError | None = None
         if self._in_flight and not _chains(store):
             # A store that cannot chain: one commit at a time, as built. If the
-            # one waited for fails, this one was built on it and fails too.
+            # one waited for fails, this one was built on it and fails too (its
+            # changes went with the failure's return to the durable point).
             failures = self._failures
-            await self._drain_locked()
-            if self._failures != failures and self._last_failure is not None:
-                raise _CommitFailed(self._last_failure)
+            cancelled = await self._drain_locked()
+            if self._failures != failures:
+                failure = self._last_failure
+        elif self._broken is not None:
+            # A commit in flight has failed: this one would be built on it.
+            # The changes made for it go back to the durable point as well.
+            failure = self._broken
+            self._back_to_durable()
+        if failure is not None:
+            if cancelled:
+                raise asyncio.CancelledError()
+            raise _CommitFailed(failure)
         deletes, self._confirmed = self._confirmed, []
         pending = self._snapshot()
         if _chains(store):
@@ -1500,7 +1516,6 @@ class WorkerSession:
         self._in_flight.append(commit)
         commit.task.add_done_callback(self._settle_commits)
         self._lock.release()
-        cancelled = False
         try:
             while not commit.settled.done():
                 try:
@@ -1530,10 +1545,19 @@ class WorkerSession:
             except asyncio.CancelledError:
                 cancelled = True
 
-    async def _drain_locked(self) -> None:
-        """Wait (lock held, so nothing new is built) until no commit is in flight."""
+    async def _drain_locked(self) -> bool:
+        """Wait (lock held, so nothing new is built) until no commit is in flight.
+
+        Waits on through a cancellation, as a commit's caller does, so memory
+        matches the disk before the caller stops; returns True if cancelled.
+        """
+        cancelled = False
         while self._in_flight:
-            await asyncio.wait({self._in_flight[-1].settled})
+            try:
+                await asyncio.wait({self._in_flight[-1].settled})
+            except asyncio.CancelledError:
+                cancelled = True
+        return cancelled
 
     def _settle_commits(self, _task: object = None) -> None:
         """Apply finished commits to memory, strictly in the order they were built."""
@@ -1560,6 +1584,8 @@ class WorkerSession:
                     self._broken = self._last_failure = failure
                     self._failures += 1
                     self._poison_in_memory(failure)
+                else:
+                    self._status = _POISONED  # whatever a failed commit had set
                 commit.settled.set_result(failure)
             else:
                 self._highest_revision = revision
@@ -1589,12 +1615,15 @@ class WorkerSession:
         ``session_poisoned`` whether or not they count as duplicates. The
         daemon's reload restores the durable window from the store.
         """
+        self._back_to_durable()
+        self._log.error("session_poisoned", code=failure.code)
+
+    def _back_to_durable(self) -> None:
         durable = self._durable
         self._authorizer = SessionAuthorizer.restore(self._manifest, durable.authorizer)
         self._reconciliations_total = durable.total
         self._reconciliations_by_tool = dict(durable.by_tool)
         self._status = _POISONED
-        self._log.error("session_poisoned", code=failure.code)
 
     def _poisoned_answer_locked(self, run: _Run, failure: OctoError) -> _Final:
         """W§10.9 step 2: a best-effort refusal with the failure's code, no commit."""

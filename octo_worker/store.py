@@ -710,7 +710,9 @@ class SqliteJournalStore:
         self._failed = 0
         self._largest_batch = 0
 
-    # Takes chained session commits (SessionDocuments.link/after).
+    # Takes chained session commits (SessionDocuments.link/after). A wrapper
+    # that forwards this must hand change sets on in call order, without an
+    # await before it does (a chained one arriving first fails closed).
     chains_session_commits: Final = True
 
     def __repr__(self) -> str:
@@ -1305,7 +1307,6 @@ class SqliteJournalStore:
         # Committed: the database is the truth for this instance's baselines,
         # even if the anchor write below fails its callers.
         self._baselines.update(advanced)
-        self._fold_tails(tails)
         if advanced and self._anchor_path is not None:
             anchor = dict(self._anchor)
             for scope, revision in advanced.items():
@@ -1313,11 +1314,15 @@ class SqliteJournalStore:
             try:
                 self._write_anchor_file(anchor)
             except OSError as exc:
+                # Its callers are told the batch failed: nothing may chain on it.
+                for name in tails:
+                    self._session_tails.pop(name, None)
                 failure = _backend_error(exc)
                 return [o if isinstance(o, OctoError) else _copy_error(failure) for o in outcomes]
             finally:
                 # Readers compare against the newest anchor the disk may hold.
                 self._anchor = anchor
+        self._fold_tails(tails)
         return outcomes
 
     def _apply_one(

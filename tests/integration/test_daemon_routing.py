@@ -141,6 +141,8 @@ class Routing:
             return await real_commit(scope, lease, changes)
 
         store.commit = commit  # type: ignore[method-assign]
+        # A held commit must not be overtaken by one chained on it.
+        store.chains_session_commits = False
         return gate
 
 

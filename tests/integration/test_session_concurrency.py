@@ -11,6 +11,8 @@ any key would show.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from octo_common.errors import StorageBackendError
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import (
+    CloseSession,
     DispatchOperation,
     OpenSession,
     OperationDispatchRequest,
@@ -139,10 +142,21 @@ class FailingCommitStore:
     def __init__(self, store: SqliteJournalStore, fail_at: int) -> None:
         self.store, self.fail_at, self.calls = store, fail_at, 0
         self.outcomes: dict[int, str] = {}
+        # Commit number -> an event it waits for before it goes on (or fails).
+        self.gates: dict[int, asyncio.Event] = {}
+        self.statuses: dict[int, tuple[str, bool]] = {}
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         self.calls += 1
         call = self.calls
+        for documents in changes.sessions.values():
+            status = json.loads(documents.state)["status"]
+            self.statuses[call] = (
+                status,
+                changes.journal is not None or bool(changes.outbox_insert),
+            )
+        if call in self.gates:
+            await self.gates[call].wait()
         if call == self.fail_at:
             await asyncio.sleep(0)
             self.outcomes[call] = "injected"
@@ -296,5 +310,114 @@ async def test_a_failed_commit_fails_every_commit_built_on_it(tmp_path: Path) ->
             if isinstance(answer, OperationResult):
                 key = answer.result.operation_key
                 assert not isinstance(records[key].state, Pending)
+    finally:
+        await real.close()
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+
+
+async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned(
+    tmp_path: Path,
+) -> None:
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = FailingCommitStore(real, fail_at=2)
+        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        opened = (await real.load_sessions(SCOPE))["session-1"]
+        store.gates = {2: asyncio.Event(), 3: asyncio.Event()}
+        answers: list[Any] = []
+        first = asyncio.ensure_future(
+            session.handle(dispatch(host, 1), store, Delivery(host, answers))
+        )
+        await settle()
+        second = asyncio.ensure_future(
+            session.handle(dispatch(host, 2), store, Delivery(host, answers))
+        )
+        await settle()
+        store.gates[2].set()  # the first admission fails; the second is still in flight
+        await settle()
+        assert session.status == "poisoned"
+        close = host.seal(CloseSession(host.session_id))
+        closing = asyncio.ensure_future(session.handle(close, store, Delivery(host, answers)))
+        await settle()
+        store.gates[3].set()
+        await asyncio.wait_for(asyncio.gather(first, second, closing), 10)
+
+        # The close was built on the failure: it failed with it, and the
+        # session is still poisoned, as the daemon's reload expects.
+        assert session.status == "poisoned"
+        assert store.calls == 3
+        assert store.outcomes == {1: "ok", 2: "injected", 3: "WriteConflict"}
+        durable = (await real.load_sessions(SCOPE))["session-1"]
+        assert (durable.status, durable.revision) == ("open", opened.revision)
+        later: list[Any] = []
+        await session.handle(dispatch(host, 3), store, Delivery(host, later))
+        assert [a.code for a in later] == ["session_poisoned"]
+        assert store.calls == 3
+    finally:
+        await real.close()
+
+
+async def test_outbox_release_behind_a_failed_commit_commits_nothing(tmp_path: Path) -> None:
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = FailingCommitStore(real, fail_at=2)
+        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        store.gates = {2: asyncio.Event()}
+        answers: list[Any] = []
+        first = asyncio.ensure_future(
+            session.handle(dispatch(host, 1), store, Delivery(host, answers))
+        )
+        await settle()
+        session.confirm_published("ab" * 32)
+        release = asyncio.ensure_future(session.release_confirmed(store))
+        await settle()
+        store.gates[2].set()
+        await first
+        assert await release == 0
+        assert session.status == "poisoned"
+        assert store.calls == 2  # no outbox-only commit after the failure
+    finally:
+        await real.close()
+
+
+class UnchainedStore(FailingCommitStore):
+    chains_session_commits = False
+
+
+async def test_a_handling_cancelled_while_waiting_its_turn_still_commits(tmp_path: Path) -> None:
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = UnchainedStore(real, fail_at=0)
+        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        store.gates = {2: asyncio.Event()}
+        answers: list[Any] = []
+        first = asyncio.ensure_future(
+            session.handle(dispatch(host, 1), store, Delivery(host, answers))
+        )
+        await settle()
+        close = asyncio.ensure_future(
+            session.handle(host.seal(CloseSession(host.session_id)), store, Delivery(host, answers))
+        )
+        await settle()  # the close waits for the admission in flight, its changes made
+        close.cancel()
+        await settle()
+        assert not close.done()  # it waits on, so that memory matches the disk
+        store.gates[2].set()
+        await first
+        with contextlib.suppress(asyncio.CancelledError):
+            await close
+        # The close's own commit (the state only) went to the store after the
+        # admission, before the observation.
+        assert store.statuses[2] == ("open", True)
+        assert store.statuses[3] == ("closed", False)
+        assert session.status == "closed"
+        assert (await real.load_sessions(SCOPE))["session-1"].status == "closed"
     finally:
         await real.close()

@@ -9,8 +9,10 @@ import random
 import shutil
 import sqlite3
 import stat
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -1122,3 +1124,50 @@ async def test_chained_documents_are_checked_before_any_io(store: SqliteJournalS
         with pytest.raises(ValueError):
             await store.commit(SCOPE, lease, WorkerCommit(sessions={"sess-1": documents}))
     assert await store.head_revision(SCOPE) == 0
+
+
+async def test_a_chain_never_lands_on_a_commit_whose_anchor_write_failed(
+    db_path: Path, tmp_path: Path
+) -> None:
+    anchor = tmp_path / "worker.anchor"
+    store = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
+    try:
+        await store.initialize_anchor()
+        lease = await store.reserve_fence(SCOPE)
+        opened = await open_session(store, lease, "sess-1")
+        write_anchor = store._write_anchor_file
+        entered, go = threading.Event(), threading.Event()
+        blocker = Path(str(anchor) + ".tmp")
+
+        def first_fails(revisions: Any) -> None:  # the writer thread
+            if not entered.is_set():
+                entered.set()
+                go.wait(5)
+                blocker.mkdir()  # where the temporary anchor must go: a real failure
+                try:
+                    write_anchor(revisions)
+                finally:
+                    blocker.rmdir()
+            write_anchor(revisions)
+
+        store._write_anchor_file = first_fails  # type: ignore[method-assign]
+        first = asyncio.ensure_future(
+            store.commit(SCOPE, lease, session_step("sess-1", 1, base=opened, link=501))
+        )
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        # The first is committed in SQLite and writing its anchor; the second,
+        # chained on it, waits for the next transaction.
+        second = asyncio.ensure_future(
+            store.commit(SCOPE, lease, session_step("sess-1", 2, link=502, after=501))
+        )
+        await asyncio.sleep(0.01)
+        go.set()
+        outcomes = await asyncio.gather(first, second, return_exceptions=True)
+        loaded = (await store.load_sessions(SCOPE))["sess-1"]
+    finally:
+        await store.close()
+    # Its caller was told the first failed: nothing may be built on it.
+    assert isinstance(outcomes[0], StorageBackendError)
+    assert isinstance(outcomes[1], WriteConflict)
+    assert loaded.state == state_doc(SCOPE, "sess-1", counter=1)
