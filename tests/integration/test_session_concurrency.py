@@ -319,6 +319,15 @@ async def settle() -> None:
         await asyncio.sleep(0.002)
 
 
+async def started(
+    session: WorkerSession, store: Any, frame: bytes, host: SessionAuthenticator, answers: list[Any]
+) -> asyncio.Future[None]:
+    """Start one handling and let it run until it waits (at a commit gate, say)."""
+    task = asyncio.ensure_future(session.handle(frame, store, Delivery(host, answers)))
+    await settle()
+    return task
+
+
 async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned(
     tmp_path: Path,
 ) -> None:
@@ -330,20 +339,13 @@ async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned
         opened = (await real.load_sessions(SCOPE))["session-1"]
         store.gates = {2: asyncio.Event(), 3: asyncio.Event()}
         answers: list[Any] = []
-        first = asyncio.ensure_future(
-            session.handle(dispatch(host, 1), store, Delivery(host, answers))
-        )
-        await settle()
-        second = asyncio.ensure_future(
-            session.handle(dispatch(host, 2), store, Delivery(host, answers))
-        )
-        await settle()
+        first = await started(session, store, dispatch(host, 1), host, answers)
+        second = await started(session, store, dispatch(host, 2), host, answers)
         store.gates[2].set()  # the first admission fails; the second is still in flight
         await settle()
         assert session.status == "poisoned"
         close = host.seal(CloseSession(host.session_id))
-        closing = asyncio.ensure_future(session.handle(close, store, Delivery(host, answers)))
-        await settle()
+        closing = await started(session, store, close, host, answers)
         store.gates[3].set()
         await asyncio.wait_for(asyncio.gather(first, second, closing), 10)
 
@@ -370,10 +372,7 @@ async def test_outbox_release_behind_a_failed_commit_commits_nothing(tmp_path: P
         session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
         store.gates = {2: asyncio.Event()}
         answers: list[Any] = []
-        first = asyncio.ensure_future(
-            session.handle(dispatch(host, 1), store, Delivery(host, answers))
-        )
-        await settle()
+        first = await started(session, store, dispatch(host, 1), host, answers)
         session.confirm_published("ab" * 32)
         release = asyncio.ensure_future(session.release_confirmed(store))
         await settle()
@@ -398,14 +397,11 @@ async def test_a_handling_cancelled_while_waiting_its_turn_still_commits(tmp_pat
         session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
         store.gates = {2: asyncio.Event()}
         answers: list[Any] = []
-        first = asyncio.ensure_future(
-            session.handle(dispatch(host, 1), store, Delivery(host, answers))
+        first = await started(session, store, dispatch(host, 1), host, answers)
+        # The close waits for the admission in flight, its changes made.
+        close = await started(
+            session, store, host.seal(CloseSession(host.session_id)), host, answers
         )
-        await settle()
-        close = asyncio.ensure_future(
-            session.handle(host.seal(CloseSession(host.session_id)), store, Delivery(host, answers))
-        )
-        await settle()  # the close waits for the admission in flight, its changes made
         close.cancel()
         await settle()
         assert not close.done()  # it waits on, so that memory matches the disk
