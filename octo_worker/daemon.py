@@ -108,9 +108,18 @@ class _DaemonStore:
     failures by code, and which scopes were superseded by another writer.
     """
 
-    def __init__(self, store: SqliteJournalStore, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        store: SqliteJournalStore,
+        metrics: WorkerMetrics,
+        own_fence: Callable[[str, int], bool] = lambda scope, fence: False,
+    ) -> None:
         self._store = store
         self._metrics = metrics
+        # Whether a scope's fence is one this daemon reserved (or is reserving
+        # now): a commit rejected by it carried this daemon's own older lease
+        # (a reload overtook it), not another worker's.
+        self._own_fence = own_fence
         self.superseded: set[str] = set()
         # Sessions pipeline their commits when the store chains them.
         self.chains_session_commits: bool = store.chains_session_commits
@@ -119,8 +128,9 @@ class _DaemonStore:
         started = time.perf_counter()
         try:
             revision = await self._store.commit(scope, lease, changes)
-        except FencingTokenRejected:
-            self.superseded.add(scope)
+        except FencingTokenRejected as exc:
+            if not self._own_fence(scope, exc.current):
+                self.superseded.add(scope)
             self._metrics.commit_failures.labels("fencing_token_rejected").inc()
             raise
         except OctoError as exc:
@@ -214,6 +224,7 @@ class _Scope:
     key: ScopeKey
     semaphore: asyncio.Semaphore
     lease: WorkerJournalLease | None = None
+    reserving: bool = False
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
     # Closed sessions held by id only (see _load_scope and _forget_closed).
     closed: set[str] = field(default_factory=set)
@@ -416,7 +427,7 @@ class WorkerDaemon:
             on_batch=self.metrics.commit_batch.observe,
         )
         self._store = store
-        self._daemon_store = _DaemonStore(store, self.metrics)
+        self._daemon_store = _DaemonStore(store, self.metrics, self._own_fence)
         for scope_config in config.scopes:
             scope = _Scope(
                 scope_config.name,
@@ -476,7 +487,11 @@ class WorkerDaemon:
         """
         store = self.store
         daemon_store = self._require_daemon_store()
-        scope.lease = await store.reserve_fence(scope.name)
+        scope.reserving = True
+        try:
+            scope.lease = await store.reserve_fence(scope.name)
+        finally:
+            scope.reserving = False
         persisted = await store.load_sessions(scope.name)
         in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
         sessions: dict[str, WorkerSession] = {}
@@ -1088,6 +1103,15 @@ class WorkerDaemon:
             scope.reloading = True
             self._spawn(self._reload_scope(scope))
 
+    def _own_fence(self, scope_name: str, fence: int) -> bool:
+        scope = self._scopes.get(scope_name)
+        if scope is None:
+            return False
+        # While a reservation is under way its token is not known yet; if
+        # another worker took the scope meanwhile, the next commit under the
+        # new lease meets that worker's fence and gives the scope up.
+        return scope.reserving or (scope.lease is not None and scope.lease.token == fence)
+
     async def _persist_refusal_sequence(self, scope: _Scope, session: WorkerSession) -> None:
         """A stored-poisoned session sealed a ``session_poisoned`` refusal: persist
         ``next_outgoing`` past it, so no later refusal (after a restart or a
@@ -1098,6 +1122,12 @@ class WorkerDaemon:
         if high <= scope.poisoned_sealed.get(session.session_id, 0):
             return
         scope.poisoned_sealed[session.session_id] = high
+        # A commit like a handler's: a reload waits for it before it takes a
+        # new fence (its handler has already left ``scope.active``; nothing
+        # awaited since).
+        current = asyncio.current_task()
+        if current is not None:
+            scope.active.add(current)
         try:
             await session.persist_poisoned(self._require_daemon_store(), sealed_through=high)
         except Exception as exc:
@@ -1109,6 +1139,9 @@ class WorkerDaemon:
                 session=session.session_id,
                 error=code,
             )
+        finally:
+            if current is not None:
+                scope.active.discard(current)
 
     async def _give_up_scope(self, scope: _Scope) -> None:
         if scope.superseded:
@@ -1138,10 +1171,16 @@ class WorkerDaemon:
             if scope.superseded or self._require_daemon_store().superseded.__contains__(scope.name):
                 await self._give_up_scope(scope)
                 return
+            # Poisoned in memory, and stored poisoned with a refusal sealed
+            # since: both get next_outgoing persisted past what they sealed.
             poisoned = {
                 sid: session.best_effort_sequence_high
                 for sid, session in scope.sessions.items()
-                if session.status == "poisoned" and sid not in scope.persisted_poisoned
+                if session.status == "poisoned"
+                and (
+                    sid not in scope.persisted_poisoned
+                    or session.best_effort_sequence_high > scope.poisoned_sealed.get(sid, 0)
+                )
             }
             scope.persisted_poisoned = set()
             scope.poisoned_sealed = {}
@@ -1159,7 +1198,8 @@ class WorkerDaemon:
             if self._connected.is_set():
                 await self._release_outbox(scope, await self._republish_outbox(scope))
                 if scope.name in self._require_daemon_store().superseded:
-                    return  # the release met another writer's fence: given up
+                    await self._give_up_scope(scope)  # the release met another writer's fence
+                    return
                 await self._start_consuming(scope)
         except asyncio.CancelledError:
             raise

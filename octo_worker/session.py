@@ -845,6 +845,10 @@ class WorkerSession:
         it. One session-only commit; its error propagates to the daemon.
         """
         async with self._lock:
+            if self._status == _CLOSED:
+                # Closed meanwhile (a close_session committed first): it stays
+                # closed, and answers nothing more.
+                return self._highest_revision
             self._authenticator.reserve_outgoing(sealed_through + 1)
             self._status = _POISONED
             try:

@@ -10,12 +10,13 @@ exactly once.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from octo_common.errors import StorageBackendError
+from octo_common.errors import OctoError, StorageBackendError
 from octo_common.messages import DispatchOperation, OperationDispatchRequest, RequestRejected
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
@@ -169,3 +170,68 @@ async def test_refusals_of_a_stored_poisoned_session_never_reuse_a_sequence_numb
         assert isinstance(refused, RequestRejected) and refused.code == "session_poisoned"
         assert refused.request_id == request_id
     assert read_effect_log(worker_env.effect_log) == []
+
+
+async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_session(
+    workers: Any, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    """A stored-poisoned session's refusal is followed by a commit that persists
+    its sequence (W§10.11 rule 2). A reload starting meanwhile (another session
+    poisons) must wait for it: with a new fence under it, the commit failed, the
+    daemon took its own fence for another worker's and stopped serving the
+    scope, and the sequence was reused after a restart."""
+    scope = worker_env.scope
+    daemon = await workers.start()
+    x1, x2, y = [await _opened(daemon, raw_host, scope) for _ in range(3)]
+    for session in (x1, x2):
+        _fail_the_next_commit(daemon)
+        refused = await _ask(raw_host, session, unique("p"), unique("op"))
+        assert isinstance(refused, RequestRejected)
+        await wait_session(daemon, scope, session.session_id, status="poisoned")
+        await _eventually(lambda: _consuming(daemon, scope))
+    fence = daemon._scopes[scope].lease.token  # type: ignore[union-attr]
+
+    # X1's refusal commit goes into a slow transaction (a slow fsync) and X2's
+    # queues behind it, when Y's next commit fails and its reload starts.
+    store = daemon.store
+    apply_batch = store._apply_batch
+
+    def slow_for_x1(batch: Any) -> Any:
+        if any(w.item == x1.session_id for pending in batch for w in pending.writes):
+            time.sleep(0.5)
+        return apply_batch(batch)
+
+    store._apply_batch = slow_for_x1  # type: ignore[method-assign]
+    boundary = daemon._require_daemon_store()
+    commit = boundary.commit
+    rejected: list[str] = []
+
+    async def y_fails_once(scope_name: str, lease: Any, changes: Any) -> int:
+        if y.session_id in changes.sessions and not rejected:
+            rejected.append("y")
+            raise StorageBackendError("injected")
+        try:
+            return await commit(scope_name, lease, changes)
+        except OctoError as exc:
+            rejected.append(exc.code)
+            raise
+
+    boundary.commit = y_fails_once  # type: ignore[method-assign]
+    first = await _ask(raw_host, x1, unique("q"), unique("op"))
+    second = asyncio.ensure_future(_ask(raw_host, x2, unique("q"), unique("op")))
+    await asyncio.sleep(0.1)
+    third = asyncio.ensure_future(_ask(raw_host, y, unique("q"), unique("op")))
+    assert first.code == (await second).code == "session_poisoned"
+    assert (await third).code == "journal_persistence_failed"
+    await _eventually(lambda: _consuming(daemon, scope))
+
+    state = daemon._scopes[scope]
+    assert state.lease is not None and state.lease.token == fence + 1  # the reload's
+    assert rejected == ["y"]  # no commit of the daemon's own met the new fence
+    assert not state.superseded and scope not in boundary.superseded
+    assert daemon.healthy()
+    await workers.stop(daemon)
+    await workers.start()
+    # X2's refusal sequence was persisted: its next refusal has a new one.
+    again = await _ask(raw_host, x2, unique("q"), unique("op"))
+    assert isinstance(again, RequestRejected) and again.code == "session_poisoned"

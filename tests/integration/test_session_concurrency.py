@@ -417,3 +417,23 @@ async def test_a_handling_cancelled_while_waiting_its_turn_still_commits(tmp_pat
         assert (await real.load_sessions(SCOPE))["session-1"].status == "closed"
     finally:
         await real.close()
+
+
+async def test_a_closed_session_is_never_persisted_poisoned_again(tmp_path: Path) -> None:
+    # The daemon persists a stored-poisoned session's refusal sequence after
+    # the refusal; a close_session committed first keeps the session closed.
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = FailingCommitStore(real, fail_at=0)
+        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        await session.handle(host.seal(CloseSession(host.session_id)), store, Delivery(host, []))
+        assert session.status == "closed" and store.calls == 2
+
+        revision = await session.persist_poisoned(store, sealed_through=5)
+
+        assert store.calls == 2 and revision == session.highest_revision
+        assert session.status == "closed"
+        assert (await real.load_sessions(SCOPE))["session-1"].status == "closed"
+    finally:
+        await real.close()
