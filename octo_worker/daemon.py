@@ -225,6 +225,7 @@ class _Scope:
     semaphore: asyncio.Semaphore
     lease: WorkerJournalLease | None = None
     reserving: bool = False
+    reload: asyncio.Task[Any] | None = None
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
     # Closed sessions held by id only (see _load_scope and _forget_closed).
     closed: set[str] = field(default_factory=set)
@@ -547,6 +548,13 @@ class WorkerDaemon:
 
     async def _shutdown(self) -> None:
         await self._drain()
+        # A reload under way records its poisoned sessions as poisoned (W§10.9
+        # step 4) and persists their refusal sequences: let it finish, within
+        # the grace period, or a restart could reuse a sequence (W§10.11 rule 2).
+        reloads = [s.reload for s in self._scopes.values() if s.reload and not s.reload.done()]
+        if reloads:
+            self._log.info("worker_waiting_for_reload", scopes=len(reloads))
+            await asyncio.wait(reloads, timeout=self.config.worker.shutdown_grace_seconds)
         for task in list(self._background):
             task.cancel()
         await self._close_connection()
@@ -675,7 +683,12 @@ class WorkerDaemon:
 
     async def _start_consuming(self, scope: _Scope) -> None:
         channel = self._consume_channel
-        if channel is None or scope.consumer_tag is not None or scope.superseded:
+        if (
+            channel is None
+            or scope.consumer_tag is not None
+            or scope.superseded
+            or self._stopping.is_set()
+        ):
             return
         queue = await channel.get_queue(worker_queue(scope.name), ensure=False)
 
@@ -1101,7 +1114,7 @@ class WorkerDaemon:
         self.metrics.sessions_poisoned.labels(scope.name).inc()
         if not scope.reloading:
             scope.reloading = True
-            self._spawn(self._reload_scope(scope))
+            scope.reload = self._spawn(self._reload_scope(scope))
 
     def _own_fence(self, scope_name: str, fence: int) -> bool:
         scope = self._scopes.get(scope_name)

@@ -235,3 +235,40 @@ async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_sessio
     # X2's refusal sequence was persisted: its next refusal has a new one.
     again = await _ask(raw_host, x2, unique("q"), unique("op"))
     assert isinstance(again, RequestRejected) and again.code == "session_poisoned"
+
+
+async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
+    workers: Any, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    scope = worker_env.scope
+    daemon = await workers.start()
+    session = await _opened(daemon, raw_host, scope)
+    boundary = daemon._require_daemon_store()
+    commit = boundary.commit
+    failed: list[bool] = []
+
+    async def fail_then_slow_persist(scope_name: str, lease: Any, changes: Any) -> int:
+        if not failed:
+            failed.append(True)
+            raise StorageBackendError("injected")  # poisons the session: a reload
+        if any(b'"status":"poisoned"' in d.state for d in changes.sessions.values()):
+            await asyncio.sleep(0.5)  # the reload's W§10.9 step 4, slow
+        return await commit(scope_name, lease, changes)
+
+    boundary.commit = fail_then_slow_persist  # type: ignore[method-assign]
+    refused = await _ask(raw_host, session, unique("d"), unique("op"))
+    assert isinstance(refused, RequestRejected) and refused.code == "journal_persistence_failed"
+    await _eventually(lambda: _reloading(daemon, scope))
+
+    await workers.stop(daemon)  # SIGTERM while the reload runs
+
+    restarted = await workers.start()
+    stored = await restarted.store.load_sessions(scope)
+    assert stored[session.session_id].status == "poisoned"
+    # Its refusal sequence was persisted too: the next refusal is a new frame.
+    again = await _ask(raw_host, session, unique("d"), unique("op"))
+    assert isinstance(again, RequestRejected) and again.code == "session_poisoned"
+
+
+async def _reloading(daemon: WorkerDaemon, scope: str) -> bool:
+    return daemon._scopes[scope].reloading
