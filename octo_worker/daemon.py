@@ -547,14 +547,20 @@ class WorkerDaemon:
                 await asyncio.wait(pending, timeout=5.0)
 
     async def _shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.worker.shutdown_grace_seconds
         await self._drain()
         # A reload under way records its poisoned sessions as poisoned (W§10.9
         # step 4) and persists their refusal sequences: let it finish, within
-        # the grace period, or a restart could reuse a sequence (W§10.11 rule 2).
+        # what is left of the grace period (at least a second), or a restart
+        # could reuse a sequence (W§10.11 rule 2). It waited for the same
+        # handlers as the drain, so it is usually done at once.
         reloads = [s.reload for s in self._scopes.values() if s.reload and not s.reload.done()]
         if reloads:
             self._log.info("worker_waiting_for_reload", scopes=len(reloads))
-            await asyncio.wait(reloads, timeout=self.config.worker.shutdown_grace_seconds)
+            _, pending = await asyncio.wait(reloads, timeout=max(1.0, deadline - loop.time()))
+            if pending:
+                self._log.warning("worker_reload_cut", scopes=len(pending))
         for task in list(self._background):
             task.cancel()
         await self._close_connection()
