@@ -12,7 +12,6 @@ import json
 import pickle
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -77,8 +76,9 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, Running, Succeeded
+from tests.vectors import vectors_path
 
-VECTORS = Path(__file__).resolve().parents[2].parent / "shared" / "vectors" / "public.json"
+VECTORS = vectors_path()
 
 SESSION = "session-1"
 TOOL = "math.add"

@@ -1,15 +1,15 @@
 """Host conformance vectors: plan fingerprints, derived keys, derivation rejections and
 ledger scripts, replayed through the real engine and real sealed frames.
 
-Every expected value comes from ``/work/shared/vectors/public.json`` (an
-independent implementation); nothing here is derived from Octo's own output.
+Every expected value comes from the conformance vectors (found by
+``tests.vectors``), computed by an independent implementation; nothing here
+is derived from Octo's own output.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,8 +35,9 @@ from octo_host.compensation import (
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
+from tests.vectors import vectors_path
 
-VECTORS = Path(__file__).resolve().parents[2].parent / "shared" / "vectors" / "public.json"
+VECTORS = vectors_path()
 
 pytestmark = pytest.mark.skipif(
     not VECTORS.exists(), reason=f"conformance vectors not found at {VECTORS}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -80,8 +79,9 @@ from octo_worker.journal import (
     WorkerOperationRecord,
     validate_record,
 )
+from tests.vectors import vectors_path
 
-VECTORS = Path(__file__).resolve().parents[2].parent / "shared" / "vectors" / "public.json"
+VECTORS = vectors_path()
 
 SESSION = "session-1"
 TOOL = "math.add"

@@ -3,15 +3,15 @@
 Every expected value comes from the vector file, computed by a reference
 implementation Octo did not write; these tests compute each field with
 Octo's code and compare byte for byte. Vector error names are mapped to our
-classes one-to-one in ``ERRORS``. The file is loaded from the shared folder
-beside the repository; the tests skip, saying so, only when it is absent.
+classes one-to-one in ``ERRORS``. The file is found by ``tests.vectors``
+(the shared folder beside the repository, else the copy in tests/vectors);
+the tests skip, saying so, only when it is absent.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -38,8 +38,9 @@ from octo_common.grants import CapabilityGrant, ResourceSelector
 from octo_common.limits import MAX_JSON_NESTING
 from octo_common.messages import DispatchOperation, decode_message, encode_message
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from tests.vectors import vectors_path
 
-VECTORS_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "vectors" / "public.json"
+VECTORS_PATH = vectors_path()
 _VECTORS: dict[str, Any] | None = (
     json.loads(VECTORS_PATH.read_text(encoding="utf-8")) if VECTORS_PATH.is_file() else None
 )

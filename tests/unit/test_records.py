@@ -11,7 +11,6 @@ import base64
 import copy
 import json
 import pickle
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -60,8 +59,9 @@ from octo_common.records import (
     storage_record_tag,
     validate_revision_pair,
 )
+from tests.vectors import vectors_path
 
-VECTORS = Path(__file__).resolve().parents[2].parent / "shared" / "vectors" / "public.json"
+VECTORS = vectors_path()
 
 # Vector error names → our classes, one to one (README "Error names").
 VECTOR_ERRORS: dict[str, type[StorageError]] = {
