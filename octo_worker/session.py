@@ -899,6 +899,7 @@ class WorkerSession:
 
     async def _handle(self, frame: bytes, run: _Run) -> None:
         async with self._lock:
+            await self._wait_turn_locked(run.store)
             step = await self._prologue_locked(frame, run)
         while isinstance(step, _AdapterStep):
             if step.ack_first:
@@ -915,6 +916,7 @@ class WorkerSession:
             except Exception as exc:
                 error = exc
             async with self._lock:
+                await self._wait_turn_locked(run.store)
                 if self._status == _POISONED:
                     # Another handling's commit failed while this adapter ran: the
                     # session commits nothing more for requests (W§10.9); the host
@@ -1538,6 +1540,18 @@ class WorkerSession:
         if cancelled:
             raise asyncio.CancelledError()
         return outcome
+
+    async def _wait_turn_locked(self, store: WorkerSessionStore) -> None:
+        """With a store that cannot chain, start only once no commit is in flight.
+
+        Such a session then behaves exactly as one holding its lock through
+        each commit: a handling reads the state (``poisoned`` included) as the
+        last commit left it. Nothing is changed yet, so a cancellation here
+        stops at once.
+        """
+        if not _chains(store):
+            while self._in_flight:
+                await asyncio.wait({self._in_flight[-1].settled})
 
     async def _reacquire(self) -> bool:
         """Take the session lock back, whatever happens; True if cancelled meanwhile."""

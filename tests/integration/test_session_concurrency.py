@@ -11,7 +11,6 @@ any key would show.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -389,7 +388,7 @@ class UnchainedStore(FailingCommitStore):
     chains_session_commits = False
 
 
-async def test_a_handling_cancelled_while_waiting_its_turn_still_commits(tmp_path: Path) -> None:
+async def test_a_handling_cancelled_while_waiting_its_turn_changes_nothing(tmp_path: Path) -> None:
     real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
@@ -398,23 +397,21 @@ async def test_a_handling_cancelled_while_waiting_its_turn_still_commits(tmp_pat
         store.gates = {2: asyncio.Event()}
         answers: list[Any] = []
         first = await started(session, store, dispatch(host, 1), host, answers)
-        # The close waits for the admission in flight, its changes made.
+        # The close waits for the admission in flight before it reads or
+        # changes anything (a store that cannot chain).
         close = await started(
             session, store, host.seal(CloseSession(host.session_id)), host, answers
         )
         close.cancel()
         await settle()
-        assert not close.done()  # it waits on, so that memory matches the disk
+        assert close.cancelled()  # at once: it had changed nothing
         store.gates[2].set()
         await first
-        with contextlib.suppress(asyncio.CancelledError):
-            await close
-        # The close's own commit (the state only) went to the store after the
-        # admission, before the observation.
-        assert store.statuses[2] == ("open", True)
-        assert store.statuses[3] == ("closed", False)
-        assert session.status == "closed"
-        assert (await real.load_sessions(SCOPE))["session-1"].status == "closed"
+
+        assert session.status == "open"
+        assert [store.statuses[call] for call in (2, 3)] == [("open", True), ("open", True)]
+        assert store.calls == 3
+        assert (await real.load_sessions(SCOPE))["session-1"].status == "open"
     finally:
         await real.close()
 
@@ -435,5 +432,31 @@ async def test_a_closed_session_is_never_persisted_poisoned_again(tmp_path: Path
         assert store.calls == 2 and revision == session.highest_revision
         assert session.status == "closed"
         assert (await real.load_sessions(SCOPE))["session-1"].status == "closed"
+    finally:
+        await real.close()
+
+
+async def test_with_a_store_that_cannot_chain_a_handling_starts_after_the_commit_before_it(
+    tmp_path: Path,
+) -> None:
+    # As when the session held its lock through each commit: the second
+    # request reads the session as the failed commit left it, poisoned.
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = UnchainedStore(real, fail_at=2)
+        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        store.gates = {2: asyncio.Event()}
+        first: list[Any] = []
+        second: list[Any] = []
+        one = await started(session, store, dispatch(host, 1), host, first)
+        two = await started(session, store, dispatch(host, 2), host, second)
+        assert store.calls == 2  # the second waits for the first's commit, unbuilt
+        store.gates[2].set()
+        await asyncio.wait_for(asyncio.gather(one, two), 10)
+
+        assert [a.code for a in first] == ["journal_persistence_failed"]
+        assert [a.code for a in second] == ["session_poisoned"]
+        assert store.calls == 2
     finally:
         await real.close()
