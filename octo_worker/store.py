@@ -20,7 +20,11 @@ queued; the writer thread takes the whole queue and applies every waiting change
 in ONE transaction and ONE fsync, each under its own ``SAVEPOINT`` so a change
 set that fails its checks is rolled back alone. A lone caller is committed at
 once (no batching delay). Each caller awaits its own outcome; a submitted
-commit is shielded from its caller's cancellation.
+commit is shielded from its caller's cancellation. **Chained session
+commits** (``SessionDocuments.link``/``after``): a session submits its next
+commit while the previous one is still queued or in flight, naming it
+instead of a base revision; the writer resolves the name to the revision
+that change set wrote, so one session's commits can share a transaction.
 
 Threads
 -------
