@@ -37,7 +37,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import structlog
 from aio_pika.abc import (
@@ -217,6 +217,17 @@ class _InstrumentedAdapter:
 
 # Per-scope state -------------------------------------------------------------------
 
+# Closed session ids remembered per scope (about 100 bytes each); beyond it
+# the oldest is forgotten and looked up in the store again when needed.
+_CLOSED_REMEMBERED: Final = 65536
+
+
+def _remember_closed(scope: _Scope, session_id: str) -> None:
+    scope.closed.pop(session_id, None)
+    scope.closed[session_id] = None
+    if len(scope.closed) > _CLOSED_REMEMBERED:
+        del scope.closed[next(iter(scope.closed))]
+
 
 @dataclass
 class _Scope:
@@ -227,8 +238,9 @@ class _Scope:
     reserving: bool = False
     reload: asyncio.Task[Any] | None = None
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
-    # Closed sessions held by id only (see _load_scope and _forget_closed).
-    closed: set[str] = field(default_factory=set)
+    # Closed sessions known by id only, most recent last (see _load_scope,
+    # _forget_closed and _unknown_session_reason); bounded, the store is the truth.
+    closed: dict[str, None] = field(default_factory=dict)
     # Deliveries being handled, per session id (a closed session is let go of
     # by the last one, so no reply of it is committed after that).
     handling: dict[str, int] = field(default_factory=dict)
@@ -480,11 +492,13 @@ class WorkerDaemon:
     async def _load_scope(self, scope: _Scope, *, open_gate: bool = True) -> None:
         """Reserve a fence, then rebuild the sessions from the store (W§10.10).
 
-        A closed session is remembered by its id only (``scope.closed``): it
-        answers nothing more, and restoring every session a long-lived worker
-        ever closed would cost start-up time and memory without end. One with
-        replies still in the outbox is restored, so they can be republished
-        and released.
+        Closed sessions are not read at all (the store skips the ones its
+        commits marked closed): restoring, or even reading, every session a
+        long-lived worker ever closed would cost start-up time and memory
+        without end. One with replies still in the outbox is restored, so they
+        can be republished and released. A frame for a session not in memory
+        looks its status up in the store (``_unknown_session_reason``), and
+        the ids found closed are remembered (``scope.closed``, bounded).
         """
         store = self.store
         daemon_store = self._require_daemon_store()
@@ -493,13 +507,14 @@ class WorkerDaemon:
             scope.lease = await store.reserve_fence(scope.name)
         finally:
             scope.reserving = False
-        persisted = await store.load_sessions(scope.name)
         in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
+        persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
         sessions: dict[str, WorkerSession] = {}
-        closed: set[str] = set()
+        closed: dict[str, None] = {}
         for session_id, record in persisted.items():
             if record.status == "closed" and session_id not in in_outbox:
-                closed.add(session_id)
+                # Closed before the store marked closed sessions (schema 3).
+                closed[session_id] = None
                 continue
             session = await WorkerSession.restore(
                 record,
@@ -515,6 +530,8 @@ class WorkerDaemon:
                 scope.persisted_poisoned.add(session_id)
         scope.sessions = sessions
         scope.closed = closed
+        while len(scope.closed) > _CLOSED_REMEMBERED:
+            del scope.closed[next(iter(scope.closed))]
         if open_gate:
             scope.running.set()
         self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions), closed=len(closed))
@@ -865,7 +882,31 @@ class WorkerDaemon:
         """Hold a closed session by its id only, from now on (its last handler calls this)."""
         if scope.sessions.get(session.session_id) is session:
             del scope.sessions[session.session_id]
-            scope.closed.add(session.session_id)
+            _remember_closed(scope, session.session_id)
+
+    async def _unknown_session_reason(self, scope: _Scope, session_id: str) -> str:
+        """Why a frame of a session not in memory is dead-lettered: closed, or unknown.
+
+        Looked up in the store (one authenticated row): closed sessions are
+        not loaded at start. Nothing of the frame is acted on either way; a
+        session the store holds live but the start did not load (its closed
+        mark was edited) is logged and refused as unknown.
+        """
+        try:
+            status = await self.store.session_status(scope.name, session_id)
+        except OctoError as exc:
+            self._log.error(
+                "session_lookup_failed", scope=scope.name, session=session_id, error=exc.code
+            )
+            return "unknown_session"
+        if status == "closed":
+            _remember_closed(scope, session_id)
+            return "session_closed"
+        if status is not None:
+            self._log.error(
+                "session_not_loaded", scope=scope.name, session=session_id, status=status
+            )
+        return "unknown_session"
 
     def _release_outbox_later(self, scope: _Scope, sessions: list[WorkerSession]) -> None:
         """Run :meth:`_release_outbox` as a handler of the scope.
@@ -1030,7 +1071,7 @@ class WorkerDaemon:
                 await delivery.dead_letter(SessionReplay.code if opening else "session_closed")
                 return
             if not opening:
-                await delivery.dead_letter("unknown_session")
+                await delivery.dead_letter(await self._unknown_session_reason(scope, session_id))
                 return
             if not message.reply_to or host_id_of_reply_queue(message.reply_to) is None:
                 # A forged reply_to could route replies into another queue.

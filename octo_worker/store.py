@@ -166,6 +166,13 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "ALTER TABLE items ADD COLUMN written_at REAL NOT NULL DEFAULT 0",
         "UPDATE items SET written_at = CAST(strftime('%s', 'now') AS REAL)",
     ),
+    # 2 -> 3: 1 on the state row of a closed session (unauthenticated metadata,
+    # used only so that a start need not read closed sessions; rows written
+    # before the migration read 0, and are read as before).
+    (
+        "ALTER TABLE items ADD COLUMN closed INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX items_closed_sessions ON items (name, item) WHERE closed = 1",
+    ),
 )
 
 _SCHEMA_VERSION: Final = len(_MIGRATIONS)
@@ -418,6 +425,8 @@ class _RowWrite(NamedTuple):
     # link, and the link of the change set whose revision is its base.
     link: int | None = None
     after: int | None = None
+    # Session state rows only: the document's status is ``closed``.
+    closed: bool = False
 
 
 @dataclass(slots=True)
@@ -480,7 +489,7 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
     for session_id, documents in changes.sessions.items():
         validate_token("session id", session_id)
         _check_base_revision(documents.base_revision)
-        _state_status(documents.state, scope, session_id)
+        closed = _state_status(documents.state, scope, session_id) == "closed"
         link, after = documents.link, documents.after
         for value in (link, after):
             if value is not None and (type(value) is not int or value < 1):
@@ -488,10 +497,14 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
         if after is not None:
             if documents.base_revision is not None or documents.opening is not None:
                 raise ValueError("a chained commit names neither a base revision nor an opening")
-            writes.append(_RowWrite(NS_SESSION, session_id, documents.state, None, link, after))
+            writes.append(
+                _RowWrite(NS_SESSION, session_id, documents.state, None, link, after, closed)
+            )
             continue
         writes.append(
-            _RowWrite(NS_SESSION, session_id, documents.state, documents.base_revision, link)
+            _RowWrite(
+                NS_SESSION, session_id, documents.state, documents.base_revision, link, None, closed
+            )
         )
         if documents.base_revision is None:
             if documents.opening is None:
@@ -878,10 +891,22 @@ class SqliteJournalStore:
             raise
         return removed
 
-    async def load_sessions(self, scope: str) -> dict[str, PersistedSession]:
-        """Every session of ``scope`` (every status), keyed by session id."""
+    async def load_sessions(
+        self, scope: str, *, skip_closed_except: Iterable[str] | None = None
+    ) -> dict[str, PersistedSession]:
+        """Every session of ``scope`` (every status), keyed by session id.
+
+        With ``skip_closed_except``, closed sessions are left out (neither
+        read nor authenticated), except those it names: a start then costs
+        what the live sessions cost, not every session ever closed. "Closed"
+        is the store's own mark, set by the commit that closed the session;
+        one closed before that mark existed (schema 3) is still returned.
+        """
         _check_scope(scope)
-        states, openings = await self._read_call(lambda: self._read_sessions(scope))
+        keep = None if skip_closed_except is None else sorted(set(skip_closed_except))
+        for session_id in keep or ():
+            validate_token("session id", session_id)
+        states, openings = await self._read_call(lambda: self._read_sessions(scope, keep))
         opened: dict[str, tuple[bytes, int]] = {}
         for row in openings:
             document = self._open_row(scope, NS_SESSION_OPEN, row)
@@ -902,6 +927,16 @@ class SqliteJournalStore:
         if opened:  # an opening document whose state row is gone
             raise RollbackDetected(None, next(iter(opened.values()))[1])
         return sessions
+
+    async def session_status(self, scope: str, session_id: str) -> str | None:
+        """The status in ``session_id``'s state row (read and authenticated), None without one."""
+        _check_scope(scope)
+        validate_token("session id", session_id)
+        rows = await self._read_call(lambda: self._read_items(scope, NS_SESSION, [session_id]))
+        if not rows:
+            return None
+        document = self._open_row(scope, NS_SESSION, rows[0])
+        return _state_status(document, scope, rows[0].item)
 
     async def load_outbox(self, scope: str) -> list[OutboxEntry]:
         """Every outbox row of ``scope``, oldest revision first (W§11.4)."""
@@ -1379,8 +1414,8 @@ class SqliteJournalStore:
                 try:
                     connection.execute(
                         "INSERT INTO items (namespace, name, item, revision, envelope, "
-                        "written_at) VALUES (?, ?, ?, ?, ?, ?)",
-                        (write.namespace, scope, write.item, revision, envelope, now),
+                        "written_at, closed) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (write.namespace, scope, write.item, revision, envelope, now, write.closed),
                     )
                 except sqlite3.IntegrityError:
                     if write.item in pending.new_sessions and write.namespace in _SESSION_ROWS:
@@ -1388,12 +1423,13 @@ class SqliteJournalStore:
                     raise self._conflict(connection, scope, write, head_revision) from None
             else:
                 updated = connection.execute(
-                    "UPDATE items SET revision = ?, envelope = ?, written_at = ? "
+                    "UPDATE items SET revision = ?, envelope = ?, written_at = ?, closed = ? "
                     "WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
                     (
                         revision,
                         envelope,
                         now,
+                        write.closed,
                         write.namespace,
                         scope,
                         write.item,
@@ -1425,7 +1461,7 @@ class SqliteJournalStore:
         if tail is None or tail[0] != write.after:
             # That change set failed, never came here, or was written over since.
             raise self._conflict(connection, scope, write, head_revision)
-        return _RowWrite(write.namespace, write.item, write.document, tail[1], write.link)
+        return write._replace(base_revision=tail[1], after=None)
 
     def _fold_tails(self, tails: Mapping[tuple[str, str], tuple[int, int] | None]) -> None:
         known = self._session_tails
@@ -1566,13 +1602,43 @@ class SqliteJournalStore:
         head, rows = self._read_transaction(select, scope)
         return self._checked_rows(rows, head)
 
-    def _read_sessions(self, scope: str) -> tuple[list[_Row], list[_Row]]:
+    def _read_sessions(
+        self, scope: str, keep: Sequence[str] | None
+    ) -> tuple[list[_Row], list[_Row]]:
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
-            return connection.execute(
-                "SELECT namespace, item, revision, envelope FROM items "
-                "WHERE namespace IN (?, ?) AND name = ? ORDER BY item",
+            if keep is None:
+                return connection.execute(
+                    "SELECT namespace, item, revision, envelope FROM items "
+                    "WHERE namespace IN (?, ?) AND name = ? ORDER BY item",
+                    (NS_SESSION, NS_SESSION_OPEN, scope),
+                ).fetchall()
+            found = connection.execute(
+                "SELECT namespace, item, revision, envelope FROM items AS i "
+                "WHERE namespace IN (?, ?) AND name = ? AND NOT EXISTS ("
+                "SELECT 1 FROM items AS c WHERE c.name = i.name AND c.item = i.item "
+                "AND c.closed = 1) ORDER BY item",
                 (NS_SESSION, NS_SESSION_OPEN, scope),
             ).fetchall()
+            for start in range(0, len(keep), _SQL_CHUNK):
+                chunk = keep[start : start + _SQL_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                # Only "?" placeholders are formatted in; every value is bound.
+                sql = (
+                    "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
+                    f"WHERE namespace = ? AND name = ? AND closed = 1 AND item IN ({marks})"
+                )
+                closed = connection.execute(sql, (NS_SESSION, scope, *chunk)).fetchall()
+                found.extend(closed)
+                # Their opening rows (never marked) go with them.
+                ids = [row[1] for row in closed]
+                if ids:
+                    marks = ",".join("?" * len(ids))
+                    sql = (
+                        "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
+                        f"{_BY_ITEMS}({marks})"
+                    )
+                    found.extend(connection.execute(sql, (NS_SESSION_OPEN, scope, *ids)).fetchall())
+            return found
 
         head, rows = self._read_transaction(select, scope)
         states = [row[1:] for row in rows if row[0] == NS_SESSION]

@@ -1171,3 +1171,75 @@ async def test_a_chain_never_lands_on_a_commit_whose_anchor_write_failed(
     assert isinstance(outcomes[0], StorageBackendError)
     assert isinstance(outcomes[1], WriteConflict)
     assert loaded.state == state_doc(SCOPE, "sess-1", counter=1)
+
+
+# Closed sessions at start (schema 3) -----------------------------------------------------------
+
+
+async def close_session(store: SqliteJournalStore, lease: WorkerJournalLease, sid: str) -> int:
+    base = (await store.load_sessions(SCOPE))[sid].revision
+    documents = SessionDocuments(state_doc(SCOPE, sid, "closed", 1), base_revision=base)
+    return await store.commit(SCOPE, lease, WorkerCommit(sessions={sid: documents}))
+
+
+async def test_a_start_reads_no_closed_session_but_those_it_names(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    for sid in ("s-open", "s-gone", "s-replying"):
+        await open_session(store, lease, sid)
+    await close_session(store, lease, "s-gone")
+    await close_session(store, lease, "s-replying")
+
+    everything = await store.load_sessions(SCOPE)
+    live = await store.load_sessions(SCOPE, skip_closed_except=[])
+    named = await store.load_sessions(SCOPE, skip_closed_except=["s-replying", "s-unknown"])
+
+    assert sorted(everything) == ["s-gone", "s-open", "s-replying"]
+    assert sorted(live) == ["s-open"]
+    assert sorted(named) == ["s-open", "s-replying"]
+    assert named["s-replying"] == everything["s-replying"]  # both rows, authenticated
+    assert [await store.session_status(SCOPE, sid) for sid in ("s-open", "s-gone", "s-x")] == [
+        "open",
+        "closed",
+        None,
+    ]
+    # The mark is metadata beside the sealed row: only the state row of a
+    # closed session carries it.
+    marked = sql(db_path, "SELECT namespace, item FROM items WHERE closed = 1 ORDER BY item")
+    assert marked == [("worker-session", "s-gone"), ("worker-session", "s-replying")]
+
+
+async def test_a_tampered_closed_mark_never_hides_a_session_state(
+    store: SqliteJournalStore, db_path: Path
+) -> None:
+    lease = await store.reserve_fence(SCOPE)
+    await open_session(store, lease, "s-open")
+    sql(db_path, "UPDATE items SET closed = 1 WHERE item = 's-open'")
+    # Left out of a start, but its sealed state still says open wherever it is read.
+    assert await store.load_sessions(SCOPE, skip_closed_except=[]) == {}
+    assert await store.session_status(SCOPE, "s-open") == "open"
+    assert (await store.load_sessions(SCOPE))["s-open"].status == "open"
+
+
+async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: Path) -> None:
+    store = SqliteJournalStore(db_path, storage_keyring())
+    lease = await store.reserve_fence(SCOPE)
+    await open_session(store, lease, "s-old")
+    await close_session(store, lease, "s-old")
+    await store.close()
+    with sqlite3.connect(db_path) as connection:  # back to schema 2
+        connection.execute("DROP INDEX items_closed_sessions")
+        connection.execute("ALTER TABLE items DROP COLUMN closed")
+        connection.execute("UPDATE schema_version SET version = 2")
+
+    reopened = SqliteJournalStore(db_path, storage_keyring())
+    try:
+        lease = await reopened.reserve_fence(SCOPE)
+        # Unmarked: read (and authenticated) as before the migration.
+        assert sorted(await reopened.load_sessions(SCOPE, skip_closed_except=[])) == ["s-old"]
+        await open_session(reopened, lease, "s-new")
+        await close_session(reopened, lease, "s-new")
+        assert sorted(await reopened.load_sessions(SCOPE, skip_closed_except=[])) == ["s-old"]
+    finally:
+        await reopened.close()
