@@ -133,6 +133,10 @@ class _DaemonStore:
                 self.superseded.add(scope)
             self._metrics.commit_failures.labels("fencing_token_rejected").inc()
             raise
+        except SessionReplay:
+            # An open_session for an id this scope already has (a replayed
+            # frame): the store refused it, as it must; no journal failure.
+            raise
         except OctoError as exc:
             self._metrics.commit_failures.labels(exc.code).inc()
             raise
@@ -528,6 +532,13 @@ class WorkerDaemon:
             sessions[session_id] = session
             if session.status == "poisoned":
                 scope.persisted_poisoned.add(session_id)
+        if closed:
+            # Closed before the store marked closed sessions: mark them now,
+            # so the next start does not read them again.
+            try:
+                await store.mark_closed(scope.name, closed)
+            except OctoError as exc:
+                self._log.warning("closed_sessions_mark_failed", scope=scope.name, error=exc.code)
         scope.sessions = sessions
         scope.closed = closed
         while len(scope.closed) > _CLOSED_REMEMBERED:
@@ -1134,6 +1145,10 @@ class WorkerDaemon:
             scope.sessions[session_id] = session
         except OctoError as exc:
             refused = exc.code
+            if isinstance(exc, SessionReplay):
+                # Its rows exist (closed: live ones are all in memory). A
+                # replay of the same frame is refused from memory from now on.
+                _remember_closed(scope, session_id)
         finally:
             # Waiters look the session up again once this resolves (also when
             # the open failed or this handler was cancelled).

@@ -136,6 +136,9 @@ _MESSAGE_ID = re.compile(r"[0-9a-f]{64}")
 # chained commits (SessionDocuments.chained); about 100 bytes each.
 _SESSION_TAIL_LIMIT: Final = 65536
 _BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item IN "
+# The partial index's condition, repeated word for word by the query that
+# uses it (SQLite matches the terms, so the namespaces are literals here).
+_LIVE_SESSION_ROWS: Final = f"namespace IN ('{NS_SESSION}', '{NS_SESSION_OPEN}') AND closed = 0"
 _SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
 
 # Forward-only migrations: index i moves the schema from version i to i + 1.
@@ -166,12 +169,13 @@ _MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "ALTER TABLE items ADD COLUMN written_at REAL NOT NULL DEFAULT 0",
         "UPDATE items SET written_at = CAST(strftime('%s', 'now') AS REAL)",
     ),
-    # 2 -> 3: 1 on the state row of a closed session (unauthenticated metadata,
-    # used only so that a start need not read closed sessions; rows written
-    # before the migration read 0, and are read as before).
+    # 2 -> 3: 1 on both rows of a closed session (unauthenticated metadata, used
+    # only so that a start reads the live sessions alone, through the partial
+    # index; rows of sessions closed before the migration read 0 until the
+    # daemon's next start marks them).
     (
         "ALTER TABLE items ADD COLUMN closed INTEGER NOT NULL DEFAULT 0",
-        "CREATE INDEX items_closed_sessions ON items (name, item) WHERE closed = 1",
+        f"CREATE INDEX items_live_sessions ON items (name, item) WHERE {_LIVE_SESSION_ROWS}",
     ),
 )
 
@@ -928,6 +932,39 @@ class SqliteJournalStore:
             raise RollbackDetected(None, next(iter(opened.values()))[1])
         return sessions
 
+    async def mark_closed(self, scope: str, session_ids: Iterable[str]) -> None:
+        """Mark sessions the caller read, authenticated and found closed, so that
+        ``skip_closed_except`` leaves them out from now on.
+
+        For sessions closed before schema 3 (a commit that closes a session
+        marks it itself). Metadata only: no revision, envelope or head moves.
+        """
+        _check_scope(scope)
+        ids = sorted(set(session_ids))
+        for session_id in ids:
+            validate_token("session id", session_id)
+        if ids:
+            await self._write_call(lambda: self._mark_closed_in_thread(scope, ids))
+
+    def _mark_closed_in_thread(self, scope: str, ids: Sequence[str]) -> None:
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            for start in range(0, len(ids), _SQL_CHUNK):
+                chunk = ids[start : start + _SQL_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                # Only "?" placeholders are formatted in; every value is bound.
+                sql = (
+                    "UPDATE items SET closed = 1 "  # noqa: S608
+                    f"WHERE namespace IN (?, ?) AND name = ? AND item IN ({marks})"
+                )
+                connection.execute(sql, (NS_SESSION, NS_SESSION_OPEN, scope, *chunk))
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+
     async def session_status(self, scope: str, session_id: str) -> str | None:
         """The status in ``session_id``'s state row (read and authenticated), None without one."""
         _check_scope(scope)
@@ -1438,6 +1475,13 @@ class SqliteJournalStore:
                 ).rowcount
                 if updated != 1:
                     raise self._conflict(connection, scope, write, head_revision)
+        for write in writes:
+            if write.closed:
+                # Its opening row is never rewritten: mark it beside the envelope.
+                connection.execute(
+                    "UPDATE items SET closed = 1 WHERE namespace = ? AND name = ? AND item = ?",
+                    (NS_SESSION_OPEN, scope, write.item),
+                )
         for message in pending.outbox_delete:
             connection.execute(
                 "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ?",
@@ -1613,11 +1657,9 @@ class SqliteJournalStore:
                     (NS_SESSION, NS_SESSION_OPEN, scope),
                 ).fetchall()
             found = connection.execute(
-                "SELECT namespace, item, revision, envelope FROM items AS i "
-                "WHERE namespace IN (?, ?) AND name = ? AND NOT EXISTS ("
-                "SELECT 1 FROM items AS c WHERE c.name = i.name AND c.item = i.item "
-                "AND c.closed = 1) ORDER BY item",
-                (NS_SESSION, NS_SESSION_OPEN, scope),
+                "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
+                f"INDEXED BY items_live_sessions WHERE name = ? AND {_LIVE_SESSION_ROWS}",
+                (scope,),
             ).fetchall()
             for start in range(0, len(keep), _SQL_CHUNK):
                 chunk = keep[start : start + _SQL_CHUNK]
@@ -1625,19 +1667,11 @@ class SqliteJournalStore:
                 # Only "?" placeholders are formatted in; every value is bound.
                 sql = (
                     "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
-                    f"WHERE namespace = ? AND name = ? AND closed = 1 AND item IN ({marks})"
+                    f"WHERE namespace IN (?, ?) AND name = ? AND closed = 1 AND item IN ({marks})"
                 )
-                closed = connection.execute(sql, (NS_SESSION, scope, *chunk)).fetchall()
-                found.extend(closed)
-                # Their opening rows (never marked) go with them.
-                ids = [row[1] for row in closed]
-                if ids:
-                    marks = ",".join("?" * len(ids))
-                    sql = (
-                        "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
-                        f"{_BY_ITEMS}({marks})"
-                    )
-                    found.extend(connection.execute(sql, (NS_SESSION_OPEN, scope, *ids)).fetchall())
+                found.extend(
+                    connection.execute(sql, (NS_SESSION, NS_SESSION_OPEN, scope, *chunk)).fetchall()
+                )
             return found
 
         head, rows = self._read_transaction(select, scope)

@@ -336,18 +336,23 @@ async def test_a_republished_reply_leaves_the_outbox_and_is_not_republished_at_e
     assert len(read_effect_log(worker_env.effect_log)) == 1
 
 
+async def _opened_and_closed(raw_host: RawHost, daemon: WorkerDaemon, scope: str) -> RawSession:
+    session = await opened(raw_host, daemon)
+    await raw_host.publish(
+        session.auth.seal(CloseSession(session.session_id)),
+        headers=raw_host.headers(session, "close"),
+    )
+    await wait_session(daemon, scope, session.session_id, "closed")
+    return session
+
+
 async def test_a_closed_session_is_held_by_its_id_only_and_still_refuses_every_frame(
     names: Names, raw_host: RawHost, worker_env: WorkerEnv, dead_letters: Inbox
 ) -> None:
     runner = WorkerRunner(worker_env)
     first = await runner.start()
     try:
-        session = await opened(raw_host, first)
-        await raw_host.publish(
-            session.auth.seal(CloseSession(session.session_id)),
-            headers=raw_host.headers(session, "close"),
-        )
-        await wait_session(first, names.scope, session.session_id, "closed")
+        session = await _opened_and_closed(raw_host, first, names.scope)
         scope = first._scopes[names.scope]
         await _until(lambda: session.session_id in scope.closed, "the session to be let go")
         # Nothing of it is kept but its id (a long-lived worker closes many).
@@ -363,15 +368,21 @@ async def test_a_closed_session_is_held_by_its_id_only_and_still_refuses_every_f
         assert session.session_id not in scope.closed
         assert session.session_id not in scope.sessions
         head = await second.store.head_revision(names.scope)
+        # A replayed open first: the store refuses it (the id exists), and the
+        # id is remembered, so the late frame is refused from memory.
+        await raw_host.publish(open_frame, headers=raw_host.headers(session, "reopen"))
+        assert reason_of(await dead_letters.wait_for(marker_of("reopen"))) == "session_replay"
+        assert session.session_id in scope.closed
         await raw_host.publish(
             _publish_frame(session, "d-late", operation_key(), "late.txt"),
             headers=raw_host.headers(session, "late"),
             correlation_id="d-late",
         )
-        await raw_host.publish(open_frame, headers=raw_host.headers(session, "reopen"))
         assert reason_of(await dead_letters.wait_for(marker_of("late"))) == "session_closed"
-        assert reason_of(await dead_letters.wait_for(marker_of("reopen"))) == "session_replay"
-        assert session.session_id in scope.closed  # remembered once looked up
+        failures = second.metrics.registry.get_sample_value(
+            "octo_journal_commit_failures_total", {"code": "session_replay"}
+        )
+        assert not failures  # a replayed open is no journal failure (no alert)
         assert await second.store.head_revision(names.scope) == head
         assert raw_host.replies.matching(lambda m: m.correlation_id == "d-late") == []
         persisted = await second.store.load_sessions(names.scope)
@@ -493,3 +504,29 @@ async def test_a_closed_session_whose_last_reply_is_unsent_is_kept_for_the_repub
         await runner.stop_all()
         await admin.close()
     assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_a_frame_of_a_closed_session_not_in_memory_is_looked_up_and_refused(
+    names: Names, raw_host: RawHost, worker_env: WorkerEnv, dead_letters: Inbox
+) -> None:
+    runner = WorkerRunner(worker_env)
+    first = await runner.start()
+    try:
+        session = await _opened_and_closed(raw_host, first, names.scope)
+    finally:
+        await runner.stop_all()
+    second = await runner.start()
+    try:
+        scope = second._scopes[names.scope]
+        assert session.session_id not in scope.closed  # nothing of it read at start
+        await raw_host.publish(
+            _publish_frame(session, "d-late", operation_key(), "late.txt"),
+            headers=raw_host.headers(session, "late"),
+            correlation_id="d-late",
+        )
+        assert reason_of(await dead_letters.wait_for(marker_of("late"))) == "session_closed"
+        assert session.session_id in scope.closed
+        assert raw_host.replies.matching(lambda m: m.correlation_id == "d-late") == []
+    finally:
+        await runner.stop_all()
+    assert read_effect_log(worker_env.effect_log) == []

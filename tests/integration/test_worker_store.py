@@ -1204,10 +1204,15 @@ async def test_a_start_reads_no_closed_session_but_those_it_names(
         "closed",
         None,
     ]
-    # The mark is metadata beside the sealed row: only the state row of a
-    # closed session carries it.
-    marked = sql(db_path, "SELECT namespace, item FROM items WHERE closed = 1 ORDER BY item")
-    assert marked == [("worker-session", "s-gone"), ("worker-session", "s-replying")]
+    # The mark is metadata beside the sealed rows: both rows of a closed
+    # session carry it, nothing else does.
+    marked = sql(db_path, "SELECT namespace, item FROM items WHERE closed = 1 ORDER BY 2, 1")
+    assert marked == [
+        ("worker-session", "s-gone"),
+        ("worker-session-open", "s-gone"),
+        ("worker-session", "s-replying"),
+        ("worker-session-open", "s-replying"),
+    ]
 
 
 async def test_a_tampered_closed_mark_never_hides_a_session_state(
@@ -1220,6 +1225,14 @@ async def test_a_tampered_closed_mark_never_hides_a_session_state(
     assert await store.load_sessions(SCOPE, skip_closed_except=[]) == {}
     assert await store.session_status(SCOPE, "s-open") == "open"
     assert (await store.load_sessions(SCOPE))["s-open"].status == "open"
+    # Half a session hidden: the other half alone is a rollback, refused.
+    await open_session(store, lease, "s-half")
+    sql(
+        db_path,
+        "UPDATE items SET closed = 1 WHERE item = 's-half' AND namespace = 'worker-session'",
+    )
+    with pytest.raises(RollbackDetected):
+        await store.load_sessions(SCOPE, skip_closed_except=[])
 
 
 async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: Path) -> None:
@@ -1229,7 +1242,7 @@ async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: 
     await close_session(store, lease, "s-old")
     await store.close()
     with sqlite3.connect(db_path) as connection:  # back to schema 2
-        connection.execute("DROP INDEX items_closed_sessions")
+        connection.execute("DROP INDEX items_live_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN closed")
         connection.execute("UPDATE schema_version SET version = 2")
 
@@ -1241,5 +1254,11 @@ async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: 
         await open_session(reopened, lease, "s-new")
         await close_session(reopened, lease, "s-new")
         assert sorted(await reopened.load_sessions(SCOPE, skip_closed_except=[])) == ["s-old"]
+        # Marked once found closed (what the daemon's start does): not read again.
+        head = await reopened.head_revision(SCOPE)
+        await reopened.mark_closed(SCOPE, ["s-old"])
+        assert await reopened.load_sessions(SCOPE, skip_closed_except=[]) == {}
+        assert await reopened.head_revision(SCOPE) == head  # metadata only
+        assert (await reopened.load_sessions(SCOPE))["s-old"].status == "closed"
     finally:
         await reopened.close()

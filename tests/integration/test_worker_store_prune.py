@@ -77,7 +77,7 @@ async def test_a_database_without_write_times_migrates(tmp_path: Path) -> None:
     await store.close()
     # Take the database back to schema 1 (no written_at column, no closed mark).
     with sqlite3.connect(path) as connection:
-        connection.execute("DROP INDEX items_closed_sessions")
+        connection.execute("DROP INDEX items_live_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN closed")
         connection.execute("ALTER TABLE items DROP COLUMN written_at")
         connection.execute("UPDATE schema_version SET version = 1")
