@@ -336,13 +336,17 @@ async def test_a_republished_reply_leaves_the_outbox_and_is_not_republished_at_e
     assert len(read_effect_log(worker_env.effect_log)) == 1
 
 
-async def _opened_and_closed(raw_host: RawHost, daemon: WorkerDaemon, scope: str) -> RawSession:
-    session = await opened(raw_host, daemon)
+async def _close(raw_host: RawHost, daemon: WorkerDaemon, scope: str, session: RawSession) -> None:
     await raw_host.publish(
         session.auth.seal(CloseSession(session.session_id)),
         headers=raw_host.headers(session, "close"),
     )
     await wait_session(daemon, scope, session.session_id, "closed")
+
+
+async def _opened_and_closed(raw_host: RawHost, daemon: WorkerDaemon, scope: str) -> RawSession:
+    session = await opened(raw_host, daemon)
+    await _close(raw_host, daemon, scope, session)
     return session
 
 
@@ -408,11 +412,7 @@ async def test_a_session_closed_while_a_handler_runs_is_let_go_of_after_that_han
             correlation_id="d-slow",
         )
         await _until(lambda: adapter.dispatches == 1, "the effect to start")
-        await raw_host.publish(
-            session.auth.seal(CloseSession(session.session_id)),
-            headers=raw_host.headers(session, "close"),
-        )
-        await wait_session(daemon, names.scope, session.session_id, "closed")
+        await _close(raw_host, daemon, names.scope, session)
         scope = daemon._scopes[names.scope]
         # Its dispatch is still running: the session is kept for it.
         assert session.session_id in scope.sessions
@@ -481,11 +481,7 @@ async def test_a_closed_session_whose_last_reply_is_unsent_is_kept_for_the_repub
         await _until(lambda: adapter.dispatches == 1, "the effect to start")
         # The host closes the session and its reply queue vanishes: the
         # dispatch's reply, committed after the close, cannot be published.
-        await raw_host.publish(
-            session.auth.seal(CloseSession(session.session_id)),
-            headers=raw_host.headers(session, "close"),
-        )
-        await wait_session(daemon, names.scope, session.session_id, "closed")
+        await _close(raw_host, daemon, names.scope, session)
         await admin.queue_delete(raw_host.reply_queue)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT
