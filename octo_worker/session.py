@@ -1476,7 +1476,8 @@ class WorkerSession:
         """
         cancelled = False
         failure: OctoError | None = None
-        if self._in_flight and not _chains(store):
+        chains = _chains(store)
+        if self._in_flight and not chains:
             # A store that cannot chain: one commit at a time, as built. If the
             # one waited for fails, this one was built on it and fails too (its
             # changes went with the failure's return to the durable point).
@@ -1495,7 +1496,7 @@ class WorkerSession:
             raise _CommitFailed(failure)
         deletes, self._confirmed = self._confirmed, []
         pending = self._snapshot()
-        if _chains(store):
+        if chains:
             link: int | None = next_commit_link()
             after = self._in_flight[-1].link if self._in_flight else None
         else:
