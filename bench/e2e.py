@@ -297,7 +297,9 @@ async def measure_octo(
             run = await client.load_run(name, plan)  # cached: created beforehand
             payload = ToolPayload.json({"run": name})
             started = time.perf_counter()
-            key = await client.record_operation(run, STEP.id, TOOL, payload, name.encode())
+            key = await client.record_operation(
+                run, STEP.id, TOOL, payload, name.encode(), scope=files.scope
+            )
             state = await client.dispatch(session, run, key, payload)
             if latencies is not None:
                 latencies.append(time.perf_counter() - started)

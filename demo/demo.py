@@ -510,7 +510,9 @@ class HostDemo:
         plan = client.engine.plan([WorkflowStep("publish", f"publish {RELEASE}")])
         run = await client.load_run(RUN, plan)
         nonce = f"{RUN}:{self.demo.scope}".encode()
-        key = await client.record_operation(run, "publish", TOOL, self.payload, nonce)
+        key = await client.record_operation(
+            run, "publish", TOOL, self.payload, nonce, scope=self.demo.scope
+        )
         session = await self.open_session()
         state = await client.dispatch(session, run, key, self.payload)
         expect(

@@ -818,7 +818,7 @@ def cmd_dispatch(args: argparse.Namespace, out: Output) -> int:
         key = client.engine.derive_operation_key(plan, step, tool, data, nonce)
         recorded = run.operation(key) is None
         if recorded:
-            await client.record_operation(run, step, tool, payload, nonce)
+            await client.record_operation(run, step, tool, payload, nonce, scope=scope)
         session = await client.open_session(scope, manifest)
         try:
             state = await client.dispatch(session, run, key, payload)

@@ -209,7 +209,10 @@ _ROUTES_FORMAT_VERSION: Final = 1
 
 
 class _RoutesDoc(msgspec.Struct, forbid_unknown_fields=True):
-    """``("workflow-routes", RUN)``: the scope each operation key was first dispatched to."""
+    """``("workflow-routes", RUN)``: the scope each operation key is bound to.
+
+    A key is bound before its first dispatch, or when it is recorded with a scope.
+    """
 
     format_version: int
     run: str
@@ -857,16 +860,29 @@ class HostClient:
             if excess <= 0:
                 return
 
-    async def _persist_locked(self, run: HostRun, candidate: WorkflowOperationLedger) -> None:
-        """Compare-and-swap ``candidate`` over the stored ledger; then adopt it."""
-        if candidate.revision == run._durable_ledger_revision and candidate == run._ledger:
+    async def _persist_locked(
+        self,
+        run: HostRun,
+        candidate: WorkflowOperationLedger,
+        routes: dict[str, str] | None = None,
+    ) -> None:
+        """Compare-and-swap ``candidate`` over the stored ledger; then adopt it.
+
+        With ``routes`` (the run's routes with one binding added), the routes
+        record is written in the same transaction: both or neither.
+        """
+        if (
+            routes is None
+            and candidate.revision == run._durable_ledger_revision
+            and candidate == run._ledger
+        ):
             return
         payload = candidate.to_json().encode("utf-8")
         # The write and the adoption of its outcome run to the end even if the
         # caller is cancelled, and the caller (who holds the run lock) waits
         # for them: otherwise the run's stored revision would fall behind the
         # database and every later write of the run would be a WriteConflict.
-        task = asyncio.ensure_future(self._swap_and_adopt(run, candidate, payload))
+        task = asyncio.ensure_future(self._swap_and_adopt(run, candidate, payload, routes))
         cancelled = False
         while not task.done():
             try:
@@ -882,17 +898,37 @@ class HostClient:
         task.result()
 
     async def _swap_and_adopt(
-        self, run: HostRun, candidate: WorkflowOperationLedger, payload: bytes
+        self,
+        run: HostRun,
+        candidate: WorkflowOperationLedger,
+        payload: bytes,
+        routes: dict[str, str] | None,
     ) -> None:
         try:
-            record = await self.store.compare_and_swap(
-                run.record_key, run._stored_revision, payload
-            )
+            if routes is None:
+                record = await self.store.compare_and_swap(
+                    run.record_key, run._stored_revision, payload
+                )
+            else:
+                routes_payload = encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
+                record, routes_record = await self.store.compare_and_swap_many(
+                    [
+                        (run.record_key, run._stored_revision, payload),
+                        (routes_record_key(run.name), run._routes_revision, routes_payload),
+                    ]
+                )
+                run._routes, run._routes_revision = routes, routes_record.revision
         except (WriteConflict, StorageBackendError):
             # The stored ledger is not what this run holds (another writer, or
             # a write reported failed after its commit): adopt what the store
             # holds, so the next verb starts from it instead of failing forever.
+            if routes is not None:
+                run._routes = None  # reloaded from the store when next needed
             await self._resync(run)
+            raise
+        except BaseException:
+            if routes is not None:
+                run._routes = None
             raise
         run._stored_revision = record.revision
         run._ledger = candidate
@@ -928,9 +964,20 @@ class HostClient:
         nonce: bytes,
         *,
         operation_key: str | None = None,
+        scope: str | None = None,
     ) -> str:
         """Record a pending operation (derived ``op-`` key unless one is given) and
-        persist the ledger; returns the key."""
+        persist the ledger; returns the key.
+
+        With ``scope`` (a scope this client has a key for), the key is also
+        bound to that scope in the same commit: the binding ``dispatch``
+        would otherwise write, in a commit of its own, before the key's first
+        publish. A later dispatch of the key to another scope is refused with
+        ``DispatchScopeMismatch``, as is this call when the key is already
+        bound to another scope (then nothing is written).
+        """
+        if scope is not None and scope not in self._scope_keys:
+            raise InvalidScopeKey("missing")  # no key configured for this scope
         data = canonical_operation_input_bytes(payload)
         async with run._lock:
             candidate = run._ledger.copy()
@@ -942,7 +989,10 @@ class HostClient:
                 self.engine.record_operation(
                     run.plan, candidate, step_id, tool, operation_key, data
                 )
-            await self._persist_locked(run, candidate)
+            routes = None
+            if scope is not None:
+                routes = await self._routes_with(run, operation_key, scope)
+            await self._persist_locked(run, candidate, routes)
             run._unsent.add(operation_key)
         self._log.info("operation_recorded", run=run.name, operation_key=operation_key, tool=tool)
         return operation_key
@@ -1010,9 +1060,29 @@ class HostClient:
         Raises :class:`DispatchScopeMismatch` when an earlier dispatch bound it
         to another scope. Called under the run lock.
         """
-        key = routes_record_key(run.name)
+        routes = await self._routes_with(run, operation_key, scope)
+        if routes is None:
+            return
+        payload = encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
+        try:
+            record = await self.store.compare_and_swap(
+                routes_record_key(run.name), run._routes_revision, payload
+            )
+        except BaseException:
+            run._routes = None  # reloaded from the store on the next dispatch
+            raise
+        run._routes, run._routes_revision = routes, record.revision
+
+    async def _routes_with(
+        self, run: HostRun, operation_key: str, scope: str
+    ) -> dict[str, str] | None:
+        """The run's routes with ``operation_key`` bound to ``scope``; None if it is already.
+
+        Raises :class:`DispatchScopeMismatch` when the key is bound to
+        another scope. Called under the run lock; writes nothing.
+        """
         if run._routes is None:
-            record = await self.store.load(key)
+            record = await self.store.load(routes_record_key(run.name))
             if record is None:
                 run._routes, run._routes_revision = {}, None
             else:
@@ -1022,7 +1092,7 @@ class HostClient:
                 run._routes, run._routes_revision = dict(doc.routes), record.revision
         bound = run._routes.get(operation_key)
         if bound == scope:
-            return
+            return None
         if bound is not None:
             self._log.error(
                 "dispatch_refused",
@@ -1033,14 +1103,7 @@ class HostClient:
                 scope=scope,
             )
             raise DispatchScopeMismatch(operation_key, bound, scope)
-        routes = {**run._routes, operation_key: scope}
-        payload = encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
-        try:
-            record = await self.store.compare_and_swap(key, run._routes_revision, payload)
-        except BaseException:
-            run._routes = None  # reloaded from the store on the next dispatch
-            raise
-        run._routes, run._routes_revision = routes, record.revision
+        return {**run._routes, operation_key: scope}
 
     async def _dispatch_once(
         self,

@@ -26,7 +26,7 @@ import queue
 import sqlite3
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -302,6 +302,29 @@ def _fenced_check(current: int, token: int) -> None:
         raise FencingTokenRejected(current, token)
 
 
+Opener = Callable[[StorageSnapshot], None]
+"""Opens a record's current snapshot inside the write's transaction; raises to refuse."""
+
+ManyWrite = tuple[StorageRecordKey, int | None, StoredRecord, Opener]
+"""One write of ``compare_and_swap_many_opened``: key, expected revision, replacement, opener."""
+
+
+def _check_many(writes: object) -> list[ManyWrite]:
+    if not isinstance(writes, Sequence):
+        raise TypeError("writes must be a sequence of (key, expected, replacement, opener)")
+    checked: list[ManyWrite] = []
+    for write in writes:
+        if not isinstance(write, tuple) or len(write) != 4 or not callable(write[3]):
+            raise TypeError("each write must be (key, expected, replacement, opener)")
+        key, expected, replacement, opener = write
+        checked.append(
+            (_check_key(key), _check_expected(expected), _check_replacement(replacement), opener)
+        )
+    if len({key for key, _, _, _ in checked}) != len(checked):
+        raise ValueError("each record key may be written once per call")
+    return checked
+
+
 # VolatileMemoryStore (H§17.6) -------------------------------------------------------
 
 
@@ -361,6 +384,29 @@ class VolatileMemoryStore:
         checked = _check_replacement(replacement)
         _fenced_check(self.fences.get(key, 0), _check_token(token))
         return self._unfenced(key, expected, checked)
+
+    async def compare_and_swap_many_opened(
+        self, writes: Sequence[ManyWrite]
+    ) -> list[Stored | Conflict | None]:
+        """Several unfenced CAS, all or none: see ``SqliteRecordBackend``'s."""
+        checked = _check_many(writes)
+        decisions: list[Conflict | None] = []
+        for key, expected, replacement, opener in checked:
+            snapshot = StorageSnapshot(self.records.get(key), self.floors.get(key, 0))
+            opener(snapshot)
+            fence = self.fences.get(key, 0)
+            if fence != 0:
+                raise FencingRequired(fence)
+            actual = None if snapshot.record is None else snapshot.record.revision
+            decisions.append(
+                _cas_decision(actual, snapshot.revision_floor, expected, replacement, self.ceiling)
+            )
+        if any(decision is not None for decision in decisions):
+            return list(decisions)
+        for key, _, replacement, _ in checked:
+            self.records[key] = replacement
+            self.floors[key] = replacement.revision
+        return [Stored(replacement.revision) for _, _, replacement, _ in checked]
 
     async def current_fence(self, key: StorageRecordKey) -> int:
         return self.fences.get(_check_key(key), 0)
@@ -709,7 +755,7 @@ class SqliteRecordBackend:
                     # The database holds the commit, but the callers must not proceed.
                     results = [
                         (work, False, StorageBackendError(failure))
-                        if ok and isinstance(value, Stored)
+                        if ok and _wrote(value)
                         else (work, ok, value)
                         for work, ok, value in results
                     ]
@@ -858,22 +904,69 @@ class SqliteRecordBackend:
             conflict = _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
             if conflict is not None:
                 return conflict
-            connection.execute(
-                "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
-                "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
-                (key.namespace, key.name, replacement.revision),
-            )
-            connection.execute(
-                "INSERT INTO items (namespace, name, item, revision, envelope) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name, item) DO UPDATE "
-                "SET revision = excluded.revision, envelope = excluded.envelope",
-                (key.namespace, key.name, _SINGLE_ITEM, replacement.revision, replacement.data),
-            )
-            if self._anchor is not None:
-                self._advanced[key] = replacement.revision
-            return Stored(replacement.revision)
+            return self._write_record(connection, key, replacement)
 
         return await self._submit(operation, transaction, write=True)
+
+    async def compare_and_swap_many_opened(
+        self, writes: Sequence[ManyWrite]
+    ) -> list[Stored | Conflict | None]:
+        """Several unfenced CAS of distinct keys in one transaction: all or none.
+
+        Each write is ``(key, expected, replacement, opener)``, decided as
+        :meth:`compare_and_swap_opened` decides it. Every record is read,
+        opened and decided before any is written. A refusal (raised) writes
+        nothing. When any write is in conflict, nothing is written and the
+        result holds its ``Conflict``, and None for the others; otherwise it
+        holds one ``Stored`` per write, in order. The writes share the
+        transaction (and the fsync) of any other write waiting with them.
+        """
+        checked = _check_many(writes)
+        for _, _, replacement, _ in checked:
+            if not isinstance(replacement.data, bytes):
+                raise TypeError("replacement data must be bytes")
+
+        def transaction(connection: sqlite3.Connection) -> list[Stored | Conflict | None]:
+            decisions: list[Conflict | None] = []
+            for key, expected, replacement, opener in checked:
+                head = _read_head(connection, key)
+                self._check_anchor(key, head, in_write=True)
+                opener(StorageSnapshot(head.record, head.floor))
+                if head.fence != 0:
+                    raise FencingRequired(head.fence)
+                actual = None if head.record is None else head.record.revision
+                decisions.append(
+                    _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+                )
+            if any(decision is not None for decision in decisions):
+                return list(decisions)
+            return [
+                self._write_record(connection, key, replacement)
+                for key, _, replacement, _ in checked
+            ]
+
+        if not checked:
+            return []
+        return await self._submit("compare_and_swap_many", transaction, write=True)
+
+    def _write_record(
+        self, connection: sqlite3.Connection, key: StorageRecordKey, replacement: StoredRecord
+    ) -> Stored:
+        """Write a decided replacement (database thread, inside the transaction)."""
+        connection.execute(
+            "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
+            "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
+            (key.namespace, key.name, replacement.revision),
+        )
+        connection.execute(
+            "INSERT INTO items (namespace, name, item, revision, envelope) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name, item) DO UPDATE "
+            "SET revision = excluded.revision, envelope = excluded.envelope",
+            (key.namespace, key.name, _SINGLE_ITEM, replacement.revision, replacement.data),
+        )
+        if self._anchor is not None:
+            self._advanced[key] = replacement.revision
+        return Stored(replacement.revision)
 
     async def current_fence(self, key: StorageRecordKey) -> int:
         key = _check_key(key)
@@ -937,6 +1030,13 @@ class SqliteRecordBackend:
         if not self._stopped.is_set():
             # Without blocking this loop (the first close may run on another one).
             await asyncio.to_thread(self._stopped.wait, 30.0)
+
+
+def _wrote(value: object) -> bool:
+    """Whether a write's outcome stored something (one ``Stored``, or a list with one)."""
+    if isinstance(value, list):
+        return any(isinstance(item, Stored) for item in value)
+    return isinstance(value, Stored)
 
 
 def _isolated(work: _Work, connection: sqlite3.Connection) -> tuple[_Work, bool, Any]:
@@ -1180,6 +1280,60 @@ class AuthenticatedStore:
         replacement, key_id = await self._prepare(key, expected, data)
         outcome = await backend.compare_and_swap(key, expected, replacement)
         return self._finish(expected, replacement, key_id, data, outcome)
+
+    async def compare_and_swap_many(
+        self, writes: Sequence[tuple[StorageRecordKey, int | None, bytes]]
+    ) -> list[AuthenticatedRecord]:
+        """Unfenced writes of distinct keys in one transaction: all or none.
+
+        Each ``(key, expected, payload)`` is checked as :meth:`compare_and_swap`
+        checks it (H§17.4); the first refusal or conflict is raised and then
+        nothing is written. Needs a backend with ``compare_and_swap_many_opened``
+        (both of this module's have it); any other raises ``StorageBackendError``
+        before anything is written.
+        """
+        if not isinstance(writes, Sequence):
+            raise TypeError("writes must be a sequence of (key, expected, payload)")
+        checked: list[tuple[StorageRecordKey, int | None, bytes]] = []
+        for write in writes:
+            if not isinstance(write, tuple) or len(write) != 3:
+                raise TypeError("each write must be (key, expected, payload)")
+            checked.append(
+                (_check_key(write[0]), _check_expected(write[1]), _payload_bytes(write[2]))
+            )
+        many = getattr(self._backend, "compare_and_swap_many_opened", None)
+        if many is None:
+            raise StorageBackendError(
+                "compare_and_swap_many: the backend cannot write several records at once"
+            )
+        sealed: list[tuple[StoredRecord, str]] = []
+        for key, expected, data in checked:
+            if len(data) > MAX_AUTHENTICATED_PAYLOAD_BYTES:
+                raise PayloadTooLarge(len(data), MAX_AUTHENTICATED_PAYLOAD_BYTES)
+            sealed.append(self._seal(key, expected, data))
+        outcomes: list[Stored | Conflict | None] = await many(
+            [
+                (key, expected, replacement, self._opener(key, expected))
+                for (key, expected, _), (replacement, _) in zip(checked, sealed, strict=True)
+            ]
+        )
+        if len(outcomes) != len(checked):
+            raise StorageBackendError("compare_and_swap_many: the backend lost a write")
+        for (_, expected, _), outcome in zip(checked, outcomes, strict=True):
+            if isinstance(outcome, Conflict):
+                validate_revision_pair(outcome.actual_revision, outcome.revision_floor)
+                raise WriteConflict(expected, outcome.actual_revision, outcome.revision_floor)
+        records: list[AuthenticatedRecord] = []
+        for (_, expected, data), (replacement, key_id), outcome in zip(
+            checked, sealed, outcomes, strict=True
+        ):
+            if not isinstance(outcome, Stored):
+                raise StorageBackendError("compare_and_swap_many: the backend lost a write")
+            records.append(self._finish(expected, replacement, key_id, data, outcome))
+        return records
+
+    def _opener(self, key: StorageRecordKey, expected: int | None) -> Opener:
+        return lambda snapshot: self._check_current(key, expected, snapshot)
 
     async def compare_and_swap_fenced(
         self, key: StorageRecordKey, expected: int | None, payload: bytes, token: int

@@ -46,7 +46,13 @@ from octo_host.amqp import (
     open_confirm_channel,
     publish_confirmed,
 )
-from octo_host.client import DispatchScopeMismatch, HostClient, HostRun, HostSession
+from octo_host.client import (
+    DispatchScopeMismatch,
+    HostClient,
+    HostRun,
+    HostSession,
+    routes_record_key,
+)
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
@@ -444,6 +450,107 @@ async def test_a_key_dispatched_to_one_scope_is_never_dispatched_to_another(
     assert summary.unresolved == [key] and summary.errors == {key: "dispatch_scope_mismatch"}
     assert after.published["dispatch_operation"] == 0
     assert read_effect_log(worker_env.effect_log) == []
+
+
+async def stored_routes(host_env: HostEnv) -> tuple[int, dict[str, str]] | None:
+    """The run's routes record (revision, routes) as a second store object reads it."""
+    store = host_env.store()
+    try:
+        record = await store.load(routes_record_key(RUN))
+    finally:
+        await store.close()
+    if record is None:
+        return None
+    return record.revision, json.loads(record.payload)["routes"]
+
+
+async def test_a_key_recorded_with_its_scope_is_bound_in_the_same_commit(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start()
+    plan = client.engine.plan(STEPS)
+    run = await client.load_run(RUN, plan)
+    backend = client.store._sqlite
+    transactions, _ = backend.group_commit_stats
+    key = await client.record_operation(
+        run, "publish", TOOL, publish_payload(), b"release-42:1", scope=worker_env.scope
+    )
+    # One transaction holds both the intent and the binding.
+    assert backend.group_commit_stats[0] == transactions + 1
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.PENDING  # type: ignore[union-attr]
+    assert await stored_routes(host_env) == (1, {key: worker_env.scope})
+
+    session = await client.open_session(worker_env.scope, manifest())
+    transactions, _ = backend.group_commit_stats
+    state = await client.dispatch(session, run, key, publish_payload())
+    assert isinstance(state, Succeeded)
+    # The dispatch wrote only the outcome: the binding was already there.
+    assert backend.group_commit_stats[0] == transactions + 1
+    assert await stored_routes(host_env) == (1, {key: worker_env.scope})
+    assert len(read_effect_log(worker_env.effect_log)) == 1
+
+
+async def test_recording_with_a_scope_refuses_a_key_bound_elsewhere_and_writes_nothing(
+    daemon: WorkerDaemon, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    other = unique("t-other")
+    client = await hosts.start(extra_scope_keys={other: ScopeKey(secrets.token_bytes(32))})
+    plan = client.engine.plan(STEPS)
+    run = await client.load_run(RUN, plan)
+    with pytest.raises(InvalidScopeKey):  # no key for it: nothing could ever be sent there
+        await client.record_operation(
+            run, "publish", TOOL, publish_payload(), b"release-42:1", scope="t-nokey"
+        )
+    assert await stored_routes(host_env) is None
+    key = await client.record_operation(
+        run, "publish", TOOL, publish_payload(), b"release-42:1", scope=other
+    )
+    assert await stored_routes(host_env) == (1, {key: other})
+
+    # Bound at record time: a dispatch to another scope is refused, unsent.
+    session = await client.open_session(worker_env.scope, manifest())
+    with pytest.raises(DispatchScopeMismatch) as refused:
+        await client.dispatch(session, run, key, publish_payload())
+    assert refused.value.bound_scope == other and refused.value.scope == worker_env.scope
+    assert client.published["dispatch_operation"] == 0
+
+    # A key the routes already bind elsewhere: refused before anything is written.
+    bound = "op-bound-elsewhere"
+    store = host_env.store()
+    try:
+        await store.compare_and_swap(
+            routes_record_key(RUN),
+            1,
+            json.dumps(
+                {"format_version": 1, "run": RUN, "routes": {key: other, bound: other}}
+            ).encode(),
+        )
+    finally:
+        await store.close()
+    fresh = await hosts.start(
+        engine=WorkflowEngine(), extra_scope_keys={other: ScopeKey(secrets.token_bytes(32))}
+    )
+    run = await fresh.load_run(RUN, fresh.engine.plan(STEPS))
+    ledger = await stored_ledger(host_env)
+    with pytest.raises(DispatchScopeMismatch):
+        await fresh.record_operation(
+            run,
+            "publish",
+            TOOL,
+            publish_payload("b.txt"),
+            b"-",
+            operation_key=bound,
+            scope=worker_env.scope,
+        )
+    assert await stored_ledger(host_env) == ledger
+    assert run.operation(bound) is None
+    assert await stored_routes(host_env) == (2, {key: other, bound: other})
+    # The same key recorded with the scope it is bound to is accepted, no new binding.
+    await fresh.record_operation(
+        run, "publish", TOOL, publish_payload("b.txt"), b"-", operation_key=bound, scope=other
+    )
+    assert (await stored_ledger(host_env)).operation(bound) is not None
+    assert await stored_routes(host_env) == (2, {key: other, bound: other})
 
 
 async def test_the_run_cache_is_bounded_and_keeps_runs_with_unsent_keys(

@@ -43,6 +43,7 @@ from octo_common.errors import (
     UnsupportedRecordFormat,
     WriteConflict,
 )
+from octo_common.limits import MAX_AUTHENTICATED_PAYLOAD_BYTES
 from octo_common.records import (
     AuthenticatedRecord,
     Conflict,
@@ -286,6 +287,78 @@ async def test_tampered_payload_fails_authentication_and_blocks_writes(env: Env)
         await env.store.load(RUN)
     with pytest.raises(InvalidRecordAuthenticationTag):
         await env.store.replace(RUN, 1, b"second")
+
+
+# Several records in one transaction (the host's intent and its scope binding) ----------
+
+OTHER = StorageRecordKey("workflow-routes", "release-42")
+
+
+async def test_many_writes_land_together(env: Env) -> None:
+    assert await env.store.compare_and_swap_many([]) == []
+    await env.store.create(RUN, b"v1")
+
+    written = await env.store.compare_and_swap_many([(RUN, 1, b"v2"), (OTHER, None, b"r1")])
+
+    assert written == [
+        AuthenticatedRecord(2, "storage-v1", b"v2"),
+        AuthenticatedRecord(1, "storage-v1", b"r1"),
+    ]
+    assert await env.store.load(RUN) == written[0]
+    assert await env.store.load(OTHER) == written[1]
+
+
+async def test_many_writes_one_conflict_writes_nothing(env: Env) -> None:
+    await env.store.create(RUN, b"v1")
+    with pytest.raises(WriteConflict) as caught:
+        await env.store.compare_and_swap_many([(RUN, 1, b"v2"), (OTHER, 3, b"r")])
+    assert (caught.value.expected, caught.value.actual) == (3, None)
+    assert await env.store.load(RUN) == AuthenticatedRecord(1, "storage-v1", b"v1")
+    assert await env.store.load(OTHER) is None
+
+
+async def test_many_writes_a_refused_record_writes_nothing(env: Env) -> None:
+    await env.store.create(RUN, b"first payload")
+    await env.store.create(OTHER, b"r1")
+    await tamper(env, RUN, b"Zmlyc3Qg", b"Zmlyc3Rn")
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        await env.store.compare_and_swap_many([(OTHER, 1, b"r2"), (RUN, 1, b"v2")])
+    assert await env.store.load(OTHER) == AuthenticatedRecord(1, "storage-v1", b"r1")
+
+    fenced = StorageRecordKey("workflow-ledger", "fenced")
+    await env.store.reserve_fence(fenced)
+    with pytest.raises(FencingRequired):
+        await env.store.compare_and_swap_many([(OTHER, 1, b"r2"), (fenced, None, b"x")])
+    assert await env.store.load(OTHER) == AuthenticatedRecord(1, "storage-v1", b"r1")
+    assert await env.store.load(fenced) is None
+
+
+async def test_many_writes_bad_arguments_are_refused_before_any_io(env: Env) -> None:
+    too_large = b"x" * (MAX_AUTHENTICATED_PAYLOAD_BYTES + 1)
+    with pytest.raises(PayloadTooLarge):
+        await env.store.compare_and_swap_many([(OTHER, None, b"r"), (RUN, None, too_large)])
+    with pytest.raises(ValueError):
+        await env.store.compare_and_swap_many([(RUN, None, b"a"), (RUN, None, b"b")])
+    with pytest.raises(TypeError):
+        await env.store.compare_and_swap_many([(RUN, None)])  # type: ignore[list-item]
+    assert await env.store.load(RUN) is None and await env.store.load(OTHER) is None
+
+
+async def test_many_writes_need_a_backend_that_has_them() -> None:
+    class Single:  # a RecordBackend of someone else's without the many-write
+        def __init__(self) -> None:
+            self.inner = VolatileMemoryStore()
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "compare_and_swap_many_opened":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    backend = Single()
+    store = AuthenticatedStore(backend, new_keyring())
+    with pytest.raises(StorageBackendError):
+        await store.compare_and_swap_many([(RUN, None, b"v1")])
+    assert backend.inner.records == {}
 
 
 async def test_older_record_restored_under_a_higher_floor_is_a_rollback(env: Env) -> None:
@@ -601,6 +674,14 @@ async def test_anchor_write_failure_fails_the_caller_after_the_commit(tmp_path: 
         # The database holds the commit; the in-memory anchor already rose.
         record = await store.load(RUN)
         assert record is not None and record.revision == 2
+
+        # The same for several records written in one transaction.
+        Path(f"{anchor}.tmp").mkdir()
+        with pytest.raises(StorageBackendError) as caught:
+            await store.compare_and_swap_many([(RUN, 2, b"v3"), (OTHER, None, b"r1")])
+        assert "anchor" in str(caught.value)
+        Path(f"{anchor}.tmp").rmdir()
+        assert [r.revision for r in [await store.load(RUN), await store.load(OTHER)] if r] == [3, 1]
     finally:
         await store.close()
 
