@@ -303,9 +303,27 @@ def build_dead_letter_headers(
     """
     if not (isinstance(reason, str) and _REASON.fullmatch(reason)):
         raise ValueError("a dead-letter reason is an error code ([a-z][a-z0-9_]{0,63})")
-    copied: dict[str, object] = dict(headers or {})
+    copied: dict[str, object] = {
+        str(name): _encodable(value) for name, value in (headers or {}).items()
+    }
     copied[HEADER_REASON] = reason
     return copied
+
+
+def _encodable(value: object) -> object:
+    """A received header value in a form the AMQP encoder accepts again.
+
+    pamqp decodes a long string that is not UTF-8 as ``bytes`` but cannot
+    encode ``bytes``; a copy of such a delivery would otherwise fail to
+    publish at all. Those become byte arrays, in nested tables and arrays too.
+    """
+    if isinstance(value, bytes | memoryview):
+        return bytearray(value)
+    if isinstance(value, dict):
+        return {str(name): _encodable(item) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encodable(item) for item in value]
+    return value
 
 
 # Receiving --------------------------------------------------------------------

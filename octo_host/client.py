@@ -1756,6 +1756,10 @@ class HostClient:
                 copied = True
             except PublishFailed as exc:
                 self._log.warning("dead_letter_copy_failed", reason=reason, error=exc.code)
+            except Exception as exc:  # a header the encoder refuses, say: reject it below
+                self._log.warning(
+                    "dead_letter_copy_failed", reason=reason, error=type(exc).__name__
+                )
         with contextlib.suppress(Exception):
             if copied:
                 await message.ack()

@@ -815,6 +815,10 @@ class WorkerDaemon:
                 copied = True
             except PublishFailed as exc:
                 self._log.warning("dead_letter_copy_failed", reason=reason, error=exc.code)
+            except Exception as exc:  # a header the encoder refuses, say: reject it below
+                self._log.warning(
+                    "dead_letter_copy_failed", reason=reason, error=type(exc).__name__
+                )
         if channel.is_closed:
             return
         if copied:

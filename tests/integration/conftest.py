@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import struct
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+from pamqp import encode as pamqp_encode
 
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
@@ -500,3 +502,25 @@ def marker_of(marker: str) -> Callable[[AbstractIncomingMessage], bool]:
 
 def reason_of(message: AbstractIncomingMessage) -> str | None:
     return header(message, HEADER_REASON)
+
+
+class RawLongString(bytes):
+    """A header value sent as an AMQP long string of exactly these bytes.
+
+    pamqp sends only ``str`` as a long string (UTF-8); a peer may send any
+    bytes, and pamqp decodes a long string that is not UTF-8 as ``bytes``.
+    """
+
+
+@pytest.fixture
+def raw_long_strings(monkeypatch: pytest.MonkeyPatch) -> type[RawLongString]:
+    """Lets this process publish :class:`RawLongString` header values."""
+    original = pamqp_encode.encode_table_value
+
+    def encode(value: Any) -> bytes:
+        if isinstance(value, RawLongString):
+            return b"S" + struct.pack(">I", len(value)) + bytes(value)
+        return original(value)
+
+    monkeypatch.setattr(pamqp_encode, "encode_table_value", encode)
+    return RawLongString

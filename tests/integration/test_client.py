@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Any
 
+import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
@@ -71,6 +72,7 @@ from .conftest import (
     HostFactory,
     Inbox,
     Names,
+    RawLongString,
     WorkerEnv,
     WorkerRunner,
     compensation_target,
@@ -844,6 +846,32 @@ async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
     stored = (await stored_ledger(host_env)).operation(key)
     assert stored is not None and stored.compensation is not None
     assert stored.compensation.state == StateKind.SUCCEEDED
+
+
+async def test_a_reply_with_a_header_pamqp_cannot_encode_again_is_still_dead_lettered(
+    hosts: HostFactory,
+    channel: AbstractChannel,
+    dead_letters: Inbox,
+    raw_long_strings: type[RawLongString],
+) -> None:
+    """A non-UTF-8 long string decodes as bytes, which pamqp cannot encode: the
+    copy to octo.v5.dead used to raise, the delivery stayed unacked, and enough
+    of them filled the prefetch and stopped every reply."""
+    client = await hosts.start()
+    exchange = await channel.get_exchange(EXCHANGE, ensure=False)
+    for marker in ("raw-1", "raw-2"):
+        await exchange.publish(
+            aio_pika.Message(
+                b"junk",
+                message_id=marker,
+                headers={"x-test-marker": marker, "x-raw": raw_long_strings(b"\xff\xfe")},
+            ),
+            routing_key=client.reply_queue,
+        )
+    for marker in ("raw-1", "raw-2"):
+        dead = await dead_letters.wait_for(marker_of(marker))
+        assert reason_of(dead) == "invalid_frame_headers"
+        assert bytes(dead.headers["x-raw"]) == b"\xff\xfe"  # type: ignore[arg-type]
 
 
 async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(

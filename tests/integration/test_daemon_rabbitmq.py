@@ -12,6 +12,7 @@ import asyncio
 import secrets
 from typing import Any
 
+import aio_pika
 import msgspec
 import pytest
 from aio_pika.abc import AbstractConnection
@@ -33,7 +34,13 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
-from octo_common.transport import HEADER_KEY_NONCE, HEADER_SCOPE, HEADER_SESSION
+from octo_common.transport import (
+    EXCHANGE,
+    HEADER_KEY_NONCE,
+    HEADER_SCOPE,
+    HEADER_SESSION,
+    worker_queue,
+)
 from octo_worker.adapters import AdapterIndeterminate, WorkerAdapterRegistry
 from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 from octo_worker.daemon import WorkerDaemon
@@ -45,6 +52,7 @@ from .conftest import (
     Inbox,
     Names,
     RawHost,
+    RawLongString,
     RawSession,
     WorkerEnv,
     WorkerRunner,
@@ -256,6 +264,29 @@ async def test_missing_or_malformed_headers_are_dead_lettered(
     for marker, _, _, reason in cases:
         dead = await dead_letters.wait_for(marker_of(marker))
         assert reason_of(dead) == reason, marker
+    await asyncio.sleep(QUIET)
+    assert raw_host.replies.items == []
+    assert await daemon.store.head_revision(raw_host.scope) == head
+
+
+async def test_a_frame_with_a_header_pamqp_cannot_encode_again_is_still_dead_lettered(
+    daemon: WorkerDaemon,
+    raw_host: RawHost,
+    dead_letters: Inbox,
+    raw_long_strings: type[RawLongString],
+) -> None:
+    session = await opened(raw_host, daemon)
+    head = await daemon.store.head_revision(raw_host.scope)
+    headers: dict[str, Any] = dict(raw_host.headers(session, "raw"))
+    del headers[HEADER_KEY_NONCE]  # refused at the header check
+    headers["x-raw"] = raw_long_strings(b"\xff\xfe")  # decoded as bytes, which pamqp cannot encode
+    exchange = await raw_host.channel.get_exchange(EXCHANGE, ensure=False)
+    await exchange.publish(
+        aio_pika.Message(dispatch_frame(session, "d-raw", operation_key()), headers=headers),
+        routing_key=worker_queue(raw_host.scope),
+    )
+    dead = await dead_letters.wait_for(marker_of("raw"))
+    assert reason_of(dead) == "invalid_frame_headers"
     await asyncio.sleep(QUIET)
     assert raw_host.replies.items == []
     assert await daemon.store.head_revision(raw_host.scope) == head

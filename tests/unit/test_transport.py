@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import blake3
 import pytest
+from pamqp import decode as pamqp_decode
+from pamqp import encode as pamqp_encode
 
 from octo_common.errors import (
     InvalidFrameHeaders,
@@ -202,6 +204,19 @@ def test_dead_letter_headers_add_the_reason_and_keep_the_rest() -> None:
     assert build_dead_letter_headers(None, "invalid_frame_headers") == {
         "octo-reason": "invalid_frame_headers"
     }
+
+
+def test_dead_letter_headers_can_always_be_encoded_again() -> None:
+    # pamqp decodes a non-UTF-8 long string as bytes, and cannot encode bytes.
+    received = {"x-raw": b"\xff\xfe", "x-table": {"a": b"\xff", "b": [b"\x00", 1]}, "n": 1}
+    with pytest.raises(TypeError):
+        pamqp_encode.field_table(received)
+    copied = build_dead_letter_headers(received, "invalid_frame_headers")
+    encoded = pamqp_encode.field_table(copied)
+    _, decoded = pamqp_decode.field_table(encoded)
+    assert bytes(decoded["x-raw"]) == b"\xff\xfe"
+    assert decoded["x-table"]["b"][1] == 1 and decoded["n"] == 1
+    assert decoded["octo-reason"] == "invalid_frame_headers"
 
 
 @pytest.mark.parametrize("bad", ["", "Scope", "1abc", "a-b", "x" * 65])
