@@ -763,6 +763,11 @@ class HostClient:
                 type=waiter.kind,
             )
             raise ReplyTimedOut(request_id, self.reply_timeout) from None
+        except asyncio.CancelledError:
+            # Given up on like a timeout: a late reply is still applied, but the
+            # waiter no longer keeps its session open or its run cached.
+            waiter.abandoned = True
+            raise
 
     async def send(
         self,
@@ -841,7 +846,7 @@ class HostClient:
         excess = len(self._runs) - self.max_cached_runs
         if excess <= 0:
             return
-        # Runs a caller awaits a reply for. A waiter given up on (timed out, or
+        # Runs a caller awaits a reply for. A waiter given up on (timed out, cancelled, or
         # kept after a pending_* refusal) does not pin its run: no reply may
         # ever come for it, and the worker's journal keeps what it would say.
         waited = {
@@ -1284,6 +1289,8 @@ class HostClient:
                     if payload is None:
                         raise
                     # Admission precedes every effect: the worker never saw it.
+                    # Another verb may have replaced the session meanwhile.
+                    session = session.current()
                     try:
                         state = await self._dispatch_once(
                             session, run, operation_key, payload, unknown=exc
@@ -1631,6 +1638,11 @@ class HostClient:
     ) -> None:
         run = waiter.run
         assert run is not None
+        if run._detached:
+            # Dropped from the cache while its request was out: when the run was
+            # loaded again, the reply goes to that object, or its next write
+            # would meet this one's revision (WriteConflict).
+            run = self._runs.get(run.name, run)
         auth = session.authenticator
         engine = self.engine
         async with run._lock:

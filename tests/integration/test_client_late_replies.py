@@ -10,6 +10,7 @@ concurrently may send them. The host ledger is a real SQLite file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,9 @@ from octo_common.transport import (
 from octo_host.amqp import publish_envelope
 from octo_host.client import HostRun
 from octo_host.compensation import WorkflowCompensationDispatch
+from octo_host.ledger import WorkflowOperationLedger
+from octo_host.plan import WorkflowStep
+from octo_host.store import ledger_record_key
 
 from .conftest import (
     WAIT,
@@ -66,11 +70,22 @@ from .conftest import (
     manifest,
     reason_of,
 )
-from .test_client import publish_payload, recorded, stored_ledger, undo_payload
+from .test_client import STEPS, TOOL, publish_payload, recorded, stored_ledger, undo_payload
 
 pytestmark = pytest.mark.rabbitmq
 
 OUTPUT = ToolPayload.json({"name": "notes.txt"})
+STEPS_TWO = [*STEPS, WorkflowStep("announce", "announce it")]
+
+
+async def stored_ledger_of(host_env: HostEnv, run: str) -> WorkflowOperationLedger:
+    store = host_env.store()
+    try:
+        record = await store.load(ledger_record_key(run))
+    finally:
+        await store.close()
+    assert record is not None
+    return WorkflowOperationLedger.from_json(record.payload)
 
 
 @dataclass
@@ -420,3 +435,90 @@ async def test_a_closed_session_is_let_go_of_and_its_late_replies_are_still_reco
     late = [m for m in dead_letters.items if header(m, HEADER_SESSION) == first.session_id]
     assert late == [dead]
     assert run.state(key) == StateKind.SUCCEEDED and run.revision == 2
+
+
+# Sessions replaced, verbs cancelled, runs evicted while a request is out ---------------------
+
+
+async def test_a_dispatch_after_unknown_operation_follows_a_session_replaced_meanwhile(
+    scripted: ScriptedWorker, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start(max_attempts=3, backoff_initial=0.01)
+    plan = client.engine.plan(STEPS_TWO)
+    run = await client.load_run("two-keys", plan)
+    first, second = publish_payload("a.txt"), publish_payload("b.txt")
+    k1 = await client.record_operation(run, "publish", TOOL, first, b"n1")
+    k2 = await client.record_operation(run, "announce", TOOL, second, b"n2")
+    run._unsent.discard(k1)  # as a run read from the store: k1 is reconciled first
+    session = await client.open_session(worker_env.scope, manifest())
+    a = asyncio.create_task(client.dispatch(session, run, k1, first))
+    reconcile_a = await scripted.next("reconcile_operation")
+    b = asyncio.create_task(client.dispatch(session, run, k2, second))
+    dispatch_b = await scripted.next("dispatch_operation")
+    # B's refusal makes the client replace the session (and close the old one).
+    await scripted.reply(dispatch_b, refusal(dispatch_b, "session_poisoned"))
+    reconcile_b = await scripted.next("reconcile_operation")
+    assert reconcile_b.session_id != session.session_id and session.closed
+    await scripted.reply(reconcile_b, succeeded(reconcile_b))
+    assert isinstance(await asyncio.wait_for(b, WAIT), Succeeded)
+
+    # A's key was never admitted: it is dispatched, on the session now current.
+    await scripted.reply(reconcile_a, refusal(reconcile_a, "unknown_operation"))
+    dispatch_a = await scripted.next("dispatch_operation")
+    assert dispatch_a.session_id == reconcile_b.session_id
+    await scripted.reply(dispatch_a, succeeded(dispatch_a))
+    assert isinstance(await asyncio.wait_for(a, WAIT), Succeeded)
+    assert client.published["dispatch_operation"] == 2
+
+
+async def test_a_verb_cancelled_while_awaiting_its_reply_gives_its_waiter_up(
+    scripted: ScriptedWorker, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start(max_cached_runs=1)
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
+    dispatch = await scripted.next("dispatch_operation")
+    dispatching.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await dispatching
+    (waiter,) = session._waiters.values()
+    assert waiter.abandoned  # a late reply is still applied, see below
+    # It no longer pins its run in the cache ...
+    plan = client.engine.plan(STEPS)
+    await client.load_run("other-1", plan)
+    await client.load_run("other-2", plan)
+    assert run._detached
+    # ... and the late reply still reaches the ledger, through the run loaded again.
+    again = await client.load_run(run.name, plan)
+    await scripted.reply(dispatch, succeeded(dispatch))
+    await until(lambda: again.state(key) == StateKind.SUCCEEDED, "the late reply is applied")
+    # ... and close() closes the session at the worker.
+    await hosts.close(client)
+    assert client.published["close_session"] == 1
+
+
+async def test_a_late_reply_for_an_evicted_run_goes_to_the_run_loaded_again(
+    scripted: ScriptedWorker, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
+) -> None:
+    client = await hosts.start(reply_timeout=0.3, max_attempts=1, max_cached_runs=1)
+    plan = client.engine.plan(STEPS_TWO)
+    run = await client.load_run("two-keys", plan)
+    first = publish_payload("a.txt")
+    k1 = await client.record_operation(run, "publish", TOOL, first, b"n1")
+    session = await client.open_session(worker_env.scope, manifest())
+    state = await client.dispatch(session, run, k1, first)  # nothing answers: timed out
+    assert state.kind == StateKind.PENDING
+    dispatch = await scripted.next("dispatch_operation")
+    await scripted.next("reconcile_operation")
+    await client.load_run("other", plan)  # evicts the run: its waiters were given up on
+    assert run._detached
+    again = await client.load_run("two-keys", plan)
+
+    await scripted.reply(dispatch, succeeded(dispatch))
+    await until(lambda: again.state(k1) == StateKind.SUCCEEDED, "the late reply is applied")
+    # The object in use is the one that moved: its next write is no WriteConflict.
+    k2 = await client.record_operation(again, "announce", TOOL, publish_payload("b.txt"), b"n2")
+    stored = await stored_ledger_of(host_env, "two-keys")
+    assert stored.operation(k1).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert stored.operation(k2) is not None
