@@ -158,11 +158,11 @@ async def dispatch_in_flight(
     return run, key, session, dispatching
 
 
-async def stored_ledger(host_env: HostEnv) -> WorkflowOperationLedger:
+async def stored_ledger(host_env: HostEnv, run: str = RUN) -> WorkflowOperationLedger:
     """The ledger as a second store object reads it from the file."""
     store = host_env.store()
     try:
-        record = await store.load(ledger_record_key(RUN))
+        record = await store.load(ledger_record_key(run))
     finally:
         await store.close()
     assert record is not None

@@ -55,9 +55,7 @@ from octo_common.transport import (
 from octo_host.amqp import publish_envelope
 from octo_host.client import HostRun
 from octo_host.compensation import WorkflowCompensationDispatch
-from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowStep
-from octo_host.store import ledger_record_key
 
 from .conftest import (
     WAIT,
@@ -76,16 +74,6 @@ pytestmark = pytest.mark.rabbitmq
 
 OUTPUT = ToolPayload.json({"name": "notes.txt"})
 STEPS_TWO = [*STEPS, WorkflowStep("announce", "announce it")]
-
-
-async def stored_ledger_of(host_env: HostEnv, run: str) -> WorkflowOperationLedger:
-    store = host_env.store()
-    try:
-        record = await store.load(ledger_record_key(run))
-    finally:
-        await store.close()
-    assert record is not None
-    return WorkflowOperationLedger.from_json(record.payload)
 
 
 @dataclass
@@ -519,6 +507,6 @@ async def test_a_late_reply_for_an_evicted_run_goes_to_the_run_loaded_again(
     await until(lambda: again.state(k1) == StateKind.SUCCEEDED, "the late reply is applied")
     # The object in use is the one that moved: its next write is no WriteConflict.
     k2 = await client.record_operation(again, "announce", TOOL, publish_payload("b.txt"), b"n2")
-    stored = await stored_ledger_of(host_env, "two-keys")
+    stored = await stored_ledger(host_env, "two-keys")
     assert stored.operation(k1).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
     assert stored.operation(k2) is not None
