@@ -604,7 +604,14 @@ class HostClient:
         frame = authenticator.seal(OpenSession(opening))
         self._retire_closed()
         self._sessions[session_id] = session
-        await self.publish(session, frame, None, kind="open_session")
+        try:
+            await self.publish(session, frame, None, kind="open_session")
+        except BaseException:
+            # Never handed out: closed here, so close() sends nothing for it and
+            # it is let go of like any closed session.
+            session.closed = True
+            session.closed_at = asyncio.get_running_loop().time()
+            raise
         self._log.info("session_opened", scope=scope, session_id=session_id)
         return session
 

@@ -37,6 +37,7 @@ from octo_common.transport import (
     HEADER_KEY_NONCE,
     HEADER_SCOPE,
     HEADER_SESSION,
+    PublishReturned,
     worker_queue,
 )
 from octo_host import client as client_module
@@ -846,6 +847,19 @@ async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
     stored = (await stored_ledger(host_env)).operation(key)
     assert stored is not None and stored.compensation is not None
     assert stored.compensation.state == StateKind.SUCCEEDED
+
+
+async def test_a_session_whose_open_was_never_confirmed_is_not_closed_at_the_worker(
+    hosts: HostFactory, host_env: HostEnv
+) -> None:
+    nowhere = unique("t-nowhere")  # a key, but no worker queue: the open is returned
+    client = await hosts.start(extra_scope_keys={nowhere: ScopeKey(secrets.token_bytes(32))})
+    with pytest.raises(PublishReturned):
+        await client.open_session(nowhere, manifest())
+    (session,) = client._sessions.values()
+    assert session.closed
+    await hosts.close(client)
+    assert client.published["close_session"] == 0
 
 
 async def test_a_reply_with_a_header_pamqp_cannot_encode_again_is_still_dead_lettered(
