@@ -740,7 +740,9 @@ class HostClient:
             raise BrokerUnavailable(f"no replies: {self._replies_lost}")
         waiters = session._waiters
         if len(waiters) >= _MAX_WAITERS_PER_SESSION:
-            oldest = next(iter(waiters))
+            # The oldest one given up on goes first; a caller still waiting
+            # loses its waiter only when every one has a caller.
+            oldest = next((rid for rid, w in waiters.items() if w.abandoned), next(iter(waiters)))
             waiters.pop(oldest).abandoned = True
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # A waiter given up on (timeout, cancelled verb) may still be failed by a

@@ -960,6 +960,27 @@ async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(
     assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
 
 
+async def test_a_full_session_first_lets_go_of_a_waiter_nobody_awaits(host_env: HostEnv) -> None:
+    store = host_env.store()
+    client = HostClient(URL, host_id="full-host", scope_keys={}, store=store)
+    try:
+        session_id, nonce = "s-" + "ab" * 12, secrets.token_bytes(32)
+        key = SessionKey.derive(ScopeKey(secrets.token_bytes(32)), "t-x", session_id, nonce)
+        auth = SessionAuthenticator(session_id, key, SessionRole.HOST)
+        session = HostSession("t-x", manifest(), nonce, auth)
+        waiters = [client._register(session, f"r-{i}", "dispatch", None, None) for i in range(1024)]
+        waiters[5].abandoned = True  # its verb timed out
+        client._register(session, "r-new", "dispatch", None, None)
+        assert "r-5" not in session._waiters and "r-0" in session._waiters
+        assert not waiters[0].abandoned
+        # Every one awaited: the oldest goes (its caller will time out).
+        client._register(session, "r-newer", "dispatch", None, None)
+        assert "r-0" not in session._waiters and waiters[0].abandoned
+        assert len(session._waiters) == 1024
+    finally:
+        await store.close()
+
+
 async def test_a_verb_cancelled_during_its_ledger_write_leaves_the_run_consistent(
     host_env: HostEnv,
 ) -> None:
