@@ -402,8 +402,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(out, EXIT_CHECK_FAILED, f"refused: {error.code}: {error}", error.code)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _stdout_gone()
     except Exception as error:  # the last line of defence: never a traceback
         return _fail(out, EXIT_CHECK_FAILED, f"internal error ({type(error).__name__})", "internal")
+
+
+def _stdout_gone() -> int:
+    """The reader of our output went away (``| head``): stop quietly.
+
+    Standard output is pointed at the null device, so that neither an error
+    document nor the interpreter's last flush meets the closed pipe again.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_CHECK_FAILED
 
 
 def _fail(out: Output, status: int, message: str, code: str) -> int:

@@ -1399,3 +1399,37 @@ def test_journal_prune_removes_old_terminal_rows_and_never_a_pending_one(
     missing = octo_worker("journal", "show", done_key, config=files.config)
     assert missing.returncode == 1  # forgotten: prune only keys of finished runs
     assert octo_worker("journal", "verify", config=files.config).returncode == 0
+
+
+def into_a_closed_pipe(argv: list[str]) -> subprocess.CompletedProcess[bytes]:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to the pipe now fails with EPIPE
+    try:
+        return subprocess.run(
+            [PYTHON, "-m", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            # Unbuffered, so the first line is written at once, as a long
+            # listing's are; buffered, the failure would come at exit instead.
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            timeout=60,
+            check=False,
+            cwd=REPO,
+        )
+    finally:
+        os.close(write_end)
+
+
+def test_output_into_a_closed_pipe_stops_quietly(
+    worker: RunningWorker, dispatched: list[str], tmp_path: Path
+) -> None:
+    """``octo-worker journal list | head``: the reader is gone; no traceback, no
+    "internal error", exit 1."""
+    config = str(worker.files.config)
+    for argv in (
+        ["octo_worker", "journal", "list", "--config", config],
+        ["octo_worker", "journal", "list", "--json", "--config", config],
+        ["octo_host", "keys", "generate", "--storage", "k9", "--out", str(tmp_path / "k")],
+    ):
+        done = into_a_closed_pipe(argv)
+        assert (done.returncode, done.stderr) == (1, b""), argv
