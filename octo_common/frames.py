@@ -124,7 +124,11 @@ class ScopeKey(_SecretBytes):
         newline. The key never appears in an error.
         """
         try:
-            fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
+            fd = os.open(
+                os.fspath(path),
+                os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0),
+            )
         except OSError:
             raise InvalidScopeKey("unreadable") from None
         try:

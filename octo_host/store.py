@@ -116,7 +116,8 @@ def load_storage_key(path: str | os.PathLike[str]) -> StorageKey:
     permissions, format), never the content.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         raise _key_file_error("unreadable") from None
     try:

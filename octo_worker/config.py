@@ -229,7 +229,10 @@ def resolve_path(value: str, base: Path) -> Path:
 
 def _check_private_file(path: Path, where: str) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
+        fd = os.open(
+            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        )
     except FileNotFoundError:
         raise InvalidConfiguration(f"{where}: {path} does not exist") from None
     except OSError as exc:
