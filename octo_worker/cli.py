@@ -457,11 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
     dshow.add_argument("--body", action="store_true", help="also print the frame body")
     dshow.add_argument("--message-id", metavar="ID", help="refuse unless N has this message id")
     dshow.set_defaults(handler=cmd_dlq_show)
-    ddrop = dlq_verbs.add_parser("drop", parents=[common], help="remove frame N (or --all)")
-    target = ddrop.add_mutually_exclusive_group(required=True)
-    target.add_argument("position", type=_positive_int, nargs="?", metavar="N")
-    target.add_argument("--all", action="store_true", help="remove every dead-lettered frame")
-    ddrop.add_argument("--message-id", metavar="ID", help="refuse unless N has this message id")
+    ddrop = dlq_verbs.add_parser(
+        "drop", parents=[common], help="remove the frame with --message-id ID (or --all)"
+    )
+    ddrop.add_argument(
+        "position", type=_positive_int, nargs="?", metavar="N", help="also check its position"
+    )
+    ddrop.add_argument("--message-id", metavar="ID", help="the message id of the frame to remove")
+    ddrop.add_argument("--all", action="store_true", help="remove every dead-lettered frame")
     ddrop.set_defaults(handler=cmd_dlq_drop)
     return parser
 
@@ -1481,6 +1484,18 @@ def _chosen(held: _Held, position: int, message_id: str | None) -> AbstractIncom
     return chosen
 
 
+def _by_message_id(held: _Held, message_id: str) -> tuple[int, AbstractIncomingMessage]:
+    for position, message in enumerate(held.messages, start=1):
+        if message.message_id == message_id:
+            return position, message
+    raise CliError(
+        EXIT_CHECK_FAILED,
+        f"no message with message id {_printable(message_id, 64)} in {DEAD_QUEUE}"
+        f" (of {len(held.messages)} looked at)",
+        "not_found",
+    )
+
+
 def cmd_dlq_show(args: argparse.Namespace, out: Output) -> int:
     config = _config(args)
 
@@ -1508,22 +1523,34 @@ def cmd_dlq_drop(args: argparse.Namespace, out: Output) -> int:
             result = await queue.purge()
             return int(getattr(result, "message_count", 0) or 0)
 
-    async def drop_one() -> dict[str, Any]:
+    async def drop_one(message_id: str) -> dict[str, Any]:
         async with _holding(config) as held:
-            chosen = _chosen(held, args.position, args.message_id)
-            entry = _dead_letter_entry(args.position, chosen, False)
+            if args.position is not None:
+                position = args.position
+                chosen = _chosen(held, position, message_id)
+            else:
+                position, chosen = _by_message_id(held, message_id)
+            entry = _dead_letter_entry(position, chosen, False)
             await chosen.ack()
-            held.messages.remove(chosen)  # everything else is requeued, in order
+            held.messages.remove(chosen)  # everything else is requeued
             return entry
 
     if args.all:
-        if args.message_id is not None:
-            raise CliError(EXIT_USAGE, "--message-id applies to one position, not --all", "usage")
+        if args.message_id is not None or args.position is not None:
+            raise CliError(EXIT_USAGE, "--all takes no position and no --message-id", "usage")
         dropped = asyncio.run(drop_all())
         out.line(f"dropped {dropped} message(s) from {DEAD_QUEUE}")
         out.document({"ok": True, "dropped": dropped})
         return EXIT_OK
-    entry = asyncio.run(drop_one())
+    if args.message_id is None:
+        # The broker may requeue the held messages in another order, so a
+        # position alone could name another frame by now.
+        raise CliError(
+            EXIT_USAGE,
+            "dlq drop needs --message-id ID (from dlq list or show) or --all",
+            "usage",
+        )
+    entry = asyncio.run(drop_one(args.message_id))
     out.line(f"dropped: {_entry_line(entry).strip()}")
     out.document({"ok": True, "dropped": 1, "entry": entry})
     return EXIT_OK
