@@ -219,7 +219,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise CliError(EXIT_USAGE, f"{self.prog}: {message} (see --help)", "usage")
+        verb = self.prog.removeprefix(PROG).strip()  # the error line already names PROG
+        text = f"{verb}: {message}" if verb else message
+        raise CliError(EXIT_USAGE, f"{text} (see --help)", "usage")
 
 
 def _token_arg(text: str) -> str:

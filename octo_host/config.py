@@ -235,25 +235,30 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     # -- resolved values -----------------------------------------------------
 
-    def path(self, value: str) -> Path:
-        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file."""
-        return resolve_path(value, Path(self.base_dir))
+    def path(self, value: str, where: str = "") -> Path:
+        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file.
+
+        ``where`` (the config key) prefixes an error about the path.
+        """
+        return resolve_path(value, Path(self.base_dir), where)
 
     @property
     def database_path(self) -> Path:
-        return self.path(self.ledger.database)
+        return self.path(self.ledger.database, "ledger.database")
 
     @property
     def anchor_path(self) -> Path | None:
         anchor = self.ledger.anchor
-        return None if anchor is None else self.path(anchor)
+        return None if anchor is None else self.path(anchor, "ledger.anchor")
 
     def broker_url(self) -> str:
         """The AMQP URL with the password from ``password_file`` (never logged)."""
         url = self.broker.url
         if self.broker.password_file is None:
             return url
-        password = read_secret_text(self.path(self.broker.password_file), "broker.password_file")
+        password = read_secret_text(
+            self.path(self.broker.password_file, "broker.password_file"), "broker.password_file"
+        )
         parts = urllib.parse.urlsplit(url)
         user = urllib.parse.unquote(parts.username or "guest")
         host = parts.hostname or "127.0.0.1"
@@ -271,7 +276,10 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         """The key of a configured scope (read now, checked for permissions)."""
         for index, entry in enumerate(self.scopes):
             if entry.name == scope:
-                return load_scope_key(self.path(entry.key_file), f"scopes[{index}].key_file")
+                return load_scope_key(
+                    self.path(entry.key_file, f"scopes[{index}].key_file"),
+                    f"scopes[{index}].key_file",
+                )
         raise InvalidConfiguration(f"scopes: scope {scope!r} is not configured")
 
     def storage_keyring(self) -> StorageKeyring:
@@ -280,13 +288,16 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         try:
             ring = StorageKeyring(
                 StorageKeyId(ledger.key.id),
-                load_storage_key(self.path(ledger.key.key_file), "ledger.key.key_file"),
+                load_storage_key(
+                    self.path(ledger.key.key_file, "ledger.key.key_file"), "ledger.key.key_file"
+                ),
             )
             for index, extra in enumerate(ledger.read_keys):
                 ring.add_read_key(
                     StorageKeyId(extra.id),
                     load_storage_key(
-                        self.path(extra.key_file), f"ledger.read_keys[{index}].key_file"
+                        self.path(extra.key_file, f"ledger.read_keys[{index}].key_file"),
+                        f"ledger.read_keys[{index}].key_file",
                     ),
                 )
         except InvalidConfiguration:
@@ -397,13 +408,18 @@ class ConfiguredActionVerifier:
         return "ConfiguredActionVerifier()"
 
 
-def resolve_path(value: str, base: Path) -> Path:
-    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``."""
+def resolve_path(value: str, base: Path, where: str = "") -> Path:
+    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``.
+
+    ``where`` (the config key) prefixes an error.
+    """
     credentials = os.environ.get("CREDENTIALS_DIRECTORY")
     if "${CREDENTIALS_DIRECTORY}" in value:
         if not credentials:
+            prefix = f"{where}: " if where else ""
             raise InvalidConfiguration(
-                f"{value!r} names $CREDENTIALS_DIRECTORY, which is not set (systemd LoadCredential)"
+                f"{prefix}{value!r} names $CREDENTIALS_DIRECTORY, which is not set"
+                " (systemd LoadCredential)"
             )
         value = value.replace("${CREDENTIALS_DIRECTORY}", credentials)
     path = Path(value).expanduser()

@@ -166,7 +166,7 @@ class _LibraryLogFormatter(logging.Formatter):
 def run_event_loop(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
     """Run ``main`` to completion on the configured event loop (``[worker] event_loop``).
 
-    ``auto`` takes uvloop when it is importable (about a quarter less CPU per
+    ``auto`` takes uvloop when it is importable (about a fifth less CPU per
     delivery on the machines measured, see README) and asyncio otherwise;
     ``uvloop`` insists on it; ``asyncio`` is the standard library loop.
     """
@@ -295,7 +295,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise CliError(EXIT_USAGE, f"{self.prog}: {message} (see --help)", "usage")
+        verb = self.prog.removeprefix(PROG).strip()  # the error line already names PROG
+        text = f"{verb}: {message}" if verb else message
+        raise CliError(EXIT_USAGE, f"{text} (see --help)", "usage")
 
 
 def _positive_int(text: str) -> int:
@@ -647,8 +649,9 @@ def cmd_check(args: argparse.Namespace, out: Output) -> int:
 
 
 def _probe_scope_key(config: WorkerConfig, index: int, key_file: str) -> str:
-    path = config.path(key_file)
-    load_scope_key(path, f"scopes[{index}].key_file")
+    where = f"scopes[{index}].key_file"
+    path = config.path(key_file, where)
+    load_scope_key(path, where)
     return str(path)
 
 

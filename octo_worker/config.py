@@ -125,29 +125,34 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     # -- resolved values -----------------------------------------------------
 
-    def path(self, value: str) -> Path:
-        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file."""
-        return resolve_path(value, Path(self.base_dir))
+    def path(self, value: str, where: str = "") -> Path:
+        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file.
 
-    def state_path(self, value: str) -> Path:
+        ``where`` (the config key) prefixes an error about the path.
+        """
+        return resolve_path(value, Path(self.base_dir), where)
+
+    def state_path(self, value: str, where: str = "") -> Path:
         """A state path: relative to ``worker.state_dir``."""
-        return resolve_path(value, self.path(self.worker.state_dir))
+        return resolve_path(value, self.path(self.worker.state_dir, "worker.state_dir"), where)
 
     @property
     def journal_path(self) -> Path:
-        return self.state_path(self.storage.journal)
+        return self.state_path(self.storage.journal, "storage.journal")
 
     @property
     def anchor_path(self) -> Path | None:
         anchor = self.storage.anchor
-        return None if anchor is None else self.state_path(anchor)
+        return None if anchor is None else self.state_path(anchor, "storage.anchor")
 
     def broker_url(self) -> str:
         """The AMQP URL with the password from ``password_file`` (never logged)."""
         url = self.broker.url
         if self.broker.password_file is None:
             return url
-        password = read_secret_text(self.path(self.broker.password_file), "broker.password_file")
+        password = read_secret_text(
+            self.path(self.broker.password_file, "broker.password_file"), "broker.password_file"
+        )
         parts = urllib.parse.urlsplit(url)
         user = urllib.parse.unquote(parts.username or "guest")
         host = parts.hostname or "127.0.0.1"
@@ -165,7 +170,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         keys: dict[str, ScopeKey] = {}
         for index, scope in enumerate(self.scopes):
             keys[scope.name] = load_scope_key(
-                self.path(scope.key_file), f"scopes[{index}].key_file"
+                self.path(scope.key_file, f"scopes[{index}].key_file"), f"scopes[{index}].key_file"
             )
         return keys
 
@@ -198,13 +203,17 @@ def _keyring(
     try:
         ring = StorageKeyring(
             StorageKeyId(active.id),
-            load_storage_key(config.path(active.key_file), f"{table}.{active_name}.key_file"),
+            load_storage_key(
+                config.path(active.key_file, f"{table}.{active_name}.key_file"),
+                f"{table}.{active_name}.key_file",
+            ),
         )
         for index, extra in enumerate(read):
             ring.add_read_key(
                 StorageKeyId(extra.id),
                 load_storage_key(
-                    config.path(extra.key_file), f"{table}.{read_name}[{index}].key_file"
+                    config.path(extra.key_file, f"{table}.{read_name}[{index}].key_file"),
+                    f"{table}.{read_name}[{index}].key_file",
                 ),
             )
     except InvalidConfiguration:
@@ -214,13 +223,18 @@ def _keyring(
     return ring
 
 
-def resolve_path(value: str, base: Path) -> Path:
-    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``."""
+def resolve_path(value: str, base: Path, where: str = "") -> Path:
+    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``.
+
+    ``where`` (the config key) prefixes an error.
+    """
     credentials = os.environ.get("CREDENTIALS_DIRECTORY")
     if "${CREDENTIALS_DIRECTORY}" in value:
         if not credentials:
+            prefix = f"{where}: " if where else ""
             raise InvalidConfiguration(
-                f"{value!r} names $CREDENTIALS_DIRECTORY, which is not set (systemd LoadCredential)"
+                f"{prefix}{value!r} names $CREDENTIALS_DIRECTORY, which is not set"
+                " (systemd LoadCredential)"
             )
         value = value.replace("${CREDENTIALS_DIRECTORY}", credentials)
     path = Path(value).expanduser()

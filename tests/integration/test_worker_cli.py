@@ -706,7 +706,7 @@ def test_usage_errors_are_exit_2_in_one_line() -> None:
     *errors, helped = octo_worker_each(*argvs)
     for argv, result in zip(argvs, errors, strict=False):
         assert result.returncode == 2, argv
-        one_line(result.stderr)
+        assert one_line(result.stderr).count("octo-worker") == 1, result.stderr
     assert helped.returncode == 0
 
 

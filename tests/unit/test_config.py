@@ -289,9 +289,14 @@ def test_credentials_directory_expansion(tree: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.delenv("CREDENTIALS_DIRECTORY")
     with pytest.raises(
-        InvalidConfiguration, match=r"CREDENTIALS_DIRECTORY.*not set.*LoadCredential"
+        InvalidConfiguration,
+        match=r"^invalid configuration: scopes\[0\]\.key_file: .*CREDENTIALS_DIRECTORY.*not set",
     ):
         config.scope_keys()
+    with pytest.raises(
+        InvalidConfiguration, match=r"^invalid configuration: storage\.key\.key_file: "
+    ):
+        config.storage_keyring()
 
 
 def test_relative_paths_are_relative_to_the_config_file(

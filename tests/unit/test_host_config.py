@@ -402,3 +402,27 @@ def test_tools_without_a_rule_and_text_tools_are_never_compensated() -> None:
         verifier.verify_compensation_action(
             action_for(config, ToolPayload.text("x"), tool="octo.noop")
         )
+
+
+def test_an_unset_credentials_directory_names_the_config_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    data = good()
+    data["scopes"][0]["key_file"] = "${CREDENTIALS_DIRECTORY}/tenant-release.key"
+    data["ledger"]["key"]["key_file"] = "${CREDENTIALS_DIRECTORY}/ledger.key"
+    data["ledger"]["database"] = "${CREDENTIALS_DIRECTORY}/ledger.sqlite3"
+    config = parse(data)
+    unset = r"CREDENTIALS_DIRECTORY.*not set"
+    with pytest.raises(
+        InvalidConfiguration, match=rf"^invalid configuration: scopes\[0\]\.key_file: .*{unset}"
+    ):
+        config.scope_key("tenant-release")
+    with pytest.raises(
+        InvalidConfiguration, match=rf"^invalid configuration: ledger\.key\.key_file: .*{unset}"
+    ):
+        config.storage_keyring()
+    with pytest.raises(
+        InvalidConfiguration, match=rf"^invalid configuration: ledger\.database: .*{unset}"
+    ):
+        _ = config.database_path
