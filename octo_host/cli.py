@@ -65,6 +65,7 @@ from octo_common.errors import (
     OctoError,
     StorageError,
     UnknownOperation,
+    UnknownTool,
     WorkerRequestRejected,
 )
 from octo_common.ids import is_token
@@ -1060,8 +1061,8 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
                 )
             try:
                 fmt = _grant_format(config, scope, operation.tool)
-            except CliError as error:  # this key's grant is gone: the others go on
-                refused[key] = error.code
+            except CliError:  # this key's grant is gone: the others go on
+                refused[key] = UnknownTool.code  # what the worker would answer
                 continue
             inputs[key] = _payload_from_value(fmt, value, f"--inputs operations.{key}")
         for key, entry in raw_compensations.items():
@@ -1077,8 +1078,8 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             )
             try:
                 fmt = _grant_format(config, scope, operation.tool)
-            except CliError as error:
-                refused[named] = error.code
+            except CliError:
+                refused[named] = UnknownTool.code
                 continue
             inverse = _payload_from_value(fmt, entry["inverse"], f"--inputs compensations.{key}")
             original = (
@@ -1125,16 +1126,23 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
         )
     if len(rows) > 1:
         _table(rows, out)
-    else:
+    elif not document["unresolved"]:
         out.line("no operations")
     out.document(document)
+    for key in document["unresolved"]:
+        out.line(f"unresolved: {key}: {document['errors'].get(key, 'no input given')}")
     for key, code in document["errors"].items():
-        out.line(f"failed:    {key}: {code}")
+        if key not in document["unresolved"]:
+            out.line(f"failed:    {key}: {code}")
     if not ok:
+        unresolved = document["unresolved"]
+        hint = (
+            "give their inputs with --inputs, or reconcile / resolve them"
+            if any(key not in document["errors"] for key in unresolved)
+            else "see the reasons above"
+        )
         out.error(
-            f"{len(document['unresolved'])} key(s) unresolved: "
-            + ", ".join(document["unresolved"][:5])
-            + " (give their inputs with --inputs, or reconcile / resolve them)"
+            f"{len(unresolved)} key(s) unresolved: " + ", ".join(unresolved[:5]) + f" ({hint})"
         )
         return EXIT_CHECK_FAILED
     return EXIT_OK

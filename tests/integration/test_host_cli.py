@@ -308,6 +308,10 @@ async def test_recover_dispatches_a_key_the_worker_never_saw(
     assert blind.status == 1
     assert blind.json()["unresolved"] == [key]
     assert_one_line_error(blind, "unresolved", key)
+    human = await cli.run("recover", RUN)
+    assert human.status == 1
+    assert f"unresolved: {key}: no input given" in human.stdout
+    assert "no operations" not in human.stdout
 
     # A wrong input is refused by its recorded fingerprint, named with its code.
     wrong = tmp_path / "wrong.json"
@@ -320,6 +324,18 @@ async def test_recover_dispatches_a_key_the_worker_never_saw(
 
     inputs = tmp_path / "inputs.json"
     inputs.write_text(json.dumps({"operations": {key: json.loads(PUBLISH)}}))
+    # The tool's grant removed from the configuration: refused with the code the
+    # worker would answer, and the hint does not ask for inputs already given.
+    configured = cli.config.read_text()
+    granted = f'scope = "{cli.names.scope}"\ntool = "{TOOL}"'
+    assert granted in configured
+    cli.config.write_text(configured.replace(granted, f'scope = "{cli.names.scope}"\ntool = "x.y"'))
+    revoked = await cli.run("recover", RUN, "--inputs", str(inputs), "--json")
+    assert revoked.status == 1
+    assert revoked.json()["errors"] == {key: "unknown_tool"}
+    assert_one_line_error(revoked, "see the reasons above")
+    cli.config.write_text(configured)
+
     recovered = await cli.run(
         "recover", RUN, "--scope", cli.names.scope, "--inputs", str(inputs), "--json"
     )
