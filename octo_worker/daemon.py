@@ -1102,7 +1102,9 @@ class WorkerDaemon:
                 await delivery.dead_letter(SessionReplay.code)
             return
         if session.status == "closed":
-            await delivery.dead_letter("session_closed")
+            # Dead-lettered by the session once its close is durable (a close
+            # still in flight may fail, and the frame is then requeued).
+            await session.handle(body, self._require_daemon_store(), delivery)
             return
         if headers.key_nonce != session.key_nonce:
             await delivery.dead_letter("invalid_authentication_tag")

@@ -404,6 +404,9 @@ class _Run:
     kind: str = ""
     adapter_ran: bool = False
     settled: bool = False
+    # The last commit in flight when this handling began: an ack or a
+    # dead-letter that commits nothing waits for it (see ``_settle_after``).
+    barrier: asyncio.Future[int | OctoError] | None = None
 
     def name_request(
         self,
@@ -873,8 +876,10 @@ class WorkerSession:
         run = _Run(delivery=delivery, store=store, log=self._log)
         try:
             if self._status == _CLOSED:
-                # W§10.11 rule 9: no open(), no state change.
-                await run.dead_letter("session_closed")
+                # W§10.11 rule 9: no open(), no state change. The close may still
+                # be in flight: the frame is dropped only once it is durable.
+                run.barrier = self._last_in_flight()
+                await self._finish(_DeadLetter("session_closed"), run)
                 return
             key = _peek_operation_key(frame)
             if key is None:
@@ -900,6 +905,7 @@ class WorkerSession:
     async def _handle(self, frame: bytes, run: _Run) -> None:
         async with self._lock:
             await self._wait_turn_locked(run.store)
+            run.barrier = self._last_in_flight()
             step = await self._prologue_locked(frame, run)
         while isinstance(step, _AdapterStep):
             if step.ack_first:
@@ -936,12 +942,35 @@ class WorkerSession:
             else:
                 # The reply stays in the outbox and is republished after a restart.
                 await run.requeue()
+        elif not await self._settle_after(run):
+            await run.requeue()
         elif isinstance(step, _Ack):
             await run.ack()
         elif isinstance(step, _DeadLetter):
             await run.dead_letter(step.reason)
         else:
             await run.requeue()
+
+    def _last_in_flight(self) -> asyncio.Future[int | OctoError] | None:
+        return self._in_flight[-1].settled if self._in_flight else None
+
+    async def _settle_after(self, run: _Run) -> bool:
+        """Whether the commits in flight when ``run`` began have landed (S1).
+
+        An ack or a dead-letter that commits nothing may rest on state that
+        only a commit still in flight makes durable: the window bit of a
+        frame dropped as a duplicate, the close of a session whose frames
+        are dropped as ``session_closed``. It waits for that commit; if the
+        commit failed (the session is poisoned), the delivery is requeued
+        instead, so the frame is not lost. A handling that committed itself
+        finds these settled already: commits settle in build order.
+        """
+        barrier = run.barrier
+        if barrier is None or run.settled:
+            return True
+        if not barrier.done():
+            await asyncio.wait({barrier})  # never cancels the shared future
+        return not barrier.cancelled() and isinstance(barrier.result(), int)
 
     async def _prologue_locked(self, frame: bytes, run: _Run) -> _Step:
         if self._status == _CLOSED:

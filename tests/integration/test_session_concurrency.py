@@ -16,16 +16,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from octo_common.errors import StorageBackendError
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import (
     CloseSession,
     DispatchOperation,
+    Invoke,
     OpenSession,
     OperationDispatchRequest,
     OperationResult,
     RequestRejected,
+    ToolInvocation,
 )
 from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
@@ -33,6 +37,7 @@ from octo_common.states import Pending, Succeeded
 from octo_worker.adapters import (
     BaseWorkerAdapter,
     DurableOperationContract,
+    InvocationSafety,
     WorkerAdapterRegistry,
 )
 from octo_worker.session import WorkerSession, WorkerSessionLimits
@@ -458,5 +463,103 @@ async def test_with_a_store_that_cannot_chain_a_handling_starts_after_the_commit
         assert [a.code for a in first] == ["journal_persistence_failed"]
         assert [a.code for a in second] == ["session_poisoned"]
         assert store.calls == 2
+    finally:
+        await real.close()
+
+
+# An ack or a dead-letter that commits nothing waits for the commit before it (S1) ---
+
+
+class ReadOnlyAdapter(CountingAdapter):
+    def invocation_safety(self) -> InvocationSafety:
+        return InvocationSafety.READ_ONLY
+
+    async def invoke(self, request: Any, grant: Any) -> ToolPayload:
+        return ToolPayload.json({"ok": 1})
+
+
+class Settling(Delivery):
+    """Records how it was settled; nothing else."""
+
+    def __init__(self, host: SessionAuthenticator) -> None:
+        super().__init__(host, [])
+        self.events: list[str] = []
+
+    async def ack(self) -> None:
+        self.events.append("ack")
+
+    async def reply(self, frame: bytes, correlation_id: str | None) -> None:
+        self.events.append("reply")
+
+    async def dead_letter(self, reason: str) -> None:
+        self.events.append(f"dead_letter:{reason}")
+
+    async def requeue(self) -> None:
+        self.events.append("requeue")
+
+
+def invoke(host: SessionAuthenticator) -> bytes:
+    return host.seal(
+        Invoke(ToolInvocation(host.session_id, "i-1", TOOL, ToolPayload.json({"n": 1})))
+    )
+
+
+@pytest.mark.parametrize("lands", [True, False])
+async def test_a_duplicate_is_acked_only_once_the_commit_recording_the_original_lands(
+    tmp_path: Path, lands: bool
+) -> None:
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = FailingCommitStore(real, fail_at=0 if lands else 2)
+        session, host = await open_session(store, lease, registry(ReadOnlyAdapter()), 10, 1)
+        store.gates = {2: asyncio.Event()}
+        frame = invoke(host)
+        first, second = Settling(host), Settling(host)
+        one = asyncio.ensure_future(session.handle(frame, store, first))
+        await settle()
+        two = asyncio.ensure_future(session.handle(frame, store, second))  # the same bytes
+        await settle()
+        # Only the first delivery's commit records the frame: the copy waits for it.
+        assert first.events == [] and second.events == []
+        store.gates[2].set()
+        await asyncio.wait_for(asyncio.gather(one, two), 10)
+        if lands:
+            assert second.events == ["ack"]
+            assert first.events == ["ack", "reply"]
+        else:
+            # Nothing durable holds the frame: the copy goes back to the broker.
+            assert second.events == ["requeue"]
+            assert session.status == "poisoned"
+    finally:
+        await real.close()
+
+
+@pytest.mark.parametrize("lands", [True, False])
+async def test_a_frame_of_a_closing_session_is_dropped_only_once_the_close_lands(
+    tmp_path: Path, lands: bool
+) -> None:
+    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    try:
+        lease = await real.reserve_fence(SCOPE)
+        store = FailingCommitStore(real, fail_at=0 if lands else 2)
+        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        store.gates = {2: asyncio.Event()}
+        closer, late = Settling(host), Settling(host)
+        closing = asyncio.ensure_future(
+            session.handle(host.seal(CloseSession(host.session_id)), store, closer)
+        )
+        await settle()
+        assert session.status == "closed"  # in memory; the commit waits at its gate
+        dropping = asyncio.ensure_future(session.handle(dispatch(host, 1), store, late))
+        await settle()
+        assert late.events == []
+        store.gates[2].set()
+        await asyncio.wait_for(asyncio.gather(closing, dropping), 10)
+        if lands:
+            assert late.events == ["dead_letter:session_closed"]
+        else:
+            assert late.events == ["requeue"]
+            assert session.status == "poisoned"
     finally:
         await real.close()
