@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -504,62 +506,69 @@ def invoke(host: SessionAuthenticator) -> bytes:
     )
 
 
-@pytest.mark.parametrize("lands", [True, False])
-async def test_a_duplicate_is_acked_only_once_the_commit_recording_the_original_lands(
-    tmp_path: Path, lands: bool
-) -> None:
+@dataclass
+class GatedSession:
+    """A session whose first commit after the open waits at a gate, then lands or fails."""
+
+    real: SqliteJournalStore
+    store: FailingCommitStore
+    session: WorkerSession
+    host: SessionAuthenticator
+
+
+@pytest.fixture(params=[True, False], ids=["lands", "fails"])
+async def gated(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[GatedSession]:
     real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
-        store = FailingCommitStore(real, fail_at=0 if lands else 2)
+        store = FailingCommitStore(real, fail_at=0 if request.param else 2)
         session, host = await open_session(store, lease, registry(ReadOnlyAdapter()), 10, 1)
         store.gates = {2: asyncio.Event()}
-        frame = invoke(host)
-        first, second = Settling(host), Settling(host)
-        one = asyncio.ensure_future(session.handle(frame, store, first))
-        await settle()
-        two = asyncio.ensure_future(session.handle(frame, store, second))  # the same bytes
-        await settle()
-        # Only the first delivery's commit records the frame: the copy waits for it.
-        assert first.events == [] and second.events == []
-        store.gates[2].set()
-        await asyncio.wait_for(asyncio.gather(one, two), 10)
-        if lands:
-            assert second.events == ["ack"]
-            assert first.events == ["ack", "reply"]
-        else:
-            # Nothing durable holds the frame: the copy goes back to the broker.
-            assert second.events == ["requeue"]
-            assert session.status == "poisoned"
+        yield GatedSession(real, store, session, host)
     finally:
         await real.close()
 
 
-@pytest.mark.parametrize("lands", [True, False])
-async def test_a_frame_of_a_closing_session_is_dropped_only_once_the_close_lands(
-    tmp_path: Path, lands: bool
+async def test_a_duplicate_is_acked_only_once_the_commit_recording_the_original_lands(
+    gated: GatedSession,
 ) -> None:
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
-    try:
-        lease = await real.reserve_fence(SCOPE)
-        store = FailingCommitStore(real, fail_at=0 if lands else 2)
-        session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
-        store.gates = {2: asyncio.Event()}
-        closer, late = Settling(host), Settling(host)
-        closing = asyncio.ensure_future(
-            session.handle(host.seal(CloseSession(host.session_id)), store, closer)
-        )
-        await settle()
-        assert session.status == "closed"  # in memory; the commit waits at its gate
-        dropping = asyncio.ensure_future(session.handle(dispatch(host, 1), store, late))
-        await settle()
-        assert late.events == []
-        store.gates[2].set()
-        await asyncio.wait_for(asyncio.gather(closing, dropping), 10)
-        if lands:
-            assert late.events == ["dead_letter:session_closed"]
-        else:
-            assert late.events == ["requeue"]
-            assert session.status == "poisoned"
-    finally:
-        await real.close()
+    session, store, host = gated.session, gated.store, gated.host
+    frame = invoke(host)
+    first, second = Settling(host), Settling(host)
+    one = asyncio.ensure_future(session.handle(frame, store, first))
+    await settle()
+    two = asyncio.ensure_future(session.handle(frame, store, second))  # the same bytes
+    await settle()
+    # Only the first delivery's commit records the frame: the copy waits for it.
+    assert first.events == [] and second.events == []
+    store.gates[2].set()
+    await asyncio.wait_for(asyncio.gather(one, two), 10)
+    if store.fail_at == 0:
+        assert second.events == ["ack"]
+        assert first.events == ["ack", "reply"]
+    else:
+        # Nothing durable holds the frame: the copy goes back to the broker.
+        assert second.events == ["requeue"]
+        assert session.status == "poisoned"
+
+
+async def test_a_frame_of_a_closing_session_is_dropped_only_once_the_close_lands(
+    gated: GatedSession,
+) -> None:
+    session, store, host = gated.session, gated.store, gated.host
+    closer, late = Settling(host), Settling(host)
+    closing = asyncio.ensure_future(
+        session.handle(host.seal(CloseSession(host.session_id)), store, closer)
+    )
+    await settle()
+    assert session.status == "closed"  # in memory; the commit waits at its gate
+    dropping = asyncio.ensure_future(session.handle(dispatch(host, 1), store, late))
+    await settle()
+    assert late.events == []
+    store.gates[2].set()
+    await asyncio.wait_for(asyncio.gather(closing, dropping), 10)
+    if store.fail_at == 0:
+        assert late.events == ["dead_letter:session_closed"]
+    else:
+        assert late.events == ["requeue"]
+        assert session.status == "poisoned"
