@@ -62,6 +62,7 @@ from octo_common.errors import (
     AdapterIndeterminate,
     DuplicateFrame,
     DurableOperationContractNotDeclared,
+    FencingTokenRejected,
     IndeterminateCompensation,
     IndeterminateOperation,
     InvalidFrameHeaders,
@@ -581,6 +582,9 @@ class WorkerSession:
         self._failures = 0
         self._last_failure: OctoError | None = None
         self._best_effort_high = 0
+        # A commit was refused by another writer's fence (W§11.3): this worker
+        # no longer owns the scope and seals nothing more for this session.
+        self._superseded = False
         self._durable = self._snapshot()
         self._log = _log.bind(scope=scope, session=session_id)
 
@@ -1019,6 +1023,8 @@ class WorkerSession:
 
     def _refuse_best_effort(self, run: _Run, error: OctoError) -> _Final:
         """W§10.11 rule 3: refuse in a poisoned session, sealed and published without a commit."""
+        if self._superseded:
+            return _Requeue()  # see _poisoned_answer_locked
         frame = self._seal_best_effort(run, error)
         # Nothing to publish: there is no answer to wait for, so drop the frame.
         return _Ack() if frame is None else _Reply(frame, run.request_id)
@@ -1626,6 +1632,8 @@ class WorkerSession:
                 revision = task.result()
                 failure = self._revision_error(revision)
             if failure is not None:
+                if isinstance(failure, FencingTokenRejected):
+                    self._superseded = True
                 # Its rows stay noted; a later commit (or the reload) deletes them.
                 self._confirmed[:0] = [m for m in commit.deletes if m not in self._confirmed]
                 if self._broken is None:
@@ -1674,8 +1682,17 @@ class WorkerSession:
         self._status = _POISONED
 
     def _poisoned_answer_locked(self, run: _Run, failure: OctoError) -> _Final:
-        """W§10.9 step 2: a best-effort refusal with the failure's code, no commit."""
-        if run.request_id is None:
+        """W§10.9 step 2: a best-effort refusal with the failure's code, no commit.
+
+        Not once superseded (a fence rejection, W§11.3: fail closed): the new
+        owner restores the session from the store and seals from the stored
+        outbound sequence, so a refusal sealed here would share its sequence
+        number with the new owner's next frame, and the host would drop that
+        frame as a duplicate. The delivery goes back to the broker unacked
+        (the new owner answers it), or, acked already, gets no answer: the
+        host times out and reconciles.
+        """
+        if run.request_id is None or self._superseded:
             return _Requeue()
         error = self._poison_refusal(run, failure)
         frame = self._seal_best_effort(run, error)

@@ -572,3 +572,44 @@ async def test_a_frame_of_a_closing_session_is_dropped_only_once_the_close_lands
     else:
         assert late.events == ["requeue"]
         assert session.status == "poisoned"
+
+
+async def test_a_superseded_worker_seals_nothing_so_the_new_owner_reuses_no_sequence(
+    tmp_path: Path,
+) -> None:
+    ring = StorageKeyring("k1", bytes(32))
+    old = SqliteJournalStore(tmp_path / "journal.db", ring)
+    new = SqliteJournalStore(tmp_path / "journal.db", ring)
+    try:
+        old_lease = await old.reserve_fence(SCOPE)
+        first, host = await open_session(old, old_lease, registry(CountingAdapter()), 10, 1)
+        served = Settling(host)
+        await first.handle(dispatch(host, 1), old, served)
+        assert served.events == ["ack", "reply"]
+        # Another worker takes the scope over and restores the session.
+        new_lease = await new.reserve_fence(SCOPE)
+        second = await WorkerSession.restore(
+            (await new.load_sessions(SCOPE))["session-1"],
+            scope_key=SCOPE_KEY,
+            scope=SCOPE,
+            store=new,
+            lease=new_lease,
+            adapters=registry(CountingAdapter()),
+            limits=WorkerSessionLimits(),
+        )
+        # The old worker still consumes: its commit meets the new fence. It
+        # seals nothing and hands the frame back (the new owner answers it) ...
+        answers: list[Any] = []
+        refused = Settling(host)
+        await first.handle(dispatch(host, 2), old, refused)
+        assert refused.events == ["requeue"]
+        assert first.status == "poisoned"
+        later = Settling(host)
+        await first.handle(dispatch(host, 3), old, later)
+        assert later.events == ["requeue"]
+        # ... so the new owner's replies carry sequences the host never saw.
+        await second.handle(dispatch(host, 2), new, Delivery(host, answers))
+        assert isinstance(answers[0], OperationResult)
+    finally:
+        await old.close()
+        await new.close()
