@@ -1,7 +1,7 @@
 """The ``octo-worker`` command: run the daemon and operate what it keeps.
 
 Verbs: ``run``, ``check``, ``topology declare|show``, ``journal
-list|show|verify|init-anchor|prune``, ``adapters list`` and ``dlq
+list|show|verify|init-anchor|prune|reseal``, ``adapters list`` and ``dlq
 list|show|drop``. Every
 verb takes ``--config PATH`` (default ``/etc/octo/worker.toml``) and ``--json``
 (one JSON document on stdout, for scripts).
@@ -33,7 +33,15 @@ import re
 import sys
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO, TypeVar
@@ -71,7 +79,7 @@ from octo_worker.config import (
     load_scope_key,
 )
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.store import SqliteJournalStore
+from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
 from octo_worker.topology import (
     TopologyError,
     connect,
@@ -425,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prune.add_argument("--scope", metavar="S", help="only this scope (default: every scope)")
     prune.set_defaults(handler=cmd_journal_prune)
+    reseal = journal_verbs.add_parser(
+        "reseal",
+        parents=[common],
+        help="re-seal rows an old storage or data key sealed, with the active keys",
+    )
+    reseal.add_argument("--scope", metavar="S", help="only this scope (default: every scope)")
+    reseal.set_defaults(handler=cmd_journal_reseal)
     anchor = journal_verbs.add_parser(
         "init-anchor",
         parents=[common],
@@ -981,6 +996,27 @@ async def _scopes_of(store: SqliteJournalStore, wanted: str | None) -> list[str]
     return [wanted]
 
 
+def _each_scope(
+    config: WorkerConfig,
+    wanted: str | None,
+    action: Callable[[SqliteJournalStore, str], Awaitable[PruneReport | ResealReport]],
+) -> dict[str, dict[str, int]]:
+    """``action`` on every scope of the journal (or ``wanted``): its report per scope."""
+
+    async def run() -> dict[str, dict[str, int]]:
+        async with _store(config) as store:
+            reports: dict[str, dict[str, int]] = {}
+            for scope in await _scopes_of(store, wanted):
+                try:
+                    report = await action(store, scope)
+                except OctoError as error:
+                    raise _storage_failure(f"scope {scope}", error) from None
+                reports[scope] = dict(report._asdict())
+            return reports
+
+    return asyncio.run(run())
+
+
 def _storage_failure(where: str, error: OctoError) -> CliError:
     return CliError(EXIT_STORAGE, f"{where}: {error.code}: {error}", error.code)
 
@@ -1177,19 +1213,8 @@ def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
     admitted as new. Prune only keys whose host runs are finished.
     """
     config = _config(args)
-
-    async def prune() -> dict[str, dict[str, int]]:
-        async with _store(config) as store:
-            reports: dict[str, dict[str, int]] = {}
-            for scope in await _scopes_of(store, args.scope):
-                try:
-                    report = await store.prune(scope, float(args.older_than))
-                except OctoError as error:
-                    raise _storage_failure(f"scope {scope}", error) from None
-                reports[scope] = {"removed": report.removed, "kept": report.kept}
-            return reports
-
-    reports = asyncio.run(prune())
+    older_than = float(args.older_than)
+    reports = _each_scope(config, args.scope, lambda store, scope: store.prune(scope, older_than))
     for scope, report in reports.items():
         out.line(
             f"scope {scope}: removed {report['removed']} row(s); kept {report['kept']} old "
@@ -1205,6 +1230,24 @@ def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
             "removed": removed,
         }
     )
+    return EXIT_OK
+
+
+def cmd_journal_reseal(args: argparse.Namespace, out: Output) -> int:
+    """Re-seal every row an old key sealed (key rotation, step 4 in OPERATIONS.md).
+
+    Revisions do not move: safe while the daemon runs.
+    """
+    config = _config(args)
+    reports = _each_scope(config, args.scope, lambda store, scope: store.reseal(scope))
+    for scope, report in reports.items():
+        out.line(
+            f"scope {scope}: re-sealed {report['resealed']} row(s); "
+            f"{report['current']} already under the active key(s)"
+        )
+    resealed = sum(report["resealed"] for report in reports.values())
+    out.line(f"re-sealed {resealed} row(s) with storage key {config.storage_keyring().active_id}")
+    out.document({"ok": True, "scopes": reports, "resealed": resealed})
     return EXIT_OK
 
 

@@ -114,6 +114,7 @@ __all__ = [
     "OutboxEntry",
     "PersistedSession",
     "PruneReport",
+    "ResealReport",
     "SessionDocuments",
     "SqliteJournalStore",
     "StoreStats",
@@ -318,6 +319,27 @@ class OutboxEntry(msgspec.Struct, frozen=True):
             f"OutboxEntry(message_id={self.message_id!r}, session_id={self.session_id!r}, "
             f"revision={self.revision!r})"
         )
+
+
+class ResealReport(NamedTuple):
+    """What ``reseal`` did: rows re-sealed, rows already under the active keys."""
+
+    resealed: int
+    current: int
+
+
+_RESEAL_BATCH: Final = 1000
+
+
+def _data_key_id(payload: bytes) -> str | None:
+    """The data key id an encrypted row payload names (``LP(id)`` first), if readable."""
+    if len(payload) < 8:
+        return None
+    length = int.from_bytes(payload[:8], "big")
+    try:
+        return payload[8 : 8 + length].decode("ascii")
+    except UnicodeDecodeError:
+        return None
 
 
 class PruneReport(NamedTuple):
@@ -867,6 +889,90 @@ class SqliteJournalStore:
             _log.info("journal_pruned", scope=scope, removed=removed, kept=kept)
         return PruneReport(removed=removed, kept=kept)
 
+    async def reseal(self, scope: str) -> ResealReport:
+        """Re-seal every row of ``scope`` that an old key sealed, at its own revision.
+
+        A row is re-sealed when the storage key that sealed it is not the
+        keyring's active key or, with a data keyring, when its payload is
+        encrypted under another data key than the active one. Every row is
+        authenticated (and decrypted) first; a row that fails stops the
+        call with that error. Revisions, the head, the fence and the anchor do
+        not move, so this is safe while the daemon runs: a row the daemon
+        writes meanwhile (sealed with the active key) is left as it is.
+        Batches of 1,000 rows, one short transaction each. Rows a running
+        daemon never writes again (closed sessions, above all) need this
+        before an old key can be retired.
+        """
+        _check_scope(scope)
+        active = self._keyring.active_id
+        data_active = None if self._data_keyring is None else self._data_keyring.active_id
+        resealed = current = 0
+        after = 0
+        while True:
+            rows = await self._read_call(functools.partial(self._read_batch, scope, after))
+            if not rows:
+                break
+            changes: list[tuple[int, int, bytes, bytes]] = []
+            for row_id, namespace, row in rows:
+                after = row_id
+                record = open_record(
+                    self._keyring, _record_key(namespace, scope), row.envelope, row.revision
+                )
+                payload = record.payload
+                stale_data = False
+                if self._data_keyring is not None:
+                    document = self._open_row(scope, namespace, row)  # checks the data key
+                    if _data_key_id(payload) != data_active:
+                        stale_data = True
+                        payload = encrypt_document(
+                            self._data_keyring, namespace, scope, row.item, row.revision, document
+                        )
+                if record.key_id == active and not stale_data:
+                    current += 1
+                    continue
+                envelope = seal_record(
+                    self._keyring, _record_key(namespace, scope), row.revision, payload
+                )
+                changes.append((row_id, row.revision, row.envelope, envelope))
+            if changes:
+                resealed += await self._write_call(
+                    functools.partial(self._replace_envelopes, changes)
+                )
+        if resealed:
+            _log.info("journal_resealed", scope=scope, resealed=resealed, current=current)
+        return ResealReport(resealed=resealed, current=current)
+
+    def _read_batch(self, scope: str, after: int) -> list[tuple[int, str, _Row]]:
+        def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            return connection.execute(
+                "SELECT id, namespace, item, revision, envelope FROM items "
+                "WHERE name = ? AND id > ? AND namespace IN (?, ?, ?, ?) ORDER BY id LIMIT ?",
+                (scope, after, NS_JOURNAL, NS_SESSION, NS_SESSION_OPEN, NS_OUTBOX, _RESEAL_BATCH),
+            ).fetchall()
+
+        head, rows = self._read_transaction(select, scope)
+        checked = self._checked_rows([row[2:] for row in rows], head)
+        return [(int(row[0]), str(row[1]), ok) for row, ok in zip(rows, checked, strict=True)]
+
+    def _replace_envelopes(self, changes: Sequence[tuple[int, int, bytes, bytes]]) -> int:
+        """Swap envelopes of rows still at the revision and envelope that were read."""
+        return self._count_in_transaction(
+            "UPDATE items SET envelope = ? WHERE id = ? AND revision = ? AND envelope = ?",
+            [(new, row_id, revision, old) for row_id, revision, old, new in changes],
+        )
+
+    def _count_in_transaction(self, statement: str, parameters: Sequence[tuple[Any, ...]]) -> int:
+        """Run ``statement`` once per parameter tuple in one transaction; rows changed."""
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            changed = sum(connection.execute(statement, values).rowcount for values in parameters)
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+        return changed
+
     def _read_prunable(self, scope: str, cutoff: float) -> list[_Row]:
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
             return connection.execute(
@@ -879,21 +985,10 @@ class SqliteJournalStore:
         return self._checked_rows(rows, head)
 
     def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
-        connection = self._connection()
-        connection.execute("BEGIN IMMEDIATE")
-        try:
-            removed = 0
-            for item, revision in victims:
-                removed += connection.execute(
-                    "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? "
-                    "AND revision = ?",
-                    (NS_JOURNAL, scope, item, revision),
-                ).rowcount
-            connection.execute("COMMIT")
-        except BaseException:
-            connection.execute("ROLLBACK")
-            raise
-        return removed
+        return self._count_in_transaction(
+            "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
+            [(NS_JOURNAL, scope, item, revision) for item, revision in victims],
+        )
 
     async def load_sessions(
         self, scope: str, *, skip_closed_except: Iterable[str] | None = None

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -1440,3 +1441,42 @@ def test_output_into_a_closed_pipe_stops_quietly(
     ):
         done = into_a_closed_pipe(argv)
         assert (done.returncode, done.stderr) == (1, b""), argv
+
+
+def test_journal_reseal_lets_an_old_storage_key_be_retired(
+    worker: RunningWorker, dispatched: list[str], tmp_path: Path
+) -> None:
+    """OPERATIONS.md, rotating the storage key: new key active, old as a read key,
+    reseal, then verify without the old key (closed sessions included)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    with (
+        contextlib.closing(sqlite3.connect(worker.files.journal)) as source,
+        contextlib.closing(sqlite3.connect(state / "journal.sqlite3")) as copy,
+    ):
+        source.backup(copy)  # a copy: the running worker keeps its own key
+    write_key(tmp_path / "storage-k2.key")
+    base = (
+        worker.files.config.read_text()
+        .replace('state_dir = "state"', f'state_dir = "{state}"')
+        .replace('key_file = "scope.key"', f'key_file = "{worker.files.root / "scope.key"}"')
+    )
+    old_key = f'key = {{ id = "k1", key_file = "{worker.files.root / "storage.key"}" }}'
+    rotated, retired = tmp_path / "rotated.toml", tmp_path / "retired.toml"
+    rotating = 'key = { id = "k2", key_file = "storage-k2.key" }\nread_keys = [' + old_key[6:] + "]"
+    rotated.write_text(base.replace('key = { id = "k1", key_file = "storage.key" }', rotating))
+    retired.write_text(
+        base.replace(
+            'key = { id = "k1", key_file = "storage.key" }',
+            'key = { id = "k2", key_file = "storage-k2.key" }',
+        )
+    )
+    before = octo_worker("journal", "verify", config=retired)
+    assert before.returncode == 1, before.stdout  # rows still sealed with k1
+    resealed = octo_worker("journal", "reseal", "--json", config=rotated)
+    assert resealed.returncode == 0, resealed.stderr
+    report = json_out(resealed)
+    assert report["resealed"] >= len(dispatched) + 2  # journal rows and a session's two
+    after = octo_worker("journal", "verify", "--json", config=retired)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert json_out(after)["totals"]["journal_rows"] >= len(dispatched)

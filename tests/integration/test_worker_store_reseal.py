@@ -1,0 +1,133 @@
+"""`SqliteJournalStore.reseal` on a real SQLite file (`octo-worker journal reseal`).
+
+Rows a running worker never writes again (closed sessions above all) keep
+the key that sealed them; reseal moves every row of a scope onto the active
+storage and data keys at its own revision, so an old key can be retired.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from octo_common.errors import OctoError, UnknownKeyId
+from octo_common.messages import CloseSession
+from octo_common.records import StorageKey, StorageKeyring
+from octo_worker.store import SqliteJournalStore
+
+from .test_session_concurrency import (
+    SCOPE,
+    CountingAdapter,
+    Delivery,
+    dispatch,
+    open_session,
+    registry,
+)
+
+K1, K2 = StorageKey(bytes([1]) * 32), StorageKey(bytes([2]) * 32)
+D1, D2 = StorageKey(bytes([3]) * 32), StorageKey(bytes([4]) * 32)
+
+
+def keyring(active: tuple[str, StorageKey], *old: tuple[str, StorageKey]) -> StorageKeyring:
+    ring = StorageKeyring(active[0], active[1].reveal())
+    for key_id, key in old:
+        ring.add_read_key(key_id, key.reveal())
+    return ring
+
+
+async def everything(store: SqliteJournalStore) -> tuple[int, int, int]:
+    """Open every row of the scope (journal, sessions, outbox): counts."""
+    return (
+        len(await store.list_records(SCOPE)),
+        len(await store.load_sessions(SCOPE)),
+        len(await store.load_outbox(SCOPE)),
+    )
+
+
+async def written_under_old_keys(path: Path) -> int:
+    """A session that served two requests and closed, and one still open."""
+    store = SqliteJournalStore(path, keyring(("k1", K1)), data_keyring=keyring(("d1", D1)))
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        closed, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
+        answers: list[Any] = []
+        for n in (1, 2):
+            await closed.handle(dispatch(host, n), store, Delivery(host, answers))
+        await closed.handle(host.seal(CloseSession(host.session_id)), store, Delivery(host, []))
+        live, other = await open_session(store, lease, registry(CountingAdapter()), 10, 2)
+        await live.handle(dispatch(other, 3), store, Delivery(other, answers))
+        return await store.head_revision(SCOPE)
+    finally:
+        await store.close()
+
+
+async def test_reseal_moves_every_row_onto_the_active_keys(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    head = await written_under_old_keys(path)
+
+    rotated = SqliteJournalStore(
+        path,
+        keyring(("k2", K2), ("k1", K1)),
+        data_keyring=keyring(("d2", D2), ("d1", D1)),
+    )
+    try:
+        counts = await everything(rotated)
+        rows = counts[0] + 2 * counts[1] + counts[2]  # a session is two rows
+        report = await rotated.reseal(SCOPE)
+        assert (report.resealed, report.current) == (rows, 0)
+        assert await rotated.head_revision(SCOPE) == head  # nothing else moved
+        again = await rotated.reseal(SCOPE)
+        assert (again.resealed, again.current) == (0, rows)
+    finally:
+        await rotated.close()
+
+    # The old keys can go: every row opens without them.
+    retired = SqliteJournalStore(path, keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
+    try:
+        assert await everything(retired) == counts
+    finally:
+        await retired.close()
+
+
+async def test_without_reseal_closed_sessions_still_need_the_old_key(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    await written_under_old_keys(path)
+    retired = SqliteJournalStore(path, keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
+    try:
+        with pytest.raises(UnknownKeyId):
+            await retired.load_sessions(SCOPE)
+    finally:
+        await retired.close()
+
+
+async def test_reseal_stops_at_a_tampered_row_and_leaves_a_row_written_meanwhile(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    await written_under_old_keys(path)
+    with sqlite3.connect(path) as connection:
+        before = connection.execute("SELECT id, envelope FROM items ORDER BY id").fetchall()
+        row_id = before[-1][0]
+        # Another row's envelope in its place: it no longer authenticates there.
+        connection.execute("UPDATE items SET envelope = ? WHERE id = ?", (before[0][1], row_id))
+    store = SqliteJournalStore(
+        path, keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", D2), ("d1", D1))
+    )
+    try:
+        with pytest.raises(OctoError):
+            await store.reseal(SCOPE)
+        # A row whose envelope changed since it was read is not overwritten.
+        first_id = before[0][0]
+        replaced = await store._write_call(
+            lambda: store._replace_envelopes([(first_id, 1, b"not what is stored", b"x")])
+        )
+        assert replaced == 0
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as connection:
+        stored = dict(connection.execute("SELECT id, envelope FROM items").fetchall())
+    # Nothing was written: the batch failed before its transaction.
+    assert all(stored[i] == e for i, e in before[:-1])
