@@ -815,7 +815,11 @@ async def _broker(config: WorkerConfig) -> AsyncIterator[AbstractConnection]:
 
 
 @contextlib.asynccontextmanager
-async def _store(config: WorkerConfig) -> AsyncIterator[SqliteJournalStore]:
+async def _store(
+    config: WorkerConfig, *, read_only: bool = True
+) -> AsyncIterator[SqliteJournalStore]:
+    """The journal, read-only unless asked: inspection beside a running daemon must
+    not migrate the schema or rewrite the anchor file the daemon writes."""
     path = config.journal_path
     if not path.exists():
         raise CliError(
@@ -828,6 +832,7 @@ async def _store(config: WorkerConfig) -> AsyncIterator[SqliteJournalStore]:
         config.storage_keyring(),
         anchor_path=config.anchor_path,
         data_keyring=config.data_keyring(),
+        read_only=read_only,
     )
     try:
         try:
@@ -1004,7 +1009,7 @@ def _each_scope(
     """``action`` on every scope of the journal (or ``wanted``): its report per scope."""
 
     async def run() -> dict[str, dict[str, int]]:
-        async with _store(config) as store:
+        async with _store(config, read_only=False) as store:
             reports: dict[str, dict[str, int]] = {}
             for scope in await _scopes_of(store, wanted):
                 try:

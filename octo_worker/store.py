@@ -686,11 +686,17 @@ class SqliteJournalStore:
     """Rows, CAS revisions, fences, group commit and the outbox (W§11).
 
     ``SqliteJournalStore(path, keyring, *, anchor_path=None, data_keyring=None,
-    group_commit=True)`` does no I/O; the first awaited call opens the
-    database (created 0o600, WAL) and checks the rollback anchor. With
-    ``group_commit=False`` every change set gets its own transaction (for
+    group_commit=True, read_only=False)`` does no I/O; the first awaited call
+    opens the database (created 0o600, WAL) and checks the rollback anchor.
+    With ``group_commit=False`` every change set gets its own transaction (for
     benchmarks). Keyrings are used by reference, so a rotation done on them
     takes effect at the next commit.
+
+    ``read_only=True`` (the operator's inspection verbs, beside a running
+    daemon) writes nothing, ever: no database or directory is created, no
+    schema migration runs (a database at another schema version is refused),
+    the anchor is checked but never rewritten, and every write call raises
+    ``StorageBackendError``.
     """
 
     def __init__(
@@ -702,6 +708,7 @@ class SqliteJournalStore:
         data_keyring: StorageKeyring | None = None,
         group_commit: bool = True,
         on_batch: Callable[[int], None] | None = None,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(keyring, StorageKeyring):
             raise TypeError("keyring must be a StorageKeyring")
@@ -711,6 +718,7 @@ class SqliteJournalStore:
         self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path))
         self._keyring = keyring
         self._data_keyring = data_keyring
+        self._read_only = read_only
         # Told the size of every group-commit transaction (metrics), on the loop.
         self._on_batch = on_batch
         self._group_commit = group_commit
@@ -797,6 +805,7 @@ class SqliteJournalStore:
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = _prepare(scope, changes)
+        self._check_writable()
         if not self._opened:
             await self._ensure_open()
         if self._closed:
@@ -904,6 +913,7 @@ class SqliteJournalStore:
         before an old key can be retired.
         """
         _check_scope(scope)
+        self._check_writable()
         active = self._keyring.active_id
         data_active = None if self._data_keyring is None else self._data_keyring.active_id
         resealed = current = 0
@@ -1121,6 +1131,7 @@ class SqliteJournalStore:
             raise ValueError("this store has no anchor_path")
         if self._opened:
             raise ValueError("initialize_anchor must run before the store is opened")
+        self._check_writable()
         await self._ensure_open(check_anchor=False)
 
     async def close(self) -> None:
@@ -1152,7 +1163,12 @@ class SqliteJournalStore:
             await self._reader_thread.submit(lambda: _guarded(self._open_reader))
             self._opened = True
 
+    def _check_writable(self) -> None:
+        if self._read_only:
+            raise StorageBackendError("the store was opened read-only")
+
     async def _write_call(self, function: Callable[[], T]) -> T:
+        self._check_writable()
         await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
@@ -1260,6 +1276,9 @@ class SqliteJournalStore:
     # Writer thread ------------------------------------------------------------------------
 
     def _open_writer(self, check_anchor: bool) -> None:
+        if self._read_only:
+            self._open_checked_read_only()
+            return
         self._close_writer()  # a failed earlier attempt may have left one open
         directory = self._path.parent
         if not directory.exists():
@@ -1300,6 +1319,33 @@ class SqliteJournalStore:
             connection.close()
             raise
         self._writer = connection
+
+    def _open_checked_read_only(self) -> None:
+        """The open checks of a read-only store: schema version and anchor, no writes."""
+        if not self._path.exists():
+            raise StorageBackendError(f"no journal database at {self._path}")
+        connection = sqlite3.connect(
+            self._path, timeout=SQLITE_BUSY_TIMEOUT_SECONDS, isolation_level=None
+        )
+        try:
+            connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+            connection.execute("PRAGMA query_only=ON")
+            try:
+                row = connection.execute("SELECT version FROM schema_version").fetchone()
+            except sqlite3.OperationalError:
+                row = None
+            version = 0 if row is None else int(row[0])
+            if version != _SCHEMA_VERSION:
+                raise StorageBackendError(
+                    f"journal schema version {version}, this octo-worker reads version "
+                    f"{_SCHEMA_VERSION}: start the daemon once to migrate it"
+                )
+            if self._anchor_path is not None:
+                anchor = self._read_anchor_file()
+                self._check_anchor(anchor, self._all_heads(connection))
+                self._anchor = anchor
+        finally:
+            connection.close()
 
     def _configure(self, connection: sqlite3.Connection) -> None:
         mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()

@@ -50,7 +50,8 @@ from octo_common.messages import (
     WorkerMessage,
 )
 from octo_common.payload import ToolPayload
-from octo_common.states import Succeeded
+from octo_common.records import StorageKeyring
+from octo_common.states import Pending, Succeeded
 from octo_common.transport import (
     EXCHANGE,
     WORKER_POLICY_NAME,
@@ -58,6 +59,10 @@ from octo_common.transport import (
     reply_queue,
     worker_queue,
 )
+from octo_worker.store import SqliteJournalStore
+
+from .test_worker_store_prune import _record as prune_record
+from .test_worker_store_prune import _write as write_rows
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -1014,6 +1019,17 @@ def test_daemon_declares_queues_and_topology_declare_adds_the_policy(tmp_path: P
             assert running.stop() == 0
 
 
+async def commit_beside_the_anchor(files: WorkerFiles) -> None:
+    """One commit by a store that does not update the anchor file."""
+    store = SqliteJournalStore(
+        files.journal, StorageKeyring("k1", (files.root / "storage.key").read_bytes())
+    )
+    try:
+        await write_rows(store, [prune_record("op-beside", Pending())])
+    finally:
+        await store.close()
+
+
 def test_rollback_anchor_is_created_by_init_anchor_and_checked(
     tmp_path: Path, vhost: Broker
 ) -> None:
@@ -1039,6 +1055,16 @@ def test_rollback_anchor_is_created_by_init_anchor_and_checked(
     assert again.returncode == 1
     assert "--force" in one_line(again.stderr)
     assert octo_worker("journal", "init-anchor", "--force", config=files.config).returncode == 0
+
+    # Inspection writes nothing, even with the anchor behind the database
+    # (a daemon between its commit and its anchor write): the daemon replaces
+    # that file after each commit, and a second writer could break its commit.
+    asyncio.run(commit_beside_the_anchor(files))
+    behind, database = anchor.read_bytes(), files.journal.read_bytes()
+    for argv in (["journal", "list"], ["journal", "verify"], ["check"]):
+        octo_worker(*argv, config=files.config)
+    assert anchor.read_bytes() == behind
+    assert files.journal.read_bytes() == database
 
     anchor.unlink()
     missing = octo_worker("journal", "verify", config=files.config)

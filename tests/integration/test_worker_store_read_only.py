@@ -1,0 +1,74 @@
+"""A read-only `SqliteJournalStore` (the operator's inspection verbs) writes nothing.
+
+`octo-worker journal list|show|verify` and `check` run beside a live daemon:
+they must not migrate the schema, create files, or rewrite the rollback
+anchor the daemon replaces after each commit.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from octo_common.errors import StorageBackendError
+from octo_common.records import StorageKeyring
+from octo_common.states import Pending
+from octo_worker.store import SqliteJournalStore
+
+from .test_worker_store_prune import SCOPE, _record, _write
+
+RING = StorageKeyring("k1", bytes(32))
+
+
+async def test_a_read_only_store_reads_and_never_writes(tmp_path: Path) -> None:
+    path, anchor = tmp_path / "journal.db", tmp_path / "journal.anchor"
+    store = SqliteJournalStore(path, RING, anchor_path=anchor)
+    await store.initialize_anchor()
+    await store.close()
+    anchored = anchor.read_bytes()
+    # The database moves on while the anchor file is behind (a daemon between
+    # its commit and its anchor write): a read-only open must not rewrite it.
+    writer = SqliteJournalStore(path, RING)
+    await _write(writer, [_record("op-a", Pending())])
+    await writer.close()
+    database = path.read_bytes()
+
+    reader = SqliteJournalStore(path, RING, anchor_path=anchor, read_only=True)
+    try:
+        assert await reader.scopes() == [SCOPE]
+        assert [r.operation_key for r, _ in await reader.list_records(SCOPE)] == ["op-a"]
+        with pytest.raises(StorageBackendError, match="read-only"):
+            await reader.reserve_fence(SCOPE)
+        with pytest.raises(StorageBackendError, match="read-only"):
+            await reader.prune(SCOPE, 0)
+        with pytest.raises(StorageBackendError, match="read-only"):
+            await reader.reseal(SCOPE)
+    finally:
+        await reader.close()
+    assert anchor.read_bytes() == anchored
+    assert path.read_bytes() == database
+
+
+async def test_a_read_only_store_refuses_what_it_would_have_to_create_or_migrate(
+    tmp_path: Path,
+) -> None:
+    absent = SqliteJournalStore(tmp_path / "none" / "journal.db", RING, read_only=True)
+    with pytest.raises(StorageBackendError, match="no journal database"):
+        await absent.scopes()
+    await absent.close()
+    assert not (tmp_path / "none").exists()
+
+    path = tmp_path / "journal.db"
+    writer = SqliteJournalStore(path, RING)
+    await _write(writer, [_record("op-a", Pending())])
+    await writer.close()
+    with sqlite3.connect(path) as connection:
+        connection.execute("UPDATE schema_version SET version = 2")
+    old = SqliteJournalStore(path, RING, read_only=True)
+    with pytest.raises(StorageBackendError, match="schema version 2"):
+        await old.scopes()
+    await old.close()
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("SELECT version FROM schema_version").fetchone() == (2,)
