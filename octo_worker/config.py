@@ -200,26 +200,26 @@ def _keyring(
     read_name: str,
 ) -> StorageKeyring:
     """The keyring of ``[table]``: errors name the exact key (``storage.key.key_file``)."""
+    where = f"{table}.{active_name}"
     try:
         ring = StorageKeyring(
             StorageKeyId(active.id),
             load_storage_key(
-                config.path(active.key_file, f"{table}.{active_name}.key_file"),
-                f"{table}.{active_name}.key_file",
+                config.path(active.key_file, f"{where}.key_file"), f"{where}.key_file"
             ),
         )
         for index, extra in enumerate(read):
+            where = f"{table}.{read_name}[{index}]"  # errors from here on name this entry
             ring.add_read_key(
                 StorageKeyId(extra.id),
                 load_storage_key(
-                    config.path(extra.key_file, f"{table}.{read_name}[{index}].key_file"),
-                    f"{table}.{read_name}[{index}].key_file",
+                    config.path(extra.key_file, f"{where}.key_file"), f"{where}.key_file"
                 ),
             )
     except InvalidConfiguration:
         raise
     except OctoError as exc:
-        raise InvalidConfiguration(f"{table}.{active_name}: {exc.code}") from None
+        raise InvalidConfiguration(f"{where}: {exc.code}") from None
     return ring
 
 

@@ -184,6 +184,15 @@ def test_world_readable_key_file_gets_a_chmod_hint(tree: Path) -> None:
         config.storage_keyring()
 
 
+def test_a_bad_read_key_id_names_that_read_key(tree: Path) -> None:
+    config = load(tree, GOOD.replace('read_keys = [{ id = "k1"', 'read_keys = [{ id = "k2"'))
+    with pytest.raises(
+        InvalidConfiguration,
+        match=r"^invalid configuration: storage\.read_keys\[0\]: duplicate_key_id$",
+    ):
+        config.storage_keyring()
+
+
 def test_missing_and_malformed_key_files(tree: Path) -> None:
     config = load(tree, GOOD.replace('key_file = "scope.key"', 'key_file = "absent.key"'))
     with pytest.raises(
