@@ -426,4 +426,3 @@ def test_an_unset_credentials_directory_names_the_config_key(
         InvalidConfiguration, match=rf"^invalid configuration: ledger\.database: .*{unset}"
     ):
         _ = config.database_path
-
