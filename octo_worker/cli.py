@@ -816,10 +816,11 @@ async def _broker(config: WorkerConfig) -> AsyncIterator[AbstractConnection]:
 
 @contextlib.asynccontextmanager
 async def _store(
-    config: WorkerConfig, *, read_only: bool = True
+    config: WorkerConfig, *, maintenance: bool = False
 ) -> AsyncIterator[SqliteJournalStore]:
-    """The journal, read-only unless asked: inspection beside a running daemon must
-    not migrate the schema or rewrite the anchor file the daemon writes."""
+    """The journal, read-only, or for maintenance (rows only, never a revision):
+    beside a running daemon neither may migrate the schema or rewrite the
+    anchor file the daemon replaces after each commit."""
     path = config.journal_path
     if not path.exists():
         raise CliError(
@@ -832,7 +833,8 @@ async def _store(
         config.storage_keyring(),
         anchor_path=config.anchor_path,
         data_keyring=config.data_keyring(),
-        read_only=read_only,
+        read_only=not maintenance,
+        maintenance=maintenance,
     )
     try:
         try:
@@ -1009,7 +1011,7 @@ def _each_scope(
     """``action`` on every scope of the journal (or ``wanted``): its report per scope."""
 
     async def run() -> dict[str, dict[str, int]]:
-        async with _store(config, read_only=False) as store:
+        async with _store(config, maintenance=True) as store:
             reports: dict[str, dict[str, int]] = {}
             for scope in await _scopes_of(store, wanted):
                 try:

@@ -59,6 +59,7 @@ import sqlite3
 import stat
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -693,10 +694,19 @@ class SqliteJournalStore:
     takes effect at the next commit.
 
     ``read_only=True`` (the operator's inspection verbs, beside a running
-    daemon) writes nothing, ever: no database or directory is created, no
-    schema migration runs (a database at another schema version is refused),
-    the anchor is checked but never rewritten, and every write call raises
-    ``StorageBackendError``.
+    daemon) never writes the database: no database or directory is created,
+    no schema migration runs (an older schema is read as it is, a newer one
+    refused), the anchor is checked but never rewritten, every write call
+    raises ``StorageBackendError``, and its connections open the file
+    read-only (so closing one never checkpoints a WAL a crashed daemon left
+    behind). SQLite may still create the ``-wal``/``-shm`` side files of a
+    journal whose daemon is stopped.
+
+    ``maintenance=True`` (``prune`` and ``reseal`` beside a running daemon)
+    may rewrite or delete rows but never moves a head: the anchor is checked
+    at the open and never written (the daemon replaces that file after each
+    commit), and ``commit``, ``reserve_fence`` and ``initialize_anchor``
+    raise ``StorageBackendError``.
     """
 
     def __init__(
@@ -709,6 +719,7 @@ class SqliteJournalStore:
         group_commit: bool = True,
         on_batch: Callable[[int], None] | None = None,
         read_only: bool = False,
+        maintenance: bool = False,
     ) -> None:
         if not isinstance(keyring, StorageKeyring):
             raise TypeError("keyring must be a StorageKeyring")
@@ -719,6 +730,7 @@ class SqliteJournalStore:
         self._keyring = keyring
         self._data_keyring = data_keyring
         self._read_only = read_only
+        self._maintenance = maintenance
         # Told the size of every group-commit transaction (metrics), on the loop.
         self._on_batch = on_batch
         self._group_commit = group_commit
@@ -789,6 +801,7 @@ class SqliteJournalStore:
         instance's commit baseline for the scope.
         """
         _check_scope(scope)
+        self._check_committing()
         token = await self._write_call(lambda: self._reserve_in_thread(scope))
         return WorkerJournalLease._issue(scope, token)
 
@@ -805,7 +818,7 @@ class SqliteJournalStore:
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = _prepare(scope, changes)
-        self._check_writable()
+        self._check_committing()
         if not self._opened:
             await self._ensure_open()
         if self._closed:
@@ -1131,7 +1144,7 @@ class SqliteJournalStore:
             raise ValueError("this store has no anchor_path")
         if self._opened:
             raise ValueError("initialize_anchor must run before the store is opened")
-        self._check_writable()
+        self._check_committing()
         await self._ensure_open(check_anchor=False)
 
     async def close(self) -> None:
@@ -1166,6 +1179,12 @@ class SqliteJournalStore:
     def _check_writable(self) -> None:
         if self._read_only:
             raise StorageBackendError("the store was opened read-only")
+
+    def _check_committing(self) -> None:
+        """Moving a head (commit, fence) needs the anchor: not read-only, not maintenance."""
+        self._check_writable()
+        if self._maintenance:
+            raise StorageBackendError("a maintenance store neither commits nor reserves fences")
 
     async def _write_call(self, function: Callable[[], T]) -> T:
         self._check_writable()
@@ -1312,7 +1331,9 @@ class SqliteJournalStore:
                     record_key = StorageRecordKey(_HEAD_NAMESPACE, name)
                     if revision > raised.get(record_key, 0):
                         raised[record_key] = revision
-                if raised != anchor or not check_anchor:
+                if self._maintenance:
+                    raised = anchor  # checked only: the daemon owns the file
+                elif raised != anchor or not check_anchor:
                     self._write_anchor_file(raised)
                 self._anchor = raised
         except BaseException:
@@ -1324,9 +1345,7 @@ class SqliteJournalStore:
         """The open checks of a read-only store: schema version and anchor, no writes."""
         if not self._path.exists():
             raise StorageBackendError(f"no journal database at {self._path}")
-        connection = sqlite3.connect(
-            self._path, timeout=SQLITE_BUSY_TIMEOUT_SECONDS, isolation_level=None
-        )
+        connection = self._connect_read_only()
         try:
             connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
             connection.execute("PRAGMA query_only=ON")
@@ -1335,10 +1354,14 @@ class SqliteJournalStore:
             except sqlite3.OperationalError:
                 row = None
             version = 0 if row is None else int(row[0])
-            if version != _SCHEMA_VERSION:
+            # Every inspection query reads columns of schema 1, so a journal the
+            # daemon has not migrated yet (just after an upgrade) reads as it is.
+            if version < 1:
+                raise StorageBackendError("not an Octo journal (no schema version)")
+            if version > _SCHEMA_VERSION:
                 raise StorageBackendError(
-                    f"journal schema version {version}, this octo-worker reads version "
-                    f"{_SCHEMA_VERSION}: start the daemon once to migrate it"
+                    f"journal schema version {version} is newer than this octo-worker "
+                    f"(version {_SCHEMA_VERSION}): use the release that wrote it"
                 )
             if self._anchor_path is not None:
                 anchor = self._read_anchor_file()
@@ -1686,14 +1709,29 @@ class SqliteJournalStore:
 
     # Reader thread -------------------------------------------------------------------------
 
-    def _open_reader(self) -> None:
-        self._close_reader()
-        connection = sqlite3.connect(
-            self._path,
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """A connection that cannot write the database (``mode=ro``): closing it
+        as the last connection never checkpoints a WAL left by a crashed writer."""
+        uri = "file:" + urllib.parse.quote(os.fspath(self._path.absolute())) + "?mode=ro"
+        return sqlite3.connect(
+            uri,
+            uri=True,
             timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
             isolation_level=None,
             check_same_thread=False,
         )
+
+    def _open_reader(self) -> None:
+        self._close_reader()
+        if self._read_only:
+            connection = self._connect_read_only()
+        else:
+            connection = sqlite3.connect(
+                self._path,
+                timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
+                isolation_level=None,
+                check_same_thread=False,
+            )
         try:
             connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
             connection.execute("PRAGMA foreign_keys=ON")

@@ -8,6 +8,8 @@ anchor the daemon replaces after each commit.
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,11 +66,79 @@ async def test_a_read_only_store_refuses_what_it_would_have_to_create_or_migrate
     writer = SqliteJournalStore(path, RING)
     await _write(writer, [_record("op-a", Pending())])
     await writer.close()
+    # A journal the daemon has not migrated yet (just after an upgrade) reads as it is.
     with sqlite3.connect(path) as connection:
         connection.execute("UPDATE schema_version SET version = 2")
     old = SqliteJournalStore(path, RING, read_only=True)
-    with pytest.raises(StorageBackendError, match="schema version 2"):
-        await old.scopes()
-    await old.close()
+    try:
+        assert [r.operation_key for r, _ in await old.list_records(SCOPE)] == ["op-a"]
+    finally:
+        await old.close()
     with sqlite3.connect(path) as connection:
         assert connection.execute("SELECT version FROM schema_version").fetchone() == (2,)
+        connection.execute("UPDATE schema_version SET version = 99")
+    newer = SqliteJournalStore(path, RING, read_only=True)
+    with pytest.raises(StorageBackendError, match="schema version 99 is newer"):
+        await newer.scopes()
+    await newer.close()
+
+
+KILLED_WRITER = """
+import asyncio, os, sys
+from octo_common.records import StorageKeyring
+from octo_common.states import Pending
+from octo_worker.store import SqliteJournalStore
+from tests.integration.test_worker_store_prune import _record, _write
+
+async def main():
+    store = SqliteJournalStore(sys.argv[1], StorageKeyring("k1", bytes(32)))
+    await _write(store, [_record("op-a", Pending())])
+    os._exit(0)  # killed: the WAL is left behind, not checkpointed
+
+asyncio.run(main())
+"""
+
+
+async def test_a_read_only_store_never_checkpoints_a_wal_left_by_a_killed_writer(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(path)],
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    wal = Path(f"{path}-wal")
+    assert wal.stat().st_size > 0
+    database, log = path.read_bytes(), wal.read_bytes()
+    reader = SqliteJournalStore(path, RING, read_only=True)
+    try:
+        assert [r.operation_key for r, _ in await reader.list_records(SCOPE)] == ["op-a"]
+    finally:
+        await reader.close()  # the last connection: a writable one would checkpoint
+    assert path.read_bytes() == database
+    assert wal.read_bytes() == log
+
+
+async def test_a_maintenance_store_changes_rows_but_never_the_anchor(tmp_path: Path) -> None:
+    path, anchor = tmp_path / "journal.db", tmp_path / "journal.anchor"
+    store = SqliteJournalStore(path, RING, anchor_path=anchor)
+    await store.initialize_anchor()
+    await store.close()
+    anchored = anchor.read_bytes()
+    writer = SqliteJournalStore(path, RING)  # the database moves ahead of the anchor
+    await _write(writer, [_record("op-a", Pending())])
+    await writer.close()
+
+    rotated = StorageKeyring("k2", bytes([9]) * 32)
+    rotated.add_read_key("k1", bytes(32))
+    maintenance = SqliteJournalStore(path, rotated, anchor_path=anchor, maintenance=True)
+    try:
+        with pytest.raises(StorageBackendError, match="maintenance"):
+            await maintenance.reserve_fence(SCOPE)
+        assert (await maintenance.reseal(SCOPE)).resealed == 1
+        assert (await maintenance.prune(SCOPE, 3600)).removed == 0
+    finally:
+        await maintenance.close()
+    assert anchor.read_bytes() == anchored
