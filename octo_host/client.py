@@ -99,6 +99,7 @@ from octo_common.transport import (
     HEADER_SESSION,
     PublishChannelClosed,
     PublishFailed,
+    PublishNacked,
     PublishReturned,
     build_dead_letter_headers,
     build_host_publish,
@@ -606,9 +607,11 @@ class HostClient:
         self._sessions[session_id] = session
         try:
             await self.publish(session, frame, None, kind="open_session")
-        except BaseException:
-            # Never handed out: closed here, so close() sends nothing for it and
-            # it is let go of like any closed session.
+        except (PublishReturned, PublishNacked):
+            # The broker took no copy: the worker never saw the open. Closed here,
+            # so close() sends nothing for it and it is let go of like any closed
+            # session. (After a timeout or a lost channel the worker may have it:
+            # the session stays, and close() closes it at the worker.)
             session.closed = True
             session.closed_at = asyncio.get_running_loop().time()
             raise

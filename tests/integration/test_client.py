@@ -38,6 +38,7 @@ from octo_common.transport import (
     HEADER_SCOPE,
     HEADER_SESSION,
     PublishReturned,
+    PublishTimedOut,
     worker_queue,
 )
 from octo_host import client as client_module
@@ -860,6 +861,26 @@ async def test_a_session_whose_open_was_never_confirmed_is_not_closed_at_the_wor
     assert session.closed
     await hosts.close(client)
     assert client.published["close_session"] == 0
+
+
+async def test_a_session_whose_open_may_have_reached_the_worker_stays_to_be_closed(
+    daemon: WorkerDaemon, hosts: HostFactory, worker_env: WorkerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = await hosts.start()
+    publish = client.publish
+
+    async def confirm_lost(session: HostSession, frame: bytes, *args: Any, **kwargs: Any) -> None:
+        await publish(session, frame, *args, **kwargs)  # the broker has the open ...
+        raise PublishTimedOut(worker_queue(worker_env.scope), 0.0)  # ... its confirm is lost
+
+    monkeypatch.setattr(client, "publish", confirm_lost)
+    with pytest.raises(PublishTimedOut):
+        await client.open_session(worker_env.scope, manifest())
+    monkeypatch.undo()
+    (session,) = client._sessions.values()
+    assert not session.closed  # close() closes it at the worker
+    await hosts.close(client)
+    assert client.published["close_session"] == 1
 
 
 async def test_a_reply_with_a_header_pamqp_cannot_encode_again_is_still_dead_lettered(
