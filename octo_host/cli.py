@@ -172,6 +172,10 @@ def _configure_logging(verbose: bool) -> None:
 # Output ---------------------------------------------------------------------------------
 
 
+class _StdoutGone(Exception):
+    """The reader of standard output went away (``| head``)."""
+
+
 @dataclass
 class Output:
     """Where a verb writes: human lines, or one JSON document with ``--json``."""
@@ -182,11 +186,17 @@ class Output:
 
     def line(self, text: str = "") -> None:
         if not self.json_mode:
-            print(text, file=self.stdout)
+            self._write(text)
 
     def document(self, value: Any) -> None:
         if self.json_mode:
-            print(json.dumps(value, indent=2, sort_keys=False), file=self.stdout)
+            self._write(json.dumps(value, indent=2, sort_keys=False))
+
+    def _write(self, text: str) -> None:
+        try:
+            print(text, file=self.stdout)
+        except BrokenPipeError:
+            raise _StdoutGone() from None
 
     def error(self, message: str) -> None:
         print(f"{PROG}: {_one_line(message)}", file=self.stderr)
@@ -405,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(out, EXIT_CHECK_FAILED, f"refused: {error.code}: {error}", error.code)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
+    except _StdoutGone:
         return _stdout_gone()
     except Exception as error:  # the last line of defence: never a traceback
         return _fail(out, EXIT_CHECK_FAILED, f"internal error ({type(error).__name__})", "internal")
@@ -426,7 +436,10 @@ def _stdout_gone() -> int:
 
 def _fail(out: Output, status: int, message: str, code: str) -> int:
     out.error(message)
-    out.document({"ok": False, "error": {"code": code, "message": _one_line(message)}})
+    try:
+        out.document({"ok": False, "error": {"code": code, "message": _one_line(message)}})
+    except _StdoutGone:
+        _stdout_gone()
     return status
 
 

@@ -1472,6 +1472,12 @@ def test_output_into_a_closed_pipe_stops_quietly(
     ):
         done = into_a_closed_pipe(argv)
         assert (done.returncode, done.stderr) == (1, b""), argv
+    # A failing command with --json: its one error line still reaches stderr.
+    failed = into_a_closed_pipe(
+        ["octo_worker", "journal", "list", "--json", "--config", "/no.toml"]
+    )
+    assert failed.returncode == 2
+    assert failed.stderr.decode().count("\n") == 1 and b"Traceback" not in failed.stderr
 
 
 def test_journal_reseal_lets_an_old_storage_key_be_retired(
