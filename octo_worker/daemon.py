@@ -1220,6 +1220,12 @@ class WorkerDaemon:
                 session=session.session_id,
                 error=code,
             )
+            # The store refused it (and may hold it all the same): reload the
+            # scope, whose first commit under a fresh fence persists the sequence
+            # (W§10.11 rule 2), rather than retry on the next frame.
+            if not scope.reloading and not self._stopping.is_set():
+                scope.reloading = True
+                scope.reload = self._spawn(self._reload_scope(scope))
         finally:
             if current is not None:
                 scope.active.discard(current)

@@ -172,6 +172,40 @@ async def test_refusals_of_a_stored_poisoned_session_never_reuse_a_sequence_numb
     assert read_effect_log(worker_env.effect_log) == []
 
 
+async def test_a_failed_refusal_sequence_commit_reloads_the_scope_to_persist_it(
+    workers: Any, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    scope = worker_env.scope
+    daemon = await workers.start()
+    session = await _opened(daemon, raw_host, scope)
+    _fail_the_next_commit(daemon)
+    first = await _ask(raw_host, session, "d-1", unique("op"))
+    assert isinstance(first, RequestRejected) and first.code == "journal_persistence_failed"
+    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    await _eventually(lambda: _consuming(daemon, scope))
+    fence = daemon._scopes[scope].lease.token  # type: ignore[union-attr]
+
+    # The commit persisting d-2's refusal sequence fails: the scope reloads.
+    _fail_the_next_commit(daemon)
+    second = await _ask(raw_host, session, "d-2", unique("op"))
+    assert isinstance(second, RequestRejected) and second.code == "session_poisoned"
+    await _eventually(
+        lambda: _fenced_above(daemon, scope, fence)  # the reload's fresh fence
+    )
+    await _eventually(lambda: _consuming(daemon, scope))
+
+    # After a restart the next refusal has a sequence the host has not seen.
+    await workers.stop(daemon)
+    await workers.start()
+    third = await _ask(raw_host, session, "d-3", unique("op"))
+    assert isinstance(third, RequestRejected) and third.code == "session_poisoned"
+
+
+async def _fenced_above(daemon: WorkerDaemon, scope: str, fence: int) -> bool:
+    lease = daemon._scopes[scope].lease
+    return lease is not None and lease.token > fence
+
+
 async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_session(
     workers: Any, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
