@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias
@@ -120,7 +121,13 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, Pending, Running, Succeeded
-from octo_worker.adapters import WorkerAdapterRegistry, adapter_deadline, call_adapter
+from octo_worker.adapters import (
+    DurableOperationContract,
+    InvocationSafety,
+    WorkerAdapterRegistry,
+    adapter_deadline,
+    call_adapter,
+)
 from octo_worker.journal import (
     Existing,
     JournalChangeset,
@@ -1126,7 +1133,7 @@ class WorkerSession:
         adapter = self._adapters.get(tool)
         if adapter is None:
             return await self._refuse_locked(run, MissingAdapter(tool))
-        if _declaration(adapter.invocation_safety) is None:
+        if _declaration(adapter.invocation_safety, InvocationSafety) is None:
             return await self._refuse_locked(run, InvocationSafetyNotDeclared(tool))
         try:
             await self._commit_locked(run.store)
@@ -1173,7 +1180,7 @@ class WorkerSession:
         adapter = self._adapters.get(request.tool)
         if adapter is None:
             return await self._refuse_locked(run, MissingAdapter(request.tool))
-        if _declaration(adapter.durable_operation_contract) is None:
+        if _declaration(adapter.durable_operation_contract, DurableOperationContract) is None:
             return await self._refuse_locked(run, DurableOperationContractNotDeclared(request.tool))
         journal = self._journal_or_none(run)
         if journal is None:
@@ -1257,7 +1264,7 @@ class WorkerSession:
         adapter = self._adapters.get(request.tool)
         if adapter is None:
             return await self._refuse_locked(run, MissingAdapter(request.tool))
-        if _declaration(adapter.durable_operation_contract) is None:
+        if _declaration(adapter.durable_operation_contract, DurableOperationContract) is None:
             return await self._refuse_locked(run, DurableOperationContractNotDeclared(request.tool))
         journal = self._journal_or_none(run)
         if journal is None:
@@ -1799,12 +1806,14 @@ def _check_lease(lease: object) -> None:
         raise InvalidJournalLease()
 
 
-def _declaration(method: Callable[[], object]) -> object | None:
-    # A declaration that cannot be read is no declaration.
+def _declaration(method: Callable[[], object], kind: type[enum.Enum]) -> object | None:
+    """The adapter's declaration, or None: one that cannot be read, or that is not
+    a member of ``kind`` (``False``, ``""``, another enum), is no declaration."""
     try:
-        return method()
+        value = method()
     except Exception:
         return None
+    return value if isinstance(value, kind) else None
 
 
 def _adapter_code(error: BaseException) -> str:

@@ -83,6 +83,7 @@ NONCE = bytes(range(100, 132))
 PUBLISH = "files.publish"
 SCRIPTED = "test.op"
 BARE = "test.bare"
+MISDECLARED = "test.misdeclared"
 STORAGE_KEY = bytes([7]) * 32
 
 
@@ -331,6 +332,7 @@ async def open_world(
     limits: WorkerSessionLimits | None = None,
     scripted: ScriptedAdapter | None = None,
     store_path: Path | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> World:
     real_store = new_store(store_path or tmp_path / "journal.db")
     store = FaultyStore(real_store)
@@ -341,6 +343,8 @@ async def open_world(
     adapters.register(PUBLISH, files)
     adapters.register(SCRIPTED, scripted)
     adapters.register(BARE, BaseWorkerAdapter())
+    for tool, extra_adapter in (extra or {}).items():
+        adapters.register(tool, extra_adapter)
     key = session_key()
     host = SessionAuthenticator(SESSION, key, SessionRole.HOST)
     worker = SessionAuthenticator(SESSION, key, SessionRole.WORKER)
@@ -655,6 +659,42 @@ async def test_changed_input_or_tool_for_a_key_is_refused(world: World) -> None:
     assert rejection_code(world.answer(changed_tool)) == "operation_identity_mismatch"
     assert len(world.effects()) == 1
     assert world.scripted.calls == []
+
+
+class MisDeclared(BaseWorkerAdapter):
+    """Declarations that are not the enums: an author's False, a bare string."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def invocation_safety(self) -> Any:
+        return False  # meant as "not safe"
+
+    def durable_operation_contract(self) -> Any:
+        return "reconciliation"  # the value, not DurableOperationContract
+
+    async def invoke(self, request: Any, grant: Any) -> Any:
+        self.calls += 1
+        return ToolPayload.json({})
+
+    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+        self.calls += 1
+        return Succeeded(ToolPayload.json({}))
+
+
+async def test_a_declaration_that_is_not_the_enum_is_no_declaration(tmp_path: Path) -> None:
+    grants = [CapabilityGrant(MISDECLARED, "json", max_calls=4)]
+    adapter = MisDeclared()
+    w = await open_world(tmp_path, grants, extra={MISDECLARED: adapter})
+    try:
+        invoke = await w.send(w.invoke(ToolPayload.json({"a": 1}), tool=MISDECLARED))
+        assert rejection_code(w.answer(invoke)) == "invocation_safety_not_declared"
+        dispatch = await w.send(w.dispatch("op-mis", ToolPayload.json({"a": 1}), tool=MISDECLARED))
+        assert rejection_code(w.answer(dispatch)) == "durable_operation_contract_not_declared"
+        assert adapter.calls == 0
+    finally:
+        w.files.close()
+        await w.real_store.close()
 
 
 async def test_example_21_adapter_without_declarations(tmp_path: Path) -> None:
