@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
+    "AdapterLoadFailed",
     "DEFAULT_ADAPTER_DEADLINE_SECONDS",
     "BaseWorkerAdapter",
     "DurableOperationContract",
@@ -75,6 +76,19 @@ DEFAULT_ADAPTER_DEADLINE_SECONDS = 30.0
 
 T = TypeVar("T")
 InputT = TypeVar("InputT")
+
+
+class AdapterLoadFailed(OctoError):
+    """An enabled adapter is installed but could not be loaded: its module (or a
+    module it imports) raised, or its factory refused its options or raised.
+
+    ``reason`` names only the exception class (and a missing module's name),
+    never its text, which could carry an option's value.
+    """
+
+    _fields = ("adapter", "reason")
+    adapter: str
+    reason: str
 
 
 class InvocationSafety(enum.StrEnum):
@@ -412,8 +426,11 @@ def load_adapters(
     class or factory called with its options as keyword arguments
     (``options[name]``, none when absent). Errors:
 
-    * a name that no installed entry point declares, or whose module cannot
-      be imported → ``MissingAdapter(name)``;
+    * a name that no installed entry point declares, or whose own module is
+      not there → ``MissingAdapter(name)``;
+    * an entry point whose module raises on import (a dependency missing, a
+      syntax error, anything else), or whose factory raises →
+      ``AdapterLoadFailed(name, reason)``;
     * a name that is not a tool token, a factory result that is not a
       ``WorkerAdapter``, or an adapter whose ``tool`` names another tool →
       ``InvalidTool(name)``;
@@ -435,9 +452,23 @@ def load_adapters(
             raise MissingAdapter(name)
         try:
             factory = found.load()
-        except (ImportError, AttributeError) as exc:
-            raise MissingAdapter(name) from exc
-        adapter = factory(**dict(options.get(name, {})))
+        except ModuleNotFoundError as exc:
+            module = found.module
+            if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+                raise MissingAdapter(name) from None  # the plug-in itself is not there
+            raise AdapterLoadFailed(name, f"it imports {exc.name!r}, which is missing") from None
+        except AttributeError:
+            raise MissingAdapter(name) from None  # the module lacks the named object
+        except Exception as exc:  # SyntaxError included: a module that raises on import
+            raise AdapterLoadFailed(name, f"its module raised {type(exc).__name__}") from None
+        try:
+            adapter = factory(**dict(options.get(name, {})))
+        except (TypeError, ValueError) as exc:
+            raise AdapterLoadFailed(
+                name, f"it refused its options ({type(exc).__name__}): see adapters.options"
+            ) from None
+        except Exception as exc:
+            raise AdapterLoadFailed(name, f"its factory raised {type(exc).__name__}") from None
         if not isinstance(adapter, WorkerAdapter):
             raise InvalidTool(name)
         declared = getattr(adapter, "tool", None)

@@ -723,12 +723,6 @@ def _load_enabled(config: WorkerConfig) -> Any:
         ) from None
     except OctoError as error:
         raise CliError(EXIT_USAGE, f"adapters.enabled: {error.code}: {error}", error.code) from None
-    except (TypeError, ValueError, OSError) as error:
-        raise CliError(
-            EXIT_USAGE,
-            f"adapters.options: an adapter refused its options ({type(error).__name__})",
-            "invalid_configuration",
-        ) from None
 
 
 def _probe_adapters(config: WorkerConfig) -> str:

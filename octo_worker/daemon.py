@@ -472,10 +472,6 @@ class WorkerDaemon:
             return load_adapters(list(adapters.enabled), options=options)
         except OctoError as exc:
             raise InvalidConfiguration(f"adapters.enabled: {exc.code} ({exc})") from None
-        except (TypeError, ValueError, OSError) as exc:
-            raise InvalidConfiguration(
-                f"adapters.options: an adapter refused its options ({type(exc).__name__})"
-            ) from None
 
     def _option_value(self, value: Any) -> Any:
         # Adapter options that look like relative paths are relative to the state dir.

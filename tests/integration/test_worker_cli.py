@@ -1236,11 +1236,12 @@ def install_slow_adapter(site: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(site))
 
 
-def test_adapters_list_shows_a_third_party_plug_in(tmp_path: Path, vhost: Broker) -> None:
-    env = install_slow_adapter(tmp_path / "site")
-    files = WorkerFiles(tmp_path / "worker", vhost.url, "tenant-plugin", adapters=("test.slow",))
-    listed = subprocess.run(
-        [PYTHON, "-m", "octo_worker", "adapters", "list", "--json", "--config", str(files.config)],
+def octo_worker_seeing(
+    env: dict[str, str], *args: str, config: Path
+) -> subprocess.CompletedProcess[str]:
+    """``octo_worker`` with ``env`` (a plug-in site on its path)."""
+    return subprocess.run(
+        [PYTHON, "-m", "octo_worker", *args, "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -1248,12 +1249,39 @@ def test_adapters_list_shows_a_third_party_plug_in(tmp_path: Path, vhost: Broker
         cwd=REPO,
         env=env,
     )
+
+
+def test_adapters_list_shows_a_third_party_plug_in(tmp_path: Path, vhost: Broker) -> None:
+    env = install_slow_adapter(tmp_path / "site")
+    files = WorkerFiles(tmp_path / "worker", vhost.url, "tenant-plugin", adapters=("test.slow",))
+    listed = octo_worker_seeing(env, "adapters", "list", "--json", config=files.config)
     assert listed.returncode == 0, listed.stderr
     rows = {item["name"]: item for item in json_out(listed)["adapters"]}
     assert rows["test.slow"]["enabled"] is True
     assert rows["test.slow"]["distribution"] == "octo-test-slow-adapter"
     assert rows["test.slow"]["durable_operation_contract"] == "reconciliation"
     assert rows[PUBLISH]["enabled"] is False
+
+
+def test_a_plug_in_that_fails_to_load_is_a_configuration_error_naming_it(
+    tmp_path: Path, vhost: Broker
+) -> None:
+    env = install_slow_adapter(tmp_path / "site")
+    files = WorkerFiles(
+        tmp_path / "worker",
+        vhost.url,
+        "tenant-plugin",
+        adapters=("test.slow",),
+        extra='[adapters.options."test.slow"]\ncolour = "crimson-7f3a"\n',
+    )
+    checked = octo_worker_seeing(env, "check", config=files.config)
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert "adapters: FAIL" in checked.stdout and "adapter_load_failed" in checked.stdout
+    assert "test.slow" in checked.stdout and "crimson-7f3a" not in checked.stdout
+    assert "broker: ok" in checked.stdout  # the other checks still ran
+    started = octo_worker_seeing(env, "run", config=files.config)
+    assert started.returncode == 2  # a configuration error: systemd does not restart it
+    assert "test.slow" in started.stderr.splitlines()[-1]
 
 
 def test_configured_adapter_deadline_bounds_an_adapter_without_its_own(

@@ -36,6 +36,7 @@ from octo_common.payload import ToolPayload
 from octo_worker.adapters import (
     ADAPTER_ENTRY_POINT_GROUP,
     DEFAULT_ADAPTER_DEADLINE_SECONDS,
+    AdapterLoadFailed,
     BaseWorkerAdapter,
     DurableOperationContract,
     InvocationSafety,
@@ -370,7 +371,19 @@ class WrongTool(BaseWorkerAdapter):
 
 class NotAnAdapter:
     ...
+
+
+class NeedsAToken(BaseWorkerAdapter):
+    tool = "token.tool"
+
+    def __init__(self):
+        raise KeyError("BILLING_TOKEN")  # an environment variable it expected
 """
+
+DEPENDENT_MODULE = "octo_test_plugin_with_a_missing_dependency"
+DEPENDENT_SOURCE = "import octo_dependency_that_is_not_installed\n"
+RAISING_MODULE = "octo_test_plugin_that_raises_on_import"
+RAISING_SOURCE = "raise RuntimeError('no config')\n"
 
 ENTRY_POINTS = f"""[{ADAPTER_ENTRY_POINT_GROUP}]
 echo.tool = {PLUGIN_MODULE}:make_echo
@@ -378,6 +391,9 @@ broken.tool = octo_module_that_does_not_exist:Adapter
 wrong.tool = {PLUGIN_MODULE}:WrongTool
 not.adapter = {PLUGIN_MODULE}:NotAnAdapter
 missing.attr = {PLUGIN_MODULE}:NoSuchClass
+token.tool = {PLUGIN_MODULE}:NeedsAToken
+dependent.tool = {DEPENDENT_MODULE}:Adapter
+raising.tool = {RAISING_MODULE}:Adapter
 """
 
 
@@ -392,10 +408,14 @@ def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     )
     (dist / "entry_points.txt").write_text(ENTRY_POINTS)
     (root / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
+    (root / f"{DEPENDENT_MODULE}.py").write_text(DEPENDENT_SOURCE)
+    (root / f"{RAISING_MODULE}.py").write_text(RAISING_SOURCE)
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delitem(sys.modules, PLUGIN_MODULE, raising=False)
+    for module in (PLUGIN_MODULE, DEPENDENT_MODULE, RAISING_MODULE):
+        monkeypatch.delitem(sys.modules, module, raising=False)
     yield root
-    sys.modules.pop(PLUGIN_MODULE, None)
+    for module in (PLUGIN_MODULE, DEPENDENT_MODULE, RAISING_MODULE):
+        sys.modules.pop(module, None)
 
 
 def test_load_adapters_loads_the_real_files_publish_entry_point(tmp_path: Path) -> None:
@@ -459,6 +479,26 @@ def test_entry_points_that_do_not_yield_the_named_adapter(
 ) -> None:
     with pytest.raises(error):
         load_adapters([name])
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "reason"),
+    [
+        ("token.tool", {}, "its factory raised KeyError"),
+        ("echo.tool", {"colour": "red"}, "it refused its options (TypeError)"),
+        ("dependent.tool", {}, "'octo_dependency_that_is_not_installed', which is missing"),
+        ("raising.tool", {}, "its module raised RuntimeError"),
+    ],
+)
+def test_an_installed_adapter_that_fails_to_load_is_named_with_the_failure(
+    plugin_distribution: Path, name: str, options: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(AdapterLoadFailed) as info:
+        load_adapters([name], options={name: options})
+    assert info.value.code == "adapter_load_failed"
+    assert info.value.adapter == name
+    assert reason in info.value.reason
+    assert "BILLING_TOKEN" not in str(info.value) and "red" not in str(info.value)
 
 
 def test_a_name_listed_twice_is_a_duplicate(plugin_distribution: Path) -> None:
