@@ -384,7 +384,9 @@ async def call_adapter(
     * the deadline expiring → ``AdapterIndeterminate("deadline")``: the call
       may or may not have had its effect;
     * a ``WorkerAdapterError`` → raised unchanged;
-    * ``asyncio.CancelledError`` (the worker is stopping) → propagates;
+    * ``asyncio.CancelledError`` when this task is being cancelled (the
+      worker is stopping) → propagates; one the adapter raised by itself (an
+      awaited future of its own was cancelled) → ``AdapterIndeterminate``;
     * any other exception, Octo errors included → ``AdapterFailed`` carrying
       only the exception's class name, never its text;
     * with ``returns``, a result of another type → ``AdapterFailed``.
@@ -398,7 +400,12 @@ async def call_adapter(
         async with timeout:
             result = await call()
     except asyncio.CancelledError:
-        raise
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        # Nobody cancelled this task: the adapter let a cancellation of its own
+        # escape. The call may or may not have had its effect.
+        raise AdapterIndeterminate("cancelled") from None
     except WorkerAdapterError:
         raise
     except TimeoutError:

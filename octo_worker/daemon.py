@@ -48,6 +48,7 @@ from aio_pika.abc import (
 )
 
 from octo_common.errors import (
+    AdapterIndeterminate,
     FencingTokenRejected,
     InvalidFrameHeaders,
     OctoError,
@@ -184,7 +185,15 @@ class _InstrumentedAdapter:
         try:
             result = await call()
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            # What call_adapter makes of it: its deadline and a cancellation
+            # the adapter raised by itself are indeterminate; only a cancel of
+            # the handler (the worker stopping) is "cancelled".
+            task = asyncio.current_task()
+            elapsed = time.perf_counter() - started
+            if task is None or not task.cancelling() or elapsed >= self.deadline_seconds - 0.01:
+                outcome = AdapterIndeterminate.code
+            else:
+                outcome = "cancelled"
             raise
         except OctoError as exc:
             outcome = exc.code

@@ -324,6 +324,20 @@ async def test_cancellation_propagates_through_call_adapter() -> None:
         await task
 
 
+async def test_a_cancellation_the_adapter_raises_itself_is_indeterminate() -> None:
+    shared: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    shared.cancel()  # e.g. a token refresh another call's deadline cancelled
+
+    async def waits_on_it() -> str:
+        return await shared
+
+    with pytest.raises(AdapterIndeterminate) as info:
+        await call_adapter(waits_on_it, deadline_seconds=5.0)
+    assert info.value.code == "adapter_indeterminate"
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+
+
 @pytest.mark.parametrize("deadline", [0, -1.0, float("inf"), float("nan")])
 async def test_call_adapter_needs_a_positive_finite_deadline(deadline: float) -> None:
     async def ok() -> str:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from octo_common.errors import AdapterIndeterminate
 from octo_worker import metrics as metrics_module
+from octo_worker.adapters import call_adapter
+from octo_worker.daemon import _InstrumentedAdapter
+from octo_worker.faults import FaultInjector
 from octo_worker.metrics import WorkerMetrics
 
 
@@ -99,3 +105,52 @@ def test_oldest_pending_age_is_per_scope_and_resets_when_resolved(
     assert age("s2") == 90.0
     m.note_pending("s3", "never", False)
     assert age("s3") == 0.0
+
+
+class _Slow:
+    tool = "t.slow"
+    deadline_seconds = 0.05
+
+    def __init__(self, raise_cancel: bool = False) -> None:
+        self.raise_cancel = raise_cancel
+
+    def durable_operation_contract(self) -> None:
+        return None
+
+    async def dispatch_operation(self, request: object, grant: object) -> object:
+        if self.raise_cancel:
+            raise asyncio.CancelledError  # a cancelled future of its own
+        await asyncio.sleep(5)
+        return None
+
+
+@pytest.mark.parametrize("raise_cancel", [False, True], ids=["deadline", "self-cancelled"])
+async def test_a_deadline_or_an_adapters_own_cancellation_counts_as_indeterminate(
+    raise_cancel: bool,
+) -> None:
+    m = WorkerMetrics()
+    adapter = _InstrumentedAdapter("t.slow", _Slow(raise_cancel), m, FaultInjector(""), 30.0)
+    with pytest.raises(AdapterIndeterminate):
+        await call_adapter(
+            lambda: adapter.dispatch_operation(None, None),
+            deadline_seconds=adapter.deadline_seconds,
+        )
+    labels = {"tool": "t.slow", "method": "dispatch_operation"}
+    assert sample(m, "octo_adapter_outcomes_total", {**labels, "outcome": "cancelled"}) is None
+    indeterminate = {**labels, "outcome": "adapter_indeterminate"}
+    assert sample(m, "octo_adapter_outcomes_total", indeterminate) == 1.0
+
+
+async def test_a_stopping_worker_counts_its_adapter_call_as_cancelled() -> None:
+    m = WorkerMetrics()
+    adapter = _InstrumentedAdapter("t.slow", _Slow(), m, FaultInjector(""), 30.0)
+    adapter.deadline_seconds = 10.0
+    task = asyncio.ensure_future(
+        call_adapter(lambda: adapter.dispatch_operation(None, None), deadline_seconds=10.0)
+    )
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    labels = {"tool": "t.slow", "method": "dispatch_operation", "outcome": "cancelled"}
+    assert sample(m, "octo_adapter_outcomes_total", labels) == 1.0
