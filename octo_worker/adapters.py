@@ -278,7 +278,9 @@ class TypedJsonWorkerAdapter(BaseWorkerAdapter, Generic[InputT]):
     returned as a JSON payload (W§10.2).
 
     ``handler`` receives the converted input and may be a plain or an async
-    function. Its errors pass through unchanged (``call_adapter`` maps them).
+    function; a plain one runs in a worker thread (``asyncio.to_thread``), so
+    a blocking call neither stalls the daemon nor escapes the deadline. Its
+    errors pass through unchanged (``call_adapter`` maps them).
     """
 
     def __init__(
@@ -308,9 +310,15 @@ class TypedJsonWorkerAdapter(BaseWorkerAdapter, Generic[InputT]):
             value = msgspec.convert(payload.value, self._input_type, strict=True)
         except (msgspec.ValidationError, TypeError, ValueError) as exc:
             raise AdapterInvalidJsonInput(type(exc).__name__) from None
-        output = self._handler(value)
-        if inspect.isawaitable(output):
-            output = await output
+        if inspect.iscoroutinefunction(self._handler):
+            output = await self._handler(value)
+        else:
+            # A plain function may block: off the event loop, so the daemon keeps
+            # serving and the deadline still answers (the thread runs on; a
+            # READ_ONLY or idempotent invoke is safe to leave running).
+            output = await asyncio.to_thread(self._handler, value)
+            if inspect.isawaitable(output):
+                output = await output
         return json_output_payload(output)
 
 

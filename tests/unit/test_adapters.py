@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,38 @@ async def test_typed_json_adapter_accepts_async_handlers_and_plain_containers() 
     result = await adapter.invoke(invocation(ToolPayload.json({"a": [1.5]})), GRANT)
 
     assert result == ToolPayload.json([{"a": [1.5]}, 1])
+
+
+async def test_a_blocking_plain_handler_neither_stalls_the_loop_nor_escapes_the_deadline() -> None:
+    release = threading.Event()
+
+    def blocking(value: dict[str, Any]) -> dict[str, Any]:
+        release.wait(5)  # a synchronous client call that hangs
+        return value
+
+    adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, blocking, dict)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    counting = asyncio.ensure_future(ticker())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(AdapterIndeterminate):
+            await call_adapter(
+                lambda: adapter.invoke(invocation(ToolPayload.json({"a": 1})), GRANT),
+                deadline_seconds=0.2,
+            )
+        assert loop.time() - started < 2.0
+        assert ticks >= 5  # the loop kept running meanwhile
+    finally:
+        release.set()
+        counting.cancel()
 
 
 @pytest.mark.parametrize(
