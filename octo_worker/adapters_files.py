@@ -13,7 +13,8 @@ Layout of ``target_dir``:
   effect that it records.
 * ``.octo-publish/name.<name>``: the claim on a name, created with
   ``O_EXCL`` and holding the owning operation key.
-* ``.octo-tmp.*``: a file being written; it never outlives a publish.
+* ``.octo-tmp.*``: a file being written; a publish removes its own, but
+  one cut by a crash stays behind (never published: safe to delete).
 
 Every real effect (a publish, a removal) is appended to ``effect_log`` as one
 JSON line with ``O_APPEND`` and fsync before the adapter reports success, so
