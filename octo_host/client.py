@@ -220,6 +220,10 @@ class _RoutesDoc(msgspec.Struct, forbid_unknown_fields=True):
     routes: dict[str, str]
 
 
+def _routes_doc(run: HostRun, routes: dict[str, str]) -> bytes:
+    return encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
+
+
 def routes_record_key(run: str) -> StorageRecordKey:
     """The record key of a run's dispatch routes: ``("workflow-routes", run)``."""
     return StorageRecordKey(ROUTES_NAMESPACE, run)
@@ -927,25 +931,26 @@ class HostClient:
                     run.record_key, run._stored_revision, payload
                 )
             else:
-                routes_payload = encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
                 record, routes_record = await self.store.compare_and_swap_many(
                     [
                         (run.record_key, run._stored_revision, payload),
-                        (routes_record_key(run.name), run._routes_revision, routes_payload),
+                        (
+                            routes_record_key(run.name),
+                            run._routes_revision,
+                            _routes_doc(run, routes),
+                        ),
                     ]
                 )
                 run._routes, run._routes_revision = routes, routes_record.revision
-        except (WriteConflict, StorageBackendError):
-            # The stored ledger is not what this run holds (another writer, or
-            # a write reported failed after its commit): adopt what the store
-            # holds, so the next verb starts from it instead of failing forever.
+        except BaseException as exc:
             if routes is not None:
                 run._routes = None  # reloaded from the store when next needed
-            await self._resync(run)
-            raise
-        except BaseException:
-            if routes is not None:
-                run._routes = None
+            if isinstance(exc, WriteConflict | StorageBackendError):
+                # The stored ledger is not what this run holds (another writer,
+                # or a write reported failed after its commit): adopt what the
+                # store holds, so the next verb starts from it instead of
+                # failing forever.
+                await self._resync(run)
             raise
         run._stored_revision = record.revision
         run._ledger = candidate
@@ -1080,10 +1085,9 @@ class HostClient:
         routes = await self._routes_with(run, operation_key, scope)
         if routes is None:
             return
-        payload = encode_struct(_RoutesDoc(_ROUTES_FORMAT_VERSION, run.name, routes))
         try:
             record = await self.store.compare_and_swap(
-                routes_record_key(run.name), run._routes_revision, payload
+                routes_record_key(run.name), run._routes_revision, _routes_doc(run, routes)
             )
         except BaseException:
             run._routes = None  # reloaded from the store on the next dispatch
