@@ -944,7 +944,9 @@ class SqliteJournalStore:
                 payload = record.payload
                 stale_data = False
                 if self._data_keyring is not None:
-                    document = self._open_row(scope, namespace, row)  # checks the data key
+                    document = decrypt_document(  # checks the data key
+                        self._data_keyring, namespace, scope, row.item, row.revision, payload
+                    )
                     if _data_key_id(payload) != data_active:
                         stale_data = True
                         payload = encrypt_document(
