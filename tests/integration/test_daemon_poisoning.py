@@ -67,6 +67,19 @@ def _fail_the_next_commit(daemon: WorkerDaemon) -> None:
     store.commit = failing_once  # type: ignore[method-assign]
 
 
+async def _poisoned_session(
+    workers: Any, raw_host: RawHost, scope: str
+) -> tuple[WorkerDaemon, RawSession]:
+    """A started worker and a session its first failed commit poisoned (stored so)."""
+    daemon = await workers.start()
+    session = await _opened(daemon, raw_host, scope)
+    _fail_the_next_commit(daemon)
+    first = await _ask(raw_host, session, "d-1", unique("op"))
+    assert isinstance(first, RequestRejected) and first.code == "journal_persistence_failed"
+    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    return daemon, session
+
+
 async def _eventually(check: Callable[[], Awaitable[bool]]) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT
@@ -151,12 +164,7 @@ async def test_refusals_of_a_stored_poisoned_session_never_reuse_a_sequence_numb
     workers: Any, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
     scope = worker_env.scope
-    daemon = await workers.start()
-    session = await _opened(daemon, raw_host, scope)
-    _fail_the_next_commit(daemon)
-    first = await _ask(raw_host, session, "d-1", unique("op"))
-    assert isinstance(first, RequestRejected) and first.code == "journal_persistence_failed"
-    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    daemon, session = await _poisoned_session(workers, raw_host, scope)
     # Stored as poisoned now: every later frame is refused with a new sequence number.
     second = await _ask(raw_host, session, "d-2", unique("op"))
     assert isinstance(second, RequestRejected) and second.code == "session_poisoned"
@@ -176,12 +184,7 @@ async def test_a_failed_refusal_sequence_commit_reloads_the_scope_to_persist_it(
     workers: Any, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
     scope = worker_env.scope
-    daemon = await workers.start()
-    session = await _opened(daemon, raw_host, scope)
-    _fail_the_next_commit(daemon)
-    first = await _ask(raw_host, session, "d-1", unique("op"))
-    assert isinstance(first, RequestRejected) and first.code == "journal_persistence_failed"
-    await wait_session(daemon, scope, session.session_id, status="poisoned")
+    daemon, session = await _poisoned_session(workers, raw_host, scope)
     await _eventually(lambda: _consuming(daemon, scope))
     fence = daemon._scopes[scope].lease.token  # type: ignore[union-attr]
 
