@@ -96,12 +96,17 @@ def _decoder_for(type_: Any) -> msgspec.json.Decoder[Any]:
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
 _STRUCTURAL = bytes(range(256)).translate(None, b"[]{}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-# One translation serves both fast-path checks: digits become "0", container
-# openers become "[", everything else a space.
+# One translation serves every fast-path check: digits become "0", container
+# openers become "[", the minus sign stays "-", everything else a space.
 _FAST_CHECK_TABLE = bytes(
-    0x30 if 0x30 <= b <= 0x39 else 0x5B if b in (0x5B, 0x7B) else 0x20 for b in range(256)
+    0x30 if 0x30 <= b <= 0x39 else 0x5B if b in (0x5B, 0x7B) else 0x2D if b == 0x2D else 0x20
+    for b in range(256)
 )
+# D1 keeps an integer exact only in [-2^63, 2^64-1]. Every integer outside that
+# range has at least 20 digits, or is negative with 19 (-2^63-1 has 19), while
+# msgspec keeps any integer exact: text holding such a run takes the strict path.
 _LONG_DIGIT_RUN = b"0" * 20
+_LONG_NEGATIVE_RUN = b"-" + b"0" * 19
 
 
 def _nesting_exceeds(data: bytes, limit: int) -> bool:
@@ -302,9 +307,13 @@ def encode_struct(obj: Any) -> bytes:
 
 def _fast_candidate(raw: bytes) -> bool:
     shape = raw.translate(_FAST_CHECK_TABLE)
-    # Few openers means no deep nesting; only an integer of 20+ digits can
-    # fall outside D1's exact range.
-    return shape.count(b"[") <= MAX_JSON_NESTING and _LONG_DIGIT_RUN not in shape
+    # Few openers means no deep nesting; no long digit run means every integer
+    # lies inside D1's exact range.
+    return (
+        shape.count(b"[") <= MAX_JSON_NESTING
+        and _LONG_DIGIT_RUN not in shape
+        and _LONG_NEGATIVE_RUN not in shape
+    )
 
 
 def _reject_struct_duplicates(tree: Any, duplicated: set[int]) -> None:

@@ -53,6 +53,7 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import Cancelled, Failed, Running, Succeeded
+from tests.number_reference import reference_double
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SESSION = "session-1"
@@ -168,32 +169,6 @@ def _shuffled(value: Any, rng: random.Random) -> Any:
     return value
 
 
-def _reference_double(x: float) -> str:
-    """W§5.5 written independently: shortest digits d, exponent kk with x = 0.d × 10^kk."""
-    if x == 0.0:
-        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
-    sign = "-" if x < 0 else ""
-    mantissa, _, exponent = repr(abs(x)).partition("e")
-    whole, _, fraction = mantissa.partition(".")
-    digits = str(int(whole + fraction))
-    scale = (int(exponent) if exponent else 0) - len(fraction)
-    stripped = digits.rstrip("0")
-    scale += len(digits) - len(stripped)
-    d, n = stripped, len(stripped)
-    kk = n + scale
-    if n <= kk <= 16:
-        body = d + "0" * (kk - n) + ".0"
-    elif 0 < kk <= 16:
-        body = d[:kk] + "." + d[kk:]
-    elif -5 < kk <= 0:
-        body = "0." + "0" * (-kk) + d
-    elif n == 1:
-        body = d + "e" + str(kk - 1)
-    else:
-        body = d[0] + "." + d[1:] + "e" + str(kk - 1)
-    return sign + body
-
-
 # Canonical JSON -------------------------------------------------------------------------
 
 
@@ -240,7 +215,7 @@ def test_whitespace_and_key_order_on_input_do_not_change_the_canonical_form(valu
 @given(FINITE)
 def test_doubles_are_written_by_the_w55_rules(x: float) -> None:
     written = compact_json(x).decode()
-    assert written == _reference_double(x)
+    assert written == reference_double(x)
     parsed = parse_json(written)
     assert isinstance(parsed, float)
     assert parsed == x
@@ -254,7 +229,7 @@ def test_integers_are_exact_only_in_the_d1_range(n: int) -> None:
     if -(2**63) <= n <= 2**64 - 1:
         assert written == str(n)
     else:
-        assert written == _reference_double(float(n))
+        assert written == reference_double(float(n))
 
 
 # Frames ---------------------------------------------------------------------------------
