@@ -1,15 +1,16 @@
 # Octo: one entry point for tests and the demo.
 #   make test   create .venv, install Octo with its test extra, make sure RabbitMQ
-#               answers on 127.0.0.1:5672, then ruff, mypy --strict and pytest.
+#               answers on 127.0.0.1:5672 and PostgreSQL on 127.0.0.1:5432 (with
+#               the test role and database), then ruff, mypy --strict and pytest.
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PACKAGES := octo_common octo_worker octo_host
 
-.PHONY: test lint typecheck pytest venv rabbitmq demo bench clean
+.PHONY: test lint typecheck pytest venv rabbitmq postgres demo bench clean
 
-test: venv rabbitmq lint typecheck pytest
+test: venv rabbitmq postgres lint typecheck pytest
 
 venv: $(VENV)/.installed
 
@@ -21,6 +22,9 @@ $(VENV)/.installed: pyproject.toml
 
 rabbitmq:
 	sh deploy/ensure-rabbitmq.sh
+
+postgres:
+	sh deploy/ensure-postgres.sh
 
 lint: venv
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench
