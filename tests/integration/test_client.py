@@ -426,7 +426,8 @@ async def test_a_key_dispatched_to_one_scope_is_never_dispatched_to_another(
     dispatching = asyncio.create_task(client.dispatch(away, run, key, publish_payload()))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT
-    while not away._waiters and loop.time() < deadline:
+    # The waiter is registered before the publish is confirmed: wait for the count.
+    while client.published["dispatch_operation"] < 1 and loop.time() < deadline:
         await asyncio.sleep(0.01)
     assert client.published["dispatch_operation"] == 1  # out, to the other scope
     dispatching.cancel()
