@@ -5,7 +5,8 @@ is validated before it is returned; a struct produced by the decoder is not
 validated at construction, so that decoding can validate in the exact order
 the protocol prescribes (W§7.3). msgspec builds decoded structs without
 calling the class, so putting both rules in the metaclass's ``__call__``
-separates the two cases cleanly.
+separates the two cases cleanly; the same hook gives constructor-only
+defaults to structs that are not validated at construction.
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ def mark_validated(obj: Any) -> None:
 def is_validated(obj: Any) -> bool:
     """True when ``obj`` itself passed ``validate()`` since it was built."""
     return _VALIDATED.get(id(obj)) is obj
+
+
+class BuildArgumentsMeta(msgspec.StructMeta):
+    """Metaclass: a class's ``_build_arguments(args, kwargs)`` shapes constructor calls.
+
+    It runs only when user code calls the class, never when the decoder builds
+    a struct: constructor defaults set there (W§6.1) are never decoding
+    defaults, so a field the wire must carry stays required (W§4.1).
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        build = getattr(cls, "_build_arguments", None)
+        if build is not None:
+            args, kwargs = build(args, kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 class ProtocolStructMeta(msgspec.StructMeta):

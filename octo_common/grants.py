@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
-from octo_common._struct import ProtocolStruct
+from octo_common._struct import BuildArgumentsMeta, ProtocolStruct
 from octo_common.codec import encode_struct
 from octo_common.digest import grant_fingerprint_of_encoding
 from octo_common.errors import (
@@ -100,14 +100,29 @@ def _normalise_resources(resources: Iterable[ResourceSelector]) -> tuple[Resourc
     return tuple(sorted(unique, key=ResourceSelector.sort_key))
 
 
-class CapabilityGrant(msgspec.Struct, frozen=True):
-    """A grant for one tool. Immutable; validated by ``validate()`` (W§6.1)."""
+# W§6.1 constructor defaults for the three limits the wire must always carry.
+_CONSTRUCTOR_DEFAULTS: tuple[tuple[str, int], ...] = (
+    ("max_calls", DEFAULT_MAX_CALLS),
+    ("max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
+    ("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES),
+)
+
+
+class CapabilityGrant(msgspec.Struct, frozen=True, metaclass=BuildArgumentsMeta):
+    """A grant for one tool. Immutable; validated by ``validate()`` (W§6.1).
+
+    Decoding requires ``tool``, ``format``, ``max_calls``, ``max_input_bytes``
+    and ``max_output_bytes`` (W§4.1 states no default for them; a grant
+    without one is a ``SerializationError``); only ``max_compensations`` (0)
+    and ``resources`` (empty) may be absent. The constructor keeps the
+    defaults of W§6.1 for all five limits.
+    """
 
     tool: str
     format: Format
-    max_calls: U32 = DEFAULT_MAX_CALLS
-    max_input_bytes: U32 = DEFAULT_MAX_INPUT_BYTES
-    max_output_bytes: U32 = DEFAULT_MAX_OUTPUT_BYTES
+    max_calls: U32
+    max_input_bytes: U32
+    max_output_bytes: U32
     max_compensations: U32 = DEFAULT_MAX_COMPENSATIONS
     resources: tuple[ResourceSelector, ...] = ()
 
@@ -123,6 +138,16 @@ class CapabilityGrant(msgspec.Struct, frozen=True):
             max_compensations: int = DEFAULT_MAX_COMPENSATIONS,
             resources: Iterable[ResourceSelector] = (),
         ) -> None: ...
+
+    @classmethod
+    def _build_arguments(
+        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # Positions 2..4 are the three limits; fill the ones the caller left out.
+        for position, (name, default) in enumerate(_CONSTRUCTOR_DEFAULTS, start=2):
+            if len(args) <= position and name not in kwargs:
+                kwargs[name] = default
+        return args, kwargs
 
     def __post_init__(self) -> None:
         if self.format not in ("text", "json"):
