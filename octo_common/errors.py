@@ -1017,6 +1017,24 @@ class StorageBackendError(StorageError):
     detail: str
 
 
+# Deployment (not a protocol error) -------------------------------------------
+
+
+class InvalidConfiguration(OctoError):
+    """A worker or host configuration file (or a file it names) is unusable.
+
+    ``detail`` names the configuration key and what is wrong with it, in one
+    line; it never holds key bytes or passwords.
+    """
+
+    _fields = ("detail",)
+    _text = "invalid configuration"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"invalid configuration: {self.detail}"
+
+
 def _all_error_classes() -> list[type[OctoError]]:
     found: list[type[OctoError]] = []
     pending: list[type[OctoError]] = [OctoError]

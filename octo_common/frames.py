@@ -12,9 +12,7 @@ from __future__ import annotations
 import enum
 import hmac
 import os
-import re
 import secrets
-import stat
 from typing import Annotated, Any, Final, NoReturn
 
 import blake3
@@ -39,6 +37,7 @@ from octo_common.errors import (
     WireFrameTooLarge,
 )
 from octo_common.ids import is_fingerprint, validate_token
+from octo_common.keyfile import KeyFileRefused, read_key_file
 from octo_common.limits import (
     KEY_NONCE_BYTES,
     MAX_SEQUENCE,
@@ -61,7 +60,15 @@ __all__ = [
 
 _ZERO_KEY: Final = bytes(32)
 _WINDOW_MASK: Final = (1 << REPLAY_WINDOW_SIZE) - 1
-_HEX64: Final = re.compile(rb"[0-9a-fA-F]{64}\n?")
+# KeyFileRefused.reason -> InvalidScopeKey.reason (W§7.1 names three).
+_SCOPE_KEY_REASONS: Final[dict[str, str]] = {
+    "missing": "unreadable",
+    "unopenable": "unreadable",
+    "unreadable": "unreadable",
+    "not_regular": "permissions",
+    "permissions": "permissions",
+    "format": "format",
+}
 
 
 def _refuse_copy(self: Any, *args: Any) -> NoReturn:
@@ -118,32 +125,17 @@ class ScopeKey(_SecretBytes):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ScopeKey:
-        """A regular file with no permissions for group or others.
+        """A regular file (not a link) with no permissions for group or others.
 
-        Content: exactly 32 raw bytes, or 64 hex characters and one optional
-        newline. The key never appears in an error.
+        Content: exactly 32 raw bytes, or 64 lowercase hex characters and one
+        optional newline (the rule of :mod:`octo_common.keyfile`). The key
+        never appears in an error.
         """
         try:
-            # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
-            fd = os.open(
-                os.fspath(path),
-                os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0),
-            )
-        except OSError:
-            raise InvalidScopeKey("unreadable") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077:
-                raise InvalidScopeKey("permissions")
-            with os.fdopen(os.dup(fd), "rb") as handle:
-                content = handle.read(SCOPE_KEY_BYTES * 2 + 2)
-        finally:
-            os.close(fd)
-        if len(content) == SCOPE_KEY_BYTES:
-            return cls.from_bytes(content)
-        if _HEX64.fullmatch(content) is not None and content[:64] == content[:64].lower():
-            return cls.from_bytes(bytes.fromhex(content[:64].decode("ascii")))
-        raise InvalidScopeKey("format")
+            data = read_key_file(path)
+        except KeyFileRefused as refused:
+            raise InvalidScopeKey(_SCOPE_KEY_REASONS[refused.reason]) from None
+        return cls.from_bytes(data)
 
 
 class SessionKey(_SecretBytes):

@@ -90,7 +90,7 @@ from octo_common.digest import ledger_input_fingerprint
 from octo_common.errors import (
     CompensationActionDenied,
     CompensationGrantDenied,
-    InvalidScopeKey,
+    InvalidConfiguration,
     OctoError,
 )
 from octo_common.frames import ScopeKey
@@ -103,7 +103,14 @@ from octo_common.limits import (
     DEFAULT_MAX_OUTPUT_BYTES,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
-from octo_common.records import StorageKey, StorageKeyId, StorageKeyring
+from octo_common.records import StorageKeyId, StorageKeyring
+from octo_common.runtime.keyfiles import (
+    load_key_file,
+    load_scope_key,
+    load_storage_key,
+    read_secret_text,
+    resolve_path,
+)
 from octo_host.compensation import WorkflowCompensationAction
 
 __all__ = [
@@ -120,21 +127,13 @@ __all__ = [
     "ScopeConfig",
     "load_config",
     "load_key_file",
+    "load_scope_key",
+    "load_storage_key",
     "parse_config",
+    "resolve_path",
 ]
 
 DEFAULT_CONFIG = "/etc/octo/host.toml"
-
-
-class InvalidConfiguration(OctoError):
-    """The configuration file (or a file it names) is unusable."""
-
-    _fields = ("detail",)
-    _text = "invalid configuration"
-    detail: str
-
-    def __str__(self) -> str:
-        return f"invalid configuration: {self.detail}"
 
 
 class HostSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -406,86 +405,6 @@ class ConfiguredActionVerifier:
 
     def __repr__(self) -> str:
         return "ConfiguredActionVerifier()"
-
-
-def resolve_path(value: str, base: Path, where: str = "") -> Path:
-    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``.
-
-    ``where`` (the config key) prefixes an error.
-    """
-    credentials = os.environ.get("CREDENTIALS_DIRECTORY")
-    if "${CREDENTIALS_DIRECTORY}" in value:
-        if not credentials:
-            prefix = f"{where}: " if where else ""
-            raise InvalidConfiguration(
-                f"{prefix}{value!r} names $CREDENTIALS_DIRECTORY, which is not set"
-                " (systemd LoadCredential)"
-            )
-        value = value.replace("${CREDENTIALS_DIRECTORY}", credentials)
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base / path
-
-
-# Key files --------------------------------------------------------------------------
-
-
-def _read_private_file(path: Path, where: str) -> bytes:
-    try:
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
-        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise InvalidConfiguration(f"{where}: {path} does not exist") from None
-    except OSError as exc:
-        raise InvalidConfiguration(f"{where}: cannot open {path} ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if info.st_mode & 0o170000 != 0o100000:
-            raise InvalidConfiguration(f"{where}: {path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise InvalidConfiguration(
-                f"{where}: {path} grants permissions to group or others "
-                f"(mode {info.st_mode & 0o777:o}); run chmod 600 {path}"
-            )
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read(4096)
-    finally:
-        os.close(fd)
-
-
-_HEX64 = re.compile(rb"[0-9a-f]{64}\n?")
-
-
-def load_key_file(path: Path, where: str) -> bytes:
-    """32 raw bytes or 64 lowercase hex (+ optional newline) from a private file."""
-    content = _read_private_file(path, where)
-    if len(content) == 32:
-        return content
-    if _HEX64.fullmatch(content):
-        return bytes.fromhex(content[:64].decode("ascii"))
-    raise InvalidConfiguration(
-        f"{where}: {path} must hold 32 raw bytes or 64 lowercase hex characters"
-    )
-
-
-def load_scope_key(path: Path, where: str) -> ScopeKey:
-    data = load_key_file(path, where)
-    try:
-        return ScopeKey.from_bytes(data)
-    except InvalidScopeKey as exc:
-        raise InvalidConfiguration(f"{where}: {path}: scope key is {exc.reason}") from None
-
-
-def load_storage_key(path: Path, where: str) -> StorageKey:
-    return StorageKey(load_key_file(path, where))
-
-
-def read_secret_text(path: Path, where: str) -> str:
-    content = _read_private_file(path, where)
-    try:
-        return content.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise InvalidConfiguration(f"{where}: {path} is not UTF-8 text") from None
 
 
 # Validation -----------------------------------------------------------------------------

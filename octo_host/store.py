@@ -10,7 +10,8 @@ This module owns the I/O side of authenticated storage:
   returning or overwriting it, seals writes with the keyring's active key;
 * ``SqliteLedgerStore``: the host ledger store, an ``AuthenticatedStore`` over
   a ``SqliteRecordBackend``;
-* ``load_storage_key`` (the W§7.1 file rule) and ``initialise_anchor``.
+* ``initialise_anchor``, and ``load_storage_key`` (the W§7.1 file rule, from
+  :mod:`octo_common.runtime.keyfiles`).
 
 The envelope, tag, keyring and anchor format are pure and live in
 ``octo_common.records``. This module never logs, returns or raises key
@@ -38,13 +39,10 @@ from octo_common.errors import (
     FencingTokenRejected,
     InvalidFencingToken,
     InvalidReplacementRevision,
-    InvalidStorageKey,
     OctoError,
     PayloadTooLarge,
     RevisionExhausted,
     RevisionFloorMismatch,
-    RollbackAnchorInvalid,
-    RollbackAnchorMissing,
     RollbackDetected,
     StorageBackendError,
     WriteConflict,
@@ -54,23 +52,21 @@ from octo_common.limits import (
     MAX_U64,
     SQLITE_BUSY_TIMEOUT_SECONDS,
     SQLITE_MAX_INTEGER,
-    STORAGE_KEY_BYTES,
 )
 from octo_common.records import (
     AuthenticatedRecord,
     Conflict,
-    StorageKey,
     StorageKeyring,
     StorageRecordKey,
     StorageSnapshot,
     Stored,
     StoredRecord,
-    decode_anchor,
-    encode_anchor,
     open_record,
     seal_record,
     validate_revision_pair,
 )
+from octo_common.runtime.anchorfile import read_anchor, write_anchor, write_anchor_file
+from octo_common.runtime.keyfiles import read_storage_key as load_storage_key
 
 __all__ = [
     "LEDGER_NAMESPACE",
@@ -97,80 +93,7 @@ def ledger_record_key(run: str) -> StorageRecordKey:
     return StorageRecordKey(LEDGER_NAMESPACE, run)
 
 
-# Keys from files (W§7.1 rule, H§17.1) --------------------------------------------
-
-
-def _key_file_error(reason: str) -> InvalidStorageKey:
-    error = InvalidStorageKey()
-    error.add_note(f"storage key file: {reason}")
-    return error
-
-
-def load_storage_key(path: str | os.PathLike[str]) -> StorageKey:
-    """Read a 32-byte storage key from a file.
-
-    The file must be a regular file with no permissions for group or
-    others (``mode & 0o077 == 0``); its content is exactly 32 raw bytes, or
-    64 hex characters optionally followed by one ``\\n``. Every failure is
-    ``InvalidStorageKey`` with a note naming the problem (unreadable,
-    permissions, format), never the content.
-    """
-    try:
-        # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        raise _key_file_error("unreadable") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077:
-            raise _key_file_error("permissions")
-        chunks: list[bytes] = []
-        remaining = 2 * STORAGE_KEY_BYTES + 2  # one byte more than any valid file
-        while remaining > 0:
-            chunk = os.read(fd, remaining)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        content = b"".join(chunks)
-    except OSError:
-        raise _key_file_error("unreadable") from None
-    finally:
-        os.close(fd)
-    if len(content) == STORAGE_KEY_BYTES:
-        return StorageKey(content)
-    text = content[:-1] if content.endswith(b"\n") else content
-    if len(text) == 2 * STORAGE_KEY_BYTES and all(c in b"0123456789abcdefABCDEF" for c in text):
-        return StorageKey(bytes.fromhex(text.decode("ascii")))
-    raise _key_file_error("format")
-
-
 # Rollback anchor file (H§17.10) ----------------------------------------------------
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_anchor_file(path: Path, content: bytes) -> None:
-    """Replace the anchor atomically: ``<path>.tmp``, fsync, rename, fsync dir."""
-    temporary = path.with_name(path.name + ".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask may have removed bits; never add any
-        view = memoryview(content)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
 
 
 def initialise_anchor(path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
@@ -182,22 +105,12 @@ def initialise_anchor(path: str | os.PathLike[str], *, overwrite: bool = False) 
     anchor file is only replaced with ``overwrite=True``.
     """
     target = Path(os.fspath(path))
-    if target.exists() and not overwrite:
+    if os.path.lexists(target) and not overwrite:
         raise StorageBackendError("rollback anchor file already exists")
     try:
-        _write_anchor_file(target, _EMPTY_ANCHOR)
+        write_anchor_file(target, _EMPTY_ANCHOR)
     except OSError as exc:
         raise StorageBackendError(f"rollback anchor write failed: {exc.strerror}") from exc
-
-
-def _read_anchor_file(path: Path) -> dict[StorageRecordKey, int]:
-    try:
-        content = path.read_bytes()
-    except FileNotFoundError:
-        raise RollbackAnchorMissing() from None
-    except OSError as exc:
-        raise RollbackAnchorInvalid(f"unreadable: {exc.strerror}") from None
-    return decode_anchor(content)
 
 
 # Backend contract (H§17.3) ----------------------------------------------------------
@@ -767,7 +680,7 @@ class SqliteRecordBackend:
         for key, revision in advanced.items():
             self._anchor[key] = max(revision, self._anchor.get(key, 0))
         try:
-            _write_anchor_file(self._anchor_path, encode_anchor(self._anchor))
+            write_anchor(self._anchor_path, self._anchor)
         except OSError as exc:
             return f"rollback anchor write failed: {exc.strerror}"
         return None
@@ -778,7 +691,7 @@ class SqliteRecordBackend:
         anchor = None
         if self._anchor_path is not None:
             # Before creating anything: a configured anchor must already exist.
-            anchor = _read_anchor_file(self._anchor_path)
+            anchor = read_anchor(self._anchor_path)
         try:
             _prepare_files(self._path)
         except OSError as exc:

@@ -21,10 +21,17 @@ from typing import Any, Literal
 
 import msgspec
 
-from octo_common.errors import InvalidScopeKey, OctoError
+from octo_common.errors import InvalidConfiguration, OctoError
 from octo_common.frames import ScopeKey
 from octo_common.ids import is_token
-from octo_common.records import StorageKey, StorageKeyId, StorageKeyring
+from octo_common.records import StorageKeyId, StorageKeyring
+from octo_common.runtime.keyfiles import (
+    load_key_file,
+    load_scope_key,
+    load_storage_key,
+    read_secret_text,
+    resolve_path,
+)
 
 __all__ = [
     "BrokerConfig",
@@ -33,18 +40,10 @@ __all__ = [
     "WorkerConfig",
     "load_config",
     "load_key_file",
+    "load_scope_key",
+    "load_storage_key",
+    "resolve_path",
 ]
-
-
-class InvalidConfiguration(OctoError):
-    """The configuration file (or a file it names) is unusable."""
-
-    _fields = ("detail",)
-    _text = "invalid configuration"
-    detail: str
-
-    def __str__(self) -> str:
-        return f"invalid configuration: {self.detail}"
 
 
 class BrokerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -221,84 +220,6 @@ def _keyring(
     except OctoError as exc:
         raise InvalidConfiguration(f"{where}: {exc.code}") from None
     return ring
-
-
-def resolve_path(value: str, base: Path, where: str = "") -> Path:
-    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``.
-
-    ``where`` (the config key) prefixes an error.
-    """
-    credentials = os.environ.get("CREDENTIALS_DIRECTORY")
-    if "${CREDENTIALS_DIRECTORY}" in value:
-        if not credentials:
-            prefix = f"{where}: " if where else ""
-            raise InvalidConfiguration(
-                f"{prefix}{value!r} names $CREDENTIALS_DIRECTORY, which is not set"
-                " (systemd LoadCredential)"
-            )
-        value = value.replace("${CREDENTIALS_DIRECTORY}", credentials)
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base / path
-
-
-def _check_private_file(path: Path, where: str) -> bytes:
-    try:
-        # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
-        fd = os.open(
-            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        )
-    except FileNotFoundError:
-        raise InvalidConfiguration(f"{where}: {path} does not exist") from None
-    except OSError as exc:
-        raise InvalidConfiguration(f"{where}: cannot open {path} ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not (info.st_mode & 0o170000 == 0o100000):
-            raise InvalidConfiguration(f"{where}: {path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise InvalidConfiguration(
-                f"{where}: {path} grants permissions to group or others "
-                f"(mode {info.st_mode & 0o777:o}); run chmod 600 {path}"
-            )
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read(4096)
-    finally:
-        os.close(fd)
-
-
-_HEX64 = re.compile(rb"[0-9a-f]{64}\n?")
-
-
-def load_key_file(path: Path, where: str) -> bytes:
-    """32 raw bytes or 64 lowercase hex (+ optional newline) from a private file."""
-    content = _check_private_file(path, where)
-    if len(content) == 32:
-        return content
-    if _HEX64.fullmatch(content):
-        return bytes.fromhex(content[:64].decode("ascii"))
-    raise InvalidConfiguration(
-        f"{where}: {path} must hold 32 raw bytes or 64 lowercase hex characters"
-    )
-
-
-def load_scope_key(path: Path, where: str) -> ScopeKey:
-    data = load_key_file(path, where)
-    try:
-        return ScopeKey.from_bytes(data)
-    except InvalidScopeKey as exc:
-        raise InvalidConfiguration(f"{where}: {path}: scope key is {exc.reason}") from None
-
-
-def load_storage_key(path: Path, where: str) -> StorageKey:
-    return StorageKey(load_key_file(path, where))
-
-
-def read_secret_text(path: Path, where: str) -> str:
-    content = _check_private_file(path, where)
-    try:
-        return content.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise InvalidConfiguration(f"{where}: {path} is not UTF-8 text") from None
 
 
 _PATH = re.compile(r"`\$\.?([^`]*)`")

@@ -81,7 +81,6 @@ from octo_common.errors import (
     RecordLocationMismatch,
     RevisionExhausted,
     RevisionFloorMismatch,
-    RollbackAnchorMissing,
     RollbackDetected,
     SerializationError,
     SessionReplay,
@@ -97,13 +96,12 @@ from octo_common.limits import (
 from octo_common.records import (
     StorageKeyring,
     StorageRecordKey,
-    decode_anchor,
     decrypt_document,
-    encode_anchor,
     encrypt_document,
     open_record,
     seal_record,
 )
+from octo_common.runtime.anchorfile import read_anchor, write_anchor
 from octo_common.states import TERMINAL_KINDS
 from octo_worker.journal import JournalChangeset, WorkerOperationRecord
 
@@ -1426,11 +1424,7 @@ class SqliteJournalStore:
 
     def _read_anchor_file(self) -> dict[StorageRecordKey, int]:
         assert self._anchor_path is not None
-        try:
-            data = self._anchor_path.read_bytes()
-        except FileNotFoundError:
-            raise RollbackAnchorMissing() from None
-        return decode_anchor(data)
+        return read_anchor(self._anchor_path)
 
     @staticmethod
     def _check_anchor(anchor: Mapping[StorageRecordKey, int], heads: Mapping[str, int]) -> None:
@@ -1443,22 +1437,7 @@ class SqliteJournalStore:
 
     def _write_anchor_file(self, revisions: Mapping[StorageRecordKey, int]) -> None:
         assert self._anchor_path is not None
-        data = encode_anchor(revisions)
-        temporary = Path(os.fspath(self._anchor_path) + ".tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(descriptor, view) :]
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        os.replace(temporary, self._anchor_path)
-        directory = os.open(self._anchor_path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        write_anchor(self._anchor_path, revisions)
 
     def _connection(self) -> sqlite3.Connection:
         if self._writer is None:

@@ -935,9 +935,20 @@ def test_storage_key_file_must_be_a_readable_regular_file(tmp_path: Path) -> Non
         load_storage_key(directory)
     with pytest.raises(InvalidStorageKey):
         load_storage_key(tmp_path / "absent.key")
+    # A link is refused like every other key file (W§7.1): the file itself is judged.
     link = tmp_path / "link.key"
     os.symlink(write_key_file(tmp_path / "real.key", bytes(32)), link)
-    assert load_storage_key(link) == StorageKey(bytes(32))
+    with pytest.raises(InvalidStorageKey) as caught:
+        load_storage_key(link)
+    assert "unreadable" in "".join(getattr(caught.value, "__notes__", []))
+    assert load_storage_key(tmp_path / "real.key") == StorageKey(bytes(32))
+
+
+def test_storage_key_file_in_uppercase_hex_is_refused(tmp_path: Path) -> None:
+    upper = bytes(range(32)).hex().upper().encode()
+    with pytest.raises(InvalidStorageKey) as caught:
+        load_storage_key(write_key_file(tmp_path / "storage.key", upper))
+    assert "format" in "".join(getattr(caught.value, "__notes__", []))
 
 
 # AuthenticatedStore against a backend whose answer disagrees with its snapshot -------------

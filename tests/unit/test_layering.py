@@ -1,0 +1,142 @@
+"""Import rules between the packages, read from the source (ARCHITECTURE.md "Layers").
+
+* The protocol modules of ``octo_common`` (everything outside
+  ``octo_common/runtime/``) import no I/O module and nothing from
+  ``octo_common.runtime``.
+* ``octo_common.runtime`` is imported by ``octo_worker`` and ``octo_host``
+  only, and imports neither of them.
+* ``octo_worker`` and ``octo_host`` never import each other.
+
+Every ``import`` statement counts, also one inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = "octo_common.runtime"
+IO_MODULES = frozenset(
+    {
+        "asyncio",
+        "sqlite3",
+        "socket",
+        "ssl",
+        "aio_pika",
+        "aiormq",
+        "pamqp",
+        "asyncpg",
+        "psycopg",
+        "subprocess",
+        "selectors",
+        "threading",
+    }
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def imported(path: Path) -> Iterator[str]:
+    """Every module name an import statement of ``path`` names (``from a import b``: a and a.b)."""
+    source = path.read_text(encoding="utf-8")
+    return imported_by(source, module_name(path), path.name == "__init__.py")
+
+
+def imported_by(source: str, module: str, is_package: bool) -> Iterator[str]:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")
+                if not is_package:
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join([*base, node.module] if node.module else base)
+            else:
+                source = node.module or ""
+            yield source
+            for alias in node.names:
+                yield f"{source}.{alias.name}"
+
+
+def top(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+PROTOCOL_MODULES = [
+    path for path in modules("octo_common") if not within(module_name(path), RUNTIME)
+]
+
+
+def test_the_protocol_modules_are_found() -> None:
+    names = {module_name(path) for path in PROTOCOL_MODULES}
+    assert {"octo_common.frames", "octo_common.transport", "octo_common.keyfile"} <= names
+    assert not any(within(name, RUNTIME) for name in names)
+
+
+@pytest.mark.parametrize("path", PROTOCOL_MODULES, ids=module_name)
+def test_a_protocol_module_imports_no_io_module_and_no_runtime(path: Path) -> None:
+    bad = sorted(
+        {name for name in imported(path) if top(name) in IO_MODULES or within(name, RUNTIME)}
+    )
+    assert bad == [], f"{module_name(path)} imports {bad}"
+
+
+def test_runtime_is_imported_only_by_the_worker_and_the_host() -> None:
+    importers = {
+        module_name(path)
+        for package in ("octo_common", "octo_worker", "octo_host")
+        for path in modules(package)
+        if not within(module_name(path), RUNTIME)
+        and any(within(name, RUNTIME) for name in imported(path))
+    }
+    assert importers, "nothing imports the runtime: this test would check nothing"
+    assert {top(name) for name in importers} <= {"octo_worker", "octo_host"}, importers
+
+
+@pytest.mark.parametrize("path", modules(RUNTIME.replace(".", "/")), ids=module_name)
+def test_runtime_imports_neither_the_worker_nor_the_host(path: Path) -> None:
+    bad = sorted({name for name in imported(path) if top(name) in ("octo_worker", "octo_host")})
+    assert bad == [], f"{module_name(path)} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    ("package", "other"), [("octo_worker", "octo_host"), ("octo_host", "octo_worker")]
+)
+def test_the_worker_and_the_host_never_import_each_other(package: str, other: str) -> None:
+    bad = sorted(
+        {
+            f"{module_name(path)} -> {name}"
+            for path in modules(package)
+            for name in imported(path)
+            if top(name) == other
+        }
+    )
+    assert bad == []
+
+
+def test_the_scanner_sees_imports_inside_functions_and_relative_ones() -> None:
+    # A check of the checker: nested, relative and package-relative imports are found.
+    assert module_name(ROOT / "octo_common" / "runtime" / "__init__.py") == RUNTIME
+    source = "def f():\n    import sqlite3\n    from asyncio import sleep\nfrom . import runtime\n"
+    names = set(imported_by(source, "octo_common.frames", is_package=False))
+    assert {"sqlite3", "asyncio", "asyncio.sleep", "octo_common.runtime"} <= names
+    names = set(imported_by("from .sqlite import x\n", RUNTIME, is_package=True))
+    assert "octo_common.runtime.sqlite.x" in names
