@@ -13,6 +13,8 @@ This module owns the I/O side of authenticated storage:
 * ``initialise_anchor``, and ``load_storage_key`` (the W§7.1 file rule, from
   :mod:`octo_common.runtime.keyfiles`).
 
+The PostgreSQL backend and ledger store (D13) are in ``octo_host.store_postgres``.
+
 The envelope, tag, keyring and anchor format are pure and live in
 ``octo_common.records``. This module never logs, returns or raises key
 material or payload bytes, and never interprets a payload.
@@ -27,7 +29,7 @@ import queue
 import sqlite3
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -1173,18 +1175,19 @@ class AuthenticatedStore:
         expected = _check_expected(expected)
         data = _payload_bytes(payload)
         backend = self._backend
-        if (
-            isinstance(backend, SqliteRecordBackend)
-            and len(data) <= MAX_AUTHENTICATED_PAYLOAD_BYTES
-        ):
-            # One hand-off: seal first (it depends only on the expectation),
-            # then open the current record, compare and swap in one
-            # transaction. A seal failure takes the step-by-step path below,
-            # which reports the errors in the H§17.4 order.
+        opened: Callable[..., Awaitable[Stored | Conflict]] | None = getattr(
+            backend, "compare_and_swap_opened", None
+        )
+        if opened is not None and len(data) <= MAX_AUTHENTICATED_PAYLOAD_BYTES:
+            # One hand-off (any backend with compare_and_swap_opened): seal
+            # first (it depends only on the expectation), then open the
+            # current record, compare and swap in one transaction. A seal
+            # failure takes the step-by-step path below, which reports the
+            # errors in the H§17.4 order.
             sealed = self._seal_quietly(key, expected, data)
             if sealed is not None:
                 replacement, key_id = sealed
-                outcome = await backend.compare_and_swap_opened(
+                outcome = await opened(
                     key,
                     expected,
                     replacement,

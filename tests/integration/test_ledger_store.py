@@ -1,9 +1,18 @@
 """Authenticated ledger storage on real backends (H§17.3-17.7, H§17.10, H§20 ex. 22-23).
 
-Every H§20 example 22 scenario runs against the ``VolatileMemoryStore`` and
-against a real SQLite file (``SqliteRecordBackend``). Tampering goes through a
-"backdoor" that edits the backend's state directly, as someone with access to
-the database file would.
+One suite for every backend: each H§20 example 22 scenario runs against the
+``VolatileMemoryStore``, a real SQLite file (``SqliteRecordBackend``) and a
+real PostgreSQL schema (``PostgresRecordBackend``, marked ``postgres``); the
+durable-database behaviours (reopening, two store objects on one database,
+fences shared through it, ceilings, group commit, schema versions) run on
+SQLite and PostgreSQL. Tampering goes through a "backdoor" that edits the
+backend's state directly, as someone with access to the database would.
+
+SQLite only, because they are about its file or its thread: the rollback
+anchor file (PostgreSQL stores take none, see ``octo_host.store_postgres``),
+file and directory modes, an unusable database path, a thread that cannot
+start, and the thread internals of the database-error, defect and close
+tests (their PostgreSQL counterparts are in ``test_ledger_store_postgres.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +73,8 @@ from octo_host.store import (
     ledger_record_key,
     load_storage_key,
 )
+from octo_host.store_postgres import PostgresLedgerStore, PostgresRecordBackend
+from tests.postgres import PostgresSchema
 
 RUN = ledger_record_key("release-42")
 OTHER_RUN = ledger_record_key("release-43")
@@ -144,6 +155,142 @@ class SqliteBackdoor(Backdoor):
         finally:
             connection.close()
 
+    async def delete_heads(self) -> None:
+        connection = self._connect()
+        try:
+            connection.execute("DELETE FROM heads")  # foreign keys are off in this connection
+        finally:
+            connection.close()
+
+    async def schema_version(self) -> list[int]:
+        connection = self._connect()
+        try:
+            return [row[0] for row in connection.execute("SELECT version FROM schema_version")]
+        finally:
+            connection.close()
+
+    async def set_schema_version(self, version: int) -> None:
+        connection = self._connect()
+        try:
+            connection.execute("UPDATE schema_version SET version = ?", (version,))
+        finally:
+            connection.close()
+
+
+class PostgresBackdoor(Backdoor):
+    """The same edits on the PostgreSQL tables, through a connection of its own."""
+
+    def __init__(self, place: PostgresSchema) -> None:
+        self.place = place
+
+    async def stored(self, key: StorageRecordKey) -> StoredRecord | None:
+        connection = await self.place.connect()
+        try:
+            row = await connection.fetchrow(
+                "SELECT revision, envelope FROM items WHERE namespace=$1 AND name=$2 AND item=''",
+                key.namespace,
+                key.name,
+            )
+        finally:
+            await connection.close()
+        return None if row is None else StoredRecord(row[0], row[1])
+
+    async def put(self, key: StorageRecordKey, record: StoredRecord | None, floor: int) -> None:
+        connection = await self.place.connect()
+        try:
+            async with connection.transaction():
+                await connection.execute(
+                    "INSERT INTO heads (namespace, name, revision, fence) VALUES ($1, $2, $3, 0) "
+                    "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
+                    key.namespace,
+                    key.name,
+                    floor,
+                )
+                await connection.execute(
+                    "DELETE FROM items WHERE namespace=$1 AND name=$2 AND item=''",
+                    key.namespace,
+                    key.name,
+                )
+                if record is not None:
+                    await connection.execute(
+                        "INSERT INTO items (namespace, name, item, revision, envelope) "
+                        "VALUES ($1, $2, '', $3, $4)",
+                        key.namespace,
+                        key.name,
+                        record.revision,
+                        record.data,
+                    )
+        finally:
+            await connection.close()
+
+    async def delete_heads(self) -> None:
+        connection = await self.place.connect()
+        try:
+            # As someone who edits the tables without the constraints would.
+            await connection.execute(
+                "ALTER TABLE items DROP CONSTRAINT IF EXISTS items_namespace_name_fkey"
+            )
+            await connection.execute("DELETE FROM heads")
+        finally:
+            await connection.close()
+
+    async def schema_version(self) -> list[int]:
+        connection = await self.place.connect()
+        try:
+            return [row[0] for row in await connection.fetch("SELECT version FROM schema_version")]
+        finally:
+            await connection.close()
+
+    async def set_schema_version(self, version: int) -> None:
+        connection = await self.place.connect()
+        try:
+            await connection.execute("UPDATE schema_version SET version = $1", version)
+        finally:
+            await connection.close()
+
+
+POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
+
+
+@dataclass
+class Database:
+    """One durable database (a SQLite file or a PostgreSQL schema) and how to open it."""
+
+    kind: str
+    path: Path
+    place: PostgresSchema | None
+
+    def store(self, ring: StorageKeyring | None = None) -> SqliteLedgerStore | PostgresLedgerStore:
+        """A new ledger store object on this database (as another process would open)."""
+        if self.place is None:
+            return SqliteLedgerStore(self.path, ring or new_keyring())
+        return PostgresLedgerStore(
+            self.place.url,
+            ring or new_keyring(),
+            password_file=self.place.password_file,
+            schema=self.place.schema,
+        )
+
+    def backend(self) -> SqliteRecordBackend | PostgresRecordBackend:
+        """A new record backend object on this database."""
+        if self.place is None:
+            return SqliteRecordBackend(self.path)
+        return PostgresRecordBackend(
+            self.place.url, password_file=self.place.password_file, schema=self.place.schema
+        )
+
+    @property
+    def backdoor(self) -> SqliteBackdoor | PostgresBackdoor:
+        return SqliteBackdoor(self.path) if self.place is None else PostgresBackdoor(self.place)
+
+
+@pytest.fixture(params=["sqlite", POSTGRES])
+async def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    if request.param == "sqlite":
+        return Database("sqlite", tmp_path / "ledger.db", None)
+    place: PostgresSchema = request.getfixturevalue("postgres_schema")
+    return Database("postgres", tmp_path / "unused", place)
+
 
 @dataclass
 class Env:
@@ -153,17 +300,21 @@ class Env:
     backdoor: Backdoor
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", POSTGRES])
 async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
     ring = new_keyring()
     if request.param == "memory":
         backend = VolatileMemoryStore()
         store: AuthenticatedStore = AuthenticatedStore(backend, ring)
         backdoor: Backdoor = MemoryBackdoor(backend)
-    else:
+    elif request.param == "sqlite":
         path = tmp_path / "db" / "ledger.db"
         store = SqliteLedgerStore(path, ring)
         backdoor = SqliteBackdoor(path)
+    else:
+        database = Database("postgres", tmp_path, request.getfixturevalue("postgres_schema"))
+        store = database.store(ring)
+        backdoor = database.backdoor
     try:
         yield Env(request.param, store, ring, backdoor)
     finally:
@@ -457,22 +608,27 @@ async def test_floor_forced_to_zero_under_a_live_record(env: Env) -> None:
 # Backend contract (H§17.3, H§17.6) ---------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "sqlite"])
-async def backend(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[VolatileMemoryStore | SqliteRecordBackend]:
-    chosen: VolatileMemoryStore | SqliteRecordBackend
+AnyBackend = VolatileMemoryStore | SqliteRecordBackend | PostgresRecordBackend
+
+
+@pytest.fixture(params=["memory", "sqlite", POSTGRES])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AnyBackend]:
+    chosen: AnyBackend
     if request.param == "memory":
         chosen = VolatileMemoryStore()
-    else:
+    elif request.param == "sqlite":
         chosen = SqliteRecordBackend(tmp_path / "backend.db")
+    else:
+        chosen = Database(
+            "postgres", tmp_path, request.getfixturevalue("postgres_schema")
+        ).backend()
     try:
         yield chosen
     finally:
         await chosen.close()
 
 
-async def test_backend_cas_outcomes(backend: VolatileMemoryStore | SqliteRecordBackend) -> None:
+async def test_backend_cas_outcomes(backend: AnyBackend) -> None:
     assert await backend.load(RUN) == StorageSnapshot(None, 0)
     assert await backend.compare_and_swap(RUN, None, StoredRecord(1, b"one")) == Stored(1)
     assert await backend.load(RUN) == StorageSnapshot(StoredRecord(1, b"one"), 1)
@@ -484,7 +640,7 @@ async def test_backend_cas_outcomes(backend: VolatileMemoryStore | SqliteRecordB
 
 
 async def test_backend_refuses_a_replacement_not_at_expected_plus_one(
-    backend: VolatileMemoryStore | SqliteRecordBackend,
+    backend: AnyBackend,
 ) -> None:
     with pytest.raises(InvalidReplacementRevision) as create:
         await backend.compare_and_swap(RUN, None, StoredRecord(5, b"x"))
@@ -497,7 +653,7 @@ async def test_backend_refuses_a_replacement_not_at_expected_plus_one(
 
 
 async def test_backend_fenced_cas_requires_the_current_token(
-    backend: VolatileMemoryStore | SqliteRecordBackend,
+    backend: AnyBackend,
 ) -> None:
     with pytest.raises(InvalidFencingToken):
         await backend.compare_and_swap_fenced(RUN, None, StoredRecord(1, b"x"), 0)
@@ -526,22 +682,24 @@ async def test_memory_backend_ceilings_are_u64() -> None:
         await backend.compare_and_swap(OTHER_RUN, 2**64 - 1, StoredRecord(2**64, b"y"))
 
 
-# SQLite specifics (H§17.7, H§17.10, H§20 example 23) --------------------------------------
+# Durable databases: SQLite and PostgreSQL (H§17.7, D13) --------------------------------
 
 
-async def test_committed_record_survives_reopening(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
-    first = SqliteLedgerStore(path, new_keyring())
+async def test_committed_record_survives_reopening(database: Database) -> None:
+    first = database.store()
     committed = await first.create(RUN, b"durable ledger")
     await first.close()
     await first.close()  # idempotent
 
-    second = SqliteLedgerStore(path, new_keyring())
+    second = database.store()
     try:
         assert await second.load(RUN) == committed
         assert await second.integrity_check() == ["ok"]
     finally:
         await second.close()
+
+
+# SQLite only: the rollback anchor file and the file modes (H§17.7, H§17.10, ex. 23) -----
 
 
 async def test_restored_backup_is_detected_by_the_anchor(tmp_path: Path) -> None:
@@ -730,8 +888,11 @@ async def test_existing_readable_directory_is_used_with_a_warning(tmp_path: Path
         await store.close()
 
 
-async def test_cas_conflict_between_sequential_writers(tmp_path: Path) -> None:
-    store = SqliteLedgerStore(tmp_path / "ledger.db", new_keyring())
+# Durable databases: several store objects on one database (D13) ---------------------
+
+
+async def test_cas_conflict_between_sequential_writers(database: Database) -> None:
+    store = database.store()
     try:
         await store.create(RUN, b"v1")
         await store.replace(RUN, 1, b"v2")
@@ -747,10 +908,9 @@ async def test_cas_conflict_between_sequential_writers(tmp_path: Path) -> None:
         await store.close()
 
 
-async def test_concurrent_cas_from_two_store_objects_on_one_file(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
-    one = SqliteLedgerStore(path, new_keyring())
-    two = SqliteLedgerStore(path, new_keyring())
+async def test_concurrent_cas_from_two_store_objects_on_one_database(database: Database) -> None:
+    one = database.store()
+    two = database.store()
     try:
         await one.create(RUN, b"v1")
         assert (await two.load(RUN)) is not None
@@ -771,9 +931,8 @@ async def test_concurrent_cas_from_two_store_objects_on_one_file(tmp_path: Path)
         await two.close()
 
 
-async def test_concurrent_backend_cas_on_one_file_has_one_winner(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
-    backends = [SqliteRecordBackend(path) for _ in range(4)]
+async def test_concurrent_backend_cas_on_one_database_has_one_winner(database: Database) -> None:
+    backends = [database.backend() for _ in range(4)]
     try:
         await backends[0].compare_and_swap(RUN, None, StoredRecord(1, b"v1"))
         outcomes = await asyncio.gather(
@@ -793,10 +952,9 @@ async def test_concurrent_backend_cas_on_one_file_has_one_winner(tmp_path: Path)
             await b.close()
 
 
-async def test_fences_are_shared_through_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
-    one = SqliteLedgerStore(path, new_keyring())
-    two = SqliteLedgerStore(path, new_keyring())
+async def test_fences_are_shared_through_the_database(database: Database) -> None:
+    one = database.store()
+    two = database.store()
     try:
         token_one = await one.reserve_fence(RUN)
         token_two = await two.reserve_fence(RUN)
@@ -810,11 +968,10 @@ async def test_fences_are_shared_through_the_file(tmp_path: Path) -> None:
         await two.close()
 
 
-async def test_sqlite_ceilings_are_i64(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
+async def test_database_ceilings_are_i64(database: Database) -> None:
     ring = new_keyring()
-    store = SqliteLedgerStore(path, ring)
-    backdoor = SqliteBackdoor(path)
+    store = database.store(ring)
+    backdoor = database.backdoor
     try:
         await store.create(RUN, b"v1")
         await backdoor.put(
@@ -834,8 +991,8 @@ async def test_sqlite_ceilings_are_i64(tmp_path: Path) -> None:
         await store.close()
 
 
-async def test_cancelled_caller_does_not_interrupt_a_submitted_write(tmp_path: Path) -> None:
-    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+async def test_cancelled_caller_does_not_interrupt_a_submitted_write(database: Database) -> None:
+    backend = database.backend()
     try:
         await backend.load(RUN)  # open first, so the write below is the only step left
         write = asyncio.ensure_future(backend.compare_and_swap(RUN, None, StoredRecord(1, b"v1")))
@@ -848,27 +1005,24 @@ async def test_cancelled_caller_does_not_interrupt_a_submitted_write(tmp_path: P
         await backend.close()
 
 
-async def test_schema_version_is_recorded_and_newer_schemas_are_refused(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
-    store = SqliteLedgerStore(path, new_keyring())
+async def test_schema_version_is_recorded_and_newer_schemas_are_refused(
+    database: Database,
+) -> None:
+    store = database.store()
     await store.create(RUN, b"v1")
     await store.close()
-    connection = sqlite3.connect(path, isolation_level=None)
-    try:
-        assert connection.execute("SELECT version FROM schema_version").fetchall() == [(1,)]
-        connection.execute("UPDATE schema_version SET version = 99")
-    finally:
-        connection.close()
+    assert await database.backdoor.schema_version() == [1]
+    await database.backdoor.set_schema_version(99)
 
-    newer = SqliteLedgerStore(path, new_keyring())
+    newer = database.store()
     with pytest.raises(StorageBackendError) as caught:
         await newer.load(RUN)
     assert "schema" in str(caught.value)
     await newer.close()
 
 
-async def test_closed_store_refuses_work(tmp_path: Path) -> None:
-    store = SqliteLedgerStore(tmp_path / "ledger.db", new_keyring())
+async def test_closed_store_refuses_work(database: Database) -> None:
+    store = database.store()
     await store.create(RUN, b"v1")
     await store.close()
     with pytest.raises(StorageBackendError):
@@ -1007,16 +1161,13 @@ async def test_memory_store_revision_exhausted_at_u64() -> None:
     assert backend.floors[RUN] == top
 
 
-async def test_item_whose_head_row_was_deleted_is_not_mistaken_for_absence(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.db"
-    store = SqliteLedgerStore(path, new_keyring())
+async def test_item_whose_head_row_was_deleted_is_not_mistaken_for_absence(
+    database: Database,
+) -> None:
+    store = database.store()
     try:
         await store.create(RUN, b"v1")
-        connection = sqlite3.connect(path, isolation_level=None)
-        try:
-            connection.execute("DELETE FROM heads")  # foreign keys are off in this connection
-        finally:
-            connection.close()
+        await database.backdoor.delete_heads()
         with pytest.raises(RevisionFloorMismatch) as caught:
             await store.load(RUN)
         assert (caught.value.record_revision, caught.value.revision_floor) == (1, 0)
@@ -1030,10 +1181,9 @@ async def test_item_whose_head_row_was_deleted_is_not_mistaken_for_absence(tmp_p
 
 
 async def test_concurrent_writes_share_transactions_and_keep_their_own_outcomes(
-    tmp_path: Path,
+    database: Database,
 ) -> None:
-    path = tmp_path / "ledger.db"
-    backend = SqliteRecordBackend(path)
+    backend = database.backend()
     store = AuthenticatedStore(backend, new_keyring())
     keys = [StorageRecordKey("workflow-ledger", f"run-{i}") for i in range(40)]
     try:
@@ -1064,7 +1214,7 @@ async def test_concurrent_writes_share_transactions_and_keep_their_own_outcomes(
     finally:
         await store.close()
     # Everything the callers were told is on disk, and nothing else.
-    reopened = SqliteLedgerStore(path, new_keyring())
+    reopened = database.store()
     try:
         assert (await reopened.load(keys[0])) == AuthenticatedRecord(1, "storage-v1", b"first")
         assert await reopened.load(keys[1]) is None
@@ -1137,8 +1287,8 @@ async def test_a_defect_in_the_database_thread_fails_its_batch_and_not_the_backe
         await backend.close()
 
 
-async def test_a_defect_in_one_write_fails_that_caller_only(tmp_path: Path) -> None:
-    backend = SqliteRecordBackend(tmp_path / "ledger.db")
+async def test_a_defect_in_one_write_fails_that_caller_only(database: Database) -> None:
+    backend = database.backend()
     keys = [StorageRecordKey("workflow-ledger", name) for name in ("a", "b", "c")]
 
     def broken_opener(snapshot: StorageSnapshot) -> None:

@@ -1,0 +1,918 @@
+"""The host ledger store on PostgreSQL (H§17.3-17.7, PROTOCOL D13).
+
+This module owns:
+
+* ``PostgresRecordBackend``: the H§17.3 backend contract with exactly the
+  H§17.6 semantics, the state in three tables (``heads``, ``items``,
+  ``schema_version``) of one PostgreSQL schema, reached with asyncpg;
+* ``PostgresLedgerStore``: the host ledger store, an ``AuthenticatedStore``
+  over it, the counterpart of ``SqliteLedgerStore``.
+
+Several host processes, on several machines, may share one ledger database
+(D13). Compare-and-swap on each run's record is the only arbiter between
+them: every write transaction first locks the head rows of the records it
+touches, in key order, and decides each write against that locked state;
+the write statement then checks the caller's expected revision, the item's
+revision and the fence again in SQL. So of two hosts that record an intent
+for the same step of one run, the second always meets a ``WriteConflict``,
+whatever the batching, and their transactions never deadlock each other.
+
+Rollback anchor: not supported. A local anchor file (H§17.10) holds what one
+process committed and cannot follow the commits of the other hosts that
+share the database, so it would refuse their progress or miss a rollback.
+``PostgresLedgerStore`` takes no anchor and the host configuration refuses
+``[storage] url`` together with ``[ledger] anchor``. Protection against a
+database restored from an old backup is the database's own (point-in-time
+recovery, replicas, ``synchronous_commit``); within the database the floor
+rule of H§17.4 still refuses a record older than its head.
+
+This module never logs, returns or raises key material, payload bytes,
+passwords or bound SQL values: a database failure is a
+``StorageBackendError`` naming the operation, the exception class and the
+SQLSTATE only. The URL never carries a password (``password_file``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, TypeVar
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from octo_common.errors import (
+    FencingRequired,
+    FencingTokenExhausted,
+    OctoError,
+    StorageBackendError,
+)
+from octo_common.keyfile import KeyFileRefused, read_private_file
+from octo_common.records import (
+    Conflict,
+    StorageKeyring,
+    StorageRecordKey,
+    StorageSnapshot,
+    Stored,
+    StoredRecord,
+)
+from octo_host.store import (
+    AuthenticatedStore,
+    ManyWrite,
+    Opener,
+    _cas_decision,
+    _check_expected,
+    _check_key,
+    _check_many,
+    _check_replacement,
+    _check_token,
+    _establish_decision,
+    _fenced_check,
+    _Head,
+    _head_from_row,
+)
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "POSTGRES_MAX_BIGINT",
+    "PostgresLedgerStore",
+    "PostgresRecordBackend",
+    "redacted_url",
+]
+
+DEFAULT_SCHEMA = "octo_ledger"
+POSTGRES_MAX_BIGINT = 2**63 - 1
+"""The ceiling of revisions and fences (``BIGINT``), as SQLite's ``INTEGER``."""
+
+MAX_WRITES_PER_TRANSACTION = 256
+_DEADLOCK_RETRIES = 3
+_PASSWORD_READ_LIMIT = 4097  # one byte more than the longest password accepted
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_T = TypeVar("_T")
+_Connection: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
+
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """
+        CREATE TABLE {s}.heads (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            revision BIGINT NOT NULL CHECK (revision >= 0),
+            fence BIGINT NOT NULL CHECK (fence >= 0),
+            PRIMARY KEY (namespace, name)
+        )
+        """,
+        """
+        CREATE TABLE {s}.items (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            item TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            envelope BYTEA NOT NULL,
+            PRIMARY KEY (namespace, name, item),
+            FOREIGN KEY (namespace, name) REFERENCES {s}.heads (namespace, name)
+        )
+        """,
+    ),
+)
+"""Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
+
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+_HAS_VERSION_TABLE = "SELECT to_regclass('{s}.schema_version') IS NOT NULL"
+_SELECT_VERSION = "SELECT version FROM {s}.schema_version"
+_CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {s}"
+_CREATE_VERSION_TABLE = "CREATE TABLE IF NOT EXISTS {s}.schema_version (version BIGINT NOT NULL)"
+_CLEAR_VERSION = "DELETE FROM {s}.schema_version"
+_INSERT_VERSION = "INSERT INTO {s}.schema_version (version) VALUES ($1)"
+
+# One statement, so one snapshot; head and item read independently (as SQLite's).
+_SELECT_RECORD = """
+    SELECT
+      (SELECT revision FROM {s}.heads WHERE namespace = $1 AND name = $2),
+      (SELECT fence FROM {s}.heads WHERE namespace = $1 AND name = $2),
+      (SELECT revision FROM {s}.items WHERE namespace = $1 AND name = $2 AND item = ''),
+      (SELECT envelope FROM {s}.items WHERE namespace = $1 AND name = $2 AND item = '')
+"""
+
+# Locks the head of every record a transaction touches, in key order (so two
+# transactions never wait for each other in a cycle), creating an absent head
+# as revision 0, fence 0: exactly what an absent record is (H§17.3). The no-op
+# update is what locks an existing row and returns its latest committed state.
+_LOCK_HEADS = """
+    INSERT INTO {s}.heads AS h (namespace, name, revision, fence)
+    SELECT k.namespace, k.name, 0, 0
+      FROM unnest($1::text[], $2::text[]) AS k(namespace, name)
+     ORDER BY k.namespace, k.name
+    ON CONFLICT (namespace, name) DO UPDATE SET fence = h.fence
+    RETURNING h.namespace, h.name, h.revision, h.fence
+"""
+
+# A separate statement, so a fresh snapshot: it sees what the previous holder
+# of the locks committed.
+_SELECT_ITEMS = """
+    SELECT i.namespace, i.name, i.revision, i.envelope
+      FROM {s}.items AS i
+      JOIN unnest($1::text[], $2::text[]) AS k(namespace, name)
+        ON i.namespace = k.namespace AND i.name = k.name
+     WHERE i.item = ''
+"""
+
+# The caller's compare-and-swap, checked in SQL: the head must be at the
+# expected floor under the required fence and the item at the expected
+# revision, or nothing is written and no row is returned.
+_WRITE_RECORD = """
+    WITH head AS (
+        UPDATE {s}.heads SET revision = $3
+         WHERE namespace = $1 AND name = $2 AND revision = $4 AND fence = $5
+           AND (SELECT revision FROM {s}.items
+                 WHERE namespace = $1 AND name = $2 AND item = '')
+               IS NOT DISTINCT FROM $6::bigint
+        RETURNING namespace, name
+    )
+    INSERT INTO {s}.items (namespace, name, item, revision, envelope)
+    SELECT namespace, name, '', $3, $7 FROM head
+    ON CONFLICT (namespace, name, item)
+    DO UPDATE SET revision = excluded.revision, envelope = excluded.envelope
+    RETURNING revision
+"""
+
+# One statement reads and raises the fence (H§17.5 reserve_fence).
+_RESERVE_FENCE = """
+    UPDATE {s}.heads SET fence = fence + 1
+     WHERE namespace = $1 AND name = $2 AND fence < $3
+    RETURNING fence
+"""
+
+_ESTABLISH_FENCE = """
+    UPDATE {s}.heads SET fence = $3
+     WHERE namespace = $1 AND name = $2 AND fence < $3
+    RETURNING fence
+"""
+
+
+# URL, schema and password file ---------------------------------------------------
+
+
+def _check_url(url: object) -> str:
+    if not isinstance(url, str):
+        raise TypeError("url must be a str")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+        query = urllib.parse.parse_qs(parts.query)
+    except ValueError:
+        raise StorageBackendError("url: not a valid postgresql:// URL") from None
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise StorageBackendError("url: must start with postgresql://")
+    if password is not None or "password" in query:
+        raise StorageBackendError("url: must not contain a password (give password_file)")
+    return url
+
+
+def redacted_url(url: str) -> str:
+    """``scheme://user@host:port/database``: no query, never a password."""
+    parts = urllib.parse.urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{user}{host}{port}{parts.path}"
+
+
+def _check_schema(schema: object) -> str:
+    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+        raise StorageBackendError("schema: must match [a-z_][a-z0-9_]{0,62}")
+    if schema.startswith("pg_"):
+        raise StorageBackendError("schema: names starting with pg_ are reserved")
+    return schema
+
+
+_PASSWORD_REFUSALS: dict[str, str] = {
+    "missing": "does not exist",
+    "unopenable": "cannot be opened (a link, or no permission)",
+    "not_regular": "is not a regular file",
+    "permissions": "is open to group or others (chmod 600)",
+    "unreadable": "cannot be read",
+    "format": "must hold one line",
+}
+
+
+def read_password_file(path: str | os.PathLike[str]) -> str:
+    """The password in ``path``, under the one private-file rule (``octo_common.keyfile``).
+
+    One line of UTF-8; a trailing newline is not part of it. Failures are
+    ``StorageBackendError`` naming the problem, never the content.
+    """
+    try:
+        content = read_private_file(path, _PASSWORD_READ_LIMIT)
+    except KeyFileRefused as refused:
+        raise StorageBackendError(f"password_file: {_PASSWORD_REFUSALS[refused.reason]}") from None
+    try:
+        text = content.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise StorageBackendError("password_file: not UTF-8 text") from None
+    if len(content) >= _PASSWORD_READ_LIMIT or not text or "\n" in text:
+        raise StorageBackendError("password_file: must hold one line")
+    return text
+
+
+# Errors ------------------------------------------------------------------------------
+
+
+class _GuardRefused(Exception):
+    """A write statement's SQL check refused what the locked state allowed."""
+
+
+def _translated(operation: str, exc: BaseException) -> OctoError:
+    """What a caller sees for ``exc``: protocol errors as they are, else a fresh
+    ``StorageBackendError`` naming the class (and SQLSTATE), never a message."""
+    if isinstance(exc, OctoError):
+        return exc
+    if isinstance(exc, _GuardRefused):
+        return StorageBackendError(f"{operation}: a record changed under its lock")
+    if isinstance(exc, asyncpg.PostgresError):
+        return StorageBackendError(f"{operation}: {type(exc).__name__} ({exc.sqlstate})")
+    if isinstance(exc, TimeoutError):
+        return StorageBackendError(f"{operation}: timed out")
+    return StorageBackendError(f"{operation}: {type(exc).__name__}")
+
+
+# The write queue ------------------------------------------------------------------------
+
+_View = dict[StorageRecordKey, _Head]
+"""The locked state of the records of one transaction, as its writes leave it."""
+
+_Statement = tuple[str, tuple[Any, ...], int]
+"""One guarded statement: SQL, arguments, and the one value it must return."""
+
+_Decide = Callable[[_View], tuple[Any, list[_Statement]]]
+"""Decides one write against the view: its outcome and its statements.
+
+It raises to refuse (nothing written), and changes the view only when it
+returns statements."""
+
+
+class _Write:
+    """One submitted write, waiting for its transaction."""
+
+    __slots__ = ("decide", "future", "keys", "operation")
+
+    def __init__(
+        self,
+        operation: str,
+        keys: tuple[StorageRecordKey, ...],
+        decide: _Decide,
+        future: asyncio.Future[Any],
+    ) -> None:
+        self.operation = operation
+        self.keys = keys
+        self.decide = decide
+        self.future = future
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # its caller was cancelled; the write still ran
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+class PostgresRecordBackend:
+    """The H§17.6 semantics with the state in a PostgreSQL schema (D13).
+
+    No I/O in the constructor: the first awaited call connects (a pool of at
+    most ``max_connections``), creates the schema when it is absent and
+    migrates it forward under an advisory lock, so hosts that open one
+    database together migrate it once. A schema newer than this code is
+    refused. ``password_file`` is read at each new connection (a rotated
+    password is picked up); the URL must not hold one.
+
+    Writes (CAS, fence reservation, fence establishment) that wait together
+    share one transaction and one commit (group commit, H§17.7): each caller
+    gets the outcome it would have had alone, because its write is decided
+    against the state its predecessors left and re-checked in SQL, and a
+    refused write changes nothing. A database error fails every write of
+    that transaction (nothing of it is committed); a deadlock reported by
+    the server is retried whole; any other failure of one caller's check
+    fails that caller only. Reads wait for the writes submitted before them,
+    so one backend object's operations take effect in submission order. A
+    submitted write completes or fails even if its caller is cancelled.
+    Sessions ask for ``synchronous_commit = on`` (a commit returns once its
+    WAL is flushed) and end a transaction idle for
+    ``idle_transaction_timeout`` seconds, so a paused host cannot hold
+    the locks of other hosts' runs for long.
+
+    One event loop: the first call binds the backend to its loop; a call
+    from another loop is refused. Revisions and fences stop at 2^63 - 1.
+    No rollback anchor (see the module docstring).
+    """
+
+    ceiling = POSTGRES_MAX_BIGINT
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        password_file: str | os.PathLike[str] | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        max_connections: int = 4,
+        connect_timeout: float = 10.0,
+        command_timeout: float = 30.0,
+        idle_transaction_timeout: float = 10.0,
+    ) -> None:
+        self._url = _check_url(url)
+        self._schema = _check_schema(schema)
+        self._password_file = None if password_file is None else os.fspath(password_file)
+        if type(max_connections) is not int or not 1 <= max_connections <= 100:
+            raise ValueError("max_connections must be in 1..100")
+        for value in (connect_timeout, command_timeout, idle_transaction_timeout):
+            if not value > 0:
+                raise ValueError("timeouts must be positive")
+        self._max_connections = max_connections
+        self._connect_timeout = connect_timeout
+        self._command_timeout = command_timeout
+        self._idle_timeout_ms = max(1, int(idle_transaction_timeout * 1000))
+        self._sql = {
+            name: text.format(s=f'"{self._schema}"')
+            for name, text in (
+                ("has_version_table", _HAS_VERSION_TABLE),
+                ("select_version", _SELECT_VERSION),
+                ("create_schema", _CREATE_SCHEMA),
+                ("create_version_table", _CREATE_VERSION_TABLE),
+                ("clear_version", _CLEAR_VERSION),
+                ("insert_version", _INSERT_VERSION),
+                ("select_record", _SELECT_RECORD),
+                ("lock_heads", _LOCK_HEADS),
+                ("select_items", _SELECT_ITEMS),
+                ("write_record", _WRITE_RECORD),
+                ("reserve_fence", _RESERVE_FENCE),
+                ("establish_fence", _ESTABLISH_FENCE),
+            )
+        }
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._open_lock: asyncio.Lock | None = None
+        self._pending: list[_Write] = []
+        self._writer: asyncio.Task[None] | None = None
+        self._submitted = 0  # writes submitted so far
+        self._finished = 0  # writes whose transaction has ended
+        self._progress: asyncio.Event | None = None
+        self._closed = False
+        self._closing: asyncio.Future[None] | None = None
+        self._transactions = 0
+        self._batched_writes = 0
+
+    @property
+    def schema(self) -> str:
+        """The PostgreSQL schema that holds the tables."""
+        return self._schema
+
+    @property
+    def group_commit_stats(self) -> tuple[int, int]:
+        """(write transactions committed or attempted, writes they carried)."""
+        return self._transactions, self._batched_writes
+
+    def __repr__(self) -> str:
+        return f"PostgresRecordBackend(url={redacted_url(self._url)!r}, schema={self._schema!r})"
+
+    # Connecting ------------------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._open_lock = asyncio.Lock()
+            self._progress = asyncio.Event()
+        elif self._loop is not loop:
+            raise StorageBackendError("the backend is bound to another event loop")
+        return loop
+
+    def _password(self) -> str:
+        assert self._password_file is not None
+        return read_password_file(self._password_file)
+
+    async def _ready(self, operation: str) -> asyncpg.Pool:
+        """The pool, opening it (and migrating the schema) on first use."""
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        self._bind_loop()
+        pool = self._pool
+        if pool is not None:
+            return pool
+        assert self._open_lock is not None
+        async with self._open_lock:
+            if self._closed:
+                raise StorageBackendError("store is closed")
+            if self._pool is None:
+                try:
+                    self._pool = await self._open()
+                except BaseException as exc:
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    raise _translated(f"{operation}: open", exc) from None
+            return self._pool
+
+    async def _open(self) -> asyncpg.Pool:
+        pool: asyncpg.Pool = await asyncpg.create_pool(
+            self._url,
+            password=None if self._password_file is None else self._password,
+            min_size=1,
+            max_size=self._max_connections,
+            timeout=self._connect_timeout,
+            command_timeout=self._command_timeout,
+            server_settings={
+                "synchronous_commit": "on",
+                "idle_in_transaction_session_timeout": str(self._idle_timeout_ms),
+                "application_name": "octo-host-ledger",
+            },
+        )
+        try:
+            async with pool.acquire() as connection:
+                await self._migrate(connection)
+        except BaseException:
+            pool.terminate()
+            raise
+        return pool
+
+    async def _migrate(self, connection: _Connection) -> None:
+        sql = self._sql
+        lock_id = int.from_bytes(
+            hashlib.blake2b(f"octo-ledger:{self._schema}".encode(), digest_size=8).digest(),
+            "big",
+            signed=True,
+        )
+        async with connection.transaction():
+            # One opener at a time per schema, across every host of the database.
+            await connection.execute("SELECT pg_advisory_xact_lock($1)", lock_id)
+            version = 0
+            if await connection.fetchval(sql["has_version_table"]):
+                rows = await connection.fetch(sql["select_version"])
+                if len(rows) > 1:
+                    raise StorageBackendError("open: malformed schema_version table")
+                version = rows[0][0] if rows else 0
+            if version > SCHEMA_VERSION:
+                raise StorageBackendError(f"open: schema version {version} is newer than supported")
+            if version == SCHEMA_VERSION:
+                return  # no DDL: a role with only table privileges can use the store
+            await connection.execute(sql["create_schema"])
+            await connection.execute(sql["create_version_table"])
+            for statements in _MIGRATIONS[version:]:
+                for statement in statements:
+                    await connection.execute(statement.format(s=f'"{self._schema}"'))
+            await connection.execute(sql["clear_version"])
+            await connection.execute(sql["insert_version"], SCHEMA_VERSION)
+
+    # Reads ---------------------------------------------------------------------------
+
+    async def _read(self, operation: str, body: Callable[[_Connection], Awaitable[_T]]) -> _T:
+        pool = await self._ready(operation)
+        await self._after_writes_submitted_so_far()
+        try:
+            async with pool.acquire() as connection:
+                return await body(connection)
+        except (OctoError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise _translated(operation, exc) from None
+
+    async def _after_writes_submitted_so_far(self) -> None:
+        target = self._submitted
+        while self._finished < target:
+            assert self._progress is not None
+            await self._progress.wait()
+
+    async def _select_head(self, connection: _Connection, key: StorageRecordKey) -> _Head:
+        row = await connection.fetchrow(self._sql["select_record"], key.namespace, key.name)
+        if row is None:
+            raise StorageBackendError("load: no row")
+        return _head_from_row(tuple(row))
+
+    async def load(self, key: StorageRecordKey) -> StorageSnapshot:
+        key = _check_key(key)
+
+        async def body(connection: _Connection) -> StorageSnapshot:
+            head = await self._select_head(connection, key)
+            return StorageSnapshot(head.record, head.floor)
+
+        return await self._read("load", body)
+
+    async def current_fence(self, key: StorageRecordKey) -> int:
+        key = _check_key(key)
+
+        async def body(connection: _Connection) -> int:
+            return (await self._select_head(connection, key)).fence
+
+        return await self._read("current_fence", body)
+
+    async def integrity_check(self) -> list[str]:
+        """``["ok"]`` once the server answers and the schema is at the supported version.
+
+        PostgreSQL has no per-database integrity pragma: pages are the
+        server's (data checksums, ``amcheck``), and every record is still
+        fully opened on each load and before each write.
+        """
+
+        async def body(connection: _Connection) -> list[str]:
+            version = await connection.fetchval(self._sql["select_version"])
+            if version != SCHEMA_VERSION:
+                return [f"schema version {version} is not {SCHEMA_VERSION}"]
+            return ["ok"]
+
+        return await self._read("integrity_check", body)
+
+    # Writes --------------------------------------------------------------------------
+
+    def _submit(
+        self, operation: str, keys: tuple[StorageRecordKey, ...], decide: _Decide
+    ) -> asyncio.Future[Any]:
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        loop = self._bind_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._pending.append(_Write(operation, keys, decide, future))
+        self._submitted += 1
+        if self._writer is None:
+            self._writer = loop.create_task(self._serve(), name="octo-ledger-postgres")
+        return future
+
+    async def _serve(self) -> None:
+        """The writer task: one transaction per batch of waiting writes, until none waits."""
+        try:
+            while self._pending:
+                batch = self._pending[:MAX_WRITES_PER_TRANSACTION]
+                del self._pending[:MAX_WRITES_PER_TRANSACTION]
+                try:
+                    outcomes = await self._run_batch(batch)
+                except asyncio.CancelledError:
+                    self._pending[:0] = batch
+                    raise
+                except BaseException as exc:  # a defect here must not strand later callers
+                    outcomes = [
+                        (write, False, _translated(write.operation, exc)) for write in batch
+                    ]
+                self._deliver(outcomes)
+        except asyncio.CancelledError:
+            # The loop is going away: nobody will run what is left.
+            left, self._pending = self._pending, []
+            self._deliver(
+                [
+                    (write, False, StorageBackendError(f"{write.operation}: cancelled"))
+                    for write in left
+                ]
+            )
+            raise
+        finally:
+            self._writer = None
+
+    def _deliver(self, outcomes: list[tuple[_Write, bool, Any]]) -> None:
+        for write, ok, value in outcomes:
+            _settle(write.future, ok, value)
+        self._finished += len(outcomes)
+        assert self._progress is not None
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def _run_batch(self, batch: list[_Write]) -> list[tuple[_Write, bool, Any]]:
+        self._transactions += 1
+        self._batched_writes += len(batch)
+        try:
+            pool = await self._ready(batch[0].operation)
+        except OctoError as exc:
+            return [(write, False, _translated(write.operation, exc)) for write in batch]
+        for attempt in range(_DEADLOCK_RETRIES + 1):
+            try:
+                async with pool.acquire() as connection:
+                    return await self._transaction(connection, batch)
+            except asyncpg.exceptions.DeadlockDetectedError:
+                if attempt == _DEADLOCK_RETRIES:
+                    raise
+                # Rolled back whole: nothing of it was committed, so it runs again.
+        raise AssertionError("unreachable")
+
+    async def _transaction(
+        self, connection: _Connection, batch: list[_Write]
+    ) -> list[tuple[_Write, bool, Any]]:
+        keys = sorted({key for write in batch for key in write.keys})
+        namespaces = [key.namespace for key in keys]
+        names = [key.name for key in keys]
+        results: list[tuple[_Write, bool, Any]] = []
+        async with connection.transaction():
+            view: _View = {}
+            for row in await connection.fetch(self._sql["lock_heads"], namespaces, names):
+                key = StorageRecordKey(row[0], row[1])
+                view[key] = _head_from_row((row[2], row[3], None, None))
+            for row in await connection.fetch(self._sql["select_items"], namespaces, names):
+                key = StorageRecordKey(row[0], row[1])
+                head = view[key]
+                view[key] = _head_from_row((head.floor, head.fence, row[2], row[3]))
+            if len(view) != len(keys):
+                raise StorageBackendError("write: a head row was not locked")
+            for write in batch:
+                try:
+                    value, statements = write.decide(view)
+                except Exception as exc:  # refused, or a defect in this caller's check
+                    results.append((write, False, _translated(write.operation, exc)))
+                    continue
+                for sql, arguments, expected in statements:
+                    if await connection.fetchval(sql, *arguments) != expected:
+                        raise _GuardRefused()
+                results.append((write, True, value))
+        return results
+
+    # Contract ------------------------------------------------------------------------
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        return await self._swap(
+            "compare_and_swap",
+            _check_key(key),
+            _check_expected(expected_revision),
+            _check_replacement(replacement),
+            None,
+            None,
+        )
+
+    async def compare_and_swap_fenced(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        token: int,
+    ) -> Stored | Conflict:
+        return await self._swap(
+            "compare_and_swap_fenced",
+            _check_key(key),
+            _check_expected(expected_revision),
+            _check_replacement(replacement),
+            _check_token(token),
+            None,
+        )
+
+    async def compare_and_swap_opened(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        opener: Opener,
+    ) -> Stored | Conflict:
+        """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
+
+        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write steps
+        2-3), so the read, the check and the swap are one atomic step under
+        the record's lock. ``opener`` raises to refuse.
+        """
+        return await self._swap(
+            "compare_and_swap",
+            _check_key(key),
+            _check_expected(expected_revision),
+            _check_replacement(replacement),
+            None,
+            opener,
+        )
+
+    def _record_statement(
+        self,
+        key: StorageRecordKey,
+        expected: int | None,
+        replacement: StoredRecord,
+        fence: int,
+    ) -> _Statement:
+        arguments = (
+            key.namespace,
+            key.name,
+            replacement.revision,
+            expected or 0,
+            fence,
+            expected,
+            replacement.data,
+        )
+        return (self._sql["write_record"], arguments, replacement.revision)
+
+    async def _swap(
+        self,
+        operation: str,
+        key: StorageRecordKey,
+        expected: int | None,
+        replacement: StoredRecord,
+        token: int | None,
+        opener: Opener | None,
+    ) -> Stored | Conflict:
+        if not isinstance(replacement.data, bytes):
+            raise TypeError("replacement data must be bytes")
+
+        def decide(view: _View) -> tuple[Stored | Conflict, list[_Statement]]:
+            head = view[key]
+            if opener is not None:
+                opener(StorageSnapshot(head.record, head.floor))
+            if token is None:
+                if head.fence != 0:
+                    raise FencingRequired(head.fence)
+            else:
+                _fenced_check(head.fence, token)
+            actual = None if head.record is None else head.record.revision
+            conflict = _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+            if conflict is not None:
+                return conflict, []
+            statement = self._record_statement(key, expected, replacement, head.fence)
+            view[key] = _Head(replacement.revision, head.fence, replacement)
+            return Stored(replacement.revision), [statement]
+
+        result: Stored | Conflict = await self._submit(operation, (key,), decide)
+        return result
+
+    async def compare_and_swap_many_opened(
+        self, writes: Sequence[ManyWrite]
+    ) -> list[Stored | Conflict | None]:
+        """Several unfenced CAS of distinct keys in one transaction: all or none.
+
+        Decided as ``SqliteRecordBackend.compare_and_swap_many_opened``: every
+        record is opened and decided before any is written; a refusal writes
+        nothing; a conflict writes nothing and is reported in its place (None
+        for the others); otherwise one ``Stored`` per write, in order.
+        """
+        checked = _check_many(writes)
+        for _, _, replacement, _ in checked:
+            if not isinstance(replacement.data, bytes):
+                raise TypeError("replacement data must be bytes")
+        if not checked:
+            return []
+
+        def decide(view: _View) -> tuple[list[Stored | Conflict | None], list[_Statement]]:
+            decisions: list[Conflict | None] = []
+            for key, expected, replacement, opener in checked:
+                head = view[key]
+                opener(StorageSnapshot(head.record, head.floor))
+                if head.fence != 0:
+                    raise FencingRequired(head.fence)
+                actual = None if head.record is None else head.record.revision
+                decisions.append(
+                    _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+                )
+            if any(decision is not None for decision in decisions):
+                return list(decisions), []
+            statements = []
+            for key, expected, replacement, _ in checked:
+                statements.append(self._record_statement(key, expected, replacement, 0))
+                view[key] = _Head(replacement.revision, 0, replacement)
+            return [Stored(replacement.revision) for _, _, replacement, _ in checked], statements
+
+        keys = tuple(key for key, _, _, _ in checked)
+        result: list[Stored | Conflict | None] = await self._submit(
+            "compare_and_swap_many", keys, decide
+        )
+        return result
+
+    async def reserve_fence(self, key: StorageRecordKey) -> int:
+        key = _check_key(key)
+
+        def decide(view: _View) -> tuple[int, list[_Statement]]:
+            head = view[key]
+            if head.fence >= self.ceiling:
+                raise FencingTokenExhausted()
+            token = head.fence + 1
+            statement = (
+                self._sql["reserve_fence"],
+                (key.namespace, key.name, self.ceiling),
+                token,
+            )
+            view[key] = _Head(head.floor, token, head.record)
+            return token, [statement]
+
+        token: int = await self._submit("reserve_fence", (key,), decide)
+        return token
+
+    async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
+        key = _check_key(key)
+        token = _check_token(token)
+        _establish_decision(0, token, self.ceiling)  # token 0 / overflow before any I/O
+
+        def decide(view: _View) -> tuple[None, list[_Statement]]:
+            head = view[key]
+            if not _establish_decision(head.fence, token, self.ceiling):
+                return None, []
+            view[key] = _Head(head.floor, token, head.record)
+            return None, [(self._sql["establish_fence"], (key.namespace, key.name, token), token)]
+
+        await self._submit("establish_fence", (key,), decide)
+
+    # Closing ---------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Finish the writes already submitted, then close the pool; idempotent.
+
+        Every call returns once the writes submitted before the first call
+        have ended and the connections are closed; calls made after it raise
+        ``StorageBackendError``.
+        """
+        self._closed = True
+        if self._loop is None:
+            return  # never used: nothing to release
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._shut_down())
+        await asyncio.shield(self._closing)
+
+    async def _shut_down(self) -> None:
+        writer = self._writer
+        while writer is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(writer)
+            writer = self._writer
+        assert self._open_lock is not None
+        async with self._open_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), timeout=self._command_timeout)
+            except (Exception, asyncio.CancelledError):
+                pool.terminate()
+
+
+class PostgresLedgerStore(AuthenticatedStore):
+    """The host ledger store on PostgreSQL: an ``AuthenticatedStore`` over a
+    ``PostgresRecordBackend``, the counterpart of ``SqliteLedgerStore``.
+
+    ``PostgresLedgerStore(url, keyring, password_file=p)`` behaves exactly as
+    ``AuthenticatedStore(PostgresRecordBackend(url, password_file=p), keyring)``.
+    Several processes may open stores on one database: compare-and-swap on
+    each record decides between them. There is no rollback anchor (see the
+    module docstring); ``url`` must not contain a password.
+
+    No I/O in the constructor; the first awaited call connects and migrates
+    the schema. ``close()`` is idempotent. Ledger records live at
+    ``ledger_record_key(run)``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keyring: StorageKeyring,
+        *,
+        password_file: str | os.PathLike[str] | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        max_connections: int = 4,
+        connect_timeout: float = 10.0,
+        command_timeout: float = 30.0,
+        idle_transaction_timeout: float = 10.0,
+    ) -> None:
+        self._postgres = PostgresRecordBackend(
+            url,
+            password_file=password_file,
+            schema=schema,
+            max_connections=max_connections,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+            idle_transaction_timeout=idle_transaction_timeout,
+        )
+        super().__init__(self._postgres, keyring)
+
+    async def integrity_check(self) -> list[str]:
+        """Connects, migrates, and reports ``["ok"]`` when the schema is current."""
+        return await self._postgres.integrity_check()
