@@ -35,7 +35,12 @@ from octo_common.limits import MAX_WIRE_FRAME_BYTES
 __all__ = [
     "CONTENT_TYPE",
     "DEAD_EXCHANGE",
+    "DEAD_OVERFLOW",
+    "DEAD_POLICY_NAME",
+    "DEAD_POLICY_PATTERN",
     "DEAD_QUEUE",
+    "DEFAULT_DEAD_MAX_BYTES",
+    "DEFAULT_DEAD_MAX_LENGTH",
     "DEFAULT_DELIVERY_LIMIT",
     "DELIVERY_MODE_PERSISTENT",
     "EXCHANGE",
@@ -77,6 +82,22 @@ REPLY_QUEUE_PREFIX: Final = "octo.v5.reply."
 WORKER_POLICY_NAME: Final = "octo-v5-worker"
 WORKER_POLICY_PATTERN: Final = r"^octo\.v5\.worker\."
 DEFAULT_DELIVERY_LIMIT: Final = 5
+
+# The broker policy that bounds the dead-letter queue, so that a flood of
+# refused frames cannot fill the broker's disk. The defaults equal what one
+# `octo-worker dlq list` can hold, so an inspection always sees the whole
+# queue. Overflow drops the oldest letters (drop-head): the worker's
+# dead-letter publish is still confirmed (its path never changes with the
+# queue's fill), the queue keeps the newest refusals (the ones that describe
+# what is failing now), and octo_frames_rejected_total still counts every
+# refusal, dropped or not. reject-publish would instead keep the start of a
+# flood and nack every later copy, so the worker would fall back to
+# rejecting the original, which the broker then drops as well.
+DEAD_POLICY_NAME: Final = "octo-v5-dead"
+DEAD_POLICY_PATTERN: Final = r"^octo\.v5\.dead$"
+DEFAULT_DEAD_MAX_LENGTH: Final = 10_000
+DEFAULT_DEAD_MAX_BYTES: Final = 256 * 1024 * 1024
+DEAD_OVERFLOW: Final = "drop-head"
 
 # Properties and headers of every publish (W§12.1).
 CONTENT_TYPE: Final = "application/vnd.octo.frame+json"

@@ -59,6 +59,8 @@ from octo_common.ids import is_token
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, Succeeded
 from octo_common.transport import (
+    DEAD_OVERFLOW,
+    DEAD_POLICY_NAME,
     DEAD_QUEUE,
     HEADER_KEY_NONCE,
     HEADER_REASON,
@@ -82,6 +84,7 @@ from octo_worker.journal import WorkerOperationRecord
 from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
 from octo_worker.topology import (
     TopologyError,
+    TopologyReport,
     connect,
     declare_topology,
     describe_topology,
@@ -875,30 +878,42 @@ def cmd_topology_declare(args: argparse.Namespace, out: Output) -> int:
             "invalid_configuration",
         )
     report = asyncio.run(_declare(config, list(args.host_id), limit))
-    queues, via = report
-    applied = (
-        "not applied (--skip-policy)"
-        if limit is None
-        else f"{WORKER_POLICY_NAME} delivery-limit={limit} applied via {via}"
+    via, dead_via = report.policy_applied_via, report.dead_letter_policy_applied_via
+    broker = config.broker
+    dead_bound = (
+        f"max-length={broker.dead_letter_max_length} "
+        f"max-length-bytes={broker.dead_letter_max_bytes} overflow={DEAD_OVERFLOW}"
     )
-    for queue in queues:
+    for queue in report.queues:
         out.line(f"declared {queue}")
-    out.line(f"policy: {applied}")
+    if limit is None:
+        out.line("policy: not applied (--skip-policy)")
+        out.line("dead-letter policy: not applied (--skip-policy)")
+    else:
+        out.line(f"policy: {WORKER_POLICY_NAME} delivery-limit={limit} applied via {via}")
+        out.line(f"dead-letter policy: {DEAD_POLICY_NAME} {dead_bound} applied via {dead_via}")
     out.document(
         {
             "ok": True,
-            "queues": list(queues),
+            "queues": list(report.queues),
             "policy": None
             if limit is None
             else {"name": WORKER_POLICY_NAME, "delivery_limit": limit, "applied_via": via},
+            "dead_letter_policy": None
+            if limit is None
+            else {
+                "name": DEAD_POLICY_NAME,
+                "max_length": broker.dead_letter_max_length,
+                "max_length_bytes": broker.dead_letter_max_bytes,
+                "overflow": DEAD_OVERFLOW,
+                "applied_via": dead_via,
+            },
         }
     )
     return EXIT_OK
 
 
-async def _declare(
-    config: WorkerConfig, host_ids: list[str], limit: int | None
-) -> tuple[tuple[str, ...], str | None]:
+async def _declare(config: WorkerConfig, host_ids: list[str], limit: int | None) -> TopologyReport:
     _check_tokens("--host-id", host_ids)
     async with _broker(config) as connection:
         channel = await open_confirm_channel(connection)
@@ -908,11 +923,13 @@ async def _declare(
                 [scope.name for scope in config.scopes],
                 host_ids=host_ids,
                 delivery_limit=limit,
+                dead_letter_max_length=config.broker.dead_letter_max_length,
+                dead_letter_max_bytes=config.broker.dead_letter_max_bytes,
                 vhost=_vhost(config.broker.url),
             )
         except TopologyError as error:
             raise CliError(EXIT_BROKER, f"topology: {error.reason}", error.code) from None
-    return report.queues, report.policy_applied_via
+    return report
 
 
 def _check_tokens(option: str, values: Iterable[str]) -> None:

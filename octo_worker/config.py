@@ -24,6 +24,7 @@ import msgspec
 from octo_common.errors import InvalidConfiguration, OctoError
 from octo_common.frames import ScopeKey
 from octo_common.ids import is_token
+from octo_common.limits import MAX_WIRE_FRAME_BYTES
 from octo_common.records import StorageKeyId, StorageKeyring
 from octo_common.runtime.keyfiles import (
     load_key_file,
@@ -32,6 +33,7 @@ from octo_common.runtime.keyfiles import (
     read_secret_text,
     resolve_path,
 )
+from octo_common.transport import DEFAULT_DEAD_MAX_BYTES, DEFAULT_DEAD_MAX_LENGTH
 
 __all__ = [
     "BrokerConfig",
@@ -57,6 +59,9 @@ class BrokerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     reconnect_max_seconds: float = 15.0
     prefetch: int = 64
     delivery_limit: int = 5
+    # The dead-letter queue's bound (policy octo-v5-dead, set by `topology declare`).
+    dead_letter_max_length: int = DEFAULT_DEAD_MAX_LENGTH
+    dead_letter_max_bytes: int = DEFAULT_DEAD_MAX_BYTES
 
 
 class StorageKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -266,6 +271,13 @@ def _check(config: WorkerConfig) -> None:
         raise InvalidConfiguration("broker.prefetch: must be in 1..65535")
     if not 1 <= broker.delivery_limit <= 1000:
         raise InvalidConfiguration("broker.delivery_limit: must be in 1..1000")
+    if not 1 <= broker.dead_letter_max_length <= 2**63 - 1:
+        raise InvalidConfiguration("broker.dead_letter_max_length: must be at least 1")
+    # The largest frame must fit, or it would be dropped on arrival.
+    if not MAX_WIRE_FRAME_BYTES <= broker.dead_letter_max_bytes <= 2**63 - 1:
+        raise InvalidConfiguration(
+            f"broker.dead_letter_max_bytes: must be at least {MAX_WIRE_FRAME_BYTES}"
+        )
     for name in ("connect_timeout_seconds", "publish_timeout_seconds"):
         value = getattr(broker, name)
         if not (math.isfinite(value) and 0 < value <= 3600):

@@ -2,7 +2,8 @@
 
 Owns: declaring the topology of W§12.5 idempotently (:func:`declare_topology`),
 the broker policy that gives worker queues their delivery limit and
-dead-letter exchange (:func:`apply_policy`), the read-only view behind
+dead-letter exchange (:func:`apply_policy`), the policy that bounds the
+dead-letter queue (:func:`apply_dead_letter_policy`), the read-only view behind
 ``topology show`` (:func:`describe_topology`), and two small helpers the
 daemon and the host client share: :func:`connect` (a plain, non-robust
 aio-pika connection) and :func:`publish_confirmed` (one persistent,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import shutil
 import subprocess
 import urllib.error
@@ -41,7 +43,11 @@ from octo_common.errors import OctoError
 from octo_common.transport import (
     CONTENT_TYPE,
     DEAD_EXCHANGE,
+    DEAD_OVERFLOW,
+    DEAD_POLICY_NAME,
     DEAD_QUEUE,
+    DEFAULT_DEAD_MAX_BYTES,
+    DEFAULT_DEAD_MAX_LENGTH,
     DEFAULT_DELIVERY_LIMIT,
     EXCHANGE,
     WORKER_POLICY_NAME,
@@ -60,9 +66,11 @@ __all__ = [
     "QueueStatus",
     "TopologyError",
     "TopologyReport",
+    "apply_dead_letter_policy",
     "apply_policy",
     "connect",
     "declare_topology",
+    "dead_letter_policy_definition",
     "describe_topology",
     "open_confirm_channel",
     "policy_definition",
@@ -95,10 +103,11 @@ class TopologyError(OctoError):
 
 @dataclass(frozen=True, slots=True)
 class TopologyReport:
-    """What :func:`declare_topology` declared, and how the policy was applied."""
+    """What :func:`declare_topology` declared, and how the two policies were applied."""
 
     queues: tuple[str, ...]
     policy_applied_via: str | None
+    dead_letter_policy_applied_via: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +290,8 @@ async def declare_topology(
     *,
     host_ids: Iterable[str] = (),
     delivery_limit: int | None = DEFAULT_DELIVERY_LIMIT,
+    dead_letter_max_length: int = DEFAULT_DEAD_MAX_LENGTH,
+    dead_letter_max_bytes: int = DEFAULT_DEAD_MAX_BYTES,
     vhost: str = "/",
     management_url: str | None = None,
 ) -> TopologyReport:
@@ -295,17 +306,31 @@ async def declare_topology(
 
     Worker queues get no delivery-limit or dead-letter arguments: unless
     ``delivery_limit`` is None, the broker policy of :func:`apply_policy`
-    sets both (it is applied first, so no worker queue exists without it).
-    A queue that already exists with other arguments raises ``TopologyError``.
-    A daemon whose deploy tooling already set the policy (or that cannot run
-    ``rabbitmqctl``) passes ``delivery_limit=None``.
+    sets both, and the policy of :func:`apply_dead_letter_policy` bounds
+    ``octo.v5.dead`` (both are applied first, so no queue exists without
+    its policy). A queue that already exists with other arguments raises
+    ``TopologyError``. A daemon whose deploy tooling already set the
+    policies (or that cannot run ``rabbitmqctl``) passes
+    ``delivery_limit=None``, which applies neither.
     """
     names_scopes = [worker_queue(scope) for scope in scopes]
     names_hosts = [reply_queue(host_id) for host_id in host_ids]
     applied_via: str | None = None
+    dead_applied_via: str | None = None
     if delivery_limit is not None:
+        dead_definition = dead_letter_policy_definition(
+            dead_letter_max_length, dead_letter_max_bytes
+        )
         applied_via = await asyncio.to_thread(
             apply_policy, delivery_limit, vhost=vhost, management_url=management_url
+        )
+        dead_applied_via = await asyncio.to_thread(
+            _apply_named_policy,
+            DEAD_POLICY_NAME,
+            _exact_name_pattern(DEAD_QUEUE),
+            dead_definition,
+            vhost=vhost,
+            management_url=management_url,
         )
     try:
         exchange = await channel.declare_exchange(
@@ -331,7 +356,9 @@ async def declare_topology(
     except aiormq.exceptions.AMQPError as error:
         raise TopologyError(f"declaration failed ({type(error).__name__})") from None
     return TopologyReport(
-        queues=(DEAD_QUEUE, *names_scopes, *names_hosts), policy_applied_via=applied_via
+        queues=(DEAD_QUEUE, *names_scopes, *names_hosts),
+        policy_applied_via=applied_via,
+        dead_letter_policy_applied_via=dead_applied_via,
     )
 
 
@@ -383,6 +410,24 @@ def policy_definition(delivery_limit: int = DEFAULT_DELIVERY_LIMIT) -> dict[str,
     return {"delivery-limit": delivery_limit, "dead-letter-exchange": DEAD_EXCHANGE}
 
 
+def dead_letter_policy_definition(
+    max_length: int = DEFAULT_DEAD_MAX_LENGTH, max_bytes: int = DEFAULT_DEAD_MAX_BYTES
+) -> dict[str, object]:
+    """The dead-letter queue policy: at most ``max_length`` letters and
+    ``max_bytes`` body bytes; past either bound the oldest letters are dropped."""
+    for name, value in (("max length", max_length), ("max bytes", max_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TopologyError(f"dead-letter {name} must be an integer")
+        if not 1 <= value <= 2**63 - 1:
+            raise TopologyError(f"dead-letter {name} must be between 1 and 2^63-1")
+    return {"max-length": max_length, "max-length-bytes": max_bytes, "overflow": DEAD_OVERFLOW}
+
+
+def _exact_name_pattern(queue: str) -> str:
+    """A policy pattern matching exactly one queue name."""
+    return "^" + re.escape(queue) + "$"
+
+
 def apply_policy(
     delivery_limit: int = DEFAULT_DELIVERY_LIMIT,
     *,
@@ -399,26 +444,78 @@ def apply_policy(
     ``"management_api"`` or ``"rabbitmqctl"``; raises ``TopologyError`` when
     neither works. Blocking: async callers run it in a thread.
     """
-    definition = policy_definition(delivery_limit)
+    return _apply_named_policy(
+        WORKER_POLICY_NAME,
+        WORKER_POLICY_PATTERN,
+        policy_definition(delivery_limit),
+        vhost=vhost,
+        management_url=management_url,
+        rabbitmqctl=rabbitmqctl,
+        timeout=timeout,
+    )
+
+
+def apply_dead_letter_policy(
+    max_length: int = DEFAULT_DEAD_MAX_LENGTH,
+    max_bytes: int = DEFAULT_DEAD_MAX_BYTES,
+    *,
+    queue: str = DEAD_QUEUE,
+    policy_name: str = DEAD_POLICY_NAME,
+    vhost: str = "/",
+    management_url: str | None = None,
+    rabbitmqctl: str = "rabbitmqctl",
+    timeout: float = 30.0,
+) -> str:
+    """Bound the dead-letter queue by policy (``octo-v5-dead`` on ``^octo\\.v5\\.dead$``).
+
+    ``queue`` and ``policy_name`` name another queue and policy only for
+    tests. Same mechanisms, return value and errors as :func:`apply_policy`.
+    """
+    return _apply_named_policy(
+        policy_name,
+        _exact_name_pattern(queue),
+        dead_letter_policy_definition(max_length, max_bytes),
+        vhost=vhost,
+        management_url=management_url,
+        rabbitmqctl=rabbitmqctl,
+        timeout=timeout,
+    )
+
+
+def _apply_named_policy(
+    name: str,
+    pattern: str,
+    definition: dict[str, object],
+    *,
+    vhost: str = "/",
+    management_url: str | None = None,
+    rabbitmqctl: str = "rabbitmqctl",
+    timeout: float = 30.0,
+) -> str:
     failures: list[str] = []
     if management_url is not None:
         try:
-            _apply_policy_http(management_url, vhost, definition, timeout)
+            _apply_policy_http(management_url, vhost, name, pattern, definition, timeout)
         except TopologyError as error:
             failures.append(f"management api: {error.reason}")
         else:
             return "management_api"
     try:
-        _apply_policy_rabbitmqctl(rabbitmqctl, vhost, definition, timeout)
+        _apply_policy_rabbitmqctl(rabbitmqctl, vhost, name, pattern, definition, timeout)
     except TopologyError as error:
         failures.append(f"rabbitmqctl: {error.reason}")
     else:
         return "rabbitmqctl"
-    raise TopologyError("cannot set the worker queue policy; " + "; ".join(failures))
+    raise TopologyError(f"cannot set the policy {name}; " + "; ".join(failures))
 
 
 def _apply_policy_rabbitmqctl(
-    executable: str, vhost: str, definition: dict[str, object], timeout: float
+    executable: str,
+    vhost: str,
+    name: str,
+    pattern: str,
+    definition: dict[str, object],
+    timeout: float,
 ) -> None:
     path = shutil.which(executable)
     if path is None:
@@ -432,8 +529,8 @@ def _apply_policy_rabbitmqctl(
         "queues",
         "--priority",
         str(POLICY_PRIORITY),
-        WORKER_POLICY_NAME,
-        WORKER_POLICY_PATTERN,
+        name,
+        pattern,
         json.dumps(definition, separators=(",", ":")),
     ]
     try:
@@ -449,7 +546,12 @@ def _apply_policy_rabbitmqctl(
 
 
 def _apply_policy_http(
-    management_url: str, vhost: str, definition: dict[str, object], timeout: float
+    management_url: str,
+    vhost: str,
+    name: str,
+    pattern: str,
+    definition: dict[str, object],
+    timeout: float,
 ) -> None:
     parts = urllib.parse.urlsplit(management_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -458,11 +560,11 @@ def _apply_policy_http(
     base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
     url = (
         f"{base}/api/policies/{urllib.parse.quote(vhost, safe='')}/"
-        f"{urllib.parse.quote(WORKER_POLICY_NAME, safe='')}"
+        f"{urllib.parse.quote(name, safe='')}"
     )
     body = json.dumps(
         {
-            "pattern": WORKER_POLICY_PATTERN,
+            "pattern": pattern,
             "definition": definition,
             "apply-to": "queues",
             "priority": POLICY_PRIORITY,

@@ -12,7 +12,7 @@ import json
 import shutil
 import subprocess
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aio_pika
 import pytest
@@ -21,7 +21,10 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMe
 from octo_common.transport import (
     CONTENT_TYPE,
     DEAD_EXCHANGE,
+    DEAD_POLICY_NAME,
     DEAD_QUEUE,
+    DEFAULT_DEAD_MAX_BYTES,
+    DEFAULT_DEAD_MAX_LENGTH,
     EXCHANGE,
     HEADER_SCOPE,
     WORKER_POLICY_NAME,
@@ -34,6 +37,7 @@ from octo_common.transport import (
 )
 from octo_worker.topology import (
     TopologyError,
+    apply_dead_letter_policy,
     apply_policy,
     connect,
     declare_topology,
@@ -395,3 +399,147 @@ async def test_connect_failure_names_the_cause_but_never_the_password() -> None:
     assert "hunter2-secret" not in str(raised.value)
     assert "hunter2-secret" not in repr(raised.value)
     assert raised.value.__cause__ is None
+
+
+# The dead-letter queue's bound (policy octo-v5-dead) ---------------------------------
+
+
+async def test_declare_bounds_the_dead_letter_queue_by_policy(
+    channel: AbstractChannel, cleanup: list[str]
+) -> None:
+    scope = unique("t-dead")
+    cleanup.append(worker_queue(scope))
+    report = await declare_topology(channel, [scope], delivery_limit=5)
+    assert report.dead_letter_policy_applied_via == "rabbitmqctl"
+    policies = {row["name"]: row for row in rabbitmqctl_json("list_policies")}
+    policy = policies[DEAD_POLICY_NAME]
+    assert policy["pattern"] == r"^octo\.v5\.dead$"
+    assert policy["apply-to"] == "queues"
+    definition = policy["definition"]
+    if isinstance(definition, str):
+        definition = json.loads(definition)
+    assert definition == {
+        "max-length": DEFAULT_DEAD_MAX_LENGTH,
+        "max-length-bytes": DEFAULT_DEAD_MAX_BYTES,
+        "overflow": "drop-head",
+    }
+    effective = {
+        row["name"]: row["policy"] for row in rabbitmqctl_json("list_queues", "name", "policy")
+    }
+    assert effective[DEAD_QUEUE] == DEAD_POLICY_NAME
+    # The worker queues keep their own policy: one policy applies per queue.
+    assert effective[worker_queue(scope)] == WORKER_POLICY_NAME
+
+
+@pytest.fixture
+async def bounded_dead_queue(
+    connection: AbstractConnection,
+) -> AsyncIterator[Callable[[int, int], Awaitable[str]]]:
+    """A test-only queue declared like octo.v5.dead, under a policy of the given bound."""
+    made: list[tuple[str, str]] = []
+
+    async def make(max_length: int, max_bytes: int) -> str:
+        name = unique("octo-test.dead")
+        policy = "octo-test-dead-" + name.rsplit("-", 1)[-1]
+        made.append((name, policy))
+        via = await asyncio.to_thread(
+            apply_dead_letter_policy, max_length, max_bytes, queue=name, policy_name=policy
+        )
+        assert via == "rabbitmqctl"
+        declaring = await connection.channel()
+        await declaring.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+        await declaring.close()
+
+        def policy_in_force() -> bool:
+            rows = rabbitmqctl_json("list_queues", "name", "policy")
+            return any(row["name"] == name and row["policy"] == policy for row in rows)
+
+        for _ in range(100):
+            if await asyncio.to_thread(policy_in_force):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"policy {policy} never applied to {name}")
+        return name
+
+    yield make
+    channel = await connection.channel()
+    for name, policy in made:
+        await channel.queue_delete(name)
+        await asyncio.to_thread(
+            subprocess.run,
+            ["rabbitmqctl", "clear_policy", policy],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    await channel.close()
+
+
+async def _publish_letters(channel: AbstractChannel, queue: str, bodies: list[bytes]) -> None:
+    for index, body in enumerate(bodies):
+        await publish_confirmed(
+            channel,
+            "",
+            queue,
+            body,
+            message_id=f"letter-{index}",
+            correlation_id=None,
+            reply_to=None,
+            headers={"octo-reason": "serialization"},
+            timeout=5.0,
+        )
+
+
+async def _drain(connection: AbstractConnection, queue: str) -> list[AbstractIncomingMessage]:
+    channel = await connection.channel()
+    held = await channel.get_queue(queue, ensure=False)
+    messages: list[AbstractIncomingMessage] = []
+    while (message := await held.get(fail=False, no_ack=True)) is not None:
+        messages.append(message)
+    await channel.close()
+    return messages
+
+
+async def test_the_dead_letter_bound_keeps_the_newest_letters_up_to_the_length(
+    connection: AbstractConnection,
+    channel: AbstractChannel,
+    bounded_dead_queue: Callable[[int, int], Awaitable[str]],
+) -> None:
+    queue = await bounded_dead_queue(5, DEFAULT_DEAD_MAX_BYTES)
+    bodies = [f'{{"poison":{n}}}'.encode() for n in range(40)]
+    # Every copy is confirmed: a full queue never refuses the worker's dead letter.
+    await _publish_letters(channel, queue, bodies)
+
+    assert await ready_count(channel, queue) == 5
+    kept = await _drain(connection, queue)
+    assert [m.body for m in kept] == bodies[-5:]
+    assert [m.message_id for m in kept] == [f"letter-{n}" for n in range(35, 40)]
+
+
+async def test_the_dead_letter_bound_holds_the_bytes(
+    connection: AbstractConnection,
+    channel: AbstractChannel,
+    bounded_dead_queue: Callable[[int, int], Awaitable[str]],
+) -> None:
+    queue = await bounded_dead_queue(1000, 2000)
+    bodies = [bytes([65 + n % 26]) * 300 for n in range(30)]
+    await _publish_letters(channel, queue, bodies)
+
+    kept = await _drain(connection, queue)
+    assert 0 < len(kept) <= 2000 // 300
+    assert sum(len(m.body) for m in kept) <= 2000
+    assert [m.body for m in kept] == bodies[-len(kept) :]
+
+
+async def ready_count(channel: AbstractChannel, name: str) -> int:
+    declared = await channel.declare_queue(name, passive=True)
+    return int(declared.declaration_result.message_count or 0)
+
+
+def test_the_dead_letter_policy_refuses_a_meaningless_bound() -> None:
+    for bad in (0, -1, True, 2**63):
+        with pytest.raises(TopologyError):
+            apply_dead_letter_policy(bad, 1024)
+        with pytest.raises(TopologyError):
+            apply_dead_letter_policy(10, bad)

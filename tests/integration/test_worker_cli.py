@@ -53,6 +53,10 @@ from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending, Succeeded
 from octo_common.transport import (
+    DEAD_POLICY_NAME,
+    DEAD_QUEUE,
+    DEFAULT_DEAD_MAX_BYTES,
+    DEFAULT_DEAD_MAX_LENGTH,
     EXCHANGE,
     WORKER_POLICY_NAME,
     build_host_publish,
@@ -751,6 +755,28 @@ def test_topology_declare_applies_the_policy_and_show_counts(tmp_path: Path, vho
     if isinstance(definition, str):
         definition = json.loads(definition)
     assert definition == {"delivery-limit": 7, "dead-letter-exchange": "octo.v5.dead"}
+    # The dead-letter queue's bound, from [broker] (defaults here).
+    assert report["dead_letter_policy"] == {
+        "name": DEAD_POLICY_NAME,
+        "max_length": DEFAULT_DEAD_MAX_LENGTH,
+        "max_length_bytes": DEFAULT_DEAD_MAX_BYTES,
+        "overflow": "drop-head",
+        "applied_via": "rabbitmqctl",
+    }
+    (dead_policy,) = [p for p in policies if p["name"] == DEAD_POLICY_NAME]
+    dead_definition = dead_policy["definition"]
+    if isinstance(dead_definition, str):
+        dead_definition = json.loads(dead_definition)
+    assert dead_policy["pattern"] == r"^octo\.v5\.dead$"
+    assert dead_definition == {
+        "max-length": DEFAULT_DEAD_MAX_LENGTH,
+        "max-length-bytes": DEFAULT_DEAD_MAX_BYTES,
+        "overflow": "drop-head",
+    }
+    queues = rabbitmqctl("list_queues", "-p", vhost.vhost, "name", "policy", "--formatter", "json")
+    assert {row["name"]: row["policy"] for row in json.loads(queues.stdout)}[
+        "octo.v5.dead"
+    ] == DEAD_POLICY_NAME
 
     shown = json_out(
         octo_worker("topology", "show", "--host-id", "host-1", "--json", config=files.config)
@@ -1113,11 +1139,15 @@ def test_run_serves_under_memory_deny_write_execute(tmp_path: Path, vhost: Broke
 
 def test_rabbitmq_definitions_import_and_agree_with_topology_declare(tmp_path: Path) -> None:
     """deploy/rabbitmq-definitions.json, imported with rabbitmqctl into a private vhost."""
-    from octo_common.transport import DEFAULT_DELIVERY_LIMIT, WORKER_POLICY_PATTERN
-    from octo_worker.topology import POLICY_PRIORITY
+    from octo_common.transport import (
+        DEAD_POLICY_PATTERN,
+        DEFAULT_DELIVERY_LIMIT,
+        WORKER_POLICY_PATTERN,
+    )
+    from octo_worker.topology import POLICY_PRIORITY, dead_letter_policy_definition
 
     definitions = json.loads((REPO / "deploy" / "rabbitmq-definitions.json").read_text())
-    (policy,) = definitions["policies"]
+    policy, dead_policy = definitions["policies"]
     assert policy["name"] == WORKER_POLICY_NAME
     assert policy["pattern"] == WORKER_POLICY_PATTERN
     assert policy["priority"] == POLICY_PRIORITY
@@ -1125,6 +1155,12 @@ def test_rabbitmq_definitions_import_and_agree_with_topology_declare(tmp_path: P
         "delivery-limit": DEFAULT_DELIVERY_LIMIT,
         "dead-letter-exchange": "octo.v5.dead",
     }
+    # The dead-letter bound the file applies is the one `topology declare` applies.
+    assert dead_policy["name"] == DEAD_POLICY_NAME
+    assert dead_policy["pattern"] == DEAD_POLICY_PATTERN
+    assert dead_policy["apply-to"] == "queues"
+    assert dead_policy["priority"] == POLICY_PRIORITY
+    assert dead_policy["definition"] == dead_letter_policy_definition()
     with private_vhost("octo-defs") as own:
         text = json.dumps(definitions).replace('"vhost": "/"', f'"vhost": "{own.vhost}"')
         document = json.loads(text)
@@ -1163,7 +1199,15 @@ def test_rabbitmq_definitions_import_and_agree_with_topology_declare(tmp_path: P
         )
         assert declared.returncode == 0, declared.stderr
         listed = rabbitmqctl("list_policies", "-p", own.vhost, "--formatter", "json")
-        assert [p["name"] for p in json.loads(listed.stdout)] == [WORKER_POLICY_NAME]
+        assert sorted(p["name"] for p in json.loads(listed.stdout)) == sorted(
+            [WORKER_POLICY_NAME, DEAD_POLICY_NAME]
+        )
+        queues = rabbitmqctl(
+            "list_queues", "-p", own.vhost, "name", "policy", "--formatter", "json"
+        )
+        policy_of = {row["name"]: row["policy"] for row in json.loads(queues.stdout)}
+        assert policy_of[DEAD_QUEUE] == DEAD_POLICY_NAME
+        assert policy_of[worker_queue("tenant-release")] == WORKER_POLICY_NAME
 
 
 def test_run_with_an_unusable_state_directory_is_a_storage_error(

@@ -95,6 +95,8 @@ def test_good_config_resolves_paths_keys_and_the_broker_password(tree: Path) -> 
     assert config.scopes[0].max_concurrency == 8
     assert config.metrics.listen == "127.0.0.1:9464"
     assert config.broker.delivery_limit == 5  # default
+    assert config.broker.dead_letter_max_length == 10_000  # default bound
+    assert config.broker.dead_letter_max_bytes == 256 * 1024 * 1024
     keys = config.scope_keys()
     assert isinstance(keys["tenant-release"], ScopeKey)
     assert isinstance(config.storage_keyring(), StorageKeyring)
@@ -354,6 +356,9 @@ def test_the_example_config_is_valid_and_documents_every_key(
     ("section", "setting", "where"),
     [
         pytest.param("broker", "delivery_limit = 0", "broker.delivery_limit"),
+        pytest.param("broker", "dead_letter_max_length = 0", "broker.dead_letter_max_length"),
+        # The bytes bound must hold at least one largest frame (1 MiB).
+        pytest.param("broker", "dead_letter_max_bytes = 1048575", "broker.dead_letter_max_bytes"),
         pytest.param(
             "broker",
             "reconnect_initial_seconds = 0.0",
