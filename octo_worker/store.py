@@ -114,6 +114,7 @@ __all__ = [
     "PersistedSession",
     "PruneReport",
     "ResealReport",
+    "ScopeMetadata",
     "SessionDocuments",
     "SqliteJournalStore",
     "StoreStats",
@@ -372,6 +373,21 @@ class StoreStats(msgspec.Struct, frozen=True):
     committed_change_sets: int
     failed_change_sets: int
     largest_batch: int
+
+
+class ScopeMetadata(NamedTuple):
+    """What the store keeps beside a scope's sealed rows, for operator views.
+
+    ``fence``: the head's fence (how many times an owner reserved the scope).
+    ``written_at``: journal item -> when its row was last written (Unix time;
+    empty on a schema-1 journal). ``closed_sessions``: sessions the store
+    marked closed (0 before schema 3). ``written_at`` and ``closed_sessions``
+    are unauthenticated metadata: good for display, never for a decision.
+    """
+
+    fence: int
+    written_at: dict[str, float]
+    closed_sessions: int
 
 
 # Private documents ----------------------------------------------------------------
@@ -1129,6 +1145,11 @@ class SqliteJournalStore:
         """Every scope with a head, sorted (operator helper)."""
         return await self._read_call(self._read_scopes)
 
+    async def scope_metadata(self, scope: str) -> ScopeMetadata:
+        """The scope's fence and row metadata (operator helper; reads no envelope)."""
+        _check_scope(scope)
+        return await self._read_call(lambda: self._read_metadata(scope))
+
     async def integrity_check(self) -> list[str]:
         """``PRAGMA integrity_check``: ``["ok"]`` when the database is healthy."""
         return await self._read_call(self._integrity_in_thread)
@@ -1857,6 +1878,30 @@ class SqliteJournalStore:
             .fetchall()
         )
         return [str(row[0]) for row in rows]
+
+    def _read_metadata(self, scope: str) -> ScopeMetadata:
+        connection = self._reading()
+        row = connection.execute(
+            "SELECT fence FROM heads WHERE namespace = ? AND name = ?", (_HEAD_NAMESPACE, scope)
+        ).fetchone()
+        fence = 0 if row is None else int(row[0])
+        # A read-only store reads a journal of an older schema as it is.
+        columns = {str(c[1]) for c in connection.execute("PRAGMA table_info(items)").fetchall()}
+        written_at: dict[str, float] = {}
+        if "written_at" in columns:
+            rows = connection.execute(
+                "SELECT item, written_at FROM items WHERE namespace = ? AND name = ?",
+                (NS_JOURNAL, scope),
+            ).fetchall()
+            written_at = {str(item): float(when) for item, when in rows}
+        closed = 0
+        if "closed" in columns:
+            found = connection.execute(
+                "SELECT COUNT(*) FROM items WHERE namespace = ? AND name = ? AND closed = 1",
+                (NS_SESSION, scope),
+            ).fetchone()
+            closed = int(found[0])
+        return ScopeMetadata(fence, written_at, closed)
 
     def _integrity_in_thread(self) -> list[str]:
         rows = self._reading().execute("PRAGMA integrity_check").fetchall()

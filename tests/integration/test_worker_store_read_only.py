@@ -17,8 +17,9 @@ import pytest
 from octo_common.errors import StorageBackendError
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending
-from octo_worker.store import SqliteJournalStore
+from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
 
+from .test_worker_store import opening_doc, state_doc
 from .test_worker_store_prune import SCOPE, _record, _write
 
 RING = StorageKeyring("k1", bytes(32))
@@ -142,3 +143,50 @@ async def test_a_maintenance_store_changes_rows_but_never_the_anchor(tmp_path: P
     finally:
         await maintenance.close()
     assert anchor.read_bytes() == anchored
+
+
+async def test_scope_metadata_reads_the_fence_and_write_times_of_any_schema(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    writer = SqliteJournalStore(path, RING)
+    await _write(writer, [_record("op-a", Pending())])
+    await writer.reserve_fence(SCOPE)  # a second owner: fence 2, then _write's 3rd below
+    await _write(writer, [_record("op-b", Pending())])
+    lease = await writer.reserve_fence(SCOPE)  # fence 4
+    opened: dict[str, int] = {}
+    for session_id in ("s-closed", "s-open"):
+        documents = SessionDocuments(state_doc(SCOPE, session_id), opening_doc(SCOPE, session_id))
+        changes = WorkerCommit(sessions={session_id: documents})
+        opened[session_id] = await writer.commit(SCOPE, lease, changes)
+    closing = SessionDocuments(state_doc(SCOPE, "s-closed", "closed", 3), None, opened["s-closed"])
+    await writer.commit(SCOPE, lease, WorkerCommit(sessions={"s-closed": closing}))
+    await writer.close()
+    with sqlite3.connect(path) as connection:
+        connection.execute("UPDATE items SET written_at = 1000.0 WHERE item = 'op-a'")
+    database = path.read_bytes()
+
+    reader = SqliteJournalStore(path, RING, read_only=True)
+    try:
+        metadata = await reader.scope_metadata(SCOPE)
+        assert metadata.fence == 4
+        assert metadata.written_at["op-a"] == 1000.0
+        assert set(metadata.written_at) == {"op-a", "op-b"}
+        assert metadata.closed_sessions == 1
+        assert (await reader.scope_metadata("tenant-none")).fence == 0
+    finally:
+        await reader.close()
+    assert path.read_bytes() == database
+
+    # A schema-1 journal (no written_at, no closed mark) reads without them.
+    with sqlite3.connect(path) as connection:
+        connection.execute("DROP INDEX items_live_sessions")
+        connection.execute("ALTER TABLE items DROP COLUMN closed")
+        connection.execute("ALTER TABLE items DROP COLUMN written_at")
+        connection.execute("UPDATE schema_version SET version = 1")
+    old = SqliteJournalStore(path, RING, read_only=True)
+    try:
+        metadata = await old.scope_metadata(SCOPE)
+        assert metadata == (4, {}, 0)
+    finally:
+        await old.close()
