@@ -1,16 +1,17 @@
 # Octo: one entry point for tests and the demo.
 #   make test   create .venv, install Octo with its test extra, make sure RabbitMQ
 #               answers on 127.0.0.1:5672 and PostgreSQL on 127.0.0.1:5432 (with
-#               the test role and database), then ruff, mypy --strict and pytest.
+#               the test role and database), install Debian's Chromium (the
+#               console's browser tests), then ruff, mypy --strict and pytest.
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PACKAGES := octo_common octo_worker octo_host
 
-.PHONY: test lint typecheck pytest venv rabbitmq postgres demo bench clean
+.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium demo bench clean
 
-test: venv rabbitmq postgres lint typecheck pytest
+test: venv rabbitmq postgres chromium lint typecheck pytest
 
 venv: $(VENV)/.installed
 
@@ -25,6 +26,9 @@ rabbitmq:
 
 postgres:
 	sh deploy/ensure-postgres.sh
+
+chromium:
+	sh deploy/ensure-chromium.sh
 
 lint: venv
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench

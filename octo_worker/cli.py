@@ -1,8 +1,8 @@
 """The ``octo-worker`` command: run the daemon and operate what it keeps.
 
 Verbs: ``run``, ``check``, ``topology declare|show``, ``journal
-list|show|verify|init-anchor|prune|reseal``, ``adapters list`` and ``dlq
-list|show|drop``. Every
+list|show|verify|init-anchor|prune|reseal``, ``adapters list``, ``dlq
+list|show|drop`` and ``console`` (``octo_worker.console``). Every
 verb takes ``--config PATH`` (default ``/etc/octo/worker.toml``) and ``--json``
 (one JSON document on stdout, for scripts).
 
@@ -496,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     ddrop.add_argument("--message-id", metavar="ID", help="the message id of the frame to remove")
     ddrop.add_argument("--all", action="store_true", help="remove every dead-lettered frame")
     ddrop.set_defaults(handler=cmd_dlq_drop)
+
+    from octo_worker.console.verb import add_console_verb
+
+    add_console_verb(verbs, common)
     return parser
 
 
@@ -584,8 +588,10 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
             ) from None
         log.info("metrics_listening", listen=listen)
     daemon = WorkerDaemon(config, metrics=metrics)
+    from octo_worker.console.verb import run_with_console  # [console] listen: off by default
+
     try:
-        run_event_loop(daemon.run(install_signal_handlers=True), config.worker.event_loop)
+        run_event_loop(run_with_console(daemon, config, args.config), config.worker.event_loop)
     except InvalidConfiguration as error:
         raise CliError(EXIT_USAGE, str(error), error.code) from None
     except StorageError as error:

@@ -37,6 +37,7 @@ from octo_common.transport import DEFAULT_DEAD_MAX_BYTES, DEFAULT_DEAD_MAX_LENGT
 
 __all__ = [
     "BrokerConfig",
+    "ConsoleConfig",
     "InvalidConfiguration",
     "ScopeConfig",
     "WorkerConfig",
@@ -105,6 +106,16 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     listen: str | None = None  # "127.0.0.1:9464"
 
 
+class ConsoleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The read-only web console (``octo-worker console``; the daemon serves it
+    beside its metrics when ``listen`` is set). Loopback only unless
+    ``allow_remote`` is true and ``token_file`` names an access-token file."""
+
+    listen: str | None = None  # "127.0.0.1:9465"
+    allow_remote: bool = False
+    token_file: str | None = None
+
+
 class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_dir: str = "."
     shutdown_grace_seconds: float = 30.0
@@ -125,6 +136,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     adapters: AdaptersConfig = msgspec.field(default_factory=AdaptersConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     base_dir: str = "."
 
     # -- resolved values -----------------------------------------------------
@@ -318,6 +330,11 @@ def _check(config: WorkerConfig) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidConfiguration("metrics.listen: expected HOST:PORT")
+    console = config.console.listen
+    if console is not None:
+        host, _, port = console.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidConfiguration("console.listen: expected HOST:PORT")
 
 
 def load_config(path: str | os.PathLike[str]) -> WorkerConfig:

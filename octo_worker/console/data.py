@@ -1,0 +1,383 @@
+"""What the console shows, gathered the way the operator verbs gather it.
+
+The journal is read through ``octo-worker journal``'s own read-only store
+helper and row summaries (``SqliteJournalStore(..., read_only=True)``:
+``scopes``, ``list_records``, ``load_records``, ``load_sessions``,
+``load_outbox``, ``head_revision``, ``scope_metadata``); the dead-letter
+queue through ``octo-worker dlq list``'s own AMQP inspection (the
+management plugin may be off), which holds every message and requeues it.
+
+Every value handed to a page is a count, a state name, a revision, a time,
+an identifier the CLI prints too (scope, operation and compensation key,
+session and message id), or a header value already made printable and
+bounded by the CLI's helper. This module must never hand on a payload,
+a frame body, a key, adapter failure text or a nonce; it never writes the
+journal or acknowledges a dead letter.
+"""
+
+from __future__ import annotations
+
+import collections
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from octo_common.errors import OctoError
+from octo_common.ids import is_token
+from octo_common.states import TERMINAL_KINDS
+from octo_common.transport import DEAD_QUEUE
+from octo_worker.cli import (
+    PROG,
+    CliError,
+    _dead_letter_entry,
+    _holding,
+    _record_detail,
+    _record_summary,
+    _store,
+)
+from octo_worker.config import WorkerConfig
+from octo_worker.store import SqliteJournalStore
+
+__all__ = [
+    "DeadLetterView",
+    "KeyView",
+    "OverviewView",
+    "ScopeView",
+    "dead_letters",
+    "key_view",
+    "overview",
+]
+
+STATES: Final = ("pending", "running", "succeeded", "failed", "cancelled")
+_TERMINAL: Final = frozenset(str(kind) for kind in TERMINAL_KINDS)
+# Rows listed by name on the scope page (all of them are counted).
+_LISTED_LIMIT: Final = 50
+# Dead letters listed on the page (all of them are counted).
+DEAD_LETTERS_SHOWN: Final = 200
+
+
+class Slot(str):
+    """A word of a shown command the operator fills in (``RUN``, ``FILE``): not quoted."""
+
+    __slots__ = ()
+
+
+RUN: Final = Slot("RUN")  # the host's run name: the worker never learns it
+FILE: Final = Slot("FILE")
+PAYLOAD_FILE: Final = Slot("@FILE")
+TEXT: Final = Slot("TEXT")
+DECISION: Final = Slot("succeeded|failed|cancelled")
+
+
+def command(*words: str) -> str:
+    """A command line an operator can paste: every word but a ``Slot`` shell-quoted."""
+    return " ".join(word if isinstance(word, Slot) else shlex.quote(word) for word in words)
+
+
+def _cli(config_path: str, *words: str) -> str:
+    return command(PROG, *words, "--config", config_path)
+
+
+def _unresolved(summary: dict[str, Any]) -> bool:
+    if summary["state"] not in _TERMINAL:
+        return True
+    compensation = summary["compensation_state"]
+    return compensation is not None and compensation not in _TERMINAL
+
+
+@dataclass
+class StuckRow:
+    """A row that is not settled: the operation or its compensation is not terminal."""
+
+    operation_key: str
+    tool: str
+    state: str
+    compensation_state: str | None
+    revision: int
+    age_seconds: float | None
+
+
+@dataclass
+class ScopeView:
+    name: str
+    configured: bool
+    in_journal: bool
+    revision: int = 0
+    fence: int = 0
+    states: dict[str, int] = field(default_factory=dict)
+    compensations: dict[str, int] = field(default_factory=dict)
+    rows: int = 0
+    oldest_pending_seconds: float | None = None
+    oldest_pending_key: str | None = None
+    sessions_open: int = 0
+    sessions_poisoned: int = 0
+    sessions_closed: int = 0
+    poisoned_ids: list[str] = field(default_factory=list)
+    outbox_pending: int = 0
+    stuck: list[StuckRow] = field(default_factory=list)
+    stuck_total: int = 0
+    error: str | None = None
+    poisoned_commands: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OverviewView:
+    journal: str
+    scopes: list[ScopeView]
+    error: str | None = None
+    generated_at: float = field(default_factory=time.time)
+
+
+async def _scope_view(
+    store: SqliteJournalStore, name: str, configured: bool, config_path: str, now: float
+) -> ScopeView:
+    view = ScopeView(name, configured, True)
+    records = await store.list_records(name)
+    metadata = await store.scope_metadata(name)
+    view.revision = await store.head_revision(name)
+    view.fence = metadata.fence
+    view.rows = len(records)
+    summaries = [_record_summary(name, record, revision) for record, revision in records]
+    states = collections.Counter(summary["state"] for summary in summaries)
+    view.states = {state: states.get(state, 0) for state in STATES}
+    compensations = collections.Counter(
+        summary["compensation_state"]
+        for summary in summaries
+        if summary["compensation_state"] is not None
+    )
+    view.compensations = {state: compensations.get(state, 0) for state in STATES}
+    stuck = [summary for summary in summaries if _unresolved(summary)]
+    view.stuck_total = len(stuck)
+    oldest: tuple[float, str] | None = None
+    for summary in stuck:
+        written = metadata.written_at.get(summary["operation_key"])
+        if written is not None and (oldest is None or written < oldest[0]):
+            oldest = (written, summary["operation_key"])
+    if oldest is not None:
+        view.oldest_pending_seconds = max(0.0, now - oldest[0])
+        view.oldest_pending_key = oldest[1]
+    stuck.sort(key=lambda s: metadata.written_at.get(s["operation_key"], now))
+    for summary in stuck[:_LISTED_LIMIT]:
+        written = metadata.written_at.get(summary["operation_key"])
+        view.stuck.append(
+            StuckRow(
+                summary["operation_key"],
+                summary["tool"],
+                summary["state"],
+                summary["compensation_state"],
+                summary["revision"],
+                None if written is None else max(0.0, now - written),
+            )
+        )
+    # Live sessions only: the store skips those it marked closed and counts them.
+    sessions = await store.load_sessions(name, skip_closed_except=())
+    statuses = collections.Counter(session.status for session in sessions.values())
+    view.sessions_open = statuses.get("open", 0)
+    view.sessions_poisoned = statuses.get("poisoned", 0)
+    view.sessions_closed = statuses.get("closed", 0) + metadata.closed_sessions
+    view.poisoned_ids = sorted(sid for sid, s in sessions.items() if s.status == "poisoned")[
+        :_LISTED_LIMIT
+    ]
+    if view.sessions_poisoned:
+        view.poisoned_commands = [
+            _cli(config_path, "journal", "verify"),
+            _cli(config_path, "check"),
+            command("octo-host", "recover", RUN, "--scope", name, "--inputs", FILE),
+        ]
+    view.outbox_pending = len(await store.load_outbox(name))
+    return view
+
+
+async def overview(config: WorkerConfig, config_path: str) -> OverviewView:
+    """Every scope of the journal and of the configuration, with its counts."""
+    configured = [scope.name for scope in config.scopes]
+    result = OverviewView(str(config.journal_path), [])
+    try:
+        async with _store(config) as store:
+            in_journal = await store.scopes()
+            now = time.time()
+            for name in sorted(set(configured) | set(in_journal)):
+                if name not in in_journal:
+                    result.scopes.append(ScopeView(name, True, False))
+                    continue
+                try:
+                    view = await _scope_view(store, name, name in configured, config_path, now)
+                except OctoError as error:
+                    view = ScopeView(name, name in configured, True, error=f"{error.code}")
+                result.scopes.append(view)
+    except CliError as error:
+        result.error = error.message
+        result.scopes = [ScopeView(name, True, False) for name in configured]
+    return result
+
+
+@dataclass
+class KeyRow:
+    detail: dict[str, Any]
+    written_at: float | None
+    commands: list[tuple[str, str]]
+
+
+@dataclass
+class KeyView:
+    key: str
+    rows: list[KeyRow]
+    error: str | None = None
+    invalid: bool = False
+
+
+def _key_commands(detail: dict[str, Any], config_path: str) -> list[tuple[str, str]]:
+    """(what it does, command) for the row's situation, as OPERATIONS.md's recovery table."""
+    scope = detail["scope"]
+    key = detail["operation_key"]
+    state = detail["state"]
+    compensation = detail["compensation"]
+    commands = [
+        (
+            "show the row (payloads as format and size)",
+            _cli(config_path, "journal", "show", key, "--scope", scope),
+        )
+    ]
+    if state not in _TERMINAL:
+        commands += [
+            (
+                "on the host: ask the worker's adapter what happened (fresh session)",
+                command(
+                    "octo-host", "reconcile", RUN, key, "--scope", scope, "--payload", PAYLOAD_FILE
+                ),
+            ),
+            (
+                "on the host: reconcile every unfinished key of the run",
+                command("octo-host", "recover", RUN, "--scope", scope, "--inputs", FILE),
+            ),
+            (
+                "on the host, if it stays pending after checking the target: decide (audited)",
+                command(
+                    "octo-host",
+                    "resolve",
+                    RUN,
+                    key,
+                    "--state",
+                    DECISION,
+                    "--reason",
+                    TEXT,
+                ),
+            ),
+        ]
+    elif compensation is not None and compensation["state"] not in _TERMINAL:
+        cmp_key = compensation["compensation_key"]
+        commands += [
+            (
+                "on the host: resume the compensation (same cmp- key and input, fresh approval)",
+                command("octo-host", "recover", RUN, "--scope", scope, "--inputs", FILE),
+            ),
+            (
+                "on the host, if it stays unfinished after checking the target: decide (audited)",
+                command(
+                    "octo-host",
+                    "resolve",
+                    RUN,
+                    cmp_key,
+                    "--state",
+                    DECISION,
+                    "--reason",
+                    TEXT,
+                ),
+            ),
+        ]
+    return commands
+
+
+async def key_view(
+    config: WorkerConfig, config_path: str, key: str, scope: str | None = None
+) -> KeyView:
+    """The journal row of an ``op-`` key (or the row holding a ``cmp-`` key), per scope."""
+    view = KeyView(key, [])
+    if not is_token(key) or (scope is not None and not is_token(scope)):
+        view.error = "not a key: keys are tokens ([a-z0-9._-], 1..128)"
+        view.invalid = True
+        return view
+    try:
+        async with _store(config) as store:
+            scopes = await store.scopes()
+            for name in scopes if scope is None else [s for s in scopes if s == scope]:
+                try:
+                    if key.startswith("cmp-"):
+                        # A compensation lives in the row of the operation it undoes.
+                        entries = [
+                            (record, revision)
+                            for record, revision in await store.list_records(name)
+                            if record.compensation is not None
+                            and record.compensation.compensation_key == key
+                        ]
+                    else:
+                        found = (await store.load_records(name, [key])).get(key)
+                        entries = [] if found is None else [found]
+                    metadata = await store.scope_metadata(name) if entries else None
+                except OctoError as error:
+                    view.error = f"scope {name}: {error.code}"
+                    continue
+                for record, revision in entries:
+                    detail = _record_detail(name, record, revision)
+                    written = (
+                        None if metadata is None else metadata.written_at.get(record.operation_key)
+                    )
+                    view.rows.append(KeyRow(detail, written, _key_commands(detail, config_path)))
+    except CliError as error:
+        view.error = error.message
+    return view
+
+
+@dataclass
+class DeadLetter:
+    entry: dict[str, Any]
+    commands: list[str]
+    exact_id: bool
+
+
+@dataclass
+class DeadLetterView:
+    queue: str
+    total: int = 0
+    order_kept: bool = True
+    reasons: list[tuple[str, int]] = field(default_factory=list)
+    entries: list[DeadLetter] = field(default_factory=list)
+    error: str | None = None
+
+
+async def dead_letters(config: WorkerConfig, config_path: str) -> DeadLetterView:
+    """``octo-worker dlq list``'s view: count, reasons, and the commands per frame."""
+    view = DeadLetterView(DEAD_QUEUE)
+    try:
+        async with _holding(config) as held:
+            view.total = max(held.total, len(held.messages))
+            view.order_kept = held.complete
+            reasons: collections.Counter[str] = collections.Counter()
+            for position, message in enumerate(held.messages, start=1):
+                entry = _dead_letter_entry(position, message, False)
+                reasons[entry["reason"] or "-"] += 1
+                if position > DEAD_LETTERS_SHOWN:
+                    continue
+                # The printable id is the real one only for a plain ASCII id.
+                exact = (
+                    entry["message_id"] is not None and entry["message_id"] == message.message_id
+                )
+                commands = [_cli(config_path, "dlq", "show", str(position))]
+                if exact:
+                    commands = [
+                        _cli(
+                            config_path,
+                            "dlq",
+                            "show",
+                            str(position),
+                            "--message-id",
+                            entry["message_id"],
+                        ),
+                        _cli(config_path, "dlq", "drop", "--message-id", entry["message_id"]),
+                    ]
+                view.entries.append(DeadLetter(entry, commands, exact))
+            view.reasons = reasons.most_common()
+    except CliError as error:
+        view.error = error.message
+    return view

@@ -1,0 +1,238 @@
+"""``octo-worker console`` as a process: who it serves, and what it refuses.
+
+Real processes and real files; no daemon and no broker are needed here (the
+configured broker is a closed local port, the journal does not exist yet),
+so every page answers fast. The browser tests against a running daemon are
+``test_console_browser.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from octo_worker.console.app import _environment
+from octo_worker.console.data import DeadLetter, DeadLetterView, KeyRow, KeyView
+from tests.integration.test_worker_cli import (
+    PYTHON,
+    REPO,
+    WorkerFiles,
+    octo_worker_each,
+    one_line,
+    run_error,
+)
+
+TOKEN = "console-token-" + "0123456789abcdef" * 2
+HOSTILE = '<script>alert(1)</script><img src=x onerror="alert(2)">'
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> WorkerFiles:
+    # Port 1 on loopback: the broker "is unreachable" at once, without a timeout.
+    return WorkerFiles(tmp_path / "worker", "amqp://guest:guest@127.0.0.1:1/", "tenant-c")
+
+
+def _token_file(directory: Path, text: str = TOKEN, mode: int = 0o600) -> Path:
+    path = directory / "console.token"
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+class Console:
+    def __init__(self, process: subprocess.Popen[str], url: str) -> None:
+        self.process, self.url = process, url
+
+    def get(
+        self, path: str, headers: dict[str, str] | None = None, method: str = "GET"
+    ) -> tuple[int, dict[str, str], str]:
+        request = urllib.request.Request(self.url + path, headers=headers or {}, method=method)
+        opener = urllib.request.build_opener(_NoRedirect)
+        try:
+            with opener.open(request, timeout=10) as response:
+                return response.status, dict(response.headers), response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read().decode()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _serve(files: WorkerFiles, *extra: str) -> Iterator[Console]:
+    process = subprocess.Popen(
+        [
+            *(PYTHON, "-m", "octo_worker", "console", "--config", str(files.config)),
+            *("--listen", "127.0.0.1:0", *extra),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    line = process.stdout.readline()
+    match = re.search(r"http://127\.0\.0\.1:\d+/", line)
+    try:
+        assert match is not None, (line, process.stderr.read())
+        yield Console(process, match.group(0).rstrip("/"))
+    finally:
+        process.terminate()
+        assert process.wait(timeout=10) == 0  # SIGTERM stops it cleanly
+        assert "Traceback" not in process.stderr.read()
+
+
+@pytest.fixture
+def console(files: WorkerFiles) -> Iterator[Console]:
+    with _serve(files) as served:
+        yield served
+
+
+def test_a_non_loopback_address_is_refused_without_the_flag_and_a_private_token(
+    files: WorkerFiles, tmp_path: Path
+) -> None:
+    loose = _token_file(tmp_path, mode=0o644)
+    short_dir = tmp_path / "short"
+    short_dir.mkdir()
+    short = _token_file(short_dir, text="short")
+    link = tmp_path / "link.token"
+    link.symlink_to(_token_file(tmp_path / "worker"))
+    base = ["console", "--listen", "0.0.0.0:0"]
+    results = octo_worker_each(
+        base,
+        [*base, "--allow-remote"],
+        [*base, "--allow-remote", "--token-file", str(loose)],
+        [*base, "--allow-remote", "--token-file", str(short)],
+        [*base, "--allow-remote", "--token-file", str(link)],
+        config=files.config,
+    )
+    assert [result.returncode for result in results] == [2] * 5
+    lines = [one_line(result.stderr) for result in results]
+    assert "not a loopback address" in lines[0]
+    assert "needs an access token" in lines[1]
+    assert "grants permissions to group or others" in lines[2] and "chmod 600" in lines[2]
+    assert "at least 32 printable ASCII characters" in lines[3]
+    assert "cannot open" in lines[4]  # a symlink is not followed
+    assert all(TOKEN not in line for line in lines)
+
+
+def test_the_daemon_refuses_a_non_loopback_console_at_start(files: WorkerFiles) -> None:
+    files.extra = '[console]\nlisten = "0.0.0.0:9465"\n'
+    files.write()
+    result = subprocess.run(
+        [PYTHON, "-m", "octo_worker", "run", "--config", str(files.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "not a loopback address" in run_error(result.stderr)
+
+
+def test_without_a_token_only_loopback_host_names_are_served(console: Console) -> None:
+    assert console.get("/live")[0] == 200
+    assert console.get("/live", {"Host": "localhost:8080"})[0] == 200  # an SSH tunnel
+    status, _, body = console.get("/live", {"Host": "console.attacker.example"})
+    assert status == 421 and "loopback host name" in body
+
+
+def test_every_response_is_no_store_under_a_strict_policy(console: Console) -> None:
+    expected = {
+        "/": 503,  # no journal yet, no broker
+        "/dlq": 503,
+        "/live": 200,  # says that no live source is configured
+        "/live.json": 200,
+        "/key/op-x": 503,
+        "/key/BAD": 400,
+        "/nope": 404,
+        "/static/console.js": 200,
+    }
+    for path, wanted in expected.items():
+        status, headers, body = console.get(path)
+        assert status == wanted, (path, status)
+        policy = headers["Content-Security-Policy"]
+        assert "default-src 'none'" in policy and "script-src 'self'" in policy, path
+        assert "'unsafe-inline'" not in policy
+        assert headers["Cache-Control"] == "no-store"
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert "Traceback" not in body
+    status, _, body = console.get("/")
+    # No journal yet and no broker: the page says so, in a line, with status 503.
+    assert status == 503 and "does not exist (the daemon creates it when it starts)" in body
+    assert "octo.v5.dead" in body and "unreachable" in body
+    status, _, body = console.get("/live")
+    assert "no live source" in body and "[metrics] listen is not configured" in body
+    status, _, body = console.get("/dlq", method="DELETE")
+    assert status == 405
+
+
+def test_with_a_token_every_request_must_present_it(files: WorkerFiles, tmp_path: Path) -> None:
+    token_file = _token_file(tmp_path)
+    with _serve(files, "--token-file", str(token_file)) as console:
+        status, headers, _ = console.get("/live")
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+        assert console.get("/live", {"Authorization": "Bearer " + TOKEN[:-1] + "x"})[0] == 401
+        assert console.get("/live", {"Authorization": "Bearer " + TOKEN})[0] == 200
+        # A token in the URL is traded for a cookie (HttpOnly, SameSite=Strict) and dropped.
+        status, headers, _ = console.get("/dlq?token=" + TOKEN + "&x=1")
+        assert status == 303 and headers["Location"] == "/dlq?x=1"
+        cookie = headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN not in cookie
+        value = cookie.split(";", 1)[0]
+        assert console.get("/live", {"Cookie": value})[0] == 200
+        assert console.get("/live?token=wrong")[0] == 401
+        # The token, not the Host header, decides then.
+        assert console.get("/live", {"Host": "ops.example", "Cookie": value})[0] == 200
+
+
+def test_every_template_escapes_what_it_shows() -> None:
+    environment = _environment()
+    entry = {
+        "position": 1,
+        "reason": HOSTILE,
+        "scope": HOSTILE,
+        "session": HOSTILE,
+        "message_id": HOSTILE,
+        "size": 3,
+        "delivery_count": None,
+    }
+    view = DeadLetterView("octo.v5.dead", 1, True, [(HOSTILE, 1)])
+    view.entries.append(DeadLetter(entry, [HOSTILE], True))
+    page = environment.get_template("dlq.html").render(
+        page="dlq", served_by_daemon=False, now=0.0, view=view, shown_limit=200
+    )
+    key = KeyView(
+        HOSTILE,
+        [
+            KeyRow(
+                {
+                    "scope": HOSTILE,
+                    "operation_key": HOSTILE,
+                    "tool": HOSTILE,
+                    "input_fingerprint": HOSTILE,
+                    "revision": 1,
+                    "state": HOSTILE,
+                    "compensation": None,
+                },
+                None,
+                [(HOSTILE, HOSTILE)],
+            )
+        ],
+        HOSTILE,
+    )
+    page += environment.get_template("key.html").render(
+        page="key", served_by_daemon=False, now=0.0, view=key, key=HOSTILE
+    )
+    assert "<script>" not in page and "<img" not in page
+    assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 10
