@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import sqlite3
 import stat
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -69,6 +67,12 @@ from octo_common.records import (
 )
 from octo_common.runtime.anchorfile import read_anchor, write_anchor, write_anchor_file
 from octo_common.runtime.keyfiles import read_storage_key as load_storage_key
+from octo_common.runtime.sqlite import (
+    DatabaseThread,
+    Outcome,
+    migrate_schema,
+    roll_back,
+)
 
 __all__ = [
     "LEDGER_NAMESPACE",
@@ -372,8 +376,6 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 """Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
 
-_SCHEMA_VERSION = len(_MIGRATIONS)
-
 # One statement, so one snapshot. Head and item are read independently so
 # that an item without its head (a deleted head row) is still seen.
 _SELECT_RECORD = """
@@ -458,21 +460,14 @@ def _secure_database_files(database: Path) -> None:
 class _Work:
     """One submitted backend operation, run in the database thread."""
 
-    __slots__ = ("function", "future", "loop", "operation", "write")
+    __slots__ = ("function", "operation", "write")
 
     def __init__(
-        self,
-        operation: str,
-        function: Callable[[sqlite3.Connection], Any],
-        write: bool,
-        future: asyncio.Future[Any],
-        loop: asyncio.AbstractEventLoop,
+        self, operation: str, function: Callable[[sqlite3.Connection], Any], write: bool
     ) -> None:
         self.operation = operation
         self.function = function
         self.write = write
-        self.future = future
-        self.loop = loop
 
 
 _CLOSE = "close"
@@ -520,12 +515,8 @@ class SqliteRecordBackend:
         self._db: sqlite3.Connection | None = None
         self._raised: dict[StorageRecordKey, int] = {}
         self._advanced: dict[StorageRecordKey, int] = {}
-        # Event-loop side.
-        self._inbox: queue.SimpleQueue[_Work] = queue.SimpleQueue()
-        self._submit_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()  # set when the thread has closed and exited
-        self._closed = False
+        # Submissions, the thread's start and close() are ordered by the thread's lock.
+        self._thread: DatabaseThread[_Work] = DatabaseThread("octo-ledger-sqlite", self._run_batch)
         self._transactions = 0
         self._batched_writes = 0
 
@@ -547,107 +538,67 @@ class SqliteRecordBackend:
     def _submit(
         self, operation: str, function: Callable[[sqlite3.Connection], _T], *, write: bool
     ) -> asyncio.Future[_T]:
-        # One lock orders submissions against close() and the thread's start,
-        # also when several event loops in several threads share the backend.
-        with self._submit_lock:
-            if self._closed:
-                raise StorageBackendError("store is closed")
-            return self._enqueue(operation, function, write)
-
-    def _enqueue(
-        self, operation: str, function: Callable[[sqlite3.Connection], Any], write: bool
-    ) -> asyncio.Future[Any]:
-        """Queue one operation (``_submit_lock`` held), starting the thread first if needed."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        if self._thread is None:
-            thread = threading.Thread(target=self._serve, name="octo-ledger-sqlite", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError as exc:  # no thread to be had: fail this call, retry the next
-                raise StorageBackendError(f"{operation}: cannot start the database thread") from exc
-            self._thread = thread
-        self._inbox.put(_Work(operation, function, write, future, loop))
-        return future
+        try:
+            return self._thread.submit(_Work(operation, function, write))
+        except StorageBackendError as exc:
+            if self._thread.closed:
+                raise
+            raise StorageBackendError(f"{operation}: {exc.detail}") from exc
 
     # The database thread ------------------------------------------------------
 
-    def _serve(self) -> None:
-        inbox = self._inbox
-        while True:
-            batch = [inbox.get()]
-            while True:
-                try:
-                    batch.append(inbox.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                stopped = self._run_batch(batch)
-            except BaseException as exc:  # a defect here must not strand every later caller
-                _deliver_outcomes(
-                    [
-                        (
-                            work,
-                            False,
-                            StorageBackendError(f"{work.operation}: {type(exc).__name__}"),
-                        )
-                        for work in batch
-                    ]
-                )
-                stopped = any(work.operation == _CLOSE for work in batch)
-                if stopped and self._db is not None:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.close()
-                    self._db = None
-            if stopped:
-                self._stopped.set()
-                return
+    def _run_batch(self, batch: list[_Work]) -> list[Outcome]:
+        """Run one drained batch in order: waiting writes share one transaction."""
+        try:
+            return self._run_batch_in_order(batch)
+        except BaseException as exc:  # a defect here must not strand every later caller
+            if any(work.operation == _CLOSE for work in batch) and self._db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+                self._db = None
+            return [
+                (False, StorageBackendError(f"{work.operation}: {type(exc).__name__}"))
+                for work in batch
+            ]
 
-    def _run_batch(self, batch: list[_Work]) -> bool:
-        """Run one drained batch in order; True once the backend closed."""
-        outcomes: list[tuple[_Work, bool, Any]] = []
+    def _run_batch_in_order(self, batch: list[_Work]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
         writes: list[_Work] = []
-        stopped = False
         for work in batch:
-            if stopped:
-                outcomes.append((work, False, StorageBackendError("store is closed")))
-            elif work.write:
+            if work.write:
                 writes.append(work)
             else:
-                self._write_group(writes, outcomes)
+                outcomes.extend(self._write_group(writes))
                 writes = []
-                if work.operation == _CLOSE:
-                    stopped = True
                 outcomes.append(self._read(work))
-        self._write_group(writes, outcomes)
-        _deliver_outcomes(outcomes)
-        return stopped
+        outcomes.extend(self._write_group(writes))
+        return outcomes
 
     def _connection(self) -> sqlite3.Connection:
         if self._db is None:
             self._db = self._open()
         return self._db
 
-    def _read(self, work: _Work) -> tuple[_Work, bool, Any]:
+    def _read(self, work: _Work) -> Outcome:
         try:
             if work.operation == _CLOSE:
                 connection, self._db = self._db, None
                 if connection is not None:
                     connection.close()
-                return (work, True, None)
-            return (work, True, work.function(self._connection()))
+                return (True, None)
+            return (True, work.function(self._connection()))
         except BaseException as exc:  # delivered to the awaiting caller
-            return (work, False, _translated(work.operation, exc))
+            return (False, _translated(work.operation, exc))
 
-    def _write_group(self, writes: list[_Work], outcomes: list[tuple[_Work, bool, Any]]) -> None:
+    def _write_group(self, writes: list[_Work]) -> list[Outcome]:
         """One transaction for ``writes``; per-write refusals, all-or-nothing commit."""
         if not writes:
-            return
+            return []
         self._transactions += 1
         self._batched_writes += len(writes)
         self._raised.clear()
         self._advanced.clear()
-        results: list[tuple[_Work, bool, Any]] = []
+        results: list[Outcome] = []
         try:
             connection = self._connection()
             connection.execute("BEGIN IMMEDIATE")
@@ -656,11 +607,10 @@ class SqliteRecordBackend:
                     results.append(_isolated(work, connection))
                 connection.execute("COMMIT")
             except BaseException:
-                _roll_back(connection)
+                roll_back(connection)
                 raise
         except BaseException as exc:
-            outcomes.extend((work, False, _translated(work.operation, exc)) for work in writes)
-            return
+            return [(False, _translated(work.operation, exc)) for work in writes]
         if self._anchor is not None:
             anchor = self._anchor
             for key, floor in self._raised.items():
@@ -670,12 +620,12 @@ class SqliteRecordBackend:
                 if failure is not None:
                     # The database holds the commit, but the callers must not proceed.
                     results = [
-                        (work, False, StorageBackendError(failure))
+                        (False, StorageBackendError(failure))
                         if ok and _wrote(value)
-                        else (work, ok, value)
-                        for work, ok, value in results
+                        else (ok, value)
+                        for ok, value in results
                     ]
-        outcomes.extend(results)
+        return results
 
     def _write_anchor(self, advanced: dict[StorageRecordKey, int]) -> str | None:
         assert self._anchor is not None and self._anchor_path is not None
@@ -707,7 +657,7 @@ class SqliteRecordBackend:
                 raise StorageBackendError("open: WAL journal mode unavailable")
             connection.execute("PRAGMA synchronous = FULL")
             connection.execute("PRAGMA foreign_keys = ON")
-            _migrate(connection)
+            migrate_schema(connection, _MIGRATIONS)
             _secure_database_files(self._path)
             if anchor is not None:
                 _check_anchor_at_open(connection, anchor)
@@ -930,22 +880,10 @@ class SqliteRecordBackend:
         has run the work submitted before the first call, closed the
         connection and exited. Calls made after it raise ``StorageBackendError``.
         """
-        with self._submit_lock:
-            first = not self._closed
-            self._closed = True
-            thread = self._thread
-            future = (
-                self._enqueue(_CLOSE, lambda connection: None, False)
-                if first and thread is not None
-                else None
-            )
-        if thread is None:
-            return
-        if future is not None:
-            await asyncio.shield(future)
-        if not self._stopped.is_set():
-            # Without blocking this loop (the first close may run on another one).
-            await asyncio.to_thread(self._stopped.wait, 30.0)
+        last = self._thread.close(_Work(_CLOSE, lambda connection: None, False))
+        if last is not None:
+            await asyncio.shield(last)
+        await self._thread.wait_closed()
 
 
 def _wrote(value: object) -> bool:
@@ -955,7 +893,7 @@ def _wrote(value: object) -> bool:
     return isinstance(value, Stored)
 
 
-def _isolated(work: _Work, connection: sqlite3.Connection) -> tuple[_Work, bool, Any]:
+def _isolated(work: _Work, connection: sqlite3.Connection) -> Outcome:
     """One write of a group inside its own savepoint.
 
     A refusal (``OctoError``) is decided before the write changes anything; any
@@ -968,15 +906,15 @@ def _isolated(work: _Work, connection: sqlite3.Connection) -> tuple[_Work, bool,
         value = work.function(connection)
     except OctoError as exc:
         connection.execute("RELEASE octo_write")
-        return (work, False, exc)
+        return (False, exc)
     except sqlite3.Error:
         raise
     except Exception as exc:
         connection.execute("ROLLBACK TO octo_write")
         connection.execute("RELEASE octo_write")
-        return (work, False, _translated(work.operation, exc))
+        return (False, _translated(work.operation, exc))
     connection.execute("RELEASE octo_write")
-    return (work, True, value)
+    return (True, value)
 
 
 def _translated(operation: str, exc: BaseException) -> BaseException:
@@ -994,78 +932,11 @@ def _translated(operation: str, exc: BaseException) -> BaseException:
     return StorageBackendError(f"{operation}: {type(exc).__name__}")
 
 
-def _deliver_outcomes(outcomes: list[tuple[_Work, bool, Any]]) -> None:
-    """Hand outcomes to their loops: one wake-up per loop per batch."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Work, bool, Any]]] = {}
-    shared: set[int] = set()
-    for work, ok, value in outcomes:
-        outcome = value
-        if not ok and isinstance(value, OctoError):
-            # One instance per caller, so tracebacks do not mix.
-            if id(value) in shared:
-                outcome = _copy_error(value)
-            shared.add(id(value))
-        by_loop.setdefault(work.loop, []).append((work, ok, outcome))
-    for loop, items in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(_resolve_all, items)
-
-
-def _copy_error(error: OctoError) -> OctoError:
-    rebuild, arguments = error.__reduce__()[:2]
-    copy = rebuild(*arguments)
-    assert isinstance(copy, OctoError)
-    return copy
-
-
-def _resolve_all(items: list[tuple[_Work, bool, Any]]) -> None:
-    for work, ok, value in items:
-        future = work.future
-        if future.done():  # its caller was cancelled; the operation still ran
-            continue
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-
 def _read_head(connection: sqlite3.Connection, key: StorageRecordKey) -> _Head:
     row = connection.execute(
         _SELECT_RECORD, {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM}
     ).fetchone()
     return _head_from_row(row)
-
-
-def _migrate(connection: sqlite3.Connection) -> None:
-    connection.execute("BEGIN IMMEDIATE")
-    try:
-        connection.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        rows = connection.execute("SELECT version FROM schema_version").fetchall()
-        if len(rows) > 1 or (rows and type(rows[0][0]) is not int):
-            raise StorageBackendError("open: malformed schema_version table")
-        version = rows[0][0] if rows else 0
-        if version > _SCHEMA_VERSION:
-            raise StorageBackendError(f"open: schema version {version} is newer than supported")
-        for statements in _MIGRATIONS[version:]:
-            for statement in statements:
-                connection.execute(statement)
-        if not rows:
-            connection.execute(
-                "INSERT INTO schema_version (version) VALUES (?)", (_SCHEMA_VERSION,)
-            )
-        elif version != _SCHEMA_VERSION:
-            connection.execute("UPDATE schema_version SET version = ?", (_SCHEMA_VERSION,))
-        connection.execute("COMMIT")
-    except BaseException:
-        _roll_back(connection)
-        raise
-
-
-def _roll_back(connection: sqlite3.Connection) -> None:
-    """Undo an open transaction after a failure (the failure is what gets reported)."""
-    if connection.in_transaction:
-        with contextlib.suppress(sqlite3.Error):
-            connection.execute("ROLLBACK")
 
 
 def _check_anchor_at_open(

@@ -53,11 +53,9 @@ import binascii
 import functools
 import itertools
 import os
-import queue
 import re
 import sqlite3
 import stat
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -102,6 +100,7 @@ from octo_common.records import (
     seal_record,
 )
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
+from octo_common.runtime.sqlite import DatabaseThread, copy_error, migrate_schema, run_each
 from octo_common.states import TERMINAL_KINDS
 from octo_worker.journal import JournalChangeset, WorkerOperationRecord
 
@@ -619,81 +618,6 @@ def _guarded(function: Callable[[], T]) -> T:
         raise _backend_error(exc) from None
 
 
-def _copy_error(error: OctoError) -> OctoError:
-    """A fresh instance for each caller of a failed batch (tracebacks stay apart)."""
-    rebuild, arguments = error.__reduce__()[:2]
-    copy = rebuild(*arguments)
-    assert isinstance(copy, OctoError)
-    return copy
-
-
-class _DatabaseThread:
-    """One dedicated thread: functions in, outcomes back to the event loop.
-
-    A bare ``SimpleQueue`` plus ``call_soon_threadsafe`` costs half of a
-    ``run_in_executor`` round trip on the machines measured. The thread is a
-    daemon so that a store nobody closed never holds the process open;
-    ``stop`` ends it after the work already queued.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._inbox: queue.SimpleQueue[
-            tuple[
-                Callable[[], Any],
-                Callable[[tuple[bool, Any]], None],
-                asyncio.AbstractEventLoop,
-            ]
-            | None
-        ] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def call(
-        self, function: Callable[[], Any], callback: Callable[[tuple[bool, Any]], None]
-    ) -> None:
-        """Run ``function`` there; ``callback((ok, value))`` then runs on this loop."""
-        loop = asyncio.get_running_loop()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-            self._thread.start()
-        self._inbox.put((function, callback, loop))
-
-    def submit(self, function: Callable[[], T]) -> asyncio.Future[T]:
-        """Run ``function`` there; the returned future resolves on this loop."""
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self.call(function, functools.partial(_resolve, future))
-        return future
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(None)
-
-    def _serve(self) -> None:
-        while True:
-            work = self._inbox.get()
-            if work is None:
-                return
-            function, callback, loop = work
-            try:
-                outcome: tuple[bool, Any] = (True, function())
-            except BaseException as exc:  # delivered to the awaiting caller
-                outcome = (False, exc)
-            try:
-                loop.call_soon_threadsafe(callback, outcome)
-            except RuntimeError:  # the loop is gone: nobody is waiting any more
-                continue
-
-
-def _resolve(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    if future.done():  # its awaiting task was cancelled
-        return
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
 # The store ------------------------------------------------------------------------------
 
 
@@ -748,8 +672,12 @@ class SqliteJournalStore:
         # Told the size of every group-commit transaction (metrics), on the loop.
         self._on_batch = on_batch
         self._group_commit = group_commit
-        self._writer_thread = _DatabaseThread("octo-journal-writer")
-        self._reader_thread = _DatabaseThread("octo-journal-reader")
+        self._writer_thread: DatabaseThread[Callable[[], Any]] = DatabaseThread(
+            "octo-journal-writer", run_each
+        )
+        self._reader_thread: DatabaseThread[Callable[[], Any]] = DatabaseThread(
+            "octo-journal-reader", run_each
+        )
         # Owned by the writer thread: its connection and the commit baselines.
         self._writer: sqlite3.Connection | None = None
         self._baselines: dict[str, int] = {}
@@ -1175,11 +1103,16 @@ class SqliteJournalStore:
         self._closed = True
         await self._idle.wait()
         try:
-            await self._writer_thread.submit(lambda: _guarded(self._close_writer))
-            await self._reader_thread.submit(lambda: _guarded(self._close_reader))
+            for thread, close_connection in (
+                (self._writer_thread, self._close_writer),
+                (self._reader_thread, self._close_reader),
+            ):
+                last = thread.close(functools.partial(_guarded, close_connection))
+                if last is not None:
+                    await last
         finally:
-            self._writer_thread.stop()
-            self._reader_thread.stop()
+            self._writer_thread.close()
+            self._reader_thread.close()
 
     # Event-loop plumbing ---------------------------------------------------------------
 
@@ -1212,7 +1145,7 @@ class SqliteJournalStore:
         await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
-        return await self._writer_thread.submit(lambda: _guarded(function))
+        return cast(T, await self._writer_thread.submit(lambda: _guarded(function)))
 
     async def _read_call(self, function: Callable[[], T]) -> T:
         """Run ``function`` in the reader thread; concurrent reads share one hand-off."""
@@ -1338,7 +1271,7 @@ class SqliteJournalStore:
         )
         try:
             self._configure(connection)
-            self._migrate(connection)
+            migrate_schema(connection, _MIGRATIONS)
             self._tighten_side_files()
             if self._anchor_path is not None:
                 heads = self._all_heads(connection)
@@ -1398,32 +1331,6 @@ class SqliteJournalStore:
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
         connection.execute("PRAGMA foreign_keys=ON")
-
-    def _migrate(self, connection: sqlite3.Connection) -> None:
-        connection.execute("BEGIN IMMEDIATE")
-        try:
-            connection.execute(
-                "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"
-            )
-            row = connection.execute("SELECT version FROM schema_version").fetchone()
-            version = 0 if row is None else int(row[0])
-            if version > _SCHEMA_VERSION:
-                raise StorageBackendError(
-                    f"database schema version {version} is newer than this store"
-                )
-            for step in _MIGRATIONS[version:]:
-                for statement in step:
-                    connection.execute(statement)
-            if row is None:
-                connection.execute(
-                    "INSERT INTO schema_version (version) VALUES (?)", (_SCHEMA_VERSION,)
-                )
-            elif version != _SCHEMA_VERSION:
-                connection.execute("UPDATE schema_version SET version = ?", (_SCHEMA_VERSION,))
-            connection.execute("COMMIT")
-        except BaseException:
-            connection.execute("ROLLBACK")
-            raise
 
     def _tighten_side_files(self) -> None:
         # SQLite gives -wal/-shm the main file's mode; this only repairs
@@ -1543,9 +1450,9 @@ class SqliteJournalStore:
                 self._session_tails.pop(tail, None)
             failure: OctoError = exc if isinstance(exc, OctoError) else _backend_error(exc)
             failed: list[int | OctoError] = [
-                o if isinstance(o, OctoError) else _copy_error(failure) for o in outcomes
+                o if isinstance(o, OctoError) else copy_error(failure) for o in outcomes
             ]
-            return failed + [_copy_error(failure) for _ in range(len(batch) - len(outcomes))]
+            return failed + [copy_error(failure) for _ in range(len(batch) - len(outcomes))]
         # Committed: the database is the truth for this instance's baselines,
         # even if the anchor write below fails its callers.
         self._baselines.update(advanced)
@@ -1560,7 +1467,7 @@ class SqliteJournalStore:
                 for name in tails:
                     self._session_tails.pop(name, None)
                 failure = _backend_error(exc)
-                return [o if isinstance(o, OctoError) else _copy_error(failure) for o in outcomes]
+                return [o if isinstance(o, OctoError) else copy_error(failure) for o in outcomes]
             finally:
                 # Readers compare against the newest anchor the disk may hold.
                 self._anchor = anchor

@@ -1267,12 +1267,12 @@ async def test_a_defect_in_the_database_thread_fails_its_batch_and_not_the_backe
     original = SqliteRecordBackend._write_group
     calls = 0
 
-    def broken_once(self: SqliteRecordBackend, writes: Any, outcomes: Any) -> None:
+    def broken_once(self: SqliteRecordBackend, writes: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("defect")
-        original(self, writes, outcomes)
+        return original(self, writes)
 
     monkeypatch.setattr(SqliteRecordBackend, "_write_group", broken_once)
     try:
