@@ -87,6 +87,7 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageRecordKey
+from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
 from octo_common.states import (
     TERMINAL_KINDS,
     OperationStatus,
@@ -101,7 +102,6 @@ from octo_common.transport import (
     PublishFailed,
     PublishNacked,
     PublishReturned,
-    build_dead_letter_headers,
     build_host_publish,
     check_delivery,
     reply_queue,
@@ -112,8 +112,6 @@ from octo_host.amqp import (
     consume_reply_queue,
     declare_reply_queue,
     open_confirm_channel,
-    publish_dead_letter,
-    publish_envelope,
 )
 from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
 from octo_host.engine import OutboundFrame, WorkflowEngine
@@ -1769,30 +1767,10 @@ class HostClient:
     async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
         """W§12.3 for the host: a confirmed copy with ``octo-reason``, then ack."""
         self._log.info("reply_dead_lettered", reason=reason, request_id=message.correlation_id)
-        channel = self._publish_channel
-        copied = False
-        if channel is not None and not channel.is_closed:
-            try:
-                await publish_dead_letter(
-                    channel,
-                    message.body,
-                    message_id=message.message_id,
-                    correlation_id=message.correlation_id,
-                    headers=build_dead_letter_headers(message.headers, reason),
-                    timeout=self.publish_timeout,
-                )
-                copied = True
-            except PublishFailed as exc:
-                self._log.warning("dead_letter_copy_failed", reason=reason, error=exc.code)
-            except Exception as exc:  # a header the encoder refuses, say: reject it below
-                self._log.warning(
-                    "dead_letter_copy_failed", reason=reason, error=type(exc).__name__
-                )
-        with contextlib.suppress(Exception):
-            if copied:
-                await message.ack()
-            else:
-                await message.reject(requeue=False)
+        with contextlib.suppress(Exception):  # settling on a lost channel: the broker redelivers
+            await dead_letter_delivery(
+                message, self._publish_channel, reason, timeout=self.publish_timeout, log=self._log
+            )
 
 
 def _request_id(prefix: str) -> str:

@@ -58,11 +58,10 @@ from octo_common.errors import (
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole, decode_frame
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
 from octo_common.messages import OpenSession, message_type
+from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
 from octo_common.transport import (
-    DEAD_EXCHANGE,
     PublishChannelClosed,
     PublishFailed,
-    build_dead_letter_headers,
     build_worker_reply,
     check_delivery,
     host_id_of_reply_queue,
@@ -84,13 +83,7 @@ from octo_worker.store import (
     WorkerCommit,
     WorkerJournalLease,
 )
-from octo_worker.topology import (
-    connect,
-    declare_topology,
-    open_confirm_channel,
-    publish_confirmed,
-    publish_envelope,
-)
+from octo_worker.topology import connect, declare_topology, open_confirm_channel
 
 __all__ = ["WorkerDaemon"]
 
@@ -802,35 +795,15 @@ class WorkerDaemon:
         """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
         self.metrics.frames_rejected_for(scope.name, reason).inc()
         self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
-        publish = self._publish_channel
-        copied = False
-        if publish is not None and not publish.is_closed:
-            try:
-                await publish_confirmed(
-                    publish,
-                    DEAD_EXCHANGE,
-                    message.routing_key or worker_queue(scope.name),
-                    message.body,
-                    message_id=message.message_id or "",
-                    correlation_id=message.correlation_id,
-                    reply_to=message.reply_to,
-                    headers=build_dead_letter_headers(message.headers, reason),
-                    timeout=self.config.broker.publish_timeout_seconds,
-                )
-                copied = True
-            except PublishFailed as exc:
-                self._log.warning("dead_letter_copy_failed", reason=reason, error=exc.code)
-            except Exception as exc:  # a header the encoder refuses, say: reject it below
-                self._log.warning(
-                    "dead_letter_copy_failed", reason=reason, error=type(exc).__name__
-                )
-        if channel.is_closed:
-            return
-        if copied:
-            await message.ack()
-        else:
-            # The queue's own dead-letter exchange takes it (without octo-reason).
-            await message.reject(requeue=False)
+        await dead_letter_delivery(
+            message,
+            self._publish_channel,
+            reason,
+            timeout=self.config.broker.publish_timeout_seconds,
+            log=self._log,
+            consume_channel=channel,
+            routing_key=worker_queue(scope.name),
+        )
 
     async def _republish_outbox(self, scope: _Scope) -> list[WorkerSession]:
         """W§11.4: every committed reply not yet confirmed, oldest first.

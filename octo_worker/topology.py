@@ -1,14 +1,13 @@
-"""RabbitMQ topology and the two broker helpers every Octo process uses (W§12, D8).
+"""RabbitMQ topology and the worker's connection helpers (W§12, D8).
 
 Owns: declaring the topology of W§12.5 idempotently (:func:`declare_topology`),
 the broker policy that gives worker queues their delivery limit and
 dead-letter exchange (:func:`apply_policy`), the policy that bounds the
 dead-letter queue (:func:`apply_dead_letter_policy`), the read-only view behind
-``topology show`` (:func:`describe_topology`), and two small helpers the
-daemon and the host client share: :func:`connect` (a plain, non-robust
-aio-pika connection) and :func:`publish_confirmed` (one persistent,
-mandatory, publisher-confirmed publish that raises on return, nack, timeout
-or channel loss).
+``topology show`` (:func:`describe_topology`), and the worker's
+:func:`connect` (a plain, non-robust aio-pika connection) and
+:func:`open_confirm_channel`. The confirmed publish itself is
+:func:`octo_common.runtime.broker.publish_confirmed`, shared with the host.
 
 It must never: use ``connect_robust`` (its silent restore and hanging
 publishes hide exactly the failures the protocol must see: the caller owns
@@ -28,20 +27,17 @@ import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
-import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final
+from typing import ClassVar, Final
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
-from pamqp.commands import Basic
 from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
 from octo_common.transport import (
-    CONTENT_TYPE,
     DEAD_EXCHANGE,
     DEAD_OVERFLOW,
     DEAD_POLICY_NAME,
@@ -52,11 +48,6 @@ from octo_common.transport import (
     EXCHANGE,
     WORKER_POLICY_NAME,
     WORKER_POLICY_PATTERN,
-    FrameEnvelope,
-    PublishChannelClosed,
-    PublishNacked,
-    PublishReturned,
-    PublishTimedOut,
     reply_queue,
     worker_queue,
 )
@@ -74,8 +65,6 @@ __all__ = [
     "describe_topology",
     "open_confirm_channel",
     "policy_definition",
-    "publish_confirmed",
-    "publish_envelope",
 ]
 
 # Only one policy applies to a queue (the highest priority wins); ours sits
@@ -149,136 +138,6 @@ async def open_confirm_channel(
     if prefetch_count is not None:
         await channel.set_qos(prefetch_count=prefetch_count)
     return channel
-
-
-# Confirmed publish ------------------------------------------------------------------
-
-# Returns are matched to publishes by message_id inside aiormq; two in-flight
-# publishes with the same id (the same frame bytes) on one channel could let a
-# return fail the wrong one and report the returned one as confirmed. Same-id
-# publishes on a channel therefore go one at a time.
-_IN_FLIGHT: weakref.WeakKeyDictionary[AbstractChannel, dict[str, asyncio.Future[None]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-async def publish_confirmed(
-    channel: AbstractChannel,
-    exchange: str,
-    routing_key: str,
-    body: bytes,
-    *,
-    message_id: str,
-    correlation_id: str | None,
-    reply_to: str | None,
-    headers: Mapping[str, Any],
-    timeout: float,
-    persistent: bool = True,
-) -> None:
-    """Publish once, persistent and mandatory, and wait for the broker's confirm.
-
-    Returns only on ``basic.ack`` for a routed message. Raises
-    ``PublishReturned`` (no queue bound: ``basic.return``), ``PublishNacked``,
-    ``PublishTimedOut`` (no confirm within ``timeout`` seconds: the frame may
-    or may not be enqueued) or ``PublishChannelClosed`` (channel or
-    connection lost, or publishing to a missing exchange). Every one of them
-    is a failed publish (W§12.1). The channel must be in confirm mode
-    (:func:`open_confirm_channel`).
-    """
-    if not getattr(channel, "publisher_confirms", False):
-        raise TopologyError("publish_confirmed needs a channel with publisher confirms")
-    # The frame goes straight to aiormq: an aio_pika.Message and an Exchange
-    # object per publish cost about a fifth of the publish's CPU (measured).
-    properties = aiormq.spec.Basic.Properties(
-        content_type=CONTENT_TYPE,
-        delivery_mode=2 if persistent else 1,
-        headers=dict(headers),
-        message_id=message_id,
-        correlation_id=correlation_id,
-        reply_to=reply_to,
-    )
-    in_flight = _IN_FLIGHT.setdefault(channel, {})
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while (earlier := in_flight.get(message_id)) is not None:
-        try:
-            await asyncio.wait_for(asyncio.shield(earlier), max(deadline - loop.time(), 0.0))
-        except TimeoutError:
-            raise PublishTimedOut(routing_key, timeout) from None
-    done: asyncio.Future[None] = loop.create_future()
-    in_flight[message_id] = done
-    try:
-        await _publish_once(
-            channel,
-            exchange,
-            routing_key,
-            body,
-            properties,
-            remaining=deadline - loop.time(),
-            timeout=timeout,
-        )
-    finally:
-        del in_flight[message_id]
-        done.set_result(None)
-
-
-async def _publish_once(
-    channel: AbstractChannel,
-    exchange_name: str,
-    routing_key: str,
-    body: bytes,
-    properties: aiormq.spec.Basic.Properties,
-    *,
-    remaining: float,
-    timeout: float,
-) -> None:
-    if remaining <= 0:
-        raise PublishTimedOut(routing_key, timeout)
-    try:
-        if channel.is_closed:  # as aio-pika's Exchange.publish checks
-            raise aiormq.exceptions.ChannelInvalidStateError()
-        underlay = await channel.get_underlay_channel()
-        result = await underlay.basic_publish(
-            body,
-            exchange=exchange_name,
-            routing_key=routing_key,
-            properties=properties,
-            mandatory=True,
-            timeout=remaining,
-        )
-    except aiormq.exceptions.PublishError as error:
-        raise PublishReturned(routing_key, _reply_code(error)) from None
-    except aiormq.exceptions.DeliveryError:
-        raise PublishNacked(routing_key) from None
-    except TimeoutError:
-        raise PublishTimedOut(routing_key, timeout) from None
-    except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, OSError):
-        raise PublishChannelClosed(routing_key) from None
-    if not isinstance(result, Basic.Ack):
-        # A channel without on_return_raises hands back the returned message.
-        raise PublishReturned(routing_key)
-
-
-def _reply_code(error: aiormq.exceptions.PublishError) -> int:
-    code = getattr(error.frame, "reply_code", 312)
-    return code if isinstance(code, int) else 312
-
-
-async def publish_envelope(
-    channel: AbstractChannel, envelope: FrameEnvelope, *, timeout: float
-) -> None:
-    """:func:`publish_confirmed` for a :class:`~octo_common.transport.FrameEnvelope`."""
-    await publish_confirmed(
-        channel,
-        envelope.exchange,
-        envelope.routing_key,
-        envelope.body,
-        message_id=envelope.message_id,
-        correlation_id=envelope.correlation_id,
-        reply_to=envelope.reply_to,
-        headers=envelope.headers,
-        timeout=timeout,
-    )
 
 
 # Declaration ------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, Sessi
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import OpenSession
 from octo_common.records import StorageKeyring
+from octo_common.runtime.broker import publish_confirmed
 from octo_common.transport import (
     DEAD_EXCHANGE,
     EXCHANGE,
@@ -43,7 +44,7 @@ from octo_common.transport import (
     reply_queue,
     worker_queue,
 )
-from octo_host.amqp import BrokerUnavailable, connect, open_confirm_channel, publish_confirmed
+from octo_host.amqp import BrokerUnavailable, connect, open_confirm_channel
 from octo_host.client import HostClient
 from octo_host.compensation import WorkflowCompensationPolicy, WorkflowCompensationTarget
 from octo_host.engine import WorkflowEngine

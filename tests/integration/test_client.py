@@ -31,6 +31,7 @@ from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, Sessi
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import OperationReconcileResult, OperationResult
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.runtime.broker import publish_confirmed
 from octo_common.states import StateKind, Succeeded
 from octo_common.transport import (
     EXCHANGE,
@@ -47,7 +48,6 @@ from octo_host.amqp import (
     connect,
     declare_reply_queue,
     open_confirm_channel,
-    publish_confirmed,
 )
 from octo_host.client import (
     DispatchScopeMismatch,

@@ -37,6 +37,7 @@ from octo_common.messages import (
     message_type,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.runtime.broker import publish_envelope
 from octo_common.states import (
     Failed,
     OperationStatus,
@@ -52,7 +53,6 @@ from octo_common.transport import (
     build_worker_reply,
     worker_queue,
 )
-from octo_host.amqp import publish_envelope
 from octo_host.client import HostRun
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.plan import WorkflowStep

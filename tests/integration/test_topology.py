@@ -18,6 +18,7 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
+from octo_common.runtime.broker import publish_confirmed, publish_envelope
 from octo_common.transport import (
     CONTENT_TYPE,
     DEAD_EXCHANGE,
@@ -43,8 +44,6 @@ from octo_worker.topology import (
     declare_topology,
     describe_topology,
     open_confirm_channel,
-    publish_confirmed,
-    publish_envelope,
 )
 
 pytestmark = pytest.mark.rabbitmq
