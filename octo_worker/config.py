@@ -104,6 +104,8 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     listen: str | None = None  # "127.0.0.1:9464"
+    # How often the broker queue gauges (octo_queue_*) are refreshed.
+    queue_refresh_seconds: float = 15.0
 
 
 class ConsoleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -330,6 +332,9 @@ def _check(config: WorkerConfig) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidConfiguration("metrics.listen: expected HOST:PORT")
+    refresh = config.metrics.queue_refresh_seconds
+    if not (math.isfinite(refresh) and 0 < refresh <= 3600):
+        raise InvalidConfiguration("metrics.queue_refresh_seconds: must be in (0, 3600]")
     console = config.console.listen
     if console is not None:
         host, _, port = console.rpartition(":")

@@ -75,7 +75,8 @@ from octo_worker.adapters import (
 from octo_worker.config import InvalidConfiguration, WorkerConfig
 from octo_worker.faults import FaultInjector
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.metrics import WorkerMetrics
+from octo_worker.metrics import WorkerMetrics, unresolved_after_reply
+from octo_worker.queue_watch import watch_queues
 from octo_worker.sdnotify import Notifier, watchdog_interval
 from octo_worker.session import WorkerSession, WorkerSessionLimits
 from octo_worker.store import (
@@ -90,7 +91,6 @@ __all__ = ["WorkerDaemon"]
 _log = structlog.get_logger("octo.worker.daemon")
 
 _KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation"})
-_TERMINAL_STATES = frozenset({b"succeeded", b"failed", b"cancelled"})
 
 # The store as sessions see it --------------------------------------------------
 
@@ -329,21 +329,17 @@ class _Delivery:
             raise
         metrics = self._daemon.metrics
         metrics.replies_for(self._scope.name, "confirmed").inc()
-        if self.kind == "reconcile_operation":
-            if _peek_state(frame) in _TERMINAL_STATES:
-                key = _peek_operation_key(self._message.body)
-                if key is not None:
-                    metrics.note_pending(self._scope.name, key, False)
-        elif self.kind in _KEYED_TYPES:
+        if self.kind in _KEYED_TYPES and self.outcome == "unsettled":
+            # Answered before any ack: an Existing record or a refusal.
             rejected = b'"type":"request_rejected"' in frame
-            if self.outcome == "unsettled":
-                # Answered before any ack: an Existing record or a refusal.
-                metrics.admissions_for(
-                    self._scope.name, _short(self.kind), "refused" if rejected else "existing"
-                ).inc()
+            metrics.admissions_for(
+                self._scope.name, _short(self.kind), "refused" if rejected else "existing"
+            ).inc()
+        if self.kind in _KEYED_TYPES or self.kind == "reconcile_operation":
+            unresolved = unresolved_after_reply(frame)
             key = _peek_operation_key(self._message.body)
-            if key is not None and not rejected:
-                metrics.note_pending(self._scope.name, key, False)
+            if key is not None and unresolved is not None:
+                metrics.note_pending(self._scope.name, key, unresolved)
         self.replied = True
         faults.reach("worker.after_reply")
 
@@ -422,10 +418,21 @@ class WorkerDaemon:
         try:
             await self._start()
             watchdog = self._spawn(self._watchdog())
+            queues = self._spawn(
+                watch_queues(
+                    self.metrics,
+                    list(self._scopes),
+                    interval=self.config.metrics.queue_refresh_seconds,
+                    timeout=self.config.broker.connect_timeout_seconds,
+                    connection=lambda: self._connection if self._connected.is_set() else None,
+                    stopping=self._stopping,
+                )
+            )
             try:
                 await self._connection_loop()
             finally:
                 watchdog.cancel()
+                queues.cancel()
         finally:
             await self._shutdown()
 
@@ -1317,21 +1324,6 @@ def _peek_operation_key(body: bytes) -> str | None:
     """The operation key of a canonical frame, for metrics only (None if unsure)."""
     match = _OPERATION_KEY.search(body)
     return None if match is None else match.group(1).decode("ascii")
-
-
-def _peek_state(frame: bytes) -> bytes | None:
-    """The state of the first ``status`` of a canonical reply frame, for metrics only.
-
-    Every field before a result's ``status`` is a token or a number, so its
-    first occurrence is the result's own (None if absent).
-    """
-    marker = b'"status":{"state":"'
-    start = frame.find(marker)
-    if start < 0:
-        return None
-    start += len(marker)
-    end = frame.find(b'"', start, start + 20)
-    return None if end < 0 else frame[start:end]
 
 
 def _peek_type(body: bytes) -> str | None:

@@ -2,7 +2,9 @@
 
 One ``WorkerMetrics`` object per daemon, on its own registry so tests and
 several daemons in one process never collide. Labels carry outcomes, codes,
-tools and scopes only: never keys, payloads, operation keys or adapter text.
+tools, scopes and queue names only: never keys, payloads, operation keys or
+adapter text. Nothing here does I/O but the HTTP endpoint; the broker queue
+gauges are set by :mod:`octo_worker.queue_watch`, off the delivery path.
 
 The ``*_for`` methods return a metric's labelled child, remembered per label
 tuple: ``labels()`` checks and copies its arguments and takes a lock on
@@ -13,8 +15,9 @@ child stays the one the registry exposes.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,7 +28,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["WorkerMetrics", "unresolved_after_reply"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -137,6 +140,25 @@ class WorkerMetrics:
             "Unix time of the last delivery the daemon finished handling",
             registry=r,
         )
+        self.queue_messages = Gauge(
+            "octo_queue_messages",
+            "Ready messages in each scope's worker queue and in octo.v5.dead at the last "
+            "refresh (passive declare; absent while the queue does not exist)",
+            ["queue"],
+            registry=r,
+        )
+        self.queue_consumers = Gauge(
+            "octo_queue_consumers",
+            "Consumers of each scope's worker queue and of octo.v5.dead at the last refresh, "
+            "every worker's (0 while the queue does not exist)",
+            ["queue"],
+            registry=r,
+        )
+        self.queue_refreshed = Gauge(
+            "octo_queue_refresh_timestamp_seconds",
+            "Unix time of the last successful refresh of the queue gauges",
+            registry=r,
+        )
         # scope -> operation key -> when it was first noted pending.
         self._pending_since: dict[str, dict[str, float]] = {}
         self._pending_gauges: set[str] = set()
@@ -205,6 +227,18 @@ class WorkerMetrics:
     def progress(self) -> None:
         self.last_progress.set(time.time())
 
+    def note_queue(self, queue: str, messages: int | None, consumers: int | None) -> None:
+        """One queue's counts at a refresh; None for both when the queue is missing."""
+        if messages is None:
+            with contextlib.suppress(KeyError):
+                self.queue_messages.remove(queue)
+        else:
+            self.queue_messages.labels(queue).set(messages)
+        self.queue_consumers.labels(queue).set(consumers or 0)
+
+    def note_queues_refreshed(self) -> None:
+        self.queue_refreshed.set(time.time())
+
     def exposition(self) -> bytes:
         """The text exposition format (what a scrape returns)."""
         return bytes(generate_latest(self.registry))
@@ -213,3 +247,32 @@ class WorkerMetrics:
         """Start the HTTP endpoint (``HOST:PORT``) in a background thread."""
         host, _, port = listen.rpartition(":")
         start_http_server(int(port), addr=host, registry=self.registry)
+
+
+_REJECTED: Final = b'"type":"request_rejected"'
+# Refusals that say the journal holds the key pending (D5, W§10.6).
+_PENDING_REFUSALS: Final = (b'"code":"pending_operation"', b'"code":"pending_compensation"')
+_STATUS: Final = b'"status":{"state":"'
+_TERMINAL_STATES: Final = frozenset({b"succeeded", b"failed", b"cancelled"})
+
+
+def unresolved_after_reply(frame: bytes) -> bool | None:
+    """What a reply to a keyed request or a reconciliation says of its key.
+
+    True: still unresolved (a status ``running``, or a refusal saying the
+    journal holds the key pending, which is how a key a crash left pending
+    shows up after a restart); False: resolved (a terminal status); None:
+    nothing (any other refusal). Reads the canonical reply frame without
+    decoding it: every field before a result's ``status`` is a token or a
+    number, so the first ``status`` is the result's own.
+    """
+    if _REJECTED in frame:
+        return True if any(code in frame for code in _PENDING_REFUSALS) else None
+    start = frame.find(_STATUS)
+    if start < 0:
+        return None
+    start += len(_STATUS)
+    end = frame.find(b'"', start, start + 20)
+    if end < 0:
+        return None
+    return frame[start:end] not in _TERMINAL_STATES

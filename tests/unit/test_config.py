@@ -376,6 +376,8 @@ def test_the_example_config_is_valid_and_documents_every_key(
         pytest.param("broker", "prefetch = 0", "broker.prefetch"),
         pytest.param("worker", "shutdown_grace_seconds = -1.0", "worker.shutdown_grace_seconds"),
         pytest.param("adapters", "deadline_seconds = 0.0", "adapters.deadline_seconds"),
+        pytest.param("metrics", "queue_refresh_seconds = 0.0", "metrics.queue_refresh_seconds"),
+        pytest.param("metrics", "queue_refresh_seconds = inf", "metrics.queue_refresh_seconds"),
         pytest.param("limits", "reconciliations_per_tool = 0", "limits.reconciliations_per_tool"),
     ],
 )

@@ -1,17 +1,31 @@
-"""WorkerMetrics: remembered label children and the oldest-pending gauge."""
+"""WorkerMetrics: remembered label children, the oldest-pending gauge and its sources, the
+broker queue gauges."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from octo_common.errors import AdapterIndeterminate
+from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole
+from octo_common.messages import (
+    CompensationResult,
+    OperationCompensationBinding,
+    OperationCompensationResult,
+    OperationReconcileResult,
+    OperationResult,
+    ReconciledOperation,
+    RequestRejected,
+)
+from octo_common.payload import ToolPayload
+from octo_common.states import Cancelled, Failed, Running, Succeeded
 from octo_worker import metrics as metrics_module
 from octo_worker.adapters import call_adapter
 from octo_worker.daemon import _InstrumentedAdapter
 from octo_worker.faults import FaultInjector
-from octo_worker.metrics import WorkerMetrics
+from octo_worker.metrics import WorkerMetrics, unresolved_after_reply
 
 
 def sample(metrics: WorkerMetrics, name: str, labels: dict[str, str]) -> float | None:
@@ -154,3 +168,61 @@ async def test_a_stopping_worker_counts_its_adapter_call_as_cancelled() -> None:
         await task
     labels = {"tool": "t.slow", "method": "dispatch_operation", "outcome": "cancelled"}
     assert sample(m, "octo_adapter_outcomes_total", labels) == 1.0
+
+
+# What a reply says of its key (the oldest-unresolved gauge's source) ---------------------
+
+
+def _reply(message: Any) -> bytes:
+    worker = SessionAuthenticator(
+        "session-1", SessionKey.from_bytes(bytes(range(1, 33))), SessionRole.WORKER
+    )
+    return worker.seal(message)
+
+
+def _reconciled(status: Any) -> bytes:
+    return _reply(
+        ReconciledOperation(OperationReconcileResult("session-1", "r-1", "t", "op-1", status))
+    )
+
+
+def test_a_terminal_status_resolves_and_running_leaves_the_key_unresolved() -> None:
+    payload = ToolPayload.json({"done": True})
+    assert unresolved_after_reply(_reconciled(Succeeded(payload))) is False
+    assert unresolved_after_reply(_reconciled(Failed("gone"))) is False
+    assert unresolved_after_reply(_reconciled(Cancelled())) is False
+    assert unresolved_after_reply(_reconciled(Running())) is True
+    dispatched = OperationResult(
+        OperationReconcileResult("session-1", "d-1", "t", "op-1", Running())
+    )
+    assert unresolved_after_reply(_reply(dispatched)) is True
+    binding = OperationCompensationBinding("t", "op-1", "cmp-1", "tenant-a", "ab" * 32)
+    compensated = CompensationResult(
+        OperationCompensationResult("session-1", "c-1", binding, Succeeded(payload))
+    )
+    assert unresolved_after_reply(_reply(compensated)) is False
+
+
+def test_a_pending_refusal_marks_the_key_unresolved_and_other_refusals_say_nothing() -> None:
+    for code in ("pending_operation", "pending_compensation"):
+        refused = RequestRejected("session-1", "d-2", code, "op-1")
+        assert unresolved_after_reply(_reply(refused)) is True
+    for code in ("budget_exhausted", "indeterminate_operation", "missing_adapter"):
+        refused = RequestRejected("session-1", "d-2", code, "op-1")
+        assert unresolved_after_reply(_reply(refused)) is None
+
+
+def test_queue_gauges_follow_each_refresh() -> None:
+    m = WorkerMetrics()
+    m.note_queue("octo.v5.dead", 7, 0)
+    m.note_queue("octo.v5.worker.a", 3, 2)
+    assert sample(m, "octo_queue_messages", {"queue": "octo.v5.dead"}) == 7.0
+    assert sample(m, "octo_queue_consumers", {"queue": "octo.v5.worker.a"}) == 2.0
+    # A queue that disappeared: no depth, and nobody consumes it.
+    m.note_queue("octo.v5.worker.a", None, None)
+    assert sample(m, "octo_queue_messages", {"queue": "octo.v5.worker.a"}) is None
+    assert sample(m, "octo_queue_consumers", {"queue": "octo.v5.worker.a"}) == 0.0
+    assert sample(m, "octo_queue_refresh_timestamp_seconds", {}) == 0.0
+    m.note_queues_refreshed()
+    refreshed = sample(m, "octo_queue_refresh_timestamp_seconds", {})
+    assert refreshed is not None and refreshed > 0
