@@ -30,6 +30,7 @@ from octo_common.messages import (
     RequestRejected,
 )
 from octo_common.payload import ToolPayload
+from octo_common.runtime.broker import publish_envelope
 from octo_common.states import Failed, Running
 from octo_common.transport import DEAD_QUEUE, build_host_publish, reply_queue, worker_queue
 from octo_worker.adapters import AdapterIndeterminate, WorkerAdapterRegistry
@@ -38,7 +39,7 @@ from octo_worker.config import MetricsConfig
 from octo_worker.daemon import WorkerDaemon
 from octo_worker.metrics import WorkerMetrics
 from octo_worker.queue_watch import refresh_queue_gauges
-from octo_worker.topology import declare_topology, publish_envelope
+from octo_worker.topology import declare_topology
 
 from .conftest import TOOL, WAIT, RawHost, RawSession, WorkerEnv, unique, wait_session
 
