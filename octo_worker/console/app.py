@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import importlib.resources
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -162,8 +163,11 @@ async def _guard(
             if presented is not None and token.matches(presented):
                 # Trade the token in the URL for a cookie, and drop it from the URL.
                 query = {k: v for k, v in request.query.items() if k != "token"}
-                target = request.rel_url.with_query(query)
-                response = web.Response(status=303, headers={"Location": str(target)})
+                # One leading slash: "//host/..." would send the browser elsewhere.
+                target = urllib.parse.quote("/" + request.path.lstrip("/"))
+                if query:
+                    target += "?" + urllib.parse.urlencode(query)
+                response = web.Response(status=303, headers={"Location": target})
                 response.set_cookie(
                     COOKIE, token.cookie_value, httponly=True, samesite="Strict", path="/"
                 )

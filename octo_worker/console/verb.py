@@ -96,7 +96,10 @@ async def _start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[
 
     from octo_worker.console.app import build_app
 
-    runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False)
+    # A stop waits at most this long for pages still being gathered.
+    runner = web.AppRunner(
+        build_app(settings), access_log=None, handle_signals=False, shutdown_timeout=3.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, address.host, address.port, reuse_address=True)
     try:

@@ -190,6 +190,9 @@ def test_with_a_token_every_request_must_present_it(files: WorkerFiles, tmp_path
         cookie = headers["Set-Cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN not in cookie
         value = cookie.split(";", 1)[0]
+        # The redirect never leaves the console ("//host/" would).
+        status, headers, _ = console.get("//elsewhere.example/x?token=" + TOKEN)
+        assert status == 303 and headers["Location"] == "/elsewhere.example/x"
         assert console.get("/live", {"Cookie": value})[0] == 200
         assert console.get("/live?token=wrong")[0] == 401
         # The token, not the Host header, decides then.
