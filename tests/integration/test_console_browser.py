@@ -360,7 +360,7 @@ def test_scope_page_shows_the_pending_key_the_poisoned_session_and_the_dead_lett
     assert states.locator("tr.state-succeeded td").first.inner_text() == "1"
     sessions = section.locator("table.sessions")
     assert sessions.locator("td.poisoned").inner_text() == "1"
-    # Three sessions opened: the crashed daemon's, the succeeded one's, the poisoned one.
+    # Open: the session of the crashed dispatch and the succeeded one; then the poisoned one.
     assert sessions.locator("td.open").inner_text() == "2"
     assert sessions.locator("td.closed").inner_text() == "0"
     # Fences: the crashed daemon's start, the restart, the reload after the poisoning.
@@ -473,15 +473,22 @@ def test_live_view_served_by_the_daemon_counts_deliveries_by_outcome(
         "document.getElementById('live-status').textContent.includes('every')", timeout=10_000
     )
     deliveries = _live_rows(tab, "live-deliveries")
-    # Since the restart: the open, the dispatch, the poisoned session's open and
-    # dispatch, and the garbage frame (dead-lettered).
-    assert deliveries[(SCOPE, "acked")] >= 3
-    assert deliveries[(SCOPE, "dead_lettered")] == 1
+    # Since the restart: two opens and two dispatches (one succeeded, one
+    # refused by the failed commit) acked, and the garbage frame dead-lettered.
+    assert deliveries == {(SCOPE, "acked"): 4, (SCOPE, "dead_lettered"): 1}
     assert _live_rows(tab, "live-rejected") == {(SCOPE, "scope_mismatch"): 1}
     assert tab.locator("#live-consumers").inner_text() == "1"
     tab.screenshot(path=str(tmp_path / "live-daemon.png"), full_page=True)
     # The footer says which console this is.
     assert "served by the running daemon" in tab.locator("footer").inner_text()
+    # Its other pages read the journal and the broker off the daemon's loop.
+    tab.goto(world.daemon_console_url)
+    states = _scope_section(tab).locator("table.states")
+    assert states.locator("tr.state-pending td").first.inner_text() == "1"
+    assert tab.locator("#dead-letter-count").inner_text() == "2 frame(s)"
+    tab.goto(world.daemon_console_url + "dlq")
+    assert tab.locator("#dead-total").inner_text() == "2"
+    tab.screenshot(path=str(tmp_path / "dlq-daemon.png"), full_page=True)
     assert page.dialogs == [] and page.console_errors == []
 
 
