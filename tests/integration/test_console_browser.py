@@ -136,7 +136,8 @@ async def _poison(url: str, files: WorkerFiles) -> str:
         opening = OpenSession(CapabilityManifest(peer.session_id, [grant]))
         await peer.publish(channel, peer.host.seal(opening), None)
         await asyncio.to_thread(_wait_status, files, peer.session_id, "open")
-        lock = sqlite3.connect(files.journal, timeout=0, isolation_level=None)
+        # Waits for a commit of the daemon in flight, then keeps every other writer out.
+        lock = sqlite3.connect(files.journal, timeout=10, isolation_level=None)
         lock.execute("BEGIN IMMEDIATE")
         try:
             payload = ToolPayload.json({"name": "never.txt", "content": SECRET_CONTENT})
