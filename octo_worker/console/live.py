@@ -1,4 +1,5 @@
-"""The live view's numbers: the daemon's delivery counters, by scope and outcome.
+"""The live view's numbers: the daemon's delivery counters, by scope and outcome,
+and the broker queue gauges (depth and consumers) the daemon refreshes.
 
 Served by the daemon (``[console] listen``), the console reads the daemon's
 own ``WorkerMetrics`` registry in process. Standalone (``octo-worker
@@ -39,6 +40,7 @@ class LiveSnapshot:
     rejected: dict[str, dict[str, float]] = field(default_factory=dict)
     poisoned: dict[str, float] = field(default_factory=dict)
     oldest_pending_seconds: dict[str, float] = field(default_factory=dict)
+    queues: dict[str, dict[str, float]] = field(default_factory=dict)
     consumers_active: float | None = None
     last_progress: float | None = None
     error: str | None = None
@@ -52,6 +54,7 @@ class LiveSnapshot:
             "rejected": self.rejected,
             "poisoned": self.poisoned,
             "oldest_pending_seconds": self.oldest_pending_seconds,
+            "queues": self.queues,
             "consumers_active": self.consumers_active,
             "last_progress": self.last_progress,
             "error": self.error,
@@ -85,6 +88,9 @@ def _fold(families: Iterable[Metric], snapshot: LiveSnapshot) -> LiveSnapshot:
                 snapshot.poisoned[_label(labels, "scope")] = value
             elif name == "octo_oldest_unresolved_pending_seconds":
                 snapshot.oldest_pending_seconds[_label(labels, "scope")] = value
+            elif name in ("octo_queue_messages", "octo_queue_consumers"):
+                queue = snapshot.queues.setdefault(_label(labels, "queue"), {})
+                queue[name.removeprefix("octo_queue_")] = value
             elif name == "octo_consumers_active":
                 snapshot.consumers_active = value
             elif name == "octo_last_progress_timestamp_seconds":

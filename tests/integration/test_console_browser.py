@@ -245,7 +245,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             broker.url,
             SCOPE,
             metrics_listen=f"127.0.0.1:{free_port()}",
-            extra=f'[console]\nlisten = "127.0.0.1:{console_port}"\n',
+            # The first line still belongs to [metrics]: queue gauges refreshed often.
+            extra=f'queue_refresh_seconds = 0.5\n[console]\nlisten = "127.0.0.1:{console_port}"\n',
         )
         # 1. A pending key: admitted and acked, then SIGKILL before the adapter runs.
         crashing = RunningWorker.start(files, env={**os.environ, "OCTO_FAULT": "worker.after_ack"})
@@ -478,6 +479,12 @@ def test_live_view_served_by_the_daemon_counts_deliveries_by_outcome(
     # refused by the failed commit) acked, and the garbage frame dead-lettered.
     assert deliveries == {(SCOPE, "acked"): 4, (SCOPE, "dead_lettered"): 1}
     assert _live_rows(tab, "live-rejected") == {(SCOPE, "scope_mismatch"): 1}
+    queues = {
+        row.locator("td").first.inner_text(): row.locator("td").all_inner_texts()[1:]
+        for row in tab.locator("#live-queues tbody tr").all()
+    }
+    assert queues["octo.v5.dead"] == ["2", "0"]  # two dead letters, nobody consuming them
+    assert queues[f"octo.v5.worker.{SCOPE}"] == ["0", "1"]  # this daemon consumes its scope
     assert tab.locator("#live-consumers").inner_text() == "1"
     tab.screenshot(path=str(tmp_path / "live-daemon.png"), full_page=True)
     # The footer says which console this is.

@@ -135,11 +135,21 @@ def test_metrics_fold_into_deliveries_by_scope_and_outcome() -> None:
             'octo_deliveries_total{scope="b",outcome="acked"} 7.0',
             "# TYPE octo_consumers_active gauge",
             "octo_consumers_active 2.0",
+            "# TYPE octo_queue_messages gauge",
+            'octo_queue_messages{queue="octo.v5.dead"} 3.0',
+            "# TYPE octo_queue_consumers gauge",
+            'octo_queue_consumers{queue="octo.v5.dead"} 0.0',
+            'octo_queue_consumers{queue="octo.v5.worker.b"} 1.0',
         ]
     )
     scraped = _fold(text_string_to_metric_families(text), LiveSnapshot("scrape", True))
     assert scraped.deliveries == {"b": {"acked": 7.0}}
     assert scraped.consumers_active == 2.0
+    # A queue that does not exist has a consumer count and no depth.
+    assert scraped.queues == {
+        "octo.v5.dead": {"messages": 3.0, "consumers": 0.0},
+        "octo.v5.worker.b": {"consumers": 1.0},
+    }
 
 
 @pytest.mark.parametrize(

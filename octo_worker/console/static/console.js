@@ -1,4 +1,4 @@
-// octo-worker console, live view: polls /live.json and rewrites two tables.
+// octo-worker console, live view: polls /live.json and rewrites its tables.
 // Every value is written with textContent (never as markup); nothing is sent
 // but GET requests to this origin.
 "use strict";
@@ -33,6 +33,20 @@
     body.replaceChildren(...rows);
   }
 
+  function queues(byQueue) {
+    const body = document.querySelector("#live-queues tbody");
+    const rows = [];
+    for (const name of Object.keys(byQueue).sort()) {
+      const counts = byQueue[name];
+      const tr = document.createElement("tr");
+      tr.append(cell(name),
+                cell("messages" in counts ? Math.round(counts.messages) : "-", true),
+                cell(Math.round(counts.consumers || 0), true));
+      rows.push(tr);
+    }
+    body.replaceChildren(...rows);
+  }
+
   function when(epoch) {
     return epoch ? new Date(epoch * 1000).toISOString().replace("T", " ").slice(0, 19) + " UTC" : "-";
   }
@@ -51,6 +65,7 @@
       }
       fill("live-deliveries", live.deliveries || {}, previous.deliveries);
       fill("live-rejected", live.rejected || {}, previous.rejected);
+      queues(live.queues || {});
       document.getElementById("live-consumers").textContent =
         live.consumers_active === null ? "-" : String(Math.round(live.consumers_active));
       document.getElementById("live-progress").textContent = when(live.last_progress);
