@@ -91,7 +91,13 @@ from octo_host.config import (
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
-from octo_host.store import SqliteLedgerStore, initialise_anchor, ledger_record_key
+from octo_host.store import (
+    AuthenticatedStore,
+    SqliteLedgerStore,
+    initialise_anchor,
+    ledger_record_key,
+)
+from octo_host.store_postgres import PostgresLedgerStore, redacted_url
 
 __all__ = [
     "EXIT_BROKER",
@@ -565,16 +571,28 @@ def _ledger_lock(config: HostConfig) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _store(config: HostConfig, *, create: bool) -> AsyncIterator[SqliteLedgerStore]:
-    path = config.database_path
+async def _store(
+    config: HostConfig, *, create: bool
+) -> AsyncIterator[SqliteLedgerStore | PostgresLedgerStore]:
     keyring = config.storage_keyring()  # configuration problems first
-    if not create and not path.exists():
-        raise CliError(
-            EXIT_CHECK_FAILED,
-            f"ledger database {path} does not exist (nothing recorded yet)",
-            "not_found",
+    store: SqliteLedgerStore | PostgresLedgerStore
+    if config.storage.url is not None:  # [storage] url: the ledger in PostgreSQL (D13)
+        path: Path | str = redacted_url(config.storage.url)
+        store = PostgresLedgerStore(
+            config.storage.url,
+            keyring,
+            password_file=config.storage_password_path,
+            schema=config.storage.schema,
         )
-    store = SqliteLedgerStore(path, keyring, anchor_path=config.anchor_path)
+    else:
+        path = config.database_path
+        if not create and not path.exists():
+            raise CliError(
+                EXIT_CHECK_FAILED,
+                f"ledger database {path} does not exist (nothing recorded yet)",
+                "not_found",
+            )
+        store = SqliteLedgerStore(path, keyring, anchor_path=config.anchor_path)
     try:
         try:
             await store.integrity_check()  # opens the database, checks the anchor
@@ -591,7 +609,7 @@ async def _store(config: HostConfig, *, create: bool) -> AsyncIterator[SqliteLed
             await store.close()
 
 
-async def _stored_ledger(store: SqliteLedgerStore, run: str) -> WorkflowOperationLedger:
+async def _stored_ledger(store: AuthenticatedStore, run: str) -> WorkflowOperationLedger:
     record = await store.load(ledger_record_key(run))
     if record is None:
         raise CliError(EXIT_CHECK_FAILED, f"run {run} has no ledger", "not_found")

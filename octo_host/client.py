@@ -6,7 +6,8 @@ Owns, for one host id:
   reply queue ``octo.v5.reply.<host-id>`` and its consumer);
 * :class:`HostSession` (H§16.1): a fresh session id, a fresh 32-byte key
   nonce, the derived key and a HOST authenticator per ``open_session``;
-* :class:`HostRun`: one workflow run's ledger in a :class:`SqliteLedgerStore`
+* :class:`HostRun`: one workflow run's ledger in an :class:`AuthenticatedStore`
+  (``SqliteLedgerStore``, or ``PostgresLedgerStore`` shared by several hosts)
   (record key ``("workflow-ledger", run)``), loaded or created for a plan,
   validated against the revision this client last stored (the rollback
   watermark) and written with compare-and-swap;
@@ -117,7 +118,7 @@ from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompens
 from octo_host.engine import OutboundFrame, WorkflowEngine
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan
-from octo_host.store import SqliteLedgerStore, ledger_record_key
+from octo_host.store import AuthenticatedStore, ledger_record_key
 
 __all__ = [
     "ROUTES_NAMESPACE",
@@ -434,7 +435,7 @@ class HostClient:
         *,
         host_id: str,
         scope_keys: Mapping[str, ScopeKey],
-        store: SqliteLedgerStore,
+        store: AuthenticatedStore,
         engine: WorkflowEngine | None = None,
         reply_timeout: float = 10.0,
         publish_timeout: float = 10.0,

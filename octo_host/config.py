@@ -29,6 +29,11 @@ Keys (relative paths are relative to the file's directory;
     key = { id = "h1", key_file = "keys/ledger-h1.key" }   # seals every record
     read_keys = [{ id = "h0", key_file = "keys/ledger-h0.key" }]  # rotation: verify only
 
+    [storage]                        # optional: the ledger in PostgreSQL instead (D13)
+    url = "postgresql://octo-host@db.example:5432/octo"   # no password here ...
+    password_file = "keys/ledger-db.password"            # ... but in this 0600 file
+    schema = "octo_ledger"           # the tables' schema; hosts sharing one ledger use one
+
     [[scopes]]                       # one per tenant scope this host opens sessions for
     name = "tenant-release"
     key_file = "keys/tenant-release.key"   # the same 32-byte key as the worker's
@@ -125,6 +130,7 @@ __all__ = [
     "LedgerConfig",
     "PlanConfig",
     "ScopeConfig",
+    "StorageConfig",
     "load_config",
     "load_key_file",
     "load_scope_key",
@@ -165,6 +171,19 @@ class LedgerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     database: str = "ledger.sqlite3"
     anchor: str | None = None
     read_keys: tuple[StorageKeyConfig, ...] = ()
+
+
+class StorageConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The ledger in PostgreSQL (``url``) instead of ``ledger.database``; SQLite by default.
+
+    Several hosts may share one such ledger (compare-and-swap on each run
+    decides between them). It has no rollback anchor: ``ledger.anchor`` is
+    refused beside ``url`` (see ``octo_host.store_postgres``).
+    """
+
+    url: str | None = None
+    password_file: str | None = None
+    schema: str = "octo_ledger"
 
 
 class ScopeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -226,6 +245,7 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: HostSection
     ledger: LedgerConfig
     broker: BrokerConfig = msgspec.field(default_factory=BrokerConfig)
+    storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
     scopes: tuple[ScopeConfig, ...] = ()
     grants: tuple[GrantConfig, ...] = ()
     actions: tuple[ActionConfig, ...] = ()
@@ -249,6 +269,12 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def anchor_path(self) -> Path | None:
         anchor = self.ledger.anchor
         return None if anchor is None else self.path(anchor, "ledger.anchor")
+
+    @property
+    def storage_password_path(self) -> Path | None:
+        """``storage.password_file``, resolved (read by the store at each connection)."""
+        file = self.storage.password_file
+        return None if file is None else self.path(file, "storage.password_file")
 
     def broker_url(self) -> str:
         """The AMQP URL with the password from ``password_file`` (never logged)."""
@@ -449,6 +475,7 @@ def _check(config: HostConfig) -> None:
         raise _token_error("host.host_id", config.host.host_id)
     _check_broker(config.broker)
     _check_ledger(config.ledger)
+    _check_storage(config)
     if not config.scopes:
         raise InvalidConfiguration("scopes: at least one [[scopes]] entry is required")
     scopes: set[str] = set()
@@ -490,6 +517,39 @@ def _check_ledger(ledger: LedgerConfig) -> None:
             raise InvalidConfiguration(f"{where}: key id {key_id!r} is listed twice")
     if not ledger.database:
         raise InvalidConfiguration("ledger.database: must name a file")
+
+
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def _check_storage(config: HostConfig) -> None:
+    storage = config.storage
+    if storage.url is None:
+        if storage.password_file is not None:
+            raise InvalidConfiguration("storage.password_file: only with storage.url")
+        return
+    try:
+        parts = urllib.parse.urlsplit(storage.url)
+        password = parts.password
+        query = urllib.parse.parse_qs(parts.query)
+    except ValueError:
+        raise InvalidConfiguration("storage.url: not a valid URL") from None
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise InvalidConfiguration("storage.url: must start with postgresql://")
+    if password is not None or "password" in query:
+        # Never echo the URL: it holds a secret.
+        raise InvalidConfiguration(
+            "storage.url: must not contain a password (put it in storage.password_file)"
+        )
+    if not _SCHEMA_NAME.fullmatch(storage.schema) or storage.schema.startswith("pg_"):
+        raise InvalidConfiguration(
+            f"storage.schema: {storage.schema!r} is not a schema name ([a-z_][a-z0-9_]*)"
+        )
+    if config.ledger.anchor is not None:
+        raise InvalidConfiguration(
+            "ledger.anchor: a PostgreSQL ledger has no rollback anchor (other hosts commit"
+            " to it too); its rollback protection is the database's own"
+        )
 
 
 def _check_grants(config: HostConfig, scopes: set[str]) -> None:

@@ -426,3 +426,69 @@ def test_an_unset_credentials_directory_names_the_config_key(
         InvalidConfiguration, match=rf"^invalid configuration: ledger\.database: .*{unset}"
     ):
         _ = config.database_path
+
+
+# [storage]: the ledger in PostgreSQL (D13) ----------------------------------------------------
+
+POSTGRES_URL = "postgresql://octo-host@db.example:5432/octo"
+
+
+def with_storage(anchor: bool = False, **storage: Any) -> dict[str, Any]:
+    data = copy.deepcopy(good())
+    if not anchor:
+        del data["ledger"]["anchor"]
+    data["storage"] = storage
+    return data
+
+
+def test_sqlite_stays_the_default() -> None:
+    config = parse(good())
+    assert config.storage.url is None
+    assert config.storage_password_path is None
+    assert config.database_path == Path("/etc/octo/state/ledger.sqlite3")
+
+
+def test_a_postgresql_url_selects_it_with_its_password_file() -> None:
+    config = parse(with_storage(url=POSTGRES_URL, password_file="keys/ledger-db.password"))
+    assert config.storage.url == POSTGRES_URL
+    assert config.storage.schema == "octo_ledger"
+    assert config.storage_password_path == Path("/etc/octo/keys/ledger-db.password")
+    shared = parse(with_storage(url="postgres://octo@db/octo", schema="ledger_eu"))
+    assert shared.storage.schema == "ledger_eu" and shared.storage_password_path is None
+
+
+BAD_STORAGE: list[tuple[str, dict[str, Any], bool, str]] = [
+    (
+        "password in the url",
+        {"url": "postgresql://octo:hunter2secret@db/octo"},
+        False,
+        "storage.url: must not contain a password",
+    ),
+    (
+        "password in the query",
+        {"url": "postgresql://octo@db/octo?password=hunter2secret"},
+        False,
+        "storage.url: must not contain a password",
+    ),
+    ("another scheme", {"url": "mysql://octo@db/octo"}, False, "storage.url"),
+    ("schema name", {"url": POSTGRES_URL, "schema": "Octo-Ledger"}, False, "storage.schema"),
+    ("reserved schema", {"url": POSTGRES_URL, "schema": "pg_octo"}, False, "storage.schema"),
+    ("anchor beside the url", {"url": POSTGRES_URL}, True, "ledger.anchor: a PostgreSQL ledger"),
+    ("password file alone", {"password_file": "keys/p"}, False, "storage.password_file"),
+    ("unknown storage key", {"url": POSTGRES_URL, "password": "x"}, False, "storage"),
+]
+
+
+@pytest.mark.parametrize(
+    ("storage", "anchor", "named"),
+    [(s, a, n) for _, s, a, n in BAD_STORAGE],
+    ids=[b[0] for b in BAD_STORAGE],
+)
+def test_each_bad_storage_key_is_named_and_no_password_is_echoed(
+    storage: dict[str, Any], anchor: bool, named: str
+) -> None:
+    with pytest.raises(InvalidConfiguration) as raised:
+        parse(with_storage(anchor=anchor, **storage))
+    text = str(raised.value) + repr(raised.value)
+    assert named in text
+    assert "hunter2secret" not in text
