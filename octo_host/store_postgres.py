@@ -438,9 +438,13 @@ class PostgresRecordBackend:
         assert self._password_file is not None
         return read_password_file(self._password_file)
 
-    async def _ready(self, operation: str) -> asyncpg.Pool:
-        """The pool, opening it (and migrating the schema) on first use."""
-        if self._closed:
+    async def _ready(self, operation: str, *, writer: bool = False) -> asyncpg.Pool:
+        """The pool, opening it (and migrating the schema) on first use.
+
+        Refused once ``close`` was called, except for the writer task, which
+        still runs the writes submitted before that.
+        """
+        if self._closed and not writer:
             raise StorageBackendError("store is closed")
         self._bind_loop()
         pool = self._pool
@@ -448,8 +452,6 @@ class PostgresRecordBackend:
             return pool
         assert self._open_lock is not None
         async with self._open_lock:
-            if self._closed:
-                raise StorageBackendError("store is closed")
             if self._pool is None:
                 try:
                     self._pool = await self._open()
@@ -623,7 +625,7 @@ class PostgresRecordBackend:
         self._transactions += 1
         self._batched_writes += len(batch)
         try:
-            pool = await self._ready(batch[0].operation)
+            pool = await self._ready(batch[0].operation, writer=True)
         except OctoError as exc:
             return [(write, False, _translated(write.operation, exc)) for write in batch]
         for attempt in range(_DEADLOCK_RETRIES + 1):

@@ -292,11 +292,21 @@ async def test_every_close_waits_for_the_writes_submitted_before_the_first(
         return Stored(1), [("SELECT 1 FROM pg_sleep(0.3)", (), 1)]
 
     write = backend._submit("slow_write", (RUN,), slow)
+    await asyncio.sleep(0.05)  # its transaction has begun: the next write waits for another
+    other = StorageRecordKey("workflow-ledger", "other")
+    waiting = asyncio.ensure_future(backend.compare_and_swap(other, None, StoredRecord(1, b"x")))
+    await asyncio.sleep(0)
     first = asyncio.ensure_future(backend.close())
     await asyncio.sleep(0)
-    await backend.close()  # the second close returns only once the write has ended
+    await backend.close()  # the second close returns only once both writes have ended
     assert write.done() and write.result() == Stored(1)
+    assert waiting.done() and waiting.result() == Stored(1)
     await first
+    reopened = backend_in(postgres_schema)
+    try:
+        assert await reopened.load(other) == StorageSnapshot(StoredRecord(1, b"x"), 1)
+    finally:
+        await reopened.close()
     with pytest.raises(StorageBackendError, match="closed"):
         await backend.load(RUN)
     with pytest.raises(StorageBackendError, match="closed"):
