@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sqlite3
 import subprocess
 import urllib.error
 import urllib.request
@@ -18,8 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from octo_common.payload import ToolPayload
+from octo_common.states import Failed, Pending, Succeeded
+from octo_worker.config import load_config
+from octo_worker.console import data
 from octo_worker.console.app import _environment
 from octo_worker.console.data import DeadLetter, DeadLetterView, KeyRow, KeyView
+from octo_worker.journal import WorkerCompensationRecord
+from octo_worker.store import SqliteJournalStore
 from tests.integration.test_worker_cli import (
     PYTHON,
     REPO,
@@ -28,7 +35,11 @@ from tests.integration.test_worker_cli import (
     one_line,
     run_error,
 )
+from tests.integration.test_worker_store_prune import FP, _write
+from tests.integration.test_worker_store_prune import SCOPE as SCOPE_P
+from tests.integration.test_worker_store_prune import _record as prune_record
 
+SECRET = "payload-and-failure-text-never-shown"
 TOKEN = "console-token-" + "0123456789abcdef" * 2
 HOSTILE = '<script>alert(1)</script><img src=x onerror="alert(2)">'
 
@@ -239,3 +250,51 @@ def test_every_template_escapes_what_it_shows() -> None:
     )
     assert "<script>" not in page and "<img" not in page
     assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 10
+
+
+async def test_the_scope_and_key_views_of_a_journal_with_a_compensation_under_way(
+    tmp_path: Path,
+) -> None:
+    files = WorkerFiles(tmp_path / "w", "amqp://guest:guest@127.0.0.1:1/", SCOPE_P)
+    config = load_config(files.config)
+    files.journal.parent.mkdir(parents=True)
+    store = SqliteJournalStore(files.journal, config.storage_keyring())
+    done = Succeeded(ToolPayload.json({"secret": SECRET}))
+    undoing = WorkerCompensationRecord("cmp-undo", FP, FP, Pending())
+    await _write(
+        store,
+        [
+            prune_record("op-waiting", Pending()),
+            prune_record("op-undoing", done, undoing),
+            prune_record("op-failed", Failed(SECRET)),
+            prune_record("op-done", done),
+        ],
+    )
+    await store.close()
+    with sqlite3.connect(files.journal) as connection:  # op-undoing is the oldest
+        connection.execute(
+            "UPDATE items SET written_at = written_at - 600 WHERE item = 'op-undoing'"
+        )
+
+    view = await data.overview(config, "/etc/octo/w.toml")
+    (scope,) = view.scopes
+    assert scope.states == {"pending": 1, "running": 0, "succeeded": 2, "failed": 1, "cancelled": 0}
+    assert scope.compensations["pending"] == 1
+    assert [row.operation_key for row in scope.stuck] == ["op-undoing", "op-waiting"]
+    assert scope.oldest_pending_key == "op-undoing"
+    assert scope.oldest_pending_seconds is not None and scope.oldest_pending_seconds >= 600
+
+    found = await data.key_view(config, "/etc/octo/w.toml", "cmp-undo")
+    (row,) = found.rows
+    assert row.detail["operation_key"] == "op-undoing"
+    commands = [line for _, line in row.commands]
+    assert commands[-1] == (
+        "octo-host resolve RUN cmp-undo --state succeeded|failed|cancelled --reason TEXT"
+    )
+    failed = await data.key_view(config, "/etc/octo/w.toml", "op-failed", SCOPE_P)
+    (row,) = failed.rows
+    assert row.detail["message_bytes"] == len(SECRET)  # a size, never the text
+    assert [what for what, _ in row.commands] == ["show the row (payloads as format and size)"]
+    assert SECRET not in repr(found) + repr(failed) + repr(view)
+    missing = await data.key_view(config, "/etc/octo/w.toml", "op-none")
+    assert missing.rows == [] and missing.error is None
