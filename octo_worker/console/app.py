@@ -249,6 +249,9 @@ async def key_page(request: web.Request) -> web.Response:
 
 async def dlq_page(request: web.Request) -> web.Response:
     settings = request.app[_SETTINGS]
+    if request.method == "HEAD":
+        # Reading the queue counts as a delivery of every frame: not for a probe.
+        return web.Response(content_type="text/html", charset="utf-8")
     view = await _off_loop(
         request, lambda: data.dead_letters(settings.config, settings.config_path)
     )

@@ -522,5 +522,6 @@ def test_the_console_refuses_every_method_but_get_and_head(world: World, page: W
         assert answer.status == 405, method
         assert answer.headers["allow"] == "GET, HEAD"
     assert request.head(world.console_url).status == 200
+    assert request.head(world.console_url + "dlq").status == 200  # without reading the queue
     # Nothing was dropped by any of it.
     assert _dead_letter_total(world.files) == 2
