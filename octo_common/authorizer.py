@@ -5,7 +5,9 @@ compensation budgets, the compensation identities it has admitted and the
 request ids it retains (at most 1024, each with a ``completed`` flag). Every
 ``authorize_*`` method checks a request in the exact order of W§8.1-8.3 and
 returns an in-process authorization token; every ``validate_*`` method checks
-a result against such a token in the order of W§8.4.
+a result against such a token in the order of W§8.4. A compensation lookup
+(``reconcile_compensation``, D11) is authorized as a reconciliation: it spends
+a request id only.
 
 Rules this module keeps:
 
@@ -55,6 +57,8 @@ from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.ids import is_fingerprint, is_token, validate_token
 from octo_common.limits import MAX_SESSION_REQUEST_IDS
 from octo_common.messages import (
+    CompensationReconcileRequest,
+    CompensationReconcileResult,
     OperationCompensationRequest,
     OperationCompensationResult,
     OperationDispatchRequest,
@@ -67,6 +71,7 @@ from octo_common.payload import ToolPayload
 from octo_common.states import validate_operation_status_for_grant
 
 __all__ = [
+    "AuthorizedCompensationReconciliation",
     "AuthorizedInvocation",
     "AuthorizedOperationCompensation",
     "AuthorizedOperationInvocation",
@@ -140,11 +145,12 @@ RequestT = TypeVar(
     OperationDispatchRequest,
     OperationReconcileRequest,
     OperationCompensationRequest,
+    CompensationReconcileRequest,
 )
 
 
 class _AuthorizationToken(Generic[RequestT]):
-    """Common behaviour of the four authorization tokens (W§8).
+    """Common behaviour of the authorization tokens (W§8, D11).
 
     Tokens are immutable, in-process values issued only by a
     :class:`SessionAuthorizer`. They are equal only when their type, request,
@@ -291,6 +297,20 @@ class AuthorizedOperationCompensation(_AuthorizationToken[OperationCompensationR
     def identity(self) -> CompensationIdentity:
         """The six-value compensation identity this token was admitted under."""
         return self._identity
+
+
+class AuthorizedCompensationReconciliation(_AuthorizationToken[CompensationReconcileRequest]):
+    """Token for a ``reconcile_compensation`` (D11): authorized as a reconciliation."""
+
+    __slots__ = ()
+
+    @property
+    def operation_key(self) -> str:
+        return self._request.operation_key
+
+    @property
+    def compensation_key(self) -> str:
+        return self._request.compensation_key
 
 
 # The authorizer ---------------------------------------------------------------
@@ -453,6 +473,27 @@ class SessionAuthorizer:
         )
         return token
 
+    def authorize_compensation_reconciliation(
+        self, request: CompensationReconcileRequest
+    ) -> AuthorizedCompensationReconciliation:
+        """Authorize a compensation lookup exactly as a reconciliation (D11, W§8.2).
+
+        Spends one request id and nothing else: no call or compensation
+        budget, no compensation identity. Neither ``max_compensations`` nor
+        the current grant's fingerprint is consulted: the lookup performs no
+        effect, and the journal checks that the key holds a compensation with
+        exactly this identity.
+        """
+        request.validate()
+        grant = self._active_grant(request.session_id, request.tool)
+        self._check_request_id_free(request.request_id)
+        self._check_request_capacity()
+        self._retain(request.request_id)
+        token: AuthorizedCompensationReconciliation = AuthorizedCompensationReconciliation._issue(
+            request, grant, self._provenance
+        )
+        return token
+
     def _compensation_fingerprint(self, grant: CapabilityGrant) -> str:
         fingerprint = self._compensation_fingerprints.get(grant.tool)
         if fingerprint is None:
@@ -567,6 +608,19 @@ class SessionAuthorizer:
     ) -> None:
         """Check a ``compensation_result`` (W§8.4)."""
         self._check_provenance(auth, AuthorizedOperationCompensation)
+        result.validate()
+        self._check_result_session(result.session_id)
+        if not result.matches_request(auth.request):
+            raise CompensationResultMismatch()
+        self._check_not_completed(auth.request_id)
+        validate_operation_status_for_grant(result.status, auth.grant)
+        self._mark_completed(auth.request_id)
+
+    def validate_compensation_reconciliation_result(
+        self, auth: AuthorizedCompensationReconciliation, result: CompensationReconcileResult
+    ) -> None:
+        """Check a ``reconciled_compensation`` result (D11; the order of W§8.4)."""
+        self._check_provenance(auth, AuthorizedCompensationReconciliation)
         result.validate()
         self._check_result_session(result.session_id)
         if not result.matches_request(auth.request):

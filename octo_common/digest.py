@@ -1,16 +1,21 @@
-"""Every BLAKE3 derivation, each with its own domain (W§5.8, W§7, H§4–§8, H§17.2).
+"""Every BLAKE3 derivation, each with its own domain (W§5.8, W§7, H§4–§8, H§17.2, D12).
 
 Domain strings are raw ASCII at the start of the hashed input, with no length
 prefix. ``LP(x)`` is the 8-byte big-endian length of ``x`` followed by ``x``.
-This module computes digests only; it validates nothing but argument types.
+This module computes digests only; it validates nothing but argument types,
+except :func:`adapter_idempotency_key`, which refuses a kind or a key no
+adapter context can name (its value leaves the worker, so it is never
+derived from a malformed input).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 import blake3
+
+from octo_common.ids import validate_compensation_key, validate_token
 
 if TYPE_CHECKING:
     from octo_common.payload import ToolPayload
@@ -24,6 +29,11 @@ COMPENSATION_KEY_DOMAIN: Final = b"octo-workflow-compensation-key-v1"
 STORAGE_RECORD_DOMAIN: Final = b"octo-storage-record-v1"
 FRAME_AUTH_DOMAIN: Final = "octo-worker-auth-v5"
 SESSION_KEY_CONTEXT: Final = "octo 2026-12 worker session key v1"
+ADAPTER_IDEMPOTENCY_KEY_CONTEXT: Final = "octo 2026-12 adapter idempotency key v1"
+
+AdapterIdempotencyKind = Literal["operation", "compensation", "invoke"]
+# D12: what each kind derives over, and the W§3 field its key is checked as.
+ADAPTER_IDEMPOTENCY_KINDS: Final = ("operation", "compensation", "invoke")
 
 
 def be64(n: int) -> bytes:
@@ -149,3 +159,30 @@ def storage_record_tag(
 def message_id(frame: bytes) -> str:
     """W§12.1: the AMQP ``message_id`` of a frame, hex BLAKE3 of its bytes."""
     return blake3_hex(frame)
+
+
+def adapter_idempotency_key(scope: str, kind: AdapterIdempotencyKind, key: str) -> str:
+    """D12: the key an adapter names its effect by, unique across tenant scopes.
+
+    64 lowercase hex of BLAKE3 ``derive_key`` with context
+    ``"octo 2026-12 adapter idempotency key v1"`` over
+    ``LP(scope) ‖ LP(kind) ‖ LP(key)``. ``kind`` is ``"operation"`` (``key``
+    is the operation key), ``"compensation"`` (the ``cmp-`` compensation key)
+    or ``"invoke"`` (the request id). ``scope`` must be a token (field
+    ``"tenant scope"``) and ``key`` must pass its own W§3 rule
+    (``InvalidToken`` / ``InvalidCompensationKey``); any other kind is a
+    programming error (``ValueError``).
+    """
+    if kind == "operation":
+        validate_token("tenant scope", scope)
+        validate_token("operation key", key)
+    elif kind == "compensation":
+        validate_token("tenant scope", scope)
+        validate_compensation_key(key)
+    elif kind == "invoke":
+        validate_token("tenant scope", scope)
+        validate_token("request id", key)
+    else:
+        raise ValueError("an adapter idempotency key is for an operation, compensation or invoke")
+    material = lp(scope.encode("ascii")) + lp(kind.encode("ascii")) + lp(key.encode("ascii"))
+    return derive_key(ADAPTER_IDEMPOTENCY_KEY_CONTEXT, material).hex()

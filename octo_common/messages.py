@@ -1,4 +1,4 @@
-"""Wire structs and the ``WorkerMessage`` tagged union (W§4, D6, D9).
+"""Wire structs and the ``WorkerMessage`` tagged union (W§4, D6, D9, D11).
 
 Every struct here is a frozen value that compares by value. Built by user
 code, a struct sets ``protocol_version = 5`` and validates itself (W§4.4);
@@ -40,6 +40,8 @@ __all__ = [
     "CancellationResult",
     "CloseSession",
     "CompensateOperation",
+    "CompensationReconcileRequest",
+    "CompensationReconcileResult",
     "CompensationResult",
     "DispatchOperation",
     "Invoke",
@@ -51,7 +53,9 @@ __all__ = [
     "OperationReconcileRequest",
     "OperationReconcileResult",
     "OperationResult",
+    "ReconcileCompensation",
     "ReconcileOperation",
+    "ReconciledCompensation",
     "ReconciledOperation",
     "RequestRejected",
     "Result",
@@ -480,6 +484,91 @@ class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unkno
         )
 
 
+class CompensationReconcileRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    """D11: ask the worker to look a compensation up by its key (no effect).
+
+    The seven fields name the compensation exactly as the ledger and the
+    journal hold it; there is no payload. Validated like the header of a
+    ``compensate_operation``: tokens, the ``cmp-`` key, the tenant scope and
+    the grant fingerprint syntax. Unknown keys are rejected on decode, as for
+    every struct that carries a compensation binding.
+    """
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            compensation_key: str,
+            tenant_scope: str,
+            grant_fingerprint: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        self._validate_header()
+
+
+class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    """D11: the status a compensation lookup observed (``reconciled_compensation``)."""
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    status: OperationStatus
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            compensation_key: str,
+            tenant_scope: str,
+            grant_fingerprint: str,
+            status: OperationStatus,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        self._validate_header()
+        _check_status(self.status)
+
+    def matches_request(self, request: Any) -> bool:
+        """All eight identity fields equal (as W§4.3 for compensation results)."""
+        return bool(
+            self.protocol_version == request.protocol_version
+            and self.session_id == request.session_id
+            and self.request_id == request.request_id
+            and self.tool == request.tool
+            and self.operation_key == request.operation_key
+            and self.compensation_key == request.compensation_key
+            and self.tenant_scope == request.tenant_scope
+            and self.grant_fingerprint == request.grant_fingerprint
+        )
+
+
 # Messages (W§4.2) -------------------------------------------------------------
 
 
@@ -545,6 +634,24 @@ class ReconcileOperation(_Message, frozen=True, tag="reconcile_operation"):
 
 class ReconciledOperation(_Message, frozen=True, tag="reconciled_operation"):
     result: OperationReconcileResult
+
+    def validate(self) -> None:
+        self.result.validate()
+
+
+class ReconcileCompensation(_Message, frozen=True, tag="reconcile_compensation"):
+    """D11, host to worker."""
+
+    request: CompensationReconcileRequest
+
+    def validate(self) -> None:
+        self.request.validate()
+
+
+class ReconciledCompensation(_Message, frozen=True, tag="reconciled_compensation"):
+    """D11, worker to host."""
+
+    result: CompensationReconcileResult
 
     def validate(self) -> None:
         self.result.validate()
@@ -644,6 +751,8 @@ WorkerMessage = (
     | CompensationResult
     | ReconcileOperation
     | ReconciledOperation
+    | ReconcileCompensation
+    | ReconciledCompensation
     | Cancel
     | CancellationResult
     | CloseSession
@@ -660,6 +769,8 @@ _MESSAGE_TYPES: tuple[type[ProtocolStruct], ...] = (
     CompensationResult,
     ReconcileOperation,
     ReconciledOperation,
+    ReconcileCompensation,
+    ReconciledCompensation,
     Cancel,
     CancellationResult,
     CloseSession,
@@ -704,6 +815,8 @@ _SESSION_ID_OF: dict[type, Any] = {
     CompensationResult: lambda m: m.result.session_id,
     ReconcileOperation: lambda m: m.request.session_id,
     ReconciledOperation: lambda m: m.result.session_id,
+    ReconcileCompensation: lambda m: m.request.session_id,
+    ReconciledCompensation: lambda m: m.result.session_id,
     Cancel: lambda m: m.request.session_id,
     CancellationResult: lambda m: m.result.session_id,
     CloseSession: lambda m: m.session_id,

@@ -1,4 +1,5 @@
-"""BLAKE3 derivations: domains, LP/BE64 framing and the grant encoding (W§1, W§2, W§5.8, H§4-§8).
+"""BLAKE3 derivations: domains, LP/BE64 framing, the grant encoding and adapter keys
+(W§1, W§2, W§5.8, H§4-§8, D12).
 
 Each expected digest is recomputed here with the ``blake3`` package from the
 byte layout the spec writes out, never with the module under test.
@@ -22,6 +23,7 @@ from octo_common.digest import (
     plan_fingerprint,
     worker_input_fingerprint,
 )
+from octo_common.errors import InvalidCompensationKey, InvalidToken
 from octo_common.grants import CapabilityGrant
 from octo_common.payload import ToolPayload
 
@@ -174,3 +176,127 @@ def test_keyed_hash_and_derive_key_use_blake3_modes() -> None:
     assert digest.derive_key(context, b"m") == (
         blake3.blake3(b"m", derive_key_context=context).digest()
     )
+
+
+# Adapter idempotency keys (D12) ------------------------------------------------------
+
+_ADAPTER_CONTEXT = "octo 2026-12 adapter idempotency key v1"
+
+
+def _adapter_key(scope: str, kind: str, key: str) -> str:
+    """D12 written out: derive_key(context, LP(scope) ‖ LP(kind) ‖ LP(key)), 64 hex."""
+    material = _lp(scope.encode()) + _lp(kind.encode()) + _lp(key.encode())
+    return blake3.blake3(material, derive_key_context=_ADAPTER_CONTEXT).hexdigest()
+
+
+# Computed once with the blake3 package from the D12 formula (never with octo code).
+ADAPTER_KEY_ANSWERS = [
+    (
+        "tenant-a",
+        "operation",
+        "op-release-42",
+        "93e36e31716dcb9a326bc6f852a3ab8dfd24b75d6f76b66ca87f6c533b7fde69",
+    ),
+    (
+        "tenant-b",
+        "operation",
+        "op-release-42",
+        "989353999ae79820eeaf9ac7846c5ce71ce879463a7913f6e834d42f16496364",
+    ),
+    (
+        "tenant-a",
+        "compensation",
+        "cmp-release-42-undo",
+        "ee8f592a297cc7c0abedf7cbfae0f5331f071db318317b248c3e772d8dcd42e7",
+    ),
+    (
+        "tenant-a",
+        "invoke",
+        "invoke-1",
+        "f290c42ee97b7413653ad8d81ade253e210680c6f1cae52838aeb2fbcd4580e8",
+    ),
+]
+
+
+def test_adapter_idempotency_context_is_exact() -> None:
+    assert digest.ADAPTER_IDEMPOTENCY_KEY_CONTEXT == _ADAPTER_CONTEXT
+    assert digest.ADAPTER_IDEMPOTENCY_KINDS == ("operation", "compensation", "invoke")
+
+
+@pytest.mark.parametrize(("scope", "kind", "key", "expected"), ADAPTER_KEY_ANSWERS)
+def test_adapter_idempotency_key_known_answers(
+    scope: str, kind: digest.AdapterIdempotencyKind, key: str, expected: str
+) -> None:
+    assert _adapter_key(scope, kind, key) == expected  # the fixed value is the formula's
+    assert digest.adapter_idempotency_key(scope, kind, key) == expected
+
+
+@pytest.mark.parametrize(
+    ("scope", "kind", "key"),
+    [
+        ("t", "operation", "k"),
+        ("tenant." * 18 + "xy", "operation", "op-" + "9" * 125),
+        ("tenant-a", "compensation", "cmp-"),
+        ("tenant-a", "invoke", "r" * 128),
+    ],
+)
+def test_adapter_idempotency_key_follows_the_formula(
+    scope: str, kind: digest.AdapterIdempotencyKind, key: str
+) -> None:
+    value = digest.adapter_idempotency_key(scope, kind, key)
+    assert value == _adapter_key(scope, kind, key)
+    assert len(value) == 64 and value == value.lower()
+
+
+def test_two_scopes_never_share_an_adapter_key_for_the_same_operation_key() -> None:
+    keys = {
+        digest.adapter_idempotency_key(scope, "operation", "op-release-42")
+        for scope in ("tenant-a", "tenant-b", "tenant-c")
+    }
+    assert len(keys) == 3
+
+
+def test_the_kind_separates_keys_with_equal_text() -> None:
+    # An operation key and a request id may be spelled alike; their adapter keys differ.
+    assert digest.adapter_idempotency_key(
+        "tenant-a", "operation", "cmp-1"
+    ) != digest.adapter_idempotency_key("tenant-a", "compensation", "cmp-1")
+    assert digest.adapter_idempotency_key(
+        "tenant-a", "operation", "x-1"
+    ) != digest.adapter_idempotency_key("tenant-a", "invoke", "x-1")
+
+
+def test_length_prefixes_keep_scope_and_key_boundaries_apart() -> None:
+    assert digest.adapter_idempotency_key(
+        "tenant-ab", "operation", "c"
+    ) != digest.adapter_idempotency_key("tenant-a", "operation", "bc")
+
+
+def test_adapter_idempotency_key_refuses_other_kinds() -> None:
+    for kind in ("dispatch", "Operation", "", "reconcile"):
+        with pytest.raises(ValueError):
+            digest.adapter_idempotency_key("tenant-a", kind, "op-1")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("scope", "kind", "key", "field"),
+    [
+        ("Tenant", "operation", "op-1", "tenant scope"),
+        ("", "invoke", "r-1", "tenant scope"),
+        ("tenant-a", "operation", "op 1", "operation key"),
+        ("tenant-a", "operation", "o" * 129, "operation key"),
+        ("tenant-a", "compensation", "CMP-1", "compensation key"),
+        ("tenant-a", "invoke", "r/1", "request id"),
+    ],
+)
+def test_adapter_idempotency_key_refuses_bad_tokens(
+    scope: str, kind: digest.AdapterIdempotencyKind, key: str, field: str
+) -> None:
+    with pytest.raises(InvalidToken) as raised:
+        digest.adapter_idempotency_key(scope, kind, key)
+    assert raised.value.field == field
+
+
+def test_a_compensation_key_needs_its_prefix() -> None:
+    with pytest.raises(InvalidCompensationKey):
+        digest.adapter_idempotency_key("tenant-a", "compensation", "undo-1")

@@ -1,4 +1,4 @@
-"""Wire structs and the WorkerMessage union (W§4, D6, D9; PROTOCOL.md §2.4).
+"""Wire structs and the WorkerMessage union (W§4, D6, D9, D11; PROTOCOL.md §2.4).
 
 Expected wire bytes are the W§4.2 examples, written out by hand.
 """
@@ -29,6 +29,8 @@ from octo_common.messages import (
     CancellationResult,
     CloseSession,
     CompensateOperation,
+    CompensationReconcileRequest,
+    CompensationReconcileResult,
     CompensationResult,
     DispatchOperation,
     Invoke,
@@ -40,6 +42,8 @@ from octo_common.messages import (
     OperationReconcileRequest,
     OperationReconcileResult,
     OperationResult,
+    ReconcileCompensation,
+    ReconciledCompensation,
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
@@ -51,6 +55,7 @@ from octo_common.messages import (
     decode_message,
     encode_message,
     message_type,
+    operation_key_of,
     request_id_of,
     session_id_of,
 )
@@ -72,6 +77,15 @@ DISPATCH = OperationDispatchRequest(
 RECONCILE = OperationReconcileRequest("session-1", "reconcile-1", "text.echo", "op-release-42")
 COMPENSATE = OperationCompensationRequest(
     "session-1", "compensation-request-1", BINDING, ToolPayload.json({"undo": "release"})
+)
+RECONCILE_COMPENSATION = CompensationReconcileRequest(
+    "session-1",
+    "reconcile-compensation-1",
+    "math.add",
+    "release-42-add",
+    "cmp-release-42-add-undo",
+    "tenant-release",
+    FP,
 )
 
 ALL_MESSAGES: dict[str, Any] = {
@@ -96,6 +110,19 @@ ALL_MESSAGES: dict[str, Any] = {
     "reconciled_operation": ReconciledOperation(
         OperationReconcileResult(
             "session-1", "reconcile-1", "text.echo", "op-release-42", Failed("boom")
+        )
+    ),
+    "reconcile_compensation": ReconcileCompensation(RECONCILE_COMPENSATION),
+    "reconciled_compensation": ReconciledCompensation(
+        CompensationReconcileResult(
+            "session-1",
+            "reconcile-compensation-1",
+            "math.add",
+            "release-42-add",
+            "cmp-release-42-add-undo",
+            "tenant-release",
+            FP,
+            Succeeded(ToolPayload.json({"removed": True})),
         )
     ),
     "cancel": Cancel(WorkerCancellationRequest("session-1", "cancel-1", "invoke-1", "math.add")),
@@ -373,6 +400,9 @@ IGNORED = [
     ("reconcile_operation", ("request",)),
     ("reconciled_operation", ("result",)),
     ("reconciled_operation", ("result", "status")),
+    ("reconcile_compensation", ()),
+    ("reconciled_compensation", ()),
+    ("reconciled_compensation", ("result", "status")),
     ("dispatch_operation", ()),
     ("dispatch_operation", ("request", "payload")),
     ("close_session", ()),
@@ -382,6 +412,8 @@ REJECTED = [
     ("dispatch_operation", ("request",)),
     ("compensate_operation", ("request",)),
     ("compensation_result", ("result",)),
+    ("reconcile_compensation", ("request",)),
+    ("reconciled_compensation", ("result",)),
     ("cancel", ("request",)),
     ("cancellation_result", ("result",)),
     ("request_rejected", ()),
@@ -684,3 +716,183 @@ def test_an_explicit_protocol_version_is_validated() -> None:
     assert CloseSession("s", protocol_version=5) == CloseSession("s")
     with pytest.raises(UnsupportedVersion):
         CloseSession("s", protocol_version=6)
+
+
+# Compensation reconciliation (D11) ---------------------------------------------------------
+
+
+def _compensation_lookup(**changes: Any) -> CompensationReconcileRequest:
+    fields = {
+        "session_id": "session-1",
+        "request_id": "reconcile-compensation-1",
+        "tool": "math.add",
+        "operation_key": "release-42-add",
+        "compensation_key": "cmp-release-42-add-undo",
+        "tenant_scope": "tenant-release",
+        "grant_fingerprint": FP,
+    }
+    fields.update(changes)
+    return CompensationReconcileRequest(**fields)  # type: ignore[arg-type]
+
+
+def _compensation_lookup_result(
+    request: CompensationReconcileRequest, status: Any = None, **changes: Any
+) -> CompensationReconcileResult:
+    fields = {
+        name: getattr(request, name)
+        for name in (
+            "session_id",
+            "request_id",
+            "tool",
+            "operation_key",
+            "compensation_key",
+            "tenant_scope",
+            "grant_fingerprint",
+        )
+    }
+    fields.update(changes)
+    return CompensationReconcileResult(**fields, status=status or Running())
+
+
+def test_d11_wire_shapes_follow_the_field_order_of_d11() -> None:
+    assert (
+        encode_message(ALL_MESSAGES["reconcile_compensation"])
+        == (
+            '{"type":"reconcile_compensation","request":{"protocol_version":5,'
+            '"session_id":"session-1","request_id":"reconcile-compensation-1","tool":"math.add",'
+            '"operation_key":"release-42-add","compensation_key":"cmp-release-42-add-undo",'
+            f'"tenant_scope":"tenant-release","grant_fingerprint":"{FP}"}}}}'
+        ).encode()
+    )
+    assert (
+        encode_message(ALL_MESSAGES["reconciled_compensation"])
+        == (
+            '{"type":"reconciled_compensation","result":{"protocol_version":5,'
+            '"session_id":"session-1","request_id":"reconcile-compensation-1","tool":"math.add",'
+            '"operation_key":"release-42-add","compensation_key":"cmp-release-42-add-undo",'
+            f'"tenant_scope":"tenant-release","grant_fingerprint":"{FP}",'
+            '"status":{"state":"succeeded","payload":{"format":"json","value":{"removed":true}}}}}'
+        ).encode()
+    )
+
+
+def test_d11_structs_take_seven_fields_by_position_or_keyword_and_set_version_5() -> None:
+    positional = CompensationReconcileRequest(
+        "session-1",
+        "reconcile-compensation-1",
+        "math.add",
+        "release-42-add",
+        "cmp-release-42-add-undo",
+        "tenant-release",
+        FP,
+    )
+    assert positional == _compensation_lookup() == RECONCILE_COMPENSATION
+    assert positional.protocol_version == 5
+    assert positional.binding == BINDING
+    assert ReconcileCompensation(positional).request is positional
+    result = _compensation_lookup_result(positional, Failed("gone"))
+    assert result.protocol_version == 5
+    assert result.binding == BINDING
+    assert ReconciledCompensation(result).result is result
+    assert hash(positional) == hash(_compensation_lookup())
+    with pytest.raises(AttributeError):
+        positional.compensation_key = "cmp-other"  # type: ignore[misc]
+
+
+def test_d11_request_validates_every_header_rule() -> None:
+    for field, bad, token_field in (
+        ("session_id", "S", "session id"),
+        ("request_id", "r 1", "request id"),
+        ("tool", "Math", "tool"),
+        ("operation_key", "op:1", "operation key"),
+        ("compensation_key", "Cmp-1", "compensation key"),
+        ("tenant_scope", "tenant release", "tenant scope"),
+    ):
+        with pytest.raises(InvalidToken) as raised:
+            _compensation_lookup(**{field: bad})
+        assert raised.value.field == token_field
+    with pytest.raises(InvalidCompensationKey):
+        _compensation_lookup(compensation_key="undo-1")
+    _compensation_lookup(compensation_key="cmp-")  # `cmp-` alone is valid
+    _compensation_lookup(operation_key="cmp-looks-like-one")  # the worker has no op- rule
+    for bad in (FP.upper(), FP[:63], FP + "0", "g" * 64):
+        with pytest.raises(InvalidCompensationGrantFingerprint):
+            _compensation_lookup(grant_fingerprint=bad)
+    with pytest.raises(UnsupportedVersion):
+        _compensation_lookup(protocol_version=6)
+
+
+def test_d11_result_validates_its_status() -> None:
+    with pytest.raises(InvalidOperationFailure):
+        _compensation_lookup_result(RECONCILE_COMPENSATION, Failed(""))
+    with pytest.raises(InvalidJsonEnvelope):
+        _compensation_lookup_result(RECONCILE_COMPENSATION, Succeeded(ToolPayload.json(1)))
+    with pytest.raises(SerializationError):
+        _compensation_lookup_result(RECONCILE_COMPENSATION, Pending())
+    with pytest.raises(InvalidCompensationKey):
+        _compensation_lookup_result(RECONCILE_COMPENSATION, compensation_key="undo-1")
+
+
+def test_d11_messages_are_validated_when_decoded() -> None:
+    with pytest.raises(InvalidCompensationKey):
+        decode_message(
+            _replace("reconcile_compensation", b"cmp-release-42-add-undo", b"release-42-undo")
+        )
+    with pytest.raises(InvalidCompensationGrantFingerprint):
+        decode_message(_replace("reconcile_compensation", FP.encode(), FP.upper().encode()))
+    with pytest.raises(InvalidToken):
+        decode_message(_replace("reconciled_compensation", b"tenant-release", b"Tenant"))
+    with pytest.raises(SerializationError):
+        decode_message(
+            _replace(
+                "reconciled_compensation",
+                b'{"state":"succeeded","payload":{"format":"json","value":{"removed":true}}}',
+                b'{"state":"pending"}',
+            )
+        )
+    with pytest.raises(UnsupportedVersion):
+        decode_message(
+            _replace("reconcile_compensation", b'"protocol_version":5', b'"protocol_version":4')
+        )
+    # A payload is no field of a lookup: the strict struct refuses it.
+    with pytest.raises(SerializationError):
+        decode_message(
+            _replace(
+                "reconcile_compensation",
+                f'"grant_fingerprint":"{FP}"'.encode(),
+                f'"grant_fingerprint":"{FP}","payload":{{"format":"text","value":"x"}}'.encode(),
+            )
+        )
+
+
+def test_d11_result_matches_all_eight_identity_fields() -> None:
+    request = RECONCILE_COMPENSATION
+    assert _compensation_lookup_result(request).matches_request(request)
+    for field, value in (
+        ("session_id", "session-2"),
+        ("request_id", "other"),
+        ("tool", "math.sub"),
+        ("operation_key", "op-other"),
+        ("compensation_key", "cmp-other"),
+        ("tenant_scope", "tenant-other"),
+        ("grant_fingerprint", "f" * 64),
+    ):
+        assert not _compensation_lookup_result(request, **{field: value}).matches_request(request)
+    rejection = RequestRejected(
+        "session-1",
+        "reconcile-compensation-1",
+        "unknown_compensation",
+        "release-42-add",
+        "cmp-release-42-add-undo",
+    )
+    assert rejection.matches_request(request)
+    assert not RequestRejected(
+        "session-1", "reconcile-compensation-1", "x", compensation_key="cmp-other"
+    ).matches_request(request)
+
+
+def test_d11_ids_of_the_messages() -> None:
+    assert request_id_of(ALL_MESSAGES["reconcile_compensation"]) == "reconcile-compensation-1"
+    assert request_id_of(ALL_MESSAGES["reconciled_compensation"]) == "reconcile-compensation-1"
+    assert message_type(ALL_MESSAGES["reconcile_compensation"]) == "reconcile_compensation"
+    assert operation_key_of(ALL_MESSAGES["reconciled_compensation"]) == "release-42-add"

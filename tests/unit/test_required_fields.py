@@ -42,6 +42,8 @@ from octo_common.messages import (
     CancellationResult,
     CloseSession,
     CompensateOperation,
+    CompensationReconcileRequest,
+    CompensationReconcileResult,
     CompensationResult,
     DispatchOperation,
     Invoke,
@@ -53,6 +55,8 @@ from octo_common.messages import (
     OperationReconcileRequest,
     OperationReconcileResult,
     OperationResult,
+    ReconcileCompensation,
+    ReconciledCompensation,
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
@@ -173,6 +177,33 @@ MESSAGE_CASES: dict[str, tuple[bytes, list[Path]]] = {
             )
         ),
         [(), ("result",), ("result", "status")],
+    ),
+    "reconcile_compensation": (
+        _message(
+            ReconcileCompensation(
+                CompensationReconcileRequest(
+                    SESSION, "r-4", "release.publish", "op-1", "cmp-1", "tenant-a", FP
+                )
+            )
+        ),
+        [(), ("request",)],
+    ),
+    "reconciled_compensation": (
+        _message(
+            ReconciledCompensation(
+                CompensationReconcileResult(
+                    SESSION,
+                    "r-4",
+                    "release.publish",
+                    "op-1",
+                    "cmp-1",
+                    "tenant-a",
+                    FP,
+                    Succeeded(PAYLOAD),
+                )
+            )
+        ),
+        [(), ("result",), ("result", "status"), ("result", "status", "payload")],
     ),
     "cancel": (
         _message(Cancel(WorkerCancellationRequest(SESSION, "c-1", "r-1", "t"))),
