@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -106,9 +107,12 @@ async def _start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[
         await site.start()
     except OSError as error:
         await runner.cleanup()
+        hint = ""
+        if error.errno == errno.EADDRINUSE and not settings.served_by_daemon:
+            hint = "; a daemon with [console] listen may serve the console there already"
         raise InvalidConfiguration(
             f"console: cannot listen on {address.host}:{address.port} "
-            f"({error.strerror or type(error).__name__})"
+            f"({error.strerror or type(error).__name__}){hint}"
         ) from None
     # Port 0 asks the kernel for a free port: report the one it chose.
     port = int(runner.addresses[0][1]) if runner.addresses else address.port

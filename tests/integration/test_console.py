@@ -151,6 +151,24 @@ def test_the_daemon_refuses_a_non_loopback_console_at_start(files: WorkerFiles) 
     assert "not a loopback address" in run_error(result.stderr)
 
 
+def test_a_port_in_use_is_one_line_naming_the_address(console: Console, files: WorkerFiles) -> None:
+    taken = console.url.rsplit(":", 1)[1]
+    result = subprocess.run(
+        [
+            *(PYTHON, "-m", "octo_worker", "console", "--config", str(files.config)),
+            *("--listen", f"127.0.0.1:{taken}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert result.returncode == 2
+    line = one_line(result.stderr)
+    assert f"cannot listen on 127.0.0.1:{taken}" in line and "[console] listen" in line
+
+
 def test_without_a_token_only_loopback_host_names_are_served(console: Console) -> None:
     assert console.get("/live")[0] == 200
     assert console.get("/live", {"Host": "localhost:8080"})[0] == 200  # an SSH tunnel
