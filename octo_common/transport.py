@@ -31,6 +31,7 @@ from octo_common.errors import (
 )
 from octo_common.ids import is_token, parse_key_nonce_hex, validate_key_nonce, validate_token
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
+from octo_common.peek import header_text
 
 __all__ = [
     "CONTENT_TYPE",
@@ -358,19 +359,6 @@ class DeliveryHeaders:
     key_nonce: bytes
 
 
-def _header_text(value: object) -> str | None:
-    # pamqp decodes an AMQP long string as str, or as bytes when it is not
-    # UTF-8; anything else (numbers, tables, byte arrays) is not a header text.
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bytes):
-        try:
-            return value.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    return None
-
-
 def check_delivery(
     scope: str, body_len: int, headers: Mapping[str, object] | None
 ) -> DeliveryHeaders:
@@ -387,12 +375,12 @@ def check_delivery(
     if body_len > MAX_WIRE_FRAME_BYTES:
         raise WireFrameTooLarge(body_len, MAX_WIRE_FRAME_BYTES)
     found = headers or {}
-    if _header_text(found.get(HEADER_SCOPE)) != scope:
+    if header_text(found.get(HEADER_SCOPE)) != scope:
         raise ScopeMismatch()
-    session_id = _header_text(found.get(HEADER_SESSION))
+    session_id = header_text(found.get(HEADER_SESSION))
     if session_id is None or not is_token(session_id):
         raise InvalidFrameHeaders()
-    nonce_text = _header_text(found.get(HEADER_KEY_NONCE))
+    nonce_text = header_text(found.get(HEADER_KEY_NONCE))
     if nonce_text is None:
         raise InvalidFrameHeaders()
     try:

@@ -45,16 +45,13 @@ import asyncio
 import contextlib
 import fcntl
 import getpass
-import json
 import logging
 import os
-import re
 import secrets
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, NoReturn, TextIO
+from typing import Any, Final
 
 import structlog
 
@@ -70,6 +67,22 @@ from octo_common.errors import (
 )
 from octo_common.ids import is_token
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.runtime.output import (
+    EXIT_BROKER,
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    CliError,
+    Failure,
+    OneLineParser,
+    Output,
+    drop_exception_text,
+    print_table,
+    printable,
+    quiet_logging,
+    run_command,
+)
 from octo_common.states import TERMINAL_KINDS, Failed, StateKind, Succeeded
 from octo_common.transport import PublishFailed, PublishReturned
 from octo_host.amqp import BrokerUnavailable
@@ -110,63 +123,25 @@ __all__ = [
 
 PROG: Final = "octo-host"
 
-EXIT_OK: Final = 0
-EXIT_CHECK_FAILED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_BROKER: Final = 3
-EXIT_STORAGE: Final = 4
 
 _KEY_BYTES: Final = 32
 _SCOPE_HELP: Final = "tenant scope (default: the only [[scopes]] entry)"
 _MAX_PAYLOAD_FILE_BYTES: Final = 4 * 1024 * 1024
 
 
-class CliError(Exception):
-    """A failure the command reports as one line and an exit status."""
-
-    def __init__(self, status: int, message: str, code: str = "error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-
-
 # Logging ------------------------------------------------------------------------------
-
-
-def _drop_event(_logger: Any, _method: str, _event: Any) -> NoReturn:
-    raise structlog.DropEvent
-
-
-def _drop_exception_text(_logger: Any, _method: str, event: Any) -> Any:
-    """Exception text may carry adapter or operator text: only its class survives."""
-    info = event.pop("exc_info", None)
-    for key in ("exception", "stack", "stack_info"):
-        event.pop(key, None)
-    if isinstance(info, BaseException):
-        event.setdefault("error_type", type(info).__name__)
-    return event
 
 
 def _configure_logging(verbose: bool) -> None:
     """Quiet by default (errors are reported as one line); ``--verbose``: JSON on stderr."""
-    root = logging.getLogger()
-    for existing in list(root.handlers):
-        root.removeHandler(existing)
-    root.addHandler(logging.NullHandler())
-    root.setLevel(logging.CRITICAL + 1)
+    quiet_logging()
     if not verbose:
-        structlog.configure(
-            processors=[_drop_event],
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-            cache_logger_on_first_use=True,
-        )
         return
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _drop_exception_text,
+            drop_exception_text,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
@@ -175,80 +150,17 @@ def _configure_logging(verbose: bool) -> None:
     )
 
 
-# Output ---------------------------------------------------------------------------------
-
-
-class _StdoutGone(Exception):
-    """The reader of standard output went away (``| head``)."""
-
-
-@dataclass
-class Output:
-    """Where a verb writes: human lines, or one JSON document with ``--json``."""
-
-    json_mode: bool
-    stdout: TextIO
-    stderr: TextIO
-
-    def line(self, text: str = "") -> None:
-        if not self.json_mode:
-            self._write(text)
-
-    def document(self, value: Any) -> None:
-        if self.json_mode:
-            self._write(json.dumps(value, indent=2, sort_keys=False))
-
-    def _write(self, text: str) -> None:
-        try:
-            print(text, file=self.stdout)
-        except BrokenPipeError:
-            raise _StdoutGone() from None
-
-    def error(self, message: str) -> None:
-        print(f"{PROG}: {_one_line(message)}", file=self.stderr)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
-
-
-def _printable(value: object, limit: int = 200) -> str:
-    """Untrusted text, safe for a terminal: ASCII, escaped, bounded."""
-    text = str(value)
-    text = _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _table(rows: Sequence[Sequence[str]], out: Output) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        out.line("  ".join(cells).rstrip())
-
-
 # Argument parsing --------------------------------------------------------------------------
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        verb = self.prog.removeprefix(PROG).strip()  # the error line already names PROG
-        text = f"{verb}: {message}" if verb else message
-        raise CliError(EXIT_USAGE, f"{text} (see --help)", "usage")
 
 
 def _token_arg(text: str) -> str:
     if not is_token(text):
-        raise argparse.ArgumentTypeError(f"{_printable(text)!r} is not a token ([a-z0-9._-])")
+        raise argparse.ArgumentTypeError(f"{printable(text)!r} is not a token ([a-z0-9._-])")
     return text
 
 
-def _common() -> _Parser:
-    common = _Parser(add_help=False)
+def _common() -> OneLineParser:
+    common = OneLineParser(add_help=False)
     common.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
@@ -264,17 +176,19 @@ def _common() -> _Parser:
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="Drive and inspect Octo workflow runs (the host side).",
         epilog="Exit status: 0 ok, 1 refused / not found / not succeeded, 2 usage or "
         "configuration error, 3 broker unreachable, 4 storage error.",
     )
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
+    verbs = parser.add_subparsers(
+        dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
 
     keys = verbs.add_parser("keys", help="key files")
     key_verbs = keys.add_subparsers(
-        dest="keys_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="keys_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     generate = key_verbs.add_parser(
         "generate", parents=[common], help="write a new random 32-byte key file (mode 0600)"
@@ -289,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ledger = verbs.add_parser("ledger", help="the run ledgers")
     ledger_verbs = ledger.add_subparsers(
-        dest="ledger_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="ledger_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     show = ledger_verbs.add_parser("show", parents=[common], help="one run's ledger (no inputs)")
     show.add_argument("run", type=_token_arg, metavar="RUN")
@@ -378,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit = verbs.add_parser("audit", help="operator decisions")
     audit_verbs = audit.add_subparsers(
-        dest="audit_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="audit_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     ashow = audit_verbs.add_parser("show", parents=[common], help="a run's audit entries")
     ashow.add_argument("run", type=_token_arg, metavar="RUN")
@@ -392,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``octo-host`` command; returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    out = Output("--json" in arguments, sys.stdout, sys.stderr)
-    try:
+    out = Output(PROG, "--json" in arguments, sys.stdout, sys.stderr)
+
+    def body() -> int:
         try:
             args = build_parser().parse_args(arguments)
         except SystemExit as exit_:  # --help
@@ -402,51 +317,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(bool(getattr(args, "verbose", False)))
         handler: Callable[[argparse.Namespace, Output], int] = args.handler
         return handler(args, out)
-    except CliError as error:
-        return _fail(out, error.status, error.message, error.code)
-    except InvalidConfiguration as error:
-        return _fail(out, EXIT_USAGE, str(error), error.code)
-    except PublishReturned as error:
-        return _fail(
-            out,
-            EXIT_BROKER,
-            f"{error.code}: no worker queue {error.routing_key} (is a worker serving the scope?)",
-            error.code,
-        )
-    except (BrokerUnavailable, PublishFailed) as error:
-        return _fail(out, EXIT_BROKER, f"broker: {error.code}: {error}", error.code)
-    except StorageError as error:
-        return _fail(out, EXIT_STORAGE, f"ledger storage: {error.code}: {error}", error.code)
-    except OctoError as error:
-        return _fail(out, EXIT_CHECK_FAILED, f"refused: {error.code}: {error}", error.code)
-    except KeyboardInterrupt:
-        return 130
-    except _StdoutGone:
-        return _stdout_gone()
-    except Exception as error:  # the last line of defence: never a traceback
-        return _fail(out, EXIT_CHECK_FAILED, f"internal error ({type(error).__name__})", "internal")
+
+    return run_command(out, body, _report)
 
 
-def _stdout_gone() -> int:
-    """The reader of our output went away (``| head``): stop quietly.
-
-    Standard output is pointed at the null device, so that neither an error
-    document nor the interpreter's last flush meets the closed pipe again.
-    """
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return EXIT_CHECK_FAILED
-
-
-def _fail(out: Output, status: int, message: str, code: str) -> int:
-    out.error(message)
-    try:
-        out.document({"ok": False, "error": {"code": code, "message": _one_line(message)}})
-    except _StdoutGone:
-        _stdout_gone()
-    return status
+def _report(error: Exception) -> Failure | None:
+    """How an Octo error ends a host command (None: an internal error)."""
+    if isinstance(error, InvalidConfiguration):
+        return (EXIT_USAGE, str(error), error.code)
+    if isinstance(error, PublishReturned):
+        where = f"no worker queue {error.routing_key} (is a worker serving the scope?)"
+        return (EXIT_BROKER, f"{error.code}: {where}", error.code)
+    if isinstance(error, BrokerUnavailable | PublishFailed):
+        return (EXIT_BROKER, f"broker: {error.code}: {error}", error.code)
+    if isinstance(error, StorageError):
+        return (EXIT_STORAGE, f"ledger storage: {error.code}: {error}", error.code)
+    if isinstance(error, OctoError):
+        return (EXIT_CHECK_FAILED, f"refused: {error.code}: {error}", error.code)
+    return None
 
 
 # Shared helpers ------------------------------------------------------------------------------
@@ -816,7 +704,7 @@ def cmd_ledger_show(args: argparse.Namespace, out: Output) -> int:
                 ]
             )
         out.line()
-        _table(rows, out)
+        print_table(rows, out)
     else:
         out.line("no operations")
     out.document(
@@ -1064,7 +952,7 @@ def _read_inputs(path: str | None) -> tuple[dict[str, Any], dict[str, dict[str, 
         ):
             raise CliError(
                 EXIT_USAGE,
-                f'--inputs: compensations.{_printable(key)}: expected {{"inverse", "original"}}',
+                f'--inputs: compensations.{printable(key)}: expected {{"inverse", "original"}}',
                 "usage",
             )
     return operations, compensations
@@ -1087,7 +975,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             if operation is None:
                 raise CliError(
                     EXIT_USAGE,
-                    f"--inputs: operations: {_printable(key)} is not in the run",
+                    f"--inputs: operations: {printable(key)} is not in the run",
                     "usage",
                 )
             try:
@@ -1101,7 +989,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             if operation is None:
                 raise CliError(
                     EXIT_USAGE,
-                    f"--inputs: compensations: {_printable(key)} is not in the run",
+                    f"--inputs: compensations: {printable(key)} is not in the run",
                     "usage",
                 )
             named = (
@@ -1156,7 +1044,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             ]
         )
     if len(rows) > 1:
-        _table(rows, out)
+        print_table(rows, out)
     elif not document["unresolved"]:
         out.line("no operations")
     out.document(document)
@@ -1228,7 +1116,7 @@ def cmd_resolve(args: argparse.Namespace, out: Output) -> int:
     document = asyncio.run(resolve())
     out.line(
         f"{document['operation_key']}: {document['from']} -> {document['to']} "
-        f"(ledger revision {document['ledger_revision']}; audited as {_printable(operator)})"
+        f"(ledger revision {document['ledger_revision']}; audited as {printable(operator)})"
     )
     out.document({"ok": True, **document})
     return EXIT_OK
@@ -1262,8 +1150,8 @@ def cmd_audit_show(args: argparse.Namespace, out: Output) -> int:
         agrees = "" if entry["ledger_agrees"] else "  [NOT IN LEDGER]"
         out.line(
             f"{entry['time']}  {entry['operation_key']}  {entry['from']} -> {entry['to']}  "
-            f"revision {entry['ledger_revision']}  by {_printable(entry['operator'])}{agrees}"
+            f"revision {entry['ledger_revision']}  by {printable(entry['operator'])}{agrees}"
         )
-        out.line(f"    reason: {_printable(entry['reason'], 1024)}")
+        out.line(f"    reason: {printable(entry['reason'], 1024)}")
     out.document({"ok": True, "run": args.run, "entries": entries})
     return EXIT_OK

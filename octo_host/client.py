@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
-import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -87,8 +84,10 @@ from octo_common.messages import (
     message_type,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.peek import header_text
 from octo_common.records import StorageRecordKey
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.runtime.faults import FaultInjector
 from octo_common.states import (
     TERMINAL_KINDS,
     OperationStatus,
@@ -228,48 +227,8 @@ def routes_record_key(run: str) -> StorageRecordKey:
     return StorageRecordKey(ROUTES_NAMESPACE, run)
 
 
-# Fault injection (same variable and semantics as the worker's) -----------------
-
+# The one kill point of the host (OCTO_FAULT, see octo_common.runtime.faults).
 _HOST_FAULT_POINT: Final = "host.after_ledger_commit"
-_KNOWN_FAULT_POINTS: Final = frozenset(
-    {
-        "worker.after_admission_commit",
-        "worker.after_ack",
-        "worker.after_effect",
-        "worker.before_reply",
-        "worker.after_reply",
-        _HOST_FAULT_POINT,
-    }
-)
-
-
-class _HostFaults:
-    """``OCTO_FAULT=host.after_ledger_commit[@n]``: SIGKILL the n-th time it is reached.
-
-    Inactive unless set; a malformed value is ignored with a warning on stderr.
-    """
-
-    def __init__(self, spec: str | None = None) -> None:
-        spec = os.environ.get("OCTO_FAULT") if spec is None else spec
-        self._remaining = 0
-        if not spec:
-            return
-        point, _, count = spec.partition("@")
-        if point not in _KNOWN_FAULT_POINTS or (count and not count.isdigit()):
-            sys.stderr.write(f"octo: ignoring unknown OCTO_FAULT value {spec!r}\n")
-            return
-        if point == _HOST_FAULT_POINT:
-            self._remaining = int(count) if count else 1
-
-    def reach(self, point: str) -> None:
-        if point != _HOST_FAULT_POINT or self._remaining <= 0:
-            return
-        self._remaining -= 1
-        if self._remaining > 0:
-            return
-        sys.stderr.write(f"octo: fault injection: SIGKILL at {point}\n")
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # Sessions ---------------------------------------------------------------------------
@@ -455,7 +414,7 @@ class HostClient:
         self.max_attempts = max(1, max_attempts)
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
-        self._faults = _HostFaults()
+        self._faults = FaultInjector()
         self._connection: AbstractConnection | None = None
         self._publish_channel: AbstractChannel | None = None
         self._consume_channel: AbstractChannel | None = None
@@ -1544,7 +1503,7 @@ class HostClient:
             await self._dead_letter(message, WireFrameTooLarge.code)
             return
         headers = message.headers or {}
-        session_id = _header_text(headers.get(HEADER_SESSION))
+        session_id = header_text(headers.get(HEADER_SESSION))
         if session_id is None or not is_token(session_id):
             await self._dead_letter(message, InvalidFrameHeaders.code)
             return
@@ -1785,17 +1744,6 @@ def _kind_of(outbound: OutboundFrame[Any]) -> str:
     if isinstance(request, OperationReconcileRequest):
         return "reconcile_operation"
     return "compensate_operation"
-
-
-def _header_text(value: object) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bytes):
-        try:
-            return value.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    return None
 
 
 def _stale_observation(

@@ -83,7 +83,6 @@ import hmac
 import math
 import os
 import re
-import tomllib
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
@@ -109,12 +108,17 @@ from octo_common.limits import (
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageKeyId, StorageKeyring
+from octo_common.runtime.configfile import (
+    broker_url_with_password,
+    read_toml,
+    redacted_broker_url,
+    resolve_path,
+    validation_error,
+)
 from octo_common.runtime.keyfiles import (
     load_key_file,
     load_scope_key,
     load_storage_key,
-    read_secret_text,
-    resolve_path,
 )
 from octo_host.compensation import WorkflowCompensationAction
 
@@ -278,24 +282,15 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def broker_url(self) -> str:
         """The AMQP URL with the password from ``password_file`` (never logged)."""
-        url = self.broker.url
-        if self.broker.password_file is None:
-            return url
-        password = read_secret_text(
-            self.path(self.broker.password_file, "broker.password_file"), "broker.password_file"
+        password_file = self.broker.password_file
+        return broker_url_with_password(
+            self.broker.url,
+            None if password_file is None else self.path(password_file, "broker.password_file"),
+            "broker.password_file",
         )
-        parts = urllib.parse.urlsplit(url)
-        user = urllib.parse.unquote(parts.username or "guest")
-        host = parts.hostname or "127.0.0.1"
-        netloc = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}"
-        netloc += f"@{host}" + (f":{parts.port}" if parts.port else "")
-        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
 
     def redacted_broker_url(self) -> str:
-        parts = urllib.parse.urlsplit(self.broker.url)
-        host = parts.hostname or "?"
-        port = f":{parts.port}" if parts.port else ""
-        return f"{parts.scheme}://{host}{port}{parts.path}"
+        return redacted_broker_url(self.broker.url)
 
     def scope_key(self, scope: str) -> ScopeKey:
         """The key of a configured scope (read now, checked for permissions)."""
@@ -436,17 +431,6 @@ class ConfiguredActionVerifier:
 # Validation -----------------------------------------------------------------------------
 
 
-_PATH = re.compile(r"`\$\.?([^`]*)`")
-
-
-def _config_error(exc: msgspec.ValidationError) -> InvalidConfiguration:
-    text = str(exc)
-    match = _PATH.search(text)
-    where = match.group(1) if match else ""
-    what = text.split(" - at ", 1)[0]
-    return InvalidConfiguration(f"{where}: {what}" if where else what)
-
-
 def parse_config(data: Mapping[str, Any], *, base_dir: Path) -> HostConfig:
     """Validate a decoded TOML mapping; see :func:`load_config`."""
     if "base_dir" in data:
@@ -455,7 +439,7 @@ def parse_config(data: Mapping[str, Any], *, base_dir: Path) -> HostConfig:
     try:
         config = msgspec.convert(dict(data), HostConfig)
     except msgspec.ValidationError as exc:
-        raise _config_error(exc) from None
+        raise validation_error(exc) from None
     config = msgspec.structs.replace(config, base_dir=str(base_dir))
     _check(config)
     return config
@@ -635,16 +619,5 @@ def _check_plans(config: HostConfig) -> None:
 def load_config(path: str | os.PathLike[str]) -> HostConfig:
     """Read and validate ``host.toml``; raise ``InvalidConfiguration`` naming the bad key."""
     file = Path(path)
-    try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidConfiguration(f"{file} does not exist") from None
-    except IsADirectoryError:
-        raise InvalidConfiguration(f"{file} is a directory") from None
-    except OSError as exc:
-        raise InvalidConfiguration(f"cannot read {file} ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise InvalidConfiguration(f"{file} is not UTF-8") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidConfiguration(f"{file}: TOML syntax error: {exc}") from None
+    data = read_toml(file)
     return parse_config(data, base_dir=file.resolve().parent)

@@ -44,7 +44,7 @@ from collections.abc import (
 )
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, NoReturn, TextIO, TypeVar
+from typing import Any, Final, TypeVar
 
 import aiormq
 import structlog
@@ -57,6 +57,23 @@ from octo_common.errors import (
 )
 from octo_common.ids import is_token
 from octo_common.payload import ToolPayload
+from octo_common.runtime.output import (
+    EXIT_BROKER,
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    CliError,
+    Failure,
+    OneLineParser,
+    Output,
+    drop_exception_text,
+    one_line,
+    print_table,
+    printable,
+    quiet_logging,
+    run_command,
+)
 from octo_common.states import Failed, Succeeded
 from octo_common.transport import (
     DEAD_OVERFLOW,
@@ -106,25 +123,10 @@ DEFAULT_CONFIG: Final = "/etc/octo/worker.toml"
 PROG: Final = "octo-worker"
 T = TypeVar("T")
 
-EXIT_OK: Final = 0
-EXIT_CHECK_FAILED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_BROKER: Final = 3
-EXIT_STORAGE: Final = 4
 
 # A broker probe from the command line should answer fast even when the
 # configured connect timeout is generous.
 _PROBE_TIMEOUT_SECONDS: Final = 5.0
-
-
-class CliError(Exception):
-    """A failure the command reports as one line and an exit status."""
-
-    def __init__(self, status: int, message: str, code: str = "error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
 
 
 # Logging -----------------------------------------------------------------------------
@@ -135,28 +137,6 @@ _LEVELS: Final = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
-_EXCEPTION_KEYS: Final = ("exc_info", "exception", "stack", "stack_info")
-
-
-def _drop_exception_text(_logger: Any, _method: str, event: Any) -> Any:
-    """Never render an exception's text or traceback: it may be adapter text.
-
-    Only the exception's class name survives (``error_type``); call sites log
-    error codes explicitly.
-    """
-    info = event.pop("exc_info", None)
-    for key in _EXCEPTION_KEYS:
-        event.pop(key, None)
-    error: object = None
-    if isinstance(info, BaseException):
-        error = info
-    elif isinstance(info, tuple) and len(info) == 3:
-        error = info[1]
-    elif info:
-        error = sys.exc_info()[1]
-    if isinstance(error, BaseException):
-        event.setdefault("error_type", type(error).__name__)
-    return event
 
 
 class _LibraryLogFormatter(logging.Formatter):
@@ -215,7 +195,7 @@ def configure_logging(level: str = "info", log_format: str = "json") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _drop_exception_text,
+            drop_exception_text,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
@@ -231,94 +211,7 @@ def configure_logging(level: str = "info", log_format: str = "json") -> None:
     root.setLevel(max(logging.WARNING, _LEVELS.get(level, logging.INFO)))
 
 
-def _drop_event(_logger: Any, _method: str, _event: Any) -> NoReturn:
-    raise structlog.DropEvent
-
-
-def quiet_logging() -> None:
-    """For the operator verbs: library and daemon-module logs stay silent.
-
-    Those verbs report every failure themselves, as one line; a library
-    warning (aiormq's "error when creating transport") would be a second one.
-    """
-    structlog.configure(
-        processors=[_drop_event],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-    root = logging.getLogger()
-    for existing in list(root.handlers):
-        root.removeHandler(existing)
-    root.addHandler(logging.NullHandler())
-    root.setLevel(logging.CRITICAL + 1)
-
-
-# Output --------------------------------------------------------------------------------
-
-
-class _StdoutGone(Exception):
-    """The reader of standard output went away (``| head``)."""
-
-
-@dataclass
-class Output:
-    """Where a verb writes: human lines, or one JSON document with ``--json``."""
-
-    json_mode: bool
-    stdout: TextIO
-    stderr: TextIO
-
-    def line(self, text: str = "") -> None:
-        if not self.json_mode:
-            self._write(text)
-
-    def document(self, value: Any) -> None:
-        if self.json_mode:
-            self._write(json.dumps(value, indent=2, sort_keys=False))
-
-    def _write(self, text: str) -> None:
-        try:
-            print(text, file=self.stdout)
-        except BrokenPipeError:
-            raise _StdoutGone() from None
-
-    def error(self, message: str) -> None:
-        print(f"{PROG}: {_one_line(message)}", file=self.stderr)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
-
-
-def _printable(value: object, limit: int = 200) -> str:
-    """An untrusted header value, safe for a terminal: ASCII, escaped, bounded."""
-    text = value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
-    text = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()) & 0xFF:02x}", text)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _table(rows: Sequence[Sequence[str]], out: Output) -> None:
-    if not rows:
-        return
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        out.line("  ".join(cells).rstrip())
-
-
 # Argument parsing ------------------------------------------------------------------------
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        verb = self.prog.removeprefix(PROG).strip()  # the error line already names PROG
-        text = f"{verb}: {message}" if verb else message
-        raise CliError(EXIT_USAGE, f"{text} (see --help)", "usage")
 
 
 def _positive_int(text: str) -> int:
@@ -352,8 +245,8 @@ def parse_duration(text: str) -> int:
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def _common() -> _Parser:
-    common = _Parser(add_help=False)
+def _common() -> OneLineParser:
+    common = OneLineParser(add_help=False)
     common.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
@@ -366,13 +259,15 @@ def _common() -> _Parser:
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="Run and operate the Octo worker daemon.",
         epilog="Exit status: 0 ok, 1 check failed or not found, 2 usage or configuration "
         "error, 3 broker unreachable, 4 storage error.",
     )
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
+    verbs = parser.add_subparsers(
+        dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
 
     run = verbs.add_parser("run", parents=[common], help="run the daemon (systemd: Type=notify)")
     run.set_defaults(handler=cmd_run)
@@ -384,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     topology = verbs.add_parser("topology", help="broker exchanges, queues and policy")
     topology_verbs = topology.add_subparsers(
-        dest="topology_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="topology_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     declare = topology_verbs.add_parser(
         "declare", parents=[common], help="declare the configured scopes' topology and policy"
@@ -417,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     journal = verbs.add_parser("journal", help="inspect the journal database")
     journal_verbs = journal.add_subparsers(
-        dest="journal_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="journal_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     jlist = journal_verbs.add_parser("list", parents=[common], help="list journal rows")
     jlist.add_argument("--scope", metavar="S")
@@ -467,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     adapters = verbs.add_parser("adapters", help="installed adapter plug-ins")
     adapter_verbs = adapters.add_subparsers(
-        dest="adapters_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="adapters_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     alist = adapter_verbs.add_parser(
         "list", parents=[common], help=f"entry points of {ADAPTER_ENTRY_POINT_GROUP}"
@@ -476,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dlq = verbs.add_parser("dlq", help=f"inspect and drain {DEAD_QUEUE}")
     dlq_verbs = dlq.add_subparsers(
-        dest="dlq_verb", metavar="VERB", required=True, parser_class=_Parser
+        dest="dlq_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     dlist = dlq_verbs.add_parser("list", parents=[common], help="list dead-lettered frames")
     dlist.add_argument("--limit", type=_positive_int, default=50, metavar="N")
@@ -510,8 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``octo-worker`` command; returns the exit status."""
     stdout, stderr = sys.stdout, sys.stderr
     json_mode = "--json" in (sys.argv[1:] if argv is None else argv)
-    out = Output(json_mode, stdout, stderr)
-    try:
+    out = Output(PROG, json_mode, stdout, stderr)
+
+    def body() -> int:
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as exit_:  # --help / --version
@@ -521,42 +417,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             quiet_logging()
         handler: Callable[[argparse.Namespace, Output], int] = args.handler
         return handler(args, out)
-    except CliError as error:
-        return _fail(out, error.status, error.message, error.code)
-    except InvalidConfiguration as error:
-        return _fail(out, EXIT_USAGE, str(error), error.code)
-    except StorageError as error:
-        return _fail(out, EXIT_STORAGE, f"journal storage: {error}", error.code)
-    except OctoError as error:
-        return _fail(out, EXIT_USAGE, str(error), error.code)
-    except KeyboardInterrupt:
-        return 130
-    except _StdoutGone:
-        return _stdout_gone()
-    except Exception as error:  # the last line of defence: never a traceback
-        return _fail(out, EXIT_CHECK_FAILED, f"internal error ({type(error).__name__})", "internal")
+
+    return run_command(out, body, _report)
 
 
-def _stdout_gone() -> int:
-    """The reader of our output went away (``| head``): stop quietly.
-
-    Standard output is pointed at the null device, so that neither an error
-    document nor the interpreter's last flush meets the closed pipe again.
-    """
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return EXIT_CHECK_FAILED
-
-
-def _fail(out: Output, status: int, message: str, code: str) -> int:
-    out.error(message)
-    try:
-        out.document({"ok": False, "error": {"code": code, "message": _one_line(message)}})
-    except _StdoutGone:
-        _stdout_gone()
-    return status
+def _report(error: Exception) -> Failure | None:
+    """How an Octo error ends a worker command (None: an internal error)."""
+    if isinstance(error, InvalidConfiguration):
+        return (EXIT_USAGE, str(error), error.code)
+    if isinstance(error, StorageError):
+        return (EXIT_STORAGE, f"journal storage: {error}", error.code)
+    if isinstance(error, OctoError):
+        return (EXIT_USAGE, str(error), error.code)
+    return None
 
 
 def _config(args: argparse.Namespace) -> WorkerConfig:
@@ -668,12 +541,12 @@ def cmd_check(args: argparse.Namespace, out: Output) -> int:
         record("broker", EXIT_BROKER, lambda: asyncio.run(_probe_broker(config)))
     failed = [check for check in checks if not check.ok]
     for check in checks:
-        out.line(f"{check.name}: {'ok' if check.ok else 'FAIL'}: {_one_line(check.detail)}")
+        out.line(f"{check.name}: {'ok' if check.ok else 'FAIL'}: {one_line(check.detail)}")
     out.document(
         {
             "ok": not failed,
             "checks": [
-                {"name": c.name, "ok": c.ok, "detail": _one_line(c.detail), "exit_status": c.status}
+                {"name": c.name, "ok": c.ok, "detail": one_line(c.detail), "exit_status": c.status}
                 for c in checks
             ],
         }
@@ -941,7 +814,7 @@ async def _declare(config: WorkerConfig, host_ids: list[str], limit: int | None)
 def _check_tokens(option: str, values: Iterable[str]) -> None:
     for value in values:
         if not is_token(value):
-            raise CliError(EXIT_USAGE, f"{option}: {_printable(value)!r} is not a token", "usage")
+            raise CliError(EXIT_USAGE, f"{option}: {printable(value)!r} is not a token", "usage")
 
 
 def cmd_topology_show(args: argparse.Namespace, out: Output) -> int:
@@ -957,7 +830,7 @@ def cmd_topology_show(args: argparse.Namespace, out: Output) -> int:
                 "-" if status.consumers is None else str(status.consumers),
             ]
         )
-    _table(rows, out)
+    print_table(rows, out)
     out.document(
         {
             "ok": True,
@@ -1028,7 +901,7 @@ async def _scopes_of(store: SqliteJournalStore, wanted: str | None) -> list[str]
         return scopes
     if wanted not in scopes:
         raise CliError(
-            EXIT_CHECK_FAILED, f"scope {_printable(wanted)!r} has no journal", "not_found"
+            EXIT_CHECK_FAILED, f"scope {printable(wanted)!r} has no journal", "not_found"
         )
     return [wanted]
 
@@ -1086,7 +959,7 @@ def cmd_journal_list(args: argparse.Namespace, out: Output) -> int:
             ]
         )
     if summaries:
-        _table(rows, out)
+        print_table(rows, out)
     else:
         out.line("no journal rows")
     out.document({"ok": True, "records": summaries})
@@ -1373,7 +1246,7 @@ def cmd_adapters_list(args: argparse.Namespace, out: Output) -> int:
                 f"{item['deadline_seconds']:g}s" if "deadline_seconds" in item else "-",
             ]
         )
-    _table(rows, out)
+    print_table(rows, out)
     out.document({"ok": not missing, "adapters": items})
     if missing:
         out.error(
@@ -1391,19 +1264,19 @@ def _header(headers: Mapping[str, Any], name: str) -> str | None:
     value = headers.get(name)
     if value is None:
         return None
-    return _printable(value, 128)
+    return printable(value, 128)
 
 
 def _death_reason(headers: Mapping[str, Any]) -> str | None:
     """Why the broker itself dead-lettered a frame (delivery limit, rejection)."""
     first = headers.get("x-first-death-reason")
     if first is not None:
-        return _printable(first, 64)
+        return printable(first, 64)
     deaths = headers.get("x-death")
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
         reason = deaths[0].get("reason")
         if reason is not None:
-            return _printable(reason, 64)
+            return printable(reason, 64)
     return None
 
 
@@ -1419,11 +1292,11 @@ def _dead_letter_entry(
         "scope": _header(headers, HEADER_SCOPE),
         "session": _header(headers, HEADER_SESSION),
         "key_nonce_present": HEADER_KEY_NONCE in headers,
-        "message_id": None if message.message_id is None else _printable(message.message_id, 128),
+        "message_id": None if message.message_id is None else printable(message.message_id, 128),
         "correlation_id": None
         if message.correlation_id is None
-        else _printable(message.correlation_id, 128),
-        "routing_key": None if message.routing_key is None else _printable(message.routing_key),
+        else printable(message.correlation_id, 128),
+        "routing_key": None if message.routing_key is None else printable(message.routing_key),
         "size": len(message.body),
         "delivery_count": headers.get("x-delivery-count")
         if isinstance(headers.get("x-delivery-count"), int)
@@ -1519,7 +1392,7 @@ def _entry_line(entry: Mapping[str, Any]) -> str:
 
 def _print_body(entry: Mapping[str, Any], out: Output) -> None:
     if "body_text" in entry:
-        out.line("      body: " + _printable(entry["body_text"], 1 << 20))
+        out.line("      body: " + printable(entry["body_text"], 1 << 20))
 
 
 def cmd_dlq_list(args: argparse.Namespace, out: Output) -> int:
@@ -1561,7 +1434,7 @@ def _chosen(held: _Held, position: int, message_id: str | None) -> AbstractIncom
         raise CliError(
             EXIT_CHECK_FAILED,
             f"the message at position {position} does not have message id "
-            f"{_printable(message_id, 64)} (the queue changed; list it again)",
+            f"{printable(message_id, 64)} (the queue changed; list it again)",
             "not_found",
         )
     return chosen
@@ -1573,7 +1446,7 @@ def _by_message_id(held: _Held, message_id: str) -> tuple[int, AbstractIncomingM
             return position, message
     raise CliError(
         EXIT_CHECK_FAILED,
-        f"no message with message id {_printable(message_id, 64)} in {DEAD_QUEUE}"
+        f"no message with message id {printable(message_id, 64)} in {DEAD_QUEUE}"
         f" (of {len(held.messages)} looked at)",
         "not_found",
     )

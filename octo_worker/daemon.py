@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +57,9 @@ from octo_common.errors import (
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole, decode_frame
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
 from octo_common.messages import OpenSession, message_type
+from octo_common.peek import peek_operation_key
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.runtime.faults import FaultInjector
 from octo_common.transport import (
     PublishChannelClosed,
     PublishFailed,
@@ -73,7 +74,6 @@ from octo_worker.adapters import (
     load_adapters,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig
-from octo_worker.faults import FaultInjector
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.metrics import WorkerMetrics, unresolved_after_reply
 from octo_worker.queue_watch import watch_queues
@@ -303,7 +303,7 @@ class _Delivery:
         if admission:
             metrics = self._daemon.metrics
             metrics.admissions_for(self._scope.name, _short(self.kind), "dispatch").inc()
-            key = _peek_operation_key(self._message.body)
+            key = peek_operation_key(self._message.body)
             if key is not None:
                 metrics.note_pending(self._scope.name, key, True)
             faults.reach("worker.after_ack", settle=0.2)
@@ -337,7 +337,7 @@ class _Delivery:
             ).inc()
         if self.kind in _KEYED_TYPES or self.kind == "reconcile_operation":
             unresolved = unresolved_after_reply(frame)
-            key = _peek_operation_key(self._message.body)
+            key = peek_operation_key(self._message.body)
             if key is not None and unresolved is not None:
                 metrics.note_pending(self._scope.name, key, unresolved)
         self.replied = True
@@ -1315,15 +1315,6 @@ class WorkerDaemon:
 
 def _short(kind: str | None) -> str:
     return "compensation" if kind == "compensate_operation" else "operation"
-
-
-_OPERATION_KEY = re.compile(rb'"operation_key":"([a-z0-9._-]{1,128})"')
-
-
-def _peek_operation_key(body: bytes) -> str | None:
-    """The operation key of a canonical frame, for metrics only (None if unsure)."""
-    match = _OPERATION_KEY.search(body)
-    return None if match is None else match.group(1).decode("ascii")
 
 
 def _peek_type(body: bytes) -> str | None:

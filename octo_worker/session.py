@@ -55,7 +55,7 @@ from octo_common.authorizer import (
     AuthorizerState,
     SessionAuthorizer,
 )
-from octo_common.codec import decode_struct, encode_struct, parse_json
+from octo_common.codec import decode_struct, encode_struct
 from octo_common.digest import message_id, worker_input_fingerprint
 from octo_common.errors import (
     AdapterError,
@@ -120,6 +120,7 @@ from octo_common.messages import (
     message_type,
 )
 from octo_common.payload import ToolPayload
+from octo_common.peek import peek_operation_key
 from octo_common.states import Cancelled, Failed, Pending, Running, Succeeded
 from octo_worker.adapters import (
     DurableOperationContract,
@@ -314,59 +315,6 @@ async def _key_lock(store: object, scope: str, key: str) -> AsyncIterator[None]:
         entry.users -= 1
         if entry.users == 0:
             del _KEY_LOCKS[name]
-
-
-class _PeekRequest(msgspec.Struct):
-    operation_key: str
-
-
-class _PeekMessage(msgspec.Struct):
-    type: str
-    request: _PeekRequest | None = None
-
-
-class _PeekFrame(msgspec.Struct):
-    message: _PeekMessage
-
-
-# Decodes only the three fields the key lock needs and skips the rest. For
-# well-formed JSON it finds the same key as the strict parse below
-# (duplicate keys are last-wins in both); anything it cannot decode goes to
-# the strict parse.
-_PEEK = msgspec.json.Decoder(_PeekFrame)
-
-
-def _peek_operation_key(frame: bytes) -> str | None:
-    """The operation key of a keyed request frame, decoded without any state change.
-
-    Only picks the lock; ``open()`` remains the authority on the frame. A
-    frame that does not parse is handled without a key lock (``open()``
-    refuses it with the same error).
-    """
-    try:
-        peeked = _PEEK.decode(frame)
-    except (msgspec.MsgspecError, ValueError, RecursionError):
-        pass
-    else:
-        peeked_message = peeked.message
-        if peeked_message.type not in _KEYED_TYPES or peeked_message.request is None:
-            return None
-        peeked_key = peeked_message.request.operation_key
-        return peeked_key if is_token(peeked_key) else None
-    try:
-        tree = parse_json(frame)
-    except OctoError:
-        return None
-    if not isinstance(tree, dict):
-        return None
-    message = tree.get("message")
-    if not isinstance(message, dict) or message.get("type") not in _KEYED_TYPES:
-        return None
-    request = message.get("request")
-    if not isinstance(request, dict):
-        return None
-    key = request.get("operation_key")
-    return key if isinstance(key, str) and is_token(key) else None
 
 
 # Per-handling bookkeeping ----------------------------------------------------
@@ -892,7 +840,7 @@ class WorkerSession:
                 run.barrier = self._last_in_flight()
                 await self._finish(_DeadLetter("session_closed"), run)
                 return
-            key = _peek_operation_key(frame)
+            key = peek_operation_key(frame)
             if key is None:
                 await self._handle(frame, run)
                 return

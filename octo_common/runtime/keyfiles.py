@@ -2,9 +2,9 @@
 
 Owns the translation of the one file rule (:mod:`octo_common.keyfile`) into
 configuration errors that name the configuration key
-(``scopes[0].key_file: keys/a.key does not exist``), the resolution of a
-configured path (``${CREDENTIALS_DIRECTORY}``, ``~``, relative to the
-file), and the storage-key reader of the host's ledger store.
+(``scopes[0].key_file: keys/a.key does not exist``), the reading of a
+short secret (a broker password file), and the storage-key reader of the
+host's ledger store.
 
 It must never put key bytes or a password into an error, a log or a
 return value other than the key object itself (whose repr is redacted).
@@ -27,28 +27,9 @@ __all__ = [
     "load_storage_key",
     "read_secret_text",
     "read_storage_key",
-    "resolve_path",
 ]
 
 _SECRET_TEXT_LIMIT: Final = 4096
-
-
-def resolve_path(value: str, base: Path, where: str = "") -> Path:
-    """Expand ``${CREDENTIALS_DIRECTORY}`` and ``~``; relative paths join ``base``.
-
-    ``where`` (the config key) prefixes an error.
-    """
-    credentials = os.environ.get("CREDENTIALS_DIRECTORY")
-    if "${CREDENTIALS_DIRECTORY}" in value:
-        if not credentials:
-            prefix = f"{where}: " if where else ""
-            raise InvalidConfiguration(
-                f"{prefix}{value!r} names $CREDENTIALS_DIRECTORY, which is not set"
-                " (systemd LoadCredential)"
-            )
-        value = value.replace("${CREDENTIALS_DIRECTORY}", credentials)
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base / path
 
 
 def load_key_file(path: Path, where: str) -> bytes:

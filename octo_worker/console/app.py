@@ -30,8 +30,9 @@ import aiormq
 import jinja2
 from aiohttp import web
 
+from octo_common.runtime.output import CliError
 from octo_common.transport import DEAD_QUEUE
-from octo_worker.cli import CliError, _broker, _dead_queue
+from octo_worker.cli import _broker, _dead_queue
 from octo_worker.config import WorkerConfig
 from octo_worker.console import data
 from octo_worker.console.live import LiveSource

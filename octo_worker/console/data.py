@@ -25,11 +25,11 @@ from typing import Any, Final
 
 from octo_common.errors import OctoError
 from octo_common.ids import is_token
+from octo_common.runtime.output import CliError
 from octo_common.states import TERMINAL_KINDS
 from octo_common.transport import DEAD_QUEUE
 from octo_worker.cli import (
     PROG,
-    CliError,
     _dead_letter_entry,
     _holding,
     _record_detail,

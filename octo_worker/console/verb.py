@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from octo_worker.cli import EXIT_OK, Output, _config, run_event_loop
+from octo_common.runtime.output import Output
+from octo_worker.cli import EXIT_OK, _config, run_event_loop
 from octo_worker.config import InvalidConfiguration, WorkerConfig
 from octo_worker.console.security import (
     AccessToken,

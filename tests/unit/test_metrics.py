@@ -20,11 +20,11 @@ from octo_common.messages import (
     RequestRejected,
 )
 from octo_common.payload import ToolPayload
+from octo_common.runtime.faults import FaultInjector
 from octo_common.states import Cancelled, Failed, Running, Succeeded
 from octo_worker import metrics as metrics_module
 from octo_worker.adapters import call_adapter
 from octo_worker.daemon import _InstrumentedAdapter
-from octo_worker.faults import FaultInjector
 from octo_worker.metrics import WorkerMetrics, unresolved_after_reply
 
 

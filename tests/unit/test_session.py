@@ -61,6 +61,7 @@ from octo_common.messages import (
     WorkerMessage,
 )
 from octo_common.payload import ToolPayload
+from octo_common.peek import peek_operation_key
 from octo_common.records import StorageKeyring
 from octo_common.states import Failed, Pending, Running, StateKind, Succeeded
 from octo_worker import session as session_module
@@ -1315,4 +1316,4 @@ def _strict_peek(frame: bytes) -> str | None:
     ],
 )
 def test_the_key_lock_peek_agrees_with_the_strict_parse(frame: bytes) -> None:
-    assert session_module._peek_operation_key(frame) == _strict_peek(frame)
+    assert peek_operation_key(frame) == _strict_peek(frame)

@@ -1,8 +1,9 @@
-"""Environment-selected fault injection for crash tests (inactive unless set).
+"""Environment-selected kill points for the crash tests of worker and host (inactive unless set).
 
 ``OCTO_FAULT=<point>[@<n>]`` makes the process kill itself with SIGKILL the
-n-th time (default: first) it reaches ``<point>``. Points used by the worker
-daemon and the host client:
+n-th time (default: first) it reaches ``<point>``. The worker daemon and the
+host client each hold one :class:`FaultInjector` and call
+:meth:`FaultInjector.reach` at these points:
 
 * ``worker.after_admission_commit``: a dispatch/compensation admission is
   durable, the delivery is not yet acked;
@@ -16,7 +17,8 @@ daemon and the host client:
   frame is not yet published.
 
 Nothing happens when the variable is absent; a malformed value is ignored
-with a warning on stderr (never fatal: production never sets it).
+with a warning on stderr (never fatal: production never sets it). It must
+never do anything but kill this process at the chosen point.
 """
 
 from __future__ import annotations
