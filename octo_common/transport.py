@@ -64,6 +64,8 @@ __all__ = [
     "build_host_publish",
     "build_worker_reply",
     "check_delivery",
+    "delivery_key_nonce",
+    "delivery_session_id",
     "frame_message_id",
     "host_id_of_reply_queue",
     "reply_queue",
@@ -377,14 +379,27 @@ def check_delivery(
     found = headers or {}
     if header_text(found.get(HEADER_SCOPE)) != scope:
         raise ScopeMismatch()
-    session_id = header_text(found.get(HEADER_SESSION))
-    if session_id is None or not is_token(session_id):
+    session_id = delivery_session_id(found)
+    if session_id is None:
         raise InvalidFrameHeaders()
-    nonce_text = header_text(found.get(HEADER_KEY_NONCE))
-    if nonce_text is None:
+    key_nonce = delivery_key_nonce(found)
+    if key_nonce is None:
         raise InvalidFrameHeaders()
-    try:
-        key_nonce = parse_key_nonce_hex(nonce_text)
-    except InvalidKeyNonce:
-        raise InvalidFrameHeaders() from None
     return DeliveryHeaders(session_id=session_id, key_nonce=key_nonce)
+
+
+def delivery_session_id(headers: Mapping[str, object]) -> str | None:
+    """The ``octo-session`` header when it is a token, else None (invalid headers)."""
+    session_id = header_text(headers.get(HEADER_SESSION))
+    return session_id if session_id is not None and is_token(session_id) else None
+
+
+def delivery_key_nonce(headers: Mapping[str, object]) -> bytes | None:
+    """The raw ``octo-key-nonce`` when the header is 64 lowercase hex, else None."""
+    nonce_text = header_text(headers.get(HEADER_KEY_NONCE))
+    if nonce_text is None:
+        return None
+    try:
+        return parse_key_nonce_hex(nonce_text)
+    except InvalidKeyNonce:
+        return None

@@ -52,10 +52,9 @@ from octo_common.errors import (
     InvalidFrameHeaders,
     OctoError,
     SessionReplay,
-    WireFrameTooLarge,
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole, decode_frame
-from octo_common.limits import MAX_WIRE_FRAME_BYTES
+from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession, message_type
 from octo_common.peek import peek_operation_key
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
@@ -64,7 +63,6 @@ from octo_common.transport import (
     PublishChannelClosed,
     PublishFailed,
     build_worker_reply,
-    check_delivery,
     host_id_of_reply_queue,
     worker_queue,
 )
@@ -1035,22 +1033,25 @@ class WorkerDaemon:
         self, scope: _Scope, message: AbstractIncomingMessage, delivery: _Delivery
     ) -> None:
         body = message.body
-        if len(body) > MAX_WIRE_FRAME_BYTES:
-            await delivery.dead_letter(WireFrameTooLarge.code)
+        routed = gate(len(body), message.headers, scope.sessions.get, scope=scope.name)
+        if type(routed) is Refused:
+            await delivery.dead_letter(routed.reason)
             return
-        try:
-            headers = check_delivery(scope.name, len(body), message.headers)
-        except OctoError as exc:
-            await delivery.dead_letter(exc.code)
-            return
-        session_id = headers.session_id
-        session = scope.sessions.get(session_id)
-        while session is None and session_id in scope.opening:
-            # The host gets no answer to open_session and may send the next
-            # frame at once: wait for the open of this session in progress.
-            # (shield: a cancelled waiter must not cancel the others' future.)
-            await asyncio.shield(scope.opening[session_id])
-            session = scope.sessions.get(session_id)
+        if type(routed) is Routed:
+            session: WorkerSession | None = routed.session
+            session_id = routed.session.session_id
+            key_nonce = routed.key_nonce
+        else:
+            assert type(routed) is Unrouted and routed.key_nonce is not None
+            session = None
+            session_id = routed.session_id
+            key_nonce = routed.key_nonce
+            while session is None and session_id in scope.opening:
+                # The host gets no answer to open_session and may send the next
+                # frame at once: wait for the open of this session in progress.
+                # (shield: a cancelled waiter must not cancel the others' future.)
+                await asyncio.shield(scope.opening[session_id])
+                session = scope.sessions.get(session_id)
         # From the last lookup to registering an open in _open_session there is
         # no await, so no other handler can open this session id in between.
         opening = False
@@ -1077,11 +1078,11 @@ class WorkerDaemon:
                 # A forged reply_to could route replies into another queue.
                 await delivery.dead_letter(InvalidFrameHeaders.code)
                 return
-            await self._open_session(scope, message, delivery, session_id, headers.key_nonce)
+            await self._open_session(scope, message, delivery, session_id, key_nonce)
             return
         self._attach(scope, delivery, session)
         if opening:
-            if session.status in ("open", "poisoned") and headers.key_nonce == session.key_nonce:
+            if session.status in ("open", "poisoned") and key_nonce == session.key_nonce:
                 await session.handle(body, self._require_daemon_store(), delivery)
             else:
                 await delivery.dead_letter(SessionReplay.code)
@@ -1091,7 +1092,7 @@ class WorkerDaemon:
             # still in flight may fail, and the frame is then requeued).
             await session.handle(body, self._require_daemon_store(), delivery)
             return
-        if headers.key_nonce != session.key_nonce:
+        if key_nonce != session.key_nonce:
             await delivery.dead_letter("invalid_authentication_tag")
             return
         await session.handle(body, self._require_daemon_store(), delivery)
