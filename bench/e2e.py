@@ -1,8 +1,10 @@
 """End-to-end durable dispatch round trips, host and worker in separate processes.
 
     .venv/bin/python bench/e2e.py [--total 2000] [--runs 5] [--in-flight 1 64]
-                                  [--loop uvloop|asyncio] [--profile DIR]
-                                  [--no-baselines] [--json]
+                                  [--parts octo lanes quorum classic celery commit flat]
+                                  [--loop uvloop|asyncio] [--anchor] [--profile DIR] [--json]
+
+    smoke run (seconds, no figures): --runs 1 --total 200 --parts octo commit
 
 One Octo operation, as measured here (latency window in brackets):
 
@@ -18,25 +20,46 @@ run`` runs it) in its own process; the host is a ``HostClient`` in this
 process. Every operation is its own workflow run (one ledger record per
 run); the runs are created before the measured phase (a run's creation is
 one more fsynced write, reported separately). Sessions are rotated every
-``--ops-per-session`` operations (default 100; a session remembers at most
-1024 request ids, and the worker's session document, written twice per
-operation, grows with every request id it remembers); ``--sessions`` spreads
-the lanes over that many concurrent sessions (default 1). At more than 1 in
-flight a second Octo row, ``octo_lanes``, gives every lane its own session
-(as concurrent workflow runs would have). A worker session's state document
-is one compare-and-swap chain; the worker pipelines it (each commit is
-submitted on top of the one in flight, and they share a transaction), so
-lanes sharing one session cost little more than separate sessions.
+``--ops-per-session`` operations (default 100); ``--sessions`` spreads the
+lanes over that many concurrent sessions (default 1). After each Octo
+measurement the host client closes its sessions and the benchmark waits
+until the worker is idle again, so the next measurement does not share the
+CPU with those closes (the wait is printed when it exceeds a second).
 
-Beside Octo, in the same run and at the same concurrency, the two baselines
-of ``bench/baselines.py``: the plain aio-pika request/reply ceiling (no
-persistence at all) and Celery (acks late, rpc backend). ``--durable-ceiling``
-adds the same aio-pika request/reply on quorum queues (Octo's own topology),
-the floor under any durable design here. ``--loop`` (default uvloop, the
-worker daemon's default event loop) applies to every asyncio process alike:
-Octo's host and worker and both aio-pika peers. Each figure is the
-median of ``--runs`` measurements with min-max; the ratios the acceptance
-criteria name are printed at the end.
+Parts (``--parts``, all by default; each is measured in every one of the
+``--runs`` rounds, interleaved, at every ``--in-flight``):
+
+* ``octo``: Octo, ``--sessions`` sessions shared by the lanes;
+* ``lanes``: Octo, one session per lane (as concurrent workflow runs have),
+  at more than 1 in flight;
+* ``quorum``: the aio-pika request/reply on quorum queues (Octo's own
+  topology, every message replicated and fsynced by the broker, no
+  persistence of our own): the durable ceiling;
+* ``classic``: the same aio-pika request/reply on classic queues with
+  transient messages (``bench/baselines.py``): the plain ceiling;
+* ``celery``: Celery, acks late, rpc backend (``bench/baselines.py``);
+* ``commit``: the p50 of one fsynced single-row SQLite commit with the
+  stores' pragmas (WAL, ``synchronous=FULL``; ``bench/_commit.py``) in this
+  run's directory, ``--commit-samples`` commits per round;
+* ``flat``: Octo at ``--flat-in-flight`` with one session rotated every 10
+  and every 1,000 operations, ``--flat-total`` operations each.
+
+``--loop`` (default uvloop, the worker daemon's default event loop) applies
+to every asyncio process alike: Octo's host and worker and both aio-pika
+peers. ``--anchor`` turns the rollback anchor on for the host ledger and the
+worker journal (off by default, as before). Each figure is the median of
+``--runs`` measurements with min-max. CPU per operation is user + system
+time of all threads of each process over the measured phase; the host's
+includes its SQLite thread. At the end the goals of issue 18 are printed
+with their thresholds, the same-run values and met / NOT met:
+
+1. 64 in flight, session per lane: >= 1.3x Celery's ops/s and >= 0.65x the
+   quorum ceiling's;
+2. CPU per operation at 64 in flight, host plus worker: <= 1.6 ms;
+3. 1 in flight: p50 <= quorum ceiling p50 + 4 x commit p50 + 1.0 ms;
+4. ops/s with 1,000 operations per session >= 0.9x ops/s with 10 per
+   session (the journal-size half of goal 4 is ``bench/journal.py``);
+5. the moonshot: 1,000 durable ops/s (the best Octo row's median).
 
 ``--profile DIR`` adds one extra pass per concurrency with wall-clock stage
 timers on both sides and cProfile in both processes (not mixed into the
@@ -51,13 +74,9 @@ import cProfile
 import io
 import itertools
 import json
-import logging
 import os
 import pstats
-import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,139 +84,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import structlog
-
-from octo_common.frames import ScopeKey
-from octo_common.grants import CapabilityGrant, CapabilityManifest
+from octo_common.grants import CapabilityManifest
 from octo_common.payload import ToolPayload
-from octo_common.records import StorageKeyring
 from octo_common.states import Succeeded
 from octo_common.transport import reply_queue, worker_queue
 from octo_host.client import HostClient, HostSession
-from octo_host.plan import WorkflowStep
-from octo_host.store import SqliteLedgerStore
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _commit  # noqa: E402
 import _loop  # noqa: E402
+import _octo  # noqa: E402
 import baselines  # noqa: E402
 from _e2e_peer import StageTimers  # noqa: E402
+from _octo import GRANT, STEP, TOOL, URL, WorkerFiles, WorkerProcess  # noqa: E402
 
-URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/")
-PEER = HERE / "_e2e_peer.py"
-TOOL = "octo.noop"
 OPS_PER_SESSION = 100
-GRANT = CapabilityGrant(TOOL, "json", max_calls=1024)
-STEP = WorkflowStep("noop", "benchmark no-op")
-
-
-# Worker process ----------------------------------------------------------------------------
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-class WorkerFiles:
-    """worker.toml, keys and state directory of the benchmark's worker."""
-
-    def __init__(self, root: Path, in_flight: int) -> None:
-        self.root = root
-        self.scope = f"bench-{uuid.uuid4().hex[:10]}"
-        self.scope_key_bytes = secrets.token_bytes(32)
-        _write_private(root / "keys" / "scope.key", self.scope_key_bytes)
-        _write_private(root / "keys" / "storage.key", secrets.token_bytes(32).hex().encode())
-        self.config = root / "worker.toml"
-        # max_concurrency: the daemon's default (32) would cap 64 in flight.
-        self.config.write_text(
-            f"""
-[worker]
-state_dir = "state"
-shutdown_grace_seconds = 5.0
-log_level = "warning"
-
-[broker]
-url = "{URL}"
-prefetch = {max(in_flight, 64)}
-
-[storage]
-journal = "journal.sqlite3"
-key = {{ id = "bench-k1", key_file = "keys/storage.key" }}
-
-[[scopes]]
-name = "{self.scope}"
-key_file = "keys/scope.key"
-max_concurrency = {max(in_flight, 64)}
-
-[adapters]
-enabled = ["{TOOL}"]
-""",
-            encoding="utf-8",
-        )
-
-    @property
-    def scope_key(self) -> ScopeKey:
-        return ScopeKey.from_bytes(self.scope_key_bytes)
-
-
-class WorkerProcess:
-    def __init__(self, files: WorkerFiles, stages: Path | None, profile: Path | None) -> None:
-        argv = [sys.executable, str(PEER), str(files.config)]
-        if stages is not None:
-            argv += ["--stages", str(stages)]
-        if profile is not None:
-            argv += ["--profile", str(profile)]
-        self.stages = stages
-        self.profile = profile
-        self.dumps = 0
-        with open(files.root / "worker.err", "ab") as err:
-            self.process = subprocess.Popen(  # fixed argv, no shell
-                argv, stdout=subprocess.PIPE, stderr=err
-            )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if line.strip() != b"ready":
-            self.process.kill()
-            self.process.wait(5)
-            tail = (files.root / "worker.err").read_text("utf-8", "replace")[-2000:]
-            raise RuntimeError(f"the worker did not start:\n{tail}")
-
-    def checkpoint(self) -> None:
-        """Dump the worker's stage timers / profile so far and reset them (SIGUSR1)."""
-        self.process.send_signal(signal.SIGUSR1)
-        self.dumps += 1
-        time.sleep(0.2)
-
-    def last_stages(self) -> dict[str, list[float]]:
-        if self.stages is None:
-            return {}
-        lines = self.stages.read_text("utf-8").splitlines()
-        return dict(json.loads(lines[-1])) if lines else {}
-
-    def last_profile(self) -> Path | None:
-        return None if self.profile is None else Path(f"{self.profile}-{self.dumps}.prof")
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the worker process so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+PARTS = ("octo", "lanes", "quorum", "classic", "celery", "commit", "flat")
+FLAT_SMALL, FLAT_LARGE = 10, 1000  # operations per session compared by goal 4
 
 
 # The Octo measurement -------------------------------------------------------------------
@@ -207,7 +112,10 @@ class Sessions:
     """``count`` concurrent host sessions, each replaced after ``per_session`` operations.
 
     Lane ``i`` uses session ``i % count``. A worker session's commits are
-    one chain, pipelined (see the module docstring).
+    one chain, pipelined (each commit is submitted on top of the one in
+    flight and they share a transaction), so lanes sharing one session cost
+    little more than separate sessions. A replaced session is left to the
+    client's ``close()``, which closes it at the worker.
     """
 
     def __init__(self, client: HostClient, scope: str, count: int, per_session: int) -> None:
@@ -259,13 +167,12 @@ async def measure_octo(
     ledger_dir: Path,
     sessions_count: int = 1,
     per_session: int = OPS_PER_SESSION,
+    anchor: bool = False,
     host_timers: StageTimers | None = None,
     host_profile: Path | None = None,
 ) -> dict[str, float]:
     tag = uuid.uuid4().hex[:8]
-    store = SqliteLedgerStore(
-        ledger_dir / f"ledger-{tag}.sqlite3", StorageKeyring("host-k1", secrets.token_bytes(32))
-    )
+    store = _octo.ledger_store(ledger_dir / f"ledger-{tag}.sqlite3", anchor=anchor)
     host_id = f"bench-host-{tag}"
     client = HostClient(
         URL,
@@ -326,9 +233,10 @@ async def measure_octo(
         latencies: list[float] = []
         if profiler is not None:
             profiler.enable()
-        host_cpu, worker_cpu = time.process_time(), worker.cpu_seconds()
+        host_cpu, worker_cpu = _octo.host_cpu_seconds(), worker.cpu_seconds()
         elapsed = await phase(measured_runs, latencies)
-        host_cpu, worker_cpu = time.process_time() - host_cpu, worker.cpu_seconds() - worker_cpu
+        host_cpu = _octo.host_cpu_seconds() - host_cpu
+        worker_cpu = worker.cpu_seconds() - worker_cpu
         if profiler is not None:
             profiler.disable()
             assert host_profile is not None
@@ -339,22 +247,14 @@ async def measure_octo(
         # CPU per operation, all threads (the host's includes its SQLite thread).
         figures["host_cpu_us"] = round(host_cpu / total * 1e6, 1)
         figures["worker_cpu_us"] = round(worker_cpu / total * 1e6, 1)
-        return figures
+        figures["total_cpu_us"] = round((host_cpu + worker_cpu) / total * 1e6, 1)
     finally:
         await client.close()
         await store.close()
-        await _delete_queue(reply_queue(host_id))
-
-
-async def _delete_queue(name: str) -> None:
-    from octo_host.amqp import connect
-
-    connection = await connect(URL, timeout=5.0, name="octo-bench-cleanup")
-    try:
-        channel = await connection.channel()
-        await channel.queue_delete(name)
-    finally:
-        await connection.close()
+        await _octo.delete_queue(reply_queue(host_id))
+    # The client's close() closed its sessions at the worker: let it finish.
+    figures["worker_settle_s"] = round(await _octo.wait_idle(worker), 2)
+    return figures
 
 
 # The ceiling on Octo's own topology --------------------------------------------------------
@@ -398,87 +298,196 @@ async def durable_ceiling(in_flight: int, total: int) -> dict[str, float]:
         await connection.close()
 
 
+def commit_probe(directory: Path, samples: int) -> dict[str, float]:
+    """p50 / p99 of single-row fsynced commits in ``directory`` (see ``bench/_commit.py``)."""
+    latencies = sorted(
+        _commit.single_row_commit_latencies(
+            directory / f"commit-{uuid.uuid4().hex[:8]}.db", samples
+        )
+    )
+    return {
+        "p50_ms": round(statistics.median(latencies) * 1000, 3),
+        "p99_ms": round(latencies[max(int(len(latencies) * 0.99) - 1, 0)] * 1000, 3),
+    }
+
+
 # Reporting --------------------------------------------------------------------------------
 
+Results = dict[str, list[dict[str, float]]]
+ROWS = (
+    ("octo", "Octo, one session"),
+    ("octo_lanes", "Octo, session per lane"),
+    ("aiopika_quorum", "aio-pika, quorum (durable ceiling)"),
+    ("aiopika_ceiling", "aio-pika, classic, transient"),
+    ("celery", "Celery, acks late, rpc"),
+)
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+def _median(results: Results, key: str, field: str) -> float | None:
+    runs = results.get(key)
+    return statistics.median(r[field] for r in runs) if runs else None
 
 
-def _spread_ms(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+def _spread(values: list[float], digits: int = 1) -> str:
+    return (
+        f"{statistics.median(values):,.{digits}f} "
+        f"({min(values):,.{digits}f}-{max(values):,.{digits}f})"
+    )
 
 
-def print_table(results: dict[str, list[dict[str, float]]], in_flights: list[int]) -> None:
-    print()
-    print(f"{'system':<22}{'in flight':>10}  {'ops/s median (min-max)':<26}", end="")
-    print(f"{'p50 ms':<24}{'p99 ms':<24}")
+def print_table(results: Results, in_flights: list[int], runs: int) -> None:
+    print(f"\nmedians of {runs} run(s), (min-max)")
+    print(f"{'system':<36}{'in flight':>9}  {'ops/s':<26}{'p50 ms':<24}{'p99 ms':<24}")
     for in_flight in in_flights:
-        for system in ("octo", "octo_lanes", "aiopika_ceiling", "aiopika_quorum", "celery"):
-            runs = results.get(f"{system}@{in_flight}")
-            if not runs:
+        for system, label in ROWS:
+            rows = results.get(f"{system}@{in_flight}")
+            if not rows:
                 continue
             print(
-                f"{system:<22}{in_flight:>10}  "
-                f"{_spread([r['ops_per_s'] for r in runs]):<26}"
-                f"{_spread_ms([r['p50_ms'] for r in runs]):<24}"
-                f"{_spread_ms([r['p99_ms'] for r in runs]):<24}"
+                f"{label:<36}{in_flight:>9}  "
+                f"{_spread([r['ops_per_s'] for r in rows]):<26}"
+                f"{_spread([r['p50_ms'] for r in rows], 2):<24}"
+                f"{_spread([r['p99_ms'] for r in rows], 2):<24}"
             )
     octo_create = [
         r["run_create_ms"] for k, v in results.items() if k.startswith("octo") for r in v
     ]
     if octo_create:
         median = statistics.median(octo_create)
-        print(f"(run creation, outside the latency window: median {median:.2f} ms)")
+        print(f"(Octo run creation, outside the latency window: median {median:.2f} ms)")
+    commits = results.get("commit")
+    if commits:
+        print(
+            "one fsynced single-row SQLite commit (WAL, synchronous=FULL), p50 ms: "
+            f"{_spread([r['p50_ms'] for r in commits], 3)}"
+        )
+    print("\nCPU per operation, us, user + system of all threads of each process")
+    print(f"{'system':<36}{'in flight':>9}  {'host':<22}{'worker':<22}{'host + worker':<22}")
     for in_flight in in_flights:
-        runs = results.get(f"octo@{in_flight}")
-        if runs and "host_cpu_us" in runs[0]:
-            host = statistics.median(r["host_cpu_us"] for r in runs)
-            worker = statistics.median(r["worker_cpu_us"] for r in runs)
+        for system, label in ROWS[:2]:
+            rows = results.get(f"{system}@{in_flight}")
+            if not rows:
+                continue
             print(
-                f"(octo@{in_flight} CPU per operation: host {host:.0f} us, worker {worker:.0f} us;"
-                " all threads of each process)"
+                f"{label:<36}{in_flight:>9}  "
+                f"{_spread([r['host_cpu_us'] for r in rows], 0):<22}"
+                f"{_spread([r['worker_cpu_us'] for r in rows], 0):<22}"
+                f"{_spread([r['total_cpu_us'] for r in rows], 0):<22}"
             )
+    flat = [key for key in results if key.startswith("octo_flat")]
+    if flat:
+        print("\nflat cost: Octo, one session rotated every N operations")
+        for key in sorted(flat, key=lambda k: int(k.split("@")[0].removeprefix("octo_flat"))):
+            rows = results[key]
+            per_session, in_flight = key.removeprefix("octo_flat").split("@")
+            print(
+                f"  {int(per_session):>5} ops per session, {in_flight} in flight: "
+                f"{_spread([r['ops_per_s'] for r in rows])} ops/s, "
+                f"host + worker CPU {_spread([r['total_cpu_us'] for r in rows], 0)} us/op"
+            )
+    settles = [
+        (k, r["worker_settle_s"])
+        for k, v in results.items()
+        for r in v
+        if r.get("worker_settle_s", 0.0) > 1.0
+    ]
+    if settles:
+        worst = max(settles, key=lambda item: item[1])
+        print(
+            f"(the worker stayed busy after {len(settles)} Octo measurement(s) while closing "
+            f"their sessions; longest {worst[1]:.1f} s after {worst[0]})"
+        )
 
 
-def ratios(results: dict[str, list[dict[str, float]]]) -> dict[str, float]:
-    def median(key: str, field: str) -> float | None:
-        runs = results.get(key)
-        return statistics.median(r[field] for r in runs) if runs else None
-
+def ratios(results: Results) -> dict[str, float]:
+    """Same-run ratios against the baselines (informational)."""
     found: dict[str, float] = {}
-    octo64 = median("octo@64", "ops_per_s")
-    ceiling64 = median("aiopika_ceiling@64", "ops_per_s")
-    celery64 = median("celery@64", "ops_per_s")
-    octo1 = median("octo@1", "p50_ms")
-    ceiling1 = median("aiopika_ceiling@1", "p50_ms")
-    lanes64 = median("octo_lanes@64", "ops_per_s")
-    if octo64 and ceiling64:
-        found["octo_vs_ceiling_ops@64"] = round(octo64 / ceiling64, 3)
-    if octo64 and celery64:
-        found["octo_vs_celery_ops@64"] = round(octo64 / celery64, 3)
-    if lanes64 and ceiling64:
-        found["octo_lanes_vs_ceiling_ops@64"] = round(lanes64 / ceiling64, 3)
-    if lanes64 and celery64:
-        found["octo_lanes_vs_celery_ops@64"] = round(lanes64 / celery64, 3)
-    if octo1 and ceiling1:
-        found["octo_vs_ceiling_p50@1"] = round(octo1 / ceiling1, 3)
+    pairs = {
+        "octo_vs_ceiling_ops@64": ("octo@64", "aiopika_ceiling@64", "ops_per_s"),
+        "octo_vs_quorum_ops@64": ("octo@64", "aiopika_quorum@64", "ops_per_s"),
+        "octo_vs_celery_ops@64": ("octo@64", "celery@64", "ops_per_s"),
+        "octo_lanes_vs_ceiling_ops@64": ("octo_lanes@64", "aiopika_ceiling@64", "ops_per_s"),
+        "octo_lanes_vs_quorum_ops@64": ("octo_lanes@64", "aiopika_quorum@64", "ops_per_s"),
+        "octo_lanes_vs_celery_ops@64": ("octo_lanes@64", "celery@64", "ops_per_s"),
+        "octo_vs_ceiling_p50@1": ("octo@1", "aiopika_ceiling@1", "p50_ms"),
+        "octo_vs_quorum_p50@1": ("octo@1", "aiopika_quorum@1", "p50_ms"),
+    }
+    for name, (ours, theirs, field) in pairs.items():
+        a, b = _median(results, ours, field), _median(results, theirs, field)
+        if a and b:
+            found[name] = round(a / b, 3)
     return found
 
 
-def print_ratios(found: dict[str, float]) -> None:
-    targets = {
-        "octo_vs_ceiling_ops@64": (">=", 0.85),
-        "octo_vs_celery_ops@64": (">=", 1.3),
-        "octo_lanes_vs_ceiling_ops@64": (">=", 0.85),
-        "octo_lanes_vs_celery_ops@64": (">=", 1.3),
-        "octo_vs_ceiling_p50@1": ("<=", 1.5),
-    }
-    print()
-    for name, value in found.items():
-        sign, target = targets[name]
-        ok = value >= target if sign == ">=" else value <= target
-        print(f"{name:<30}{value:>8.3f}   target {sign} {target}   {'met' if ok else 'NOT met'}")
+def goals(results: Results, flat_in_flight: int) -> list[dict[str, Any]]:
+    """Issue 18's goals: name, threshold, measured value (text) and met (None: not measured)."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, threshold: str, value: str, met: bool | None) -> None:
+        out.append({"goal": name, "threshold": threshold, "value": value, "met": met})
+
+    def ratio(name: str, ours: str, theirs: str, minimum: float, missing: str) -> None:
+        a, b = _median(results, ours, "ops_per_s"), _median(results, theirs, "ops_per_s")
+        if a and b:
+            add(name, f">= {minimum:.2f}x", f"{a:,.0f} / {b:,.0f} ops/s = {a / b:.2f}x",
+                a / b >= minimum)  # fmt: skip
+        else:
+            add(name, f">= {minimum:.2f}x", f"not measured ({missing})", None)
+
+    ratio("1a. 64 in flight, session per lane vs Celery", "octo_lanes@64", "celery@64",
+          1.3, "parts lanes, celery at 64 in flight")  # fmt: skip
+    ratio("1b. 64 in flight, session per lane vs quorum ceiling", "octo_lanes@64",
+          "aiopika_quorum@64", 0.65, "parts lanes, quorum at 64 in flight")  # fmt: skip
+    for system, label in (("octo_lanes", "session per lane"), ("octo", "one session")):
+        name = f"2.  CPU/op at 64 in flight, host + worker ({label})"
+        cpu = _median(results, f"{system}@64", "total_cpu_us")
+        host = _median(results, f"{system}@64", "host_cpu_us")
+        work = _median(results, f"{system}@64", "worker_cpu_us")
+        if cpu is None or host is None or work is None:
+            add(name, "<= 1.60 ms", f"not measured (part {system.replace('octo_', '')})", None)
+        else:
+            add(name, "<= 1.60 ms",
+                f"{cpu / 1000:.2f} ms (host {host / 1000:.2f} + worker {work / 1000:.2f})",
+                cpu <= 1600.0)  # fmt: skip
+    octo1 = _median(results, "octo@1", "p50_ms")
+    quorum1 = _median(results, "aiopika_quorum@1", "p50_ms")
+    commit = _median(results, "commit", "p50_ms")
+    name = "3.  1 in flight: Octo p50 vs quorum p50 + 4 x commit p50 + 1.0 ms"
+    if octo1 and quorum1 and commit:
+        bound = quorum1 + 4 * commit + 1.0
+        add(name, f"<= {bound:.2f} ms",
+            f"{octo1:.2f} ms (bound {quorum1:.2f} + 4 x {commit:.3f} + 1.0)",
+            octo1 <= bound)  # fmt: skip
+    else:
+        add(name, "<= bound", "not measured (parts octo, quorum, commit at 1 in flight)", None)
+    ratio(f"4a. ops/s, {FLAT_LARGE:,} vs {FLAT_SMALL} operations per session "
+          f"({flat_in_flight} in flight)", f"octo_flat{FLAT_LARGE}@{flat_in_flight}",
+          f"octo_flat{FLAT_SMALL}@{flat_in_flight}", 0.9, "part flat")  # fmt: skip
+    add("4b. admission cost, 1e6 vs 1e3 journal rows", "<= 1.50x",
+        "see bench/journal.py --parts sizes", None)  # fmt: skip
+    best = [
+        (_median(results, key, "ops_per_s") or 0.0, key)
+        for key in results
+        if key.startswith(("octo@", "octo_lanes@"))
+    ]
+    if best:
+        value, key = max(best)
+        add("5.  moonshot: durable ops/s (best Octo row)", ">= 1,000",
+            f"{value:,.0f} ops/s ({key})", value >= 1000.0)  # fmt: skip
+    else:
+        add("5.  moonshot: durable ops/s (best Octo row)", ">= 1,000", "not measured", None)
+    return out
+
+
+def print_goals(found_ratios: dict[str, float], found_goals: list[dict[str, Any]]) -> None:
+    if found_ratios:
+        print("\nsame-run ratios (medians)")
+        for name, value in found_ratios.items():
+            print(f"  {name:<32}{value:>8.3f}")
+    print("\nissue 18 goals (same run, medians)")
+    for goal in found_goals:
+        verdict = {True: "met", False: "NOT met", None: "-"}[goal["met"]]
+        print(f"  {goal['goal']:<66}{goal['threshold']:<28}{verdict:<9}{goal['value']}")
 
 
 def print_stages(title: str, stages: dict[str, list[float]], ops: int) -> None:
@@ -515,33 +524,36 @@ def print_profile(title: str, path: Path, ops: int, limit: int = 25) -> None:
 # Main ---------------------------------------------------------------------------------------
 
 
-def _quiet_logs() -> None:
-    # The client logs every operation at info; production would ship those lines,
-    # a benchmark measures the protocol.
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--total", type=int, default=2000, help="operations per measurement")
-    parser.add_argument("--runs", type=int, default=5, help="measurements per figure")
+    parser.add_argument("--runs", type=int, default=5, help="measurements per figure (medians)")
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 64])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="what to measure (default: all)",
+    )
     parser.add_argument("--sessions", type=int, default=1, help="concurrent host sessions")
     parser.add_argument("--ops-per-session", type=int, default=OPS_PER_SESSION)
-    parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument(
-        "--no-lane-sessions",
-        action="store_true",
-        help="skip the second Octo row (one session per lane) at more than 1 in flight",
+        "--commit-samples", type=int, default=200, help="single-row commits per round (commit)"
     )
+    parser.add_argument("--flat-total", type=int, default=2000, help="operations (flat)")
+    parser.add_argument("--flat-in-flight", type=int, default=64, help="concurrency (flat)")
+    parser.add_argument(
+        "--anchor", action="store_true", help="rollback anchors on (host ledger, worker journal)"
+    )
+    parser.add_argument("--no-baselines", action="store_true", help="drop classic and celery")
+    parser.add_argument("--no-lane-sessions", action="store_true", help="drop lanes")
     parser.add_argument(
         "--durable-ceiling",
         action="store_true",
-        help="also measure the aio-pika ceiling on quorum queues (Octo's topology)",
+        help="kept for old command lines: the quorum ceiling is part of the default parts",
     )
     parser.add_argument("--profile", type=Path, help="directory for the profiling pass")
     parser.add_argument("--json", action="store_true", help="also print one JSON document")
@@ -552,57 +564,95 @@ def main(argv: list[str] | None = None) -> int:
         help="event loop of every process: Octo's host and worker and the aio-pika baselines",
     )
     args = parser.parse_args(argv)
+    parts = set(args.parts)
+    if args.no_baselines:
+        parts -= {"classic", "celery"}
+    if args.no_lane_sessions:
+        parts.discard("lanes")
+    if args.durable_ceiling:
+        parts.add("quorum")
+    args.parts = parts
+    if args.total < max(args.in_flight) or args.flat_total < args.flat_in_flight:
+        parser.error("each total must be at least its number in flight")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ["OCTO_BENCH_LOOP"] = args.loop  # inherited by every peer process
-    print(f"event loop: {args.loop} (every process of Octo and of the aio-pika baselines)")
-    _quiet_logs()
-    results: dict[str, list[dict[str, float]]] = {}
+    parts = args.parts
+    print(
+        f"event loop: {args.loop} (every process of Octo and of the aio-pika baselines); "
+        f"parts: {' '.join(p for p in PARTS if p in parts)}; {args.runs} run(s) of "
+        f"{args.total} operations at {args.in_flight} in flight; "
+        f"anchors {'on' if args.anchor else 'off'}",
+        flush=True,
+    )
+    _octo.quiet_logs()
+    results: Results = {}
+    in_flights = args.in_flight + ([args.flat_in_flight] if "flat" in parts else [])
     with tempfile.TemporaryDirectory(prefix="octo-e2e-") as tmp:
         root = Path(tmp)
-        files = WorkerFiles(root / "worker", max(args.in_flight))
-        worker = WorkerProcess(files, None, None)
+        files = WorkerFiles(root / "worker", max(in_flights), anchor=args.anchor)
+        worker = WorkerProcess(files)
+
+        def octo(in_flight: int, total: int, sessions: int, per_session: int) -> dict[str, float]:
+            return _loop.run(
+                measure_octo(
+                    files,
+                    worker,
+                    in_flight,
+                    total,
+                    ledger_dir=root,
+                    sessions_count=sessions,
+                    per_session=per_session,
+                    anchor=args.anchor,
+                )
+            )
+
+        def record(key: str, figures: dict[str, float], line: list[str]) -> None:
+            results.setdefault(key, []).append(figures)
+            line.append(f"{key} {figures}")
+
         try:
             for run in range(args.runs):
+                line = [f"run {run + 1}:"]
+                if "commit" in parts:
+                    record("commit", commit_probe(root, args.commit_samples), line)
                 for in_flight in args.in_flight:
                     # "octo": --sessions sessions; "octo_lanes": one session per lane.
-                    variants = [("octo", args.sessions)]
-                    if in_flight > 1 and not args.no_lane_sessions:
-                        variants.append(("octo_lanes", in_flight))
-                    line = f"run {run + 1}:"
-                    for name, sessions in variants:
-                        octo = _loop.run(
-                            measure_octo(
-                                files,
-                                worker,
-                                in_flight,
-                                args.total,
-                                ledger_dir=root,
-                                sessions_count=sessions,
-                                per_session=args.ops_per_session,
-                            )
-                        )
-                        results.setdefault(f"{name}@{in_flight}", []).append(octo)
-                        line += f" {name}@{in_flight} {octo}"
-                    if not args.no_baselines:
-                        ceiling = baselines.run_aiopika_ceiling(in_flight, args.total, url=URL)
-                        celery = baselines.run_celery(in_flight, args.total, url=URL)
-                        results.setdefault(f"aiopika_ceiling@{in_flight}", []).append(ceiling)
-                        results.setdefault(f"celery@{in_flight}", []).append(celery)
-                        line += f" ceiling {ceiling} celery {celery}"
-                    if args.durable_ceiling:
-                        durable = _loop.run(durable_ceiling(in_flight, args.total))
-                        results.setdefault(f"aiopika_quorum@{in_flight}", []).append(durable)
-                        line += f" quorum-ceiling {durable}"
-                    print(line, flush=True)
+                    if "octo" in parts:
+                        figures = octo(in_flight, args.total, args.sessions, args.ops_per_session)
+                        record(f"octo@{in_flight}", figures, line)
+                    if "lanes" in parts and in_flight > 1:
+                        figures = octo(in_flight, args.total, in_flight, args.ops_per_session)
+                        record(f"octo_lanes@{in_flight}", figures, line)
+                    if "classic" in parts:
+                        figures = baselines.run_aiopika_ceiling(in_flight, args.total, url=URL)
+                        record(f"aiopika_ceiling@{in_flight}", figures, line)
+                    if "celery" in parts:
+                        figures = baselines.run_celery(in_flight, args.total, url=URL)
+                        record(f"celery@{in_flight}", figures, line)
+                    if "quorum" in parts:
+                        figures = _loop.run(durable_ceiling(in_flight, args.total))
+                        record(f"aiopika_quorum@{in_flight}", figures, line)
+                if "flat" in parts:
+                    for per_session in (FLAT_SMALL, FLAT_LARGE):
+                        figures = octo(args.flat_in_flight, args.flat_total, 1, per_session)
+                        record(f"octo_flat{per_session}@{args.flat_in_flight}", figures, line)
+                print("\n  ".join(line), flush=True)
         finally:
             worker.stop()
-            _loop.run(_delete_queue(worker_queue(files.scope)))
-        print_table(results, args.in_flight)
+            _loop.run(_octo.delete_queue(worker_queue(files.scope)))
+        print_table(results, args.in_flight, args.runs)
         found = ratios(results)
-        print_ratios(found)
+        found_goals = goals(results, args.flat_in_flight)
+        print_goals(found, found_goals)
         if args.profile is not None:
             profile_pass(args, root)
     if args.json:
-        print(json.dumps({"results": results, "ratios": found}, sort_keys=True))
+        document = {"results": results, "ratios": found, "goals": found_goals}
+        print(json.dumps(document, sort_keys=True))
     return 0
 
 
@@ -613,7 +663,7 @@ def profile_pass(args: argparse.Namespace, root: Path) -> None:
     host_timers = StageTimers()
     instrument_host(host_timers)
     for in_flight in args.in_flight:
-        files = WorkerFiles(root / f"profiled-{in_flight}", in_flight)
+        files = WorkerFiles(root / f"profiled-{in_flight}", in_flight, anchor=args.anchor)
         worker = WorkerProcess(
             files, out / f"worker-stages-{in_flight}.jsonl", out / f"worker-{in_flight}"
         )
@@ -628,13 +678,14 @@ def profile_pass(args: argparse.Namespace, root: Path) -> None:
                     ledger_dir=root,
                     sessions_count=args.sessions,
                     per_session=args.ops_per_session,
+                    anchor=args.anchor,
                     host_timers=host_timers,
                     host_profile=host_profile,
                 )
             )
         finally:
             worker.stop()
-            _loop.run(_delete_queue(worker_queue(files.scope)))
+            _loop.run(_octo.delete_queue(worker_queue(files.scope)))
         print(f"\n=== profiled pass, {in_flight} in flight (profilers slow it): {figures}")
         print_stages("host stages", host_timers.totals, args.total)
         print_stages("worker stages", worker.last_stages(), args.total)
