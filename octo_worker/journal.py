@@ -5,7 +5,8 @@ This module owns the journal's rules and nothing else:
 * the row documents (``JournalRow``, W§9.1) and their strict decoding;
 * ``WorkerOperationJournal``, a synchronous view over the rows the store
   loaded for the keys a handler asks about, with the admission, observation,
-  compensation and reconciliation rules of W§9.4-9.6;
+  compensation and reconciliation rules of W§9.4-9.6 and the compensation
+  reconciliation of D11;
 * the ``JournalChangeset`` the view yields for the store to commit.
 
 It must never do I/O, import asyncio or a store, call an adapter, or check an
@@ -64,12 +65,14 @@ from octo_common.states import (
 
 if TYPE_CHECKING:
     from octo_common.authorizer import (
+        AuthorizedCompensationReconciliation,
         AuthorizedOperationCompensation,
         AuthorizedOperationInvocation,
         AuthorizedOperationReconciliation,
     )
     from octo_common.grants import CapabilityGrant
     from octo_common.messages import (
+        CompensationReconcileRequest,
         OperationCompensationRequest,
         OperationDispatchRequest,
         OperationReconcileRequest,
@@ -434,14 +437,43 @@ class WorkerOperationJournal:
         if comp is None:
             raise UnknownCompensation(key)
         self._check_compensation_identity(key, comp, request, fingerprint)
-        if status.kind is StateKind.PENDING or not accepts(comp.state, status):
-            raise InvalidWorkerCompensationTransition(key, comp.state.kind, status.kind)
+        self._check_compensation_transition(key, comp.state, status)
         if status == comp.state:
             return comp.state
         candidate = msgspec.structs.replace(
             original, compensation=msgspec.structs.replace(comp, state=status)
         )
         self._replace(key, candidate)
+        return status
+
+    # Compensation reconciliation (D11) ---------------------------------------
+
+    def validate_compensation_reconciliation(
+        self, auth: AuthorizedCompensationReconciliation
+    ) -> None:
+        """The key holds a compensation with exactly this identity, and its state
+        fits the current grant (D11). Nothing changes."""
+        self._compensation_reconcilable(auth.request, auth.grant)
+
+    def observe_compensation_reconciliation(
+        self, auth: AuthorizedCompensationReconciliation, status: OperationStatus
+    ) -> WorkerOperationState:
+        """Record a compensation lookup (D11); the row joins the changeset even unchanged.
+
+        A ``pending`` or ``running`` compensation moves to the observed state;
+        a terminal one only accepts itself (``InvalidWorkerCompensationTransition``).
+        The original operation never changes.
+        """
+        request = auth.request
+        key = request.operation_key
+        original, comp = self._compensation_reconcilable(request, auth.grant)
+        validate_operation_status_for_grant(status, auth.grant)
+        self._check_compensation_transition(key, comp.state, status)
+        if status == comp.state:
+            self._replace(key, original)
+            return comp.state
+        changed = msgspec.structs.replace(comp, state=status)
+        self._replace(key, msgspec.structs.replace(original, compensation=changed))
         return status
 
     # Read-only lookups for duplicate frames (W§9.6, D5) --------------------
@@ -482,6 +514,16 @@ class WorkerOperationJournal:
         if existing is None:
             raise UnknownCompensation(key)
         return existing
+
+    def lookup_compensation_reconciliation(
+        self, request: CompensationReconcileRequest, grant: CapabilityGrant | None
+    ) -> Existing:
+        """The stored compensation state for a duplicate compensation lookup (never mutates)."""
+        self._loaded(request.operation_key)
+        if grant is None:
+            raise UnknownTool(request.tool)
+        _, comp = self._compensation_reconcilable(request, grant)
+        return Existing(comp.state)
 
     # Internals --------------------------------------------------------------
 
@@ -551,6 +593,33 @@ class WorkerOperationJournal:
         validate_state_for_grant(comp.state, grant)
         return fingerprint, Existing(comp.state)
 
+    def _compensation_reconcilable(
+        self, request: CompensationReconcileRequest, grant: CapabilityGrant
+    ) -> tuple[WorkerOperationRecord, WorkerCompensationRecord]:
+        """``validate_compensation_reconciliation``: (original, its compensation).
+
+        The checks of ``observe_compensation`` without an input (a lookup
+        carries no payload): scope, original, tool, compensation, then its key
+        and grant fingerprint; then the stored state against ``grant``.
+        """
+        key = request.operation_key
+        original = self._loaded(key)
+        self._check_compensation_scope(request.tenant_scope)
+        if original is None:
+            raise UnknownOperation(key)
+        if original.tool != request.tool:
+            raise CompensationToolMismatch(key)
+        comp = original.compensation
+        if comp is None:
+            raise UnknownCompensation(key)
+        if (
+            comp.compensation_key != request.compensation_key
+            or comp.grant_fingerprint != request.grant_fingerprint
+        ):
+            raise CompensationIdentityMismatch(key)
+        validate_state_for_grant(comp.state, grant)
+        return original, comp
+
     def _check_compensation_scope(self, tenant_scope: str) -> None:
         self.validate_scope(tenant_scope)
 
@@ -575,3 +644,11 @@ class WorkerOperationJournal:
         # `pending` is never an observation, whatever the table says (W§9.3).
         if observed.kind is StateKind.PENDING or not accepts(current, observed):
             raise InvalidWorkerOperationTransition(key, current.kind, observed.kind)
+
+    @staticmethod
+    def _check_compensation_transition(
+        key: str, current: WorkerOperationState, observed: OperationStatus
+    ) -> None:
+        # The one table of W§9.3; `pending` is never an observation.
+        if observed.kind is StateKind.PENDING or not accepts(current, observed):
+            raise InvalidWorkerCompensationTransition(key, current.kind, observed.kind)
