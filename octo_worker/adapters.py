@@ -1,15 +1,19 @@
-"""The adapter plug-in contract (W§10.2): what an adapter is, when it is called,
-and how adapters are found and called.
+"""The adapter plug-in contract (W§10.2, D11, D12): what an adapter is, when it is
+called, what it is told, and how adapters are found and called.
 
 This module owns:
 
 * the declarations ``InvocationSafety`` and ``DurableOperationContract``;
+* ``AdapterContext`` (D12), the third argument of every adapter method: the
+  tenant scope, the session, the scope-qualified idempotency key and the
+  deadline of the call;
 * ``WorkerAdapter`` (the ``typing.Protocol`` every adapter satisfies) and
   ``BaseWorkerAdapter`` (safe defaults: declare nothing, support nothing);
 * ``WorkerAdapterRegistry`` (one adapter per tool) and
   ``TypedJsonWorkerAdapter`` (a read-only ``invoke`` handler over typed JSON);
-* ``call_adapter``, the only way the worker calls an adapter method: one
-  deadline, and every failure mapped to an adapter error without its text;
+* ``call_adapter`` / ``call_adapter_with_deadline``, the only way the worker
+  calls an adapter method: one deadline, and every failure mapped to an
+  adapter error without its text;
 * ``load_adapters``, which loads *only* the configured names of the
   entry-point group ``octo.adapters``.
 
@@ -25,11 +29,13 @@ import importlib.metadata
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
 from octo_common.codec import compact_json
+from octo_common.digest import AdapterIdempotencyKind, adapter_idempotency_key
 from octo_common.errors import (
     AdapterFailed,
     AdapterIndeterminate,
@@ -42,12 +48,13 @@ from octo_common.errors import (
     OctoError,
     WorkerAdapterError,
 )
-from octo_common.ids import is_token
+from octo_common.ids import is_fingerprint, is_token, validate_token
 from octo_common.payload import ToolPayload
 
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
     from octo_common.messages import (
+        CompensationReconcileRequest,
         OperationCompensationRequest,
         OperationDispatchRequest,
         OperationReconcileRequest,
@@ -57,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
+    "AdapterContext",
     "AdapterLoadFailed",
     "DEFAULT_ADAPTER_DEADLINE_SECONDS",
     "BaseWorkerAdapter",
@@ -68,6 +76,7 @@ __all__ = [
     "adapter_deadline",
     "effective_adapter_deadline",
     "call_adapter",
+    "call_adapter_with_deadline",
     "load_adapters",
 ]
 
@@ -114,6 +123,78 @@ class DurableOperationContract(enum.StrEnum):
     PROVIDER_IDEMPOTENCY_AND_RECONCILIATION = "provider_idempotency_and_reconciliation"
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterContext:
+    """What an adapter knows besides the request and the grant (D12).
+
+    * ``scope``: the tenant scope whose journal admitted the request. One
+      adapter instance serves every scope, and operation and compensation
+      keys are unique only within a scope.
+    * ``session_id``: the session the request arrived in.
+    * ``idempotency_key``: 64 lowercase hex, unique across scopes
+      (``octo_common.digest.adapter_idempotency_key``). It is the key an
+      adapter hands to an external provider or names its own effect by;
+      an adapter MUST NOT use the bare operation or compensation key for
+      that. Since it is always 64 hex, it is safe in a file name.
+    * ``deadline``: event-loop time (``asyncio.get_running_loop().time()``)
+      at which the worker stops waiting and the call counts as
+      indeterminate. An adapter may bound its own I/O by it.
+
+    A frozen value compared field by field; none of its fields is secret,
+    so its repr may be logged. The worker builds it with ``for_operation``,
+    ``for_compensation`` or ``for_invoke``, which derive the key.
+    """
+
+    scope: str
+    session_id: str
+    idempotency_key: str
+    deadline: float
+
+    def __post_init__(self) -> None:
+        validate_token("tenant scope", self.scope)
+        validate_token("session id", self.session_id)
+        if not is_fingerprint(self.idempotency_key):
+            raise ValueError("an adapter idempotency key is 64 lowercase hex")
+        deadline = self.deadline
+        if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+            raise TypeError("an adapter deadline is event-loop time, a number")
+        if not math.isfinite(deadline):
+            raise ValueError("an adapter deadline is finite")
+        object.__setattr__(self, "deadline", float(deadline))
+
+    @classmethod
+    def _derived(
+        cls,
+        scope: str,
+        session_id: str,
+        kind: AdapterIdempotencyKind,
+        key: str,
+        deadline: float,
+    ) -> AdapterContext:
+        return cls(scope, session_id, adapter_idempotency_key(scope, kind, key), deadline)
+
+    @classmethod
+    def for_operation(
+        cls, scope: str, session_id: str, operation_key: str, deadline: float
+    ) -> AdapterContext:
+        """For ``dispatch_operation`` and ``reconcile_operation``: kind ``operation``."""
+        return cls._derived(scope, session_id, "operation", operation_key, deadline)
+
+    @classmethod
+    def for_compensation(
+        cls, scope: str, session_id: str, compensation_key: str, deadline: float
+    ) -> AdapterContext:
+        """For ``compensate_operation`` and ``reconcile_compensation``: kind ``compensation``."""
+        return cls._derived(scope, session_id, "compensation", compensation_key, deadline)
+
+    @classmethod
+    def for_invoke(
+        cls, scope: str, session_id: str, request_id: str, deadline: float
+    ) -> AdapterContext:
+        """For ``invoke``: kind ``invoke`` over the request id."""
+        return cls._derived(scope, session_id, "invoke", request_id, deadline)
+
+
 @runtime_checkable
 class WorkerAdapter(Protocol):
     """An adapter serves one tool (W§10.2). See ``BaseWorkerAdapter`` for each hook.
@@ -126,18 +207,30 @@ class WorkerAdapter(Protocol):
 
     def durable_operation_contract(self) -> DurableOperationContract | None: ...
 
-    async def invoke(self, request: ToolInvocation, grant: CapabilityGrant) -> ToolPayload: ...
+    async def invoke(
+        self, request: ToolInvocation, grant: CapabilityGrant, context: AdapterContext
+    ) -> ToolPayload: ...
 
     async def dispatch_operation(
-        self, request: OperationDispatchRequest, grant: CapabilityGrant
+        self, request: OperationDispatchRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus: ...
 
     async def compensate_operation(
-        self, request: OperationCompensationRequest, grant: CapabilityGrant
+        self,
+        request: OperationCompensationRequest,
+        grant: CapabilityGrant,
+        context: AdapterContext,
     ) -> OperationStatus: ...
 
     async def reconcile_operation(
-        self, request: OperationReconcileRequest, grant: CapabilityGrant
+        self, request: OperationReconcileRequest, grant: CapabilityGrant, context: AdapterContext
+    ) -> OperationStatus: ...
+
+    async def reconcile_compensation(
+        self,
+        request: CompensationReconcileRequest,
+        grant: CapabilityGrant,
+        context: AdapterContext,
     ) -> OperationStatus: ...
 
 
@@ -179,7 +272,9 @@ class BaseWorkerAdapter:
         """
         return None
 
-    async def invoke(self, request: ToolInvocation, grant: CapabilityGrant) -> ToolPayload:
+    async def invoke(
+        self, request: ToolInvocation, grant: CapabilityGrant, context: AdapterContext
+    ) -> ToolPayload:
         """Called for an ``invoke`` after authorization and a durable session commit.
 
         May run the tool (read-only or independently idempotent, as declared)
@@ -190,13 +285,15 @@ class BaseWorkerAdapter:
         raise AdapterUnsupported("invoke")
 
     async def dispatch_operation(
-        self, request: OperationDispatchRequest, grant: CapabilityGrant
+        self, request: OperationDispatchRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus:
         """Called exactly once per admitted operation key, after the admission is
         durable and the delivery acked.
 
         Performs the effect at most once and returns its status (``Running``,
-        ``Succeeded``, ``Failed``, ``Cancelled``). Raise
+        ``Succeeded``, ``Failed``, ``Cancelled``). Names the effect (and
+        deduplicates it at a provider) by ``context.idempotency_key``, never
+        by the bare operation key, which another tenant may share. Raise
         ``AdapterIndeterminate`` when the outcome is unknown: the row stays
         ``pending`` and only ``reconcile_operation`` can resolve it. Must
         never retry the effect by itself or keep it running unaccounted for
@@ -205,26 +302,49 @@ class BaseWorkerAdapter:
         raise AdapterUnsupported("dispatch_operation")
 
     async def compensate_operation(
-        self, request: OperationCompensationRequest, grant: CapabilityGrant
+        self,
+        request: OperationCompensationRequest,
+        grant: CapabilityGrant,
+        context: AdapterContext,
     ) -> OperationStatus:
         """Called exactly once per admitted compensation, after the admission is
         durable and only for a ``succeeded`` original of the same tool and scope.
 
         MUST validate the inverse payload against the adapter's own explicit
         inverse contract (refuse with ``AdapterInvalidJsonInput``) before
-        touching anything, then perform the inverse effect at most once.
+        touching anything, then perform the inverse effect at most once,
+        named by ``context.idempotency_key`` (derived from the compensation
+        key and the scope).
         """
         raise AdapterUnsupported("compensate_operation")
 
     async def reconcile_operation(
-        self, request: OperationReconcileRequest, grant: CapabilityGrant
+        self, request: OperationReconcileRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus:
         """Called on ``reconcile_operation`` for a key the journal holds.
 
-        A bounded status lookup by ``request.operation_key``. It MUST NOT
-        perform the effect, start it, or finish it; it reports what happened.
+        A bounded status lookup by ``context.idempotency_key`` (the
+        operation's, as at dispatch). It MUST NOT perform the effect, start
+        it, or finish it; it reports what happened.
         """
         raise AdapterUnsupported("reconcile_operation")
+
+    async def reconcile_compensation(
+        self,
+        request: CompensationReconcileRequest,
+        grant: CapabilityGrant,
+        context: AdapterContext,
+    ) -> OperationStatus:
+        """Called on ``reconcile_compensation`` (D11) for a compensation the journal
+        holds under exactly this identity.
+
+        A bounded status lookup by ``context.idempotency_key`` (the
+        compensation's, as at ``compensate_operation``). It MUST NOT perform
+        the inverse effect, start it, or finish it; it reports what happened.
+        Without it (the default) a compensation left ``pending`` after a
+        crash stays for an operator.
+        """
+        raise AdapterUnsupported("reconcile_compensation")
 
 
 # Registry -------------------------------------------------------------------
@@ -302,7 +422,9 @@ class TypedJsonWorkerAdapter(BaseWorkerAdapter, Generic[InputT]):
     def invocation_safety(self) -> InvocationSafety | None:
         return self._safety
 
-    async def invoke(self, request: ToolInvocation, grant: CapabilityGrant) -> ToolPayload:
+    async def invoke(
+        self, request: ToolInvocation, grant: CapabilityGrant, context: AdapterContext
+    ) -> ToolPayload:
         payload = request.payload
         if payload.format != "json":
             raise AdapterInvalidJsonInput("payload is not JSON")
@@ -387,7 +509,23 @@ async def call_adapter(
     deadline_seconds: float,
     returns: type[Any] | tuple[type[Any], ...] | None = None,
 ) -> T:
+    """``call_adapter_with_deadline`` for a call that does not need its deadline."""
+    return await call_adapter_with_deadline(
+        lambda _deadline: call(), deadline_seconds=deadline_seconds, returns=returns
+    )
+
+
+async def call_adapter_with_deadline(
+    call: Callable[[float], Awaitable[T]],
+    *,
+    deadline_seconds: float,
+    returns: type[Any] | tuple[type[Any], ...] | None = None,
+) -> T:
     """Run one adapter call under a deadline and map its failures (W§10.2).
+
+    ``call`` receives the event-loop time at which the deadline expires,
+    exactly the one the call is cut at: the ``deadline`` of the call's
+    ``AdapterContext`` (D12).
 
     * the deadline expiring → ``AdapterIndeterminate("deadline")``: the call
       may or may not have had its effect;
@@ -403,10 +541,11 @@ async def call_adapter(
         raise TypeError("deadline_seconds must be a number")
     if not math.isfinite(deadline_seconds) or deadline_seconds <= 0:
         raise ValueError("deadline_seconds must be positive and finite")
-    timeout = asyncio.timeout(deadline_seconds)
+    deadline = asyncio.get_running_loop().time() + deadline_seconds
+    timeout = asyncio.timeout_at(deadline)
     try:
         async with timeout:
-            result = await call()
+            result = await call(deadline)
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is None or task.cancelling():

@@ -59,7 +59,7 @@ import msgspec
 from octo_common.errors import AdapterFailed, AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
-from octo_worker.adapters import BaseWorkerAdapter, DurableOperationContract
+from octo_worker.adapters import AdapterContext, BaseWorkerAdapter, DurableOperationContract
 
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
@@ -301,7 +301,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     # Hooks -------------------------------------------------------------------
 
     async def dispatch_operation(
-        self, request: OperationDispatchRequest, grant: CapabilityGrant
+        self, request: OperationDispatchRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus:
         """Publish the file for ``request.operation_key`` at most once.
 
@@ -315,7 +315,10 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         return await self._run(self._publish, request.operation_key, name, data)
 
     async def compensate_operation(
-        self, request: OperationCompensationRequest, grant: CapabilityGrant
+        self,
+        request: OperationCompensationRequest,
+        grant: CapabilityGrant,
+        context: AdapterContext,
     ) -> OperationStatus:
         """Remove exactly the file the original operation published.
 
@@ -328,7 +331,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         return await self._run(self._remove, request.operation_key, request.compensation_key, name)
 
     async def reconcile_operation(
-        self, request: OperationReconcileRequest, grant: CapabilityGrant
+        self, request: OperationReconcileRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus:
         """Look up what happened to ``request.operation_key``; never publishes.
 

@@ -3,8 +3,8 @@
 Used by ``bench/e2e.py`` to measure the protocol's own cost (journal, frames,
 broker) without any effect, and handy as a health probe. A dispatch
 succeeds with ``{}``; a compensation of ``{"undo": "noop"}`` succeeds; a
-reconciliation reports success for any admitted key (there was never
-anything to do).
+reconciliation of an operation or of a compensation reports success for any
+admitted key (there was never anything to do).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from octo_common.errors import AdapterInvalidJsonInput
 from octo_common.messages import (
+    CompensationReconcileRequest,
     OperationCompensationRequest,
     OperationDispatchRequest,
     OperationReconcileRequest,
@@ -20,7 +21,12 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import OperationStatus, Succeeded
-from octo_worker.adapters import BaseWorkerAdapter, DurableOperationContract, InvocationSafety
+from octo_worker.adapters import (
+    AdapterContext,
+    BaseWorkerAdapter,
+    DurableOperationContract,
+    InvocationSafety,
+)
 
 __all__ = ["NoopAdapter"]
 
@@ -41,16 +47,18 @@ class NoopAdapter(BaseWorkerAdapter):
     def durable_operation_contract(self) -> DurableOperationContract | None:
         return DurableOperationContract.RECONCILIATION
 
-    async def invoke(self, request: ToolInvocation, grant: Any) -> ToolPayload:
+    async def invoke(
+        self, request: ToolInvocation, grant: Any, context: AdapterContext
+    ) -> ToolPayload:
         return _EMPTY
 
     async def dispatch_operation(
-        self, request: OperationDispatchRequest, grant: Any
+        self, request: OperationDispatchRequest, grant: Any, context: AdapterContext
     ) -> OperationStatus:
         return Succeeded(_EMPTY)
 
     async def compensate_operation(
-        self, request: OperationCompensationRequest, grant: Any
+        self, request: OperationCompensationRequest, grant: Any, context: AdapterContext
     ) -> OperationStatus:
         value = request.payload.value if request.payload.format == "json" else None
         if value != {"undo": "noop"}:
@@ -58,6 +66,11 @@ class NoopAdapter(BaseWorkerAdapter):
         return Succeeded(_EMPTY)
 
     async def reconcile_operation(
-        self, request: OperationReconcileRequest, grant: Any
+        self, request: OperationReconcileRequest, grant: Any, context: AdapterContext
+    ) -> OperationStatus:
+        return Succeeded(_EMPTY)
+
+    async def reconcile_compensation(
+        self, request: CompensationReconcileRequest, grant: Any, context: AdapterContext
     ) -> OperationStatus:
         return Succeeded(_EMPTY)

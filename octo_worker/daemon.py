@@ -200,22 +200,37 @@ class _InstrumentedAdapter:
             self._faults.reach("worker.after_effect")
         return result
 
-    async def invoke(self, request: Any, grant: Any) -> Any:
-        return await self._run("invoke", lambda: self._adapter.invoke(request, grant), True)
-
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+    async def invoke(self, request: Any, grant: Any, context: Any) -> Any:
         return await self._run(
-            "dispatch_operation", lambda: self._adapter.dispatch_operation(request, grant), True
+            "invoke", lambda: self._adapter.invoke(request, grant, context), True
         )
 
-    async def compensate_operation(self, request: Any, grant: Any) -> Any:
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
         return await self._run(
-            "compensate_operation", lambda: self._adapter.compensate_operation(request, grant), True
+            "dispatch_operation",
+            lambda: self._adapter.dispatch_operation(request, grant, context),
+            True,
         )
 
-    async def reconcile_operation(self, request: Any, grant: Any) -> Any:
+    async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any:
         return await self._run(
-            "reconcile_operation", lambda: self._adapter.reconcile_operation(request, grant), False
+            "compensate_operation",
+            lambda: self._adapter.compensate_operation(request, grant, context),
+            True,
+        )
+
+    async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any:
+        return await self._run(
+            "reconcile_operation",
+            lambda: self._adapter.reconcile_operation(request, grant, context),
+            False,
+        )
+
+    async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
+        return await self._run(
+            "reconcile_compensation",
+            lambda: self._adapter.reconcile_compensation(request, grant, context),
+            False,
         )
 
 

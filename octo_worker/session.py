@@ -123,11 +123,12 @@ from octo_common.payload import ToolPayload
 from octo_common.peek import peek_operation_key
 from octo_common.states import Cancelled, Failed, Pending, Running, Succeeded
 from octo_worker.adapters import (
+    AdapterContext,
     DurableOperationContract,
     InvocationSafety,
     WorkerAdapterRegistry,
     adapter_deadline,
-    call_adapter,
+    call_adapter_with_deadline,
 )
 from octo_worker.journal import (
     Existing,
@@ -465,7 +466,7 @@ _Final: TypeAlias = _Reply | _Ack | _DeadLetter | _Requeue
 class _AdapterStep:
     """Run an adapter method outside the session lock, then ``after`` under it."""
 
-    call: Callable[[], Awaitable[Any]]
+    call: Callable[[float], Awaitable[Any]]  # gets the deadline (event-loop time)
     after: Callable[[Any, BaseException | None], Awaitable[_Final]]
     ack_first: bool
     deadline: float
@@ -873,7 +874,7 @@ class WorkerSession:
             result: Any = None
             error: BaseException | None = None
             try:
-                result = await call_adapter(
+                result = await call_adapter_with_deadline(
                     step.call, deadline_seconds=step.deadline, returns=step.returns
                 )
             except asyncio.CancelledError:
@@ -1093,7 +1094,13 @@ class WorkerSession:
             return await self._after_invoke_locked(run, auth, result, error)
 
         return _AdapterStep(
-            call=lambda: adapter.invoke(invocation, grant),
+            call=lambda deadline: adapter.invoke(
+                invocation,
+                grant,
+                AdapterContext.for_invoke(
+                    self._scope, self._session_id, invocation.request_id, deadline
+                ),
+            ),
             after=after,
             ack_first=True,
             deadline=adapter_deadline(adapter),
@@ -1159,7 +1166,13 @@ class WorkerSession:
             return await self._after_dispatch_locked(run, auth, journal, status, error)
 
         return _AdapterStep(
-            call=lambda: adapter.dispatch_operation(request, grant),
+            call=lambda deadline: adapter.dispatch_operation(
+                request,
+                grant,
+                AdapterContext.for_operation(
+                    self._scope, self._session_id, request.operation_key, deadline
+                ),
+            ),
             after=after,
             ack_first=True,
             deadline=adapter_deadline(adapter),
@@ -1243,7 +1256,13 @@ class WorkerSession:
             return await self._after_compensate_locked(run, auth, journal, status, error)
 
         return _AdapterStep(
-            call=lambda: adapter.compensate_operation(request, grant),
+            call=lambda deadline: adapter.compensate_operation(
+                request,
+                grant,
+                AdapterContext.for_compensation(
+                    self._scope, self._session_id, request.compensation_key, deadline
+                ),
+            ),
             after=after,
             ack_first=True,
             deadline=adapter_deadline(adapter),
@@ -1328,7 +1347,13 @@ class WorkerSession:
         # A status lookup has no effect: it may run before anything is committed
         # (S1), and the delivery is acked only after the answer is published.
         return _AdapterStep(
-            call=lambda: adapter.reconcile_operation(request, grant),
+            call=lambda deadline: adapter.reconcile_operation(
+                request,
+                grant,
+                AdapterContext.for_operation(
+                    self._scope, self._session_id, request.operation_key, deadline
+                ),
+            ),
             after=after,
             ack_first=False,
             deadline=adapter_deadline(adapter),

@@ -109,14 +109,14 @@ class SlowPublish(FilesPublishAdapter):
         self.dispatches = 0
         self.reconciliations = 0
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
         self.dispatches += 1
         await asyncio.sleep(self.delay)
-        return await super().dispatch_operation(request, grant)
+        return await super().dispatch_operation(request, grant, context)
 
-    async def reconcile_operation(self, request: Any, grant: Any) -> Any:
+    async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any:
         self.reconciliations += 1
-        return await super().reconcile_operation(request, grant)
+        return await super().reconcile_operation(request, grant, context)
 
 
 class SlowUndo(FilesPublishAdapter):
@@ -127,10 +127,10 @@ class SlowUndo(FilesPublishAdapter):
         self.delay = delay
         self.compensations = 0
 
-    async def compensate_operation(self, request: Any, grant: Any) -> Any:
+    async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any:
         self.compensations += 1
         await asyncio.sleep(self.delay)
-        return await super().compensate_operation(request, grant)
+        return await super().compensate_operation(request, grant, context)
 
 
 def registry(adapter: FilesPublishAdapter) -> WorkerAdapterRegistry:

@@ -440,10 +440,10 @@ class _SlowFiles(FilesPublishAdapter):
         self.delay = delay
         self.dispatches = 0
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
         self.dispatches += 1
         await asyncio.sleep(self.delay)
-        return await super().dispatch_operation(request, grant)
+        return await super().dispatch_operation(request, grant, context)
 
 
 async def test_two_copies_in_flight_at_once_run_one_effect_and_both_are_answered(
@@ -535,8 +535,8 @@ class _LostAnswerFiles(FilesPublishAdapter):
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
-        await super().dispatch_operation(request, grant)
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
+        await super().dispatch_operation(request, grant, context)
         raise AdapterIndeterminate("lost the answer")
 
 

@@ -31,7 +31,12 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
-from octo_worker.adapters import DurableOperationContract, call_adapter, load_adapters
+from octo_worker.adapters import (
+    AdapterContext,
+    DurableOperationContract,
+    call_adapter_with_deadline,
+    load_adapters,
+)
 from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 
 SESSION = "session-1"
@@ -40,6 +45,10 @@ TENANT = "tenant-release"
 GRANT = CapabilityGrant(TOOL, "json", max_input_bytes=256).with_compensation_limit(1)
 KEY = "op-release-42"
 OTHER_KEY = "op-release-43"
+# Event-loop time the adapter may bound its work by; these calls never wait for it.
+FAR_DEADLINE = 1e12
+
+AdapterRequest = OperationDispatchRequest | OperationCompensationRequest | OperationReconcileRequest
 
 
 class Crash(BaseException):
@@ -89,6 +98,18 @@ def reconcile(key: str) -> OperationReconcileRequest:
     return OperationReconcileRequest(SESSION, f"reconcile-{key}", TOOL, key)
 
 
+def context_for(request: AdapterRequest, deadline: float = FAR_DEADLINE) -> AdapterContext:
+    """The context the worker passes with ``request`` (D12) in scope ``TENANT``."""
+    if isinstance(request, OperationCompensationRequest):
+        return AdapterContext.for_compensation(TENANT, SESSION, request.compensation_key, deadline)
+    return AdapterContext.for_operation(TENANT, SESSION, request.operation_key, deadline)
+
+
+def args_for(request: Any) -> tuple[Any, CapabilityGrant, AdapterContext]:
+    """The three arguments of an adapter call for ``request``: request, grant, context."""
+    return request, GRANT, context_for(request)
+
+
 def expected_success(name: str, content: str = "release notes v42\n") -> Succeeded:
     data = content.encode()
     return Succeeded(
@@ -133,7 +154,9 @@ def test_declarations_and_entry_point(tmp_path: Path) -> None:
 async def test_publish_writes_the_file_and_logs_one_effect(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    status = await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    status = await adapter.dispatch_operation(
+        *args_for(dispatch(KEY, publish_payload("notes.txt")))
+    )
 
     assert status == expected_success("notes.txt")
     assert (target / "notes.txt").read_text() == "release notes v42\n"
@@ -150,11 +173,11 @@ async def test_a_repeated_dispatch_of_the_same_key_does_not_write_again(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
     request = dispatch(KEY, publish_payload("notes.txt"))
-    first = await adapter.dispatch_operation(request, GRANT)
+    first = await adapter.dispatch_operation(*args_for(request))
     inode = (target / "notes.txt").stat().st_ino
 
-    second = await adapter.dispatch_operation(request, GRANT)
-    after_restart = await restart(target, log_path).dispatch_operation(request, GRANT)
+    second = await adapter.dispatch_operation(*args_for(request))
+    after_restart = await restart(target, log_path).dispatch_operation(*args_for(request))
 
     assert first == second == after_restart == expected_success("notes.txt")
     assert (target / "notes.txt").stat().st_ino == inode
@@ -164,10 +187,10 @@ async def test_a_repeated_dispatch_of_the_same_key_does_not_write_again(
 async def test_the_same_key_with_other_input_is_refused(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
 
     status = await adapter.dispatch_operation(
-        dispatch(KEY, publish_payload("notes.txt", "other content")), GRANT
+        *args_for(dispatch(KEY, publish_payload("notes.txt", "other content")))
     )
 
     assert isinstance(status, Failed)
@@ -178,19 +201,19 @@ async def test_the_same_key_with_other_input_is_refused(
 async def test_a_name_published_by_another_key_is_a_conflict(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
 
     conflict = await adapter.dispatch_operation(
-        dispatch(OTHER_KEY, publish_payload("notes.txt", "hijack")), GRANT
+        *args_for(dispatch(OTHER_KEY, publish_payload("notes.txt", "hijack")))
     )
 
     assert conflict == Failed("target exists")
     assert (target / "notes.txt").read_text() == "release notes v42\n"
     assert effects(log_path) == [("publish", KEY)]
     # The refusal is remembered: reconciliation answers exactly what dispatch answered.
-    assert await adapter.reconcile_operation(reconcile(OTHER_KEY), GRANT) == conflict
+    assert await adapter.reconcile_operation(*args_for(reconcile(OTHER_KEY))) == conflict
     again = await adapter.dispatch_operation(
-        dispatch(OTHER_KEY, publish_payload("notes.txt", "hijack")), GRANT
+        *args_for(dispatch(OTHER_KEY, publish_payload("notes.txt", "hijack")))
     )
     assert again == conflict
 
@@ -201,7 +224,9 @@ async def test_a_file_placed_by_someone_else_is_never_overwritten(
     target.mkdir()
     (target / "notes.txt").write_text("operator's file")
 
-    status = await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    status = await adapter.dispatch_operation(
+        *args_for(dispatch(KEY, publish_payload("notes.txt")))
+    )
 
     assert status == Failed("target exists")
     assert (target / "notes.txt").read_text() == "operator's file"
@@ -228,16 +253,16 @@ async def test_invalid_publish_input_is_refused_before_anything_is_touched(
     adapter: FilesPublishAdapter, target: Path, log_path: Path, value: Any
 ) -> None:
     with pytest.raises(AdapterInvalidJsonInput):
-        await adapter.dispatch_operation(dispatch(KEY, ToolPayload.json(value)), GRANT)
+        await adapter.dispatch_operation(*args_for(dispatch(KEY, ToolPayload.json(value))))
 
     assert not target.exists()
     assert effects(log_path) == []
-    assert await adapter.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
+    assert await adapter.reconcile_operation(*args_for(reconcile(KEY))) == Failed("not published")
 
 
 async def test_a_text_payload_is_refused(adapter: FilesPublishAdapter, target: Path) -> None:
     with pytest.raises(AdapterInvalidJsonInput):
-        await adapter.dispatch_operation(dispatch(KEY, ToolPayload.text("notes.txt")), GRANT)
+        await adapter.dispatch_operation(*args_for(dispatch(KEY, ToolPayload.text("notes.txt"))))
     assert not target.exists()
 
 
@@ -247,10 +272,10 @@ async def test_a_text_payload_is_refused(adapter: FilesPublishAdapter, target: P
 async def test_compensation_removes_exactly_the_published_file(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
-    await adapter.dispatch_operation(dispatch(OTHER_KEY, publish_payload("keep.txt")), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
+    await adapter.dispatch_operation(*args_for(dispatch(OTHER_KEY, publish_payload("keep.txt"))))
 
-    status = await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert status == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))
     assert visible_files(target) == ["keep.txt"]
@@ -262,9 +287,9 @@ async def test_compensation_removes_exactly_the_published_file(
         "name": "notes.txt",
     }
     # Repeating it (same or restarted adapter) removes nothing more.
-    assert await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT) == status
+    assert await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt"))) == status
     assert (
-        await restart(target, log_path).compensate_operation(undo(KEY, "notes.txt"), GRANT)
+        await restart(target, log_path).compensate_operation(*args_for(undo(KEY, "notes.txt")))
         == status
     )
     assert effects(log_path) == [("publish", KEY), ("publish", OTHER_KEY), ("remove", KEY)]
@@ -273,13 +298,13 @@ async def test_compensation_removes_exactly_the_published_file(
 async def test_a_compensated_name_can_be_published_again_and_is_not_removed_twice(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
-    await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
+    await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     republished = await adapter.dispatch_operation(
-        dispatch(OTHER_KEY, publish_payload("notes.txt", "v43")), GRANT
+        *args_for(dispatch(OTHER_KEY, publish_payload("notes.txt", "v43")))
     )
-    await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert republished == expected_success("notes.txt", "v43")
     assert (target / "notes.txt").read_text() == "v43"
@@ -289,23 +314,23 @@ async def test_a_compensated_name_can_be_published_again_and_is_not_removed_twic
 async def test_a_file_already_gone_is_compensated_idempotently(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     (target / "notes.txt").unlink()  # removed by an operator
 
-    status = await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert status == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": False}))
     assert effects(log_path) == [("publish", KEY)]  # no removal happened here
-    assert await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT) == status
+    assert await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt"))) == status
 
 
 async def test_a_modified_published_file_is_not_removed(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     (target / "notes.txt").write_text("edited by hand")
 
-    status = await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert status == Failed("published file was modified")
     assert (target / "notes.txt").read_text() == "edited by hand"
@@ -340,18 +365,18 @@ async def test_a_modified_published_file_is_not_removed(
 async def test_the_inverse_payload_must_match_its_own_contract(
     adapter: FilesPublishAdapter, target: Path, log_path: Path, request_factory: Any
 ) -> None:
-    await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
-    await adapter.dispatch_operation(dispatch(OTHER_KEY, publish_payload("keep.txt")), GRANT)
+    await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
+    await adapter.dispatch_operation(*args_for(dispatch(OTHER_KEY, publish_payload("keep.txt"))))
 
     with pytest.raises(AdapterInvalidJsonInput):
-        await adapter.compensate_operation(request_factory(), GRANT)
+        await adapter.compensate_operation(*args_for(request_factory()))
 
     assert visible_files(target) == ["keep.txt", "notes.txt"]
     assert effects(log_path) == [("publish", KEY), ("publish", OTHER_KEY)]
 
 
 async def test_compensating_something_never_published(adapter: FilesPublishAdapter) -> None:
-    status = await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert status == Failed("not published")
 
@@ -362,14 +387,18 @@ async def test_compensating_something_never_published(adapter: FilesPublishAdapt
 async def test_reconciliation_reports_by_key_and_never_publishes(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    assert await adapter.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
-    published = await adapter.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    assert await adapter.reconcile_operation(*args_for(reconcile(KEY))) == Failed("not published")
+    published = await adapter.dispatch_operation(
+        *args_for(dispatch(KEY, publish_payload("notes.txt")))
+    )
 
-    assert await adapter.reconcile_operation(reconcile(KEY), GRANT) == published
-    assert await restart(target, log_path).reconcile_operation(reconcile(KEY), GRANT) == published
-    await adapter.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+    assert await adapter.reconcile_operation(*args_for(reconcile(KEY))) == published
+    assert (
+        await restart(target, log_path).reconcile_operation(*args_for(reconcile(KEY))) == published
+    )
+    await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
     # The original did succeed; its compensation is a separate fact.
-    assert await adapter.reconcile_operation(reconcile(KEY), GRANT) == published
+    assert await adapter.reconcile_operation(*args_for(reconcile(KEY))) == published
     assert effects(log_path) == [("publish", KEY), ("remove", KEY)]
 
 
@@ -389,10 +418,13 @@ async def test_a_reconciliation_after_an_expired_deadline_sees_the_finished_publ
     request = dispatch(KEY, publish_payload("notes.txt"))
 
     with pytest.raises(AdapterIndeterminate):
-        await call_adapter(
-            lambda: adapter.dispatch_operation(request, GRANT), deadline_seconds=0.05
+        await call_adapter_with_deadline(
+            lambda deadline: adapter.dispatch_operation(
+                request, GRANT, context_for(request, deadline)
+            ),
+            deadline_seconds=0.05,
         )
-    status = await adapter.reconcile_operation(reconcile(KEY), GRANT)
+    status = await adapter.reconcile_operation(*args_for(reconcile(KEY)))
 
     assert status == expected_success("notes.txt")
     assert effects(log_path) == [("publish", KEY)]
@@ -405,7 +437,7 @@ async def test_concurrent_dispatches_for_one_name_publish_once(
 
     statuses = await asyncio.gather(
         *(
-            adapter.dispatch_operation(dispatch(key, publish_payload("race.txt", key)), GRANT)
+            adapter.dispatch_operation(*args_for(dispatch(key, publish_payload("race.txt", key))))
             for key in keys
         )
     )
@@ -438,7 +470,7 @@ async def test_a_crash_before_the_file_appears_is_final_not_published(
     doomed = restart(target, log_path)
     monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(Crash()))
     with pytest.raises(Crash):
-        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+        await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
     monkeypatch.undo()
 
@@ -446,16 +478,18 @@ async def test_a_crash_before_the_file_appears_is_final_not_published(
     try:
         assert leftovers(target) == []
         assert visible_files(target) == []
-        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
+            "not published"
+        )
         # Nothing resumes an interrupted publication, so the answer stays true.
         again = await recovered.dispatch_operation(
-            dispatch(KEY, publish_payload("notes.txt")), GRANT
+            *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
         assert again == Failed("not published")
         assert visible_files(target) == []
         # The name is free again for another key.
         other = await recovered.dispatch_operation(
-            dispatch(OTHER_KEY, publish_payload("notes.txt")), GRANT
+            *args_for(dispatch(OTHER_KEY, publish_payload("notes.txt")))
         )
         assert other == expected_success("notes.txt")
         assert effects(log_path) == [("publish", OTHER_KEY)]
@@ -469,7 +503,7 @@ async def test_a_crash_after_the_file_appeared_is_recovered_as_published(
     doomed = restart(target, log_path)
     crash_on(monkeypatch, "_append_line")
     with pytest.raises(Crash):
-        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+        await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
     monkeypatch.undo()
 
@@ -478,14 +512,14 @@ async def test_a_crash_after_the_file_appeared_is_recovered_as_published(
         assert visible_files(target) == ["notes.txt"]
         assert leftovers(target) == []
         assert effects(log_path) == []  # the crash hit before the log line
-        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == expected_success(
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == expected_success(
             "notes.txt"
         )
         again = await recovered.dispatch_operation(
-            dispatch(KEY, publish_payload("notes.txt")), GRANT
+            *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
         assert again == expected_success("notes.txt")
-        await recovered.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+        await recovered.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
         assert effects(log_path) == [("publish", KEY)]  # logged exactly once
     finally:
         recovered.close()
@@ -503,7 +537,7 @@ async def crash_between_link_and_log_line(
     doomed = restart(target, log_path)
     crash_on(monkeypatch, "_append_line")
     with pytest.raises(Crash):
-        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+        await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
     monkeypatch.undo()
     assert visible_files(target) == ["notes.txt"]
@@ -518,19 +552,19 @@ async def test_reconciliation_after_a_cut_between_link_and_log_line_writes_the_l
 
     recovered = restart(target, log_path)
     try:
-        status = await recovered.reconcile_operation(reconcile(KEY), GRANT)
+        status = await recovered.reconcile_operation(*args_for(reconcile(KEY)))
         assert status == expected_success("notes.txt")
         # Reconciliation reports the publish, so the log holds its one line.
         assert effects(log_path) == [("publish", KEY)]
         assert record_state(target, KEY) == "published"
-        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == status
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == status
     finally:
         recovered.close()
     again = restart(target, log_path)
     try:
-        assert await again.reconcile_operation(reconcile(KEY), GRANT) == status
+        assert await again.reconcile_operation(*args_for(reconcile(KEY))) == status
         repeated = await again.dispatch_operation(
-            dispatch(KEY, publish_payload("notes.txt")), GRANT
+            *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
         assert repeated == status
         assert effects(log_path) == [("publish", KEY)]
@@ -547,7 +581,7 @@ async def test_reconciliation_after_a_cut_before_the_record_does_not_log_twice(
     doomed = restart(target, log_path)
     crash_on(monkeypatch, "_replace_file", when=lambda path, data: b'"published"' in data)
     with pytest.raises(Crash):
-        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+        await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
     monkeypatch.undo()
     assert record_state(target, KEY) == "publishing"
@@ -556,7 +590,7 @@ async def test_reconciliation_after_a_cut_before_the_record_does_not_log_twice(
     recovered = restart(target, log_path)
     try:
         for _ in range(2):
-            status = await recovered.reconcile_operation(reconcile(KEY), GRANT)
+            status = await recovered.reconcile_operation(*args_for(reconcile(KEY)))
             assert status == expected_success("notes.txt")
         assert effects(log_path) == [("publish", KEY)]
         assert record_state(target, KEY) == "published"
@@ -571,11 +605,11 @@ async def test_reconciliation_after_a_cut_then_compensation_logs_each_effect_onc
 
     recovered = restart(target, log_path)
     try:
-        published = await recovered.reconcile_operation(reconcile(KEY), GRANT)
+        published = await recovered.reconcile_operation(*args_for(reconcile(KEY)))
         assert published == expected_success("notes.txt")
-        removed = await recovered.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+        removed = await recovered.compensate_operation(*args_for(undo(KEY, "notes.txt")))
         assert removed == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))
-        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == published
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == published
         assert effects(log_path) == [("publish", KEY), ("remove", KEY)]
         assert visible_files(target) == []
     finally:
@@ -588,20 +622,24 @@ async def test_reconciliation_after_a_cut_before_the_link_refuses_the_key_for_go
     doomed = restart(target, log_path)
     monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(Crash()))
     with pytest.raises(Crash):
-        await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+        await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
     monkeypatch.undo()
     assert record_state(target, KEY) == "publishing"
 
     recovered = restart(target, log_path)
     try:
-        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
+            "not published"
+        )
         # Settled on disk: the record is final and the name's claim is released.
         assert record_state(target, KEY) == "refused"
         assert not (target / ".octo-publish" / "name.notes.txt").exists()
-        assert await recovered.reconcile_operation(reconcile(KEY), GRANT) == Failed("not published")
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
+            "not published"
+        )
         again = await recovered.dispatch_operation(
-            dispatch(KEY, publish_payload("notes.txt")), GRANT
+            *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
         assert again == Failed("not published")
         assert effects(log_path) == []
@@ -614,10 +652,10 @@ async def test_a_crash_during_removal_is_finished_by_the_repeated_compensation(
     target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     doomed = restart(target, log_path)
-    await doomed.dispatch_operation(dispatch(KEY, publish_payload("notes.txt")), GRANT)
+    await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     crash_on(monkeypatch, "_append_line", when=lambda path, line: b'"remove"' in line)
     with pytest.raises(Crash):
-        await doomed.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+        await doomed.compensate_operation(*args_for(undo(KEY, "notes.txt")))
     doomed.close()
     monkeypatch.undo()
 
@@ -625,9 +663,9 @@ async def test_a_crash_during_removal_is_finished_by_the_repeated_compensation(
     try:
         assert visible_files(target) == []
         assert effects(log_path) == [("publish", KEY)]
-        status = await recovered.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+        status = await recovered.compensate_operation(*args_for(undo(KEY, "notes.txt")))
         assert status == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))
-        await recovered.compensate_operation(undo(KEY, "notes.txt"), GRANT)
+        await recovered.compensate_operation(*args_for(undo(KEY, "notes.txt")))
         assert effects(log_path) == [("publish", KEY), ("remove", KEY)]
     finally:
         recovered.close()
@@ -642,9 +680,9 @@ async def test_the_effect_log_counts_every_effect(
     statuses: list[OperationStatus] = []
     for index in range(3):
         request = dispatch(f"op-{index}", publish_payload(f"file-{index}.txt"))
-        statuses.append(await adapter.dispatch_operation(request, GRANT))
-        statuses.append(await adapter.dispatch_operation(request, GRANT))
-    await adapter.compensate_operation(undo("op-1", "file-1.txt"), GRANT)
+        statuses.append(await adapter.dispatch_operation(*args_for(request)))
+        statuses.append(await adapter.dispatch_operation(*args_for(request)))
+    await adapter.compensate_operation(*args_for(undo("op-1", "file-1.txt")))
 
     assert all(isinstance(s, Succeeded) for s in statuses)
     assert effects(log_path) == [

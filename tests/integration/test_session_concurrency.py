@@ -63,7 +63,7 @@ class CountingAdapter(BaseWorkerAdapter):
     def durable_operation_contract(self) -> DurableOperationContract:
         return DurableOperationContract.RECONCILIATION
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
         self.calls[request.operation_key] += 1
         await asyncio.sleep(0)
         return Succeeded(ToolPayload.json({"key": request.operation_key}))
@@ -476,7 +476,7 @@ class ReadOnlyAdapter(CountingAdapter):
     def invocation_safety(self) -> InvocationSafety:
         return InvocationSafety.READ_ONLY
 
-    async def invoke(self, request: Any, grant: Any) -> ToolPayload:
+    async def invoke(self, request: Any, grant: Any, context: Any) -> ToolPayload:
         return ToolPayload.json({"ok": 1})
 
 

@@ -141,7 +141,7 @@ class _Indeterminate(FilesPublishAdapter):
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
         raise AdapterIndeterminate("lost the answer")
 
 
@@ -152,7 +152,7 @@ class _Lookup(FilesPublishAdapter):
         super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
         self.answers: list[Any] = [Running(), Failed("never published")]
 
-    async def reconcile_operation(self, request: Any, grant: Any) -> Any:
+    async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any:
         return self.answers.pop(0)
 
 

@@ -1250,18 +1250,21 @@ class SlowAdapter:
     def durable_operation_contract(self):
         return DurableOperationContract.RECONCILIATION
 
-    async def invoke(self, request, grant):
+    async def invoke(self, request, grant, context):
         raise AdapterUnsupported("invoke")
 
-    async def dispatch_operation(self, request, grant):
+    async def dispatch_operation(self, request, grant, context):
         await asyncio.sleep(2.0)
         return Succeeded(ToolPayload.json({"slow": True}))
 
-    async def compensate_operation(self, request, grant):
+    async def compensate_operation(self, request, grant, context):
         raise AdapterUnsupported("compensate_operation")
 
-    async def reconcile_operation(self, request, grant):
+    async def reconcile_operation(self, request, grant, context):
         return Succeeded(ToolPayload.json({"slow": True}))
+
+    async def reconcile_compensation(self, request, grant, context):
+        raise AdapterUnsupported("reconcile_compensation")
 """
 
 

@@ -1,15 +1,18 @@
-"""The adapter plug-in contract (W§10.2): declarations, defaults, registry,
-typed JSON adapters, the call wrapper and entry-point loading."""
+"""The adapter plug-in contract (W§10.2, D11, D12): declarations, defaults, the
+adapter context, registry, typed JSON adapters, the call wrapper and entry-point
+loading."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import msgspec
 import pytest
 
@@ -20,6 +23,8 @@ from octo_common.errors import (
     AdapterInvalidJsonOutput,
     AdapterUnsupported,
     DuplicateTool,
+    InvalidCompensationKey,
+    InvalidToken,
     InvalidTool,
     MissingAdapter,
     OutputTooLarge,
@@ -27,6 +32,7 @@ from octo_common.errors import (
 )
 from octo_common.grants import CapabilityGrant
 from octo_common.messages import (
+    CompensationReconcileRequest,
     OperationCompensationBinding,
     OperationCompensationRequest,
     OperationDispatchRequest,
@@ -37,6 +43,7 @@ from octo_common.payload import ToolPayload
 from octo_worker.adapters import (
     ADAPTER_ENTRY_POINT_GROUP,
     DEFAULT_ADAPTER_DEADLINE_SECONDS,
+    AdapterContext,
     AdapterLoadFailed,
     BaseWorkerAdapter,
     DurableOperationContract,
@@ -46,6 +53,7 @@ from octo_worker.adapters import (
     WorkerAdapterRegistry,
     adapter_deadline,
     call_adapter,
+    call_adapter_with_deadline,
     effective_adapter_deadline,
     load_adapters,
 )
@@ -63,6 +71,12 @@ class AddInput(msgspec.Struct, forbid_unknown_fields=True):
 
 class Total(msgspec.Struct):
     total: int
+
+
+SCOPE = "tenant-a"
+# Event-loop time these direct calls may run until; none of them waits for it.
+FAR_DEADLINE = 1e12
+INVOKE_CONTEXT = AdapterContext.for_invoke(SCOPE, SESSION, "invoke-1", FAR_DEADLINE)
 
 
 def invocation(payload: ToolPayload) -> ToolInvocation:
@@ -84,16 +98,29 @@ async def test_the_base_adapter_declares_nothing_and_supports_nothing() -> None:
     adapter = BaseWorkerAdapter()
     fingerprint = GRANT.compensation_fingerprint()
     binding = OperationCompensationBinding(TOOL, "op-1", "cmp-1", "tenant-a", fingerprint)
+    operation = AdapterContext.for_operation(SCOPE, SESSION, "op-1", FAR_DEADLINE)
+    compensation = AdapterContext.for_compensation(SCOPE, SESSION, "cmp-1", FAR_DEADLINE)
     calls = {
-        "invoke": adapter.invoke(invocation(ToolPayload.json({})), GRANT),
+        "invoke": adapter.invoke(invocation(ToolPayload.json({})), GRANT, INVOKE_CONTEXT),
         "dispatch_operation": adapter.dispatch_operation(
-            OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({})), GRANT
+            OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({})),
+            GRANT,
+            operation,
         ),
         "compensate_operation": adapter.compensate_operation(
-            OperationCompensationRequest(SESSION, "c-1", binding, ToolPayload.json({})), GRANT
+            OperationCompensationRequest(SESSION, "c-1", binding, ToolPayload.json({})),
+            GRANT,
+            compensation,
         ),
         "reconcile_operation": adapter.reconcile_operation(
-            OperationReconcileRequest(SESSION, "r-1", TOOL, "op-1"), GRANT
+            OperationReconcileRequest(SESSION, "r-1", TOOL, "op-1"), GRANT, operation
+        ),
+        "reconcile_compensation": adapter.reconcile_compensation(
+            CompensationReconcileRequest(
+                SESSION, "rc-1", TOOL, "op-1", "cmp-1", "tenant-a", fingerprint
+            ),
+            GRANT,
+            compensation,
         ),
     }
 
@@ -115,10 +142,175 @@ def test_hook_docstrings_say_when_each_hook_runs() -> None:
         "dispatch_operation",
         "compensate_operation",
         "reconcile_operation",
+        "reconcile_compensation",
     ):
         doc = getattr(BaseWorkerAdapter, name).__doc__ or ""
         assert "Called" in doc, name
     assert "MUST NOT" in (BaseWorkerAdapter.reconcile_operation.__doc__ or "")
+    assert "MUST NOT" in (BaseWorkerAdapter.reconcile_compensation.__doc__ or "")
+
+
+# AdapterContext (D12) -------------------------------------------------------------
+
+
+def _derived(scope: str, kind: str, key: str) -> str:
+    """D12 written out with the blake3 package, not with octo code."""
+    material = b"".join(
+        len(part).to_bytes(8, "big") + part for part in (s.encode() for s in (scope, kind, key))
+    )
+    context = "octo 2026-12 adapter idempotency key v1"
+    return str(blake3.blake3(material, derive_key_context=context).hexdigest())
+
+
+def test_the_context_is_a_frozen_value_with_four_fields_in_order() -> None:
+    key = "ab" * 32
+    positional = AdapterContext("tenant-a", "session-1", key, 12.5)
+    by_keyword = AdapterContext(
+        scope="tenant-a", session_id="session-1", idempotency_key=key, deadline=12.5
+    )
+    assert positional == by_keyword and hash(positional) == hash(by_keyword)
+    assert [f.name for f in dataclasses.fields(AdapterContext)] == [
+        "scope",
+        "session_id",
+        "idempotency_key",
+        "deadline",
+    ]
+    assert (positional.scope, positional.session_id) == ("tenant-a", "session-1")
+    assert (positional.idempotency_key, positional.deadline) == (key, 12.5)
+    assert positional != AdapterContext("tenant-b", "session-1", key, 12.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        positional.scope = "tenant-b"  # type: ignore[misc]
+    # An integer deadline is the same event-loop time as a float.
+    assert AdapterContext("tenant-a", "session-1", key, 12) == AdapterContext(
+        "tenant-a", "session-1", key, 12.0
+    )
+
+
+def test_the_context_repr_shows_identifiers_only_and_may_be_logged() -> None:
+    context = AdapterContext.for_operation("tenant-a", "session-1", "op-1", 99.0)
+    text = repr(context)
+    assert text.startswith("AdapterContext(scope='tenant-a', session_id='session-1'")
+    assert context.idempotency_key in text and "99.0" in text
+
+
+def test_each_constructor_derives_the_key_of_its_kind() -> None:
+    operation = AdapterContext.for_operation("tenant-a", "session-1", "op-release-42", 5.0)
+    compensation = AdapterContext.for_compensation("tenant-a", "session-1", "cmp-undo-42", 5.0)
+    invoke = AdapterContext.for_invoke("tenant-a", "session-1", "invoke-7", 5.0)
+
+    assert operation.idempotency_key == _derived("tenant-a", "operation", "op-release-42")
+    assert compensation.idempotency_key == _derived("tenant-a", "compensation", "cmp-undo-42")
+    assert invoke.idempotency_key == _derived("tenant-a", "invoke", "invoke-7")
+    # The pinned known answer of test_digest, reached through the context.
+    assert (
+        operation.idempotency_key
+        == "93e36e31716dcb9a326bc6f852a3ab8dfd24b75d6f76b66ca87f6c533b7fde69"
+    )
+    for context in (operation, compensation, invoke):
+        assert (context.scope, context.session_id, context.deadline) == (
+            "tenant-a",
+            "session-1",
+            5.0,
+        )
+
+
+def test_two_tenants_with_the_same_key_get_different_contexts() -> None:
+    first = AdapterContext.for_operation("tenant-a", "session-1", "op-release-42", 5.0)
+    second = AdapterContext.for_operation("tenant-b", "session-1", "op-release-42", 5.0)
+    assert first.idempotency_key != second.idempotency_key
+    # The session is not part of the key: a later session reaches the same effect.
+    later = AdapterContext.for_operation("tenant-a", "session-2", "op-release-42", 9.0)
+    assert later.idempotency_key == first.idempotency_key
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        (("Tenant", "session-1", "ab" * 32, 1.0), InvalidToken),
+        (("tenant-a", "session 1", "ab" * 32, 1.0), InvalidToken),
+        (("tenant-a", "session-1", "AB" * 32, 1.0), ValueError),
+        (("tenant-a", "session-1", "ab" * 31, 1.0), ValueError),
+        (("tenant-a", "session-1", "../" + "a" * 61, 1.0), ValueError),
+        (("tenant-a", "session-1", "ab" * 32, float("nan")), ValueError),
+        (("tenant-a", "session-1", "ab" * 32, float("inf")), ValueError),
+        (("tenant-a", "session-1", "ab" * 32, True), TypeError),
+        (("tenant-a", "session-1", "ab" * 32, "soon"), TypeError),
+    ],
+)
+def test_a_malformed_context_is_refused(fields: tuple[Any, ...], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        AdapterContext(*fields)
+
+
+def test_the_constructors_refuse_keys_no_request_can_carry() -> None:
+    with pytest.raises(InvalidCompensationKey):
+        AdapterContext.for_compensation("tenant-a", "session-1", "undo-1", 1.0)
+    with pytest.raises(InvalidToken):
+        AdapterContext.for_operation("tenant-a", "session-1", "op/1", 1.0)
+    with pytest.raises(InvalidToken):
+        AdapterContext.for_invoke("tenant a", "session-1", "r-1", 1.0)
+
+
+async def test_call_adapter_with_deadline_hands_the_call_its_cut_off_time() -> None:
+    loop = asyncio.get_running_loop()
+    seen: list[float] = []
+
+    async def records(deadline: float) -> str:
+        seen.append(deadline)
+        return "done"
+
+    before = loop.time()
+    assert await call_adapter_with_deadline(records, deadline_seconds=7.0) == "done"
+    after = loop.time()
+    (deadline,) = seen
+    assert before + 7.0 <= deadline <= after + 7.0
+
+    async def waits_past(deadline: float) -> str:
+        await asyncio.sleep(5)
+        return "late"
+
+    started = loop.time()
+    with pytest.raises(AdapterIndeterminate):
+        await call_adapter_with_deadline(waits_past, deadline_seconds=0.05)
+    assert loop.time() < started + 2.0
+
+
+async def test_an_adapter_of_the_old_two_argument_contract_fails_closed() -> None:
+    class OldStyle(BaseWorkerAdapter):
+        def durable_operation_contract(self) -> DurableOperationContract:
+            return DurableOperationContract.RECONCILIATION
+
+        async def dispatch_operation(self, request: Any, grant: Any) -> Any:  # type: ignore[override]
+            raise AssertionError("never reached with a context")
+
+    request = OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({}))
+    context = AdapterContext.for_operation(SCOPE, SESSION, "op-1", FAR_DEADLINE)
+    with pytest.raises(AdapterFailed) as info:
+        await call_adapter(
+            lambda: OldStyle().dispatch_operation(request, GRANT, context),  # type: ignore[call-arg]
+            deadline_seconds=1.0,
+        )
+    assert info.value.code == "adapter_failed"
+
+
+def test_an_adapter_without_reconcile_compensation_is_not_a_worker_adapter() -> None:
+    class FourMethods:
+        def invocation_safety(self) -> None:
+            return None
+
+        def durable_operation_contract(self) -> None:
+            return None
+
+        async def invoke(self, request: Any, grant: Any, context: Any) -> Any: ...
+
+        async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any: ...
+
+        async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any: ...
+
+        async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any: ...
+
+    assert not isinstance(FourMethods(), WorkerAdapter)
+    assert isinstance(BaseWorkerAdapter(), WorkerAdapter)
 
 
 # Registry ------------------------------------------------------------------------
@@ -162,14 +354,18 @@ async def test_typed_json_adapter_converts_input_and_wraps_output() -> None:
 
     adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, add, AddInput)
 
-    result = await adapter.invoke(invocation(ToolPayload.json({"left": 20, "right": 22})), GRANT)
+    result = await adapter.invoke(
+        invocation(ToolPayload.json({"left": 20, "right": 22})), GRANT, INVOKE_CONTEXT
+    )
 
     assert result == ToolPayload.json({"total": 42})
     assert adapter.invocation_safety() is InvocationSafety.READ_ONLY
     assert adapter.durable_operation_contract() is None
     with pytest.raises(AdapterUnsupported):
         await adapter.dispatch_operation(
-            OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({})), GRANT
+            OperationDispatchRequest(SESSION, "d-1", TOOL, "op-1", ToolPayload.json({})),
+            GRANT,
+            AdapterContext.for_operation(SCOPE, SESSION, "op-1", FAR_DEADLINE),
         )
 
 
@@ -179,7 +375,7 @@ async def test_typed_json_adapter_accepts_async_handlers_and_plain_containers() 
 
     adapter = TypedJsonWorkerAdapter(InvocationSafety.INDEPENDENTLY_IDEMPOTENT, echo, dict)
 
-    result = await adapter.invoke(invocation(ToolPayload.json({"a": [1.5]})), GRANT)
+    result = await adapter.invoke(invocation(ToolPayload.json({"a": [1.5]})), GRANT, INVOKE_CONTEXT)
 
     assert result == ToolPayload.json([{"a": [1.5]}, 1])
 
@@ -205,8 +401,12 @@ async def test_a_blocking_plain_handler_neither_stalls_the_loop_nor_escapes_the_
     started = loop.time()
     try:
         with pytest.raises(AdapterIndeterminate):
-            await call_adapter(
-                lambda: adapter.invoke(invocation(ToolPayload.json({"a": 1})), GRANT),
+            await call_adapter_with_deadline(
+                lambda deadline: adapter.invoke(
+                    invocation(ToolPayload.json({"a": 1})),
+                    GRANT,
+                    AdapterContext.for_invoke(SCOPE, SESSION, "invoke-1", deadline),
+                ),
                 deadline_seconds=0.2,
             )
         assert loop.time() - started < 2.0
@@ -234,7 +434,7 @@ async def test_typed_json_adapter_refuses_input_that_does_not_convert(
     adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, called.append, AddInput)
 
     with pytest.raises(AdapterInvalidJsonInput):
-        await adapter.invoke(invocation(payload), GRANT)
+        await adapter.invoke(invocation(payload), GRANT, INVOKE_CONTEXT)
     assert called == []
 
 
@@ -247,7 +447,7 @@ async def test_typed_json_adapter_refuses_output_that_is_not_a_json_container(
     adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, lambda _: output, dict)
 
     with pytest.raises(AdapterInvalidJsonOutput):
-        await adapter.invoke(invocation(ToolPayload.json({})), GRANT)
+        await adapter.invoke(invocation(ToolPayload.json({})), GRANT, INVOKE_CONTEXT)
 
 
 async def test_typed_json_adapter_lets_handler_errors_through() -> None:
@@ -257,7 +457,7 @@ async def test_typed_json_adapter_lets_handler_errors_through() -> None:
     adapter = TypedJsonWorkerAdapter(InvocationSafety.READ_ONLY, broken, dict)
 
     with pytest.raises(ZeroDivisionError):
-        await adapter.invoke(invocation(ToolPayload.json({})), GRANT)
+        await adapter.invoke(invocation(ToolPayload.json({})), GRANT, INVOKE_CONTEXT)
 
 
 def test_typed_json_adapter_needs_a_safety_declaration() -> None:

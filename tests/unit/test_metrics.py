@@ -131,7 +131,7 @@ class _Slow:
     def durable_operation_contract(self) -> None:
         return None
 
-    async def dispatch_operation(self, request: object, grant: object) -> object:
+    async def dispatch_operation(self, request: object, grant: object, context: object) -> object:
         if self.raise_cancel:
             raise asyncio.CancelledError  # a cancelled future of its own
         await asyncio.sleep(5)
@@ -146,7 +146,7 @@ async def test_a_deadline_or_an_adapters_own_cancellation_counts_as_indeterminat
     adapter = _InstrumentedAdapter("t.slow", _Slow(raise_cancel), m, FaultInjector(""), 30.0)
     with pytest.raises(AdapterIndeterminate):
         await call_adapter(
-            lambda: adapter.dispatch_operation(None, None),
+            lambda: adapter.dispatch_operation(None, None, None),
             deadline_seconds=adapter.deadline_seconds,
         )
     labels = {"tool": "t.slow", "method": "dispatch_operation"}
@@ -160,7 +160,7 @@ async def test_a_stopping_worker_counts_its_adapter_call_as_cancelled() -> None:
     adapter = _InstrumentedAdapter("t.slow", _Slow(), m, FaultInjector(""), 30.0)
     adapter.deadline_seconds = 10.0
     task = asyncio.ensure_future(
-        call_adapter(lambda: adapter.dispatch_operation(None, None), deadline_seconds=10.0)
+        call_adapter(lambda: adapter.dispatch_operation(None, None, None), deadline_seconds=10.0)
     )
     await asyncio.sleep(0.05)
     task.cancel()

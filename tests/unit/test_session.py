@@ -66,10 +66,12 @@ from octo_common.records import StorageKeyring
 from octo_common.states import Failed, Pending, Running, StateKind, Succeeded
 from octo_worker import session as session_module
 from octo_worker.adapters import (
+    AdapterContext,
     BaseWorkerAdapter,
     DurableOperationContract,
     InvocationSafety,
     WorkerAdapterRegistry,
+    adapter_deadline,
 )
 from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 from octo_worker.journal import WorkerOperationRecord
@@ -172,6 +174,7 @@ class ScriptedAdapter(BaseWorkerAdapter):
     invoke_outcome: Any = field(default_factory=lambda: ToolPayload.json({"sum": 3}))
     gate: asyncio.Event | None = None
     calls: list[str] = field(default_factory=list)
+    contexts: list[AdapterContext] = field(default_factory=list)
     observer: Callable[[], None] | None = None
 
     def invocation_safety(self) -> InvocationSafety | None:
@@ -180,8 +183,9 @@ class ScriptedAdapter(BaseWorkerAdapter):
     def durable_operation_contract(self) -> DurableOperationContract | None:
         return self.contract
 
-    async def _outcome(self, name: str, outcome: Any) -> Any:
+    async def _outcome(self, name: str, outcome: Any, context: AdapterContext) -> Any:
         self.calls.append(name)
+        self.contexts.append(context)
         if self.observer is not None:
             self.observer()
         if self.gate is not None:
@@ -190,17 +194,17 @@ class ScriptedAdapter(BaseWorkerAdapter):
             raise outcome
         return outcome
 
-    async def invoke(self, request: Any, grant: Any) -> Any:
-        return await self._outcome("invoke", self.invoke_outcome)
+    async def invoke(self, request: Any, grant: Any, context: AdapterContext) -> Any:
+        return await self._outcome("invoke", self.invoke_outcome, context)
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
-        return await self._outcome("dispatch", self.dispatch_outcome)
+    async def dispatch_operation(self, request: Any, grant: Any, context: AdapterContext) -> Any:
+        return await self._outcome("dispatch", self.dispatch_outcome, context)
 
-    async def compensate_operation(self, request: Any, grant: Any) -> Any:
-        return await self._outcome("compensate", self.compensate_outcome)
+    async def compensate_operation(self, request: Any, grant: Any, context: AdapterContext) -> Any:
+        return await self._outcome("compensate", self.compensate_outcome, context)
 
-    async def reconcile_operation(self, request: Any, grant: Any) -> Any:
-        return await self._outcome("reconcile", self.reconcile_outcome)
+    async def reconcile_operation(self, request: Any, grant: Any, context: AdapterContext) -> Any:
+        return await self._outcome("reconcile", self.reconcile_outcome, context)
 
 
 class ConfigurableRegistry(WorkerAdapterRegistry):
@@ -603,6 +607,38 @@ async def test_duplicate_reconcile_and_compensate_answer_the_stored_state(tmp_pa
         await w.real_store.close()
 
 
+async def test_every_adapter_call_gets_its_scope_session_key_and_deadline(tmp_path: Path) -> None:
+    # D12: the context names the scope whose journal admitted the request, the
+    # session, the scope-qualified idempotency key of the call's kind, and the
+    # event-loop time at which the call is cut (the scripted tool's deadline).
+    grant = scripted_grant(max_compensations=1)
+    w = await open_world(tmp_path, [publish_grant(), grant])
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = adapter_deadline(w.scripted)
+        started = loop.time()
+        await w.send(w.invoke(ToolPayload.json({"a": 1})))
+        await w.send(w.dispatch("op-d", ToolPayload.json({"a": 1}), tool=SCRIPTED))
+        await w.send(w.reconcile("op-d", tool=SCRIPTED))
+        undo = ToolPayload.json({"undo": 1})
+        await w.send(w.compensate("op-d", "cmp-d", undo, grant, tool=SCRIPTED))
+        finished = loop.time()
+
+        assert w.scripted.calls == ["invoke", "dispatch", "reconcile", "compensate"]
+        invoke, dispatch, reconcile, compensate = w.scripted.contexts
+        assert invoke == AdapterContext.for_invoke(SCOPE, SESSION, "invoke-1", invoke.deadline)
+        assert dispatch == AdapterContext.for_operation(SCOPE, SESSION, "op-d", dispatch.deadline)
+        assert reconcile.idempotency_key == dispatch.idempotency_key
+        assert compensate == AdapterContext.for_compensation(
+            SCOPE, SESSION, "cmp-d", compensate.deadline
+        )
+        for context in w.scripted.contexts:
+            assert started + deadline <= context.deadline <= finished + deadline
+    finally:
+        w.files.close()
+        await w.real_store.close()
+
+
 async def test_logs_never_carry_payloads_or_failure_text(world: World) -> None:
     world.scripted.dispatch_outcome = Failed("hidden-failure-text")
     with structlog.testing.capture_logs() as logs:
@@ -674,11 +710,11 @@ class MisDeclared(BaseWorkerAdapter):
     def durable_operation_contract(self) -> Any:
         return "reconciliation"  # the value, not DurableOperationContract
 
-    async def invoke(self, request: Any, grant: Any) -> Any:
+    async def invoke(self, request: Any, grant: Any, context: Any) -> Any:
         self.calls += 1
         return ToolPayload.json({})
 
-    async def dispatch_operation(self, request: Any, grant: Any) -> Any:
+    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
         self.calls += 1
         return Succeeded(ToolPayload.json({}))
 
