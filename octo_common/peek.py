@@ -21,8 +21,15 @@ from octo_common.ids import is_token
 
 __all__ = ["KEYED_REQUEST_TYPES", "header_text", "peek_operation_key"]
 
+# Every request about one operation key's row (W§10.5, D11): its handling
+# holds that key's lock.
 KEYED_REQUEST_TYPES: Final = frozenset(
-    {"dispatch_operation", "compensate_operation", "reconcile_operation"}
+    {
+        "dispatch_operation",
+        "compensate_operation",
+        "reconcile_operation",
+        "reconcile_compensation",
+    }
 )
 
 
@@ -48,7 +55,8 @@ _PEEK: Final = msgspec.json.Decoder(_PeekFrame)
 
 def peek_operation_key(frame: bytes) -> str | None:
     """The operation key of a keyed request frame (dispatch, compensate,
-    reconcile), or None for any other frame or one that does not parse.
+    reconcile an operation or a compensation), or None for any other frame or
+    one that does not parse.
 
     The key is the request's own ``operation_key`` (never a look-alike
     inside a payload) and is a token.

@@ -7,11 +7,12 @@ import pytest
 from octo_common.peek import KEYED_REQUEST_TYPES, header_text, peek_operation_key
 
 
-def test_the_keyed_types_are_the_three_keyed_requests() -> None:
+def test_the_keyed_types_are_the_four_keyed_requests() -> None:
     assert {
         "dispatch_operation",
         "compensate_operation",
         "reconcile_operation",
+        "reconcile_compensation",
     } == KEYED_REQUEST_TYPES
 
 
@@ -37,6 +38,15 @@ def test_the_keyed_types_are_the_three_keyed_requests() -> None:
             "op-last",
         ),
         (b'{"message":{"type":"reconcile_operation","request":{"operation_key":"op-r"}}}', "op-r"),
+        (
+            b'{"message":{"type":"reconcile_compensation","request":{"operation_key":"op-c",'
+            b'"compensation_key":"cmp-c"}}}',
+            "op-c",
+        ),
+        (
+            b'{"message":{"type":"reconciled_compensation","result":{"operation_key":"op-y"}}}',
+            None,
+        ),
         (b'{"message":{"type":"operation_result","result":{"operation_key":"op-x"}}}', None),
         (b"not json", None),
     ],

@@ -1320,6 +1320,7 @@ def _strict_peek(frame: bytes) -> str | None:
         "dispatch_operation",
         "compensate_operation",
         "reconcile_operation",
+        "reconcile_compensation",
     ):
         return None
     request = message.get("request")
@@ -1335,6 +1336,7 @@ def _strict_peek(frame: bytes) -> str | None:
         b'"auth_tag":"00"}',
         b'{"message":{"type":"compensate_operation","request":{"operation_key":"op-2"}}}',
         b'{"message":{"type":"reconcile_operation","request":{"operation_key":"op-3"}}}',
+        b'{"message":{"type":"reconcile_compensation","request":{"operation_key":"op-3c"}}}',
         b'{ "message" : { "type" : "dispatch_operation" , "request" : {"operation_key":"op-4"}}}',
         b'{"message":{"type":"dispatch_operation","request":{"operation_key":"a",'
         b'"operation_key":"op-5"}}}',
