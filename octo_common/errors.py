@@ -815,7 +815,7 @@ class UnexpectedOperationDispatchMessage(LedgerError):
 
 
 class UnexpectedReconciliationMessage(LedgerError):
-    _text = "expected reconciled_operation"
+    _text = "expected reconciled_operation (reconciled_compensation for a compensation lookup)"
 
 
 class InvalidStateTransition(LedgerError):

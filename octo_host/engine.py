@@ -10,7 +10,8 @@ host's grant and action verifiers agree.
 It must never do I/O (the caller persists the ledger before publishing a
 frame), execute step source, store raw input or output in the ledger, catch a
 verifier's exception, or seal a compensation frame without a fresh approval
-and both verifiers run again.
+and both verifiers run again. (A compensation lookup, D11, performs no effect:
+it is sealed like an operation reconciliation, without approval or verifier.)
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from octo_common.limits import (
 )
 from octo_common.messages import (
     CompensateOperation,
+    CompensationReconcileRequest,
+    CompensationReconcileResult,
     CompensationResult,
     DispatchOperation,
     OperationCompensationBinding,
@@ -61,6 +64,8 @@ from octo_common.messages import (
     OperationReconcileRequest,
     OperationReconcileResult,
     OperationResult,
+    ReconcileCompensation,
+    ReconciledCompensation,
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
@@ -85,6 +90,7 @@ RequestT_co = TypeVar(
     OperationDispatchRequest,
     OperationReconcileRequest,
     OperationCompensationRequest,
+    CompensationReconcileRequest,
     covariant=True,
 )
 
@@ -615,3 +621,78 @@ class WorkflowEngine:
         if not isinstance(message, CompensationResult):
             raise UnexpectedCompensationMessage()
         return self.apply_verified_operation_compensation(plan, ledger, request, message.result)
+
+    # Compensation reconciliation (D11) ---------------------------------------------------
+
+    def compensation_reconcile_request(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        session_id: str,
+        request_id: str,
+    ) -> CompensationReconcileRequest:
+        """The lookup of the compensation recorded for ``operation_key``, in any state.
+
+        ``validate_operation_ledger``, then ``ledger.compensation_reconcile_request``.
+        No verifier and no approval: a lookup performs no effect (D11).
+        """
+        self.validate_operation_ledger(plan, ledger)
+        return ledger.compensation_reconcile_request(operation_key, session_id, request_id)
+
+    def prepare_authenticated_compensation_reconciliation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        operation_key: str,
+        request_id: str,
+        auth: SessionAuthenticator,
+    ) -> OutboundFrame[CompensationReconcileRequest]:
+        """Build the compensation lookup for ``auth``'s session and seal it
+        (``reconcile_compensation``); a reconciliation, so a worker-role
+        authenticator is ``ReconciliationRequiresHostAuthenticator``."""
+        if auth.role != SessionRole.HOST:
+            raise ReconciliationRequiresHostAuthenticator()
+        request = self.compensation_reconcile_request(
+            plan, ledger, operation_key, auth.session_id, request_id
+        )
+        frame = auth.seal(ReconcileCompensation(request))
+        return OutboundFrame(request, frame)
+
+    def apply_verified_compensation_reconciliation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: CompensationReconcileRequest,
+        result: CompensationReconcileResult,
+    ) -> OperationStatus:
+        """Apply an authenticated compensation lookup; only the compensation state moves."""
+        self._own(plan)
+        ledger.validate_for(plan)
+        return ledger.apply_verified_compensation_reconciliation(request, result)
+
+    def apply_authenticated_compensation_reconciliation(
+        self,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: CompensationReconcileRequest,
+        auth: SessionAuthenticator,
+        frame: bytes,
+    ) -> OperationStatus:
+        """Open a ``reconciled_compensation`` frame and apply it; returns the state.
+
+        Host role (else ``ReconciliationRequiresHostAuthenticator``), ``open``,
+        a matching ``request_rejected`` → ``WorkerRequestRejected``, any other
+        type → ``UnexpectedReconciliationMessage``, then apply. The host
+        persists the new ledger revision before acting on it.
+        """
+        if auth.role != SessionRole.HOST:
+            raise ReconciliationRequiresHostAuthenticator()
+        message = auth.open(frame)
+        if isinstance(message, RequestRejected) and message.matches_request(request):
+            raise WorkerRequestRejected(message)
+        if not isinstance(message, ReconciledCompensation):
+            raise UnexpectedReconciliationMessage()
+        return self.apply_verified_compensation_reconciliation(
+            plan, ledger, request, message.result
+        )

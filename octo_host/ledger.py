@@ -4,7 +4,7 @@ This module owns the ledger's data model (operations and their one
 compensation, as fingerprints and state kinds), its syntax rules, the
 revision rule, its compact JSON encoding with the conservative size bound and
 its strict decoding, and the ledger-level methods that stores and the engine
-build on.
+build on, the compensation lookup of D11 included.
 
 It must never store raw input, output, worker error text, step source,
 grants, approvals or session data; never call a verifier; never do I/O; and
@@ -63,6 +63,8 @@ from octo_common.limits import (
     WORKFLOW_OPERATION_LEDGER_FORMAT_VERSION,
 )
 from octo_common.messages import (
+    CompensationReconcileRequest,
+    CompensationReconcileResult,
     OperationCompensationRequest,
     OperationCompensationResult,
     OperationReconcileRequest,
@@ -642,6 +644,89 @@ class WorkflowOperationLedger:
         if compensation is None:
             raise UnknownCompensation(operation.operation_key)
         compensation.verify_input(canonical_operation_input_bytes(request.payload))
+        if (
+            compensation.compensation_key != request.compensation_key
+            or compensation.tenant_scope != request.tenant_scope
+            or compensation.grant_fingerprint != request.grant_fingerprint
+        ):
+            raise CompensationRequestMismatch()
+        status = result.status
+        observed = status.kind
+        if not accepts(compensation.state, observed):
+            raise InvalidCompensationStateTransition(
+                compensation.compensation_key, compensation.state, observed
+            )
+        if observed != compensation.state:
+            revision = _next_revision(self._revision)
+            self._operations[index] = replace(
+                operation, compensation=replace(compensation, state=observed)
+            )
+            self._revision = revision
+        return status
+
+    def compensation_reconcile_request(
+        self, operation_key: str, session_id: str, request_id: str
+    ) -> CompensationReconcileRequest:
+        """Build the lookup of an operation's recorded compensation (D11); any state.
+
+        The mirror of :meth:`reconcile_request` for the compensation: the
+        request names the compensation exactly as recorded (tool, keys,
+        tenant scope, grant fingerprint). A lookup carries no payload, so no
+        input is asked for: whoever holds the ledger can resolve a
+        compensation a crash left ``pending`` without its inverse input.
+        Errors: ``InvalidOperationKey``, ``UnknownOperation``,
+        ``UnknownCompensation(operation_key)``, ``InvalidToken`` for bad ids.
+        """
+        self.validate_syntax()
+        if not _token(operation_key):
+            raise InvalidOperationKey(operation_key)
+        operation = self.operation(operation_key)
+        if operation is None:
+            raise UnknownOperation(operation_key)
+        compensation = operation.compensation
+        if compensation is None:
+            raise UnknownCompensation(operation_key)
+        return CompensationReconcileRequest(
+            session_id,
+            request_id,
+            operation.tool,
+            operation.operation_key,
+            compensation.compensation_key,
+            compensation.tenant_scope,
+            compensation.grant_fingerprint,
+        )
+
+    def apply_verified_compensation_reconciliation(
+        self, request: CompensationReconcileRequest, result: CompensationReconcileResult
+    ) -> OperationStatus:
+        """Apply an authenticated compensation lookup (D11); only the compensation moves.
+
+        The mirror of :meth:`apply_verified_reconciliation` with the identity
+        checks of :meth:`apply_verified_compensation`: a ``pending`` or
+        ``running`` compensation takes the observed state; a terminal one
+        only accepts itself (``InvalidCompensationStateTransition``). In
+        order: syntax; request; result; all eight identity fields match,
+        else ``CompensationRequestMismatch``; the operation (``UnknownOperation``);
+        its tool, else ``CompensationRequestMismatch``; its compensation
+        (``UnknownCompensation``); the stored compensation key, tenant scope
+        and grant fingerprint, else ``CompensationRequestMismatch``; the
+        transition. The revision moves only when the state changes. Returns
+        the observed status; only its state kind is kept.
+        """
+        self.validate_syntax()
+        request.validate()
+        result.validate()
+        if not result.matches_request(request):
+            raise CompensationRequestMismatch()
+        index = self._index(request.operation_key)
+        if index is None:
+            raise UnknownOperation(request.operation_key)
+        operation = self._operations[index]
+        if operation.tool != request.tool:
+            raise CompensationRequestMismatch()
+        compensation = operation.compensation
+        if compensation is None:
+            raise UnknownCompensation(operation.operation_key)
         if (
             compensation.compensation_key != request.compensation_key
             or compensation.tenant_scope != request.tenant_scope

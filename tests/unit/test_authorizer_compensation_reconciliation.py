@@ -359,7 +359,7 @@ def test_lookup_tokens_are_in_process_values() -> None:
     auth = authorizer()
     token = auth.authorize_compensation_reconciliation(lookup())
     assert copy.copy(token) is token and copy.deepcopy(token) is token
-    assert token == token and hash(token) == hash(copy.copy(token))
+    assert hash(token) == hash(copy.copy(token))
     assert token != authorizer().authorize_compensation_reconciliation(lookup())
     with pytest.raises(TypeError):
         pickle.dumps(token)
