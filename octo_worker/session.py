@@ -42,9 +42,8 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
-import msgspec
 import structlog
 
 from octo_common.authorizer import (
@@ -55,7 +54,6 @@ from octo_common.authorizer import (
     AuthorizerState,
     SessionAuthorizer,
 )
-from octo_common.codec import decode_struct, encode_struct
 from octo_common.digest import message_id, worker_input_fingerprint
 from octo_common.errors import (
     AdapterError,
@@ -78,9 +76,7 @@ from octo_common.errors import (
     PendingOperation,
     ReconciliationBudgetExhausted,
     ReconciliationSessionBudgetExhausted,
-    RecordLocationMismatch,
     RequiresWorkerAuthenticator,
-    SerializationError,
     SessionPoisoned,
     SessionReplay,
     StorageBackendError,
@@ -91,15 +87,14 @@ from octo_common.errors import (
     ZeroSessionReconciliationLimit,
 )
 from octo_common.frames import (
-    AuthenticatorState,
     ScopeKey,
     SessionAuthenticator,
     SessionKey,
     SessionRole,
 )
 from octo_common.grants import CapabilityManifest
-from octo_common.ids import is_token, parse_key_nonce_hex, validate_token
-from octo_common.limits import KEY_NONCE_BYTES, REPLAY_WINDOW_SIZE, WORKER_SESSION_FORMAT_VERSION
+from octo_common.ids import validate_token
+from octo_common.limits import KEY_NONCE_BYTES
 from octo_common.messages import (
     Cancel,
     CloseSession,
@@ -136,12 +131,19 @@ from octo_worker.journal import (
     WorkerOperationJournal,
     WorkerOperationRecord,
 )
-from octo_worker.store import (
+from octo_worker.storage.documents import (
+    SessionStatus,
+    opening_document,
+    read_session,
+    state_document,
+)
+from octo_worker.storage.interface import (
     OutboxEntry,
     PersistedSession,
     SessionDocuments,
     WorkerCommit,
     WorkerJournalLease,
+    WorkerSessionStore,
     next_commit_link,
 )
 
@@ -153,7 +155,6 @@ __all__ = [
     "WorkerSessionStore",
 ]
 
-SessionStatus: TypeAlias = Literal["open", "closed", "poisoned"]
 _OPEN: SessionStatus = "open"
 _CLOSED: SessionStatus = "closed"
 _POISONED: SessionStatus = "poisoned"
@@ -162,7 +163,6 @@ _KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation", "reconci
 _REQUEST_TYPES = frozenset(
     {"invoke", "dispatch_operation", "compensate_operation", "reconcile_operation", "cancel"}
 )
-_SEEN_HEX_CHARS = REPLAY_WINDOW_SIZE // 4
 _STATUS_TYPES = (Running, Succeeded, Failed, Cancelled)
 
 _log = structlog.get_logger("octo.worker.session")
@@ -209,80 +209,6 @@ class Delivery(Protocol):
     async def reply(self, frame: bytes, correlation_id: str | None) -> None: ...
 
     async def dead_letter(self, reason: str) -> None: ...
-
-
-class WorkerSessionStore(Protocol):
-    """The part of ``SqliteJournalStore`` a session uses (W§11)."""
-
-    async def load_records(
-        self, scope: str, keys: list[str]
-    ) -> dict[str, tuple[WorkerOperationRecord, int] | None]: ...
-
-    async def head_revision(self, scope: str) -> int: ...
-
-    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int: ...
-
-
-# Session documents (W§10.3) -------------------------------------------------
-
-
-class _OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Written once by ``open``; never contains a key (the nonce is not secret)."""
-
-    format_version: int
-    scope: str
-    session_id: str
-    key_nonce: str
-    reply_to: str
-    manifest: CapabilityManifest
-
-
-class _AuthenticatorDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    next_outgoing: int
-    inbound_highest: int
-    inbound_seen: str  # 256 lowercase hex: the 1024-bit window, big-endian
-
-
-class _ReconciliationDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    total: int
-    by_tool: dict[str, int]
-
-
-class _StateDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Rewritten by every commit that touches the session."""
-
-    format_version: int
-    scope: str
-    session_id: str
-    status: SessionStatus
-    authenticator: _AuthenticatorDocument
-    authorizer: AuthorizerState
-    reconciliations: _ReconciliationDocument
-
-
-def _seen_hex(seen: int) -> str:
-    return f"{seen:0{_SEEN_HEX_CHARS}x}"
-
-
-def _parse_seen(text: str) -> int:
-    if len(text) != _SEEN_HEX_CHARS or text.strip("0123456789abcdef"):
-        raise SerializationError("session state: inbound_seen must be 256 lowercase hex")
-    return int(text, 16)
-
-
-def _check_document_location(
-    format_version: int, doc_scope: str, doc_session: str, scope: str, session_id: str
-) -> None:
-    if format_version != WORKER_SESSION_FORMAT_VERSION:
-        raise SerializationError("unsupported session document format_version")
-    if doc_scope != scope:
-        raise RecordLocationMismatch(scope, doc_scope)
-    if doc_session != session_id:
-        raise RecordLocationMismatch(session_id, doc_session)
-
-
-def _count(value: object) -> bool:
-    return type(value) is int and value >= 0
 
 
 # Key locks (W§10.5) ---------------------------------------------------------
@@ -640,68 +566,32 @@ class WorkerSession:
         highest seen scope revision starts at the store's head revision.
         """
         _check_lease(lease)
-        opening = decode_struct(persisted.opening, _OpeningDocument)
-        state = decode_struct(persisted.state, _StateDocument)
+        stored = read_session(persisted, scope)
         session_id = persisted.session_id
-        _check_document_location(
-            opening.format_version, opening.scope, opening.session_id, scope, session_id
-        )
-        _check_document_location(
-            state.format_version, state.scope, state.session_id, scope, session_id
-        )
-        if persisted.status != state.status:
-            raise SerializationError("session status disagrees with its state document")
-        # Only this module writes the documents, always canonically; anything
-        # else (an unknown key inside the manifest, which the manifest's own
-        # decoding would drop) is refused.
-        if encode_struct(opening) != bytes(persisted.opening) or encode_struct(state) != bytes(
-            persisted.state
-        ):
-            raise SerializationError("session document is not in its written form")
-        manifest = opening.manifest
-        manifest.validate()
-        if manifest.session_id != session_id:
-            raise RecordLocationMismatch(session_id, manifest.session_id)
-        if not opening.reply_to:
-            raise SerializationError("session opening document lacks a reply queue")
-        nonce = parse_key_nonce_hex(opening.key_nonce)
-        counters = state.reconciliations
-        if not _count(counters.total) or not all(
-            is_token(tool) and _count(n) and n > 0 for tool, n in counters.by_tool.items()
-        ):
-            raise SerializationError("session state: invalid reconciliation counters")
-        if sum(counters.by_tool.values()) != counters.total:
-            raise SerializationError("session state: reconciliation counters disagree")
-        key = SessionKey.derive(scope_key, scope, session_id, nonce)
-        doc = state.authenticator
+        key = SessionKey.derive(scope_key, scope, session_id, stored.key_nonce)
         authenticator = SessionAuthenticator.restore(
-            session_id,
-            key,
-            SessionRole.WORKER,
-            AuthenticatorState(
-                doc.next_outgoing, doc.inbound_highest, _parse_seen(doc.inbound_seen)
-            ),
+            session_id, key, SessionRole.WORKER, stored.authenticator
         )
-        authorizer = SessionAuthorizer.restore(manifest, state.authorizer)
+        authorizer = SessionAuthorizer.restore(stored.manifest, stored.authorizer)
         head = await store.head_revision(scope)
         session = cls(
             scope=scope,
             session_id=session_id,
-            key_nonce=nonce,
-            reply_to=opening.reply_to,
-            manifest=manifest,
+            key_nonce=stored.key_nonce,
+            reply_to=stored.reply_to,
+            manifest=stored.manifest,
             authenticator=authenticator,
             authorizer=authorizer,
-            status=state.status,
-            reconciliations_total=counters.total,
-            reconciliations_by_tool=counters.by_tool,
+            status=stored.status,
+            reconciliations_total=stored.reconciliations_total,
+            reconciliations_by_tool=stored.reconciliations_by_tool,
             state_revision=persisted.revision,
             highest_revision=max(head, persisted.revision),
             lease=lease,
             adapters=adapters,
             limits=limits,
         )
-        session._log.info("session_restored", status=state.status, revision=persisted.revision)
+        session._log.info("session_restored", status=stored.status, revision=persisted.revision)
         return session
 
     # -- read-only views -----------------------------------------------------------
@@ -1719,15 +1609,8 @@ class WorkerSession:
         )
 
     def _opening_document(self) -> bytes:
-        return encode_struct(
-            _OpeningDocument(
-                format_version=WORKER_SESSION_FORMAT_VERSION,
-                scope=self._scope,
-                session_id=self._session_id,
-                key_nonce=self._key_nonce.hex(),
-                reply_to=self._reply_to,
-                manifest=self._manifest,
-            )
+        return opening_document(
+            self._scope, self._session_id, self._key_nonce, self._reply_to, self._manifest
         )
 
     def _state_document(self, snapshot: _Snapshot | None = None) -> bytes:
@@ -1738,24 +1621,14 @@ class WorkerSession:
         """
         if snapshot is None:
             snapshot = self._snapshot()
-        auth = self._authenticator.export_state()
-        return encode_struct(
-            _StateDocument(
-                format_version=WORKER_SESSION_FORMAT_VERSION,
-                scope=self._scope,
-                session_id=self._session_id,
-                status=self._status,
-                authenticator=_AuthenticatorDocument(
-                    next_outgoing=auth.next_outgoing,
-                    inbound_highest=auth.inbound_highest,
-                    inbound_seen=_seen_hex(auth.inbound_seen),
-                ),
-                authorizer=snapshot.authorizer,
-                reconciliations=_ReconciliationDocument(
-                    total=snapshot.total,
-                    by_tool=dict(sorted(snapshot.by_tool.items())),
-                ),
-            )
+        return state_document(
+            self._scope,
+            self._session_id,
+            self._status,
+            self._authenticator.export_state(),
+            snapshot.authorizer,
+            snapshot.total,
+            snapshot.by_tool,
         )
 
     def _journal_or_none(self, run: _Run) -> WorkerOperationJournal | None:

@@ -48,12 +48,9 @@ cancellation leave a submitted commit's outcome unknown.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import functools
 import itertools
 import os
-import re
 import sqlite3
 import stat
 import time
@@ -61,12 +58,11 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, NamedTuple, NoReturn, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
 import msgspec
 import structlog
 
-from octo_common.codec import decode_struct, encode_struct
 from octo_common.digest import message_id as frame_message_id
 from octo_common.errors import (
     FencingTokenExhausted,
@@ -80,7 +76,6 @@ from octo_common.errors import (
     RevisionExhausted,
     RevisionFloorMismatch,
     RollbackDetected,
-    SerializationError,
     SessionReplay,
     StorageBackendError,
     WriteConflict,
@@ -89,7 +84,6 @@ from octo_common.ids import validate_token
 from octo_common.limits import (
     SQLITE_BUSY_TIMEOUT_SECONDS,
     SQLITE_MAX_INTEGER,
-    WORKER_SESSION_FORMAT_VERSION,
 )
 from octo_common.records import (
     StorageKeyring,
@@ -102,7 +96,29 @@ from octo_common.records import (
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
 from octo_common.runtime.sqlite import DatabaseThread, copy_error, migrate_schema, run_each
 from octo_common.states import TERMINAL_KINDS
-from octo_worker.journal import JournalChangeset, WorkerOperationRecord
+from octo_worker.journal import WorkerOperationRecord
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    is_message_id,
+    outbox_document,
+    read_outbox,
+    session_header,
+    state_status,
+)
+from octo_worker.storage.interface import (
+    OutboxEntry,
+    PersistedSession,
+    PruneReport,
+    ResealReport,
+    ScopeMetadata,
+    SessionDocuments,
+    WorkerCommit,
+    WorkerJournalLease,
+    issue_lease,
+)
 
 __all__ = [
     "NS_JOURNAL",
@@ -123,15 +139,8 @@ __all__ = [
 
 _log = structlog.get_logger("octo_worker.store")
 
-NS_JOURNAL: Final = "worker-journal"
-NS_SESSION: Final = "worker-session"
-NS_SESSION_OPEN: Final = "worker-session-open"
-NS_OUTBOX: Final = "worker-outbox"
 _HEAD_NAMESPACE: Final = NS_JOURNAL
-_SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
 _SESSION_ROWS: Final = frozenset({NS_SESSION, NS_SESSION_OPEN})
-_OUTBOX_FORMAT_VERSION: Final = 1
-_MESSAGE_ID = re.compile(r"[0-9a-f]{64}")
 # Sessions whose last committed state revision the writer remembers for
 # chained commits (SessionDocuments.chained); about 100 bytes each.
 _SESSION_TAIL_LIMIT: Final = 65536
@@ -187,146 +196,6 @@ T = TypeVar("T")
 # Value types -------------------------------------------------------------------
 
 
-class WorkerJournalLease:
-    """A scope's fencing token (W§10.1, W§11.3).
-
-    Only ``SqliteJournalStore.reserve_fence`` makes one; it is frozen,
-    compares by value, cannot be pickled, and its repr is redacted. Besides
-    its public ``token`` it remembers (privately) the scope it was reserved
-    for, so a lease handed to a commit of another scope is refused even when
-    the two fences happen to be equal.
-    """
-
-    __slots__ = ("_scope", "_token")
-    _scope: str
-    _token: int
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("a WorkerJournalLease comes only from SqliteJournalStore.reserve_fence")
-
-    @classmethod
-    def _issue(cls, scope: str, token: int) -> WorkerJournalLease:
-        if type(token) is not int or token < 1:
-            raise InvalidJournalLease()
-        lease = object.__new__(cls)
-        object.__setattr__(lease, "_scope", scope)
-        object.__setattr__(lease, "_token", token)
-        return lease
-
-    @property
-    def token(self) -> int:
-        """The fence this lease was reserved as (>= 1)."""
-        return self._token
-
-    def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise AttributeError("WorkerJournalLease is frozen")
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError("WorkerJournalLease is frozen")
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, WorkerJournalLease):
-            return NotImplemented
-        return (self._scope, self._token) == (other._scope, other._token)
-
-    def __hash__(self) -> int:
-        return hash((WorkerJournalLease, self._scope, self._token))
-
-    def __repr__(self) -> str:
-        return "WorkerJournalLease([redacted])"
-
-    __str__ = __repr__
-
-    def __reduce__(self) -> NoReturn:
-        raise TypeError("WorkerJournalLease cannot be pickled")
-
-    def __reduce_ex__(self, protocol: Any) -> NoReturn:
-        raise TypeError("WorkerJournalLease cannot be pickled")
-
-    def __copy__(self) -> NoReturn:
-        raise TypeError("WorkerJournalLease cannot be copied")
-
-    def __deepcopy__(self, memo: Any) -> NoReturn:
-        raise TypeError("WorkerJournalLease cannot be copied")
-
-
-class SessionDocuments(msgspec.Struct, frozen=True):
-    """A session's documents for one commit (W§10.3).
-
-    ``state``/``opening`` are compact JSON written by the session module; both
-    carry ``format_version`` 1, ``scope`` and ``session_id`` (the state also
-    ``status``). ``base_revision`` is the revision the state row was last
-    written at; None means a new session, which must supply ``opening``.
-
-    Pipelined commits (only with a store whose ``chains_session_commits`` is
-    True): ``link`` is a number naming this commit, unique in the process
-    (``next_commit_link()``); ``after`` (with ``base_revision`` None and no
-    ``opening``) names the base revision another way: the revision that the
-    change set whose ``link`` is ``after`` wrote, through this store
-    instance, that change set being still queued or in flight. A session
-    submits its next commit this way without waiting for the previous one's
-    fsync, and the two share a transaction. The row's revision is still
-    compared in SQL; if that change set failed, never reached the store, or
-    the row was written since, the chained one fails with ``WriteConflict``.
-    """
-
-    state: bytes
-    opening: bytes | None = None
-    base_revision: int | None = None
-    link: int | None = None
-    after: int | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"SessionDocuments(base_revision={self.base_revision!r}, "
-            f"link={self.link!r}, after={self.after!r})"
-        )
-
-
-class PersistedSession(msgspec.Struct, frozen=True):
-    """A session as loaded: ``revision`` is its state row's revision."""
-
-    session_id: str
-    status: str
-    opening: bytes
-    state: bytes
-    revision: int
-
-    def __repr__(self) -> str:
-        return (
-            f"PersistedSession(session_id={self.session_id!r}, status={self.status!r}, "
-            f"revision={self.revision!r})"
-        )
-
-
-class OutboxEntry(msgspec.Struct, frozen=True):
-    """A committed reply frame waiting for its publish confirmation (W§11.4).
-
-    ``message_id`` is the hex BLAKE3 of ``frame``. Pass ``revision=0`` on
-    insert; loads return the revision of the commit that inserted it.
-    """
-
-    message_id: str
-    session_id: str
-    reply_to: str
-    correlation_id: str | None
-    frame: bytes
-    revision: int = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"OutboxEntry(message_id={self.message_id!r}, session_id={self.session_id!r}, "
-            f"revision={self.revision!r})"
-        )
-
-
-class ResealReport(NamedTuple):
-    """What ``reseal`` did: rows re-sealed, rows already under the active keys."""
-
-    resealed: int
-    current: int
-
-
 _RESEAL_BATCH: Final = 1000
 
 
@@ -341,29 +210,6 @@ def _data_key_id(payload: bytes) -> str | None:
         return None
 
 
-class PruneReport(NamedTuple):
-    """What ``prune`` did: rows removed, candidates kept (not terminal)."""
-
-    removed: int
-    kept: int
-
-
-class WorkerCommit(msgspec.Struct, frozen=True):
-    """The ``changes`` argument of ``SqliteJournalStore.commit`` (W§10.11 rule 12)."""
-
-    journal: JournalChangeset | None = None
-    sessions: dict[str, SessionDocuments] = msgspec.field(default_factory=dict)
-    outbox_insert: list[OutboxEntry] = msgspec.field(default_factory=list)
-    outbox_delete: list[str] = msgspec.field(default_factory=list)
-
-    def __repr__(self) -> str:
-        rows = 0 if self.journal is None else len(self.journal.rows)
-        return (
-            f"WorkerCommit(journal_rows={rows}, sessions={sorted(self.sessions)!r}, "
-            f"outbox_insert={len(self.outbox_insert)}, outbox_delete={len(self.outbox_delete)})"
-        )
-
-
 class StoreStats(msgspec.Struct, frozen=True):
     """Counters for observability: a snapshot, not a live view."""
 
@@ -372,84 +218,6 @@ class StoreStats(msgspec.Struct, frozen=True):
     committed_change_sets: int
     failed_change_sets: int
     largest_batch: int
-
-
-class ScopeMetadata(NamedTuple):
-    """What the store keeps beside a scope's sealed rows, for operator views.
-
-    ``fence``: the head's fence (how many times an owner reserved the scope).
-    ``written_at``: journal item -> when its row was last written (Unix time;
-    empty on a schema-1 journal). ``closed_sessions``: sessions the store
-    marked closed (0 before schema 3). ``written_at`` and ``closed_sessions``
-    are unauthenticated metadata: good for display, never for a decision.
-    """
-
-    fence: int
-    written_at: dict[str, float]
-    closed_sessions: int
-
-
-# Private documents ----------------------------------------------------------------
-
-
-class _SessionHeader(msgspec.Struct, frozen=True):
-    # Only the location fields and status; the rest belongs to the session module.
-    format_version: int
-    scope: str
-    session_id: str
-    status: str | None = None
-
-
-class _OutboxDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    format_version: int
-    scope: str
-    session_id: str
-    reply_to: str
-    correlation_id: str | None
-    frame: str
-
-
-def _b64encode(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii").rstrip("=")
-
-
-def _b64decode(text: str) -> bytes:
-    # Standard alphabet, no padding, canonical: re-encoding must give the text back.
-    try:
-        data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise SerializationError("outbox frame is not unpadded standard base64") from None
-    if _b64encode(data) != text:
-        raise SerializationError("outbox frame base64 is not canonical")
-    return data
-
-
-_SESSION_HEADER = msgspec.json.Decoder(_SessionHeader)
-
-
-def _session_header(document: bytes, scope: str, session_id: str) -> _SessionHeader:
-    # Only the location fields are read here, with msgspec alone (this runs
-    # for every commit). The session module decodes the whole document
-    # strictly (duplicate keys refused), so a document that only passes this
-    # lenient read still fails closed there.
-    try:
-        header = _SESSION_HEADER.decode(document)
-    except msgspec.MsgspecError as exc:
-        raise SerializationError(f"session document: {str(exc)[:120]}") from None
-    if header.format_version != WORKER_SESSION_FORMAT_VERSION:
-        raise SerializationError("session document format_version must be 1")
-    if header.scope != scope:
-        raise RecordLocationMismatch(scope, header.scope)
-    if header.session_id != session_id:
-        raise RecordLocationMismatch(session_id, header.session_id)
-    return header
-
-
-def _state_status(document: bytes, scope: str, session_id: str) -> str:
-    status = _session_header(document, scope, session_id).status
-    if status not in _SESSION_STATUSES:
-        raise SerializationError("session state document needs a valid status")
-    return status
 
 
 # Prepared change sets ---------------------------------------------------------------
@@ -529,7 +297,7 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
     for session_id, documents in changes.sessions.items():
         validate_token("session id", session_id)
         _check_base_revision(documents.base_revision)
-        closed = _state_status(documents.state, scope, session_id) == "closed"
+        closed = state_status(documents.state, scope, session_id) == "closed"
         link, after = documents.link, documents.after
         for value in (link, after):
             if value is not None and (type(value) is not int or value < 1):
@@ -549,7 +317,7 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
         if documents.base_revision is None:
             if documents.opening is None:
                 raise ValueError("a new session must supply its opening document")
-            _session_header(documents.opening, scope, session_id)
+            session_header(documents.opening, scope, session_id)
             writes.append(_RowWrite(NS_SESSION_OPEN, session_id, documents.opening, None))
             new_sessions.append(session_id)
         elif documents.opening is not None:
@@ -559,19 +327,12 @@ def _prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[_RowWrite, ...], 
         expected_id = frame_message_id(entry.frame)
         if entry.message_id != expected_id:
             raise RecordLocationMismatch(expected_id, entry.message_id)
-        document = encode_struct(
-            _OutboxDocument(
-                _OUTBOX_FORMAT_VERSION,
-                scope,
-                entry.session_id,
-                entry.reply_to,
-                entry.correlation_id,
-                _b64encode(entry.frame),
-            )
+        document = outbox_document(
+            scope, entry.session_id, entry.reply_to, entry.correlation_id, entry.frame
         )
         writes.append(_RowWrite(NS_OUTBOX, entry.message_id, document, None))
     for message in changes.outbox_delete:
-        if not isinstance(message, str) or _MESSAGE_ID.fullmatch(message) is None:
+        if not is_message_id(message):
             raise InvalidToken("message id", message)
     return tuple(writes), tuple(new_sessions)
 
@@ -585,14 +346,6 @@ def _note_tails(
             link = write.link
             name = (pending.scope, write.item)
             tails[name] = None if link is None or revision is None else (link, revision)
-
-
-_LINKS = itertools.count(1)
-
-
-def next_commit_link() -> int:
-    """A number naming one session commit, never repeated in this process."""
-    return next(_LINKS)
 
 
 # Errors -------------------------------------------------------------------------------
@@ -745,7 +498,7 @@ class SqliteJournalStore:
         _check_scope(scope)
         self._check_committing()
         token = await self._write_call(lambda: self._reserve_in_thread(scope))
-        return WorkerJournalLease._issue(scope, token)
+        return issue_lease(scope, token)
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         """Commit one change set (W§11.2); returns the new scope revision.
@@ -755,7 +508,7 @@ class SqliteJournalStore:
         shielded from the caller's cancellation: it completes or fails.
         """
         _check_scope(scope)
-        if not isinstance(lease, WorkerJournalLease) or lease._scope != scope:
+        if not isinstance(lease, WorkerJournalLease) or not lease.is_for(scope):
             raise InvalidJournalLease()
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
@@ -976,12 +729,12 @@ class SqliteJournalStore:
         opened: dict[str, tuple[bytes, int]] = {}
         for row in openings:
             document = self._open_row(scope, NS_SESSION_OPEN, row)
-            _session_header(document, scope, row.item)
+            session_header(document, scope, row.item)
             opened[row.item] = (document, row.revision)
         sessions: dict[str, PersistedSession] = {}
         for row in states:
             document = self._open_row(scope, NS_SESSION, row)
-            status = _state_status(document, scope, row.item)
+            status = state_status(document, scope, row.item)
             opening = opened.pop(row.item, None)
             if opening is None:
                 # Both rows are written by the session's first commit: a
@@ -1035,7 +788,7 @@ class SqliteJournalStore:
         if not rows:
             return None
         document = self._open_row(scope, NS_SESSION, rows[0])
-        return _state_status(document, scope, rows[0].item)
+        return state_status(document, scope, rows[0].item)
 
     async def load_outbox(self, scope: str) -> list[OutboxEntry]:
         """Every outbox row of ``scope``, oldest revision first (W§11.4)."""
@@ -1043,25 +796,8 @@ class SqliteJournalStore:
         rows = await self._read_call(lambda: self._read_items(scope, NS_OUTBOX, None))
         entries: list[OutboxEntry] = []
         for row in rows:
-            document = decode_struct(self._open_row(scope, NS_OUTBOX, row), _OutboxDocument)
-            if document.format_version != _OUTBOX_FORMAT_VERSION:
-                raise SerializationError("outbox document format_version must be 1")
-            if document.scope != scope:
-                raise RecordLocationMismatch(scope, document.scope)
-            frame = _b64decode(document.frame)
-            actual_id = frame_message_id(frame)
-            if actual_id != row.item:
-                raise RecordLocationMismatch(row.item, actual_id)
-            entries.append(
-                OutboxEntry(
-                    row.item,
-                    document.session_id,
-                    document.reply_to,
-                    document.correlation_id,
-                    frame,
-                    row.revision,
-                )
-            )
+            document = self._open_row(scope, NS_OUTBOX, row)
+            entries.append(read_outbox(document, scope, row.item, row.revision))
         return entries
 
     async def head_revision(self, scope: str) -> int:

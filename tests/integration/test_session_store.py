@@ -36,7 +36,8 @@ from octo_common.payload import ToolPayload
 from octo_common.states import Pending, Succeeded
 from octo_worker.session import WorkerSession, WorkerSessionLimits
 from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
-from tests.unit.test_session import (
+
+from .test_session import (
     NONCE,
     PUBLISH,
     REPLY_TO,

@@ -82,9 +82,8 @@ from octo_common.records import (
 from octo_common.states import Failed, Pending, StateKind, Succeeded
 from octo_host import audit as audit_module
 from octo_host.ledger import WorkflowOperationLedger
-from octo_worker import session as session_module
-from octo_worker import store as store_module
 from octo_worker.journal import WorkerCompensationRecord, WorkerOperationRecord
+from octo_worker.storage import documents
 
 SESSION = "session-1"
 FP = "ab" * 32
@@ -263,7 +262,7 @@ def _journal_row() -> bytes:
 def _opening_document() -> bytes:
     manifest = CapabilityManifest(SESSION, [GRANT])
     return encode_struct(
-        session_module._OpeningDocument(1, "tenant-a", SESSION, "00" * 32, "reply-q", manifest)
+        documents.OpeningDocument(1, "tenant-a", SESSION, "00" * 32, "reply-q", manifest)
     )
 
 
@@ -295,9 +294,7 @@ def _state_document() -> bytes:
 
 
 def _outbox_document() -> bytes:
-    return encode_struct(
-        store_module._OutboxDocument(1, "tenant-a", SESSION, "reply-q", "r-1", "e30")
-    )
+    return encode_struct(documents.OutboxDocument(1, "tenant-a", SESSION, "reply-q", "r-1", "e30"))
 
 
 RING = StorageKeyring("k1", StorageKey(bytes(range(32))))
@@ -354,13 +351,13 @@ def _stored_cases() -> list[Case]:
         return WorkerOperationRecord.from_row_json(data, "tenant-a", "op-1")
 
     def decode_opening(data: bytes) -> Any:
-        return decode_struct(data, session_module._OpeningDocument)
+        return decode_struct(data, documents.OpeningDocument)
 
     def decode_state(data: bytes) -> Any:
-        return decode_struct(data, session_module._StateDocument)
+        return decode_struct(data, documents.StateDocument)
 
     def decode_outbox(data: bytes) -> Any:
-        return decode_struct(data, store_module._OutboxDocument)
+        return decode_struct(data, documents.OutboxDocument)
 
     def decode_audit(data: bytes) -> Any:
         return audit_module._decode(data, "run-1")

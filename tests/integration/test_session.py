@@ -76,6 +76,7 @@ from octo_worker.adapters import (
 from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.session import WorkerSession, WorkerSessionLimits
+from octo_worker.storage import documents
 from octo_worker.store import SqliteJournalStore, WorkerCommit, WorkerJournalLease
 
 SCOPE = "tenant-release"
@@ -1261,10 +1262,10 @@ async def test_each_committed_state_document_is_the_durable_point(world: World) 
     commits = commits_since(world, start)
     assert len(commits) == 2
     for commit in commits:
-        state = decode_struct(commit.sessions[SESSION].state, session_module._StateDocument)
+        state = decode_struct(commit.sessions[SESSION].state, documents.StateDocument)
         assert state.authorizer.calls_by_tool == {SCRIPTED: 1}
     admitted, observed = (
-        decode_struct(c.sessions[SESSION].state, session_module._StateDocument) for c in commits
+        decode_struct(c.sessions[SESSION].state, documents.StateDocument) for c in commits
     )
     assert [r.completed for r in admitted.authorizer.request_ids] == [False]
     assert [r.completed for r in observed.authorizer.request_ids] == [True]
@@ -1279,10 +1280,10 @@ async def test_state_document_is_strict(world: World) -> None:
     persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]
     tampered = persisted.state.replace(b'"status":"open"', b'"status":"open","extra":1')
     with pytest.raises(SerializationError):
-        decode_struct(tampered, session_module._StateDocument)
+        decode_struct(tampered, documents.StateDocument)
     duplicated = persisted.state.replace(b'"status":"open"', b'"status":"open","status":"open"')
     with pytest.raises(SerializationError):
-        decode_struct(duplicated, session_module._StateDocument)
+        decode_struct(duplicated, documents.StateDocument)
 
 
 async def test_commit_count_per_handling_matches_the_cadence(world: World) -> None:

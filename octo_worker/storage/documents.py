@@ -1,0 +1,350 @@
+"""The documents a journal store keeps for sessions and replies (W§10.3, W§10.11 rule 10, W§11.1).
+
+Owns the row namespaces of a scope, the session **opening** document
+(written once), the session **state** document (rewritten by every commit
+that touches the session), the **outbox** document (a committed reply
+frame), and how each is written and read back:
+
+* the session side builds documents with :func:`opening_document` and
+  :func:`state_document`, and reads a persisted session back with
+  :func:`read_session` (strict: unknown keys, duplicates, wrong types, a
+  document not in its written form, a wrong location all fail closed);
+* a store reads only a session document's location and status
+  (:func:`session_header`, :func:`state_status`) and writes and reads
+  outbox documents (:func:`outbox_document`, :func:`read_outbox`).
+
+It must never hold a session key or a scope key in a document, do I/O, or
+decide anything beyond a document's own validity.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal, TypeAlias
+
+import msgspec
+
+from octo_common.authorizer import AuthorizerState
+from octo_common.codec import decode_struct, encode_struct
+from octo_common.digest import message_id as frame_message_id
+from octo_common.errors import RecordLocationMismatch, SerializationError
+from octo_common.frames import AuthenticatorState
+from octo_common.grants import CapabilityManifest
+from octo_common.ids import is_token, parse_key_nonce_hex
+from octo_common.limits import REPLAY_WINDOW_SIZE, WORKER_SESSION_FORMAT_VERSION
+from octo_worker.storage.interface import OutboxEntry, PersistedSession
+
+__all__ = [
+    "NS_JOURNAL",
+    "NS_OUTBOX",
+    "NS_SESSION",
+    "NS_SESSION_OPEN",
+    "SESSION_STATUSES",
+    "OpeningDocument",
+    "OutboxDocument",
+    "SessionStatus",
+    "StateDocument",
+    "StoredSession",
+    "is_message_id",
+    "opening_document",
+    "outbox_document",
+    "read_outbox",
+    "read_session",
+    "session_header",
+    "state_document",
+    "state_status",
+]
+
+# Row namespaces of a scope (W§11.1); the scope head lives under NS_JOURNAL.
+NS_JOURNAL: Final = "worker-journal"
+NS_SESSION: Final = "worker-session"
+NS_SESSION_OPEN: Final = "worker-session-open"
+NS_OUTBOX: Final = "worker-outbox"
+
+SessionStatus: TypeAlias = Literal["open", "closed", "poisoned"]
+SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
+
+_OUTBOX_FORMAT_VERSION: Final = 1
+_SEEN_HEX_CHARS: Final = REPLAY_WINDOW_SIZE // 4
+_MESSAGE_ID: Final = re.compile(r"[0-9a-f]{64}")
+
+
+# Session documents (W§10.3) -------------------------------------------------------
+
+
+class OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Written once, when the session opens; never contains a key (the nonce is not secret)."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    key_nonce: str
+    reply_to: str
+    manifest: CapabilityManifest
+
+
+class AuthenticatorDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    next_outgoing: int
+    inbound_highest: int
+    inbound_seen: str  # 256 lowercase hex: the 1024-bit window, big-endian
+
+
+class ReconciliationDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    total: int
+    by_tool: dict[str, int]
+
+
+class StateDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Rewritten by every commit that touches the session."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    status: SessionStatus
+    authenticator: AuthenticatorDocument
+    authorizer: AuthorizerState
+    reconciliations: ReconciliationDocument
+
+
+def opening_document(
+    scope: str, session_id: str, key_nonce: bytes, reply_to: str, manifest: CapabilityManifest
+) -> bytes:
+    """The opening document of a new session, in its written form."""
+    return encode_struct(
+        OpeningDocument(
+            format_version=WORKER_SESSION_FORMAT_VERSION,
+            scope=scope,
+            session_id=session_id,
+            key_nonce=key_nonce.hex(),
+            reply_to=reply_to,
+            manifest=manifest,
+        )
+    )
+
+
+def state_document(
+    scope: str,
+    session_id: str,
+    status: SessionStatus,
+    authenticator: AuthenticatorState,
+    authorizer: AuthorizerState,
+    reconciliations_total: int,
+    reconciliations_by_tool: Mapping[str, int],
+) -> bytes:
+    """The state document one commit writes, in its written form (counters sorted by tool)."""
+    return encode_struct(
+        StateDocument(
+            format_version=WORKER_SESSION_FORMAT_VERSION,
+            scope=scope,
+            session_id=session_id,
+            status=status,
+            authenticator=AuthenticatorDocument(
+                next_outgoing=authenticator.next_outgoing,
+                inbound_highest=authenticator.inbound_highest,
+                inbound_seen=f"{authenticator.inbound_seen:0{_SEEN_HEX_CHARS}x}",
+            ),
+            authorizer=authorizer,
+            reconciliations=ReconciliationDocument(
+                total=reconciliations_total,
+                by_tool=dict(sorted(reconciliations_by_tool.items())),
+            ),
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    """A persisted session's documents, read back and checked (see :func:`read_session`)."""
+
+    manifest: CapabilityManifest
+    key_nonce: bytes
+    reply_to: str
+    status: SessionStatus
+    authenticator: AuthenticatorState
+    authorizer: AuthorizerState
+    reconciliations_total: int
+    reconciliations_by_tool: dict[str, int]
+
+
+def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
+    """Read a persisted session of ``scope`` back, refusing anything not written by this module.
+
+    Both documents are decoded strictly and must name ``scope`` and the
+    session id (``RecordLocationMismatch``), carry format version 1, agree
+    on the status, be byte for byte in their written form (an unknown key
+    inside the manifest, which the manifest's own decoding would drop, is
+    refused), hold a valid manifest of this session, a reply queue, a 64-hex
+    nonce and consistent reconciliation counters (``SerializationError``).
+    """
+    opening = decode_struct(persisted.opening, OpeningDocument)
+    state = decode_struct(persisted.state, StateDocument)
+    session_id = persisted.session_id
+    _check_location(opening.format_version, opening.scope, opening.session_id, scope, session_id)
+    _check_location(state.format_version, state.scope, state.session_id, scope, session_id)
+    if persisted.status != state.status:
+        raise SerializationError("session status disagrees with its state document")
+    if encode_struct(opening) != bytes(persisted.opening) or encode_struct(state) != bytes(
+        persisted.state
+    ):
+        raise SerializationError("session document is not in its written form")
+    manifest = opening.manifest
+    manifest.validate()
+    if manifest.session_id != session_id:
+        raise RecordLocationMismatch(session_id, manifest.session_id)
+    if not opening.reply_to:
+        raise SerializationError("session opening document lacks a reply queue")
+    nonce = parse_key_nonce_hex(opening.key_nonce)
+    counters = state.reconciliations
+    if not _count(counters.total) or not all(
+        is_token(tool) and _count(n) and n > 0 for tool, n in counters.by_tool.items()
+    ):
+        raise SerializationError("session state: invalid reconciliation counters")
+    if sum(counters.by_tool.values()) != counters.total:
+        raise SerializationError("session state: reconciliation counters disagree")
+    window = state.authenticator
+    return StoredSession(
+        manifest=manifest,
+        key_nonce=nonce,
+        reply_to=opening.reply_to,
+        status=state.status,
+        authenticator=AuthenticatorState(
+            window.next_outgoing, window.inbound_highest, _parse_seen(window.inbound_seen)
+        ),
+        authorizer=state.authorizer,
+        reconciliations_total=counters.total,
+        reconciliations_by_tool=dict(counters.by_tool),
+    )
+
+
+def _parse_seen(text: str) -> int:
+    if len(text) != _SEEN_HEX_CHARS or text.strip("0123456789abcdef"):
+        raise SerializationError("session state: inbound_seen must be 256 lowercase hex")
+    return int(text, 16)
+
+
+def _check_location(
+    format_version: int, doc_scope: str, doc_session: str, scope: str, session_id: str
+) -> None:
+    if format_version != WORKER_SESSION_FORMAT_VERSION:
+        raise SerializationError("unsupported session document format_version")
+    if doc_scope != scope:
+        raise RecordLocationMismatch(scope, doc_scope)
+    if doc_session != session_id:
+        raise RecordLocationMismatch(session_id, doc_session)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+# What a store reads of a session document ------------------------------------------
+
+
+class _SessionHeader(msgspec.Struct, frozen=True):
+    # Only the location fields and status; the rest belongs to the session side.
+    format_version: int
+    scope: str
+    session_id: str
+    status: str | None = None
+
+
+_SESSION_HEADER = msgspec.json.Decoder(_SessionHeader)
+
+
+def session_header(document: bytes, scope: str, session_id: str) -> str | None:
+    """Check a session document's location fields; its status, if it has one.
+
+    Reads only the location fields and status, with msgspec alone (a store
+    runs this for every commit). :func:`read_session` decodes the whole
+    document strictly (duplicate keys refused), so a document that only
+    passes this lenient read still fails closed there.
+    """
+    try:
+        header = _SESSION_HEADER.decode(document)
+    except msgspec.MsgspecError as exc:
+        raise SerializationError(f"session document: {str(exc)[:120]}") from None
+    if header.format_version != WORKER_SESSION_FORMAT_VERSION:
+        raise SerializationError("session document format_version must be 1")
+    if header.scope != scope:
+        raise RecordLocationMismatch(scope, header.scope)
+    if header.session_id != session_id:
+        raise RecordLocationMismatch(session_id, header.session_id)
+    return header.status
+
+
+def state_status(document: bytes, scope: str, session_id: str) -> str:
+    """The status of a session state document whose location checks out."""
+    status = session_header(document, scope, session_id)
+    if status not in SESSION_STATUSES:
+        raise SerializationError("session state document needs a valid status")
+    return status
+
+
+# Outbox documents (W§10.11 rule 10) ------------------------------------------------
+
+
+class OutboxDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A committed reply: the frame as standard base64 without padding."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    reply_to: str
+    correlation_id: str | None
+    frame: str
+
+
+def outbox_document(
+    scope: str, session_id: str, reply_to: str, correlation_id: str | None, frame: bytes
+) -> bytes:
+    """The outbox document of one reply frame, in its written form."""
+    return encode_struct(
+        OutboxDocument(
+            _OUTBOX_FORMAT_VERSION, scope, session_id, reply_to, correlation_id, _b64encode(frame)
+        )
+    )
+
+
+def read_outbox(document: bytes, scope: str, message_id: str, revision: int) -> OutboxEntry:
+    """The reply an outbox document stored under ``message_id`` at ``revision`` holds.
+
+    Strict decode, format version 1 and ``scope`` (else ``SerializationError``
+    / ``RecordLocationMismatch``); the frame is canonical unpadded base64 and
+    its hex BLAKE3 is ``message_id`` (``RecordLocationMismatch``).
+    """
+    outbox = decode_struct(document, OutboxDocument)
+    if outbox.format_version != _OUTBOX_FORMAT_VERSION:
+        raise SerializationError("outbox document format_version must be 1")
+    if outbox.scope != scope:
+        raise RecordLocationMismatch(scope, outbox.scope)
+    frame = _b64decode(outbox.frame)
+    actual = frame_message_id(frame)
+    if actual != message_id:
+        raise RecordLocationMismatch(message_id, actual)
+    return OutboxEntry(
+        message_id, outbox.session_id, outbox.reply_to, outbox.correlation_id, frame, revision
+    )
+
+
+def is_message_id(value: object) -> bool:
+    """Whether ``value`` names an outbox row: 64 lowercase hex (a frame's BLAKE3)."""
+    return isinstance(value, str) and _MESSAGE_ID.fullmatch(value) is not None
+
+
+def _b64encode(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii").rstrip("=")
+
+
+def _b64decode(text: str) -> bytes:
+    # Standard alphabet, no padding, canonical: re-encoding must give the text back.
+    try:
+        data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise SerializationError("outbox frame is not unpadded standard base64") from None
+    if _b64encode(data) != text:
+        raise SerializationError("outbox frame base64 is not canonical")
+    return data
