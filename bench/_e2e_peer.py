@@ -1,9 +1,10 @@
-"""The worker side of ``bench/e2e.py``: one ``WorkerDaemon`` in its own process.
+"""The worker side of ``bench/e2e.py`` and ``bench/endurance.py``: one ``WorkerDaemon``.
 
     python bench/_e2e_peer.py CONFIG [--stages PATH] [--profile PREFIX] [--log-level L]
 
-Runs the daemon exactly as ``octo-worker run`` does (``WorkerDaemon(config)
-.run(install_signal_handlers=True)``, logs at warning on stderr) and prints
+Runs the daemon exactly as ``octo-worker run`` does (``WorkerDaemon(config,
+metrics=...).run(install_signal_handlers=True)``, the metrics endpoint served
+when ``[metrics] listen`` is set, logs at warning on stderr) and prints
 ``ready`` once consuming. Measurement aids, both off by default:
 
 * ``--stages PATH``: wraps a few daemon, session, store and frame functions
@@ -35,6 +36,7 @@ import structlog
 
 from octo_worker.config import load_config
 from octo_worker.daemon import WorkerDaemon
+from octo_worker.metrics import WorkerMetrics
 
 
 class StageTimers:
@@ -101,7 +103,11 @@ def instrument_worker(timers: StageTimers) -> None:
 
 
 async def _serve(config_path: str, on_usr1: Callable[[], None]) -> None:
-    daemon = WorkerDaemon(load_config(config_path))
+    config = load_config(config_path)
+    metrics = WorkerMetrics()
+    if config.metrics.listen is not None:  # as ``octo-worker run`` does
+        metrics.serve(config.metrics.listen)
+    daemon = WorkerDaemon(config, metrics=metrics)
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
     running = asyncio.ensure_future(daemon.run(install_signal_handlers=True))
     ready = asyncio.ensure_future(daemon.wait_ready())
