@@ -36,10 +36,10 @@ import contextlib
 import secrets
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import msgspec
 import structlog
@@ -59,7 +59,6 @@ from octo_common.errors import (
     InvalidLedgerEncoding,
     InvalidScopeKey,
     InvalidStateTransition,
-    LedgerError,
     OctoError,
     SessionClosed,
     StorageBackendError,
@@ -67,7 +66,6 @@ from octo_common.errors import (
     UnknownOperation,
     WireFrameTooLarge,
     WorkerRequestRejected,
-    WorkflowError,
     WriteConflict,
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
@@ -76,6 +74,7 @@ from octo_common.ids import is_token
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
 from octo_common.messages import (
     CloseSession,
+    CompensationReconcileRequest,
     OpenSession,
     OperationCompensationRequest,
     OperationDispatchRequest,
@@ -115,8 +114,10 @@ from octo_host.amqp import (
 )
 from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
 from octo_host.engine import OutboundFrame, WorkflowEngine
+from octo_host.kinds import RequestKind
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan
+from octo_host.reactions import Reaction, ReplyReaction, rejection_reaction, reply_reaction
 from octo_host.store import AuthenticatedStore, ledger_record_key
 
 __all__ = [
@@ -132,35 +133,6 @@ __all__ = [
 
 _log = structlog.get_logger("octo.host.client")
 
-# H§16.4: the outcome is durable at the worker but not known -> reconcile the same key.
-_RECONCILE_LATER: Final = frozenset(
-    {
-        "pending_operation",
-        "pending_compensation",
-        "adapter_error",
-        "indeterminate_operation",
-        "indeterminate_compensation",
-    }
-)
-# H§16.4: this session cannot serve the key any more -> a new session, then reconcile.
-_NEW_SESSION: Final = frozenset(
-    {
-        "session_poisoned",
-        "journal_persistence_failed",
-        "invalid_journal_revision",
-        "call_budget_exhausted",
-        "compensation_budget_exhausted",
-        "reconciliation_budget_exhausted",
-        "reconciliation_session_budget_exhausted",
-        "session_request_limit_exceeded",
-        "unknown_session",
-        "session_closed",
-    }
-)
-# Refusals after which the worker may still send the request's outcome under
-# the same request id (W§10.7: a duplicate copy answered while the first copy
-# was being handled); the waiter stays registered so that outcome is applied.
-_OUTCOME_MAY_FOLLOW: Final = frozenset({"pending_operation", "pending_compensation"})
 # Consecutive unanswered requests after which the session itself is suspect
 # (a refused open or a dead-lettered session shows up only as silence, H§16.1).
 _TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
@@ -231,16 +203,44 @@ def routes_record_key(run: str) -> StorageRecordKey:
 _HOST_FAULT_POINT: Final = "host.after_ledger_commit"
 
 
-# Sessions ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """How the client sends one kind of request (its reply: ``WorkflowEngine.apply_reply``)."""
 
-_WaiterKind = Literal["raw", "dispatch", "reconcile", "compensate"]
+    message_type: str
+    """The request's message type: the key it is counted under in ``HostClient.published``."""
+    request_id_prefix: str
+    binds_route: bool = False
+    """The key is bound to the session's scope, durably, before the first publish."""
+
+
+# One row per kind (a new kind is a row here, in the engine's table and in the reactions').
+_KINDS: Final[Mapping[RequestKind, _Kind]] = {
+    RequestKind.DISPATCH: _Kind("dispatch_operation", "d", binds_route=True),
+    RequestKind.RECONCILE: _Kind("reconcile_operation", "r"),
+    RequestKind.COMPENSATE: _Kind("compensate_operation", "c"),
+    RequestKind.RECONCILE_COMPENSATION: _Kind("reconcile_compensation", "k"),
+}
+_KIND_OF_REQUEST: Final[Mapping[type, RequestKind]] = {
+    OperationDispatchRequest: RequestKind.DISPATCH,
+    OperationReconcileRequest: RequestKind.RECONCILE,
+    OperationCompensationRequest: RequestKind.COMPENSATE,
+    CompensationReconcileRequest: RequestKind.RECONCILE_COMPENSATION,
+}
+
+
+# Sessions ---------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
 class _Waiter:
-    """A request waiting for its reply (routed by correlation id = request id)."""
+    """A request waiting for its reply (routed by correlation id = request id).
 
-    kind: _WaiterKind
+    ``kind`` is None for a frame sent with :meth:`HostClient.send`: its reply
+    is handed over as it is, not applied to a ledger.
+    """
+
+    kind: RequestKind | None
     request: Any
     run: HostRun | None
     future: asyncio.Future[Any]
@@ -697,7 +697,7 @@ class HostClient:
         self,
         session: HostSession,
         request_id: str,
-        kind: _WaiterKind,
+        kind: RequestKind | None,
         request: Any,
         run: HostRun | None,
     ) -> _Waiter:
@@ -734,7 +734,7 @@ class HostClient:
                 scope=session.scope,
                 session_id=session.session_id,
                 request_id=request_id,
-                type=waiter.kind,
+                type=waiter.kind or "raw",
             )
             raise ReplyTimedOut(request_id, self.reply_timeout) from None
         except asyncio.CancelledError:
@@ -757,9 +757,10 @@ class HostClient:
         if session.closed:
             raise SessionClosed(session.session_id)
         request_id = outbound.request.request_id
-        waiter = self._register(session, request_id, "raw", outbound.request, None)
+        waiter = self._register(session, request_id, None, outbound.request, None)
+        message_type = _KINDS[_KIND_OF_REQUEST[type(outbound.request)]].message_type
         try:
-            await self.publish(session, outbound.frame, request_id, kind=_kind_of(outbound))
+            await self.publish(session, outbound.frame, request_id, kind=message_type)
         except BaseException:
             session._waiters.pop(request_id, None)
             raise
@@ -1006,7 +1007,7 @@ class HostClient:
         self,
         session: HostSession,
         run: HostRun,
-        kind: _WaiterKind,
+        kind: RequestKind,
         build: Any,
     ) -> OperationStatus:
         """Persist, seal (``build``), register, fault point, publish, await the reply.
@@ -1021,13 +1022,14 @@ class HostClient:
             await self._persist_locked(run, run._ledger)
             outbound = build(session.authenticator)
             request = outbound.request
-            if kind == "dispatch":
+            row = _KINDS[kind]
+            if row.binds_route:
                 # Durable before the first publish of the key, never changed.
                 await self._bind_route(run, request.operation_key, session.scope)
             waiter = self._register(session, request.request_id, kind, request, run)
         self._faults.reach(_HOST_FAULT_POINT)
         try:
-            await self.publish(session, outbound.frame, request.request_id, kind=_kind_of(outbound))
+            await self.publish(session, outbound.frame, request.request_id, kind=row.message_type)
         except BaseException:
             session._waiters.pop(request.request_id, None)
             raise
@@ -1101,7 +1103,7 @@ class HostClient:
         worker saw the key and its journal has forgotten it, and a new dispatch
         could run the effect twice: ``unknown`` is raised (fail closed).
         """
-        request_id = _request_id("d")
+        request_id = _request_id(_KINDS[RequestKind.DISPATCH].request_id_prefix)
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[OperationDispatchRequest]:
             state = run.state(operation_key)
@@ -1123,19 +1125,19 @@ class HostClient:
             run._unsent.discard(operation_key)
             return outbound
 
-        return await self._send_prepared(session, run, "dispatch", build)
+        return await self._send_prepared(session, run, RequestKind.DISPATCH, build)
 
     async def _reconcile_once(
         self, session: HostSession, run: HostRun, operation_key: str, data: bytes
     ) -> OperationStatus:
-        request_id = _request_id("r")
+        request_id = _request_id(_KINDS[RequestKind.RECONCILE].request_id_prefix)
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[OperationReconcileRequest]:
             return self.engine.prepare_authenticated_operation_reconciliation(
                 run.plan, run._ledger, operation_key, data, request_id, auth
             )
 
-        return await self._send_prepared(session, run, "reconcile", build)
+        return await self._send_prepared(session, run, RequestKind.RECONCILE, build)
 
     async def _compensate_once(
         self,
@@ -1153,7 +1155,7 @@ class HostClient:
                 run.plan, run._ledger, target, dispatch, approval, auth
             )
 
-        return await self._send_prepared(session, run, "compensate", build)
+        return await self._send_prepared(session, run, RequestKind.COMPENSATE, build)
 
     # -- verbs ---------------------------------------------------------------------------
 
@@ -1179,8 +1181,8 @@ class HostClient:
         except ReplyTimedOut as exc:
             return await self._settle(session, run, operation_key, data, payload, exc)
         except WorkerRequestRejected as exc:
-            code = exc.rejection_code
-            if code not in _RECONCILE_LATER and code not in _NEW_SESSION:
+            reaction = rejection_reaction(RequestKind.DISPATCH, exc.rejection_code)
+            if reaction is not Reaction.RECONCILE and reaction is not Reaction.NEW_SESSION:
                 raise
             return await self._settle(session, run, operation_key, data, payload, exc)
         self._log.info(
@@ -1230,66 +1232,25 @@ class HostClient:
         raised (the ledger says the worker did admit it).
         """
         timeouts = 1 if isinstance(cause, ReplyTimedOut) else 0
-        new_session = (
-            isinstance(cause, WorkerRequestRejected) and cause.rejection_code in _NEW_SESSION
-        )
+        new_session = False
         if isinstance(cause, WorkerRequestRejected):
-            self._log.info(
-                "request_rejected",
-                run=run.name,
-                operation_key=operation_key,
-                code=cause.rejection_code,
-            )
-        last: WorkerOperationState = Pending()
-        for attempt in range(self.max_attempts):
-            if attempt:
-                await self._backoff(attempt)
-            if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
-                reason = "rejection" if new_session else "timeouts"
-                session = await self._replace_session(session, reason)
-                new_session, timeouts = False, 0
-            session = session.current()
-            try:
-                state = await self._reconcile_once(session, run, operation_key, data)
-            except ReplyTimedOut:
-                timeouts += 1
-                continue
-            except WorkerRequestRejected as exc:
-                code = exc.rejection_code
-                self._log.info(
-                    "request_rejected", run=run.name, operation_key=operation_key, code=code
-                )
-                if code == "unknown_operation":
-                    if payload is None:
-                        raise
-                    # Admission precedes every effect: the worker never saw it.
-                    # Another verb may have replaced the session meanwhile.
-                    session = session.current()
-                    try:
-                        state = await self._dispatch_once(
-                            session, run, operation_key, payload, unknown=exc
-                        )
-                    except ReplyTimedOut:
-                        timeouts += 1
-                        continue
-                    except WorkerRequestRejected as again:
-                        code = again.rejection_code
-                        if code in _NEW_SESSION:
-                            new_session = True
-                        elif code not in _RECONCILE_LATER:
-                            raise
-                        continue
-                elif code in _NEW_SESSION:
-                    new_session = True
-                    continue
-                elif code in _RECONCILE_LATER:
-                    continue
-                else:
-                    raise
-            timeouts = 0
-            last = state
-            if state.kind in TERMINAL_KINDS:
-                break
+            code = cause.rejection_code
+            self._log.info("request_rejected", run=run.name, operation_key=operation_key, code=code)
+            new_session = rejection_reaction(RequestKind.DISPATCH, code) is Reaction.NEW_SESSION
+
+        async def reconcile(session: HostSession, number: int) -> OperationStatus:
+            return await self._reconcile_once(session, run, operation_key, data)
+
+        last = await self._repeat(
+            RequestKind.RECONCILE,
+            session,
+            run,
+            operation_key,
+            reconcile,
+            payload,
+            timeouts=timeouts,
+            new_session=new_session,
+        )
         self._log.info(
             "operation_observed",
             run=run.name,
@@ -1313,49 +1274,89 @@ class HostClient:
         indeterminate / adapter refusal repeats the same ``cmp-`` key and input
         under a new approval (the worker answers from its journal).
         """
-        session = session.current()
-        last: WorkerOperationState = Pending()
-        timeouts = 0
-        new_session = False
-        for attempt in range(self.max_attempts):
-            if attempt:
-                await self._backoff(attempt)
-                # A new request id for every repetition; the key and input stay.
-                dispatch = WorkflowCompensationDispatch(_request_id("c"), dispatch.payload)
-            if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
-                reason = "rejection" if new_session else "timeouts"
-                session = await self._replace_session(session, reason)
-                new_session, timeouts = False, 0
-            session = session.current()
-            try:
-                state = await self._compensate_once(session, run, target, dispatch)
-            except ReplyTimedOut:
-                timeouts += 1
-                continue
-            except WorkerRequestRejected as exc:
-                code = exc.rejection_code
-                self._log.info(
-                    "request_rejected",
-                    run=run.name,
-                    operation_key=target.operation_key,
-                    code=code,
-                )
-                if code in _NEW_SESSION:
-                    new_session = True
-                    continue
-                if code in _RECONCILE_LATER:
-                    continue
-                raise
-            timeouts = 0
-            last = state
-            if state.kind in TERMINAL_KINDS:
-                break
+        prefix = _KINDS[RequestKind.COMPENSATE].request_id_prefix
+
+        async def attempt(session: HostSession, number: int) -> OperationStatus:
+            # A new request id for every repetition; the key and input stay.
+            sent = dispatch
+            if number:
+                sent = WorkflowCompensationDispatch(_request_id(prefix), dispatch.payload)
+            return await self._compensate_once(session, run, target, sent)
+
+        last = await self._repeat(
+            RequestKind.COMPENSATE, session.current(), run, target.operation_key, attempt, None
+        )
         self._log.info(
             "compensation_observed",
             run=run.name,
             operation_key=target.operation_key,
             state=last.kind.value,
         )
+        return last
+
+    async def _repeat(
+        self,
+        kind: RequestKind,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        attempt: Callable[[HostSession, int], Awaitable[OperationStatus]],
+        same_key: ToolPayload | None,
+        *,
+        timeouts: int = 0,
+        new_session: bool = False,
+    ) -> WorkerOperationState:
+        """Run ``attempt`` (a request of ``kind``) until a terminal state or the attempts
+        run out; returns the last state observed (``Pending`` if none).
+
+        H§16.4-16.5: a timeout, or a refusal the reactions table answers with
+        ``RECONCILE``, leads to the next attempt (same key); ``NEW_SESSION``, or
+        three timeouts in a row, first replaces the session. ``DISPATCH_SAME_KEY``
+        dispatches ``operation_key`` again with the payload ``same_key``, in
+        the same attempt, if one is given (the dispatch itself refuses unless
+        the ledger still holds the key ``pending``). Any other refusal is raised.
+        """
+        last: WorkerOperationState = Pending()
+        for number in range(self.max_attempts):
+            if number:
+                await self._backoff(number)
+            if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
+                reason = "rejection" if new_session else "timeouts"
+                session = await self._replace_session(session, reason)
+                new_session, timeouts = False, 0
+            session = session.current()
+            try:
+                state = await attempt(session, number)
+            except ReplyTimedOut:
+                timeouts += 1
+                continue
+            except WorkerRequestRejected as exc:
+                code = exc.rejection_code
+                self._log.info(
+                    "request_rejected", run=run.name, operation_key=operation_key, code=code
+                )
+                reaction = rejection_reaction(kind, code)
+                if reaction is not Reaction.DISPATCH_SAME_KEY or same_key is None:
+                    new_session = _new_session_or_raise(reaction, exc)
+                    continue
+                # Admission precedes every effect: the worker never saw the key.
+                # Another verb may have replaced the session meanwhile.
+                session = session.current()
+                try:
+                    state = await self._dispatch_once(
+                        session, run, operation_key, same_key, unknown=exc
+                    )
+                except ReplyTimedOut:
+                    timeouts += 1
+                    continue
+                except WorkerRequestRejected as again:
+                    reaction = rejection_reaction(RequestKind.DISPATCH, again.rejection_code)
+                    new_session = _new_session_or_raise(reaction, again)
+                    continue
+            timeouts = 0
+            last = state
+            if state.kind in TERMINAL_KINDS:
+                break
         return last
 
     async def recover(
@@ -1528,10 +1529,11 @@ class HostClient:
         if waiter is None:
             await self._unrequested(session, message)
             return
-        if waiter.kind == "raw" or waiter.run is None:
+        kind = waiter.kind
+        if kind is None or waiter.run is None:
             await self._deliver_raw(session, message, waiter, str(correlation_id))
             return
-        await self._apply(session, message, waiter, str(correlation_id))
+        await self._apply(session, message, waiter, kind, str(correlation_id))
 
     async def _open_or_settle(
         self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
@@ -1608,6 +1610,7 @@ class HostClient:
         session: HostSession,
         message: AbstractIncomingMessage,
         waiter: _Waiter,
+        kind: RequestKind,
         correlation_id: str,
     ) -> None:
         run = waiter.run
@@ -1617,67 +1620,14 @@ class HostClient:
             # loaded again, the reply goes to that object, or its next write
             # would meet this one's revision (WriteConflict).
             run = self._runs.get(run.name, run)
-        auth = session.authenticator
-        engine = self.engine
         async with run._lock:
             candidate = run._ledger.copy()
             try:
-                if waiter.kind == "dispatch":
-                    state, _ = engine.apply_authenticated_operation_dispatch_result(
-                        run.plan, candidate, waiter.request, auth, message.body
-                    )
-                elif waiter.kind == "reconcile":
-                    state = engine.apply_authenticated_operation_reconciliation(
-                        run.plan, candidate, waiter.request, auth, message.body
-                    )
-                else:
-                    state = engine.apply_authenticated_operation_compensation(
-                        run.plan, candidate, waiter.request, auth, message.body
-                    )
-            except DuplicateFrame:
-                await self._ack(message)
-                return
-            except WorkerRequestRejected as exc:
-                # Authentic refusal; the ledger is unchanged (H§12.9).
-                if exc.rejection_code in _OUTCOME_MAY_FOLLOW and waiter.kind != "reconcile":
-                    # The worker may still send this request's outcome (W§10.7: a
-                    # copy answered while the first was in flight): stay registered,
-                    # abandoned, so it is applied (H§16.3); _register bounds these.
-                    waiter.fail(exc)
-                    waiter.abandoned = True
-                else:
-                    session._waiters.pop(correlation_id, None)
-                    waiter.fail(exc)
-                await self._ack(message)
-                return
-            except (InvalidStateTransition, InvalidCompensationStateTransition) as exc:
-                if not _stale_observation(exc):
-                    await self._refused_by_ledger(session, message, waiter, correlation_id, exc)
-                    return
-                # Authentic and merely older than what the ledger already holds
-                # (a `running` answered before the terminal state we applied):
-                # nothing to apply, no attack; the caller sees what it was told.
-                session._waiters.pop(correlation_id, None)
-                await self._ack(message)
-                # A warning: after an operator's decision (octo-host resolve) a
-                # `running` is also what an effect still going on would send.
-                self._log.warning(
-                    "reply_stale",
-                    run=run.name,
-                    type=waiter.kind,
-                    request_id=correlation_id,
-                    operation_key=getattr(waiter.request, "operation_key", None),
-                    state=exc.observed.value,
-                    ledger_state=exc.current.value,
+                state = self.engine.apply_reply(
+                    kind, run.plan, candidate, waiter.request, session.authenticator, message.body
                 )
-                waiter.resolve(Running())
-                return
-            except (LedgerError, WorkflowError) as exc:
-                await self._refused_by_ledger(session, message, waiter, correlation_id, exc)
-                return
             except OctoError as exc:
-                # Did not open (tag, stale, syntax): not from this session's worker.
-                await self._dead_letter(message, exc.code)
+                await self._not_applied(session, message, waiter, kind, correlation_id, run, exc)
                 return
             try:
                 await self._persist_locked(run, candidate)
@@ -1692,7 +1642,7 @@ class HostClient:
         self._log.info(
             "reply_applied",
             run=run.name,
-            type=waiter.kind,
+            type=kind,
             request_id=correlation_id,
             operation_key=getattr(waiter.request, "operation_key", None),
             state=state.kind.value,
@@ -1700,6 +1650,53 @@ class HostClient:
             late=waiter.abandoned,
         )
         waiter.resolve(state)
+
+    async def _not_applied(
+        self,
+        session: HostSession,
+        message: AbstractIncomingMessage,
+        waiter: _Waiter,
+        kind: RequestKind,
+        correlation_id: str,
+        run: HostRun,
+        error: OctoError,
+    ) -> None:
+        """Settle an authentic reply the ledger did not take, as :func:`reply_reaction` says."""
+        match reply_reaction(kind, error):
+            case ReplyReaction.DROP:
+                await self._ack(message)
+            case ReplyReaction.KEEP_WAITING:
+                # Stay registered, abandoned, so the outcome is applied (H§16.3);
+                # _register bounds these.
+                waiter.fail(error)
+                waiter.abandoned = True
+                await self._ack(message)
+            case ReplyReaction.REFUSED:
+                session._waiters.pop(correlation_id, None)
+                waiter.fail(error)
+                await self._ack(message)
+            case ReplyReaction.STALE if isinstance(
+                error, InvalidStateTransition | InvalidCompensationStateTransition
+            ):
+                session._waiters.pop(correlation_id, None)
+                await self._ack(message)
+                # A warning: after an operator's decision (octo-host resolve) a
+                # `running` is also what an effect still going on would send.
+                self._log.warning(
+                    "reply_stale",
+                    run=run.name,
+                    type=kind,
+                    request_id=correlation_id,
+                    operation_key=getattr(waiter.request, "operation_key", None),
+                    state=error.observed.value,
+                    ledger_state=error.current.value,
+                )
+                # The caller sees what it was told.
+                waiter.resolve(Running())
+            case ReplyReaction.FAIL_CLOSED:
+                await self._refused_by_ledger(session, message, waiter, correlation_id, error)
+            case _:
+                await self._dead_letter(message, error.code)
 
     async def _refused_by_ledger(
         self,
@@ -1733,29 +1730,17 @@ class HostClient:
             )
 
 
+def _new_session_or_raise(reaction: Reaction, refusal: WorkerRequestRejected) -> bool:
+    """True to go on in a new session, False to go on in this one; else ``refusal`` is raised."""
+    if reaction is Reaction.NEW_SESSION:
+        return True
+    if reaction is Reaction.RECONCILE:
+        return False
+    raise refusal
+
+
 def _request_id(prefix: str) -> str:
     return f"{prefix}-{int(time.time())}-{secrets.token_hex(6)}"
-
-
-def _kind_of(outbound: OutboundFrame[Any]) -> str:
-    request = outbound.request
-    if isinstance(request, OperationDispatchRequest):
-        return "dispatch_operation"
-    if isinstance(request, OperationReconcileRequest):
-        return "reconcile_operation"
-    return "compensate_operation"
-
-
-def _stale_observation(
-    error: InvalidStateTransition | InvalidCompensationStateTransition,
-) -> bool:
-    """An observed ``running`` for a record already terminal: older, not contradictory.
-
-    ``running`` precedes every terminal state (W§9.3), so it is an answer the
-    worker gave before the outcome the ledger holds. A terminal state that
-    differs from the stored one is a contradiction and stays refused.
-    """
-    return error.observed == StateKind.RUNNING and error.current in TERMINAL_KINDS
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

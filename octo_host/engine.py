@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from octo_common.digest import compensation_key_for, operation_key_for
 from octo_common.errors import (
@@ -31,6 +31,7 @@ from octo_common.errors import (
     EmptyOperationNonce,
     InputTooLarge,
     InvalidTool,
+    OctoError,
     OperationDispatchRequiresHostAuthenticator,
     OperationNonceTooLarge,
     PlanOwnershipMismatch,
@@ -69,19 +70,21 @@ from octo_common.messages import (
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
+    WorkerMessage,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import OperationStatus, StateKind
 from octo_host.compensation import (
     CompensationApproval,
     WorkflowCompensationDispatch,
-    WorkflowCompensationPolicy,
     WorkflowCompensationTarget,
     _consume_approval,
     _issue_approval,
 )
+from octo_host.kinds import RequestKind
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep, build_plan
+from octo_host.policy import WorkflowCompensationPolicy
 
 __all__ = ["OutboundFrame", "WorkflowEngine"]
 
@@ -271,13 +274,12 @@ class WorkflowEngine:
         auth: SessionAuthenticator,
     ) -> OutboundFrame[OperationDispatchRequest]:
         """Build the dispatch request for ``auth``'s session and seal it."""
-        if auth.role != SessionRole.HOST:
-            raise OperationDispatchRequiresHostAuthenticator()
+        rule = _RULES[RequestKind.DISPATCH]
+        _check_host(rule, auth)
         request = self.operation_dispatch_request(
             plan, ledger, operation_key, payload, auth.session_id, request_id
         )
-        frame = auth.seal(DispatchOperation(request))
-        return OutboundFrame(request, frame)
+        return _sealed(rule, auth, request)
 
     def apply_verified_operation_dispatch_result(
         self,
@@ -315,14 +317,9 @@ class WorkflowEngine:
         frame: bytes,
     ) -> tuple[OperationStatus, OperationReconcileResult]:
         """Open an ``operation_result`` frame and apply it; returns (state, result)."""
-        if auth.role != SessionRole.HOST:
-            raise OperationDispatchRequiresHostAuthenticator()
-        message = auth.open(frame)
-        if isinstance(message, RequestRejected) and message.matches_request(request):
-            raise WorkerRequestRejected(message)
-        if not isinstance(message, OperationResult):
-            raise UnexpectedOperationDispatchMessage()
-        result = message.result
+        result: OperationReconcileResult = _open_reply(
+            _RULES[RequestKind.DISPATCH], request, auth, frame
+        )
         state = self.apply_verified_operation_dispatch_result(plan, ledger, request, result)
         return state, result
 
@@ -351,13 +348,12 @@ class WorkflowEngine:
         auth: SessionAuthenticator,
     ) -> OutboundFrame[OperationReconcileRequest]:
         """Build the reconcile request for ``auth``'s session and seal it."""
-        if auth.role != SessionRole.HOST:
-            raise ReconciliationRequiresHostAuthenticator()
+        rule = _RULES[RequestKind.RECONCILE]
+        _check_host(rule, auth)
         request = self.operation_reconcile_request(
             plan, ledger, operation_key, input, auth.session_id, request_id
         )
-        frame = auth.seal(ReconcileOperation(request))
-        return OutboundFrame(request, frame)
+        return _sealed(rule, auth, request)
 
     def apply_verified_operation_reconciliation(
         self,
@@ -380,14 +376,7 @@ class WorkflowEngine:
         frame: bytes,
     ) -> OperationStatus:
         """Open a ``reconciled_operation`` frame and apply it; returns the state."""
-        if auth.role != SessionRole.HOST:
-            raise ReconciliationRequiresHostAuthenticator()
-        message = auth.open(frame)
-        if isinstance(message, RequestRejected) and message.matches_request(request):
-            raise WorkerRequestRejected(message)
-        if not isinstance(message, ReconciledOperation):
-            raise UnexpectedReconciliationMessage()
-        return self.apply_verified_operation_reconciliation(plan, ledger, request, message.result)
+        return self.apply_reply(RequestKind.RECONCILE, plan, ledger, request, auth, frame)
 
     # Compensation keys and records (H§8, H§12.5) -------------------------------------
 
@@ -542,8 +531,8 @@ class WorkflowEngine:
         The approval is spent on entry, whatever the outcome.
         """
         fresh = _consume_approval(approval)
-        if auth.role != SessionRole.HOST:
-            raise CompensationDispatchRequiresHostAuthenticator()
+        rule = _RULES[RequestKind.COMPENSATE]
+        _check_host(rule, auth)
         self.validate_operation_ledger(plan, ledger)
         target.verify_grant_current()
         policy = target.policy
@@ -587,8 +576,7 @@ class WorkflowEngine:
         canonical_input = canonical_operation_input_bytes(request.payload)
         compensation.verify_input(canonical_input)
         target.verify_action_current(plan, operation, canonical_input)
-        frame = auth.seal(CompensateOperation(request))
-        return OutboundFrame(request, frame)
+        return _sealed(rule, auth, request)
 
     # Compensation results (H§12.8) ---------------------------------------------------
 
@@ -613,14 +601,7 @@ class WorkflowEngine:
         frame: bytes,
     ) -> OperationStatus:
         """Open a ``compensation_result`` frame and apply it; returns the state."""
-        if auth.role != SessionRole.HOST:
-            raise CompensationDispatchRequiresHostAuthenticator()
-        message = auth.open(frame)
-        if isinstance(message, RequestRejected) and message.matches_request(request):
-            raise WorkerRequestRejected(message)
-        if not isinstance(message, CompensationResult):
-            raise UnexpectedCompensationMessage()
-        return self.apply_verified_operation_compensation(plan, ledger, request, message.result)
+        return self.apply_reply(RequestKind.COMPENSATE, plan, ledger, request, auth, frame)
 
     # Compensation reconciliation (D11) ---------------------------------------------------
 
@@ -651,13 +632,12 @@ class WorkflowEngine:
         """Build the compensation lookup for ``auth``'s session and seal it
         (``reconcile_compensation``); a reconciliation, so a worker-role
         authenticator is ``ReconciliationRequiresHostAuthenticator``."""
-        if auth.role != SessionRole.HOST:
-            raise ReconciliationRequiresHostAuthenticator()
+        rule = _RULES[RequestKind.RECONCILE_COMPENSATION]
+        _check_host(rule, auth)
         request = self.compensation_reconcile_request(
             plan, ledger, operation_key, auth.session_id, request_id
         )
-        frame = auth.seal(ReconcileCompensation(request))
-        return OutboundFrame(request, frame)
+        return _sealed(rule, auth, request)
 
     def apply_verified_compensation_reconciliation(
         self,
@@ -686,13 +666,106 @@ class WorkflowEngine:
         type → ``UnexpectedReconciliationMessage``, then apply. The host
         persists the new ledger revision before acting on it.
         """
-        if auth.role != SessionRole.HOST:
-            raise ReconciliationRequiresHostAuthenticator()
-        message = auth.open(frame)
-        if isinstance(message, RequestRejected) and message.matches_request(request):
-            raise WorkerRequestRejected(message)
-        if not isinstance(message, ReconciledCompensation):
-            raise UnexpectedReconciliationMessage()
-        return self.apply_verified_compensation_reconciliation(
-            plan, ledger, request, message.result
+        return self.apply_reply(
+            RequestKind.RECONCILE_COMPENSATION, plan, ledger, request, auth, frame
         )
+
+    # Replies of every kind (H§12.3, H§12.4, H§12.8) ---------------------------------------
+
+    def apply_reply(
+        self,
+        kind: RequestKind,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: Any,
+        auth: SessionAuthenticator,
+        frame: bytes,
+    ) -> OperationStatus:
+        """Open the reply to ``request`` (a request of ``kind``) and apply it; returns the state.
+
+        The same checks, in the same order, as the kind's ``apply_authenticated_*``
+        method: a host authenticator, ``open``, the worker's refusal of this
+        request raised as ``WorkerRequestRejected``, the expected result
+        message, then the kind's ``apply_verified_*`` method.
+        """
+        rule = _RULES[kind]
+        result = _open_reply(rule, request, auth, frame)
+        return rule.apply_verified(self, plan, ledger, request, result)
+
+
+# The per-kind table ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _KindRule:
+    """How the engine seals one kind of request and opens and applies its reply."""
+
+    requires_host: type[OctoError]
+    """Raised when the authenticator is not the host's."""
+    request_message: Callable[[Any], WorkerMessage]
+    """The message that carries the request."""
+    result_message: (
+        type[OperationResult]
+        | type[ReconciledOperation]
+        | type[CompensationResult]
+        | type[ReconciledCompensation]
+    )
+    """The message that carries the reply's result."""
+    unexpected: type[OctoError]
+    """Raised for any other authentic message that is not a refusal of this request."""
+    apply_verified: Callable[
+        [WorkflowEngine, WorkflowPlan, WorkflowOperationLedger, Any, Any], OperationStatus
+    ]
+    """The engine method that applies the opened result to the ledger."""
+
+
+_RULES: Final[dict[RequestKind, _KindRule]] = {
+    RequestKind.DISPATCH: _KindRule(
+        OperationDispatchRequiresHostAuthenticator,
+        DispatchOperation,
+        OperationResult,
+        UnexpectedOperationDispatchMessage,
+        WorkflowEngine.apply_verified_operation_dispatch_result,
+    ),
+    RequestKind.RECONCILE: _KindRule(
+        ReconciliationRequiresHostAuthenticator,
+        ReconcileOperation,
+        ReconciledOperation,
+        UnexpectedReconciliationMessage,
+        WorkflowEngine.apply_verified_operation_reconciliation,
+    ),
+    RequestKind.COMPENSATE: _KindRule(
+        CompensationDispatchRequiresHostAuthenticator,
+        CompensateOperation,
+        CompensationResult,
+        UnexpectedCompensationMessage,
+        WorkflowEngine.apply_verified_operation_compensation,
+    ),
+    RequestKind.RECONCILE_COMPENSATION: _KindRule(
+        ReconciliationRequiresHostAuthenticator,
+        ReconcileCompensation,
+        ReconciledCompensation,
+        UnexpectedReconciliationMessage,
+        WorkflowEngine.apply_verified_compensation_reconciliation,
+    ),
+}
+
+
+def _check_host(rule: _KindRule, auth: SessionAuthenticator) -> None:
+    if auth.role != SessionRole.HOST:
+        raise rule.requires_host()
+
+
+def _sealed(rule: _KindRule, auth: SessionAuthenticator, request: Any) -> OutboundFrame[Any]:
+    return OutboundFrame(request, auth.seal(rule.request_message(request)))
+
+
+def _open_reply(rule: _KindRule, request: Any, auth: SessionAuthenticator, frame: bytes) -> Any:
+    """The result a reply to ``request`` carries; the worker's refusal of it is raised."""
+    _check_host(rule, auth)
+    message = auth.open(frame)
+    if isinstance(message, RequestRejected) and message.matches_request(request):
+        raise WorkerRequestRejected(message)
+    if not isinstance(message, rule.result_message):
+        raise rule.unexpected()
+    return message.result

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import msgspec
 
@@ -73,9 +73,7 @@ from octo_common.messages import (
 from octo_common.payload import canonical_operation_input_bytes
 from octo_common.states import TERMINAL_KINDS, OperationStatus, StateKind, accepts
 from octo_host.plan import WorkflowPlan, is_step_id
-
-if TYPE_CHECKING:
-    from octo_host.compensation import WorkflowCompensationPolicy
+from octo_host.policy import WorkflowCompensationPolicy
 
 __all__ = ["WorkflowCompensation", "WorkflowOperation", "WorkflowOperationLedger"]
 

@@ -140,3 +140,88 @@ def test_the_scanner_sees_imports_inside_functions_and_relative_ones() -> None:
     assert {"sqlite3", "asyncio", "asyncio.sleep", "octo_common.runtime"} <= names
     names = set(imported_by("from .sqlite import x\n", RUNTIME, is_package=True))
     assert "octo_common.runtime.sqlite.x" in names
+
+
+# Inside the host ---------------------------------------------------------------------------
+
+# The host's pure core (STYLE.md, h11): no I/O, and nothing from the host's I/O modules.
+HOST_PURE = (
+    "octo_host.plan",
+    "octo_host.policy",
+    "octo_host.ledger",
+    "octo_host.compensation",
+    "octo_host.engine",
+    "octo_host.kinds",
+    "octo_host.reactions",
+)
+
+
+def host_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in modules("octo_host")}
+
+
+def host_module_of(name: str, known: dict[str, Path]) -> str | None:
+    """The octo_host module an imported name belongs to (``octo_host.ledger.X`` -> ledger)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+@pytest.mark.parametrize("name", HOST_PURE)
+def test_a_pure_host_module_imports_no_io_and_no_host_io_module(name: str) -> None:
+    known = host_modules()
+    bad = sorted(
+        {
+            imported_name
+            for imported_name in imported(known[name])
+            # The engine's id counter takes a lock: a lock is no I/O.
+            if top(imported_name) in IO_MODULES - {"threading"}
+            or within(imported_name, RUNTIME)
+            or (
+                top(imported_name) == "octo_host"
+                and host_module_of(imported_name, known) not in HOST_PURE
+            )
+        }
+    )
+    assert bad == [], f"{name} imports {bad}"
+
+
+def host_import_graph() -> dict[str, set[str]]:
+    known = host_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        targets = {host_module_of(imported_name, known) for imported_name in imported(path)}
+        graph[name] = {target for target in targets if target is not None and target != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import path per cycle found by a depth-first walk (empty: none)."""
+    found: list[list[str]] = []
+    done: set[str] = set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for target in sorted(graph.get(node, ())):
+            if target in path:
+                found.append([*path[path.index(target) :], target])
+            elif target not in done:
+                walk(target, [*path, target])
+        done.add(node)
+
+    for node in sorted(graph):
+        if node not in done:
+            walk(node, [node])
+    return found
+
+
+def test_the_host_modules_import_each_other_without_a_cycle() -> None:
+    # Every import counts, one under TYPE_CHECKING too.
+    graph = host_import_graph()
+    assert graph["octo_host.engine"] >= {"octo_host.ledger", "octo_host.compensation"}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    # A check of the checker.
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
