@@ -627,40 +627,9 @@ class WorkflowOperationLedger:
     ) -> OperationStatus:
         """Apply an authenticated compensation result (H§11.5); only the
         compensation state can change."""
-        self.validate_syntax()
-        request.validate()
-        result.validate()
-        if not result.matches_request(request):
-            raise CompensationRequestMismatch()
-        index = self._index(request.operation_key)
-        if index is None:
-            raise UnknownOperation(request.operation_key)
-        operation = self._operations[index]
-        if operation.tool != request.tool:
-            raise CompensationRequestMismatch()
-        compensation = operation.compensation
-        if compensation is None:
-            raise UnknownCompensation(operation.operation_key)
+        index, compensation = self._answered_compensation(request, result)
         compensation.verify_input(canonical_operation_input_bytes(request.payload))
-        if (
-            compensation.compensation_key != request.compensation_key
-            or compensation.tenant_scope != request.tenant_scope
-            or compensation.grant_fingerprint != request.grant_fingerprint
-        ):
-            raise CompensationRequestMismatch()
-        status = result.status
-        observed = status.kind
-        if not accepts(compensation.state, observed):
-            raise InvalidCompensationStateTransition(
-                compensation.compensation_key, compensation.state, observed
-            )
-        if observed != compensation.state:
-            revision = _next_revision(self._revision)
-            self._operations[index] = replace(
-                operation, compensation=replace(compensation, state=observed)
-            )
-            self._revision = revision
-        return status
+        return self._observe_compensation(index, compensation, request, result.status)
 
     def compensation_reconcile_request(
         self, operation_key: str, session_id: str, request_id: str
@@ -711,6 +680,18 @@ class WorkflowOperationLedger:
         transition. The revision moves only when the state changes. Returns
         the observed status; only its state kind is kept.
         """
+        index, compensation = self._answered_compensation(request, result)
+        return self._observe_compensation(index, compensation, request, result.status)
+
+    def _answered_compensation(
+        self,
+        request: OperationCompensationRequest | CompensationReconcileRequest,
+        result: OperationCompensationResult | CompensationReconcileResult,
+    ) -> tuple[int, WorkflowCompensation]:
+        """The recorded compensation a worker answered for, checked in the H§11.5 order:
+        syntax, request, result, result against request (``CompensationRequestMismatch``),
+        the operation (``UnknownOperation``), its tool, its compensation
+        (``UnknownCompensation``). Changes nothing."""
         self.validate_syntax()
         request.validate()
         result.validate()
@@ -725,13 +706,24 @@ class WorkflowOperationLedger:
         compensation = operation.compensation
         if compensation is None:
             raise UnknownCompensation(operation.operation_key)
+        return index, compensation
+
+    def _observe_compensation(
+        self,
+        index: int,
+        compensation: WorkflowCompensation,
+        request: OperationCompensationRequest | CompensationReconcileRequest,
+        status: OperationStatus,
+    ) -> OperationStatus:
+        """Check the stored key, tenant and grant fingerprint against ``request``
+        (``CompensationRequestMismatch``), then the transition; the compensation
+        takes the observed state, the revision moves only on a change."""
         if (
             compensation.compensation_key != request.compensation_key
             or compensation.tenant_scope != request.tenant_scope
             or compensation.grant_fingerprint != request.grant_fingerprint
         ):
             raise CompensationRequestMismatch()
-        status = result.status
         observed = status.kind
         if not accepts(compensation.state, observed):
             raise InvalidCompensationStateTransition(
@@ -739,6 +731,7 @@ class WorkflowOperationLedger:
             )
         if observed != compensation.state:
             revision = _next_revision(self._revision)
+            operation = self._operations[index]
             self._operations[index] = replace(
                 operation, compensation=replace(compensation, state=observed)
             )
