@@ -104,13 +104,13 @@ from octo_host.config import (
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.storage.postgres import PostgresLedgerStore, redacted_url
 from octo_host.store import (
     AuthenticatedStore,
     SqliteLedgerStore,
     initialise_anchor,
     ledger_record_key,
 )
-from octo_host.store_postgres import PostgresLedgerStore, redacted_url
 
 __all__ = [
     "EXIT_BROKER",

@@ -182,7 +182,7 @@ class StorageConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     Several hosts may share one such ledger (compare-and-swap on each run
     decides between them). It has no rollback anchor: ``ledger.anchor`` is
-    refused beside ``url`` (see ``octo_host.store_postgres``).
+    refused beside ``url`` (see ``octo_host.storage.postgres``).
     """
 
     url: str | None = None

@@ -9,7 +9,7 @@ SQLite and PostgreSQL. Tampering goes through a "backdoor" that edits the
 backend's state directly, as someone with access to the database would.
 
 SQLite only, because they are about its file or its thread: the rollback
-anchor file (PostgreSQL stores take none, see ``octo_host.store_postgres``),
+anchor file (PostgreSQL stores take none, see ``octo_host.storage.postgres``),
 file and directory modes, an unusable database path, a thread that cannot
 start, and the thread internals of the database-error, defect and close
 tests (their PostgreSQL counterparts are in ``test_ledger_store_postgres.py``).
@@ -64,6 +64,7 @@ from octo_common.records import (
     StoredRecord,
     seal_record,
 )
+from octo_host.storage.postgres import PostgresLedgerStore, PostgresRecordBackend
 from octo_host.store import (
     AuthenticatedStore,
     SqliteLedgerStore,
@@ -73,7 +74,6 @@ from octo_host.store import (
     ledger_record_key,
     load_storage_key,
 )
-from octo_host.store_postgres import PostgresLedgerStore, PostgresRecordBackend
 from tests.postgres import PostgresSchema
 
 RUN = ledger_record_key("release-42")
@@ -1230,7 +1230,7 @@ async def test_concurrent_writes_share_transactions_and_keep_their_own_outcomes(
 async def test_a_database_error_fails_every_write_of_its_transaction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("octo_host.store.SQLITE_BUSY_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr("octo_host.storage.sqlite.SQLITE_BUSY_TIMEOUT_SECONDS", 0.2)
     path = tmp_path / "ledger.db"
     backend = SqliteRecordBackend(path)
     keys = [StorageRecordKey("workflow-ledger", f"run-{i}") for i in range(8)]

@@ -27,13 +27,13 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
-from octo_host.store import ledger_record_key
-from octo_host.store_postgres import (
+from octo_host.storage.postgres import (
     PostgresLedgerStore,
     PostgresRecordBackend,
     read_password_file,
     redacted_url,
 )
+from octo_host.store import ledger_record_key
 from tests.postgres import PostgresSchema
 
 RUN = ledger_record_key("release-42")

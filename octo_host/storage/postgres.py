@@ -38,8 +38,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import re
-import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -52,7 +50,6 @@ from octo_common.errors import (
     OctoError,
     StorageBackendError,
 )
-from octo_common.keyfile import KeyFileRefused, read_private_file
 from octo_common.records import (
     Conflict,
     StorageKeyring,
@@ -61,204 +58,46 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
-from octo_host.store import (
-    AuthenticatedStore,
+from octo_host.storage.authenticated import AuthenticatedStore
+from octo_host.storage.contract import (
+    Head,
     ManyWrite,
     Opener,
-    _cas_decision,
-    _check_expected,
-    _check_key,
-    _check_many,
-    _check_replacement,
-    _check_token,
-    _establish_decision,
-    _fenced_check,
-    _Head,
-    _head_from_row,
+    cas_decision,
+    check_expected,
+    check_key,
+    check_many,
+    check_replacement,
+    check_token,
+    establish_decision,
+    fenced_check,
+    head_from_row,
 )
+from octo_host.storage.postgres_config import (
+    DEFAULT_SCHEMA,
+    check_schema,
+    check_url,
+    read_password_file,
+    redacted_url,
+)
+from octo_host.storage.postgres_sql import MIGRATIONS, SCHEMA_VERSION, statements
 
 __all__ = [
     "DEFAULT_SCHEMA",
     "POSTGRES_MAX_BIGINT",
     "PostgresLedgerStore",
     "PostgresRecordBackend",
+    "read_password_file",
     "redacted_url",
 ]
 
-DEFAULT_SCHEMA = "octo_ledger"
 POSTGRES_MAX_BIGINT = 2**63 - 1
 """The ceiling of revisions and fences (``BIGINT``), as SQLite's ``INTEGER``."""
 
 MAX_WRITES_PER_TRANSACTION = 256
 _DEADLOCK_RETRIES = 3
-_PASSWORD_READ_LIMIT = 4097  # one byte more than the longest password accepted
-_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _T = TypeVar("_T")
 _Connection: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
-
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
-    (
-        """
-        CREATE TABLE {s}.heads (
-            namespace TEXT NOT NULL,
-            name TEXT NOT NULL,
-            revision BIGINT NOT NULL CHECK (revision >= 0),
-            fence BIGINT NOT NULL CHECK (fence >= 0),
-            PRIMARY KEY (namespace, name)
-        )
-        """,
-        """
-        CREATE TABLE {s}.items (
-            namespace TEXT NOT NULL,
-            name TEXT NOT NULL,
-            item TEXT NOT NULL,
-            revision BIGINT NOT NULL,
-            envelope BYTEA NOT NULL,
-            PRIMARY KEY (namespace, name, item),
-            FOREIGN KEY (namespace, name) REFERENCES {s}.heads (namespace, name)
-        )
-        """,
-    ),
-)
-"""Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
-
-SCHEMA_VERSION = len(_MIGRATIONS)
-
-_HAS_VERSION_TABLE = "SELECT to_regclass('{s}.schema_version') IS NOT NULL"
-_SELECT_VERSION = "SELECT version FROM {s}.schema_version"
-_CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {s}"
-_CREATE_VERSION_TABLE = "CREATE TABLE IF NOT EXISTS {s}.schema_version (version BIGINT NOT NULL)"
-_CLEAR_VERSION = "DELETE FROM {s}.schema_version"
-_INSERT_VERSION = "INSERT INTO {s}.schema_version (version) VALUES ($1)"
-
-# One statement, so one snapshot; head and item read independently (as SQLite's).
-_SELECT_RECORD = """
-    SELECT
-      (SELECT revision FROM {s}.heads WHERE namespace = $1 AND name = $2),
-      (SELECT fence FROM {s}.heads WHERE namespace = $1 AND name = $2),
-      (SELECT revision FROM {s}.items WHERE namespace = $1 AND name = $2 AND item = ''),
-      (SELECT envelope FROM {s}.items WHERE namespace = $1 AND name = $2 AND item = '')
-"""
-
-# Locks the head of every record a transaction touches, in key order (so two
-# transactions never wait for each other in a cycle), creating an absent head
-# as revision 0, fence 0: exactly what an absent record is (H§17.3). The no-op
-# update is what locks an existing row and returns its latest committed state.
-_LOCK_HEADS = """
-    INSERT INTO {s}.heads AS h (namespace, name, revision, fence)
-    SELECT k.namespace, k.name, 0, 0
-      FROM unnest($1::text[], $2::text[]) AS k(namespace, name)
-     ORDER BY k.namespace, k.name
-    ON CONFLICT (namespace, name) DO UPDATE SET fence = h.fence
-    RETURNING h.namespace, h.name, h.revision, h.fence
-"""
-
-# A separate statement, so a fresh snapshot: it sees what the previous holder
-# of the locks committed.
-_SELECT_ITEMS = """
-    SELECT i.namespace, i.name, i.revision, i.envelope
-      FROM {s}.items AS i
-      JOIN unnest($1::text[], $2::text[]) AS k(namespace, name)
-        ON i.namespace = k.namespace AND i.name = k.name
-     WHERE i.item = ''
-"""
-
-# The caller's compare-and-swap, checked in SQL: the head must be at the
-# expected floor under the required fence and the item at the expected
-# revision, or nothing is written and no row is returned.
-_WRITE_RECORD = """
-    WITH head AS (
-        UPDATE {s}.heads SET revision = $3
-         WHERE namespace = $1 AND name = $2 AND revision = $4 AND fence = $5
-           AND (SELECT revision FROM {s}.items
-                 WHERE namespace = $1 AND name = $2 AND item = '')
-               IS NOT DISTINCT FROM $6::bigint
-        RETURNING namespace, name
-    )
-    INSERT INTO {s}.items (namespace, name, item, revision, envelope)
-    SELECT namespace, name, '', $3, $7 FROM head
-    ON CONFLICT (namespace, name, item)
-    DO UPDATE SET revision = excluded.revision, envelope = excluded.envelope
-    RETURNING revision
-"""
-
-# One statement reads and raises the fence (H§17.5 reserve_fence).
-_RESERVE_FENCE = """
-    UPDATE {s}.heads SET fence = fence + 1
-     WHERE namespace = $1 AND name = $2 AND fence < $3
-    RETURNING fence
-"""
-
-_ESTABLISH_FENCE = """
-    UPDATE {s}.heads SET fence = $3
-     WHERE namespace = $1 AND name = $2 AND fence < $3
-    RETURNING fence
-"""
-
-
-# URL, schema and password file ---------------------------------------------------
-
-
-def _check_url(url: object) -> str:
-    if not isinstance(url, str):
-        raise TypeError("url must be a str")
-    try:
-        parts = urllib.parse.urlsplit(url)
-        password = parts.password
-        query = urllib.parse.parse_qs(parts.query)
-    except ValueError:
-        raise StorageBackendError("url: not a valid postgresql:// URL") from None
-    if parts.scheme not in ("postgresql", "postgres"):
-        raise StorageBackendError("url: must start with postgresql://")
-    if password is not None or "password" in query:
-        raise StorageBackendError("url: must not contain a password (give password_file)")
-    return url
-
-
-def redacted_url(url: str) -> str:
-    """``scheme://user@host:port/database``: no query, never a password."""
-    parts = urllib.parse.urlsplit(url)
-    user = f"{parts.username}@" if parts.username else ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{user}{host}{port}{parts.path}"
-
-
-def _check_schema(schema: object) -> str:
-    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
-        raise StorageBackendError("schema: must match [a-z_][a-z0-9_]{0,62}")
-    if schema.startswith("pg_"):
-        raise StorageBackendError("schema: names starting with pg_ are reserved")
-    return schema
-
-
-_PASSWORD_REFUSALS: dict[str, str] = {
-    "missing": "does not exist",
-    "unopenable": "cannot be opened (a link, or no permission)",
-    "not_regular": "is not a regular file",
-    "permissions": "is open to group or others (chmod 600)",
-    "unreadable": "cannot be read",
-    "format": "must hold one line",
-}
-
-
-def read_password_file(path: str | os.PathLike[str]) -> str:
-    """The password in ``path``, under the one private-file rule (``octo_common.keyfile``).
-
-    One line of UTF-8; a trailing newline is not part of it. Failures are
-    ``StorageBackendError`` naming the problem, never the content.
-    """
-    try:
-        content = read_private_file(path, _PASSWORD_READ_LIMIT)
-    except KeyFileRefused as refused:
-        raise StorageBackendError(f"password_file: {_PASSWORD_REFUSALS[refused.reason]}") from None
-    try:
-        text = content.decode("utf-8").rstrip("\r\n")
-    except UnicodeDecodeError:
-        raise StorageBackendError("password_file: not UTF-8 text") from None
-    if len(content) >= _PASSWORD_READ_LIMIT or not text or "\n" in text:
-        raise StorageBackendError("password_file: must hold one line")
-    return text
 
 
 # Errors ------------------------------------------------------------------------------
@@ -284,7 +123,7 @@ def _translated(operation: str, exc: BaseException) -> OctoError:
 
 # The write queue ------------------------------------------------------------------------
 
-_View = dict[StorageRecordKey, _Head]
+_View = dict[StorageRecordKey, Head]
 """The locked state of the records of one transaction, as its writes leave it."""
 
 _Statement = tuple[str, tuple[Any, ...], int]
@@ -367,8 +206,8 @@ class PostgresRecordBackend:
         command_timeout: float = 30.0,
         idle_transaction_timeout: float = 10.0,
     ) -> None:
-        self._url = _check_url(url)
-        self._schema = _check_schema(schema)
+        self._url = check_url(url)
+        self._schema = check_schema(schema)
         self._password_file = None if password_file is None else os.fspath(password_file)
         if type(max_connections) is not int or not 1 <= max_connections <= 100:
             raise ValueError("max_connections must be in 1..100")
@@ -379,23 +218,7 @@ class PostgresRecordBackend:
         self._connect_timeout = connect_timeout
         self._command_timeout = command_timeout
         self._idle_timeout_ms = max(1, int(idle_transaction_timeout * 1000))
-        self._sql = {
-            name: text.format(s=f'"{self._schema}"')
-            for name, text in (
-                ("has_version_table", _HAS_VERSION_TABLE),
-                ("select_version", _SELECT_VERSION),
-                ("create_schema", _CREATE_SCHEMA),
-                ("create_version_table", _CREATE_VERSION_TABLE),
-                ("clear_version", _CLEAR_VERSION),
-                ("insert_version", _INSERT_VERSION),
-                ("select_record", _SELECT_RECORD),
-                ("lock_heads", _LOCK_HEADS),
-                ("select_items", _SELECT_ITEMS),
-                ("write_record", _WRITE_RECORD),
-                ("reserve_fence", _RESERVE_FENCE),
-                ("establish_fence", _ESTABLISH_FENCE),
-            )
-        }
+        self._sql = statements(self._schema)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: asyncpg.Pool | None = None
         self._open_lock: asyncio.Lock | None = None
@@ -505,7 +328,7 @@ class PostgresRecordBackend:
                 return  # no DDL: a role with only table privileges can use the store
             await connection.execute(sql["create_schema"])
             await connection.execute(sql["create_version_table"])
-            for statements in _MIGRATIONS[version:]:
+            for statements in MIGRATIONS[version:]:
                 for statement in statements:
                     await connection.execute(statement.format(s=f'"{self._schema}"'))
             await connection.execute(sql["clear_version"])
@@ -530,14 +353,14 @@ class PostgresRecordBackend:
             assert self._progress is not None
             await self._progress.wait()
 
-    async def _select_head(self, connection: _Connection, key: StorageRecordKey) -> _Head:
+    async def _select_head(self, connection: _Connection, key: StorageRecordKey) -> Head:
         row = await connection.fetchrow(self._sql["select_record"], key.namespace, key.name)
         if row is None:
             raise StorageBackendError("load: no row")
-        return _head_from_row(tuple(row))
+        return head_from_row(tuple(row))
 
     async def load(self, key: StorageRecordKey) -> StorageSnapshot:
-        key = _check_key(key)
+        key = check_key(key)
 
         async def body(connection: _Connection) -> StorageSnapshot:
             head = await self._select_head(connection, key)
@@ -546,7 +369,7 @@ class PostgresRecordBackend:
         return await self._read("load", body)
 
     async def current_fence(self, key: StorageRecordKey) -> int:
-        key = _check_key(key)
+        key = check_key(key)
 
         async def body(connection: _Connection) -> int:
             return (await self._select_head(connection, key)).fence
@@ -649,11 +472,11 @@ class PostgresRecordBackend:
             view: _View = {}
             for row in await connection.fetch(self._sql["lock_heads"], namespaces, names):
                 key = StorageRecordKey(row[0], row[1])
-                view[key] = _head_from_row((row[2], row[3], None, None))
+                view[key] = head_from_row((row[2], row[3], None, None))
             for row in await connection.fetch(self._sql["select_items"], namespaces, names):
                 key = StorageRecordKey(row[0], row[1])
                 head = view[key]
-                view[key] = _head_from_row((head.floor, head.fence, row[2], row[3]))
+                view[key] = head_from_row((head.floor, head.fence, row[2], row[3]))
             if len(view) != len(keys):
                 raise StorageBackendError("write: a head row was not locked")
             for write in batch:
@@ -675,9 +498,9 @@ class PostgresRecordBackend:
     ) -> Stored | Conflict:
         return await self._swap(
             "compare_and_swap",
-            _check_key(key),
-            _check_expected(expected_revision),
-            _check_replacement(replacement),
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
             None,
             None,
         )
@@ -691,10 +514,10 @@ class PostgresRecordBackend:
     ) -> Stored | Conflict:
         return await self._swap(
             "compare_and_swap_fenced",
-            _check_key(key),
-            _check_expected(expected_revision),
-            _check_replacement(replacement),
-            _check_token(token),
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            check_token(token),
             None,
         )
 
@@ -713,9 +536,9 @@ class PostgresRecordBackend:
         """
         return await self._swap(
             "compare_and_swap",
-            _check_key(key),
-            _check_expected(expected_revision),
-            _check_replacement(replacement),
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
             None,
             opener,
         )
@@ -758,13 +581,13 @@ class PostgresRecordBackend:
                 if head.fence != 0:
                     raise FencingRequired(head.fence)
             else:
-                _fenced_check(head.fence, token)
+                fenced_check(head.fence, token)
             actual = None if head.record is None else head.record.revision
-            conflict = _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+            conflict = cas_decision(actual, head.floor, expected, replacement, self.ceiling)
             if conflict is not None:
                 return conflict, []
             statement = self._record_statement(key, expected, replacement, head.fence)
-            view[key] = _Head(replacement.revision, head.fence, replacement)
+            view[key] = Head(replacement.revision, head.fence, replacement)
             return Stored(replacement.revision), [statement]
 
         result: Stored | Conflict = await self._submit(operation, (key,), decide)
@@ -780,7 +603,7 @@ class PostgresRecordBackend:
         nothing; a conflict writes nothing and is reported in its place (None
         for the others); otherwise one ``Stored`` per write, in order.
         """
-        checked = _check_many(writes)
+        checked = check_many(writes)
         for _, _, replacement, _ in checked:
             if not isinstance(replacement.data, bytes):
                 raise TypeError("replacement data must be bytes")
@@ -796,14 +619,14 @@ class PostgresRecordBackend:
                     raise FencingRequired(head.fence)
                 actual = None if head.record is None else head.record.revision
                 decisions.append(
-                    _cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+                    cas_decision(actual, head.floor, expected, replacement, self.ceiling)
                 )
             if any(decision is not None for decision in decisions):
                 return list(decisions), []
             statements = []
             for key, expected, replacement, _ in checked:
                 statements.append(self._record_statement(key, expected, replacement, 0))
-                view[key] = _Head(replacement.revision, 0, replacement)
+                view[key] = Head(replacement.revision, 0, replacement)
             return [Stored(replacement.revision) for _, _, replacement, _ in checked], statements
 
         keys = tuple(key for key, _, _, _ in checked)
@@ -813,7 +636,7 @@ class PostgresRecordBackend:
         return result
 
     async def reserve_fence(self, key: StorageRecordKey) -> int:
-        key = _check_key(key)
+        key = check_key(key)
 
         def decide(view: _View) -> tuple[int, list[_Statement]]:
             head = view[key]
@@ -825,22 +648,22 @@ class PostgresRecordBackend:
                 (key.namespace, key.name, self.ceiling),
                 token,
             )
-            view[key] = _Head(head.floor, token, head.record)
+            view[key] = Head(head.floor, token, head.record)
             return token, [statement]
 
         token: int = await self._submit("reserve_fence", (key,), decide)
         return token
 
     async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
-        key = _check_key(key)
-        token = _check_token(token)
-        _establish_decision(0, token, self.ceiling)  # token 0 / overflow before any I/O
+        key = check_key(key)
+        token = check_token(token)
+        establish_decision(0, token, self.ceiling)  # token 0 / overflow before any I/O
 
         def decide(view: _View) -> tuple[None, list[_Statement]]:
             head = view[key]
-            if not _establish_decision(head.fence, token, self.ceiling):
+            if not establish_decision(head.fence, token, self.ceiling):
                 return None, []
-            view[key] = _Head(head.floor, token, head.record)
+            view[key] = Head(head.floor, token, head.record)
             return None, [(self._sql["establish_fence"], (key.namespace, key.name, token), token)]
 
         await self._submit("establish_fence", (key,), decide)

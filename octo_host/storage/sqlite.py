@@ -1,0 +1,682 @@
+"""The host ledger store on SQLite: ``SqliteRecordBackend`` and ``SqliteLedgerStore`` (H§17.7).
+
+This module owns one SQLite database of records (WAL, ``synchronous=FULL``,
+0o600 files, forward schema migrations), its database thread with group
+commit, the rollback anchor check at open and after every commit (H§17.10),
+and ``SqliteLedgerStore``, an ``AuthenticatedStore`` over the backend.
+
+It must never log, return or raise key material, payload bytes or bound SQL
+values, decide a write otherwise than :mod:`octo_host.storage.contract`
+does, or let a caller proceed on a commit whose anchor write failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+import stat
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from octo_common.errors import (
+    FencingRequired,
+    FencingTokenExhausted,
+    OctoError,
+    StorageBackendError,
+)
+from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS, SQLITE_MAX_INTEGER
+from octo_common.records import (
+    Conflict,
+    StorageKeyring,
+    StorageRecordKey,
+    StorageSnapshot,
+    Stored,
+    StoredRecord,
+)
+from octo_common.runtime.anchorfile import read_anchor, write_anchor
+from octo_common.runtime.sqlite import DatabaseThread, Outcome, migrate_schema, roll_back
+from octo_host.storage.anchor import compare_with_anchor
+from octo_host.storage.authenticated import AuthenticatedStore
+from octo_host.storage.contract import (
+    Head,
+    ManyWrite,
+    cas_decision,
+    check_expected,
+    check_key,
+    check_many,
+    check_replacement,
+    check_token,
+    establish_decision,
+    fenced_check,
+    head_from_row,
+)
+
+__all__ = ["SqliteLedgerStore", "SqliteRecordBackend"]
+
+_SINGLE_ITEM = ""  # a single record is its head plus the item "" (H§17.7)
+
+_log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
+
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """
+        CREATE TABLE heads (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            revision INTEGER NOT NULL CHECK (revision >= 0),
+            fence INTEGER NOT NULL CHECK (fence >= 0),
+            PRIMARY KEY (namespace, name)
+        )
+        """,
+        """
+        CREATE TABLE items (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            item TEXT NOT NULL,
+            revision INTEGER NOT NULL,
+            envelope BLOB NOT NULL,
+            PRIMARY KEY (namespace, name, item),
+            FOREIGN KEY (namespace, name) REFERENCES heads (namespace, name)
+        )
+        """,
+    ),
+)
+"""Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
+
+# One statement, so one snapshot. Head and item are read independently so
+# that an item without its head (a deleted head row) is still seen.
+_SELECT_RECORD = """
+    SELECT
+      (SELECT revision FROM heads WHERE namespace = :namespace AND name = :name),
+      (SELECT fence FROM heads WHERE namespace = :namespace AND name = :name),
+      (SELECT revision FROM items WHERE namespace = :namespace AND name = :name AND item = :item),
+      (SELECT envelope FROM items WHERE namespace = :namespace AND name = :name AND item = :item)
+"""
+
+
+def _sqlite_detail(operation: str, exc: sqlite3.Error) -> str:
+    # The SQLite error name is stable and never contains bound values.
+    name = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+    return f"{operation}: {name}"
+
+
+def _prepare_files(database: Path) -> None:
+    """Directory 0o700 when created (warn if group/other-readable), db file 0o600."""
+    directory = database.parent
+    if not directory.exists():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+    else:
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        if mode & 0o077:
+            _log.warning("storage_directory_not_private", directory=str(directory), mode=oct(mode))
+    if not database.exists():
+        fd = os.open(database, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    _secure_database_files(database)
+
+
+def _secure_database_files(database: Path) -> None:
+    """Force the database, ``-wal`` and ``-shm`` files to 0o600 and verify it."""
+    for candidate in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):
+        try:
+            info = candidate.lstat()
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise StorageBackendError("database path is not a regular file")
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            os.chmod(candidate, 0o600)
+            if stat.S_IMODE(candidate.lstat().st_mode) != 0o600:
+                raise StorageBackendError("database file permissions could not be set")
+
+
+class _Work:
+    """One submitted backend operation, run in the database thread."""
+
+    __slots__ = ("function", "operation", "write")
+
+    def __init__(
+        self, operation: str, function: Callable[[sqlite3.Connection], Any], write: bool
+    ) -> None:
+        self.operation = operation
+        self.function = function
+        self.write = write
+
+
+_CLOSE = "close"
+
+
+class SqliteRecordBackend:
+    """The H§17.6 semantics with the state in one SQLite database (H§17.7).
+
+    No I/O in the constructor: the first awaited call creates the directory
+    (0o700) and the database (0o600, WAL, ``synchronous=FULL``, busy timeout
+    5 s, ``foreign_keys=ON``), migrates the schema forward and checks the
+    rollback anchor.
+
+    One dedicated thread owns the connection and runs every operation in
+    submission order. Writes (CAS, fence reservation, fence establishment)
+    that are waiting together share one ``BEGIN IMMEDIATE`` transaction and
+    one fsync (group commit, H§17.7): each caller gets the outcome it would
+    have had alone, because a write is decided against the state its
+    predecessors left and a refused write changes nothing. A database error
+    fails every write of that transaction (nothing of it is committed); any
+    other failure of one write is undone to its savepoint and fails that write
+    only. Submissions, the thread's start and ``close`` are ordered by one
+    lock, so event loops in several threads may share a backend. With
+    an anchor configured, the anchor file is rewritten once after the
+    ``COMMIT`` and before any caller of that transaction is released. A
+    submitted operation completes or fails even if its caller is cancelled.
+
+    Revisions and fences stop at 2^63 - 1 (SQLite ``INTEGER``). Use one
+    backend object per database when an anchor is configured: the anchor is
+    kept in memory from the open and rewritten whole on each commit.
+    """
+
+    ceiling = SQLITE_MAX_INTEGER
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        anchor_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._path = Path(os.fspath(path)).absolute()
+        self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path)).absolute()
+        # Owned by the database thread.
+        self._anchor: dict[StorageRecordKey, int] | None = None
+        self._db: sqlite3.Connection | None = None
+        self._raised: dict[StorageRecordKey, int] = {}
+        self._advanced: dict[StorageRecordKey, int] = {}
+        # Submissions, the thread's start and close() are ordered by the thread's lock.
+        self._thread: DatabaseThread[_Work] = DatabaseThread("octo-ledger-sqlite", self._run_batch)
+        self._transactions = 0
+        self._batched_writes = 0
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self._path
+
+    @property
+    def group_commit_stats(self) -> tuple[int, int]:
+        """(write transactions committed or attempted, writes they carried)."""
+        return self._transactions, self._batched_writes
+
+    def __repr__(self) -> str:
+        return f"SqliteRecordBackend(path={str(self._path)!r})"
+
+    # Submitting (event loop) ------------------------------------------------
+
+    def _submit(
+        self, operation: str, function: Callable[[sqlite3.Connection], _T], *, write: bool
+    ) -> asyncio.Future[_T]:
+        try:
+            return self._thread.submit(_Work(operation, function, write))
+        except StorageBackendError as exc:
+            if self._thread.closed:
+                raise
+            raise StorageBackendError(f"{operation}: {exc.detail}") from exc
+
+    # The database thread ------------------------------------------------------
+
+    def _run_batch(self, batch: list[_Work]) -> list[Outcome]:
+        """Run one drained batch in order: waiting writes share one transaction."""
+        try:
+            return self._run_batch_in_order(batch)
+        except BaseException as exc:  # a defect here must not strand every later caller
+            if any(work.operation == _CLOSE for work in batch) and self._db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+                self._db = None
+            return [
+                (False, StorageBackendError(f"{work.operation}: {type(exc).__name__}"))
+                for work in batch
+            ]
+
+    def _run_batch_in_order(self, batch: list[_Work]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        writes: list[_Work] = []
+        for work in batch:
+            if work.write:
+                writes.append(work)
+            else:
+                outcomes.extend(self._write_group(writes))
+                writes = []
+                outcomes.append(self._read(work))
+        outcomes.extend(self._write_group(writes))
+        return outcomes
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            self._db = self._open()
+        return self._db
+
+    def _read(self, work: _Work) -> Outcome:
+        try:
+            if work.operation == _CLOSE:
+                connection, self._db = self._db, None
+                if connection is not None:
+                    connection.close()
+                return (True, None)
+            return (True, work.function(self._connection()))
+        except BaseException as exc:  # delivered to the awaiting caller
+            return (False, _translated(work.operation, exc))
+
+    def _write_group(self, writes: list[_Work]) -> list[Outcome]:
+        """One transaction for ``writes``; per-write refusals, all-or-nothing commit."""
+        if not writes:
+            return []
+        self._transactions += 1
+        self._batched_writes += len(writes)
+        self._raised.clear()
+        self._advanced.clear()
+        results: list[Outcome] = []
+        try:
+            connection = self._connection()
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                for work in writes:
+                    results.append(_isolated(work, connection))
+                connection.execute("COMMIT")
+            except BaseException:
+                roll_back(connection)
+                raise
+        except BaseException as exc:
+            return [(False, _translated(work.operation, exc)) for work in writes]
+        if self._anchor is not None:
+            anchor = self._anchor
+            for key, floor in self._raised.items():
+                anchor[key] = max(floor, anchor.get(key, 0))
+            if self._advanced:
+                failure = self._write_anchor(self._advanced)
+                if failure is not None:
+                    # The database holds the commit, but the callers must not proceed.
+                    results = [
+                        (False, StorageBackendError(failure))
+                        if ok and _wrote(value)
+                        else (ok, value)
+                        for ok, value in results
+                    ]
+        return results
+
+    def _write_anchor(self, advanced: dict[StorageRecordKey, int]) -> str | None:
+        assert self._anchor is not None and self._anchor_path is not None
+        for key, revision in advanced.items():
+            self._anchor[key] = max(revision, self._anchor.get(key, 0))
+        try:
+            write_anchor(self._anchor_path, self._anchor)
+        except OSError as exc:
+            return f"rollback anchor write failed: {exc.strerror}"
+        return None
+
+    # Opening (database thread) -------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        anchor = None
+        if self._anchor_path is not None:
+            # Before creating anything: a configured anchor must already exist.
+            anchor = read_anchor(self._anchor_path)
+        try:
+            _prepare_files(self._path)
+        except OSError as exc:
+            raise StorageBackendError(f"open: {exc.strerror}") from exc
+        connection = sqlite3.connect(self._path, isolation_level=None)
+        try:
+            busy_ms = int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)
+            connection.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            row = connection.execute("PRAGMA journal_mode = WAL").fetchone()
+            if row is None or str(row[0]).lower() != "wal":
+                raise StorageBackendError("open: WAL journal mode unavailable")
+            connection.execute("PRAGMA synchronous = FULL")
+            connection.execute("PRAGMA foreign_keys = ON")
+            migrate_schema(connection, _MIGRATIONS)
+            _secure_database_files(self._path)
+            if anchor is not None:
+                _check_anchor_at_open(connection, anchor)
+        except BaseException:
+            connection.close()
+            raise
+        self._anchor = anchor
+        return connection
+
+    def _check_anchor(self, key: StorageRecordKey, head: Head, *, in_write: bool) -> None:
+        if self._anchor is None:
+            return
+        anchored = self._anchor.get(key, 0)
+        record_revision = None if head.record is None else head.record.revision
+        compare_with_anchor(anchored, head.floor, record_revision)
+        if head.floor > anchored:
+            if in_write:
+                # Seen inside a transaction: kept only once it commits.
+                self._raised[key] = max(head.floor, self._raised.get(key, 0))
+            else:
+                self._anchor[key] = head.floor
+
+    # Contract ---------------------------------------------------------------
+
+    async def load(self, key: StorageRecordKey) -> StorageSnapshot:
+        key = check_key(key)
+
+        def body(connection: sqlite3.Connection) -> StorageSnapshot:
+            head = _read_head(connection, key)  # one statement: one snapshot
+            self._check_anchor(key, head, in_write=False)
+            return StorageSnapshot(head.record, head.floor)
+
+        return await self._submit("load", body, write=False)
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        return await self._swap(
+            "compare_and_swap",
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            None,
+            None,
+        )
+
+    async def compare_and_swap_fenced(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        token: int,
+    ) -> Stored | Conflict:
+        return await self._swap(
+            "compare_and_swap_fenced",
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            check_token(token),
+            None,
+        )
+
+    async def compare_and_swap_opened(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        opener: Callable[[StorageSnapshot], None],
+    ) -> Stored | Conflict:
+        """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
+
+        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write step
+        2-3) so that the read, the check and the swap are one atomic step and
+        one hand-off to the database thread. ``opener`` raises to refuse.
+        """
+        return await self._swap(
+            "compare_and_swap",
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            None,
+            opener,
+        )
+
+    async def _swap(
+        self,
+        operation: str,
+        key: StorageRecordKey,
+        expected: int | None,
+        replacement: StoredRecord,
+        token: int | None,
+        opener: Callable[[StorageSnapshot], None] | None,
+    ) -> Stored | Conflict:
+        if not isinstance(replacement.data, bytes):
+            raise TypeError("replacement data must be bytes")
+
+        def transaction(connection: sqlite3.Connection) -> Stored | Conflict:
+            head = _read_head(connection, key)
+            if opener is not None:
+                self._check_anchor(key, head, in_write=True)
+                opener(StorageSnapshot(head.record, head.floor))
+            if token is None:
+                if head.fence != 0:
+                    raise FencingRequired(head.fence)
+            else:
+                fenced_check(head.fence, token)
+            if opener is None:  # with an opener the anchor was checked before it
+                self._check_anchor(key, head, in_write=True)
+            actual = None if head.record is None else head.record.revision
+            conflict = cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+            if conflict is not None:
+                return conflict
+            return self._write_record(connection, key, replacement)
+
+        return await self._submit(operation, transaction, write=True)
+
+    async def compare_and_swap_many_opened(
+        self, writes: Sequence[ManyWrite]
+    ) -> list[Stored | Conflict | None]:
+        """Several unfenced CAS of distinct keys in one transaction: all or none.
+
+        Each write is ``(key, expected, replacement, opener)``, decided as
+        :meth:`compare_and_swap_opened` decides it. Every record is read,
+        opened and decided before any is written. A refusal (raised) writes
+        nothing. When any write is in conflict, nothing is written and the
+        result holds its ``Conflict``, and None for the others; otherwise it
+        holds one ``Stored`` per write, in order. The writes share the
+        transaction (and the fsync) of any other write waiting with them.
+        """
+        checked = check_many(writes)
+        for _, _, replacement, _ in checked:
+            if not isinstance(replacement.data, bytes):
+                raise TypeError("replacement data must be bytes")
+
+        def transaction(connection: sqlite3.Connection) -> list[Stored | Conflict | None]:
+            decisions: list[Conflict | None] = []
+            for key, expected, replacement, opener in checked:
+                head = _read_head(connection, key)
+                self._check_anchor(key, head, in_write=True)
+                opener(StorageSnapshot(head.record, head.floor))
+                if head.fence != 0:
+                    raise FencingRequired(head.fence)
+                actual = None if head.record is None else head.record.revision
+                decisions.append(
+                    cas_decision(actual, head.floor, expected, replacement, self.ceiling)
+                )
+            if any(decision is not None for decision in decisions):
+                return list(decisions)
+            return [
+                self._write_record(connection, key, replacement)
+                for key, _, replacement, _ in checked
+            ]
+
+        if not checked:
+            return []
+        return await self._submit("compare_and_swap_many", transaction, write=True)
+
+    def _write_record(
+        self, connection: sqlite3.Connection, key: StorageRecordKey, replacement: StoredRecord
+    ) -> Stored:
+        """Write a decided replacement (database thread, inside the transaction)."""
+        connection.execute(
+            "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
+            "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
+            (key.namespace, key.name, replacement.revision),
+        )
+        connection.execute(
+            "INSERT INTO items (namespace, name, item, revision, envelope) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (namespace, name, item) DO UPDATE "
+            "SET revision = excluded.revision, envelope = excluded.envelope",
+            (key.namespace, key.name, _SINGLE_ITEM, replacement.revision, replacement.data),
+        )
+        if self._anchor is not None:
+            self._advanced[key] = replacement.revision
+        return Stored(replacement.revision)
+
+    async def current_fence(self, key: StorageRecordKey) -> int:
+        key = check_key(key)
+        return await self._submit(
+            "current_fence", lambda connection: _read_head(connection, key).fence, write=False
+        )
+
+    async def reserve_fence(self, key: StorageRecordKey) -> int:
+        key = check_key(key)
+
+        def transaction(connection: sqlite3.Connection) -> int:
+            current = _read_head(connection, key).fence
+            if current >= self.ceiling:
+                raise FencingTokenExhausted()
+            _store_fence(connection, key, current + 1)
+            return current + 1
+
+        return await self._submit("reserve_fence", transaction, write=True)
+
+    async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
+        key = check_key(key)
+        token = check_token(token)
+        establish_decision(0, token, self.ceiling)  # token 0 / overflow before any I/O
+
+        def transaction(connection: sqlite3.Connection) -> None:
+            current = _read_head(connection, key).fence
+            if establish_decision(current, token, self.ceiling):
+                _store_fence(connection, key, token)
+
+        await self._submit("establish_fence", transaction, write=True)
+
+    async def integrity_check(self) -> list[str]:
+        """``PRAGMA integrity_check``: ``["ok"]`` for a sound database."""
+
+        def body(connection: sqlite3.Connection) -> list[str]:
+            rows = connection.execute("PRAGMA integrity_check").fetchall()
+            return [str(row[0]) for row in rows]
+
+        return await self._submit("integrity_check", body, write=False)
+
+    async def close(self) -> None:
+        """Close the connection after every operation already submitted; idempotent.
+
+        Every call, the first or a later one, returns once the database thread
+        has run the work submitted before the first call, closed the
+        connection and exited. Calls made after it raise ``StorageBackendError``.
+        """
+        last = self._thread.close(_Work(_CLOSE, lambda connection: None, False))
+        if last is not None:
+            await asyncio.shield(last)
+        await self._thread.wait_closed()
+
+
+def _wrote(value: object) -> bool:
+    """Whether a write's outcome stored something (one ``Stored``, or a list with one)."""
+    if isinstance(value, list):
+        return any(isinstance(item, Stored) for item in value)
+    return isinstance(value, Stored)
+
+
+def _isolated(work: _Work, connection: sqlite3.Connection) -> Outcome:
+    """One write of a group inside its own savepoint.
+
+    A refusal (``OctoError``) is decided before the write changes anything; any
+    other failure of this write alone (a defect) is undone back to the
+    savepoint and reported to this caller only. A database error fails the
+    whole group (raised).
+    """
+    connection.execute("SAVEPOINT octo_write")
+    try:
+        value = work.function(connection)
+    except OctoError as exc:
+        connection.execute("RELEASE octo_write")
+        return (False, exc)
+    except sqlite3.Error:
+        raise
+    except Exception as exc:
+        connection.execute("ROLLBACK TO octo_write")
+        connection.execute("RELEASE octo_write")
+        return (False, _translated(work.operation, exc))
+    connection.execute("RELEASE octo_write")
+    return (True, value)
+
+
+def _translated(operation: str, exc: BaseException) -> BaseException:
+    """The error a caller sees for ``exc`` raised by ``operation`` in the thread.
+
+    Protocol errors pass through; database and OS errors, and anything else (a
+    defect), become a fresh ``StorageBackendError`` naming only the class.
+    """
+    if isinstance(exc, OctoError):
+        return exc
+    if isinstance(exc, sqlite3.Error):
+        return StorageBackendError(_sqlite_detail(operation, exc))
+    if isinstance(exc, OSError):
+        return StorageBackendError(f"{operation}: {exc.strerror}")
+    return StorageBackendError(f"{operation}: {type(exc).__name__}")
+
+
+def _read_head(connection: sqlite3.Connection, key: StorageRecordKey) -> Head:
+    row = connection.execute(
+        _SELECT_RECORD, {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM}
+    ).fetchone()
+    return head_from_row(row)
+
+
+def _check_anchor_at_open(
+    connection: sqlite3.Connection, anchor: dict[StorageRecordKey, int]
+) -> None:
+    rows = connection.execute(
+        "SELECT heads.namespace, heads.name, heads.revision, items.revision "
+        "FROM heads LEFT JOIN items ON items.namespace = heads.namespace "
+        "AND items.name = heads.name AND items.item = ?",
+        (_SINGLE_ITEM,),
+    ).fetchall()
+    found: dict[StorageRecordKey, tuple[int, int | None]] = {}
+    for namespace, name, floor, item_revision in rows:
+        try:
+            key = StorageRecordKey(namespace, name)
+        except OctoError:
+            raise StorageBackendError("malformed head row") from None
+        if type(floor) is not int or not (item_revision is None or type(item_revision) is int):
+            raise StorageBackendError("malformed head row")
+        found[key] = (floor, item_revision)
+    for key, anchored in anchor.items():
+        floor, item_revision = found.get(key, (0, None))
+        compare_with_anchor(anchored, floor, item_revision)
+    for key, (floor, _) in found.items():
+        if floor > anchor.get(key, 0):
+            anchor[key] = floor  # a crash between COMMIT and anchor write
+
+
+def _store_fence(connection: sqlite3.Connection, key: StorageRecordKey, fence: int) -> None:
+    connection.execute(
+        "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 0, ?) "
+        "ON CONFLICT (namespace, name) DO UPDATE SET fence = excluded.fence",
+        (key.namespace, key.name, fence),
+    )
+
+
+class SqliteLedgerStore(AuthenticatedStore):
+    """The host ledger store: an ``AuthenticatedStore`` over a ``SqliteRecordBackend``.
+
+    ``SqliteLedgerStore(path, keyring, anchor_path=a)`` behaves exactly as
+    ``AuthenticatedStore(SqliteRecordBackend(path, anchor_path=a), keyring)``.
+
+    No I/O in the constructor; the first awaited call opens the database and
+    checks the anchor. ``close()`` is idempotent. Ledger records live at
+    ``ledger_record_key(run)``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        keyring: StorageKeyring,
+        *,
+        anchor_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._sqlite = SqliteRecordBackend(path, anchor_path=anchor_path)
+        super().__init__(self._sqlite, keyring)
+
+    async def integrity_check(self) -> list[str]:
+        """``PRAGMA integrity_check`` of the database: ``["ok"]`` when sound."""
+        return await self._sqlite.integrity_check()
