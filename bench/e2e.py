@@ -153,9 +153,7 @@ def instrument_host(timers: StageTimers) -> None:
     timers.wrap(ledger.WorkflowOperationLedger, "to_json", "ledger_to_json")
     timers.wrap(ledger.WorkflowOperationLedger, "copy", "ledger_copy")
     timers.wrap(engine.WorkflowEngine, "prepare_authenticated_operation_dispatch", "seal")
-    timers.wrap(
-        engine.WorkflowEngine, "apply_authenticated_operation_dispatch_result", "open_apply"
-    )
+    timers.wrap(engine.WorkflowEngine, "apply_reply", "open_apply")
 
 
 async def measure_octo(
