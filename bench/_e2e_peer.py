@@ -99,7 +99,7 @@ def instrument_worker(timers: StageTimers) -> None:
     timers.wrap(store.SqliteJournalStore, "load_records", "journal_load")
     timers.wrap(daemon._Delivery, "ack", "ack")
     timers.wrap(daemon._Delivery, "reply", "reply_publish_confirmed")
-    timers.wrap(daemon._InstrumentedAdapter, "dispatch_operation", "adapter")
+    timers.wrap(session, "call_adapter_reporting", "adapter")
 
 
 async def _serve(config_path: str, on_usr1: Callable[[], None]) -> None:

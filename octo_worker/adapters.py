@@ -351,12 +351,21 @@ class BaseWorkerAdapter:
 
 
 class WorkerAdapterRegistry:
-    """One adapter per tool name (tool names use the token syntax of W§3)."""
+    """One adapter per tool name (tool names use the token syntax of W§3), with its deadline.
 
-    __slots__ = ("_adapters",)
+    ``default_deadline_seconds`` is the deadline of an adapter that declares
+    none (the daemon passes ``[adapters] deadline_seconds``); each adapter's
+    deadline is read once, when it is registered (:meth:`deadline_for`).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_adapters", "_deadlines", "_default_deadline")
+
+    def __init__(
+        self, *, default_deadline_seconds: float = DEFAULT_ADAPTER_DEADLINE_SECONDS
+    ) -> None:
         self._adapters: dict[str, WorkerAdapter] = {}
+        self._deadlines: dict[str, float] = {}
+        self._default_deadline = default_deadline_seconds
 
     def register(self, tool: str, adapter: WorkerAdapter) -> None:
         """Add ``adapter`` for ``tool``: ``InvalidTool`` / ``DuplicateTool`` otherwise."""
@@ -365,6 +374,19 @@ class WorkerAdapterRegistry:
         if tool in self._adapters:
             raise DuplicateTool(tool)
         self._adapters[tool] = adapter
+        self._deadlines[tool] = effective_adapter_deadline(adapter, self._default_deadline)
+
+    def deadline_for(self, tool: str) -> float:
+        """Seconds the worker waits for a call of ``tool``'s adapter before it counts
+        as indeterminate (see :func:`effective_adapter_deadline`)."""
+        return self._deadlines[tool]
+
+    def with_default_deadline(self, seconds: float) -> WorkerAdapterRegistry:
+        """The same adapters, registered again with ``seconds`` as the default deadline."""
+        registry = WorkerAdapterRegistry(default_deadline_seconds=seconds)
+        for tool, adapter in self._adapters.items():
+            registry.register(tool, adapter)
+        return registry
 
     def contains(self, tool: str) -> bool:
         return tool in self._adapters

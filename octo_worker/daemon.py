@@ -47,7 +47,6 @@ from aio_pika.abc import (
 )
 
 from octo_common.errors import (
-    AdapterIndeterminate,
     FencingTokenRejected,
     InvalidFrameHeaders,
     OctoError,
@@ -55,8 +54,7 @@ from octo_common.errors import (
 )
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole, decode_frame
 from octo_common.inbound import Refused, Routed, Unrouted, gate
-from octo_common.messages import OpenSession, message_type
-from octo_common.peek import peek_operation_key
+from octo_common.messages import OpenSession
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
 from octo_common.runtime.faults import FaultInjector
 from octo_common.transport import (
@@ -68,18 +66,17 @@ from octo_common.transport import (
 )
 from octo_worker.adapters import (
     WorkerAdapterRegistry,
-    effective_adapter_deadline,
     load_adapters,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig
-from octo_worker.journal import WorkerOperationRecord
-from octo_worker.metrics import WorkerMetrics, unresolved_after_reply
+from octo_worker.faults import FaultHooks
+from octo_worker.hooks import WorkerHooks, combine_hooks
+from octo_worker.metrics import WorkerMetrics
 from octo_worker.queue_watch import watch_queues
 from octo_worker.sdnotify import Notifier, watchdog_interval
 from octo_worker.session import WorkerSession, WorkerSessionLimits
 from octo_worker.store import (
     SqliteJournalStore,
-    WorkerCommit,
     WorkerJournalLease,
 )
 from octo_worker.topology import connect, declare_topology, open_confirm_channel
@@ -88,150 +85,24 @@ __all__ = ["WorkerDaemon"]
 
 _log = structlog.get_logger("octo.worker.daemon")
 
-_KEYED_TYPES = frozenset({"dispatch_operation", "compensate_operation"})
 
-# The store as sessions see it --------------------------------------------------
+# Which scopes another worker took ------------------------------------------------
 
 
-class _DaemonStore:
-    """The journal store, as every session of this daemon uses it.
+class _Supersession(WorkerHooks):
+    """Notes the scopes whose commits another worker's fence refused (W§11.3).
 
-    Adds what the daemon must observe at the store boundary: commit latency,
-    failures by code, and which scopes were superseded by another writer.
+    A commit refused by a fence this daemon reserved itself (a reload
+    overtook it) is not a supersession.
     """
 
-    def __init__(
-        self,
-        store: SqliteJournalStore,
-        metrics: WorkerMetrics,
-        own_fence: Callable[[str, int], bool] = lambda scope, fence: False,
-    ) -> None:
-        self._store = store
-        self._metrics = metrics
-        # Whether a scope's fence is one this daemon reserved (or is reserving
-        # now): a commit rejected by it carried this daemon's own older lease
-        # (a reload overtook it), not another worker's.
+    def __init__(self, own_fence: Callable[[str, int], bool]) -> None:
         self._own_fence = own_fence
-        self.superseded: set[str] = set()
-        # Sessions pipeline their commits when the store chains them.
-        self.chains_session_commits: bool = store.chains_session_commits
+        self.scopes: set[str] = set()
 
-    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
-        started = time.perf_counter()
-        try:
-            revision = await self._store.commit(scope, lease, changes)
-        except FencingTokenRejected as exc:
-            if not self._own_fence(scope, exc.current):
-                self.superseded.add(scope)
-            self._metrics.commit_failures.labels("fencing_token_rejected").inc()
-            raise
-        except SessionReplay:
-            # An open_session for an id this scope already has (a replayed
-            # frame): the store refused it, as it must; no journal failure.
-            raise
-        except OctoError as exc:
-            self._metrics.commit_failures.labels(exc.code).inc()
-            raise
-        self._metrics.commit_latency.observe(time.perf_counter() - started)
-        return revision
-
-    async def load_records(
-        self, scope: str, keys: list[str] | tuple[str, ...]
-    ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
-        return await self._store.load_records(scope, list(keys))
-
-    async def head_revision(self, scope: str) -> int:
-        return await self._store.head_revision(scope)
-
-
-# Adapters as the daemon runs them ------------------------------------------------
-
-
-class _InstrumentedAdapter:
-    """Delegates to a plug-in adapter; counts outcomes and hosts a fault point."""
-
-    def __init__(
-        self,
-        tool: str,
-        adapter: Any,
-        metrics: WorkerMetrics,
-        faults: FaultInjector,
-        default_deadline: float,
-    ) -> None:
-        self.tool = tool
-        self._adapter = adapter
-        self._metrics = metrics
-        self._faults = faults
-        self.deadline_seconds = effective_adapter_deadline(adapter, default_deadline)
-
-    def invocation_safety(self) -> Any:
-        return self._adapter.invocation_safety()
-
-    def durable_operation_contract(self) -> Any:
-        return self._adapter.durable_operation_contract()
-
-    async def _run(self, method: str, call: Callable[[], Awaitable[Any]], effect: bool) -> Any:
-        started = time.perf_counter()
-        outcome = "ok"
-        try:
-            result = await call()
-        except asyncio.CancelledError:
-            # What call_adapter makes of it: its deadline and a cancellation
-            # the adapter raised by itself are indeterminate; only a cancel of
-            # the handler (the worker stopping) is "cancelled".
-            task = asyncio.current_task()
-            elapsed = time.perf_counter() - started
-            if task is None or not task.cancelling() or elapsed >= self.deadline_seconds - 0.01:
-                outcome = AdapterIndeterminate.code
-            else:
-                outcome = "cancelled"
-            raise
-        except OctoError as exc:
-            outcome = exc.code
-            raise
-        except Exception:
-            outcome = "adapter_failed"
-            raise
-        finally:
-            metrics = self._metrics
-            metrics.adapter_outcomes_for(self.tool, method, outcome).inc()
-            metrics.adapter_duration_for(self.tool, method).observe(time.perf_counter() - started)
-        if effect:
-            self._faults.reach("worker.after_effect")
-        return result
-
-    async def invoke(self, request: Any, grant: Any, context: Any) -> Any:
-        return await self._run(
-            "invoke", lambda: self._adapter.invoke(request, grant, context), True
-        )
-
-    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        return await self._run(
-            "dispatch_operation",
-            lambda: self._adapter.dispatch_operation(request, grant, context),
-            True,
-        )
-
-    async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        return await self._run(
-            "compensate_operation",
-            lambda: self._adapter.compensate_operation(request, grant, context),
-            True,
-        )
-
-    async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        return await self._run(
-            "reconcile_operation",
-            lambda: self._adapter.reconcile_operation(request, grant, context),
-            False,
-        )
-
-    async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
-        return await self._run(
-            "reconcile_compensation",
-            lambda: self._adapter.reconcile_compensation(request, grant, context),
-            False,
-        )
+    def on_commit_failed(self, scope: str, error: OctoError) -> None:
+        if isinstance(error, FencingTokenRejected) and not self._own_fence(scope, error.current):
+            self.scopes.add(scope)
 
 
 # Per-scope state -------------------------------------------------------------------
@@ -283,7 +154,7 @@ class _Scope:
 
 
 class _Delivery:
-    """The ``Delivery`` a session acts through (W§12.3–12.4)."""
+    """The ``Delivery`` a session acts through (W§12.3–12.4); remembers how it was settled."""
 
     def __init__(
         self,
@@ -291,42 +162,25 @@ class _Delivery:
         scope: _Scope,
         message: AbstractIncomingMessage,
         channel: AbstractChannel,
-        kind: str | None,
     ) -> None:
         self._daemon = daemon
         self._scope = scope
         self._message = message
         self._channel = channel
-        self.kind = kind
         self.session: WorkerSession | None = None
-        self.replied = False
         self.outcome = "unsettled"
 
     async def ack(self) -> None:
-        faults = self._daemon.faults
-        # A keyed request acked before any reply is a durable admission (W§12.4).
-        admission = self.kind in _KEYED_TYPES and not self.replied
-        if admission:
-            faults.reach("worker.after_admission_commit")
         if self._channel.is_closed:
             # Never ack on a dead channel: the broker redelivers instead.
             raise PublishChannelClosed(self._scope.name)
         await self._message.ack()
         self.outcome = "acked"
-        if admission:
-            metrics = self._daemon.metrics
-            metrics.admissions_for(self._scope.name, _short(self.kind), "dispatch").inc()
-            key = peek_operation_key(self._message.body)
-            if key is not None:
-                metrics.note_pending(self._scope.name, key, True)
-            faults.reach("worker.after_ack", settle=0.2)
 
     async def reply(self, frame: bytes, correlation_id: str | None) -> None:
         session = self.session
         if session is None:
             raise PublishChannelClosed(self._scope.name)
-        faults = self._daemon.faults
-        faults.reach("worker.before_reply")
         envelope = build_worker_reply(
             self._scope.name,
             session.session_id,
@@ -335,26 +189,7 @@ class _Delivery:
             reply_to=session.reply_to,
             correlation_id=correlation_id,
         )
-        try:
-            await self._daemon.publish(envelope)
-        except PublishFailed:
-            self._daemon.metrics.replies_for(self._scope.name, "failed").inc()
-            raise
-        metrics = self._daemon.metrics
-        metrics.replies_for(self._scope.name, "confirmed").inc()
-        if self.kind in _KEYED_TYPES and self.outcome == "unsettled":
-            # Answered before any ack: an Existing record or a refusal.
-            rejected = b'"type":"request_rejected"' in frame
-            metrics.admissions_for(
-                self._scope.name, _short(self.kind), "refused" if rejected else "existing"
-            ).inc()
-        if self.kind in _KEYED_TYPES or self.kind == "reconcile_operation":
-            unresolved = unresolved_after_reply(frame)
-            key = peek_operation_key(self._message.body)
-            if key is not None and unresolved is not None:
-                metrics.note_pending(self._scope.name, key, unresolved)
-        self.replied = True
-        faults.reach("worker.after_reply")
+        await self._daemon.publish(envelope)
 
     async def dead_letter(self, reason: str) -> None:
         await self._daemon.dead_letter(self._scope, self._message, self._channel, reason)
@@ -386,6 +221,13 @@ class WorkerDaemon:
         self.config = config
         self.metrics = metrics or WorkerMetrics()
         self.faults = faults or FaultInjector()
+        self._supersession = _Supersession(self._own_fence)
+        # Metrics first: at a point both use, a fault kills after counting.
+        self.hooks = combine_hooks(
+            self.metrics,
+            self._supersession,
+            *((FaultHooks(self.faults),) if self.faults.active else ()),
+        )
         self._notifier = notifier or Notifier()
         self._given_adapters = adapters
         self._adapters = WorkerAdapterRegistry()
@@ -394,7 +236,6 @@ class WorkerDaemon:
             per_session=config.limits.reconciliations_per_session,
         )
         self._store: SqliteJournalStore | None = None
-        self._daemon_store: _DaemonStore | None = None
         self._scopes: dict[str, _Scope] = {}
         self._connection: AbstractConnection | None = None
         self._consume_channel: AbstractChannel | None = None
@@ -454,7 +295,9 @@ class WorkerDaemon:
         keys = config.scope_keys()
         keyring = config.storage_keyring()
         data_keyring = config.data_keyring()
-        self._adapters = self._instrument(self._load_adapters())
+        self._adapters = self._load_adapters().with_default_deadline(
+            config.adapters.deadline_seconds
+        )
         journal = config.journal_path
         journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         anchor = config.anchor_path
@@ -463,10 +306,9 @@ class WorkerDaemon:
             keyring,
             anchor_path=anchor,
             data_keyring=data_keyring,
-            on_batch=self.metrics.commit_batch.observe,
+            on_batch=self.hooks.after_transaction,
         )
         self._store = store
-        self._daemon_store = _DaemonStore(store, self.metrics, self._own_fence)
         for scope_config in config.scopes:
             scope = _Scope(
                 scope_config.name,
@@ -501,16 +343,6 @@ class WorkerDaemon:
             return str(self.config.state_path(value[2:]))
         return value
 
-    def _instrument(self, registry: WorkerAdapterRegistry) -> WorkerAdapterRegistry:
-        wrapped = WorkerAdapterRegistry()
-        for tool in registry.tools():
-            adapter = registry.get(tool)
-            instrumented = _InstrumentedAdapter(
-                tool, adapter, self.metrics, self.faults, self.config.adapters.deadline_seconds
-            )
-            wrapped.register(tool, instrumented)
-        return wrapped
-
     async def _load_scope(self, scope: _Scope, *, open_gate: bool = True) -> None:
         """Reserve a fence, then rebuild the sessions from the store (W§10.10).
 
@@ -523,7 +355,6 @@ class WorkerDaemon:
         the ids found closed are remembered (``scope.closed``, bounded).
         """
         store = self.store
-        daemon_store = self._require_daemon_store()
         scope.reserving = True
         try:
             scope.lease = await store.reserve_fence(scope.name)
@@ -542,10 +373,11 @@ class WorkerDaemon:
                 record,
                 scope_key=scope.key,
                 scope=scope.name,
-                store=daemon_store,
+                store=store,
                 lease=scope.lease,
                 adapters=self._adapters,
                 limits=self._limits,
+                hooks=self.hooks,
             )
             sessions[session_id] = session
             if session.status == "poisoned":
@@ -565,10 +397,9 @@ class WorkerDaemon:
             scope.running.set()
         self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions), closed=len(closed))
 
-    def _require_daemon_store(self) -> _DaemonStore:
-        if self._daemon_store is None:
-            raise RuntimeError("the daemon has not started")
-        return self._daemon_store
+    def _superseded(self, scope: _Scope) -> bool:
+        """Whether a commit of ``scope`` met another worker's fence (see ``_Supersession``)."""
+        return scope.name in self._supersession.scopes
 
     async def _drain(self) -> None:
         """Stop consuming, then let running handlers finish within the grace period.
@@ -765,7 +596,7 @@ class WorkerDaemon:
 
     def _set_consumers_gauge(self) -> None:
         active = sum(1 for s in self._scopes.values() if s.consumer_tag is not None)
-        self.metrics.consumers_active.set(active)
+        self.hooks.on_consumers_changed(active)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -813,7 +644,7 @@ class WorkerDaemon:
         reason: str,
     ) -> None:
         """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
-        self.metrics.frames_rejected_for(scope.name, reason).inc()
+        self.hooks.on_dead_letter(scope.name, reason)
         self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
         await dead_letter_delivery(
             message,
@@ -834,7 +665,7 @@ class WorkerDaemon:
         session never makes.
         """
         entries = await self.store.load_outbox(scope.name)
-        self.metrics.outbox_pending.labels(scope.name).set(len(entries))
+        self.hooks.after_outbox_loaded(scope.name, len(entries))
         published = 0
         finished: dict[str, WorkerSession] = {}
         for entry in entries:
@@ -947,7 +778,7 @@ class WorkerDaemon:
         registered handler, or the reload itself). A session poisoned in memory
         commits nothing (W§10.9); one stored as poisoned may.
         """
-        store = self._require_daemon_store()
+        store = self.store
         for session in sessions:
             if scope.superseded or scope.sessions.get(session.session_id) is not session:
                 continue  # a reloaded scope has its own copy of the session
@@ -964,7 +795,7 @@ class WorkerDaemon:
                     session=session.session_id,
                     error=code,
                 )
-                if scope.name in store.superseded:
+                if self._superseded(scope):
                     await self._give_up_scope(scope)  # another worker holds the fence
                     return
                 continue
@@ -1014,7 +845,7 @@ class WorkerDaemon:
                     with contextlib.suppress(Exception):
                         await message.reject(requeue=True)
                 return
-            delivery = _Delivery(self, scope, message, channel, None)
+            delivery = _Delivery(self, scope, message, channel)
             current = asyncio.current_task()
             if current is not None:
                 scope.active.add(current)
@@ -1040,8 +871,7 @@ class WorkerDaemon:
                 if current is not None:
                     scope.active.discard(current)
                 self._detach(scope, delivery)
-            self.metrics.deliveries_for(scope.name, delivery.outcome).inc()
-            self.metrics.progress()
+            self.hooks.after_delivery(scope.name, delivery.outcome)
         await self._after_delivery(scope, delivery)
 
     async def _deliver(
@@ -1070,18 +900,13 @@ class WorkerDaemon:
         # From the last lookup to registering an open in _open_session there is
         # no await, so no other handler can open this session id in between.
         opening = False
-        kind: str | None = None
         if session is None or b"open_session" in body or b"\\u" in body:
             try:
                 _, decoded, _, _ = decode_frame(body)
             except OctoError as exc:
                 await delivery.dead_letter(exc.code)
                 return
-            kind = message_type(decoded)
             opening = isinstance(decoded, OpenSession)
-        else:
-            kind = _peek_type(body)
-        delivery.kind = kind
         if session is None:
             if session_id in scope.closed:
                 await delivery.dead_letter(SessionReplay.code if opening else "session_closed")
@@ -1098,19 +923,19 @@ class WorkerDaemon:
         self._attach(scope, delivery, session)
         if opening:
             if session.status in ("open", "poisoned") and key_nonce == session.key_nonce:
-                await session.handle(body, self._require_daemon_store(), delivery)
+                await session.handle(body, self.store, delivery)
             else:
                 await delivery.dead_letter(SessionReplay.code)
             return
         if session.status == "closed":
             # Dead-lettered by the session once its close is durable (a close
             # still in flight may fail, and the frame is then requeued).
-            await session.handle(body, self._require_daemon_store(), delivery)
+            await session.handle(body, self.store, delivery)
             return
         if key_nonce != session.key_nonce:
             await delivery.dead_letter("invalid_authentication_tag")
             return
-        await session.handle(body, self._require_daemon_store(), delivery)
+        await session.handle(body, self.store, delivery)
 
     async def _open_session(
         self,
@@ -1144,10 +969,11 @@ class WorkerDaemon:
                 scope=scope.name,
                 key_nonce=key_nonce,
                 reply_to=str(message.reply_to),
-                store=self._require_daemon_store(),
+                store=self.store,
                 lease=lease,
                 adapters=self._adapters,
                 limits=self._limits,
+                hooks=self.hooks,
             )
             scope.sessions[session_id] = session
         except OctoError as exc:
@@ -1171,7 +997,7 @@ class WorkerDaemon:
             self._log.warning("delivery_ack_failed", scope=scope.name, error=type(exc).__name__)
 
     async def _after_delivery(self, scope: _Scope, delivery: _Delivery) -> None:
-        if self._require_daemon_store().superseded.__contains__(scope.name):
+        if self._superseded(scope):
             await self._give_up_scope(scope)
             return
         session = delivery.session
@@ -1180,7 +1006,7 @@ class WorkerDaemon:
         if session.session_id in scope.persisted_poisoned:
             await self._persist_refusal_sequence(scope, session)
             return
-        self.metrics.sessions_poisoned.labels(scope.name).inc()
+        self.hooks.on_poisoned(scope.name, session.session_id)
         if not scope.reloading:
             scope.reloading = True
             scope.reload = self._spawn(self._reload_scope(scope))
@@ -1211,7 +1037,7 @@ class WorkerDaemon:
         if current is not None:
             scope.active.add(current)
         try:
-            await session.persist_poisoned(self._require_daemon_store(), sealed_through=high)
+            await session.persist_poisoned(self.store, sealed_through=high)
         except Exception as exc:
             scope.poisoned_sealed.pop(session.session_id, None)
             code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
@@ -1256,7 +1082,7 @@ class WorkerDaemon:
             # every other running handler of the scope (their commits may fail too).
             while scope.active:
                 await asyncio.wait(list(scope.active))
-            if scope.superseded or self._require_daemon_store().superseded.__contains__(scope.name):
+            if scope.superseded or self._superseded(scope):
                 await self._give_up_scope(scope)
                 return
             # Poisoned in memory, and stored poisoned with a refusal sealed
@@ -1280,12 +1106,12 @@ class WorkerDaemon:
                 restored = scope.sessions.get(session_id)
                 if restored is None:
                     continue
-                await restored.persist_poisoned(self._require_daemon_store(), sealed_through=sealed)
+                await restored.persist_poisoned(self.store, sealed_through=sealed)
                 scope.persisted_poisoned.add(session_id)
             self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
             if self._connected.is_set():
                 await self._release_outbox(scope, await self._republish_outbox(scope))
-                if scope.name in self._require_daemon_store().superseded:
+                if self._superseded(scope):
                     await self._give_up_scope(scope)  # the release met another writer's fence
                     return
                 await self._start_consuming(scope)
@@ -1293,7 +1119,7 @@ class WorkerDaemon:
             raise
         except Exception as exc:
             self._log.error("scope_reload_failed", scope=scope.name, error=type(exc).__name__)
-            if self._require_daemon_store().superseded.__contains__(scope.name):
+            if self._superseded(scope):
                 await self._give_up_scope(scope)
             else:
                 self.request_stop()  # fail closed: a supervisor restarts from durable state
@@ -1327,23 +1153,3 @@ class WorkerDaemon:
             if unhealthy_since is None or now - unhealthy_since < stall:
                 self._notifier.watchdog()
             await self._sleep_or_stop(interval)
-
-
-def _short(kind: str | None) -> str:
-    return "compensation" if kind == "compensate_operation" else "operation"
-
-
-def _peek_type(body: bytes) -> str | None:
-    """The message type of a canonical frame without decoding it (None if unsure)."""
-    marker = b'"message":{"type":"'
-    start = body.find(marker)
-    if start < 0:
-        return None
-    start += len(marker)
-    end = body.find(b'"', start, start + 40)
-    if end < 0:
-        return None
-    try:
-        return body[start:end].decode("ascii")
-    except UnicodeDecodeError:
-        return None

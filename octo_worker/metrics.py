@@ -1,10 +1,13 @@
-"""Prometheus metrics of the worker daemon (``octo_`` prefix).
+"""Prometheus metrics of the worker daemon (``octo_`` prefix), fed by the worker's hooks.
 
 One ``WorkerMetrics`` object per daemon, on its own registry so tests and
-several daemons in one process never collide. Labels carry outcomes, codes,
-tools, scopes and queue names only: never keys, payloads, operation keys or
-adapter text. Nothing here does I/O but the HTTP endpoint; the broker queue
-gauges are set by :mod:`octo_worker.queue_watch`, off the delivery path.
+several daemons in one process never collide. It is a
+:class:`~octo_worker.hooks.WorkerHooks` implementation: the session and the
+daemon tell it what happened, with typed arguments, at the points the hooks
+name. Labels carry outcomes, codes, tools, scopes and queue names only:
+never keys, payloads, operation keys or adapter text. Nothing here does I/O
+but the HTTP endpoint; the broker queue gauges are set by
+:mod:`octo_worker.queue_watch`, off the delivery path.
 
 The ``*_for`` methods return a metric's labelled child, remembered per label
 tuple: ``labels()`` checks and copies its arguments and takes a lock on
@@ -28,7 +31,10 @@ from prometheus_client import (
     start_http_server,
 )
 
-__all__ = ["WorkerMetrics", "unresolved_after_reply"]
+from octo_common.errors import OctoError, SessionReplay
+from octo_worker.hooks import WorkerHooks
+
+__all__ = ["WorkerMetrics"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,8 +59,16 @@ class _Children(Generic[_MetricT]):
         return child
 
 
-class WorkerMetrics:
-    """Counters, gauges and histograms the daemon updates as it works."""
+# Requests whose admission is counted (an effect), and requests whose answer
+# says whether their operation key is resolved.
+_ADMITTED_KINDS: Final = frozenset({"dispatch_operation", "compensate_operation"})
+_KEYED_KINDS: Final = frozenset(
+    {"dispatch_operation", "compensate_operation", "reconcile_operation"}
+)
+
+
+class WorkerMetrics(WorkerHooks):
+    """Counters, gauges and histograms, updated by the worker's hooks as it works."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -239,6 +253,67 @@ class WorkerMetrics:
     def note_queues_refreshed(self) -> None:
         self.queue_refreshed.set(time.time())
 
+    # Hooks (octo_worker.hooks): what each point of a delivery's handling counts.
+
+    def after_ack(self, scope: str, kind: str, operation_key: str) -> None:
+        self._admissions(scope, _short(kind), "dispatch").inc()
+        self.note_pending(scope, operation_key, True)
+
+    def after_adapter_call(
+        self, scope: str, tool: str, method: str, outcome: str, seconds: float
+    ) -> None:
+        self._adapter_outcomes(tool, method, outcome).inc()
+        self._adapter_duration(tool, method).observe(seconds)
+
+    def after_commit(self, scope: str, seconds: float) -> None:
+        self.commit_latency.observe(seconds)
+
+    def on_commit_failed(self, scope: str, error: OctoError) -> None:
+        # An open_session for a session id the scope already has is refused by
+        # the store, as it must be: no journal failure.
+        if not isinstance(error, SessionReplay):
+            self.commit_failures.labels(error.code).inc()
+
+    def after_reply(
+        self,
+        scope: str,
+        kind: str,
+        operation_key: str | None,
+        refused: bool,
+        unresolved: bool | None,
+        acked: bool,
+    ) -> None:
+        self._replies(scope, "confirmed").inc()
+        if kind in _ADMITTED_KINDS and not acked:
+            # Answered before any ack: an existing record or a refusal.
+            self._admissions(scope, _short(kind), "refused" if refused else "existing").inc()
+        if kind in _KEYED_KINDS and operation_key is not None and unresolved is not None:
+            self.note_pending(scope, operation_key, unresolved)
+
+    def on_reply_failed(self, scope: str, kind: str) -> None:
+        self._replies(scope, "failed").inc()
+
+    def on_dead_letter(self, scope: str, reason: str) -> None:
+        self._frames_rejected(scope, reason).inc()
+
+    def on_poisoned(self, scope: str, session_id: str) -> None:
+        self.sessions_poisoned.labels(scope).inc()
+
+    def after_delivery(self, scope: str, outcome: str) -> None:
+        self._deliveries(scope, outcome).inc()
+        self.progress()
+
+    def after_outbox_loaded(self, scope: str, rows: int) -> None:
+        self.outbox_pending.labels(scope).set(rows)
+
+    def after_transaction(self, change_sets: int) -> None:
+        self.commit_batch.observe(change_sets)
+
+    def on_consumers_changed(self, active: int) -> None:
+        self.consumers_active.set(active)
+
+    # Exposition.
+
     def exposition(self) -> bytes:
         """The text exposition format (what a scrape returns)."""
         return bytes(generate_latest(self.registry))
@@ -249,30 +324,5 @@ class WorkerMetrics:
         start_http_server(int(port), addr=host, registry=self.registry)
 
 
-_REJECTED: Final = b'"type":"request_rejected"'
-# Refusals that say the journal holds the key pending (D5, W§10.6).
-_PENDING_REFUSALS: Final = (b'"code":"pending_operation"', b'"code":"pending_compensation"')
-_STATUS: Final = b'"status":{"state":"'
-_TERMINAL_STATES: Final = frozenset({b"succeeded", b"failed", b"cancelled"})
-
-
-def unresolved_after_reply(frame: bytes) -> bool | None:
-    """What a reply to a keyed request or a reconciliation says of its key.
-
-    True: still unresolved (a status ``running``, or a refusal saying the
-    journal holds the key pending, which is how a key a crash left pending
-    shows up after a restart); False: resolved (a terminal status); None:
-    nothing (any other refusal). Reads the canonical reply frame without
-    decoding it: every field before a result's ``status`` is a token or a
-    number, so the first ``status`` is the result's own.
-    """
-    if _REJECTED in frame:
-        return True if any(code in frame for code in _PENDING_REFUSALS) else None
-    start = frame.find(_STATUS)
-    if start < 0:
-        return None
-    start += len(_STATUS)
-    end = frame.find(b'"', start, start + 20)
-    if end < 0:
-        return None
-    return frame[start:end] not in _TERMINAL_STATES
+def _short(kind: str) -> str:
+    return "compensation" if kind == "compensate_operation" else "operation"

@@ -40,9 +40,10 @@ import asyncio
 import collections
 import contextlib
 import enum
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
 import structlog
 
@@ -116,15 +117,15 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.peek import peek_operation_key
-from octo_common.states import Cancelled, Failed, Pending, Running, Succeeded
+from octo_common.states import TERMINAL_KINDS, Cancelled, Failed, Pending, Running, Succeeded
 from octo_worker.adapters import (
     AdapterContext,
     DurableOperationContract,
     InvocationSafety,
     WorkerAdapterRegistry,
-    adapter_deadline,
     call_adapter_with_deadline,
 )
+from octo_worker.hooks import NO_HOOKS, WorkerHooks
 from octo_worker.journal import (
     Existing,
     JournalChangeset,
@@ -252,6 +253,7 @@ class _InFlight:
     """One submitted commit of a session, until it is applied to memory."""
 
     task: asyncio.Future[int]
+    started: float  # time.perf_counter() at submission
     link: int | None
     snapshot: _Snapshot
     deletes: list[str]
@@ -287,6 +289,7 @@ class _Run:
     kind: str = ""
     adapter_ran: bool = False
     settled: bool = False
+    acked: bool = False
     # The last commit in flight when this handling began: an ack or a
     # dead-letter that commits nothing waits for it (see ``_settle_after``).
     barrier: asyncio.Future[int | OctoError] | None = None
@@ -308,9 +311,10 @@ class _Run:
             compensation_key=compensation_key,
         )
 
-    async def ack(self) -> None:
+    async def ack(self) -> bool:
+        """Ack the delivery unless it is settled; True if this call acked it."""
         if self.settled:
-            return
+            return False
         self.settled = True
         try:
             await self.delivery.ack()
@@ -320,6 +324,9 @@ class _Run:
             # The broker redelivers an unacked frame; the window and the journal
             # resolve the redelivery, so a lost ack is safe.
             self.log.warning("delivery_ack_failed", error=type(exc).__name__)
+            return False
+        self.acked = True
+        return True
 
     async def dead_letter(self, reason: str) -> None:
         if self.settled:
@@ -368,6 +375,10 @@ class _Reply:
     # The message id of the frame's outbox row; None for best-effort refusals
     # (nothing committed).
     outbox_id: str | None = None
+    # A request_rejected; what the reply says of the request's operation key
+    # (True: pending or running, False: terminal, None: nothing).
+    refused: bool = False
+    unresolved: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -394,10 +405,16 @@ class _AdapterStep:
 
     call: Callable[[float], Awaitable[Any]]  # gets the deadline (event-loop time)
     after: Callable[[Any, BaseException | None], Awaitable[_Final]]
+    tool: str
+    method: str  # the adapter method, for hooks
     ack_first: bool
     deadline: float
     returns: type[Any] | tuple[type[Any], ...]
-    effectful: bool = True
+    # The ack before the call acks an admission (dispatch, compensate): the
+    # adapter's run makes a failed commit of this handling indeterminate.
+    admission: bool = True
+    # The method may have an effect (invoke, dispatch, compensate).
+    effect: bool = True
 
 
 _Step: TypeAlias = _Final | _AdapterStep
@@ -436,6 +453,7 @@ class WorkerSession:
         lease: WorkerJournalLease,
         adapters: WorkerAdapterRegistry,
         limits: WorkerSessionLimits,
+        hooks: WorkerHooks,
     ) -> None:
         # Built only by ``open`` and ``restore``.
         self._scope = scope
@@ -453,6 +471,7 @@ class WorkerSession:
         self._lease = lease
         self._adapters = adapters
         self._limits = limits
+        self._hooks = hooks
         self._lock = asyncio.Lock()
         self._confirmed: list[str] = []
         # Commits submitted and not yet applied to memory, oldest first; the
@@ -491,6 +510,7 @@ class WorkerSession:
         lease: WorkerJournalLease,
         adapters: WorkerAdapterRegistry,
         limits: WorkerSessionLimits,
+        hooks: WorkerHooks = NO_HOOKS,
     ) -> WorkerSession:
         """Open a session from its authenticated ``open_session`` frame (W§10.4).
 
@@ -530,6 +550,7 @@ class WorkerSession:
             lease=lease,
             adapters=adapters,
             limits=limits,
+            hooks=hooks,
         )
         pending = session._snapshot()
         documents = SessionDocuments(
@@ -537,8 +558,8 @@ class WorkerSession:
             opening=session._opening_document(),
             base_revision=None,
         )
-        revision = await store.commit(
-            scope, lease, WorkerCommit(sessions={session.session_id: documents})
+        revision = await session._commit_now(
+            store, WorkerCommit(sessions={session.session_id: documents})
         )
         if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
             raise InvalidJournalRevision(1, revision)
@@ -559,6 +580,7 @@ class WorkerSession:
         lease: WorkerJournalLease,
         adapters: WorkerAdapterRegistry,
         limits: WorkerSessionLimits,
+        hooks: WorkerHooks = NO_HOOKS,
     ) -> WorkerSession:
         """Rebuild a session from its persisted documents (W§10.9–10.10).
 
@@ -590,6 +612,7 @@ class WorkerSession:
             lease=lease,
             adapters=adapters,
             limits=limits,
+            hooks=hooks,
         )
         session._log.info("session_restored", status=stored.status, revision=persisted.revision)
         return session
@@ -678,9 +701,7 @@ class WorkerSession:
                 # commits nothing more (W§10.9); the daemon reloads the scope.
                 return 0
             deletes = list(self._confirmed)
-            revision = await store.commit(
-                self._scope, self._lease, WorkerCommit(outbox_delete=deletes)
-            )
+            revision = await self._commit_now(store, WorkerCommit(outbox_delete=deletes))
             failure = self._revision_error(revision)
             if failure is not None:
                 raise failure
@@ -759,18 +780,9 @@ class WorkerSession:
             step = await self._prologue_locked(frame, run)
         while isinstance(step, _AdapterStep):
             if step.ack_first:
-                await run.ack()
-            run.adapter_ran = run.adapter_ran or step.effectful
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                result = await call_adapter_with_deadline(
-                    step.call, deadline_seconds=step.deadline, returns=step.returns
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                error = exc
+                await self._ack_before_adapter(step, run)
+            run.adapter_ran = run.adapter_ran or step.admission
+            result, error = await self._call_adapter(step)
             async with self._lock:
                 await self._wait_turn_locked(run.store)
                 if self._status == _POISONED:
@@ -782,14 +794,47 @@ class WorkerSession:
                     step = await step.after(result, error)
         await self._finish(step, run)
 
+    async def _ack_before_adapter(self, step: _AdapterStep, run: _Run) -> None:
+        key = run.operation_key
+        if not step.admission or key is None:
+            await run.ack()
+            return
+        hooks = self._hooks
+        hooks.after_admission_commit(self._scope, run.kind, key)
+        if await run.ack():
+            hooks.after_ack(self._scope, run.kind, key)
+
+    async def _call_adapter(self, step: _AdapterStep) -> tuple[Any, BaseException | None]:
+        return await call_adapter_reporting(
+            step.call,
+            deadline_seconds=step.deadline,
+            returns=step.returns,
+            scope=self._scope,
+            tool=step.tool,
+            method=step.method,
+            effect=step.effect,
+            hooks=self._hooks,
+        )
+
     async def _finish(self, step: _Final, run: _Run) -> None:
         if isinstance(step, _Reply):
+            hooks = self._hooks
+            hooks.before_reply(self._scope, run.kind)
             published = await run.publish(step.frame, step.correlation_id)
             if published:
+                hooks.after_reply(
+                    self._scope,
+                    run.kind,
+                    run.operation_key,
+                    step.refused,
+                    step.unresolved,
+                    run.acked,
+                )
                 if step.outbox_id is not None:
                     self.confirm_published(step.outbox_id)
                 await run.ack()
             else:
+                hooks.on_reply_failed(self._scope, run.kind)
                 # The reply stays in the outbox and is republished after a restart.
                 await run.requeue()
         elif not await self._settle_after(run):
@@ -873,20 +918,29 @@ class WorkerSession:
             return _Requeue()  # see _poisoned_answer_locked
         frame = self._seal_best_effort(run, error)
         # Nothing to publish: there is no answer to wait for, so drop the frame.
-        return _Ack() if frame is None else _Reply(frame, run.request_id)
+        if frame is None:
+            return _Ack()
+        return _Reply(frame, run.request_id, None, True, _refusal_unresolved(error.code))
 
     def _name_any_request(self, message: WorkerMessage, run: _Run) -> None:
         if isinstance(message, Invoke):
             run.name_request("invoke", message.invocation.request_id)
         elif isinstance(message, DispatchOperation):
-            run.name_request("dispatch", message.request.request_id, message.request.operation_key)
+            run.name_request(
+                "dispatch_operation", message.request.request_id, message.request.operation_key
+            )
         elif isinstance(message, CompensateOperation):
             request = message.request
             run.name_request(
-                "compensate", request.request_id, request.operation_key, request.compensation_key
+                "compensate_operation",
+                request.request_id,
+                request.operation_key,
+                request.compensation_key,
             )
         elif isinstance(message, ReconcileOperation):
-            run.name_request("reconcile", message.request.request_id, message.request.operation_key)
+            run.name_request(
+                "reconcile_operation", message.request.request_id, message.request.operation_key
+            )
         elif isinstance(message, Cancel):
             run.name_request("cancel", message.request.cancellation_id)
 
@@ -894,7 +948,7 @@ class WorkerSession:
         # D5: no authorization, no budget, no adapter, no journal change.
         if isinstance(message, DispatchOperation):
             request = message.request
-            run.name_request("dispatch", request.request_id, request.operation_key)
+            run.name_request("dispatch_operation", request.request_id, request.operation_key)
             journal = self._journal_or_none(run)
             if journal is None:
                 return await self._refuse_load_error(run)
@@ -917,7 +971,7 @@ class WorkerSession:
         if isinstance(message, CompensateOperation):
             comp = message.request
             run.name_request(
-                "compensate", comp.request_id, comp.operation_key, comp.compensation_key
+                "compensate_operation", comp.request_id, comp.operation_key, comp.compensation_key
             )
             journal = self._journal_or_none(run)
             if journal is None:
@@ -936,7 +990,7 @@ class WorkerSession:
             return await self._respond_locked(run, answer)
         if isinstance(message, ReconcileOperation):
             rec = message.request
-            run.name_request("reconcile", rec.request_id, rec.operation_key)
+            run.name_request("reconcile_operation", rec.request_id, rec.operation_key)
             journal = self._journal_or_none(run)
             if journal is None:
                 return await self._refuse_load_error(run)
@@ -992,10 +1046,12 @@ class WorkerSession:
                 ),
             ),
             after=after,
+            tool=tool,
+            method="invoke",
             ack_first=True,
-            deadline=adapter_deadline(adapter),
+            deadline=self._adapters.deadline_for(tool),
             returns=ToolPayload,
-            effectful=False,
+            admission=False,
         )
 
     async def _after_invoke_locked(
@@ -1016,7 +1072,7 @@ class WorkerSession:
     async def _dispatch_locked(self, message: DispatchOperation, run: _Run) -> _Step:
         request = message.request
         key = request.operation_key
-        run.name_request("dispatch", request.request_id, key)
+        run.name_request("dispatch_operation", request.request_id, key)
         try:
             auth = self._authorizer.authorize_operation(request)
         except OctoError as exc:
@@ -1064,8 +1120,10 @@ class WorkerSession:
                 ),
             ),
             after=after,
+            tool=request.tool,
+            method="dispatch_operation",
             ack_first=True,
-            deadline=adapter_deadline(adapter),
+            deadline=self._adapters.deadline_for(request.tool),
             returns=_STATUS_TYPES,
         )
 
@@ -1100,12 +1158,14 @@ class WorkerSession:
             # The observation is dropped: the refusal commits no journal change.
             return await self._refuse_locked(run, IndeterminateOperation(key, "protocol"))
         run.log.info("dispatch_observed", state=str(status.kind))
-        return await self._commit_reply_locked(run, frame, journal.changeset())
+        return await self._commit_reply_locked(
+            run, frame, journal.changeset(), unresolved=status.kind not in TERMINAL_KINDS
+        )
 
     async def _compensate_locked(self, message: CompensateOperation, run: _Run) -> _Step:
         request = message.request
         key = request.operation_key
-        run.name_request("compensate", request.request_id, key, request.compensation_key)
+        run.name_request("compensate_operation", request.request_id, key, request.compensation_key)
         run.log = run.log.bind(grant_fingerprint=request.grant_fingerprint)
         try:
             auth = self._authorizer.authorize_compensation(request)
@@ -1154,8 +1214,10 @@ class WorkerSession:
                 ),
             ),
             after=after,
+            tool=request.tool,
+            method="compensate_operation",
             ack_first=True,
-            deadline=adapter_deadline(adapter),
+            deadline=self._adapters.deadline_for(request.tool),
             returns=_STATUS_TYPES,
         )
 
@@ -1198,12 +1260,14 @@ class WorkerSession:
                 run, IndeterminateCompensation(key, cmp_key, "protocol")
             )
         run.log.info("compensation_observed", state=str(status.kind))
-        return await self._commit_reply_locked(run, frame, journal.changeset())
+        return await self._commit_reply_locked(
+            run, frame, journal.changeset(), unresolved=status.kind not in TERMINAL_KINDS
+        )
 
     async def _reconcile_locked(self, message: ReconcileOperation, run: _Run) -> _Step:
         request = message.request
         tool = request.tool
-        run.name_request("reconcile", request.request_id, request.operation_key)
+        run.name_request("reconcile_operation", request.request_id, request.operation_key)
         try:
             auth = self._authorizer.authorize_reconciliation(request)
         except OctoError as exc:
@@ -1245,10 +1309,13 @@ class WorkerSession:
                 ),
             ),
             after=after,
+            tool=tool,
+            method="reconcile_operation",
             ack_first=False,
-            deadline=adapter_deadline(adapter),
+            deadline=self._adapters.deadline_for(tool),
             returns=_STATUS_TYPES,
-            effectful=False,
+            admission=False,
+            effect=False,
         )
 
     async def _after_reconcile_locked(
@@ -1310,7 +1377,9 @@ class WorkerSession:
             except _CommitFailed as failed:
                 return self._poisoned_answer_locked(run, failed.error)
             return _Ack()
-        return await self._commit_reply_locked(run, frame, None)
+        return await self._commit_reply_locked(
+            run, frame, None, refused=True, unresolved=_refusal_unresolved(error.code)
+        )
 
     async def _refuse_load_error(self, run: _Run) -> _Final:
         # W§10.11 rule 7: a load error is refused with its code; nothing poisons.
@@ -1325,10 +1394,18 @@ class WorkerSession:
             frame = self._authenticator.seal(message)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
-        return await self._commit_reply_locked(run, frame, changes)
+        return await self._commit_reply_locked(
+            run, frame, changes, unresolved=reply_unresolved(message)
+        )
 
     async def _commit_reply_locked(
-        self, run: _Run, frame: bytes, changes: JournalChangeset | None
+        self,
+        run: _Run,
+        frame: bytes,
+        changes: JournalChangeset | None,
+        *,
+        refused: bool = False,
+        unresolved: bool | None = None,
     ) -> _Final:
         entry = OutboxEntry(
             message_id=message_id(frame),
@@ -1342,7 +1419,7 @@ class WorkerSession:
             await self._commit_locked(run.store, journal=changes, outbox=entry)
         except _CommitFailed as failed:
             return self._poisoned_answer_locked(run, failed.error)
-        return _Reply(frame, run.request_id, entry.message_id)
+        return _Reply(frame, run.request_id, entry.message_id, refused, unresolved)
 
     def _rejection(self, run: _Run, error: OctoError) -> RequestRejected:
         assert run.request_id is not None
@@ -1355,6 +1432,17 @@ class WorkerSession:
         )
 
     # -- commits and poisoning (W§10.1, W§10.9) ------------------------------------
+
+    async def _commit_now(self, store: WorkerSessionStore, changes: WorkerCommit) -> int:
+        """One commit awaited in place (opening, outbox release), reported to the hooks."""
+        started = time.perf_counter()
+        try:
+            revision = await store.commit(self._scope, self._lease, changes)
+        except OctoError as exc:
+            self._hooks.on_commit_failed(self._scope, exc)
+            raise
+        self._hooks.after_commit(self._scope, time.perf_counter() - started)
+        return revision
 
     async def _commit_locked(
         self,
@@ -1420,6 +1508,7 @@ class WorkerSession:
         )
         commit = _InFlight(
             task=asyncio.ensure_future(store.commit(self._scope, self._lease, changes)),
+            started=time.perf_counter(),
             link=link,
             snapshot=pending,
             deletes=deletes,
@@ -1495,12 +1584,16 @@ class WorkerSession:
             if task.cancelled():
                 failure = failure or StorageBackendError("commit cancelled")
             elif (exc := task.exception()) is not None:
+                if isinstance(exc, OctoError):
+                    self._hooks.on_commit_failed(self._scope, exc)
                 failure = failure or (
                     exc if isinstance(exc, OctoError) else StorageBackendError(type(exc).__name__)
                 )
-            elif failure is None:
-                revision = task.result()
-                failure = self._revision_error(revision)
+            else:
+                self._hooks.after_commit(self._scope, time.perf_counter() - commit.started)
+                if failure is None:
+                    revision = task.result()
+                    failure = self._revision_error(revision)
             if failure is not None:
                 if isinstance(failure, FencingTokenRejected):
                     self._superseded = True
@@ -1568,17 +1661,17 @@ class WorkerSession:
         frame = self._seal_best_effort(run, error)
         if frame is None:
             return _Requeue()
-        return _Reply(frame, run.request_id)
+        return _Reply(frame, run.request_id, None, True, _refusal_unresolved(error.code))
 
     @staticmethod
     def _poison_refusal(run: _Run, failure: OctoError) -> OctoError:
         revision = isinstance(failure, InvalidJournalRevision)
-        if run.adapter_ran and run.kind == "dispatch" and run.operation_key is not None:
+        if run.adapter_ran and run.kind == "dispatch_operation" and run.operation_key is not None:
             cause = "invalid_journal_revision" if revision else "journal"
             return IndeterminateOperation(run.operation_key, cause)
         if (
             run.adapter_ran
-            and run.kind == "compensate"
+            and run.kind == "compensate_operation"
             and run.operation_key is not None
             and run.compensation_key is not None
         ):
@@ -1666,3 +1759,68 @@ def _adapter_code(error: BaseException) -> str:
     if isinstance(error, OctoError):
         return error.code
     return AdapterFailed.code
+
+
+async def call_adapter_reporting(
+    call: Callable[[float], Awaitable[Any]],
+    *,
+    deadline_seconds: float,
+    returns: type[Any] | tuple[type[Any], ...],
+    scope: str,
+    tool: str,
+    method: str,
+    effect: bool,
+    hooks: WorkerHooks,
+) -> tuple[Any, BaseException | None]:
+    """One adapter call (``call_adapter_with_deadline``), told to the hooks; (result, error).
+
+    ``after_adapter_call`` gets the outcome (``ok``, the code of the adapter
+    error the failure became, or ``cancelled`` when the worker is stopping)
+    and the call's duration; ``after_effect`` runs once a method that may
+    have an effect (``effect``) returned, whatever it returned. A result that
+    is not a ``returns`` is the error ``AdapterFailed``. Only
+    ``asyncio.CancelledError`` is raised.
+    """
+    started = time.perf_counter()
+    outcome = "ok"
+    try:
+        result = await call_adapter_with_deadline(call, deadline_seconds=deadline_seconds)
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    except OctoError as exc:
+        outcome = exc.code
+        return None, exc
+    except Exception as exc:  # call_adapter_with_deadline maps every adapter failure
+        outcome = AdapterFailed.code
+        return None, exc
+    finally:
+        hooks.after_adapter_call(scope, tool, method, outcome, time.perf_counter() - started)
+    if effect:
+        hooks.after_effect(scope, tool, method)
+    if not isinstance(result, returns):
+        return None, AdapterFailed("unexpected result type")
+    return result, None
+
+
+# Refusals that say the journal holds the key pending (D5, W§10.6).
+_PENDING_CODES: Final = frozenset({PendingOperation.code, PendingCompensation.code})
+
+
+def reply_unresolved(message: WorkerMessage) -> bool | None:
+    """What a reply says of its request's operation key, for the hooks.
+
+    True: still unresolved (a status ``running``, or a refusal saying the
+    journal holds the key pending, which is how a key a crash left pending
+    shows up after a restart); False: resolved (a terminal status); None:
+    nothing (any other refusal, any other message).
+    """
+    if isinstance(message, RequestRejected):
+        return _refusal_unresolved(message.code)
+    if isinstance(message, OperationResult | ReconciledOperation | CompensationResult):
+        return message.result.status.kind not in TERMINAL_KINDS
+    return None
+
+
+def _refusal_unresolved(code: str) -> bool | None:
+    return True if code in _PENDING_CODES else None

@@ -1,4 +1,4 @@
-"""The daemon's side of poisoning (W§10.9 steps 3-5) with a fault at the store boundary.
+"""The daemon's side of poisoning (W§10.9 steps 3-5) with a fault at the store the sessions use.
 
 A commit that fails poisons its session: the host gets a best-effort refusal,
 the daemon pauses the scope, reloads it under a freshly reserved fence, records
@@ -53,7 +53,7 @@ async def _opened(daemon: WorkerDaemon, raw_host: RawHost, scope: str) -> RawSes
 
 def _fail_the_next_commit(daemon: WorkerDaemon) -> None:
     """Arm one failing commit at the store boundary the sessions use."""
-    store = daemon._require_daemon_store()
+    store = daemon.store
     real_commit = store.commit
     failures = 0
 
@@ -134,7 +134,7 @@ async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
 ) -> None:
     scope = worker_env.scope
     session = await _opened(daemon, raw_host, scope)
-    store = daemon._require_daemon_store()
+    store = daemon.store
     real_commit = store.commit
     calls = 0
     gate_open_at_marking: list[bool] = []
@@ -239,7 +239,7 @@ async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_sessio
         return apply_batch(batch)
 
     store._apply_batch = slow_for_x1  # type: ignore[method-assign]
-    boundary = daemon._require_daemon_store()
+    boundary = daemon.store
     commit = boundary.commit
     rejected: list[str] = []
 
@@ -265,7 +265,7 @@ async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_sessio
     state = daemon._scopes[scope]
     assert state.lease is not None and state.lease.token == fence + 1  # the reload's
     assert rejected == ["y"]  # no commit of the daemon's own met the new fence
-    assert not state.superseded and scope not in boundary.superseded
+    assert not state.superseded and scope not in daemon._supersession.scopes
     assert daemon.healthy()
     await workers.stop(daemon)
     await workers.start()
@@ -280,7 +280,7 @@ async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
     scope = worker_env.scope
     daemon = await workers.start()
     session = await _opened(daemon, raw_host, scope)
-    boundary = daemon._require_daemon_store()
+    boundary = daemon.store
     commit = boundary.commit
     failed: list[bool] = []
 

@@ -131,7 +131,7 @@ class Routing:
 
     def gate_commits(self, held: Callable[[Any], bool]) -> asyncio.Event:
         """Hold every journal commit ``held(changes)`` selects until the event is set."""
-        store = self.daemon._require_daemon_store()
+        store = self.daemon.store
         real_commit: Callable[..., Awaitable[int]] = store.commit
         gate = asyncio.Event()
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from octo_common.errors import AdapterIndeterminate
-from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole
 from octo_common.messages import (
     CompensationResult,
     OperationCompensationBinding,
@@ -20,12 +19,10 @@ from octo_common.messages import (
     RequestRejected,
 )
 from octo_common.payload import ToolPayload
-from octo_common.runtime.faults import FaultInjector
 from octo_common.states import Cancelled, Failed, Running, Succeeded
 from octo_worker import metrics as metrics_module
-from octo_worker.adapters import call_adapter
-from octo_worker.daemon import _InstrumentedAdapter
-from octo_worker.metrics import WorkerMetrics, unresolved_after_reply
+from octo_worker.metrics import WorkerMetrics
+from octo_worker.session import call_adapter_reporting, reply_unresolved
 
 
 def sample(metrics: WorkerMetrics, name: str, labels: dict[str, str]) -> float | None:
@@ -138,17 +135,27 @@ class _Slow:
         return None
 
 
+async def _dispatch(adapter: _Slow, metrics: WorkerMetrics, deadline: float) -> Any:
+    return await call_adapter_reporting(
+        lambda _deadline: adapter.dispatch_operation(None, None, None),
+        deadline_seconds=deadline,
+        returns=object,
+        scope="s1",
+        tool=adapter.tool,
+        method="dispatch_operation",
+        effect=True,
+        hooks=metrics,
+    )
+
+
 @pytest.mark.parametrize("raise_cancel", [False, True], ids=["deadline", "self-cancelled"])
 async def test_a_deadline_or_an_adapters_own_cancellation_counts_as_indeterminate(
     raise_cancel: bool,
 ) -> None:
     m = WorkerMetrics()
-    adapter = _InstrumentedAdapter("t.slow", _Slow(raise_cancel), m, FaultInjector(""), 30.0)
-    with pytest.raises(AdapterIndeterminate):
-        await call_adapter(
-            lambda: adapter.dispatch_operation(None, None, None),
-            deadline_seconds=adapter.deadline_seconds,
-        )
+    adapter = _Slow(raise_cancel)
+    result, error = await _dispatch(adapter, m, adapter.deadline_seconds)
+    assert result is None and isinstance(error, AdapterIndeterminate)
     labels = {"tool": "t.slow", "method": "dispatch_operation"}
     assert sample(m, "octo_adapter_outcomes_total", {**labels, "outcome": "cancelled"}) is None
     indeterminate = {**labels, "outcome": "adapter_indeterminate"}
@@ -157,11 +164,7 @@ async def test_a_deadline_or_an_adapters_own_cancellation_counts_as_indeterminat
 
 async def test_a_stopping_worker_counts_its_adapter_call_as_cancelled() -> None:
     m = WorkerMetrics()
-    adapter = _InstrumentedAdapter("t.slow", _Slow(), m, FaultInjector(""), 30.0)
-    adapter.deadline_seconds = 10.0
-    task = asyncio.ensure_future(
-        call_adapter(lambda: adapter.dispatch_operation(None, None, None), deadline_seconds=10.0)
-    )
+    task = asyncio.ensure_future(_dispatch(_Slow(), m, 10.0))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -173,43 +176,34 @@ async def test_a_stopping_worker_counts_its_adapter_call_as_cancelled() -> None:
 # What a reply says of its key (the oldest-unresolved gauge's source) ---------------------
 
 
-def _reply(message: Any) -> bytes:
-    worker = SessionAuthenticator(
-        "session-1", SessionKey.from_bytes(bytes(range(1, 33))), SessionRole.WORKER
-    )
-    return worker.seal(message)
-
-
-def _reconciled(status: Any) -> bytes:
-    return _reply(
-        ReconciledOperation(OperationReconcileResult("session-1", "r-1", "t", "op-1", status))
-    )
+def _reconciled(status: Any) -> ReconciledOperation:
+    return ReconciledOperation(OperationReconcileResult("session-1", "r-1", "t", "op-1", status))
 
 
 def test_a_terminal_status_resolves_and_running_leaves_the_key_unresolved() -> None:
     payload = ToolPayload.json({"done": True})
-    assert unresolved_after_reply(_reconciled(Succeeded(payload))) is False
-    assert unresolved_after_reply(_reconciled(Failed("gone"))) is False
-    assert unresolved_after_reply(_reconciled(Cancelled())) is False
-    assert unresolved_after_reply(_reconciled(Running())) is True
+    assert reply_unresolved(_reconciled(Succeeded(payload))) is False
+    assert reply_unresolved(_reconciled(Failed("gone"))) is False
+    assert reply_unresolved(_reconciled(Cancelled())) is False
+    assert reply_unresolved(_reconciled(Running())) is True
     dispatched = OperationResult(
         OperationReconcileResult("session-1", "d-1", "t", "op-1", Running())
     )
-    assert unresolved_after_reply(_reply(dispatched)) is True
+    assert reply_unresolved(dispatched) is True
     binding = OperationCompensationBinding("t", "op-1", "cmp-1", "tenant-a", "ab" * 32)
     compensated = CompensationResult(
         OperationCompensationResult("session-1", "c-1", binding, Succeeded(payload))
     )
-    assert unresolved_after_reply(_reply(compensated)) is False
+    assert reply_unresolved(compensated) is False
 
 
 def test_a_pending_refusal_marks_the_key_unresolved_and_other_refusals_say_nothing() -> None:
     for code in ("pending_operation", "pending_compensation"):
         refused = RequestRejected("session-1", "d-2", code, "op-1")
-        assert unresolved_after_reply(_reply(refused)) is True
+        assert reply_unresolved(refused) is True
     for code in ("budget_exhausted", "indeterminate_operation", "missing_adapter"):
         refused = RequestRejected("session-1", "d-2", code, "op-1")
-        assert unresolved_after_reply(_reply(refused)) is None
+        assert reply_unresolved(refused) is None
 
 
 def test_queue_gauges_follow_each_refresh() -> None:
