@@ -139,21 +139,30 @@ class Sessions:
             return session
 
 
+def host_stages() -> list[tuple[Any, str, str]]:
+    """The host pipeline's stages: (class, method, label), where each method is defined."""
+    from octo_host import engine, ledger, store
+    from octo_host.client import broker, facade, replies, sessions, verbs
+
+    return [
+        (facade.HostClient, "record_operation", "record_intent"),
+        (facade.HostClient, "dispatch", "dispatch_total"),
+        (verbs.HostVerbs, "_send_prepared", "persist_seal_publish_await"),
+        (broker.HostBroker, "publish", "publish_confirmed"),
+        (sessions.SessionRegistry, "await_reply", "await_reply"),
+        (replies.ReplyRouter, "_apply", "reply_apply_total"),
+        (store.SqliteLedgerStore, "compare_and_swap", "ledger_cas"),
+        (ledger.WorkflowOperationLedger, "to_json", "ledger_to_json"),
+        (ledger.WorkflowOperationLedger, "copy", "ledger_copy"),
+        (engine.WorkflowEngine, "prepare_authenticated_operation_dispatch", "seal"),
+        (engine.WorkflowEngine, "apply_reply", "open_apply"),
+    ]
+
+
 def instrument_host(timers: StageTimers) -> None:
     """The host pipeline's stages (wall clock, this process only)."""
-    from octo_host import client, engine, ledger, store
-
-    timers.wrap(client.HostClient, "record_operation", "record_intent")
-    timers.wrap(client.HostClient, "dispatch", "dispatch_total")
-    timers.wrap(client.HostClient, "_send_prepared", "persist_seal_publish_await")
-    timers.wrap(client.HostClient, "publish", "publish_confirmed")
-    timers.wrap(client.HostClient, "_await", "await_reply")
-    timers.wrap(client.HostClient, "_apply", "reply_apply_total")
-    timers.wrap(store.SqliteLedgerStore, "compare_and_swap", "ledger_cas")
-    timers.wrap(ledger.WorkflowOperationLedger, "to_json", "ledger_to_json")
-    timers.wrap(ledger.WorkflowOperationLedger, "copy", "ledger_copy")
-    timers.wrap(engine.WorkflowEngine, "prepare_authenticated_operation_dispatch", "seal")
-    timers.wrap(engine.WorkflowEngine, "apply_reply", "open_apply")
+    for owner, name, label in host_stages():
+        timers.wrap(owner, name, label)
 
 
 async def measure_octo(

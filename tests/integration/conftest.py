@@ -399,7 +399,7 @@ class HostFactory:
     async def crash(self, client: HostClient) -> None:
         """The host process dies: it sends nothing more, not even the
         ``close_session`` frames a clean ``close()`` publishes."""
-        for session in client._sessions.values():
+        for session in client._sessions.by_id.values():
             session.closed = True
         await self.close(client)
 

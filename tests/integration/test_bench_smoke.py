@@ -71,3 +71,13 @@ def test_endurance_smallest_run_reports_every_part() -> None:
     assert closing["sessions"] == 5
     assert closing["handled_s"] is not None  # the worker's counters saw every close
     assert closing["deliveries"].get("acked") == 5
+
+
+def test_every_host_stage_bench_e2e_times_is_a_method_of_the_client() -> None:
+    # bench/e2e.py --stages wraps these by name; a moved method would stop the run.
+    from bench.e2e import host_stages
+
+    stages = host_stages()
+    assert len(stages) >= 10
+    for owner, name, _ in stages:
+        assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"

@@ -398,8 +398,8 @@ async def test_a_closed_session_is_let_go_of_and_its_late_replies_are_still_reco
     await asyncio.sleep(0.4)
     second = await client.open_session(worker_env.scope, manifest())
     # The closed session (its waiters, its sent ids) is dropped; the open one stays.
-    assert first.session_id not in client._sessions
-    assert second.session_id in client._sessions
+    assert first.session_id not in client._sessions.by_id
+    assert second.session_id in client._sessions.by_id
 
     # A late authentic copy of its reply is dropped quietly, not dead-lettered...
     await scripted.reply(dispatch, succeeded(dispatch))

@@ -74,13 +74,13 @@ def effect_keys(worker_env: WorkerEnv) -> list[str]:
 def record_kinds(client: HostClient) -> list[str]:
     """The kinds of frame ``client`` publishes from now on, in order (a spy, not a stub)."""
     kinds: list[str] = []
-    publish = client.publish
+    publish = client._broker.publish
 
     async def spy(*args: Any, kind: str = "frame", **kwargs: Any) -> None:
         kinds.append(kind)
         await publish(*args, kind=kind, **kwargs)
 
-    client.publish = spy  # type: ignore[method-assign]
+    client._broker.publish = spy  # type: ignore[method-assign]
     return kinds
 
 
@@ -303,4 +303,4 @@ async def test_recover_closes_its_session_when_it_fails(
 
     assert after.published["open_session"] == 1
     assert after.published["close_session"] == 1
-    assert all(s.closed for s in after._sessions.values())
+    assert all(s.closed for s in after._sessions.by_id.values())

@@ -1,0 +1,504 @@
+"""The host client's verbs: record, dispatch, reconcile, compensate (H§12, H§16.4, H§16.5).
+
+This module owns the per-kind table of the requests the client sends, the one
+path every request takes (persist the ledger, seal under the run lock,
+register, fault point, publish, await the reply), the decision of which key
+may be dispatched directly, and the one retry loop that reconciles or
+repeats a request until a terminal state as :mod:`octo_host.reactions` says.
+
+It must never send a second ``dispatch_operation`` for a key the worker may
+have admitted (only ``unknown_operation`` on reconcile, for a key the ledger
+still holds ``pending``, proves it never did), create a new key to make
+progress, publish a frame before the ledger revision that justifies it is
+durable, seal a compensation without a fresh approval, or log keys'
+payloads, nonces or adapter text (ids, fingerprints, codes and states only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from structlog.typing import FilteringBoundLogger
+
+from octo_common.errors import InvalidScopeKey, OctoError, SessionClosed, WorkerRequestRejected
+from octo_common.frames import SessionAuthenticator
+from octo_common.messages import (
+    CompensationReconcileRequest,
+    OperationCompensationRequest,
+    OperationDispatchRequest,
+    OperationReconcileRequest,
+    WorkerMessage,
+)
+from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.runtime.faults import FaultInjector
+from octo_common.states import (
+    TERMINAL_KINDS,
+    OperationStatus,
+    Pending,
+    StateKind,
+    WorkerOperationState,
+)
+from octo_host.client.broker import HostBroker
+from octo_host.client.runs import HostRun, RunCache
+from octo_host.client.sessions import HostSession, ReplyTimedOut, SessionRegistry
+from octo_host.client.settings import ClientSettings
+from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
+from octo_host.engine import OutboundFrame, WorkflowEngine
+from octo_host.kinds import RequestKind
+from octo_host.reactions import Reaction, rejection_reaction
+
+__all__ = ["HostVerbs", "new_request_id"]
+
+# Consecutive unanswered requests after which the session itself is suspect
+# (a refused open or a dead-lettered session shows up only as silence, H§16.1).
+_TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
+
+# The one kill point of the host (OCTO_FAULT, see octo_common.runtime.faults).
+_HOST_FAULT_POINT: Final = "host.after_ledger_commit"
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """How the client sends one kind of request (its reply: ``WorkflowEngine.apply_reply``)."""
+
+    message_type: str
+    """The request's message type: the key it is counted under in ``HostClient.published``."""
+    request_id_prefix: str
+    binds_route: bool = False
+    """The key is bound to the session's scope, durably, before the first publish."""
+
+
+# One row per kind (a new kind is a row here, in the engine's table and in the reactions').
+_KINDS: Final[Mapping[RequestKind, _Kind]] = {
+    RequestKind.DISPATCH: _Kind("dispatch_operation", "d", binds_route=True),
+    RequestKind.RECONCILE: _Kind("reconcile_operation", "r"),
+    RequestKind.COMPENSATE: _Kind("compensate_operation", "c"),
+    RequestKind.RECONCILE_COMPENSATION: _Kind("reconcile_compensation", "k"),
+}
+_KIND_OF_REQUEST: Final[Mapping[type, RequestKind]] = {
+    OperationDispatchRequest: RequestKind.DISPATCH,
+    OperationReconcileRequest: RequestKind.RECONCILE,
+    OperationCompensationRequest: RequestKind.COMPENSATE,
+    CompensationReconcileRequest: RequestKind.RECONCILE_COMPENSATION,
+}
+
+
+class _SentBefore(Exception):
+    """Internal to :meth:`HostVerbs.dispatch`: the key may have been sent; reconcile it."""
+
+
+def new_request_id(kind: RequestKind) -> str:
+    """A fresh request id for a request of ``kind``."""
+    return f"{_KINDS[kind].request_id_prefix}-{int(time.time())}-{secrets.token_hex(6)}"
+
+
+class HostVerbs:
+    """The verbs of one host client, over its sessions, runs and broker."""
+
+    def __init__(
+        self,
+        engine: WorkflowEngine,
+        sessions: SessionRegistry,
+        runs: RunCache,
+        broker: HostBroker,
+        settings: ClientSettings,
+        log: FilteringBoundLogger,
+    ) -> None:
+        self._engine = engine
+        self._sessions = sessions
+        self._runs = runs
+        self._broker = broker
+        self._settings = settings
+        self._log = log
+        self._faults = FaultInjector()
+
+    async def send(
+        self,
+        session: HostSession,
+        outbound: OutboundFrame[Any],
+    ) -> WorkerMessage:
+        """Publish a frame built by the engine and return the authenticated reply.
+
+        The reply is routed by correlation id and opened with the session's
+        authenticator; it is not applied to any ledger (the verbs do that).
+        Raises :class:`ReplyTimedOut` when nothing arrives in time.
+        """
+        if session.closed:
+            raise SessionClosed(session.session_id)
+        request_id = outbound.request.request_id
+        waiter = self._sessions.register(session, request_id, None, outbound.request, None)
+        message_type = _KINDS[_KIND_OF_REQUEST[type(outbound.request)]].message_type
+        try:
+            await self._broker.publish(session, outbound.frame, request_id, kind=message_type)
+        except BaseException:
+            session._waiters.pop(request_id, None)
+            raise
+        message: WorkerMessage = await self._sessions.await_reply(session, request_id, waiter)
+        return message
+
+    async def record_operation(
+        self,
+        run: HostRun,
+        step_id: str,
+        tool: str,
+        payload: ToolPayload,
+        nonce: bytes,
+        *,
+        operation_key: str | None = None,
+        scope: str | None = None,
+    ) -> str:
+        """``HostClient.record_operation`` (its docstring is the contract)."""
+        if scope is not None and not self._sessions.has_key(scope):
+            raise InvalidScopeKey("missing")  # no key configured for this scope
+        data = canonical_operation_input_bytes(payload)
+        async with run._lock:
+            candidate = run._ledger.copy()
+            if operation_key is None:
+                operation_key = self._engine.record_derived_operation(
+                    run.plan, candidate, step_id, tool, data, nonce
+                )
+            else:
+                self._engine.record_operation(
+                    run.plan, candidate, step_id, tool, operation_key, data
+                )
+            routes = None
+            if scope is not None:
+                routes = await self._runs.routes_with(run, operation_key, scope)
+            await self._runs.persist_locked(run, candidate, routes)
+            run._unsent.add(operation_key)
+        self._log.info("operation_recorded", run=run.name, operation_key=operation_key, tool=tool)
+        return operation_key
+
+    async def record_compensation(
+        self,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        payload: ToolPayload,
+        nonce: bytes,
+    ) -> str:
+        """Record the one compensation intent (both verifiers run) and persist it."""
+        data = canonical_operation_input_bytes(payload)
+        async with run._lock:
+            candidate = run._ledger.copy()
+            compensation_key = self._engine.record_derived_compensation_with_action_verifier(
+                run.plan, candidate, target, data, nonce
+            )
+            await self._runs.persist_locked(run, candidate)
+        self._log.info(
+            "compensation_recorded",
+            run=run.name,
+            operation_key=target.operation_key,
+            compensation_key=compensation_key,
+        )
+        return compensation_key
+
+    async def _send_prepared(
+        self,
+        session: HostSession,
+        run: HostRun,
+        kind: RequestKind,
+        build: Any,
+    ) -> OperationStatus:
+        """Persist, seal (``build``), register, fault point, publish, await the reply.
+
+        ``build(auth) -> OutboundFrame`` runs under the run lock after the
+        ledger is durable, so an approval and its sealing see one revision,
+        and a decision to send sees the ledger it is made from.
+        """
+        if session.closed:
+            raise SessionClosed(session.session_id)
+        async with run._lock:
+            await self._runs.persist_locked(run, run._ledger)
+            outbound = build(session.authenticator)
+            request = outbound.request
+            row = _KINDS[kind]
+            if row.binds_route:
+                # Durable before the first publish of the key, never changed.
+                await self._runs.bind_route(run, request.operation_key, session.scope)
+            waiter = self._sessions.register(session, request.request_id, kind, request, run)
+        self._faults.reach(_HOST_FAULT_POINT)
+        try:
+            await self._broker.publish(
+                session, outbound.frame, request.request_id, kind=row.message_type
+            )
+        except BaseException:
+            session._waiters.pop(request.request_id, None)
+            raise
+        state: OperationStatus = await self._sessions.await_reply(
+            session, request.request_id, waiter
+        )
+        return state
+
+    async def _dispatch_once(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        payload: ToolPayload,
+        unknown: WorkerRequestRejected | None = None,
+    ) -> OperationStatus:
+        """One ``dispatch_operation``, decided under the run lock (H§16.4, H§16.5).
+
+        Without ``unknown``, only a ``pending`` key this run recorded and never
+        sent goes out; any other raises :class:`_SentBefore`. With ``unknown``
+        (the worker's ``unknown_operation`` for the key), only a key the ledger
+        still holds ``pending`` goes out; for any other the ledger says the
+        worker saw the key and its journal has forgotten it, and a new dispatch
+        could run the effect twice: ``unknown`` is raised (fail closed).
+        """
+        request_id = new_request_id(RequestKind.DISPATCH)
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[OperationDispatchRequest]:
+            state = run.state(operation_key)
+            if unknown is None:
+                if state != StateKind.PENDING or operation_key not in run._unsent or run._detached:
+                    raise _SentBefore()
+            elif state != StateKind.PENDING:
+                self._log.error(
+                    "dispatch_refused",
+                    run=run.name,
+                    operation_key=operation_key,
+                    ledger_state=state.value,
+                    code=unknown.rejection_code,
+                )
+                raise unknown
+            outbound = self._engine.prepare_authenticated_operation_dispatch(
+                run.plan, run._ledger, operation_key, payload, request_id, auth
+            )
+            run._unsent.discard(operation_key)
+            return outbound
+
+        return await self._send_prepared(session, run, RequestKind.DISPATCH, build)
+
+    async def _reconcile_once(
+        self, session: HostSession, run: HostRun, operation_key: str, data: bytes
+    ) -> OperationStatus:
+        request_id = new_request_id(RequestKind.RECONCILE)
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[OperationReconcileRequest]:
+            return self._engine.prepare_authenticated_operation_reconciliation(
+                run.plan, run._ledger, operation_key, data, request_id, auth
+            )
+
+        return await self._send_prepared(session, run, RequestKind.RECONCILE, build)
+
+    async def _compensate_once(
+        self,
+        session: HostSession,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        dispatch: WorkflowCompensationDispatch,
+    ) -> OperationStatus:
+        data = canonical_operation_input_bytes(dispatch.payload)
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[OperationCompensationRequest]:
+            # A fresh approval right before sealing (H§12.6-12.7, H§14).
+            approval = self._engine.approve_compensation(run.plan, run._ledger, target, data, auth)
+            return self._engine.prepare_authenticated_operation_compensation(
+                run.plan, run._ledger, target, dispatch, approval, auth
+            )
+
+        return await self._send_prepared(session, run, RequestKind.COMPENSATE, build)
+
+    # -- verbs ---------------------------------------------------------------------------
+    # -- verbs ---------------------------------------------------------------------------
+
+    async def dispatch(
+        self, session: HostSession, run: HostRun, operation_key: str, payload: ToolPayload
+    ) -> WorkerOperationState:
+        """``HostClient.dispatch`` (its docstring is the contract)."""
+        session = session.current()
+        data = canonical_operation_input_bytes(payload)
+        try:
+            state = await self._dispatch_once(session, run, operation_key, payload)
+        except _SentBefore:
+            return await self.settle(session, run, operation_key, data, payload, None)
+        except ReplyTimedOut as exc:
+            return await self.settle(session, run, operation_key, data, payload, exc)
+        except WorkerRequestRejected as exc:
+            reaction = rejection_reaction(RequestKind.DISPATCH, exc.rejection_code)
+            if reaction is not Reaction.RECONCILE and reaction is not Reaction.NEW_SESSION:
+                raise
+            return await self.settle(session, run, operation_key, data, payload, exc)
+        self._log.info(
+            "operation_observed", run=run.name, operation_key=operation_key, state=state.kind.value
+        )
+        return state
+
+    async def reconcile(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        input: ToolPayload | bytes,
+    ) -> WorkerOperationState:
+        """``HostClient.reconcile`` (its docstring is the contract)."""
+        session = session.current()
+        if isinstance(input, ToolPayload):
+            return await self.settle(
+                session,
+                run,
+                operation_key,
+                canonical_operation_input_bytes(input),
+                None,
+                None,
+            )
+        return await self.settle(session, run, operation_key, input, None, None)
+
+    async def settle(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        data: bytes,
+        payload: ToolPayload | None,
+        cause: OctoError | None,
+    ) -> WorkerOperationState:
+        """Reconcile ``operation_key`` until a terminal state or the attempts run out.
+
+        With ``payload``, ``unknown_operation`` (proof that the worker never
+        admitted the key) lets the same key be dispatched again while the
+        ledger still says ``pending``; for a key in any other state it is
+        raised (the ledger says the worker did admit it).
+        """
+        timeouts = 1 if isinstance(cause, ReplyTimedOut) else 0
+        new_session = False
+        if isinstance(cause, WorkerRequestRejected):
+            code = cause.rejection_code
+            self._log.info("request_rejected", run=run.name, operation_key=operation_key, code=code)
+            new_session = rejection_reaction(RequestKind.DISPATCH, code) is Reaction.NEW_SESSION
+
+        async def reconcile(session: HostSession, number: int) -> OperationStatus:
+            return await self._reconcile_once(session, run, operation_key, data)
+
+        last = await self._repeat(
+            RequestKind.RECONCILE,
+            session,
+            run,
+            operation_key,
+            reconcile,
+            payload,
+            timeouts=timeouts,
+            new_session=new_session,
+        )
+        self._log.info(
+            "operation_observed",
+            run=run.name,
+            operation_key=operation_key,
+            state=last.kind.value,
+            ledger_state=run.state(operation_key).value,
+        )
+        return last
+
+    async def compensate(
+        self,
+        session: HostSession,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        dispatch: WorkflowCompensationDispatch,
+    ) -> WorkerOperationState:
+        """``HostClient.compensate`` (its docstring is the contract)."""
+
+        async def attempt(session: HostSession, number: int) -> OperationStatus:
+            # A new request id for every repetition; the key and input stay.
+            sent = dispatch
+            if number:
+                sent = WorkflowCompensationDispatch(
+                    new_request_id(RequestKind.COMPENSATE), dispatch.payload
+                )
+            return await self._compensate_once(session, run, target, sent)
+
+        last = await self._repeat(
+            RequestKind.COMPENSATE, session.current(), run, target.operation_key, attempt, None
+        )
+        self._log.info(
+            "compensation_observed",
+            run=run.name,
+            operation_key=target.operation_key,
+            state=last.kind.value,
+        )
+        return last
+
+    async def _repeat(
+        self,
+        kind: RequestKind,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        attempt: Callable[[HostSession, int], Awaitable[OperationStatus]],
+        same_key: ToolPayload | None,
+        *,
+        timeouts: int = 0,
+        new_session: bool = False,
+    ) -> WorkerOperationState:
+        """Run ``attempt`` (a request of ``kind``) until a terminal state or the attempts
+        run out; returns the last state observed (``Pending`` if none).
+
+        H§16.4-16.5: a timeout, or a refusal the reactions table answers with
+        ``RECONCILE``, leads to the next attempt (same key); ``NEW_SESSION``, or
+        three timeouts in a row, first replaces the session. ``DISPATCH_SAME_KEY``
+        dispatches ``operation_key`` again with the payload ``same_key``, in
+        the same attempt, if one is given (the dispatch itself refuses unless
+        the ledger still holds the key ``pending``). Any other refusal is raised.
+        """
+        last: WorkerOperationState = Pending()
+        for number in range(self._settings.max_attempts):
+            if number:
+                await self._backoff(number)
+            if new_session or timeouts >= _TIMEOUTS_BEFORE_NEW_SESSION:
+                reason = "rejection" if new_session else "timeouts"
+                session = await self._sessions.replace(session, reason)
+                new_session, timeouts = False, 0
+            session = session.current()
+            try:
+                state = await attempt(session, number)
+            except ReplyTimedOut:
+                timeouts += 1
+                continue
+            except WorkerRequestRejected as exc:
+                code = exc.rejection_code
+                self._log.info(
+                    "request_rejected", run=run.name, operation_key=operation_key, code=code
+                )
+                reaction = rejection_reaction(kind, code)
+                if reaction is not Reaction.DISPATCH_SAME_KEY or same_key is None:
+                    new_session = _new_session_or_raise(reaction, exc)
+                    continue
+                # Admission precedes every effect: the worker never saw the key.
+                # Another verb may have replaced the session meanwhile.
+                session = session.current()
+                try:
+                    state = await self._dispatch_once(
+                        session, run, operation_key, same_key, unknown=exc
+                    )
+                except ReplyTimedOut:
+                    timeouts += 1
+                    continue
+                except WorkerRequestRejected as again:
+                    reaction = rejection_reaction(RequestKind.DISPATCH, again.rejection_code)
+                    new_session = _new_session_or_raise(reaction, again)
+                    continue
+            timeouts = 0
+            last = state
+            if state.kind in TERMINAL_KINDS:
+                break
+        return last
+
+    async def _backoff(self, attempt: int) -> None:
+        settings = self._settings
+        delay = min(settings.backoff_initial * (2 ** (attempt - 1)), settings.backoff_max)
+        await asyncio.sleep(delay)
+
+
+def _new_session_or_raise(reaction: Reaction, refusal: WorkerRequestRejected) -> bool:
+    """True to go on in a new session, False to go on in this one; else ``refusal`` is raised."""
+    if reaction is Reaction.NEW_SESSION:
+        return True
+    if reaction is Reaction.RECONCILE:
+        return False
+    raise refusal
