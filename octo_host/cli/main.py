@@ -1,0 +1,105 @@
+"""The ``octo-host`` entry point: the parser of every verb, logging, how an error ends a command.
+
+It must never print a traceback: an error is one line on stderr and an exit
+status (see :mod:`octo_host.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from octo_common.errors import OctoError, StorageError
+from octo_common.runtime.output import (
+    EXIT_BROKER,
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    Failure,
+    OneLineParser,
+    Output,
+    drop_exception_text,
+    quiet_logging,
+    run_command,
+)
+from octo_common.transport import PublishFailed, PublishReturned
+from octo_host.amqp import BrokerUnavailable
+from octo_host.cli import audit, compensate, keys, ledger, operations, recover
+from octo_host.cli.context import PROG
+from octo_host.cli.options import common_options
+from octo_host.config import InvalidConfiguration
+
+__all__ = ["build_parser", "main"]
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Quiet by default (errors are reported as one line); ``--verbose``: JSON on stderr."""
+    quiet_logging()
+    if not verbose:
+        return
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            drop_exception_text,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = common_options()
+    parser = OneLineParser(
+        prog=PROG,
+        description="Drive and inspect Octo workflow runs (the host side).",
+        epilog="Exit status: 0 ok, 1 refused / not found / not succeeded, 2 usage or "
+        "configuration error, 3 broker unreachable, 4 storage error.",
+    )
+    verbs = parser.add_subparsers(
+        dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
+    for group in (keys, ledger, operations, compensate, recover, audit):
+        group.register(verbs, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``octo-host`` command; returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    out = Output(PROG, "--json" in arguments, sys.stdout, sys.stderr)
+
+    def body() -> int:
+        try:
+            args = build_parser().parse_args(arguments)
+        except SystemExit as exit_:  # --help
+            return exit_.code if isinstance(exit_.code, int) else EXIT_OK
+        out.json_mode = bool(getattr(args, "json", False))
+        _configure_logging(bool(getattr(args, "verbose", False)))
+        handler: Callable[[argparse.Namespace, Output], int] = args.handler
+        return handler(args, out)
+
+    return run_command(out, body, _report)
+
+
+def _report(error: Exception) -> Failure | None:
+    """How an Octo error ends a host command (None: an internal error)."""
+    if isinstance(error, InvalidConfiguration):
+        return (EXIT_USAGE, str(error), error.code)
+    if isinstance(error, PublishReturned):
+        where = f"no worker queue {error.routing_key} (is a worker serving the scope?)"
+        return (EXIT_BROKER, f"{error.code}: {where}", error.code)
+    if isinstance(error, BrokerUnavailable | PublishFailed):
+        return (EXIT_BROKER, f"broker: {error.code}: {error}", error.code)
+    if isinstance(error, StorageError):
+        return (EXIT_STORAGE, f"ledger storage: {error.code}: {error}", error.code)
+    if isinstance(error, OctoError):
+        return (EXIT_CHECK_FAILED, f"refused: {error.code}: {error}", error.code)
+    return None

@@ -1,0 +1,124 @@
+"""``octo-host dispatch`` and ``reconcile``: send a recorded operation, or ask for its state.
+
+``dispatch`` derives the ``op-`` key from plan, step, tool, input and nonce
+(default nonce ``RUN/STEP``), so repeating the same command after a crash
+finds the recorded key and settles it instead of creating another.
+
+It must never create a second key for one step's input and nonce, or print
+a payload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from octo_common.errors import WorkerRequestRejected
+from octo_common.payload import canonical_operation_input_bytes
+from octo_common.runtime.output import EXIT_CHECK_FAILED, CliError, OneLineParser, Output
+from octo_common.states import StateKind
+from octo_host.cli.context import (
+    PROG,
+    close_quietly,
+    config_of,
+    grant_format,
+    load_recorded,
+    plan_named,
+    recorded_operation,
+    scope_of,
+    with_client,
+)
+from octo_host.cli.options import SCOPE_HELP, payload_of, token_arg
+from octo_host.cli.results import finish, operation_result, result_lines
+from octo_host.client import HostClient
+
+__all__ = ["cmd_dispatch", "cmd_reconcile", "register"]
+
+
+def register(verbs: Any, common: OneLineParser) -> None:
+    """Add ``dispatch`` and ``reconcile`` to the verbs."""
+    dispatch = verbs.add_parser(
+        "dispatch", parents=[common], help="record an operation and dispatch it"
+    )
+    dispatch.add_argument("run", type=token_arg, metavar="RUN")
+    dispatch.add_argument("--plan", type=token_arg, required=True, metavar="NAME")
+    dispatch.add_argument("--step", required=True, metavar="STEP")
+    dispatch.add_argument("--tool", type=token_arg, required=True, metavar="TOOL")
+    dispatch.add_argument("--scope", type=token_arg, metavar="S", help=SCOPE_HELP)
+    dispatch.add_argument("--payload", required=True, metavar="JSON|@FILE")
+    dispatch.add_argument(
+        "--nonce", metavar="TEXT", help="key nonce (default RUN/STEP: the same command, same key)"
+    )
+    dispatch.set_defaults(handler=cmd_dispatch)
+
+    reconcile = verbs.add_parser(
+        "reconcile", parents=[common], help="ask the worker for a recorded operation's state"
+    )
+    reconcile.add_argument("run", type=token_arg, metavar="RUN")
+    reconcile.add_argument("key", type=token_arg, metavar="KEY")
+    reconcile.add_argument("--scope", type=token_arg, metavar="S", help=SCOPE_HELP)
+    reconcile.add_argument(
+        "--payload", required=True, metavar="JSON|@FILE", help="the operation's input"
+    )
+    reconcile.add_argument("--plan", type=token_arg, metavar="NAME")
+    reconcile.set_defaults(handler=cmd_reconcile)
+
+
+def cmd_dispatch(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+    scope, tool, step = scope_of(config, args.scope), args.tool, args.step
+    payload = payload_of(grant_format(config, scope, tool), args.payload, "--payload")
+    manifest = config.manifest(scope)
+    nonce_text = args.nonce if args.nonce is not None else f"{args.run}/{step}"
+    nonce = nonce_text.encode("utf-8")
+
+    async def body(client: HostClient) -> tuple[dict[str, Any], StateKind]:
+        plan = plan_named(config, client.engine, args.plan)
+        run = await client.load_run(args.run, plan)
+        data = canonical_operation_input_bytes(payload)
+        key = client.engine.derive_operation_key(plan, step, tool, data, nonce)
+        recorded = run.operation(key) is None
+        if recorded:
+            await client.record_operation(run, step, tool, payload, nonce, scope=scope)
+        session = await client.open_session(scope, manifest)
+        try:
+            state = await client.dispatch(session, run, key, payload)
+        finally:
+            await close_quietly(client, session)
+        return operation_result(run, key, state, recorded), state.kind
+
+    document, state = asyncio.run(with_client(config, scope, body))
+    return finish(
+        out, document, result_lines(document), state, f"operation {document['operation_key']}"
+    )
+
+
+def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+    scope = scope_of(config, args.scope)
+    manifest = config.manifest(scope)
+
+    async def body(client: HostClient) -> tuple[dict[str, Any], StateKind]:
+        run = await load_recorded(client, config, args.run, args.plan)
+        operation = recorded_operation(run, args.key)
+        payload = payload_of(grant_format(config, scope, operation.tool), args.payload, "--payload")
+        operation.verify_input(canonical_operation_input_bytes(payload))
+        session = await client.open_session(scope, manifest)
+        try:
+            state = await client.reconcile(session, run, args.key, payload)
+        except WorkerRequestRejected as error:
+            if error.rejection_code != "unknown_operation":
+                raise
+            raise CliError(
+                EXIT_CHECK_FAILED,
+                f"the worker never admitted {args.key}; send it with: {PROG} recover "
+                f"{args.run} --scope {scope} --inputs FILE (or dispatch it again)",
+                "unknown_operation",
+            ) from None
+        finally:
+            await close_quietly(client, session)
+        return operation_result(run, args.key, state, None), state.kind
+
+    document, state = asyncio.run(with_client(config, scope, body))
+    return finish(out, document, result_lines(document), state, f"operation {args.key}")

@@ -1,0 +1,122 @@
+"""How ``octo-host`` reports a state, an operation and a verb's result.
+
+This module owns the text and JSON shapes of what the worker verbs observed
+and the exit status they end with (0 only for ``succeeded``).
+
+It must never show a payload or a failure text: they become sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from octo_common.runtime.output import EXIT_CHECK_FAILED, EXIT_OK, Output
+from octo_common.states import TERMINAL_KINDS, Failed, StateKind, Succeeded
+from octo_host.cli.context import PROG
+from octo_host.client import HostRun
+from octo_host.ledger import WorkflowOperation
+
+__all__ = [
+    "finish",
+    "operation_doc",
+    "operation_result",
+    "result_lines",
+    "state_detail",
+    "state_text",
+]
+
+
+def state_detail(state: Any) -> dict[str, Any]:
+    """An observed state without content: a payload and failure text become sizes."""
+    detail: dict[str, Any] = {"state": state.kind.value}
+    if isinstance(state, Succeeded):
+        payload = state.payload
+        size = (
+            len(str(payload.value).encode("utf-8", "surrogatepass"))
+            if payload.format == "text"
+            else len(payload.value_bytes())
+        )
+        detail["payload"] = {"format": payload.format, "bytes": size}
+    elif isinstance(state, Failed):
+        detail["message_bytes"] = len(state.message.encode("utf-8", "surrogatepass"))
+    return detail
+
+
+def state_text(detail: Mapping[str, Any]) -> str:
+    text = str(detail["state"])
+    payload = detail.get("payload")
+    if payload is not None:
+        text += f" (output: {payload['format']}, {payload['bytes']} bytes)"
+    if "message_bytes" in detail:
+        text += f" (failure text withheld: {detail['message_bytes']} bytes)"
+    return text
+
+
+def operation_doc(operation: WorkflowOperation) -> dict[str, Any]:
+    compensation = operation.compensation
+    return {
+        "step": operation.step_id,
+        "tool": operation.tool,
+        "operation_key": operation.operation_key,
+        "input_fingerprint": operation.input_fingerprint,
+        "state": operation.state.value,
+        "compensation": None
+        if compensation is None
+        else {
+            "compensation_key": compensation.compensation_key,
+            "state": compensation.state.value,
+            "tenant_scope": compensation.tenant_scope,
+            "grant_fingerprint": compensation.grant_fingerprint,
+            "input_fingerprint": compensation.input_fingerprint,
+        },
+    }
+
+
+def operation_result(run: HostRun, key: str, state: Any, recorded: bool | None) -> dict[str, Any]:
+    operation = run.operation(key)
+    assert operation is not None
+    document: dict[str, Any] = {
+        "run": run.name,
+        "operation_key": key,
+        "step": operation.step_id,
+        "tool": operation.tool,
+        "observed": state_detail(state),
+        "ledger_state": operation.state.value,
+        "revision": run.revision,
+    }
+    if recorded is not None:
+        document["newly_recorded"] = recorded
+    return document
+
+
+def result_lines(document: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"run:            {document['run']}",
+        f"operation key:  {document['operation_key']}",
+        f"step / tool:    {document['step']} / {document['tool']}",
+        f"observed:       {state_text(document['observed'])}",
+        f"ledger state:   {document['ledger_state']}",
+        f"revision:       {document['revision']}",
+    ]
+    if "compensation_key" in document:
+        lines.insert(2, f"compensation:   {document['compensation_key']}")
+    return lines
+
+
+def finish(
+    out: Output, document: dict[str, Any], lines: list[str], state: StateKind, what: str
+) -> int:
+    """Print a verb's result; exit 0 only when ``state`` is ``succeeded``."""
+    ok = state == StateKind.SUCCEEDED
+    document = {"ok": ok, **document}
+    for text in lines:
+        out.line(text)
+    out.document(document)
+    if ok:
+        return EXIT_OK
+    if state in TERMINAL_KINDS:
+        out.error(f"{what} ended {state.value}")
+    else:
+        out.error(f"{what} is still {state.value}; run {PROG} recover later")
+    return EXIT_CHECK_FAILED
