@@ -29,9 +29,14 @@ from octo_common.runtime.output import (
 )
 from octo_common.transport import PublishFailed, PublishReturned
 from octo_host.amqp import BrokerUnavailable
-from octo_host.cli import audit, compensate, keys, ledger, operations, recover
+from octo_host.cli.audit import register as add_audit_verbs
+from octo_host.cli.compensate import register as add_compensate_verb
 from octo_host.cli.context import PROG
+from octo_host.cli.keys import register as add_keys_verbs
+from octo_host.cli.ledger import register as add_ledger_verbs
+from octo_host.cli.operations import register as add_operation_verbs
 from octo_host.cli.options import common_options
+from octo_host.cli.recover import register as add_recover_verb
 from octo_host.config import InvalidConfiguration
 
 __all__ = ["build_parser", "main"]
@@ -66,8 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(
         dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
-    for group in (keys, ledger, operations, compensate, recover, audit):
-        group.register(verbs, common)
+    for add in (
+        add_keys_verbs,
+        add_ledger_verbs,
+        add_operation_verbs,
+        add_compensate_verb,
+        add_recover_verb,
+        add_audit_verbs,
+    ):
+        add(verbs, common)
     return parser
 
 
