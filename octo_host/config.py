@@ -109,17 +109,15 @@ from octo_common.limits import (
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageKeyId, StorageKeyring
 from octo_common.runtime.configfile import (
-    broker_url_with_password,
+    BrokerConnectionConfig,
+    ConfigFile,
+    StorageKeyConfig,
+    convert_config,
     read_toml,
     redacted_broker_url,
     resolve_path,
-    validation_error,
 )
-from octo_common.runtime.keyfiles import (
-    load_key_file,
-    load_scope_key,
-    load_storage_key,
-)
+from octo_common.runtime.keyfiles import load_key_file, load_scope_key, load_storage_key
 from octo_host.compensation import WorkflowCompensationAction
 
 __all__ = [
@@ -150,22 +148,13 @@ class HostSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host_id: str
 
 
-class BrokerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class BrokerConfig(BrokerConnectionConfig, forbid_unknown_fields=True, frozen=True):
     """Where RabbitMQ is, and how long the host waits. The password goes in a file."""
 
-    url: str = "amqp://guest:guest@127.0.0.1:5672/"
-    password_file: str | None = None
-    connect_timeout_seconds: float = 10.0
-    publish_timeout_seconds: float = 10.0
     reply_timeout_seconds: float = 10.0
     max_attempts: int = 6
     backoff_initial_seconds: float = 0.1
     backoff_max_seconds: float = 2.0
-
-
-class StorageKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    id: str
-    key_file: str
 
 
 class LedgerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -243,7 +232,7 @@ class PlanConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     steps: tuple[StepConfig, ...]
 
 
-class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class HostConfig(ConfigFile, forbid_unknown_fields=True, frozen=True):
     """The whole ``host.toml``. Paths are relative to the file's directory."""
 
     host: HostSection
@@ -254,16 +243,8 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     grants: tuple[GrantConfig, ...] = ()
     actions: tuple[ActionConfig, ...] = ()
     plans: tuple[PlanConfig, ...] = ()
-    base_dir: str = "."
 
-    # -- resolved values -----------------------------------------------------
-
-    def path(self, value: str, where: str = "") -> Path:
-        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file.
-
-        ``where`` (the config key) prefixes an error about the path.
-        """
-        return resolve_path(value, Path(self.base_dir), where)
+    # -- resolved values (paths: ConfigFile.path) ------------------------------
 
     @property
     def database_path(self) -> Path:
@@ -281,13 +262,8 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return None if file is None else self.path(file, "storage.password_file")
 
     def broker_url(self) -> str:
-        """The AMQP URL with the password from ``password_file`` (never logged)."""
-        password_file = self.broker.password_file
-        return broker_url_with_password(
-            self.broker.url,
-            None if password_file is None else self.path(password_file, "broker.password_file"),
-            "broker.password_file",
-        )
+        """The AMQP URL with the password from ``broker.password_file`` (never logged)."""
+        return self.url_with_password(self.broker)
 
     def redacted_broker_url(self) -> str:
         return redacted_broker_url(self.broker.url)
@@ -433,14 +409,7 @@ class ConfiguredActionVerifier:
 
 def parse_config(data: Mapping[str, Any], *, base_dir: Path) -> HostConfig:
     """Validate a decoded TOML mapping; see :func:`load_config`."""
-    if "base_dir" in data:
-        # set from the file's location below, never from the file itself
-        raise InvalidConfiguration("Object contains unknown field `base_dir`")
-    try:
-        config = msgspec.convert(dict(data), HostConfig)
-    except msgspec.ValidationError as exc:
-        raise validation_error(exc) from None
-    config = msgspec.structs.replace(config, base_dir=str(base_dir))
+    config = convert_config(data, HostConfig, base_dir)
     _check(config)
     return config
 

@@ -6,7 +6,12 @@ Owns what the two configuration modules share: reading the TOML file
 resolving a configured path (:func:`resolve_path`: ``${CREDENTIALS_DIRECTORY}``,
 ``~``, relative to the file), and the broker URL with the password read
 from its private file (:func:`broker_url_with_password`) or without any
-credential (:func:`redacted_broker_url`).
+credential (:func:`redacted_broker_url`); and the parts both configurations
+are made of: :class:`ConfigFile` (the file's directory and the paths and
+broker URL resolved against it), :class:`BrokerConnectionConfig` (how a
+``[broker]`` section reaches RabbitMQ), :class:`StorageKeyConfig` (one
+storage key file) and :func:`convert_config` (a decoded mapping into a
+configuration).
 
 It must never decide what a configuration may contain (each side's
 ``config`` module does) and never put a password into an error, a log or
@@ -19,8 +24,9 @@ import os
 import re
 import tomllib
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -28,7 +34,11 @@ from octo_common.errors import InvalidConfiguration
 from octo_common.runtime.keyfiles import read_secret_text
 
 __all__ = [
+    "BrokerConnectionConfig",
+    "ConfigFile",
+    "StorageKeyConfig",
     "broker_url_with_password",
+    "convert_config",
     "read_toml",
     "redacted_broker_url",
     "resolve_path",
@@ -105,3 +115,67 @@ def redacted_broker_url(url: str) -> str:
     host = parts.hostname or "?"
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+class BrokerConnectionConfig(msgspec.Struct, frozen=True):
+    """How a ``[broker]`` section reaches RabbitMQ; each side adds its own fields.
+
+    The password is never here: ``password_file`` names the 0600 file that holds it.
+    """
+
+    url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    password_file: str | None = None
+    connect_timeout_seconds: float = 10.0
+    publish_timeout_seconds: float = 10.0
+
+
+class StorageKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One storage key: its id and the file that holds it."""
+
+    id: str
+    key_file: str
+
+
+class ConfigFile(msgspec.Struct, frozen=True, kw_only=True):
+    """What every configuration has besides its sections: the directory of its file.
+
+    ``base_dir`` is set by :func:`convert_config` from where the file is,
+    never from the file itself.
+    """
+
+    base_dir: str = "."
+
+    def path(self, value: str, where: str = "") -> Path:
+        """A configured path: ``$CREDENTIALS_DIRECTORY``-aware, relative to the file.
+
+        ``where`` (the config key) prefixes an error about the path.
+        """
+        return resolve_path(value, Path(self.base_dir), where)
+
+    def url_with_password(self, broker: BrokerConnectionConfig) -> str:
+        """``broker.url`` with the password from ``broker.password_file`` (never logged)."""
+        password_file = broker.password_file
+        return broker_url_with_password(
+            broker.url,
+            None if password_file is None else self.path(password_file, "broker.password_file"),
+            "broker.password_file",
+        )
+
+
+ConfigT = TypeVar("ConfigT", bound=ConfigFile)
+
+
+def convert_config(data: Mapping[str, Any], cls: type[ConfigT], base_dir: Path) -> ConfigT:
+    """``data`` (a decoded TOML file) validated as ``cls``, its ``base_dir`` set to ``base_dir``.
+
+    A ``base_dir`` key in the file is refused like any unknown key; a
+    validation error is an ``InvalidConfiguration`` naming the bad key.
+    """
+    if "base_dir" in data:
+        # set from the file's location below, never from the file itself
+        raise InvalidConfiguration("Object contains unknown field `base_dir`")
+    try:
+        config = msgspec.convert(dict(data), cls)
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc) from None
+    return msgspec.structs.replace(config, base_dir=str(base_dir))

@@ -7,7 +7,13 @@ one line and an exit status), :class:`OneLineParser` (argparse usage errors
 as one line, exit status 2), :func:`fail` and :func:`stdout_gone` (a reader
 that closed standard output, ``| head``, ends the command quietly), the
 escaping of untrusted text for a terminal (:func:`printable`), and the
-structlog processors that keep exception text out of logs.
+structlog processors that keep exception text out of logs; and the pieces
+of a command both CLIs are built from: :func:`common_options` (``--config``,
+``--json``), :func:`verb_parser` (a parser whose verbs are sub-parsers),
+:func:`run_verb` (parse, then run the chosen verb's handler),
+:func:`state_detail` (a state without its content) and
+:func:`broker_unreachable` (the one-line error when the broker cannot be
+reached).
 
 It must never print a key, a password or raw untrusted text: every value
 that came from a frame, a header or the operator's input goes through
@@ -29,6 +35,8 @@ from typing import Any, Final, NoReturn, TextIO
 
 import structlog
 
+from octo_common.states import Failed, Succeeded
+
 __all__ = [
     "EXIT_BROKER",
     "EXIT_CHECK_FAILED",
@@ -40,6 +48,8 @@ __all__ = [
     "OneLineParser",
     "Output",
     "StdoutGone",
+    "broker_unreachable",
+    "common_options",
     "drop_event",
     "drop_exception_text",
     "fail",
@@ -48,7 +58,10 @@ __all__ = [
     "printable",
     "quiet_logging",
     "run_command",
+    "run_verb",
+    "state_detail",
     "stdout_gone",
+    "verb_parser",
 ]
 
 # Exit statuses of both commands.
@@ -197,6 +210,83 @@ class OneLineParser(argparse.ArgumentParser):
         _, _, verb = self.prog.partition(" ")  # the error line already names the program
         text = f"{verb.strip()}: {message}" if verb.strip() else message
         raise CliError(EXIT_USAGE, f"{text} (see --help)", "usage")
+
+
+def common_options(default_config: str, what: str) -> OneLineParser:
+    """The options every verb takes: ``--config PATH`` and ``--json``.
+
+    ``what`` names the configuration in the help (``worker``, ``host``).
+    """
+    common = OneLineParser(add_help=False)
+    common.add_argument(
+        "--config",
+        default=default_config,
+        metavar="PATH",
+        help=f"{what} configuration (default {default_config})",
+    )
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    return common
+
+
+def verb_parser(
+    prog: str, description: str, epilog: str
+) -> tuple[OneLineParser, argparse._SubParsersAction[OneLineParser]]:
+    """A command's parser and the sub-parsers its verbs are added to (one is required)."""
+    parser = OneLineParser(prog=prog, description=description, epilog=epilog)
+    verbs = parser.add_subparsers(
+        dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
+    return parser, verbs
+
+
+def run_verb(
+    prog: str,
+    argv: Sequence[str] | None,
+    build_parser: Callable[[], argparse.ArgumentParser],
+    report: Callable[[Exception], Failure | None],
+    prepare: Callable[[argparse.Namespace], None],
+) -> int:
+    """Parse ``argv`` (``sys.argv[1:]`` when None) and run the verb's ``handler(args, out)``.
+
+    Each verb's parser sets ``handler``. ``prepare(args)`` runs first (the
+    command's logging); every way the verb can end becomes an exit status
+    (:func:`run_command`). ``--help`` ends with status 0.
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    out = Output(prog, "--json" in arguments, sys.stdout, sys.stderr)
+
+    def body() -> int:
+        try:
+            args = build_parser().parse_args(arguments)
+        except SystemExit as exit_:  # --help / --version
+            return exit_.code if isinstance(exit_.code, int) else EXIT_OK
+        out.json_mode = bool(getattr(args, "json", False))
+        prepare(args)
+        handler: Callable[[argparse.Namespace, Output], int] = args.handler
+        return handler(args, out)
+
+    return run_command(out, body, report)
+
+
+def state_detail(state: Any) -> dict[str, Any]:
+    """A state without its content: a payload and failure text become sizes."""
+    detail: dict[str, Any] = {"state": state.kind.value}
+    if isinstance(state, Succeeded):
+        payload = state.payload
+        size = (
+            len(str(payload.value).encode("utf-8", "surrogatepass"))
+            if payload.format == "text"
+            else len(payload.value_bytes())
+        )
+        detail["payload"] = {"format": payload.format, "bytes": size}
+    elif isinstance(state, Failed):
+        detail["message_bytes"] = len(state.message.encode("utf-8", "surrogatepass"))
+    return detail
+
+
+def broker_unreachable(redacted_url: str, reason: str, code: str) -> CliError:
+    """The error of a verb that cannot reach the broker at ``redacted_url`` (no credentials)."""
+    return CliError(EXIT_BROKER, f"broker {redacted_url} unreachable: {reason}", code)
 
 
 # Logging ------------------------------------------------------------------------------

@@ -25,13 +25,13 @@ from octo_common.runtime.output import (
 )
 from octo_host.audit import ResolutionRefused, load_audit, resolve_operation
 from octo_host.cli.context import config_of, ledger_lock, open_store, plan_for, stored_ledger
-from octo_host.cli.options import token_arg
+from octo_host.cli.options import Verbs, token_arg
 from octo_host.engine import WorkflowEngine
 
 __all__ = ["cmd_audit_show", "cmd_resolve", "register"]
 
 
-def register(verbs: Any, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: OneLineParser) -> None:
     """Add ``resolve`` and ``audit show`` to the verbs."""
     resolve = verbs.add_parser(
         "resolve",

@@ -27,7 +27,7 @@ from octo_host.cli.context import (
     scope_of,
     with_client,
 )
-from octo_host.cli.options import SCOPE_HELP, payload_of, token_arg
+from octo_host.cli.options import SCOPE_HELP, Verbs, payload_of, token_arg
 from octo_host.cli.results import finish, operation_result, result_lines
 from octo_host.client import HostClient
 from octo_host.compensation import WorkflowCompensationDispatch
@@ -35,7 +35,7 @@ from octo_host.compensation import WorkflowCompensationDispatch
 __all__ = ["cmd_compensate", "register"]
 
 
-def register(verbs: Any, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: OneLineParser) -> None:
     """Add ``compensate`` to the verbs."""
     compensate = verbs.add_parser(
         "compensate", parents=[common], help="record and send the one compensation"

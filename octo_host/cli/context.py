@@ -22,11 +22,11 @@ from octo_common.digest import plan_fingerprint
 from octo_common.errors import OctoError, StorageError, UnknownOperation
 from octo_common.payload import ToolPayload
 from octo_common.runtime.output import (
-    EXIT_BROKER,
     EXIT_CHECK_FAILED,
     EXIT_STORAGE,
     EXIT_USAGE,
     CliError,
+    broker_unreachable,
 )
 from octo_host.amqp import BrokerUnavailable
 from octo_host.client import HostClient, HostRun, HostSession
@@ -207,10 +207,8 @@ async def with_client(
             try:
                 await client.start()
             except BrokerUnavailable as error:
-                raise CliError(
-                    EXIT_BROKER,
-                    f"broker {config.redacted_broker_url()} unreachable: {error.reason}",
-                    error.code,
+                raise broker_unreachable(
+                    config.redacted_broker_url(), error.reason, error.code
                 ) from None
             try:
                 # The publish timeout governs publishes; the connect timeout only the start.

@@ -10,7 +10,7 @@ import contextlib
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
@@ -21,14 +21,14 @@ from octo_common.runtime.output import (
     OneLineParser,
     Output,
 )
-from octo_host.cli.options import token_arg
+from octo_host.cli.options import Verbs, token_arg
 
 __all__ = ["cmd_keys_generate", "register"]
 
 _KEY_BYTES: Final = 32
 
 
-def register(verbs: Any, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: OneLineParser) -> None:
     """Add ``keys generate`` to the verbs."""
     keys = verbs.add_parser("keys", help="key files")
     key_verbs = keys.add_subparsers(

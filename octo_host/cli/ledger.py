@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
 
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
@@ -20,7 +19,7 @@ from octo_common.runtime.output import (
     print_table,
 )
 from octo_host.cli.context import config_of, open_store, plan_for, plan_name, stored_ledger
-from octo_host.cli.options import token_arg
+from octo_host.cli.options import Verbs, token_arg
 from octo_host.cli.results import operation_doc
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
@@ -29,7 +28,7 @@ from octo_host.store import initialise_anchor
 __all__ = ["cmd_ledger_init_anchor", "cmd_ledger_show", "register"]
 
 
-def register(verbs: Any, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: OneLineParser) -> None:
     """Add ``ledger show`` and ``ledger init-anchor`` to the verbs."""
     ledger = verbs.add_parser("ledger", help="the run ledgers")
     ledger_verbs = ledger.add_subparsers(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import structlog
 
@@ -17,15 +17,13 @@ from octo_common.errors import OctoError, StorageError
 from octo_common.runtime.output import (
     EXIT_BROKER,
     EXIT_CHECK_FAILED,
-    EXIT_OK,
     EXIT_STORAGE,
     EXIT_USAGE,
     Failure,
-    OneLineParser,
-    Output,
     drop_exception_text,
     quiet_logging,
-    run_command,
+    run_verb,
+    verb_parser,
 )
 from octo_common.transport import PublishFailed, PublishReturned
 from octo_host.amqp import BrokerUnavailable
@@ -42,10 +40,10 @@ from octo_host.config import InvalidConfiguration
 __all__ = ["build_parser", "main"]
 
 
-def _configure_logging(verbose: bool) -> None:
+def _configure_logging(args: argparse.Namespace) -> None:
     """Quiet by default (errors are reported as one line); ``--verbose``: JSON on stderr."""
     quiet_logging()
-    if not verbose:
+    if not getattr(args, "verbose", False):
         return
     structlog.configure(
         processors=[
@@ -62,14 +60,11 @@ def _configure_logging(verbose: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = common_options()
-    parser = OneLineParser(
-        prog=PROG,
-        description="Drive and inspect Octo workflow runs (the host side).",
-        epilog="Exit status: 0 ok, 1 refused / not found / not succeeded, 2 usage or "
+    parser, verbs = verb_parser(
+        PROG,
+        "Drive and inspect Octo workflow runs (the host side).",
+        "Exit status: 0 ok, 1 refused / not found / not succeeded, 2 usage or "
         "configuration error, 3 broker unreachable, 4 storage error.",
-    )
-    verbs = parser.add_subparsers(
-        dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     for add in (
         add_keys_verbs,
@@ -85,20 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``octo-host`` command; returns the exit status."""
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    out = Output(PROG, "--json" in arguments, sys.stdout, sys.stderr)
-
-    def body() -> int:
-        try:
-            args = build_parser().parse_args(arguments)
-        except SystemExit as exit_:  # --help
-            return exit_.code if isinstance(exit_.code, int) else EXIT_OK
-        out.json_mode = bool(getattr(args, "json", False))
-        _configure_logging(bool(getattr(args, "verbose", False)))
-        handler: Callable[[argparse.Namespace, Output], int] = args.handler
-        return handler(args, out)
-
-    return run_command(out, body, _report)
+    return run_verb(PROG, argv, build_parser, _report, _configure_logging)
 
 
 def _report(error: Exception) -> Failure | None:

@@ -29,14 +29,14 @@ from octo_host.cli.context import (
     scope_of,
     with_client,
 )
-from octo_host.cli.options import SCOPE_HELP, payload_of, token_arg
+from octo_host.cli.options import SCOPE_HELP, Verbs, payload_of, token_arg
 from octo_host.cli.results import finish, operation_result, result_lines
 from octo_host.client import HostClient
 
 __all__ = ["cmd_dispatch", "cmd_reconcile", "register"]
 
 
-def register(verbs: Any, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: OneLineParser) -> None:
     """Add ``dispatch`` and ``reconcile`` to the verbs."""
     dispatch = verbs.add_parser(
         "dispatch", parents=[common], help="record an operation and dispatch it"

@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from octo_common.codec import parse_json
 from octo_common.errors import OctoError
 from octo_common.ids import is_token
 from octo_common.payload import ToolPayload
 from octo_common.runtime.output import EXIT_USAGE, CliError, OneLineParser, printable
+from octo_common.runtime.output import common_options as shared_common_options
 from octo_host.config import DEFAULT_CONFIG
 
 __all__ = [
     "MAX_PAYLOAD_FILE_BYTES",
     "SCOPE_HELP",
+    "Verbs",
     "common_options",
     "payload_from_value",
     "payload_of",
     "read_argument",
     "token_arg",
 ]
+
+Verbs: TypeAlias = "argparse._SubParsersAction[OneLineParser]"
+"""What a verb group's ``register(verbs, common)`` adds its parsers to."""
 
 SCOPE_HELP: Final = "tenant scope (default: the only [[scopes]] entry)"
 MAX_PAYLOAD_FILE_BYTES: Final = 4 * 1024 * 1024
@@ -41,14 +46,8 @@ def token_arg(text: str) -> str:
 
 
 def common_options() -> OneLineParser:
-    common = OneLineParser(add_help=False)
-    common.add_argument(
-        "--config",
-        default=DEFAULT_CONFIG,
-        metavar="PATH",
-        help=f"host configuration (default {DEFAULT_CONFIG})",
-    )
-    common.add_argument("--json", action="store_true", help="print one JSON document")
+    """``--config``, ``--json`` and ``--verbose``: the options every verb takes."""
+    common = shared_common_options(DEFAULT_CONFIG, "host")
     common.add_argument(
         "--verbose", action="store_true", help="log JSON lines on stderr (ids and states only)"
     )

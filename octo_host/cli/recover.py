@@ -36,14 +36,14 @@ from octo_host.cli.context import (
     stored_ledger,
     with_client,
 )
-from octo_host.cli.options import SCOPE_HELP, payload_from_value, read_argument, token_arg
+from octo_host.cli.options import SCOPE_HELP, Verbs, payload_from_value, read_argument, token_arg
 from octo_host.client import HostClient
 from octo_host.compensation import WorkflowCompensationTarget
 
 __all__ = ["cmd_recover", "register"]
 
 
-def register(verbs: Any, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: OneLineParser) -> None:
     """Add ``recover`` to the verbs."""
     recover = verbs.add_parser(
         "recover", parents=[common], help="reconcile every unfinished key of a run"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from octo_common.runtime.output import EXIT_CHECK_FAILED, EXIT_OK, Output
-from octo_common.states import TERMINAL_KINDS, Failed, StateKind, Succeeded
+from octo_common.runtime.output import EXIT_CHECK_FAILED, EXIT_OK, Output, state_detail
+from octo_common.states import TERMINAL_KINDS, StateKind
 from octo_host.cli.context import PROG
 from octo_host.client import HostRun
 from octo_host.ledger import WorkflowOperation
@@ -22,25 +22,8 @@ __all__ = [
     "operation_doc",
     "operation_result",
     "result_lines",
-    "state_detail",
     "state_text",
 ]
-
-
-def state_detail(state: Any) -> dict[str, Any]:
-    """An observed state without content: a payload and failure text become sizes."""
-    detail: dict[str, Any] = {"state": state.kind.value}
-    if isinstance(state, Succeeded):
-        payload = state.payload
-        size = (
-            len(str(payload.value).encode("utf-8", "surrogatepass"))
-            if payload.format == "text"
-            else len(payload.value_bytes())
-        )
-        detail["payload"] = {"format": payload.format, "bytes": size}
-    elif isinstance(state, Failed):
-        detail["message_bytes"] = len(state.message.encode("utf-8", "surrogatepass"))
-    return detail
 
 
 def state_text(detail: Mapping[str, Any]) -> str:

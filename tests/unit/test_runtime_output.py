@@ -9,12 +9,16 @@ from typing import Any
 import pytest
 import structlog
 
+from octo_common.payload import ToolPayload
 from octo_common.runtime.output import (
+    EXIT_BROKER,
     EXIT_USAGE,
     CliError,
     OneLineParser,
     Output,
     StdoutGone,
+    broker_unreachable,
+    common_options,
     drop_event,
     drop_exception_text,
     fail,
@@ -22,7 +26,10 @@ from octo_common.runtime.output import (
     print_table,
     printable,
     run_command,
+    run_verb,
+    state_detail,
 )
+from octo_common.states import Failed, Pending, Running, Succeeded
 
 
 def output(json_mode: bool = False) -> tuple[Output, io.StringIO, io.StringIO]:
@@ -191,3 +198,83 @@ def test_a_verb_that_returns_keeps_its_status_and_ctrl_c_is_130() -> None:
     assert run_command(out, lambda: 0, _report) == 0
     assert run_command(out, _raising(KeyboardInterrupt()), _report) == 130
     assert stderr.getvalue() == ""
+
+
+# The pieces both commands are built from ------------------------------------------------
+
+
+def test_common_options_are_config_and_json() -> None:
+    common = common_options("/etc/octo/x.toml", "x")
+    parser = OneLineParser(prog="octo-test", parents=[common])
+    assert vars(parser.parse_args([])) == {"config": "/etc/octo/x.toml", "json": False}
+    assert vars(parser.parse_args(["--config", "a.toml", "--json"])) == {
+        "config": "a.toml",
+        "json": True,
+    }
+    assert "x configuration (default /etc/octo/x.toml)" in parser.format_help()
+
+
+def verb_parser(handler: Any) -> Any:
+    def build() -> OneLineParser:
+        parser = OneLineParser(prog="octo-test")
+        verbs = parser.add_subparsers(dest="verb", required=True, parser_class=OneLineParser)
+        verb = verbs.add_parser("go", parents=[common_options("c.toml", "test")])
+        verb.set_defaults(handler=handler)
+        return parser
+
+    return build
+
+
+def test_run_verb_prepares_then_runs_the_chosen_handler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seen: list[str] = []
+
+    def handler(args: Any, out: Output) -> int:
+        seen.append(f"handler json={out.json_mode} config={args.config}")
+        out.document({"ok": True})
+        return 7
+
+    status = run_verb(
+        "octo-test",
+        ["go", "--json"],
+        verb_parser(handler),
+        lambda error: None,
+        lambda args: seen.append(f"prepare {args.verb}"),
+    )
+    assert status == 7
+    assert seen == ["prepare go", "handler json=True config=c.toml"]
+    assert json.loads(capsys.readouterr().out) == {"ok": True}
+
+
+def test_run_verb_maps_an_error_through_report_and_help_exits_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def handler(args: Any, out: Output) -> int:
+        raise KeyError("secret text")
+
+    def report(error: Exception) -> tuple[int, str, str] | None:
+        return (4, "mapped", "mapped_code") if isinstance(error, KeyError) else None
+
+    assert run_verb("octo-test", ["go"], verb_parser(handler), report, lambda args: None) == 4
+    assert capsys.readouterr().err == "octo-test: mapped\n"
+    assert run_verb("octo-test", ["--help"], verb_parser(handler), report, print) == 0
+    assert run_verb("octo-test", ["nope"], verb_parser(handler), report, print) == EXIT_USAGE
+
+
+def test_state_detail_shows_sizes_never_content() -> None:
+    assert state_detail(Pending()) == {"state": "pending"}
+    assert state_detail(Running()) == {"state": "running"}
+    assert state_detail(Succeeded(ToolPayload.text("héllo"))) == {
+        "state": "succeeded",
+        "payload": {"format": "text", "bytes": 6},
+    }
+    detail = state_detail(Succeeded(ToolPayload.json({"k": "secret"})))
+    assert detail["payload"]["format"] == "json" and "secret" not in json.dumps(detail)
+    assert state_detail(Failed("disk on fire")) == {"state": "failed", "message_bytes": 12}
+
+
+def test_broker_unreachable_is_one_broker_error_line() -> None:
+    error = broker_unreachable("amqp://127.0.0.1:5672/", "cannot connect (OSError)", "broker_x")
+    assert (error.status, error.code) == (EXIT_BROKER, "broker_x")
+    assert error.message == "broker amqp://127.0.0.1:5672/ unreachable: cannot connect (OSError)"
