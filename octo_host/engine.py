@@ -5,7 +5,9 @@ This module owns the engine's identity counters and the exact check order of
 every engine method: recording operations and compensations, building and
 sealing dispatch, reconciliation and compensation frames, applying
 authenticated results, and issuing one-use compensation approvals after the
-host's grant and action verifiers agree.
+host's grant and action verifiers agree. One row per kind of request
+(:class:`~octo_host.kinds.RequestKind`) says how its frame is sealed and how
+its reply is opened and applied (:meth:`WorkflowEngine.apply_reply`).
 
 It must never do I/O (the caller persists the ledger before publishing a
 frame), execute step source, store raw input or output in the ledger, catch a
@@ -421,7 +423,8 @@ class WorkflowEngine:
         compensation_key: str,
         input: bytes,
     ) -> None:
-        """Compatibility path without verifiers (storage plumbing)."""
+        """Record a compensation intent with **no verifier** (H§12.5); a host records
+        through ``record_compensation_with_action_verifier``."""
         self._own(plan)
         ledger.validate_for(plan)
         ledger.record_compensation(operation_key, policy, compensation_key, input)
