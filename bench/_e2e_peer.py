@@ -83,22 +83,22 @@ class StageTimers:
 def instrument_worker(timers: StageTimers) -> None:
     """The worker pipeline's stages (see bench/e2e.py for how they nest)."""
     from octo_common import authorizer, frames
-    from octo_worker import daemon, journal, session, store
+    from octo_worker import daemon, deliveries, journal, request_kinds, session, store
 
     timers.wrap(daemon.WorkerDaemon, "_on_message", "delivery_total")
     timers.wrap(session.WorkerSession, "handle", "session_handle")
     timers.wrap(frames.SessionAuthenticator, "open", "frame_open")
     timers.wrap(frames.SessionAuthenticator, "seal", "frame_seal")
     timers.wrap(authorizer.SessionAuthorizer, "authorize_operation", "authorize")
-    timers.wrap(session, "worker_input_fingerprint", "input_fingerprint")
+    timers.wrap(request_kinds, "worker_input_fingerprint", "input_fingerprint")
     timers.wrap(journal.WorkerOperationJournal, "admit", "journal_admit")
     timers.wrap(journal.WorkerOperationJournal, "observe", "journal_observe")
     timers.wrap(session.WorkerSession, "_state_document", "state_document_encode")
     timers.wrap(session.WorkerSession, "confirm_published", "outbox_mark")
     timers.wrap(store.SqliteJournalStore, "commit", "journal_commit")
     timers.wrap(store.SqliteJournalStore, "load_records", "journal_load")
-    timers.wrap(daemon._Delivery, "ack", "ack")
-    timers.wrap(daemon._Delivery, "reply", "reply_publish_confirmed")
+    timers.wrap(deliveries.BrokerDelivery, "ack", "ack")
+    timers.wrap(deliveries.BrokerDelivery, "reply", "reply_publish_confirmed")
     timers.wrap(session, "call_adapter_reporting", "adapter")
 
 

@@ -447,7 +447,7 @@ async def test_an_outbox_release_meeting_a_newer_fence_gives_the_scope_up(
         )
         scope = old._scopes[raw_host.scope]
         held = scope.sessions[session.session_id]
-        await _until(lambda: len(held._confirmed) == 1, "the reply's confirm")
+        await _until(lambda: len(held._commits.confirmed) == 1, "the reply's confirm")
         # A second worker on the same journal reserves a newer fence; the old
         # one then releases its confirmed row (as after a reconnect's republish).
         await workers.start()

@@ -231,14 +231,14 @@ async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_sessio
     # X1's refusal commit goes into a slow transaction (a slow fsync) and X2's
     # queues behind it, when Y's next commit fails and its reload starts.
     store = daemon.store
-    apply_batch = store._apply_batch
+    apply_batch = store._writer.apply_batch
 
     def slow_for_x1(batch: Any) -> Any:
         if any(w.item == x1.session_id for pending in batch for w in pending.writes):
             time.sleep(0.5)
         return apply_batch(batch)
 
-    store._apply_batch = slow_for_x1  # type: ignore[method-assign]
+    store._writer.apply_batch = slow_for_x1  # type: ignore[method-assign]
     boundary = daemon.store
     commit = boundary.commit
     rejected: list[str] = []

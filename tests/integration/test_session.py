@@ -64,7 +64,7 @@ from octo_common.payload import ToolPayload
 from octo_common.peek import peek_operation_key
 from octo_common.records import StorageKeyring
 from octo_common.states import Failed, Pending, Running, StateKind, Succeeded
-from octo_worker import session as session_module
+from octo_worker import handling
 from octo_worker.adapters import (
     AdapterContext,
     BaseWorkerAdapter,
@@ -1196,7 +1196,7 @@ async def test_concurrent_deliveries_of_one_key_run_the_adapter_once(world: Worl
         answer = world.answer(delivery)
         assert isinstance(answer, OperationResult)
         assert isinstance(answer.result.status, Succeeded)
-    assert session_module._KEY_LOCKS == {}
+    assert handling.KEY_LOCKS == {}
 
 
 async def test_different_keys_run_concurrently(world: World) -> None:
@@ -1269,7 +1269,7 @@ async def test_each_committed_state_document_is_the_durable_point(world: World) 
     )
     assert [r.completed for r in admitted.authorizer.request_ids] == [False]
     assert [r.completed for r in observed.authorizer.request_ids] == [True]
-    durable = world.session._durable
+    durable = world.session._commits._durable
     assert durable.authorizer == observed.authorizer
     assert (durable.total, dict(durable.by_tool)) == (0, {})
     persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]

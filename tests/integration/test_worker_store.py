@@ -1135,7 +1135,7 @@ async def test_a_chain_never_lands_on_a_commit_whose_anchor_write_failed(
         await store.initialize_anchor()
         lease = await store.reserve_fence(SCOPE)
         opened = await open_session(store, lease, "sess-1")
-        write_anchor = store._write_anchor_file
+        write_anchor = store._writer._write_anchor_file
         entered, go = threading.Event(), threading.Event()
         blocker = Path(str(anchor) + ".tmp")
 
@@ -1150,7 +1150,7 @@ async def test_a_chain_never_lands_on_a_commit_whose_anchor_write_failed(
                     blocker.rmdir()
             write_anchor(revisions)
 
-        store._write_anchor_file = first_fails  # type: ignore[method-assign]
+        store._writer._write_anchor_file = first_fails  # type: ignore[method-assign]
         first = asyncio.ensure_future(
             store.commit(SCOPE, lease, session_step("sess-1", 1, base=opened, link=501))
         )

@@ -122,7 +122,7 @@ async def test_reseal_stops_at_a_tampered_row_and_leaves_a_row_written_meanwhile
         # A row whose envelope changed since it was read is not overwritten.
         first_id = before[0][0]
         replaced = await store._write_call(
-            lambda: store._replace_envelopes([(first_id, 1, b"not what is stored", b"x")])
+            lambda: store._writer.replace_envelopes([(first_id, 1, b"not what is stored", b"x")])
         )
         assert replaced == 0
     finally:

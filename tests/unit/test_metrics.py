@@ -21,6 +21,7 @@ from octo_common.messages import (
 from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, Running, Succeeded
 from octo_worker import metrics as metrics_module
+from octo_worker.handling import AdapterStep
 from octo_worker.metrics import WorkerMetrics
 from octo_worker.session import call_adapter_reporting, reply_unresolved
 
@@ -136,16 +137,19 @@ class _Slow:
 
 
 async def _dispatch(adapter: _Slow, metrics: WorkerMetrics, deadline: float) -> Any:
-    return await call_adapter_reporting(
-        lambda _deadline: adapter.dispatch_operation(None, None, None),
-        deadline_seconds=deadline,
-        returns=object,
-        scope="s1",
+    async def after(result: Any, error: BaseException | None) -> Any:
+        raise AssertionError("the driver calls this, not the adapter call")
+
+    step = AdapterStep(
+        call=lambda _deadline: adapter.dispatch_operation(None, None, None),
+        after=after,
         tool=adapter.tool,
         method="dispatch_operation",
-        effect=True,
-        hooks=metrics,
+        ack_first=True,
+        deadline=deadline,
+        returns=object,
     )
+    return await call_adapter_reporting(step, "s1", metrics)
 
 
 @pytest.mark.parametrize("raise_cancel", [False, True], ids=["deadline", "self-cancelled"])

@@ -1,0 +1,276 @@
+"""The daemon's link to RabbitMQ: connect, set up, consume, publish with confirms, dead-letter.
+
+:class:`BrokerLink` is the part of ``WorkerDaemon`` that owns the broker
+connection (W§12): its reconnect loop (a plain connection, not aio-pika's
+robust one: a delivery is acked only on the channel it came from, and a lost
+channel simply means the broker redelivers what was not acked), the set-up
+of each connection (channels, queues, outbox republish, one consumer per
+scope), the confirmed publish of replies that survives a reconnect, and the
+dead-letter copy with its ``octo-reason`` (W§12.3). Every set-up call is
+bounded by the configured timeout.
+
+It must never decide what a frame gets, log a URL, a key or a frame, or ack
+a delivery on a channel other than its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+
+from octo_common.errors import OctoError
+from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.transport import PublishChannelClosed, worker_queue
+from octo_worker.scopes import ServedScope
+from octo_worker.topology import connect, declare_topology, open_confirm_channel
+
+if TYPE_CHECKING:
+    from octo_worker.config import WorkerConfig
+    from octo_worker.hooks import WorkerHooks
+    from octo_worker.sdnotify import Notifier
+    from octo_worker.session import WorkerSession
+
+__all__ = ["BrokerLink"]
+
+
+class BrokerLink:
+    """RabbitMQ for ``WorkerDaemon`` (see the module docstring).
+
+    Owns the connection state below; the daemon creates it. Reads the
+    configuration, the scopes and the stop event; hands each delivery to
+    the delivery path and each fresh connection's outbox to the scopes.
+    """
+
+    config: WorkerConfig
+    hooks: WorkerHooks
+    _log: Any
+    _scopes: dict[str, ServedScope]
+    _notifier: Notifier
+    _connection: AbstractConnection | None
+    _consume_channel: AbstractChannel | None
+    _publish_channel: AbstractChannel | None
+    _connected: asyncio.Event
+    _stopping: asyncio.Event
+    _ready: asyncio.Event
+    _consuming_since_connect: bool
+
+    if TYPE_CHECKING:  # the other parts of WorkerDaemon
+
+        async def _on_message(
+            self,
+            scope: ServedScope,
+            message: AbstractIncomingMessage,
+            channel: AbstractChannel,
+        ) -> None: ...
+
+        async def _republish_outbox(self, scope: ServedScope) -> list[WorkerSession]: ...
+
+        def _release_outbox_later(
+            self, scope: ServedScope, sessions: list[WorkerSession]
+        ) -> None: ...
+
+        async def _drain(self) -> None: ...
+
+    async def _connection_loop(self) -> None:
+        broker = self.config.broker
+        delay = broker.reconnect_initial_seconds
+        url = self.config.broker_url()
+        while not self._stopping.is_set():
+            try:
+                connection = await connect(
+                    url, timeout=broker.connect_timeout_seconds, name="octo-worker"
+                )
+            except OctoError as exc:
+                self._log.warning("broker_connect_failed", error=str(exc), retry_in=delay)
+                await self._sleep_or_stop(delay)
+                delay = min(delay * 2, broker.reconnect_max_seconds)
+                continue
+            self._consuming_since_connect = False
+            try:
+                await self._serve(connection)
+            except asyncio.CancelledError:
+                raise
+            except OctoError as exc:
+                # OctoError text carries codes and names, never the URL or a key.
+                self._log.warning("broker_session_ended", error=exc.code, detail=str(exc))
+            except Exception as exc:
+                self._log.warning("broker_session_ended", error=type(exc).__name__)
+            finally:
+                await self._close_connection()
+            if not self._stopping.is_set():
+                if self._consuming_since_connect:
+                    # It served: a fresh loss, retried from the initial delay.
+                    delay = broker.reconnect_initial_seconds
+                self._log.warning("broker_connection_lost", retry_in=delay)
+                await self._sleep_or_stop(delay)
+                # A set-up that keeps failing after connecting backs off too.
+                delay = min(delay * 2, broker.reconnect_max_seconds)
+
+    async def _sleep_or_stop(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def _serve(self, connection: AbstractConnection) -> None:
+        self._connection = connection
+        closed = asyncio.get_running_loop().create_future()
+
+        def on_close(*_: Any) -> None:
+            if not closed.done():
+                closed.set_result(None)
+
+        connection.close_callbacks.add(on_close)
+        # Every set-up call is bounded: a broker that accepts the connection
+        # but never answers (a queue without quorum) must not hang the loop.
+        bound = self.config.broker.connect_timeout_seconds
+        async with asyncio.timeout(bound):
+            consume = await connection.channel(publisher_confirms=False)
+            await consume.set_qos(prefetch_count=self.config.broker.prefetch)
+            publish = await open_confirm_channel(connection)
+        consume.close_callbacks.add(on_close)
+        publish.close_callbacks.add(on_close)
+
+        def on_consumer_cancelled(frame: Any) -> None:
+            # The broker cancelled a consumer (its queue was deleted, or the
+            # queue's leader moved away): serve again from a fresh connection,
+            # which re-declares the queues and consumes them.
+            tag = getattr(frame, "consumer_tag", None)
+            for scope in self._scopes.values():
+                if scope.consumer_tag is not None and scope.consumer_tag == tag:
+                    self._log.warning("consumer_cancelled_by_broker", scope=scope.name)
+                    scope.consumer_tag = None
+                    on_close()
+
+        underlay = await consume.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(on_consumer_cancelled)
+        self._consume_channel = consume
+        self._publish_channel = publish
+        # Queues only: the delivery-limit policy belongs to `octo-worker topology
+        # declare` (a sandboxed daemon may not be able to run rabbitmqctl).
+        async with asyncio.timeout(bound * (1 + len(self._scopes))):
+            await declare_topology(publish, list(self._scopes), delivery_limit=None)
+        self._connected.set()
+        for scope in self._scopes.values():
+            if not scope.superseded:
+                self._release_outbox_later(scope, await self._republish_outbox(scope))
+        for scope in self._scopes.values():
+            if not scope.superseded:
+                async with asyncio.timeout(bound):
+                    await self._start_consuming(scope)
+        self._consuming_since_connect = True
+        self._ready.set()
+        self._notifier.ready(f"serving {len(self._scopes)} scope(s)")
+        self._log.info("worker_consuming", scopes=len(self._scopes))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([closed, stop], return_when=asyncio.FIRST_COMPLETED)
+            if self._stopping.is_set() and not closed.done():
+                await self._drain()
+        finally:
+            stop.cancel()
+            self._connected.clear()
+
+    async def _close_connection(self) -> None:
+        self._connected.clear()
+        for scope in self._scopes.values():
+            scope.queue = None
+            scope.consumer_tag = None
+        self._set_consumers_gauge()
+        connection, self._connection = self._connection, None
+        self._consume_channel = None
+        self._publish_channel = None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), timeout=5.0)
+
+    async def _start_consuming(self, scope: ServedScope) -> None:
+        channel = self._consume_channel
+        if (
+            channel is None
+            or scope.consumer_tag is not None
+            or scope.superseded
+            or self._stopping.is_set()
+        ):
+            return
+        queue = await channel.get_queue(worker_queue(scope.name), ensure=False)
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            task = asyncio.ensure_future(self._on_message(scope, message, channel))
+            scope.tasks.add(task)
+            task.add_done_callback(scope.tasks.discard)
+
+        scope.queue = queue
+        scope.consumer_tag = await queue.consume(on_message, no_ack=False)
+        self._set_consumers_gauge()
+
+    async def _stop_consuming(self, scope: ServedScope | None = None) -> None:
+        scopes = [scope] if scope is not None else list(self._scopes.values())
+        for item in scopes:
+            queue, tag = item.queue, item.consumer_tag
+            item.consumer_tag = None
+            if queue is not None and tag is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(queue.cancel(tag), timeout=5.0)
+        self._set_consumers_gauge()
+
+    def _set_consumers_gauge(self) -> None:
+        active = sum(1 for s in self._scopes.values() if s.consumer_tag is not None)
+        self.hooks.on_consumers_changed(active)
+
+    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None:
+        """A confirmed publish that survives a reconnect (same bytes, current channel).
+
+        With ``await_reconnect=False`` a closed channel fails at once (the
+        outbox republish runs on the connection being set up: waiting for a
+        reconnect there would wait for itself).
+        """
+        loop = asyncio.get_running_loop()
+        timeout = self.config.broker.publish_timeout_seconds
+        deadline = loop.time() + 3 * timeout
+        while True:
+            channel = self._publish_channel
+            if channel is None or channel.is_closed:
+                remaining = deadline - loop.time()
+                if (
+                    not await_reconnect
+                    or remaining <= 0
+                    or (self._stopping.is_set() and not self._connected.is_set())
+                ):
+                    raise PublishChannelClosed(envelope.routing_key)
+                if self._connected.is_set():
+                    # The channel died before the connection loop noticed:
+                    # wait for it to clear the flag (never spin on a set event).
+                    await asyncio.sleep(min(remaining, 0.1))
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._connected.wait(), timeout=min(remaining, 1.0))
+                continue
+            try:
+                await publish_envelope(channel, envelope, timeout=timeout)
+                return
+            except PublishChannelClosed:
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def dead_letter(
+        self,
+        scope: ServedScope,
+        message: AbstractIncomingMessage,
+        channel: AbstractChannel,
+        reason: str,
+    ) -> None:
+        """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
+        self.hooks.on_dead_letter(scope.name, reason)
+        self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
+        await dead_letter_delivery(
+            message,
+            self._publish_channel,
+            reason,
+            timeout=self.config.broker.publish_timeout_seconds,
+            log=self._log,
+            consume_channel=channel,
+            routing_key=worker_queue(scope.name),
+        )

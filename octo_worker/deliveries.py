@@ -1,0 +1,359 @@
+"""The path of one delivery through the daemon: gate, status route, session, after.
+
+Owns :class:`BrokerDelivery` (an AMQP delivery as the ``Delivery`` a session
+settles: ack on its own channel, reply through the daemon's confirmed
+publish, dead-letter, requeue) and :class:`DeliveryPath`, the part of
+``WorkerDaemon`` that takes one delivery of a scope's queue (W§12.2):
+
+1. the scope's concurrency bound and pause gate;
+2. the inbound gate (``octo_common.inbound.gate``): size, headers, session;
+3. the status route (``octo_worker.session_rules``): hand it to the
+   session, open a session from an ``open_session``, or dead-letter it;
+4. ``WorkerSession.handle`` (or ``WorkerSession.open``);
+5. after the handling: release a closed session, reload a poisoned
+   scope's sessions, give up a superseded scope.
+
+It must never open a frame itself beyond telling an ``open_session`` apart,
+answer a frame that did not authenticate, or log keys or frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+
+from octo_common.errors import OctoError, SessionReplay
+from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole, decode_frame
+from octo_common.inbound import Refused, Routed, Unrouted, gate
+from octo_common.messages import OpenSession
+from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
+from octo_worker.scopes import ServedScope, remember_closed
+from octo_worker.session import WorkerSession
+from octo_worker.session_rules import (
+    AfterHandling,
+    Route,
+    after_handling,
+    route_known,
+    route_unknown,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from octo_worker.adapters import WorkerAdapterRegistry
+    from octo_worker.hooks import WorkerHooks
+    from octo_worker.session import WorkerSessionLimits
+    from octo_worker.store import SqliteJournalStore
+
+__all__ = ["BrokerDelivery", "DeliveryPath"]
+
+
+class _Broker(Protocol):
+    """What a delivery settles through: the daemon's confirmed publish and dead-letter."""
+
+    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
+
+    async def dead_letter(
+        self,
+        scope: ServedScope,
+        message: AbstractIncomingMessage,
+        channel: AbstractChannel,
+        reason: str,
+    ) -> None: ...
+
+
+class BrokerDelivery:
+    """The ``Delivery`` a session acts through (W§12.3–12.4); remembers how it was settled."""
+
+    def __init__(
+        self,
+        daemon: _Broker,
+        scope: ServedScope,
+        message: AbstractIncomingMessage,
+        channel: AbstractChannel,
+    ) -> None:
+        self._daemon = daemon
+        self._scope = scope
+        self._message = message
+        self._channel = channel
+        self.session: WorkerSession | None = None
+        self.outcome = "unsettled"
+
+    async def ack(self) -> None:
+        if self._channel.is_closed:
+            # Never ack on a dead channel: the broker redelivers instead.
+            raise PublishChannelClosed(self._scope.name)
+        await self._message.ack()
+        self.outcome = "acked"
+
+    async def reply(self, frame: bytes, correlation_id: str | None) -> None:
+        session = self.session
+        if session is None:
+            raise PublishChannelClosed(self._scope.name)
+        envelope = build_worker_reply(
+            self._scope.name,
+            session.session_id,
+            session.key_nonce,
+            frame,
+            reply_to=session.reply_to,
+            correlation_id=correlation_id,
+        )
+        await self._daemon.publish(envelope)
+
+    async def dead_letter(self, reason: str) -> None:
+        await self._daemon.dead_letter(self._scope, self._message, self._channel, reason)
+        self.outcome = "dead_lettered"
+
+    async def requeue(self) -> None:
+        if self._channel.is_closed:
+            return
+        # reject, not nack: only reject counts toward a quorum queue's delivery limit.
+        await self._message.reject(requeue=True)
+        self.outcome = "requeued"
+
+
+class DeliveryPath:
+    """One delivery's path for ``WorkerDaemon`` (see the module docstring).
+
+    Reads the daemon's store, adapters, limits, hooks and stop event; leaves
+    what happens to a scope after a handling to the scopes' lifecycle.
+    """
+
+    hooks: WorkerHooks
+    _log: Any
+    _adapters: WorkerAdapterRegistry
+    _limits: WorkerSessionLimits
+    _stopping: asyncio.Event
+
+    if TYPE_CHECKING:  # the other parts of WorkerDaemon
+
+        @property
+        def store(self) -> SqliteJournalStore: ...
+
+        def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
+
+        def _superseded(self, scope: ServedScope) -> bool: ...
+
+        async def _give_up_scope(self, scope: ServedScope) -> None: ...
+
+        async def _reload_scope(self, scope: ServedScope) -> None: ...
+
+        async def _persist_refusal_sequence(
+            self, scope: ServedScope, session: WorkerSession
+        ) -> None: ...
+
+        async def _release_outbox(
+            self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
+        ) -> None: ...
+
+        async def _unknown_session_reason(self, scope: ServedScope, session_id: str) -> str: ...
+
+        async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
+
+        async def dead_letter(
+            self,
+            scope: ServedScope,
+            message: AbstractIncomingMessage,
+            channel: AbstractChannel,
+            reason: str,
+        ) -> None: ...
+
+    async def _on_message(
+        self,
+        scope: ServedScope,
+        message: AbstractIncomingMessage,
+        channel: AbstractChannel,
+    ) -> None:
+        async with scope.semaphore:
+            while not scope.running.is_set():
+                await scope.running.wait()
+            if self._stopping.is_set():
+                return  # stopping: never started, never acked; the broker redelivers it
+            if scope.superseded:
+                # Another worker owns the scope now: hand the delivery back.
+                if not channel.is_closed:
+                    with contextlib.suppress(Exception):
+                        await message.reject(requeue=True)
+                return
+            delivery = BrokerDelivery(self, scope, message, channel)
+            current = asyncio.current_task()
+            if current is not None:
+                scope.active.add(current)
+            try:
+                await self._deliver(scope, message, delivery)
+                handled = delivery.session
+                if handled is not None and (
+                    after_handling(
+                        handled.status,
+                        handled.session_id in scope.persisted_poisoned,
+                        last_handler=scope.handling.get(handled.session_id) == 1,
+                    )
+                    is AfterHandling.LET_GO
+                ):
+                    # The last handler of a closed session: a reply confirmed
+                    # after the close commit has no later commit to be deleted
+                    # in, and nothing more of the session is needed in memory.
+                    await self._release_outbox(scope, [handled], handlers=1)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._log.error("delivery_failed", scope=scope.name, error=type(exc).__name__)
+                with contextlib.suppress(Exception):
+                    await delivery.requeue()
+            finally:
+                if current is not None:
+                    scope.active.discard(current)
+                self._detach(scope, delivery)
+            self.hooks.after_delivery(scope.name, delivery.outcome)
+        await self._after_delivery(scope, delivery)
+
+    async def _deliver(
+        self,
+        scope: ServedScope,
+        message: AbstractIncomingMessage,
+        delivery: BrokerDelivery,
+    ) -> None:
+        body = message.body
+        routed = gate(len(body), message.headers, scope.sessions.get, scope=scope.name)
+        if type(routed) is Refused:
+            await delivery.dead_letter(routed.reason)
+            return
+        if type(routed) is Routed:
+            session: WorkerSession | None = routed.session
+            session_id = routed.session.session_id
+            key_nonce = routed.key_nonce
+        else:
+            assert type(routed) is Unrouted and routed.key_nonce is not None
+            session = None
+            session_id = routed.session_id
+            key_nonce = routed.key_nonce
+            while session is None and session_id in scope.opening:
+                # The host gets no answer to open_session and may send the next
+                # frame at once: wait for the open of this session in progress.
+                # (shield: a cancelled waiter must not cancel the others' future.)
+                await asyncio.shield(scope.opening[session_id])
+                session = scope.sessions.get(session_id)
+        # From the last lookup to registering an open in _open_session there is
+        # no await, so no other handler can open this session id in between.
+        opening = False
+        if session is None or b"open_session" in body or b"\\u" in body:
+            try:
+                _, decoded, _, _ = decode_frame(body)
+            except OctoError as exc:
+                await delivery.dead_letter(exc.code)
+                return
+            opening = isinstance(decoded, OpenSession)
+        if session is None:
+            # A forged reply_to could route replies into another queue.
+            reply_queue = host_id_of_reply_queue(message.reply_to) is not None
+            route = route_unknown(opening, session_id in scope.closed, reply_queue)
+            if route is Route.OPEN:
+                await self._open_session(scope, message, delivery, session_id, key_nonce)
+            elif route is Route.LOOK_UP:
+                await delivery.dead_letter(await self._unknown_session_reason(scope, session_id))
+            else:
+                await delivery.dead_letter(route.value)
+            return
+        self._attach(scope, delivery, session)
+        route = route_known(session.status, opening, key_nonce == session.key_nonce)
+        if route is Route.HANDLE:
+            await session.handle(body, self.store, delivery)
+        else:
+            await delivery.dead_letter(route.value)
+
+    async def _open_session(
+        self,
+        scope: ServedScope,
+        message: AbstractIncomingMessage,
+        delivery: BrokerDelivery,
+        session_id: str,
+        key_nonce: bytes,
+    ) -> None:
+        # Called with no await since the caller found neither the session nor
+        # an open of it in progress: registering here makes this the one open.
+        if (
+            session_id in scope.sessions
+            or session_id in scope.opening
+            or session_id in scope.closed
+        ):
+            await delivery.dead_letter(SessionReplay.code)
+            return
+        pending: asyncio.Future[WorkerSession | None] = asyncio.get_running_loop().create_future()
+        scope.opening[session_id] = pending
+        session: WorkerSession | None = None
+        refused: str | None = None
+        try:
+            lease = scope.lease
+            assert lease is not None
+            key = SessionKey.derive(scope.key, scope.name, session_id, key_nonce)
+            authenticator = SessionAuthenticator(session_id, key, SessionRole.WORKER)
+            session = await WorkerSession.open(
+                authenticator,
+                message.body,
+                scope=scope.name,
+                key_nonce=key_nonce,
+                reply_to=str(message.reply_to),
+                store=self.store,
+                lease=lease,
+                adapters=self._adapters,
+                limits=self._limits,
+                hooks=self.hooks,
+            )
+            scope.sessions[session_id] = session
+        except OctoError as exc:
+            refused = exc.code
+            if isinstance(exc, SessionReplay):
+                # Its rows exist (closed: live ones are all in memory). A
+                # replay of the same frame is refused from memory from now on.
+                remember_closed(scope, session_id)
+        finally:
+            # Waiters look the session up again once this resolves (also when
+            # the open failed or this handler was cancelled).
+            del scope.opening[session_id]
+            pending.set_result(session)
+        if session is None:
+            await delivery.dead_letter(refused or SessionReplay.code)
+            return
+        self._attach(scope, delivery, session)
+        try:
+            await delivery.ack()
+        except Exception as exc:
+            self._log.warning("delivery_ack_failed", scope=scope.name, error=type(exc).__name__)
+
+    @staticmethod
+    def _attach(scope: ServedScope, delivery: BrokerDelivery, session: WorkerSession) -> None:
+        delivery.session = session
+        sid = session.session_id
+        scope.handling[sid] = scope.handling.get(sid, 0) + 1
+
+    @staticmethod
+    def _detach(scope: ServedScope, delivery: BrokerDelivery) -> None:
+        session = delivery.session
+        if session is None:
+            return
+        sid = session.session_id
+        left = scope.handling.get(sid, 0) - 1
+        if left > 0:
+            scope.handling[sid] = left
+        else:
+            scope.handling.pop(sid, None)
+
+    async def _after_delivery(self, scope: ServedScope, delivery: BrokerDelivery) -> None:
+        if self._superseded(scope):
+            await self._give_up_scope(scope)
+            return
+        session = delivery.session
+        if session is None:
+            return
+        stored_poisoned = session.session_id in scope.persisted_poisoned
+        rule = after_handling(session.status, stored_poisoned, last_handler=False)
+        if rule is AfterHandling.PERSIST_SEQUENCE:
+            await self._persist_refusal_sequence(scope, session)
+        elif rule is AfterHandling.RELOAD:
+            self.hooks.on_poisoned(scope.name, session.session_id)
+            if not scope.reloading:
+                scope.reloading = True
+                scope.reload = self._spawn(self._reload_scope(scope))

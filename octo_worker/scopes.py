@@ -1,0 +1,473 @@
+"""The scopes a worker serves: their state and their lifecycle (W§10.9–10.10, W§11.3–11.4).
+
+Owns :class:`ServedScope` (one scope's fence, sessions in memory, closed
+session ids, handlers under way, consumer) and :class:`ScopeLifecycle`, the
+part of ``WorkerDaemon`` that loads a scope under a freshly reserved fence
+and restores its live sessions, republishes its outbox and releases the rows
+the broker confirmed, reloads it after a poisoning (pause, drain, new fence,
+reload, mark poisoned, resume; W§10.9 steps 3–5), persists the sequence of a
+poisoned session's refusals (W§10.11 rule 2), lets closed sessions go, and
+gives the scope up when another worker's fence refused a commit (W§11.3: it
+never takes the fence back).
+
+What the status of a session makes the daemon do is decided by
+:mod:`octo_worker.session_rules`. It must never decide what a frame gets,
+reserve a fence after a fence rejection, or log keys or frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from aio_pika.abc import AbstractQueue
+
+from octo_common.errors import FencingTokenRejected, OctoError
+from octo_common.frames import ScopeKey
+from octo_common.transport import PublishChannelClosed, PublishFailed, build_worker_reply
+from octo_worker.hooks import WorkerHooks
+from octo_worker.session import WorkerSession
+from octo_worker.storage.interface import WorkerJournalLease
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from octo_worker.adapters import WorkerAdapterRegistry
+    from octo_worker.session import WorkerSessionLimits
+    from octo_worker.store import SqliteJournalStore
+
+__all__ = [
+    "CLOSED_REMEMBERED",
+    "ScopeLifecycle",
+    "ServedScope",
+    "Supersession",
+    "remember_closed",
+]
+
+# Closed session ids remembered per scope (about 100 bytes each); beyond it
+# the oldest is forgotten and looked up in the store again when needed.
+CLOSED_REMEMBERED: Final = 65536
+
+
+def remember_closed(scope: ServedScope, session_id: str) -> None:
+    scope.closed.pop(session_id, None)
+    scope.closed[session_id] = None
+    if len(scope.closed) > CLOSED_REMEMBERED:
+        del scope.closed[next(iter(scope.closed))]
+
+
+@dataclass
+class ServedScope:
+    """What the daemon holds of one scope it serves: fence, sessions, handlers, consumer."""
+
+    name: str
+    key: ScopeKey
+    semaphore: asyncio.Semaphore
+    lease: WorkerJournalLease | None = None
+    reserving: bool = False
+    reload: asyncio.Task[Any] | None = None
+    sessions: dict[str, WorkerSession] = field(default_factory=dict)
+    # Closed sessions known by id only, most recent last (see _load_scope,
+    # _forget_closed and _unknown_session_reason); bounded, the store is the truth.
+    closed: dict[str, None] = field(default_factory=dict)
+    # Deliveries being handled, per session id (a closed session is let go of
+    # by the last one, so no reply of it is committed after that).
+    handling: dict[str, int] = field(default_factory=dict)
+    persisted_poisoned: set[str] = field(default_factory=set)
+    # Of those, the highest refusal sequence persisted as sealed (W§10.11 rule 2).
+    poisoned_sealed: dict[str, int] = field(default_factory=dict)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Handlers past the pause gate: a reload waits for these only.
+    active: set[asyncio.Task[Any]] = field(default_factory=set)
+    # Sessions whose open_session is being handled: a frame for one of them
+    # waits for the open's outcome (the session, or None if it failed).
+    opening: dict[str, asyncio.Future[WorkerSession | None]] = field(default_factory=dict)
+    queue: AbstractQueue | None = None
+    consumer_tag: str | None = None
+    running: asyncio.Event = field(default_factory=asyncio.Event)
+    reloading: bool = False
+    superseded: bool = False
+
+
+# Which scopes another worker took ------------------------------------------------
+
+
+class Supersession(WorkerHooks):
+    """Notes the scopes whose commits another worker's fence refused (W§11.3).
+
+    A commit refused by a fence this daemon reserved itself (a reload
+    overtook it) is not a supersession.
+    """
+
+    def __init__(self, own_fence: Callable[[str, int], bool]) -> None:
+        self._own_fence = own_fence
+        self.scopes: set[str] = set()
+
+    def on_commit_failed(self, scope: str, error: OctoError) -> None:
+        if isinstance(error, FencingTokenRejected) and not self._own_fence(scope, error.current):
+            self.scopes.add(scope)
+
+
+class ScopeLifecycle:
+    """Each served scope's lifecycle for ``WorkerDaemon`` (see the module docstring).
+
+    Reads the daemon's store, adapters, limits, hooks and events; publishes
+    and starts or stops consuming through the broker link.
+    """
+
+    hooks: WorkerHooks
+    _log: Any
+    _scopes: dict[str, ServedScope]
+    _adapters: WorkerAdapterRegistry
+    _limits: WorkerSessionLimits
+    _supersession: Supersession
+    _connected: asyncio.Event
+    _stopping: asyncio.Event
+
+    if TYPE_CHECKING:  # the other parts of WorkerDaemon
+
+        @property
+        def store(self) -> SqliteJournalStore: ...
+
+        def request_stop(self) -> None: ...
+
+        def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
+
+        async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
+
+        async def _start_consuming(self, scope: ServedScope) -> None: ...
+
+        async def _stop_consuming(self, scope: ServedScope | None = None) -> None: ...
+
+    async def _load_scope(self, scope: ServedScope, *, open_gate: bool = True) -> None:
+        """Reserve a fence, then rebuild the sessions from the store (W§10.10).
+
+        Closed sessions are not read at all (the store skips the ones its
+        commits marked closed): restoring, or even reading, every session a
+        long-lived worker ever closed would cost start-up time and memory
+        without end. One with replies still in the outbox is restored, so they
+        can be republished and released. A frame for a session not in memory
+        looks its status up in the store (``_unknown_session_reason``), and
+        the ids found closed are remembered (``scope.closed``, bounded).
+        """
+        store = self.store
+        scope.reserving = True
+        try:
+            scope.lease = await store.reserve_fence(scope.name)
+        finally:
+            scope.reserving = False
+        in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
+        persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
+        sessions: dict[str, WorkerSession] = {}
+        closed: dict[str, None] = {}
+        for session_id, record in persisted.items():
+            if record.status == "closed" and session_id not in in_outbox:
+                # Closed before the store marked closed sessions (schema 3).
+                closed[session_id] = None
+                continue
+            session = await WorkerSession.restore(
+                record,
+                scope_key=scope.key,
+                scope=scope.name,
+                store=store,
+                lease=scope.lease,
+                adapters=self._adapters,
+                limits=self._limits,
+                hooks=self.hooks,
+            )
+            sessions[session_id] = session
+            if session.status == "poisoned":
+                scope.persisted_poisoned.add(session_id)
+        if closed:
+            # Closed before the store marked closed sessions: mark them now,
+            # so the next start does not read them again.
+            try:
+                await store.mark_closed(scope.name, closed)
+            except OctoError as exc:
+                self._log.warning("closed_sessions_mark_failed", scope=scope.name, error=exc.code)
+        scope.sessions = sessions
+        scope.closed = closed
+        while len(scope.closed) > CLOSED_REMEMBERED:
+            del scope.closed[next(iter(scope.closed))]
+        if open_gate:
+            scope.running.set()
+        self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions), closed=len(closed))
+
+    def _superseded(self, scope: ServedScope) -> bool:
+        """Whether a commit of ``scope`` met another worker's fence (see ``Supersession``)."""
+        return scope.name in self._supersession.scopes
+
+    def _own_fence(self, scope_name: str, fence: int) -> bool:
+        scope = self._scopes.get(scope_name)
+        if scope is None:
+            return False
+        # While a reservation is under way its token is not known yet; if
+        # another worker took the scope meanwhile, the next commit under the
+        # new lease meets that worker's fence and gives the scope up.
+        return scope.reserving or (scope.lease is not None and scope.lease.token == fence)
+
+    async def _republish_outbox(self, scope: ServedScope) -> list[WorkerSession]:
+        """W§11.4: every committed reply not yet confirmed, oldest first.
+
+        Returns the sessions whose rows the broker confirmed: the caller
+        releases those rows (:meth:`_release_outbox`) rather than leaving them
+        to each session's next commit, which an idle, abandoned or closed
+        session never makes.
+        """
+        entries = await self.store.load_outbox(scope.name)
+        self.hooks.after_outbox_loaded(scope.name, len(entries))
+        published = 0
+        finished: dict[str, WorkerSession] = {}
+        for entry in entries:
+            session = scope.sessions.get(entry.session_id)
+            if session is None:
+                continue
+            envelope = build_worker_reply(
+                scope.name,
+                entry.session_id,
+                session.key_nonce,
+                entry.frame,
+                reply_to=entry.reply_to,
+                correlation_id=entry.correlation_id,
+            )
+            try:
+                await self.publish(envelope, await_reconnect=False)
+            except PublishChannelClosed:
+                self._log.warning(
+                    "outbox_republish_failed", scope=scope.name, error=PublishChannelClosed.code
+                )
+                return list(finished.values())  # the next connection republishes from here
+            except PublishFailed as exc:
+                # Returned (the reply queue is gone), nacked or timed out: this
+                # row stays in the outbox for the next start; the rest go on.
+                self._log.warning(
+                    "outbox_republish_failed",
+                    scope=scope.name,
+                    session=entry.session_id,
+                    error=exc.code,
+                )
+                continue
+            session.confirm_published(entry.message_id)
+            published += 1
+            finished[session.session_id] = session
+        if published:
+            self._log.info("outbox_republished", scope=scope.name, frames=published)
+        return list(finished.values())
+
+    def _release_outbox_later(self, scope: ServedScope, sessions: list[WorkerSession]) -> None:
+        """Run :meth:`_release_outbox` as a handler of the scope.
+
+        Registered in ``scope.active`` from its creation, so a reload (which
+        waits for every active handler before it reserves a new fence) never
+        runs under it; none is started while a reload is pending (the reload
+        republishes and releases itself).
+        """
+        if not sessions or scope.reloading or scope.superseded:
+            return
+        task = self._spawn(self._release_outbox(scope, sessions))
+        scope.active.add(task)
+        task.add_done_callback(scope.active.discard)
+
+    async def _release_outbox(
+        self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
+    ) -> None:
+        """Delete the confirmed outbox rows of ``sessions`` now (W§11.4).
+
+        The rows of a session otherwise go in its next commit, and an idle or
+        abandoned session never makes one, nor does a closed one: without this
+        its last replies would be republished at every start and reconnect, for
+        ever. Run only where the scope's lease cannot change underneath (a
+        registered handler, or the reload itself). A session poisoned in memory
+        commits nothing (W§10.9); one stored as poisoned may.
+        """
+        store = self.store
+        for session in sessions:
+            if scope.superseded or scope.sessions.get(session.session_id) is not session:
+                continue  # a reloaded scope has its own copy of the session
+            if session.status == "poisoned" and session.session_id not in scope.persisted_poisoned:
+                continue
+            try:
+                released = await session.release_confirmed(store)
+            except Exception as exc:
+                # The rows stay; the next start republishes them and tries again.
+                code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+                self._log.warning(
+                    "outbox_release_failed",
+                    scope=scope.name,
+                    session=session.session_id,
+                    error=code,
+                )
+                if self._superseded(scope):
+                    await self._give_up_scope(scope)  # another worker holds the fence
+                    return
+                continue
+            if released:
+                self._log.info(
+                    "outbox_released",
+                    scope=scope.name,
+                    session=session.session_id,
+                    frames=released,
+                )
+            if session.status == "closed":
+                await self._let_go_if_done(scope, session, handlers)
+
+    async def _let_go_if_done(
+        self, scope: ServedScope, session: WorkerSession, handlers: int
+    ) -> None:
+        """Hold a closed session by its id only once nothing of it is pending.
+
+        ``handlers``: how many of its deliveries the caller is (1 from its last
+        handler, 0 after a republish). A reply of it still in the outbox (its
+        publish failed) keeps it, so the next reconnect republishes that reply.
+        """
+        sid = session.session_id
+        if scope.handling.get(sid, 0) > handlers:
+            return
+        try:
+            entries = await self.store.load_outbox(scope.name)
+        except Exception:
+            return  # kept; a later delivery or start tries again
+        if any(entry.session_id == sid for entry in entries):
+            return
+        if scope.handling.get(sid, 0) > handlers:
+            return  # another delivery of it started meanwhile (dead-lettered: closed)
+        self._forget_closed(scope, session)
+
+    def _forget_closed(self, scope: ServedScope, session: WorkerSession) -> None:
+        """Hold a closed session by its id only, from now on (its last handler calls this)."""
+        if scope.sessions.get(session.session_id) is session:
+            del scope.sessions[session.session_id]
+            remember_closed(scope, session.session_id)
+
+    async def _unknown_session_reason(self, scope: ServedScope, session_id: str) -> str:
+        """Why a frame of a session not in memory is dead-lettered: closed, or unknown.
+
+        Looked up in the store (one authenticated row): closed sessions are
+        not loaded at start. Nothing of the frame is acted on either way; a
+        session the store holds live but the start did not load (its closed
+        mark was edited) is logged and refused as unknown.
+        """
+        try:
+            status = await self.store.session_status(scope.name, session_id)
+        except OctoError as exc:
+            self._log.error(
+                "session_lookup_failed", scope=scope.name, session=session_id, error=exc.code
+            )
+            return "unknown_session"
+        if status == "closed":
+            remember_closed(scope, session_id)
+            return "session_closed"
+        if status is not None:
+            self._log.error(
+                "session_not_loaded", scope=scope.name, session=session_id, status=status
+            )
+        return "unknown_session"
+
+    async def _persist_refusal_sequence(self, scope: ServedScope, session: WorkerSession) -> None:
+        """A stored-poisoned session sealed a ``session_poisoned`` refusal: persist
+        ``next_outgoing`` past it, so no later refusal (after a restart or a
+        reload, which load the session from the store) reuses its sequence
+        number for other bytes (W§10.11 rule 2); the host would drop that one
+        as a duplicate and wait for its timeout."""
+        high = session.best_effort_sequence_high
+        if high <= scope.poisoned_sealed.get(session.session_id, 0):
+            return
+        scope.poisoned_sealed[session.session_id] = high
+        # A commit like a handler's: a reload waits for it before it takes a
+        # new fence (its handler has already left ``scope.active``; nothing
+        # awaited since).
+        current = asyncio.current_task()
+        if current is not None:
+            scope.active.add(current)
+        try:
+            await session.persist_poisoned(self.store, sealed_through=high)
+        except Exception as exc:
+            scope.poisoned_sealed.pop(session.session_id, None)
+            code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+            self._log.warning(
+                "poisoned_sequence_persist_failed",
+                scope=scope.name,
+                session=session.session_id,
+                error=code,
+            )
+            # The store refused it (and may hold it all the same): reload the
+            # scope, whose first commit under a fresh fence persists the sequence
+            # (W§10.11 rule 2), rather than retry on the next frame.
+            if not scope.reloading and not self._stopping.is_set():
+                scope.reloading = True
+                scope.reload = self._spawn(self._reload_scope(scope))
+        finally:
+            if current is not None:
+                scope.active.discard(current)
+
+    async def _give_up_scope(self, scope: ServedScope) -> None:
+        if scope.superseded:
+            return
+        scope.superseded = True
+        self._log.error(
+            "scope_superseded",
+            scope=scope.name,
+            detail="another worker holds the scope's fence; this worker stops serving it",
+        )
+        await self._stop_consuming(scope)
+        if all(item.superseded for item in self._scopes.values()):
+            self._log.error(
+                "worker_superseded", detail="every scope is served by another worker; stopping"
+            )
+            self.request_stop()
+
+    async def _reload_scope(self, scope: ServedScope) -> None:
+        """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume."""
+        try:
+            scope.running.clear()
+            await self._stop_consuming(scope)
+            # The handler that poisoned the session is done with it; wait for
+            # every other running handler of the scope (their commits may fail too).
+            while scope.active:
+                await asyncio.wait(list(scope.active))
+            if scope.superseded or self._superseded(scope):
+                await self._give_up_scope(scope)
+                return
+            # Poisoned in memory, and stored poisoned with a refusal sealed
+            # since: both get next_outgoing persisted past what they sealed.
+            poisoned = {
+                sid: session.best_effort_sequence_high
+                for sid, session in scope.sessions.items()
+                if session.status == "poisoned"
+                and (
+                    sid not in scope.persisted_poisoned
+                    or session.best_effort_sequence_high > scope.poisoned_sealed.get(sid, 0)
+                )
+            }
+            scope.persisted_poisoned = set()
+            scope.poisoned_sealed = {}
+            # The gate stays shut until every poisoned session is marked
+            # poisoned again (the finally opens it): a frame for one of them
+            # must not meet the reloaded session while it still reads "open".
+            await self._load_scope(scope, open_gate=False)
+            for session_id, sealed in poisoned.items():
+                restored = scope.sessions.get(session_id)
+                if restored is None:
+                    continue
+                await restored.persist_poisoned(self.store, sealed_through=sealed)
+                scope.persisted_poisoned.add(session_id)
+            self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
+            if self._connected.is_set():
+                await self._release_outbox(scope, await self._republish_outbox(scope))
+                if self._superseded(scope):
+                    await self._give_up_scope(scope)  # the release met another writer's fence
+                    return
+                await self._start_consuming(scope)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._log.error("scope_reload_failed", scope=scope.name, error=type(exc).__name__)
+            if self._superseded(scope):
+                await self._give_up_scope(scope)
+            else:
+                self.request_stop()  # fail closed: a supervisor restarts from durable state
+        finally:
+            scope.reloading = False
+            scope.running.set()

@@ -1,0 +1,512 @@
+"""The SQLite journal store's writer thread: schema, anchor, fences, group commit (W§11.2-11.3).
+
+:class:`JournalWriter` runs only in the store's writer thread and owns its
+connection: it opens the database (created 0o600, WAL, ``synchronous=FULL``,
+schema migrated) and checks or initialises the rollback anchor (H§17.10),
+reserves fences, applies a batch of change sets in ONE transaction and ONE
+fsync (each under its own savepoint, W§11.2 steps 1-5; chained session
+commits resolved to the revision their predecessor wrote), advances the
+anchor after a commit, and runs the maintenance writes (closed marks,
+re-sealed envelopes, pruned rows) in short transactions.
+
+It must never run on the event loop, let its connection leave its thread,
+move a head outside a commit, or raise with a path, a key or a document.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from octo_common.errors import (
+    FencingTokenExhausted,
+    FencingTokenRejected,
+    OctoError,
+    RevisionExhausted,
+    RollbackDetected,
+    SessionReplay,
+    StorageBackendError,
+    WriteConflict,
+)
+from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS, SQLITE_MAX_INTEGER
+from octo_common.records import (
+    StorageKeyring,
+    StorageRecordKey,
+    encrypt_document,
+    seal_record,
+)
+from octo_common.runtime.anchorfile import read_anchor, write_anchor
+from octo_common.runtime.sqlite import copy_error, migrate_schema
+from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.sqlite_rows import (
+    HEAD_NAMESPACE,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    SESSION_ROWS,
+    SESSION_TAIL_LIMIT,
+    SQL_CHUNK,
+    PendingCommit,
+    RowWrite,
+    backend_error,
+    connect_read_only,
+    note_tails,
+    record_key,
+)
+
+__all__ = ["JournalWriter"]
+
+_log = structlog.get_logger("octo_worker.store")
+
+
+class JournalWriter:
+    """The writer thread's side of a ``SqliteJournalStore`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: Path,
+        anchor_path: Path | None,
+        keyring: StorageKeyring,
+        data_keyring: StorageKeyring | None,
+        *,
+        read_only: bool,
+        maintenance: bool,
+    ) -> None:
+        self._path = path
+        self._anchor_path = anchor_path
+        self._keyring = keyring
+        self._data_keyring = data_keyring
+        self._read_only = read_only
+        self._maintenance = maintenance
+        self._db: sqlite3.Connection | None = None
+        # Commit baselines per scope (W§11.2 step 2): set by reserve and commits.
+        self._baselines: dict[str, int] = {}
+        # (scope, session id) -> (link, revision) of the last change set that
+        # wrote the session's state row through this instance: the base of a
+        # chained commit (bounded; an evicted entry only makes a chained
+        # commit fail closed).
+        self._session_tails: dict[tuple[str, str], tuple[int, int]] = {}
+        # The anchor as last written; replaced (never mutated), read by the
+        # reader thread at the start of each snapshot.
+        self.anchor: Mapping[StorageRecordKey, int] = {}
+
+    def open(self, check_anchor: bool) -> None:
+        if self._read_only:
+            self._open_checked_read_only()
+            return
+        self.close()  # a failed earlier attempt may have left one open
+        directory = self._path.parent
+        if not directory.exists():
+            directory.mkdir(mode=0o700, parents=True)
+            os.chmod(directory, 0o700)
+        elif directory.stat().st_mode & 0o077:
+            _log.warning("journal_directory_permissive", mode=oct(directory.stat().st_mode & 0o777))
+        if not self._path.exists():
+            descriptor = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(descriptor)
+        os.chmod(self._path, 0o600)
+        connection = sqlite3.connect(
+            self._path,
+            timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        try:
+            self._configure(connection)
+            migrate_schema(connection, MIGRATIONS)
+            self._tighten_side_files()
+            if self._anchor_path is not None:
+                heads = self._all_heads(connection)
+                if check_anchor:
+                    anchor = self._read_anchor_file()
+                    self._check_anchor(anchor, heads)
+                else:
+                    anchor = {}
+                raised = dict(anchor)
+                for name, revision in heads.items():
+                    head_key = StorageRecordKey(HEAD_NAMESPACE, name)
+                    if revision > raised.get(head_key, 0):
+                        raised[head_key] = revision
+                if self._maintenance:
+                    raised = anchor  # checked only: the daemon owns the file
+                elif raised != anchor or not check_anchor:
+                    self._write_anchor_file(raised)
+                self.anchor = raised
+        except BaseException:
+            connection.close()
+            raise
+        self._db = connection
+
+    def _open_checked_read_only(self) -> None:
+        """The open checks of a read-only store: schema version and anchor, no writes."""
+        if not self._path.exists():
+            raise StorageBackendError(f"no journal database at {self._path}")
+        connection = connect_read_only(self._path)
+        try:
+            connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+            connection.execute("PRAGMA query_only=ON")
+            try:
+                row = connection.execute("SELECT version FROM schema_version").fetchone()
+            except sqlite3.OperationalError:
+                row = None
+            version = 0 if row is None else int(row[0])
+            # Every inspection query reads columns of schema 1, so a journal the
+            # daemon has not migrated yet (just after an upgrade) reads as it is.
+            if version < 1:
+                raise StorageBackendError("not an Octo journal (no schema version)")
+            if version > SCHEMA_VERSION:
+                raise StorageBackendError(
+                    f"journal schema version {version} is newer than this octo-worker "
+                    f"(version {SCHEMA_VERSION}): use the release that wrote it"
+                )
+            if self._anchor_path is not None:
+                anchor = self._read_anchor_file()
+                self._check_anchor(anchor, self._all_heads(connection))
+                self.anchor = anchor
+        finally:
+            connection.close()
+
+    def _configure(self, connection: sqlite3.Connection) -> None:
+        mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()
+        if mode is None or str(mode[0]).lower() != "wal":
+            raise StorageBackendError("sqlite could not enable WAL")
+        connection.execute("PRAGMA synchronous=FULL")
+        connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+        connection.execute("PRAGMA foreign_keys=ON")
+
+    def _tighten_side_files(self) -> None:
+        # SQLite gives -wal/-shm the main file's mode; this only repairs
+        # files left by an older, looser process.
+        for suffix in ("-wal", "-shm"):
+            side = Path(os.fspath(self._path) + suffix)
+            try:
+                if stat.S_IMODE(side.stat().st_mode) != 0o600:
+                    os.chmod(side, 0o600)
+            except FileNotFoundError:
+                continue
+
+    @staticmethod
+    def _all_heads(connection: sqlite3.Connection) -> dict[str, int]:
+        rows = connection.execute(
+            "SELECT name, revision FROM heads WHERE namespace = ?", (HEAD_NAMESPACE,)
+        ).fetchall()
+        return {str(name): int(revision) for name, revision in rows}
+
+    def _read_anchor_file(self) -> dict[StorageRecordKey, int]:
+        assert self._anchor_path is not None
+        return read_anchor(self._anchor_path)
+
+    @staticmethod
+    def _check_anchor(anchor: Mapping[StorageRecordKey, int], heads: Mapping[str, int]) -> None:
+        for anchored_key, anchored in anchor.items():
+            actual = (
+                heads.get(anchored_key.name) if anchored_key.namespace == HEAD_NAMESPACE else None
+            )
+            if actual is None:
+                raise RollbackDetected(None, anchored)
+            if actual < anchored:
+                raise RollbackDetected(actual, anchored)
+
+    def _write_anchor_file(self, revisions: Mapping[StorageRecordKey, int]) -> None:
+        assert self._anchor_path is not None
+        write_anchor(self._anchor_path, revisions)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StorageBackendError("store is closed")
+        return self._db
+
+    def reserve(self, scope: str) -> int:
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            # One statement creates the head or adds 1 to its fence; it refuses
+            # (returns no row) instead of overflowing SQLite's integer range.
+            row = connection.execute(
+                "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 0, 1) "
+                "ON CONFLICT (namespace, name) DO UPDATE SET fence = fence + 1 "
+                "WHERE fence < ? RETURNING revision, fence",
+                (HEAD_NAMESPACE, scope, SQLITE_MAX_INTEGER),
+            ).fetchone()
+            if row is None:
+                raise FencingTokenExhausted()
+            revision, fence = int(row[0]), int(row[1])
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+        self._baselines[scope] = revision
+        return fence
+
+    def apply_batch(self, batch: Sequence[PendingCommit]) -> list[int | OctoError]:
+        """One transaction, one fsync, for every change set of ``batch``.
+
+        Runs entirely in the writer thread. A change set that fails its own
+        checks is rolled back to its savepoint; a failure of the transaction
+        (or of the anchor write) fails every change set in it.
+        """
+        outcomes: list[int | OctoError] = []
+        # Heads as this transaction sees them: read once per scope, then kept
+        # here (the write lock is ours) and written back once before COMMIT.
+        heads: dict[str, tuple[int, int]] = {}
+        advanced: dict[str, int] = {}
+        # Session state rows written (or failed: None) by this transaction so
+        # far; folded into ``_session_tails`` once it commits.
+        tails: dict[tuple[str, str], tuple[int, int] | None] = {}
+        # Alone in its transaction, a change set needs no savepoint: a refusal
+        # rolls the whole (otherwise empty) transaction back.
+        use_savepoints = len(batch) > 1
+        try:
+            connection = self._connection()
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                for pending in batch:
+                    if use_savepoints:
+                        connection.execute("SAVEPOINT change_set")
+                    try:
+                        revision = self._apply_one(connection, pending, heads, advanced, tails)
+                    except OctoError as exc:
+                        if use_savepoints:
+                            connection.execute("ROLLBACK TO change_set")
+                            connection.execute("RELEASE change_set")
+                        outcomes.append(exc)
+                        note_tails(tails, pending, None)
+                        continue
+                    if use_savepoints:
+                        connection.execute("RELEASE change_set")
+                    note_tails(tails, pending, revision)
+                    heads[pending.scope] = (revision, heads[pending.scope][1])
+                    advanced[pending.scope] = revision
+                    outcomes.append(revision)
+                for scope, revision in advanced.items():
+                    connection.execute(
+                        "UPDATE heads SET revision = ? WHERE namespace = ? AND name = ?",
+                        (revision, HEAD_NAMESPACE, scope),
+                    )
+                connection.execute("COMMIT" if advanced else "ROLLBACK")
+            except BaseException:
+                if connection.in_transaction:
+                    connection.execute("ROLLBACK")
+                raise
+        except (sqlite3.Error, OSError, OctoError) as exc:
+            for tail in tails:
+                self._session_tails.pop(tail, None)
+            failure: OctoError = exc if isinstance(exc, OctoError) else backend_error(exc)
+            failed: list[int | OctoError] = [
+                o if isinstance(o, OctoError) else copy_error(failure) for o in outcomes
+            ]
+            return failed + [copy_error(failure) for _ in range(len(batch) - len(outcomes))]
+        # Committed: the database is the truth for this instance's baselines,
+        # even if the anchor write below fails its callers.
+        self._baselines.update(advanced)
+        if advanced and self._anchor_path is not None:
+            anchor = dict(self.anchor)
+            for scope, revision in advanced.items():
+                anchor[StorageRecordKey(HEAD_NAMESPACE, scope)] = revision
+            try:
+                self._write_anchor_file(anchor)
+            except OSError as exc:
+                # Its callers are told the batch failed: nothing may chain on it.
+                for name in tails:
+                    self._session_tails.pop(name, None)
+                failure = backend_error(exc)
+                return [o if isinstance(o, OctoError) else copy_error(failure) for o in outcomes]
+            finally:
+                # Readers compare against the newest anchor the disk may hold.
+                self.anchor = anchor
+        self._fold_tails(tails)
+        return outcomes
+
+    def _apply_one(
+        self,
+        connection: sqlite3.Connection,
+        pending: PendingCommit,
+        heads: dict[str, tuple[int, int]],
+        advanced: Mapping[str, int],
+        tails: Mapping[tuple[str, str], tuple[int, int] | None],
+    ) -> int:
+        """W§11.2 steps 1-4 for one change set, inside the open transaction.
+
+        The head itself is advanced by the caller, once per scope and batch.
+        """
+        scope = pending.scope
+        head = heads.get(scope)
+        if head is None:
+            row = connection.execute(
+                "SELECT revision, fence FROM heads WHERE namespace = ? AND name = ?",
+                (HEAD_NAMESPACE, scope),
+            ).fetchone()
+            head = (0, 0) if row is None else (int(row[0]), int(row[1]))
+            heads[scope] = head
+        head_revision, fence = head
+        if fence != pending.token:  # step 1
+            raise FencingTokenRejected(fence, pending.token)
+        baseline = advanced.get(scope, self._baselines.get(scope))
+        if baseline != head_revision:  # step 2
+            raise WriteConflict(baseline, head_revision, head_revision)
+        writes = pending.writes
+        if any(write.after is not None for write in writes):
+            writes = tuple(self._chain(connection, scope, w, head_revision, tails) for w in writes)
+        if head_revision >= SQLITE_MAX_INTEGER:  # step 4, after step 3's verdict
+            for write in writes:
+                conflict = self._conflict(connection, scope, write, head_revision)
+                if conflict.actual != write.base_revision:
+                    if write.item in pending.new_sessions and write.namespace in SESSION_ROWS:
+                        raise SessionReplay(write.item)
+                    raise conflict
+            raise RevisionExhausted()
+        revision = head_revision + 1
+        now = time.time()
+        sealed = [(write, self._seal(scope, write, revision)) for write in writes]
+        # Step 3 is checked by the writes themselves, one statement per row: an
+        # insert meets the UNIQUE key when the row exists, an update names the
+        # base revision. A refused change set is undone by the caller (its
+        # savepoint, or the whole transaction when it is alone).
+        for write, envelope in sealed:
+            if write.base_revision is None:
+                try:
+                    connection.execute(
+                        "INSERT INTO items (namespace, name, item, revision, envelope, "
+                        "written_at, closed) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (write.namespace, scope, write.item, revision, envelope, now, write.closed),
+                    )
+                except sqlite3.IntegrityError:
+                    if write.item in pending.new_sessions and write.namespace in SESSION_ROWS:
+                        raise SessionReplay(write.item) from None
+                    raise self._conflict(connection, scope, write, head_revision) from None
+            else:
+                updated = connection.execute(
+                    "UPDATE items SET revision = ?, envelope = ?, written_at = ?, closed = ? "
+                    "WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
+                    (
+                        revision,
+                        envelope,
+                        now,
+                        write.closed,
+                        write.namespace,
+                        scope,
+                        write.item,
+                        write.base_revision,
+                    ),
+                ).rowcount
+                if updated != 1:
+                    raise self._conflict(connection, scope, write, head_revision)
+        for write in writes:
+            if write.closed:
+                # Its opening row is never rewritten: mark it beside the envelope.
+                connection.execute(
+                    "UPDATE items SET closed = 1 WHERE namespace = ? AND name = ? AND item = ?",
+                    (NS_SESSION_OPEN, scope, write.item),
+                )
+        for message in pending.outbox_delete:
+            connection.execute(
+                "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ?",
+                (NS_OUTBOX, scope, message),
+            )
+        return revision
+
+    def _chain(
+        self,
+        connection: sqlite3.Connection,
+        scope: str,
+        write: RowWrite,
+        head_revision: int,
+        tails: Mapping[tuple[str, str], tuple[int, int] | None],
+    ) -> RowWrite:
+        """A chained session write with its base: what the change set it follows wrote."""
+        if write.after is None:
+            return write
+        name = (scope, write.item)
+        tail = tails[name] if name in tails else self._session_tails.get(name)
+        if tail is None or tail[0] != write.after:
+            # That change set failed, never came here, or was written over since.
+            raise self._conflict(connection, scope, write, head_revision)
+        return write._replace(base_revision=tail[1], after=None)
+
+    def _fold_tails(self, tails: Mapping[tuple[str, str], tuple[int, int] | None]) -> None:
+        known = self._session_tails
+        for name, revision in tails.items():
+            known.pop(name, None)  # re-inserted last: the bound drops the oldest
+            if revision is not None:
+                known[name] = revision
+        excess = len(known) - SESSION_TAIL_LIMIT
+        if excess > 0:
+            for name in list(itertools.islice(known, excess)):
+                del known[name]
+
+    @staticmethod
+    def _conflict(
+        connection: sqlite3.Connection, scope: str, write: RowWrite, head_revision: int
+    ) -> WriteConflict:
+        current = connection.execute(
+            "SELECT revision FROM items WHERE namespace = ? AND name = ? AND item = ?",
+            (write.namespace, scope, write.item),
+        ).fetchone()
+        actual = None if current is None else int(current[0])
+        return WriteConflict(write.base_revision, actual, head_revision)
+
+    def _seal(self, scope: str, write: RowWrite, revision: int) -> bytes:
+        payload = write.document
+        if self._data_keyring is not None:
+            payload = encrypt_document(
+                self._data_keyring, write.namespace, scope, write.item, revision, payload
+            )
+        return seal_record(self._keyring, record_key(write.namespace, scope), revision, payload)
+
+    def close(self) -> None:
+        self._session_tails.clear()
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def mark_closed(self, scope: str, ids: Sequence[str]) -> None:
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            for start in range(0, len(ids), SQL_CHUNK):
+                chunk = ids[start : start + SQL_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                # Only "?" placeholders are formatted in; every value is bound.
+                sql = (
+                    "UPDATE items SET closed = 1 "  # noqa: S608
+                    f"WHERE namespace IN (?, ?) AND name = ? AND item IN ({marks})"
+                )
+                connection.execute(sql, (NS_SESSION, NS_SESSION_OPEN, scope, *chunk))
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+
+    def _count_in_transaction(self, statement: str, parameters: Sequence[tuple[Any, ...]]) -> int:
+        """Run ``statement`` once per parameter tuple in one transaction; rows changed."""
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            changed = sum(connection.execute(statement, values).rowcount for values in parameters)
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+        return changed
+
+    def replace_envelopes(self, changes: Sequence[tuple[int, int, bytes, bytes]]) -> int:
+        """Swap envelopes of rows still at the revision and envelope that were read."""
+        return self._count_in_transaction(
+            "UPDATE items SET envelope = ? WHERE id = ? AND revision = ? AND envelope = ?",
+            [(new, row_id, revision, old) for row_id, revision, old, new in changes],
+        )
+
+    def delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
+        return self._count_in_transaction(
+            "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
+            [(NS_JOURNAL, scope, item, revision) for item, revision in victims],
+        )

@@ -1,0 +1,176 @@
+"""The worker's session-status rules (octo_worker.session_rules), row by row."""
+
+from __future__ import annotations
+
+import pytest
+
+from octo_common.messages import _MESSAGE_TYPES
+from octo_worker.request_kinds import KEYED_KINDS, KEYED_MESSAGES
+from octo_worker.session_rules import (
+    CLOSED_REASON,
+    HOST_REQUESTS,
+    KEYED_REQUESTS,
+    WORKER_MESSAGES,
+    AfterHandling,
+    Answer,
+    Route,
+    after_handling,
+    answer,
+    route_known,
+    route_unknown,
+)
+
+ALL_TYPES = sorted(str(cls.__struct_config__.tag) for cls in _MESSAGE_TYPES)
+
+
+# The daemon's routing (W§12.2 step 3) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "opening", "nonce_matches", "route"),
+    [
+        ("open", False, True, Route.HANDLE),
+        ("open", False, False, Route.INVALID_TAG),
+        ("poisoned", False, True, Route.HANDLE),
+        ("poisoned", False, False, Route.INVALID_TAG),
+        # A closed session dead-letters the frame itself, once its close is durable.
+        ("closed", False, True, Route.HANDLE),
+        ("closed", False, False, Route.HANDLE),
+        # An open_session: a duplicate (or an authentic replay) for the session itself.
+        ("open", True, True, Route.HANDLE),
+        ("poisoned", True, True, Route.HANDLE),
+        ("open", True, False, Route.SESSION_REPLAY),
+        ("poisoned", True, False, Route.SESSION_REPLAY),
+        ("closed", True, True, Route.SESSION_REPLAY),
+        ("closed", True, False, Route.SESSION_REPLAY),
+    ],
+)
+def test_route_known(status: str, opening: bool, nonce_matches: bool, route: Route) -> None:
+    assert route_known(status, opening, nonce_matches) is route  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("opening", "closed", "reply_queue", "route"),
+    [
+        (True, False, True, Route.OPEN),
+        (True, False, False, Route.INVALID_HEADERS),
+        (True, True, True, Route.SESSION_REPLAY),
+        (True, True, False, Route.SESSION_REPLAY),
+        (False, False, True, Route.LOOK_UP),
+        (False, False, False, Route.LOOK_UP),
+        (False, True, True, Route.SESSION_CLOSED),
+        (False, True, False, Route.SESSION_CLOSED),
+    ],
+)
+def test_route_unknown(opening: bool, closed: bool, reply_queue: bool, route: Route) -> None:
+    assert route_unknown(opening, closed, reply_queue) is route
+
+
+def test_dead_letter_routes_carry_their_reason_code() -> None:
+    reasons = {route.value for route in Route if route.dead_letter}
+    assert reasons == {
+        "session_replay",
+        CLOSED_REASON,
+        "invalid_authentication_tag",
+        "invalid_frame_headers",
+    }
+    assert not any(route.dead_letter for route in (Route.HANDLE, Route.OPEN, Route.LOOK_UP))
+
+
+# What a session answers (W§10.5 step 4, W§10.7, W§10.9) ---------------------------------
+
+
+OPEN_NEW = {
+    "invoke": Answer.REQUEST,
+    "dispatch_operation": Answer.REQUEST,
+    "compensate_operation": Answer.REQUEST,
+    "reconcile_operation": Answer.REQUEST,
+    "close_session": Answer.CLOSE,
+    "cancel": Answer.REFUSE_UNSUPPORTED,
+    "open_session": Answer.REPLAY,
+    # Not handled by the worker yet (D11): a host may not send it to this worker.
+    "reconcile_compensation": Answer.UNEXPECTED,
+    "result": Answer.UNEXPECTED,
+    "operation_result": Answer.UNEXPECTED,
+    "compensation_result": Answer.UNEXPECTED,
+    "reconciled_operation": Answer.UNEXPECTED,
+    "reconciled_compensation": Answer.UNEXPECTED,
+    "cancellation_result": Answer.UNEXPECTED,
+    "request_rejected": Answer.UNEXPECTED,
+}
+
+OPEN_DUPLICATE = {
+    "dispatch_operation": Answer.FROM_JOURNAL,
+    "compensate_operation": Answer.FROM_JOURNAL,
+    "reconcile_operation": Answer.FROM_JOURNAL,
+}
+
+POISONED = {
+    "invoke": Answer.REFUSE_POISONED,
+    "dispatch_operation": Answer.REFUSE_POISONED,
+    "compensate_operation": Answer.REFUSE_POISONED,
+    "reconcile_operation": Answer.REFUSE_POISONED,
+    "cancel": Answer.REFUSE_POISONED,
+    "close_session": Answer.CLOSE,
+}
+
+
+def test_the_tables_cover_every_message_type() -> None:
+    assert set(OPEN_NEW) == set(ALL_TYPES)
+
+
+@pytest.mark.parametrize("kind", ALL_TYPES)
+def test_open_session_new_frame(kind: str) -> None:
+    assert answer("open", kind, duplicate=False) is OPEN_NEW[kind]
+
+
+@pytest.mark.parametrize("kind", ALL_TYPES)
+def test_open_session_duplicate_frame(kind: str) -> None:
+    assert answer("open", kind, duplicate=True) is OPEN_DUPLICATE.get(kind, Answer.DROP)
+
+
+@pytest.mark.parametrize("duplicate", [False, True])
+@pytest.mark.parametrize("kind", ALL_TYPES)
+def test_poisoned_session(kind: str, duplicate: bool) -> None:
+    assert answer("poisoned", kind, duplicate) is POISONED.get(kind, Answer.DROP)
+
+
+def test_an_unknown_type_is_unexpected_in_an_open_session() -> None:
+    assert answer("open", "no_such_type", duplicate=False) is Answer.UNEXPECTED
+    assert answer("open", "no_such_type", duplicate=True) is Answer.DROP
+    assert answer("poisoned", "no_such_type", duplicate=False) is Answer.DROP
+
+
+def test_keyed_requests_are_the_rows_of_the_kind_table() -> None:
+    assert frozenset(KEYED_KINDS) == KEYED_REQUESTS
+    assert {message_type_of(cls) for cls in KEYED_MESSAGES} == set(KEYED_REQUESTS)
+    assert all(KEYED_MESSAGES[cls] is KEYED_KINDS[message_type_of(cls)] for cls in KEYED_MESSAGES)
+    assert KEYED_REQUESTS < HOST_REQUESTS
+    assert not HOST_REQUESTS & WORKER_MESSAGES
+
+
+def message_type_of(cls: type) -> str:
+    return str(cls.__struct_config__.tag)  # type: ignore[attr-defined]
+
+
+# After a delivery (W§10.9 steps 3-5, W§11.4) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "stored_poisoned", "last_handler", "after"),
+    [
+        ("open", False, True, AfterHandling.NOTHING),
+        ("open", False, False, AfterHandling.NOTHING),
+        ("poisoned", False, True, AfterHandling.RELOAD),
+        ("poisoned", False, False, AfterHandling.RELOAD),
+        ("poisoned", True, True, AfterHandling.PERSIST_SEQUENCE),
+        ("poisoned", True, False, AfterHandling.PERSIST_SEQUENCE),
+        ("closed", False, True, AfterHandling.LET_GO),
+        ("closed", False, False, AfterHandling.NOTHING),
+        ("closed", True, True, AfterHandling.LET_GO),
+    ],
+)
+def test_after_handling(
+    status: str, stored_poisoned: bool, last_handler: bool, after: AfterHandling
+) -> None:
+    assert after_handling(status, stored_poisoned, last_handler) is after  # type: ignore[arg-type]
