@@ -32,7 +32,8 @@ from aiohttp import web
 
 from octo_common.runtime.output import CliError
 from octo_common.transport import DEAD_QUEUE
-from octo_worker.cli import _broker, _dead_queue
+from octo_worker.cli.common import broker_connection
+from octo_worker.cli.dlq import dead_queue
 from octo_worker.config import WorkerConfig
 from octo_worker.console import data
 from octo_worker.console.live import LiveSource
@@ -200,8 +201,8 @@ async def _security_headers(_request: web.Request, response: web.StreamResponse)
 async def _dead_letter_count(config: WorkerConfig) -> tuple[int | None, str | None]:
     """The queue's message count from a passive declare: no message is touched."""
     try:
-        async with _broker(config) as connection:
-            queue = await _dead_queue(connection)
+        async with broker_connection(config) as connection:
+            queue = await dead_queue(connection)
             return int(queue.declaration_result.message_count or 0), None
     except CliError as error:
         return None, error.message

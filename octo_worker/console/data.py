@@ -28,14 +28,9 @@ from octo_common.ids import is_token
 from octo_common.runtime.output import CliError
 from octo_common.states import TERMINAL_KINDS
 from octo_common.transport import DEAD_QUEUE
-from octo_worker.cli import (
-    PROG,
-    _dead_letter_entry,
-    _holding,
-    _record_detail,
-    _record_summary,
-    _store,
-)
+from octo_worker.cli.common import PROG, journal_store
+from octo_worker.cli.dlq import dead_letter_entry, holding
+from octo_worker.cli.journal import record_detail, record_summary
 from octo_worker.config import WorkerConfig
 from octo_worker.store import SqliteJournalStore
 
@@ -138,7 +133,7 @@ async def _scope_view(
     view.revision = await store.head_revision(name)
     view.fence = metadata.fence
     view.rows = len(records)
-    summaries = [_record_summary(name, record, revision) for record, revision in records]
+    summaries = [record_summary(name, record, revision) for record, revision in records]
     states = collections.Counter(summary["state"] for summary in summaries)
     view.states = {state: states.get(state, 0) for state in STATES}
     compensations = collections.Counter(
@@ -194,7 +189,7 @@ async def overview(config: WorkerConfig, config_path: str) -> OverviewView:
     configured = [scope.name for scope in config.scopes]
     result = OverviewView(str(config.journal_path), [])
     try:
-        async with _store(config) as store:
+        async with journal_store(config) as store:
             in_journal = await store.scopes()
             now = time.time()
             for name in sorted(set(configured) | set(in_journal)):
@@ -299,7 +294,7 @@ async def key_view(
         view.invalid = True
         return view
     try:
-        async with _store(config) as store:
+        async with journal_store(config) as store:
             scopes = await store.scopes()
             for name in scopes if scope is None else [s for s in scopes if s == scope]:
                 try:
@@ -319,7 +314,7 @@ async def key_view(
                     view.error = f"scope {name}: {error.code}"
                     continue
                 for record, revision in entries:
-                    detail = _record_detail(name, record, revision)
+                    detail = record_detail(name, record, revision)
                     written = (
                         None if metadata is None else metadata.written_at.get(record.operation_key)
                     )
@@ -350,12 +345,12 @@ async def dead_letters(config: WorkerConfig, config_path: str) -> DeadLetterView
     """``octo-worker dlq list``'s view: count, reasons, and the commands per frame."""
     view = DeadLetterView(DEAD_QUEUE)
     try:
-        async with _holding(config) as held:
+        async with holding(config) as held:
             view.total = max(held.total, len(held.messages))
             view.order_kept = held.complete
             reasons: collections.Counter[str] = collections.Counter()
             for position, message in enumerate(held.messages, start=1):
-                entry = _dead_letter_entry(position, message, False)
+                entry = dead_letter_entry(position, message, False)
                 reasons[entry["reason"] or "-"] += 1
                 if position > DEAD_LETTERS_SHOWN:
                     continue

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from octo_common.runtime.output import Output
-from octo_worker.cli import EXIT_OK, _config, run_event_loop
+from octo_common.runtime.output import EXIT_OK, Output
+from octo_worker.cli.common import config_of, run_event_loop
 from octo_worker.config import InvalidConfiguration, WorkerConfig
 from octo_worker.console.security import (
     AccessToken,
@@ -122,7 +122,7 @@ async def _start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[
 
 
 def cmd_console(args: argparse.Namespace, out: Output) -> int:
-    config = _config(args)
+    config = config_of(args)
     address = parse_listen(args.listen, "--listen")
     token = _token(config, args.token_file)
     check_bind(

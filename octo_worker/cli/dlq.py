@@ -1,0 +1,334 @@
+"""``octo-worker dlq list|show|drop``: the dead-letter queue, read without the management plugin.
+
+Owns holding the whole queue (bounded) unacknowledged on one channel and
+requeuing it in delivery order, so positions stay as they were
+(:func:`holding`, which the console uses too), each frame's entry (reason,
+scope, session, ids, size; the body only with ``--body``,
+:func:`dead_letter_entry`), and dropping one frame by message id.
+
+It must never print a frame body unless ``--body`` asks, or remove a
+message it was not told to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiormq
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+
+from octo_common.runtime.output import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    OneLineParser,
+    Output,
+    printable,
+)
+from octo_common.transport import (
+    DEAD_QUEUE,
+    HEADER_KEY_NONCE,
+    HEADER_REASON,
+    HEADER_SCOPE,
+    HEADER_SESSION,
+)
+from octo_worker.cli.common import PROG, broker_connection, config_of, positive_int
+from octo_worker.config import WorkerConfig
+
+__all__ = [
+    "HeldMessages",
+    "cmd_dlq_drop",
+    "cmd_dlq_list",
+    "cmd_dlq_show",
+    "dead_letter_entry",
+    "dead_queue",
+    "holding",
+    "register",
+]
+
+Verbs = Any  # argparse's sub-parsers action
+
+
+def register(verbs: Verbs, common: OneLineParser) -> None:
+    """Add ``dlq list``, ``dlq show`` and ``dlq drop`` to the verbs."""
+    dlq = verbs.add_parser("dlq", help=f"inspect and drain {DEAD_QUEUE}")
+    dlq_verbs = dlq.add_subparsers(
+        dest="dlq_verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
+    dlist = dlq_verbs.add_parser("list", parents=[common], help="list dead-lettered frames")
+    dlist.add_argument("--limit", type=positive_int, default=50, metavar="N")
+    dlist.add_argument("--body", action="store_true", help="also print each frame body")
+    dlist.set_defaults(handler=cmd_dlq_list)
+    dshow = dlq_verbs.add_parser("show", parents=[common], help="show the frame at position N")
+    dshow.add_argument("position", type=positive_int, metavar="N")
+    dshow.add_argument("--body", action="store_true", help="also print the frame body")
+    dshow.add_argument("--message-id", metavar="ID", help="refuse unless N has this message id")
+    dshow.set_defaults(handler=cmd_dlq_show)
+    ddrop = dlq_verbs.add_parser(
+        "drop", parents=[common], help="remove the frame with --message-id ID (or --all)"
+    )
+    ddrop.add_argument(
+        "position", type=positive_int, nargs="?", metavar="N", help="also check its position"
+    )
+    ddrop.add_argument("--message-id", metavar="ID", help="the message id of the frame to remove")
+    ddrop.add_argument("--all", action="store_true", help="remove every dead-lettered frame")
+    ddrop.set_defaults(handler=cmd_dlq_drop)
+
+
+def _header(headers: Mapping[str, Any], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    return printable(value, 128)
+
+
+def _death_reason(headers: Mapping[str, Any]) -> str | None:
+    """Why the broker itself dead-lettered a frame (delivery limit, rejection)."""
+    first = headers.get("x-first-death-reason")
+    if first is not None:
+        return printable(first, 64)
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        reason = deaths[0].get("reason")
+        if reason is not None:
+            return printable(reason, 64)
+    return None
+
+
+def dead_letter_entry(
+    position: int, message: AbstractIncomingMessage, body: bool
+) -> dict[str, Any]:
+    headers: Mapping[str, Any] = message.headers or {}
+    reason = _header(headers, HEADER_REASON)
+    broker_reason = _death_reason(headers)
+    entry: dict[str, Any] = {
+        "position": position,
+        "reason": reason or (f"broker:{broker_reason}" if broker_reason else None),
+        "scope": _header(headers, HEADER_SCOPE),
+        "session": _header(headers, HEADER_SESSION),
+        "key_nonce_present": HEADER_KEY_NONCE in headers,
+        "message_id": None if message.message_id is None else printable(message.message_id, 128),
+        "correlation_id": None
+        if message.correlation_id is None
+        else printable(message.correlation_id, 128),
+        "routing_key": None if message.routing_key is None else printable(message.routing_key),
+        "size": len(message.body),
+        "delivery_count": headers.get("x-delivery-count")
+        if isinstance(headers.get("x-delivery-count"), int)
+        else None,
+    }
+    if body:
+        entry["body_base64"] = base64.b64encode(message.body).decode("ascii")
+        entry["body_text"] = message.body.decode("utf-8", "backslashreplace")
+    return entry
+
+
+async def dead_queue(connection: AbstractConnection) -> AbstractQueue:
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        return await channel.declare_queue(DEAD_QUEUE, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"queue {DEAD_QUEUE} does not exist (run: {PROG} topology declare)",
+            "not_found",
+        ) from None
+
+
+_MAX_HELD_MESSAGES: Final = 10_000
+
+_MAX_HELD_BYTES: Final = 256 * 1024 * 1024
+
+
+@dataclass
+class HeldMessages:
+    """Messages of the dead-letter queue, held unacknowledged on one channel."""
+
+    messages: list[AbstractIncomingMessage]
+    complete: bool  # False: the queue is larger than one inspection may hold
+    total: int
+
+    def entries(self, count: int, body: bool) -> list[dict[str, Any]]:
+        return [dead_letter_entry(i + 1, m, body) for i, m in enumerate(self.messages[:count])]
+
+
+@contextlib.asynccontextmanager
+async def holding(config: WorkerConfig) -> AsyncIterator[HeldMessages]:
+    """Hold the whole queue (bounded), then requeue every message not acked.
+
+    A quorum queue puts a requeued message at its tail, so inspecting only
+    the first N would rotate the queue and change every position. Holding
+    everything and requeuing it in delivery order keeps the order (and the
+    positions) as they were; only a queue beyond the bounds is rotated, and
+    the listing says so. Nothing is lost: a message is only removed by an
+    explicit ack (``drop``).
+    """
+    async with broker_connection(config) as connection:
+        queue = await dead_queue(connection)
+        total = int(queue.declaration_result.message_count or 0)
+        held = HeldMessages([], True, total)
+        size = 0
+        try:
+            while True:
+                if len(held.messages) >= _MAX_HELD_MESSAGES or size >= _MAX_HELD_BYTES:
+                    held.complete = False
+                    break
+                message = await queue.get(no_ack=False, fail=False, timeout=10)
+                if message is None:
+                    break
+                held.messages.append(message)
+                size += len(message.body)
+            yield held
+        finally:
+            try:
+                for message in held.messages:
+                    await message.reject(requeue=True)
+            except (aiormq.exceptions.AMQPError, ConnectionError):
+                # The channel is gone: the broker requeues every unacked message itself.
+                pass
+
+
+def _rotation_note(held: HeldMessages, out: Output) -> None:
+    if not held.complete:
+        out.line(
+            f"note: {DEAD_QUEUE} is larger than one inspection holds "
+            f"({_MAX_HELD_MESSAGES} messages / {_MAX_HELD_BYTES // (1024 * 1024)} MiB); "
+            "the inspected messages moved to its tail"
+        )
+
+
+def _entry_line(entry: Mapping[str, Any]) -> str:
+    return (
+        f"{entry['position']:>4}  reason={entry['reason'] or '-'}  scope={entry['scope'] or '-'}  "
+        f"session={entry['session'] or '-'}  message_id={entry['message_id'] or '-'}  "
+        f"size={entry['size']}"
+    )
+
+
+def _print_body(entry: Mapping[str, Any], out: Output) -> None:
+    if "body_text" in entry:
+        out.line("      body: " + printable(entry["body_text"], 1 << 20))
+
+
+def cmd_dlq_list(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+
+    async def peek() -> tuple[HeldMessages, list[dict[str, Any]]]:
+        async with holding(config) as held:
+            return held, held.entries(args.limit, args.body)
+
+    held, entries = asyncio.run(peek())
+    total = max(held.total, len(held.messages))
+    out.line(f"{DEAD_QUEUE}: {total} message(s); showing {len(entries)}")
+    for entry in entries:
+        out.line(_entry_line(entry))
+        _print_body(entry, out)
+    _rotation_note(held, out)
+    out.document(
+        {
+            "ok": True,
+            "queue": DEAD_QUEUE,
+            "messages": total,
+            "order_kept": held.complete,
+            "entries": entries,
+        }
+    )
+    return EXIT_OK
+
+
+def _chosen(held: HeldMessages, position: int, message_id: str | None) -> AbstractIncomingMessage:
+    messages = held.messages
+    if len(messages) < position:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"no message at position {position} ({DEAD_QUEUE} holds {len(messages)})",
+            "not_found",
+        )
+    chosen = messages[position - 1]
+    if message_id is not None and chosen.message_id != message_id:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"the message at position {position} does not have message id "
+            f"{printable(message_id, 64)} (the queue changed; list it again)",
+            "not_found",
+        )
+    return chosen
+
+
+def _by_message_id(held: HeldMessages, message_id: str) -> tuple[int, AbstractIncomingMessage]:
+    for position, message in enumerate(held.messages, start=1):
+        if message.message_id == message_id:
+            return position, message
+    raise CliError(
+        EXIT_CHECK_FAILED,
+        f"no message with message id {printable(message_id, 64)} in {DEAD_QUEUE}"
+        f" (of {len(held.messages)} looked at)",
+        "not_found",
+    )
+
+
+def cmd_dlq_show(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+
+    async def show() -> dict[str, Any]:
+        async with holding(config) as held:
+            chosen = _chosen(held, args.position, args.message_id)
+            return dead_letter_entry(args.position, chosen, args.body)
+
+    entry = asyncio.run(show())
+    for name, value in entry.items():
+        if name in ("body_base64", "body_text"):
+            continue
+        out.line(f"{name + ':':<18} {'-' if value is None else value}")
+    _print_body(entry, out)
+    out.document({"ok": True, "entry": entry})
+    return EXIT_OK
+
+
+def cmd_dlq_drop(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+
+    async def drop_all() -> int:
+        async with broker_connection(config) as connection:
+            queue = await dead_queue(connection)
+            result = await queue.purge()
+            return int(getattr(result, "message_count", 0) or 0)
+
+    async def drop_one(message_id: str) -> dict[str, Any]:
+        async with holding(config) as held:
+            if args.position is not None:
+                position = args.position
+                chosen = _chosen(held, position, message_id)
+            else:
+                position, chosen = _by_message_id(held, message_id)
+            entry = dead_letter_entry(position, chosen, False)
+            await chosen.ack()
+            held.messages.remove(chosen)  # everything else is requeued
+            return entry
+
+    if args.all:
+        if args.message_id is not None or args.position is not None:
+            raise CliError(EXIT_USAGE, "--all takes no position and no --message-id", "usage")
+        dropped = asyncio.run(drop_all())
+        out.line(f"dropped {dropped} message(s) from {DEAD_QUEUE}")
+        out.document({"ok": True, "dropped": dropped})
+        return EXIT_OK
+    if args.message_id is None:
+        # The broker may requeue the held messages in another order, so a
+        # position alone could name another frame by now.
+        raise CliError(
+            EXIT_USAGE,
+            "dlq drop needs --message-id ID (from dlq list or show) or --all",
+            "usage",
+        )
+    entry = asyncio.run(drop_one(args.message_id))
+    out.line(f"dropped: {_entry_line(entry).strip()}")
+    out.document({"ok": True, "dropped": 1, "entry": entry})
+    return EXIT_OK

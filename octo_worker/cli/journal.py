@@ -1,0 +1,425 @@
+"""``octo-worker journal ...``: list, show, verify, prune, reseal, init-anchor, beside the daemon.
+
+Every verb but ``init-anchor`` opens the journal read-only, or for
+maintenance (``prune``, ``reseal``: rows only, never a head or the anchor
+file the daemon replaces after each commit). Rows are shown as keys, tools,
+states, fingerprints and revisions; payloads and failure messages as their
+sizes (:func:`record_summary`, :func:`record_detail`, which the console
+uses too).
+
+It must never print a payload, a failure message or a key, or move a
+revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+from octo_common.errors import OctoError
+from octo_common.runtime.output import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    OneLineParser,
+    Output,
+    print_table,
+    printable,
+    state_detail,
+)
+from octo_worker.cli.common import (
+    check_tokens,
+    config_of,
+    journal_store,
+    parse_duration,
+    storage_failure,
+)
+from octo_worker.config import WorkerConfig
+from octo_worker.journal import WorkerOperationRecord
+from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
+
+__all__ = [
+    "cmd_journal_init_anchor",
+    "cmd_journal_list",
+    "cmd_journal_prune",
+    "cmd_journal_reseal",
+    "cmd_journal_show",
+    "cmd_journal_verify",
+    "record_detail",
+    "record_summary",
+    "register",
+]
+
+Verbs = Any  # argparse's sub-parsers action
+
+
+def register(verbs: Verbs, common: OneLineParser) -> None:
+    """Add the ``journal`` verbs."""
+    journal = verbs.add_parser("journal", help="inspect the journal database")
+    journal_verbs = journal.add_subparsers(
+        dest="journal_verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
+    jlist = journal_verbs.add_parser("list", parents=[common], help="list journal rows")
+    jlist.add_argument("--scope", metavar="S")
+    jlist.set_defaults(handler=cmd_journal_list)
+    jshow = journal_verbs.add_parser("show", parents=[common], help="show one journal row")
+    jshow.add_argument(
+        "key", metavar="KEY", help="operation key (op-...) or compensation key (cmp-...)"
+    )
+    jshow.add_argument("--scope", metavar="S")
+    jshow.set_defaults(handler=cmd_journal_show)
+    verify = journal_verbs.add_parser(
+        "verify", parents=[common], help="integrity check and authenticate every row"
+    )
+    verify.set_defaults(handler=cmd_journal_verify)
+    prune = journal_verbs.add_parser(
+        "prune",
+        parents=[common],
+        help="remove terminal rows not written for DURATION (never pending or running)",
+    )
+    prune.add_argument(
+        "--older-than",
+        type=parse_duration,
+        required=True,
+        metavar="DURATION",
+        help="age of the last write: 30d, 12h, 45m, 90s, 2w",
+    )
+    prune.add_argument("--scope", metavar="S", help="only this scope (default: every scope)")
+    prune.set_defaults(handler=cmd_journal_prune)
+    reseal = journal_verbs.add_parser(
+        "reseal",
+        parents=[common],
+        help="re-seal rows an old storage or data key sealed, with the active keys",
+    )
+    reseal.add_argument("--scope", metavar="S", help="only this scope (default: every scope)")
+    reseal.set_defaults(handler=cmd_journal_reseal)
+    anchor = journal_verbs.add_parser(
+        "init-anchor",
+        parents=[common],
+        help="create the rollback anchor file from the database (storage.anchor)",
+    )
+    anchor.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing anchor (after restoring a backup on purpose)",
+    )
+    anchor.set_defaults(handler=cmd_journal_init_anchor)
+
+
+def _state_text(state: Any) -> str:
+    return str(getattr(state, "kind", "?"))
+
+
+def record_summary(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
+    compensation = record.compensation
+    return {
+        "scope": scope,
+        "operation_key": record.operation_key,
+        "tool": record.tool,
+        "state": _state_text(record.state),
+        "compensation_state": None if compensation is None else _state_text(compensation.state),
+        "revision": revision,
+    }
+
+
+async def _scopes_of(store: SqliteJournalStore, wanted: str | None) -> list[str]:
+    scopes = await store.scopes()
+    if wanted is None:
+        return scopes
+    if wanted not in scopes:
+        raise CliError(
+            EXIT_CHECK_FAILED, f"scope {printable(wanted)!r} has no journal", "not_found"
+        )
+    return [wanted]
+
+
+def _each_scope(
+    config: WorkerConfig,
+    wanted: str | None,
+    action: Callable[[SqliteJournalStore, str], Awaitable[PruneReport | ResealReport]],
+) -> dict[str, dict[str, int]]:
+    """``action`` on every scope of the journal (or ``wanted``): its report per scope."""
+
+    async def run() -> dict[str, dict[str, int]]:
+        async with journal_store(config, maintenance=True) as store:
+            reports: dict[str, dict[str, int]] = {}
+            for scope in await _scopes_of(store, wanted):
+                try:
+                    report = await action(store, scope)
+                except OctoError as error:
+                    raise storage_failure(f"scope {scope}", error) from None
+                reports[scope] = dict(report._asdict())
+            return reports
+
+    return asyncio.run(run())
+
+
+def cmd_journal_list(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+
+    async def collect() -> list[dict[str, Any]]:
+        async with journal_store(config) as store:
+            summaries: list[dict[str, Any]] = []
+            for scope in await _scopes_of(store, args.scope):
+                try:
+                    records = await store.list_records(scope)
+                except OctoError as error:
+                    raise storage_failure(f"scope {scope}", error) from None
+                summaries.extend(record_summary(scope, r, rev) for r, rev in records)
+            return summaries
+
+    summaries = asyncio.run(collect())
+    rows = [["SCOPE", "KEY", "TOOL", "STATE", "COMPENSATION", "REVISION"]]
+    for item in summaries:
+        rows.append(
+            [
+                item["scope"],
+                item["operation_key"],
+                item["tool"],
+                item["state"],
+                item["compensation_state"] or "-",
+                str(item["revision"]),
+            ]
+        )
+    if summaries:
+        print_table(rows, out)
+    else:
+        out.line("no journal rows")
+    out.document({"ok": True, "records": summaries})
+    return EXIT_OK
+
+
+def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+    check_tokens("KEY", [args.key])
+
+    async def find() -> list[dict[str, Any]]:
+        async with journal_store(config) as store:
+            found: list[dict[str, Any]] = []
+            for scope in await _scopes_of(store, args.scope):
+                try:
+                    if args.key.startswith("cmp-"):
+                        # A compensation lives in the row of the operation it undoes.
+                        rows = await store.list_records(scope)
+                        entries = [
+                            (record, revision)
+                            for record, revision in rows
+                            if record.compensation is not None
+                            and record.compensation.compensation_key == args.key
+                        ]
+                    else:
+                        loaded = await store.load_records(scope, [args.key])
+                        entry = loaded.get(args.key)
+                        entries = [] if entry is None else [entry]
+                except OctoError as error:
+                    raise storage_failure(f"scope {scope}", error) from None
+                found.extend(record_detail(scope, *entry) for entry in entries)
+            return found
+
+    found = asyncio.run(find())
+    if not found:
+        raise CliError(EXIT_CHECK_FAILED, f"no journal row for {args.key}", "not_found")
+    for index, item in enumerate(found):
+        if index:
+            out.line()
+        for line in _detail_lines(item):
+            out.line(line)
+    out.document({"ok": True, "records": found})
+    return EXIT_OK
+
+
+def record_detail(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
+    compensation = record.compensation
+    return {
+        "scope": scope,
+        "operation_key": record.operation_key,
+        "tool": record.tool,
+        "input_fingerprint": record.input_fingerprint,
+        "revision": revision,
+        **state_detail(record.state),
+        "compensation": None
+        if compensation is None
+        else {
+            "compensation_key": compensation.compensation_key,
+            "input_fingerprint": compensation.input_fingerprint,
+            "grant_fingerprint": compensation.grant_fingerprint,
+            **state_detail(compensation.state),
+        },
+    }
+
+
+def _state_line(detail: Mapping[str, Any]) -> str:
+    text = str(detail["state"])
+    payload = detail.get("payload")
+    if payload is not None:
+        text += f" (payload: {payload['format']}, {payload['bytes']} bytes)"
+    if "message_bytes" in detail:
+        text += f" (failure message: {detail['message_bytes']} bytes)"
+    return text
+
+
+def _detail_lines(item: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"scope:              {item['scope']}",
+        f"operation key:      {item['operation_key']}",
+        f"tool:               {item['tool']}",
+        f"input fingerprint:  {item['input_fingerprint']}",
+        f"state:              {_state_line(item)}",
+        f"revision:           {item['revision']}",
+    ]
+    compensation = item["compensation"]
+    if compensation is None:
+        lines.append("compensation:       none")
+    else:
+        lines += [
+            f"compensation key:   {compensation['compensation_key']}",
+            f"  input fingerprint {compensation['input_fingerprint']}",
+            f"  grant fingerprint {compensation['grant_fingerprint']}",
+            f"  state             {_state_line(compensation)}",
+        ]
+    return lines
+
+
+_VERIFY_STEPS: Final = ("head", "journal rows", "sessions", "outbox rows")
+
+
+def cmd_journal_verify(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+
+    async def verify() -> tuple[list[str], dict[str, dict[str, int]], str | None]:
+        async with journal_store(config) as store:
+            problems = await store.integrity_check()
+            counts: dict[str, dict[str, int]] = {}
+            first: str | None = None
+            if problems != ["ok"]:
+                first = "integrity_check: " + "; ".join(problems[:3])
+            for scope in await store.scopes():
+                scope_counts = counts.setdefault(scope, {})
+                try:
+                    scope_counts["revision"] = await store.head_revision(scope)
+                    scope_counts["journal_rows"] = len(await store.list_records(scope))
+                    scope_counts["sessions"] = len(await store.load_sessions(scope))
+                    scope_counts["outbox_rows"] = len(await store.load_outbox(scope))
+                except OctoError as error:
+                    # Each reader opens (authenticates) every row it returns;
+                    # the first bad row stops this scope, not the others.
+                    step = _VERIFY_STEPS[len(scope_counts)]
+                    if first is None:
+                        first = f"scope {scope}: {step}: {error.code}: {error}"
+            return problems, counts, first
+
+    problems, counts, first = asyncio.run(verify())
+    out.line(f"integrity_check: {'ok' if problems == ['ok'] else 'FAIL'}")
+    for scope, scope_counts in counts.items():
+        parts = ", ".join(
+            f"{name.replace('_', ' ')} {value}" for name, value in scope_counts.items()
+        )
+        out.line(f"scope {scope}: {parts}")
+    totals = {
+        name: sum(c.get(name, 0) for c in counts.values())
+        for name in ("journal_rows", "sessions", "outbox_rows")
+    }
+    out.line(
+        f"verified {totals['journal_rows']} journal row(s), {totals['sessions']} session(s), "
+        f"{totals['outbox_rows']} outbox row(s) in {len(counts)} scope(s)"
+    )
+    out.document(
+        {
+            "ok": first is None,
+            "integrity_check": problems,
+            "scopes": counts,
+            "totals": totals,
+            "first_failure": first,
+        }
+    )
+    if first is not None:
+        out.line(f"FAIL: {first}")
+        out.error(f"journal verify failed: {first}")
+        return EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
+    """Remove old terminal rows; the store chooses them (W§9: never pending/running).
+
+    A pruned operation key is forgotten: a frame that names it later is
+    admitted as new. Prune only keys whose host runs are finished.
+    """
+    config = config_of(args)
+    older_than = float(args.older_than)
+    reports = _each_scope(config, args.scope, lambda store, scope: store.prune(scope, older_than))
+    for scope, report in reports.items():
+        out.line(
+            f"scope {scope}: removed {report['removed']} row(s); kept {report['kept']} old "
+            "row(s) that are not terminal (pending, running, or an open compensation)"
+        )
+    removed = sum(report["removed"] for report in reports.values())
+    out.line(f"removed {removed} journal row(s) older than {args.older_than} s")
+    out.document(
+        {
+            "ok": True,
+            "older_than_seconds": args.older_than,
+            "scopes": reports,
+            "removed": removed,
+        }
+    )
+    return EXIT_OK
+
+
+def cmd_journal_reseal(args: argparse.Namespace, out: Output) -> int:
+    """Re-seal every row an old key sealed (key rotation, step 4 in OPERATIONS.md).
+
+    Revisions do not move: safe while the daemon runs.
+    """
+    config = config_of(args)
+    reports = _each_scope(config, args.scope, lambda store, scope: store.reseal(scope))
+    for scope, report in reports.items():
+        out.line(
+            f"scope {scope}: re-sealed {report['resealed']} row(s); "
+            f"{report['current']} already under the active key(s)"
+        )
+    resealed = sum(report["resealed"] for report in reports.values())
+    out.line(f"re-sealed {resealed} row(s) with storage key {config.storage_keyring().active_id}")
+    out.document({"ok": True, "scopes": reports, "resealed": resealed})
+    return EXIT_OK
+
+
+def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:
+    config = config_of(args)
+    anchor = config.anchor_path
+    if anchor is None:
+        raise CliError(EXIT_USAGE, "storage.anchor is not configured", "invalid_configuration")
+    if anchor.exists() and not args.force:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"{anchor} already exists; --force re-anchors to the database as it is now, "
+            "which accepts any rollback that happened (only after restoring a backup on purpose)",
+            "exists",
+        )
+
+    async def initialize() -> dict[str, int]:
+        store = SqliteJournalStore(
+            config.journal_path,
+            config.storage_keyring(),
+            anchor_path=anchor,
+            data_keyring=config.data_keyring(),
+        )
+        try:
+            await store.initialize_anchor()
+            return {scope: await store.head_revision(scope) for scope in await store.scopes()}
+        except OctoError as error:
+            raise storage_failure(f"journal {config.journal_path}", error) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await store.close()
+
+    heads = asyncio.run(initialize())
+    out.line(f"anchored {len(heads)} scope(s) in {anchor}")
+    for scope, revision in heads.items():
+        out.line(f"  {scope}: revision {revision}")
+    out.document({"ok": True, "anchor": str(anchor), "scopes": heads})
+    return EXIT_OK

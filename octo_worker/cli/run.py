@@ -1,0 +1,326 @@
+"""``octo-worker run`` and ``check``: the daemon, and the checks of what it needs to start.
+
+``run`` configures the process's logging (JSON lines on stderr, no
+exception text), serves the metrics endpoint when configured, and runs the
+daemon (with the console beside it when ``[console] listen`` is set) until
+SIGTERM. ``check`` probes the configuration, each key file, the adapters,
+the journal (read-only) and the broker, and reports each as one line.
+
+It must never print a key, a password or a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiormq
+import structlog
+
+from octo_common.errors import OctoError, StorageError
+from octo_common.runtime.output import (
+    EXIT_BROKER,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    CliError,
+    OneLineParser,
+    Output,
+    drop_exception_text,
+    one_line,
+)
+from octo_common.transport import worker_queue
+from octo_worker.cli.adapters import load_enabled
+from octo_worker.cli.common import (
+    PROG,
+    broker_connection,
+    config_of,
+    journal_store,
+    run_event_loop,
+)
+from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_key
+
+__all__ = ["cmd_check", "cmd_run", "configure_logging", "register"]
+
+Verbs = Any  # argparse's sub-parsers action
+
+_LEVELS: Final = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+class _LibraryLogFormatter(logging.Formatter):
+    """Library (stdlib) log records as one JSON line, without exception text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document = {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage()[:300],
+        }
+        if record.exc_info and record.exc_info[0] is not None:
+            document["error_type"] = record.exc_info[0].__name__
+        return json.dumps(document, separators=(",", ":"))
+
+
+def configure_logging(level: str = "info", log_format: str = "json") -> None:
+    """Configure structlog once for this process: JSON (or console) lines on stderr.
+
+    Timestamps are ISO 8601 UTC; every line has a level. Library loggers
+    (aio-pika, aiormq) go through the stdlib at WARNING and above, rendered
+    the same way, without tracebacks.
+    """
+    renderer: Any
+    if log_format == "console":
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+    else:
+        renderer = structlog.processors.JSONRenderer(sort_keys=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            drop_exception_text,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LibraryLogFormatter())
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(handler)
+    root.setLevel(max(logging.WARNING, _LEVELS.get(level, logging.INFO)))
+
+
+def register(verbs: Verbs, common: OneLineParser) -> None:
+    """Add ``run`` and ``check`` to the verbs."""
+    run = verbs.add_parser("run", parents=[common], help="run the daemon (systemd: Type=notify)")
+    run.set_defaults(handler=cmd_run)
+
+    check = verbs.add_parser(
+        "check", parents=[common], help="validate config, keys, journal, broker and adapters"
+    )
+    check.set_defaults(handler=cmd_check)
+
+
+def cmd_run(args: argparse.Namespace, out: Output) -> int:
+    # Only `run` needs the daemon (sessions, adapters' runtime); the operator
+    # verbs stay quick to start without it.
+    from octo_worker.daemon import WorkerDaemon
+    from octo_worker.metrics import WorkerMetrics
+
+    config = config_of(args)
+    configure_logging(config.worker.log_level, config.worker.log_format)
+    log = structlog.get_logger("octo.worker.cli")
+    metrics = WorkerMetrics()
+    listen = config.metrics.listen
+    if listen is not None:
+        try:
+            metrics.serve(listen)
+        except OSError as error:
+            raise CliError(
+                EXIT_USAGE,
+                f"metrics.listen: cannot listen on {listen} ({error.strerror or 'error'})",
+                "invalid_configuration",
+            ) from None
+        log.info("metrics_listening", listen=listen)
+    daemon = WorkerDaemon(config, metrics=metrics)
+    from octo_worker.console.verb import run_with_console  # [console] listen: off by default
+
+    try:
+        run_event_loop(run_with_console(daemon, config, args.config), config.worker.event_loop)
+    except InvalidConfiguration as error:
+        raise CliError(EXIT_USAGE, str(error), error.code) from None
+    except StorageError as error:
+        raise CliError(EXIT_STORAGE, f"journal storage: {error}", error.code) from None
+    except OctoError as error:
+        raise CliError(EXIT_USAGE, f"start-up failed: {error}", error.code) from None
+    except OSError as error:
+        # The state directory or journal file cannot be created or opened.
+        where = f" ({error.filename})" if error.filename else ""
+        raise CliError(
+            EXIT_STORAGE,
+            f"start-up failed: {error.strerror or type(error).__name__}{where}",
+            "storage_backend_error",
+        ) from None
+    return EXIT_OK
+
+
+@dataclass
+class _Check:
+    name: str
+    ok: bool
+    detail: str
+    status: int
+
+
+def cmd_check(args: argparse.Namespace, out: Output) -> int:
+    checks: list[_Check] = []
+
+    def record(name: str, status: int, probe: Callable[[], str]) -> bool:
+        try:
+            detail = probe()
+        except CliError as error:
+            checks.append(_Check(name, False, error.message, error.status))
+            return False
+        except InvalidConfiguration as error:
+            checks.append(_Check(name, False, str(error), EXIT_USAGE))
+            return False
+        except OctoError as error:
+            checks.append(_Check(name, False, f"{error.code}: {error}", status))
+            return False
+        except OSError as error:
+            where = f" ({error.filename})" if error.filename else ""
+            reason = error.strerror or type(error).__name__
+            checks.append(_Check(name, False, f"{reason}{where}", status))
+            return False
+        checks.append(_Check(name, True, detail, EXIT_OK))
+        return True
+
+    loaded: list[WorkerConfig] = []
+
+    def probe_config() -> str:
+        loaded.append(config_of(args))
+        return str(Path(args.config))
+
+    if record("config", EXIT_USAGE, probe_config):
+        config = loaded[0]
+        for index, scope in enumerate(config.scopes):
+            record(
+                f"scope key {scope.name}",
+                EXIT_USAGE,
+                functools.partial(_probe_scope_key, config, index, scope.key_file),
+            )
+        storage_ok = record("storage keys", EXIT_USAGE, lambda: _probe_storage_keys(config))
+        if config.broker.password_file is not None:
+            record("broker password file", EXIT_USAGE, lambda: _probe_password(config))
+        record("adapters", EXIT_USAGE, lambda: _probe_adapters(config))
+        if storage_ok:
+            record("journal", EXIT_STORAGE, lambda: asyncio.run(_probe_journal(config)))
+        else:
+            checks.append(_Check("journal", False, "skipped: storage keys unusable", EXIT_USAGE))
+        record("broker", EXIT_BROKER, lambda: asyncio.run(_probe_broker(config)))
+    failed = [check for check in checks if not check.ok]
+    for check in checks:
+        out.line(f"{check.name}: {'ok' if check.ok else 'FAIL'}: {one_line(check.detail)}")
+    out.document(
+        {
+            "ok": not failed,
+            "checks": [
+                {"name": c.name, "ok": c.ok, "detail": one_line(c.detail), "exit_status": c.status}
+                for c in checks
+            ],
+        }
+    )
+    if failed:
+        first = failed[0]
+        out.error(f"check failed: {first.name}: {first.detail}")
+        return first.status
+    return EXIT_OK
+
+
+def _probe_scope_key(config: WorkerConfig, index: int, key_file: str) -> str:
+    where = f"scopes[{index}].key_file"
+    path = config.path(key_file, where)
+    load_scope_key(path, where)
+    return str(path)
+
+
+def _probe_storage_keys(config: WorkerConfig) -> str:
+    config.storage_keyring()  # reads and checks every key file, active and read keys
+    encrypted = config.data_keyring() is not None
+    active = config.storage.key.id if config.storage.key is not None else "?"
+    text = f"active key {active}, {len(config.storage.read_keys)} read key(s)"
+    return text + (", data encryption on" if encrypted else "")
+
+
+def _probe_password(config: WorkerConfig) -> str:
+    config.broker_url()
+    return "readable"
+
+
+def _probe_adapters(config: WorkerConfig) -> str:
+    registry = load_enabled(config)
+    tools = registry.tools()
+    return ", ".join(tools) + " loaded" if tools else "none enabled"
+
+
+def _creatable(directory: Path) -> str:
+    """Whether ``run`` can create the journal in ``directory`` (as this user)."""
+    ancestor = directory
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CliError(
+            EXIT_STORAGE,
+            f"cannot create {directory}: {ancestor} is not a directory",
+            "storage_backend_error",
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CliError(
+            EXIT_STORAGE,
+            f"cannot create the journal in {directory}: {ancestor} is not writable by this user",
+            "storage_backend_error",
+        )
+    return "run creates it" if ancestor == directory else f"run creates it and {directory}"
+
+
+async def _probe_journal(config: WorkerConfig) -> str:
+    path = config.journal_path
+    anchor = config.anchor_path
+    if anchor is not None and not anchor.exists():
+        raise CliError(
+            EXIT_STORAGE,
+            f"storage.anchor: {anchor} does not exist; the daemon refuses to open the journal "
+            f"without it (create it with: {PROG} journal init-anchor)",
+            "rollback_anchor_missing",
+        )
+    if not path.exists():
+        return f"{path} not created yet ({_creatable(path.parent)})"
+    async with journal_store(config) as store:
+        problems = await store.integrity_check()
+        if problems != ["ok"]:
+            raise CliError(
+                EXIT_STORAGE,
+                f"{path}: integrity_check: {'; '.join(problems[:3])}",
+                "storage_backend_error",
+            )
+        scopes = await store.scopes()
+        for scope in scopes:
+            await store.head_revision(scope)  # checks the rollback anchor too
+    return f"{path} integrity ok, {len(scopes)} scope(s)"
+
+
+async def _probe_broker(config: WorkerConfig) -> str:
+    async with broker_connection(config) as connection:
+        channel = await connection.channel()
+        declared = 0
+        for scope in config.scopes:
+            try:
+                await channel.declare_queue(worker_queue(scope.name), passive=True)
+                declared += 1
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                # Not declared yet (the daemon declares it); the broker closed the channel.
+                channel = await connection.channel()
+    return (
+        f"{config.redacted_broker_url()} reachable; "
+        f"{declared}/{len(config.scopes)} scope queue(s) declared"
+    )
