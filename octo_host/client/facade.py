@@ -197,13 +197,10 @@ class HostClient:
         kind: str = "frame",
         attempts: int = 3,
     ) -> None:
-        """One confirmed publish of ``frame``; an unconfirmed one is retried with the
-        same bytes (the worker treats a second copy as ``DuplicateFrame``).
-
-        Low level: no reply is awaited and the session's state is not checked
-        (``send`` and the verbs refuse closed sessions). Callers publish a
-        durable request only once the ledger revision behind it is durable.
-        """
+        """Low level: ``HostBroker.publish`` on this client's channel. No reply is
+        awaited and the session's state is not checked (``send`` and the verbs
+        refuse closed sessions); publish a durable request only once the ledger
+        revision behind it is durable."""
         await self._broker.publish(session, frame, correlation_id, kind=kind, attempts=attempts)
 
     async def send(self, session: HostSession, outbound: OutboundFrame[Any]) -> WorkerMessage:

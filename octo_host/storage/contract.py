@@ -3,7 +3,8 @@
 This module owns :class:`RecordBackend` (per record key: a record, a revision
 floor and a fence), the argument checks every backend applies before any
 I/O, the compare-and-swap and fence decisions of H§17.5-17.6 as pure
-functions, and :class:`Head`, one record's head and item as a backend reads
+functions, :class:`SwapBackend` (the compare-and-swap entry points of a
+backend with one write path), and :class:`Head`, one record's head and item as a backend reads
 them. The backends (:mod:`~octo_host.storage.memory`,
 :mod:`~octo_host.storage.sqlite`, :mod:`~octo_host.storage.postgres`) decide
 every write with these functions, so they agree by construction.
@@ -14,6 +15,7 @@ It must never do I/O, authenticate or interpret a payload (that is
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -32,6 +34,7 @@ __all__ = [
     "ManyWrite",
     "Opener",
     "RecordBackend",
+    "SwapBackend",
     "cas_decision",
     "check_expected",
     "check_key",
@@ -165,6 +168,76 @@ def check_many(writes: object) -> list[ManyWrite]:
     if len({key for key, _, _, _ in checked}) != len(checked):
         raise ValueError("each record key may be written once per call")
     return checked
+
+
+class SwapBackend(ABC):
+    """The three compare-and-swap entry points of a backend that decides every write in
+    one :meth:`_swap`; their arguments are checked here, before any I/O."""
+
+    @abstractmethod
+    async def _swap(
+        self,
+        operation: str,
+        key: StorageRecordKey,
+        expected: int | None,
+        replacement: StoredRecord,
+        token: int | None,
+        opener: Opener | None,
+    ) -> Stored | Conflict:
+        """Decide and write one replacement: fenced with ``token``, opened first with
+        ``opener`` (both optional), named ``operation`` in errors."""
+
+    async def compare_and_swap(
+        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
+    ) -> Stored | Conflict:
+        """Unfenced CAS; ``FencingRequired`` once the key's fence is nonzero."""
+        return await self._swap(
+            "compare_and_swap",
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            None,
+            None,
+        )
+
+    async def compare_and_swap_fenced(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        token: int,
+    ) -> Stored | Conflict:
+        """CAS whose token must equal the current fence, checked atomically."""
+        return await self._swap(
+            "compare_and_swap_fenced",
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            check_token(token),
+            None,
+        )
+
+    async def compare_and_swap_opened(
+        self,
+        key: StorageRecordKey,
+        expected_revision: int | None,
+        replacement: StoredRecord,
+        opener: Opener,
+    ) -> Stored | Conflict:
+        """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
+
+        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write steps
+        2-3), so the read, the check and the swap are one atomic step and one
+        hand-off to the backend. ``opener`` raises to refuse.
+        """
+        return await self._swap(
+            "compare_and_swap",
+            check_key(key),
+            check_expected(expected_revision),
+            check_replacement(replacement),
+            None,
+            opener,
+        )
 
 
 class Head:

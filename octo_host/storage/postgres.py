@@ -63,11 +63,10 @@ from octo_host.storage.contract import (
     Head,
     ManyWrite,
     Opener,
+    SwapBackend,
     cas_decision,
-    check_expected,
     check_key,
     check_many,
-    check_replacement,
     check_token,
     establish_decision,
     fenced_check,
@@ -163,7 +162,7 @@ def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
         future.set_exception(value)
 
 
-class PostgresRecordBackend:
+class PostgresRecordBackend(SwapBackend):
     """The H§17.6 semantics with the state in a PostgreSQL schema (D13).
 
     No I/O in the constructor: the first awaited call connects (a pool of at
@@ -491,57 +490,7 @@ class PostgresRecordBackend:
                 results.append((write, True, value))
         return results
 
-    # Contract ------------------------------------------------------------------------
-
-    async def compare_and_swap(
-        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
-    ) -> Stored | Conflict:
-        return await self._swap(
-            "compare_and_swap",
-            check_key(key),
-            check_expected(expected_revision),
-            check_replacement(replacement),
-            None,
-            None,
-        )
-
-    async def compare_and_swap_fenced(
-        self,
-        key: StorageRecordKey,
-        expected_revision: int | None,
-        replacement: StoredRecord,
-        token: int,
-    ) -> Stored | Conflict:
-        return await self._swap(
-            "compare_and_swap_fenced",
-            check_key(key),
-            check_expected(expected_revision),
-            check_replacement(replacement),
-            check_token(token),
-            None,
-        )
-
-    async def compare_and_swap_opened(
-        self,
-        key: StorageRecordKey,
-        expected_revision: int | None,
-        replacement: StoredRecord,
-        opener: Opener,
-    ) -> Stored | Conflict:
-        """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
-
-        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write steps
-        2-3), so the read, the check and the swap are one atomic step under
-        the record's lock. ``opener`` raises to refuse.
-        """
-        return await self._swap(
-            "compare_and_swap",
-            check_key(key),
-            check_expected(expected_revision),
-            check_replacement(replacement),
-            None,
-            opener,
-        )
+    # Contract (the compare-and-swap entry points: SwapBackend) -----------------------
 
     def _record_statement(
         self,

@@ -45,11 +45,10 @@ from octo_host.storage.authenticated import AuthenticatedStore
 from octo_host.storage.contract import (
     Head,
     ManyWrite,
+    SwapBackend,
     cas_decision,
-    check_expected,
     check_key,
     check_many,
-    check_replacement,
     check_token,
     establish_decision,
     fenced_check,
@@ -156,7 +155,7 @@ class _Work:
 _CLOSE = "close"
 
 
-class SqliteRecordBackend:
+class SqliteRecordBackend(SwapBackend):
     """The H§17.6 semantics with the state in one SQLite database (H§17.7).
 
     No I/O in the constructor: the first awaited call creates the directory
@@ -363,7 +362,7 @@ class SqliteRecordBackend:
             else:
                 self._anchor[key] = head.floor
 
-    # Contract ---------------------------------------------------------------
+    # Contract (the compare-and-swap entry points: SwapBackend) --------------
 
     async def load(self, key: StorageRecordKey) -> StorageSnapshot:
         key = check_key(key)
@@ -374,56 +373,6 @@ class SqliteRecordBackend:
             return StorageSnapshot(head.record, head.floor)
 
         return await self._submit("load", body, write=False)
-
-    async def compare_and_swap(
-        self, key: StorageRecordKey, expected_revision: int | None, replacement: StoredRecord
-    ) -> Stored | Conflict:
-        return await self._swap(
-            "compare_and_swap",
-            check_key(key),
-            check_expected(expected_revision),
-            check_replacement(replacement),
-            None,
-            None,
-        )
-
-    async def compare_and_swap_fenced(
-        self,
-        key: StorageRecordKey,
-        expected_revision: int | None,
-        replacement: StoredRecord,
-        token: int,
-    ) -> Stored | Conflict:
-        return await self._swap(
-            "compare_and_swap_fenced",
-            check_key(key),
-            check_expected(expected_revision),
-            check_replacement(replacement),
-            check_token(token),
-            None,
-        )
-
-    async def compare_and_swap_opened(
-        self,
-        key: StorageRecordKey,
-        expected_revision: int | None,
-        replacement: StoredRecord,
-        opener: Callable[[StorageSnapshot], None],
-    ) -> Stored | Conflict:
-        """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
-
-        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write step
-        2-3) so that the read, the check and the swap are one atomic step and
-        one hand-off to the database thread. ``opener`` raises to refuse.
-        """
-        return await self._swap(
-            "compare_and_swap",
-            check_key(key),
-            check_expected(expected_revision),
-            check_replacement(replacement),
-            None,
-            opener,
-        )
 
     async def _swap(
         self,
