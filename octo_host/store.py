@@ -9,7 +9,9 @@ The code lives in :mod:`octo_host.storage`, one module per part:
 * :mod:`~octo_host.storage.memory`: ``VolatileMemoryStore`` (H§17.6);
 * :mod:`~octo_host.storage.sqlite`: ``SqliteRecordBackend`` and
   ``SqliteLedgerStore`` (H§17.7);
-* :mod:`~octo_host.storage.anchor`: the rollback anchor (H§17.10);
+* :mod:`~octo_host.storage.anchor`, :mod:`~octo_host.storage.head` and
+  :mod:`~octo_host.storage.sqlite_head`: the rollback anchor (H§17.10) and
+  the sealed store head it checks (issue 21);
 * :mod:`~octo_host.storage.postgres`: ``PostgresRecordBackend`` and
   ``PostgresLedgerStore`` (D13), with its SQL and connection settings beside
   it (not re-exported here: importing this module never loads the PostgreSQL

@@ -4,8 +4,10 @@ Owns the file handling of an anchor: an atomic replace (``<path>.tmp``
 opened without following links, created ``0o600`` and forced to it with
 ``fchmod``, written whole, fsynced, renamed over ``<path>``, then the
 directory fsynced) and a read that refuses a link or anything but a
-regular file. The content is built and judged by
-:func:`octo_common.records.encode_anchor` / ``decode_anchor``.
+regular file. The content is built and judged by the stores: the
+per-record format of :func:`octo_common.records.encode_anchor` /
+``decode_anchor`` (the worker journal), the host ledger's fixed-size head
+format in ``octo_host.storage.anchor``.
 
 It must never decide what the anchor holds or when it is written (the
 stores do), write anywhere but ``<path>`` and ``<path>.tmp``, or widen a

@@ -60,6 +60,10 @@ class AuthenticatedStore:
             raise TypeError("keyring must be a StorageKeyring")
         self._backend = backend
         self._keyring = keyring
+        # A backend that keeps a sealed store head (SQLite) seals it with this keyring.
+        bind = getattr(backend, "bind_keyring", None)
+        if bind is not None:
+            bind(keyring)
 
     @property
     def backend(self) -> RecordBackend:

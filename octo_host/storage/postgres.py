@@ -24,7 +24,13 @@ share the database, so it would refuse their progress or miss a rollback.
 ``[storage] url`` together with ``[ledger] anchor``. Protection against a
 database restored from an old backup is the database's own (point-in-time
 recovery, replicas, ``synchronous_commit``); within the database the floor
-rule of H§17.4 still refuses a record older than its head.
+rule of H§17.4 still refuses a record older than its head. Nor does it keep
+the SQLite ledger's sealed store head (``sqlite_head``): one store-wide row
+moved by every commit would put every host's commits behind one row lock,
+and resealing it needs its current value, so it cannot be a blind
+commutative update. A record deleted, or put back to an older sealed
+version together with its head row, by someone with write access to the
+database is therefore not detected here.
 
 This module never logs, returns or raises key material, payload bytes,
 passwords or bound SQL values: a database failure is a

@@ -2,8 +2,10 @@
 
 This module owns one SQLite database of records (WAL, ``synchronous=FULL``,
 0o600 files, forward schema migrations), its database thread with group
-commit, the rollback anchor check at open and after every commit (H§17.10),
-and ``SqliteLedgerStore``, an ``AuthenticatedStore`` over the backend.
+commit, and ``SqliteLedgerStore``, an ``AuthenticatedStore`` over the
+backend. The store head and the rollback anchor (H§17.10, issue 21) are
+:mod:`octo_host.storage.sqlite_head`, asked at open, on every load and
+around every commit.
 
 It must never log, return or raise key material, payload bytes or bound SQL
 values, decide a write otherwise than :mod:`octo_host.storage.contract`
@@ -38,9 +40,7 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
-from octo_common.runtime.anchorfile import read_anchor, write_anchor
 from octo_common.runtime.sqlite import DatabaseThread, Outcome, migrate_schema, roll_back
-from octo_host.storage.anchor import compare_with_anchor
 from octo_host.storage.authenticated import AuthenticatedStore
 from octo_host.storage.contract import (
     Head,
@@ -54,6 +54,7 @@ from octo_host.storage.contract import (
     fenced_check,
     head_from_row,
 )
+from octo_host.storage.sqlite_head import HEAD_MIGRATION, RollbackGuard
 
 __all__ = ["SqliteLedgerStore", "SqliteRecordBackend"]
 
@@ -85,6 +86,7 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
     ),
+    HEAD_MIGRATION,
 )
 """Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
 
@@ -96,6 +98,15 @@ _SELECT_RECORD = """
       (SELECT fence FROM heads WHERE namespace = :namespace AND name = :name),
       (SELECT revision FROM items WHERE namespace = :namespace AND name = :name AND item = :item),
       (SELECT envelope FROM items WHERE namespace = :namespace AND name = :name AND item = :item)
+"""
+# A load also reads the store head's revision, in the same snapshot.
+_SELECT_RECORD_AND_STORE = """
+    SELECT
+      (SELECT revision FROM heads WHERE namespace = :namespace AND name = :name),
+      (SELECT fence FROM heads WHERE namespace = :namespace AND name = :name),
+      (SELECT revision FROM items WHERE namespace = :namespace AND name = :name AND item = :item),
+      (SELECT envelope FROM items WHERE namespace = :namespace AND name = :name AND item = :item),
+      (SELECT revision FROM store_head WHERE id = 1)
 """
 
 
@@ -172,14 +183,20 @@ class SqliteRecordBackend(SwapBackend):
     fails every write of that transaction (nothing of it is committed); any
     other failure of one write is undone to its savepoint and fails that write
     only. Submissions, the thread's start and ``close`` are ordered by one
-    lock, so event loops in several threads may share a backend. With
-    an anchor configured, the anchor file is rewritten once after the
-    ``COMMIT`` and before any caller of that transaction is released. A
-    submitted operation completes or fails even if its caller is cancelled.
+    lock, so event loops in several threads may share a backend. A submitted
+    operation completes or fails even if its caller is cancelled.
+
+    Every write transaction that changes a record also moves the database's
+    store head (its revision and the digest of every record, sealed with the
+    keyring an ``AuthenticatedStore`` binds: :meth:`bind_keyring`) in O(1),
+    and, with an anchor configured, writes the fixed-size anchor file once
+    after the ``COMMIT`` and before any caller of that transaction is
+    released (:mod:`octo_host.storage.sqlite_head`). The open checks the
+    head against the anchor and recomputes its digest over the rows.
 
     Revisions and fences stop at 2^63 - 1 (SQLite ``INTEGER``). Use one
     backend object per database when an anchor is configured: the anchor is
-    kept in memory from the open and rewritten whole on each commit.
+    kept in memory from the open.
     """
 
     ceiling = SQLITE_MAX_INTEGER
@@ -191,12 +208,10 @@ class SqliteRecordBackend(SwapBackend):
         anchor_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self._path = Path(os.fspath(path)).absolute()
-        self._anchor_path = None if anchor_path is None else Path(os.fspath(anchor_path)).absolute()
+        anchor = None if anchor_path is None else Path(os.fspath(anchor_path)).absolute()
         # Owned by the database thread.
-        self._anchor: dict[StorageRecordKey, int] | None = None
+        self._guard = RollbackGuard(anchor)
         self._db: sqlite3.Connection | None = None
-        self._raised: dict[StorageRecordKey, int] = {}
-        self._advanced: dict[StorageRecordKey, int] = {}
         # Submissions, the thread's start and close() are ordered by the thread's lock.
         self._thread: DatabaseThread[_Work] = DatabaseThread("octo-ledger-sqlite", self._run_batch)
         self._transactions = 0
@@ -214,6 +229,17 @@ class SqliteRecordBackend(SwapBackend):
 
     def __repr__(self) -> str:
         return f"SqliteRecordBackend(path={str(self._path)!r})"
+
+    def bind_keyring(self, keyring: StorageKeyring) -> None:
+        """Seal the store head with ``keyring`` and refuse a head it cannot authenticate.
+
+        ``AuthenticatedStore`` calls it when it is built over this backend. A
+        backend never bound keeps its head unsealed; one bound keyring only
+        (``ValueError`` for another).
+        """
+        if not isinstance(keyring, StorageKeyring):
+            raise TypeError("keyring must be a StorageKeyring")
+        self._guard.bind(keyring)
 
     # Submitting (event loop) ------------------------------------------------
 
@@ -278,54 +304,36 @@ class SqliteRecordBackend(SwapBackend):
             return []
         self._transactions += 1
         self._batched_writes += len(writes)
-        self._raised.clear()
-        self._advanced.clear()
+        guard = self._guard
+        guard.begin()
         results: list[Outcome] = []
         try:
             connection = self._connection()
             connection.execute("BEGIN IMMEDIATE")
             try:
                 for work in writes:
-                    results.append(_isolated(work, connection))
+                    results.append(_isolated(work, connection, guard))
+                guard.seal(connection)  # the store head moves with the writes, once
                 connection.execute("COMMIT")
             except BaseException:
                 roll_back(connection)
                 raise
         except BaseException as exc:
             return [(False, _translated(work.operation, exc)) for work in writes]
-        if self._anchor is not None:
-            anchor = self._anchor
-            for key, floor in self._raised.items():
-                anchor[key] = max(floor, anchor.get(key, 0))
-            if self._advanced:
-                failure = self._write_anchor(self._advanced)
-                if failure is not None:
-                    # The database holds the commit, but the callers must not proceed.
-                    results = [
-                        (False, StorageBackendError(failure))
-                        if ok and _wrote(value)
-                        else (ok, value)
-                        for ok, value in results
-                    ]
+        failure = guard.committed()
+        if failure is not None:
+            # The database holds the commit, but the callers must not proceed.
+            results = [
+                (False, StorageBackendError(failure)) if ok and _wrote(value) else (ok, value)
+                for ok, value in results
+            ]
         return results
-
-    def _write_anchor(self, advanced: dict[StorageRecordKey, int]) -> str | None:
-        assert self._anchor is not None and self._anchor_path is not None
-        for key, revision in advanced.items():
-            self._anchor[key] = max(revision, self._anchor.get(key, 0))
-        try:
-            write_anchor(self._anchor_path, self._anchor)
-        except OSError as exc:
-            return f"rollback anchor write failed: {exc.strerror}"
-        return None
 
     # Opening (database thread) -------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
-        anchor = None
-        if self._anchor_path is not None:
-            # Before creating anything: a configured anchor must already exist.
-            anchor = read_anchor(self._anchor_path)
+        # Before creating anything: a configured anchor must already exist.
+        anchor = self._guard.read_anchor()
         try:
             _prepare_files(self._path)
         except OSError as exc:
@@ -341,26 +349,11 @@ class SqliteRecordBackend(SwapBackend):
             connection.execute("PRAGMA foreign_keys = ON")
             migrate_schema(connection, _MIGRATIONS)
             _secure_database_files(self._path)
-            if anchor is not None:
-                _check_anchor_at_open(connection, anchor)
+            self._guard.open(connection, anchor)
         except BaseException:
             connection.close()
             raise
-        self._anchor = anchor
         return connection
-
-    def _check_anchor(self, key: StorageRecordKey, head: Head, *, in_write: bool) -> None:
-        if self._anchor is None:
-            return
-        anchored = self._anchor.get(key, 0)
-        record_revision = None if head.record is None else head.record.revision
-        compare_with_anchor(anchored, head.floor, record_revision)
-        if head.floor > anchored:
-            if in_write:
-                # Seen inside a transaction: kept only once it commits.
-                self._raised[key] = max(head.floor, self._raised.get(key, 0))
-            else:
-                self._anchor[key] = head.floor
 
     # Contract (the compare-and-swap entry points: SwapBackend) --------------
 
@@ -368,8 +361,12 @@ class SqliteRecordBackend(SwapBackend):
         key = check_key(key)
 
         def body(connection: sqlite3.Connection) -> StorageSnapshot:
-            head = _read_head(connection, key)  # one statement: one snapshot
-            self._check_anchor(key, head, in_write=False)
+            row = connection.execute(  # one statement: one snapshot
+                _SELECT_RECORD_AND_STORE,
+                {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM},
+            ).fetchone()
+            head = head_from_row(row[:4])
+            self._guard.check_load(key, head, row[4])
             return StorageSnapshot(head.record, head.floor)
 
         return await self._submit("load", body, write=False)
@@ -389,7 +386,7 @@ class SqliteRecordBackend(SwapBackend):
         def transaction(connection: sqlite3.Connection) -> Stored | Conflict:
             head = _read_head(connection, key)
             if opener is not None:
-                self._check_anchor(key, head, in_write=True)
+                self._guard.check_record(key, head, in_write=True)
                 opener(StorageSnapshot(head.record, head.floor))
             if token is None:
                 if head.fence != 0:
@@ -397,12 +394,12 @@ class SqliteRecordBackend(SwapBackend):
             else:
                 fenced_check(head.fence, token)
             if opener is None:  # with an opener the anchor was checked before it
-                self._check_anchor(key, head, in_write=True)
+                self._guard.check_record(key, head, in_write=True)
             actual = None if head.record is None else head.record.revision
             conflict = cas_decision(actual, head.floor, expected, replacement, self.ceiling)
             if conflict is not None:
                 return conflict
-            return self._write_record(connection, key, replacement)
+            return self._write_record(connection, key, actual, replacement)
 
         return await self._submit(operation, transaction, write=True)
 
@@ -428,7 +425,7 @@ class SqliteRecordBackend(SwapBackend):
             decisions: list[Conflict | None] = []
             for key, expected, replacement, opener in checked:
                 head = _read_head(connection, key)
-                self._check_anchor(key, head, in_write=True)
+                self._guard.check_record(key, head, in_write=True)
                 opener(StorageSnapshot(head.record, head.floor))
                 if head.fence != 0:
                     raise FencingRequired(head.fence)
@@ -438,9 +435,10 @@ class SqliteRecordBackend(SwapBackend):
                 )
             if any(decision is not None for decision in decisions):
                 return list(decisions)
+            # A decided write replaces exactly its expected revision.
             return [
-                self._write_record(connection, key, replacement)
-                for key, _, replacement, _ in checked
+                self._write_record(connection, key, expected, replacement)
+                for key, expected, replacement, _ in checked
             ]
 
         if not checked:
@@ -448,9 +446,14 @@ class SqliteRecordBackend(SwapBackend):
         return await self._submit("compare_and_swap_many", transaction, write=True)
 
     def _write_record(
-        self, connection: sqlite3.Connection, key: StorageRecordKey, replacement: StoredRecord
+        self,
+        connection: sqlite3.Connection,
+        key: StorageRecordKey,
+        previous: int | None,
+        replacement: StoredRecord,
     ) -> Stored:
-        """Write a decided replacement (database thread, inside the transaction)."""
+        """Write a decided replacement of revision ``previous`` (None: a create), database
+        thread, inside the transaction; the store head follows before ``COMMIT``."""
         connection.execute(
             "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, ?, 0) "
             "ON CONFLICT (namespace, name) DO UPDATE SET revision = excluded.revision",
@@ -462,8 +465,7 @@ class SqliteRecordBackend(SwapBackend):
             "SET revision = excluded.revision, envelope = excluded.envelope",
             (key.namespace, key.name, _SINGLE_ITEM, replacement.revision, replacement.data),
         )
-        if self._anchor is not None:
-            self._advanced[key] = replacement.revision
+        self._guard.wrote(key, previous, replacement.revision)
         return Stored(replacement.revision)
 
     async def current_fence(self, key: StorageRecordKey) -> int:
@@ -525,14 +527,15 @@ def _wrote(value: object) -> bool:
     return isinstance(value, Stored)
 
 
-def _isolated(work: _Work, connection: sqlite3.Connection) -> Outcome:
+def _isolated(work: _Work, connection: sqlite3.Connection, guard: RollbackGuard) -> Outcome:
     """One write of a group inside its own savepoint.
 
     A refusal (``OctoError``) is decided before the write changes anything; any
     other failure of this write alone (a defect) is undone back to the
-    savepoint and reported to this caller only. A database error fails the
-    whole group (raised).
+    savepoint, with its share of the store head's changes, and reported to
+    this caller only. A database error fails the whole group (raised).
     """
+    mark = guard.mark()
     connection.execute("SAVEPOINT octo_write")
     try:
         value = work.function(connection)
@@ -544,6 +547,7 @@ def _isolated(work: _Work, connection: sqlite3.Connection) -> Outcome:
     except Exception as exc:
         connection.execute("ROLLBACK TO octo_write")
         connection.execute("RELEASE octo_write")
+        guard.undo_to(mark)
         return (False, _translated(work.operation, exc))
     connection.execute("RELEASE octo_write")
     return (True, value)
@@ -569,32 +573,6 @@ def _read_head(connection: sqlite3.Connection, key: StorageRecordKey) -> Head:
         _SELECT_RECORD, {"namespace": key.namespace, "name": key.name, "item": _SINGLE_ITEM}
     ).fetchone()
     return head_from_row(row)
-
-
-def _check_anchor_at_open(
-    connection: sqlite3.Connection, anchor: dict[StorageRecordKey, int]
-) -> None:
-    rows = connection.execute(
-        "SELECT heads.namespace, heads.name, heads.revision, items.revision "
-        "FROM heads LEFT JOIN items ON items.namespace = heads.namespace "
-        "AND items.name = heads.name AND items.item = ?",
-        (_SINGLE_ITEM,),
-    ).fetchall()
-    found: dict[StorageRecordKey, tuple[int, int | None]] = {}
-    for namespace, name, floor, item_revision in rows:
-        try:
-            key = StorageRecordKey(namespace, name)
-        except OctoError:
-            raise StorageBackendError("malformed head row") from None
-        if type(floor) is not int or not (item_revision is None or type(item_revision) is int):
-            raise StorageBackendError("malformed head row")
-        found[key] = (floor, item_revision)
-    for key, anchored in anchor.items():
-        floor, item_revision = found.get(key, (0, None))
-        compare_with_anchor(anchored, floor, item_revision)
-    for key, (floor, _) in found.items():
-        if floor > anchor.get(key, 0):
-            anchor[key] = floor  # a crash between COMMIT and anchor write
 
 
 def _store_fence(connection: sqlite3.Connection, key: StorageRecordKey, fence: int) -> None:

@@ -17,6 +17,9 @@ from octo_common.runtime.anchorfile import (
     write_anchor,
     write_anchor_file,
 )
+from octo_common.setdigest import SetDigest
+from octo_host.storage.anchor import HeadAnchor, decode_ledger_anchor
+from octo_host.storage.head import LEDGER_ROWS_DOMAIN
 from octo_host.store import SqliteLedgerStore, initialise_anchor, ledger_record_key
 from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
 
@@ -132,7 +135,11 @@ async def test_the_host_ledger_writes_its_anchor_private(tmp_path: Path, loose_u
     finally:
         await store.close()
     assert mode(anchor) == 0o600
-    assert read_anchor(anchor) == {ledger_record_key("run-1"): 1}
+    # The host writes the fixed-size version 2 anchor of its store head.
+    digest = SetDigest.of(LEDGER_ROWS_DOMAIN, [("workflow-ledger", "run-1", 1)])
+    assert decode_ledger_anchor(read_anchor_file(anchor)) == HeadAnchor(
+        1, 1, digest.fingerprint().hex()
+    )
 
 
 def test_initialise_refuses_to_replace_even_a_dangling_link(tmp_path: Path) -> None:
