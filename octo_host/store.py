@@ -24,11 +24,7 @@ from __future__ import annotations
 
 from octo_common.runtime.keyfiles import read_storage_key as load_storage_key
 from octo_host.storage.anchor import initialise_anchor
-from octo_host.storage.authenticated import (
-    LEDGER_NAMESPACE,
-    AuthenticatedStore,
-    ledger_record_key,
-)
+from octo_host.storage.authenticated import LEDGER_NAMESPACE, AuthenticatedStore, ledger_record_key
 from octo_host.storage.contract import RecordBackend
 from octo_host.storage.memory import VolatileMemoryStore
 from octo_host.storage.sqlite import SqliteLedgerStore, SqliteRecordBackend

@@ -11,7 +11,8 @@ structlog processors that keep exception text out of logs; and the pieces
 of a command both CLIs are built from: :func:`common_options` (``--config``,
 ``--json``), :func:`verb_parser` (a parser whose verbs are sub-parsers),
 :func:`run_verb` (parse, then run the chosen verb's handler),
-:func:`state_detail` (a state without its content) and
+:func:`state_detail` (a state without its content),
+:func:`anchor_to_write` (the anchor an ``init-anchor`` verb may write) and
 :func:`broker_unreachable` (the one-line error when the broker cannot be
 reached).
 
@@ -31,6 +32,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
 
 import structlog
@@ -48,6 +50,7 @@ __all__ = [
     "OneLineParser",
     "Output",
     "StdoutGone",
+    "anchor_to_write",
     "broker_unreachable",
     "common_options",
     "drop_event",
@@ -282,6 +285,16 @@ def state_detail(state: Any) -> dict[str, Any]:
     elif isinstance(state, Failed):
         detail["message_bytes"] = len(state.message.encode("utf-8", "surrogatepass"))
     return detail
+
+
+def anchor_to_write(anchor: Path | None, key: str, force: bool, replace_hint: str) -> Path:
+    """The rollback anchor an ``init-anchor`` verb may write: configured as ``key``,
+    and absent unless ``force`` (``replace_hint`` says what ``--force`` does)."""
+    if anchor is None:
+        raise CliError(EXIT_USAGE, f"{key} is not configured", "invalid_configuration")
+    if anchor.exists() and not force:
+        raise CliError(EXIT_CHECK_FAILED, f"{anchor} already exists ({replace_hint})", "exists")
+    return anchor
 
 
 def broker_unreachable(redacted_url: str, reason: str, code: str) -> CliError:

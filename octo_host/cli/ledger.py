@@ -9,15 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from octo_common.runtime.output import (
-    EXIT_CHECK_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
-    CliError,
-    OneLineParser,
-    Output,
-    print_table,
-)
+from octo_common.runtime.output import EXIT_OK, OneLineParser, Output, anchor_to_write, print_table
 from octo_host.cli.context import config_of, open_store, plan_for, plan_name, stored_ledger
 from octo_host.cli.options import Verbs, token_arg
 from octo_host.cli.results import operation_doc
@@ -96,14 +88,9 @@ def cmd_ledger_show(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_ledger_init_anchor(args: argparse.Namespace, out: Output) -> int:
-    config = config_of(args)
-    anchor = config.anchor_path
-    if anchor is None:
-        raise CliError(EXIT_USAGE, "ledger.anchor is not configured", "invalid_configuration")
-    if anchor.exists() and not args.force:
-        raise CliError(
-            EXIT_CHECK_FAILED, f"{anchor} already exists (--force replaces it)", "exists"
-        )
+    anchor = anchor_to_write(
+        config_of(args).anchor_path, "ledger.anchor", args.force, "--force replaces it"
+    )
     anchor.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     initialise_anchor(anchor, overwrite=args.force)
     out.line(f"created {anchor}")

@@ -21,12 +21,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractConnection,
-    AbstractIncomingMessage,
-    AbstractQueue,
-)
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from structlog.typing import FilteringBoundLogger
 
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
@@ -37,12 +32,7 @@ from octo_common.transport import (
     build_host_publish,
     reply_queue,
 )
-from octo_host.amqp import (
-    connect,
-    consume_reply_queue,
-    declare_reply_queue,
-    open_confirm_channel,
-)
+from octo_host.amqp import connect, consume_reply_queue, declare_reply_queue, open_confirm_channel
 from octo_host.client.settings import ClientSettings
 
 __all__ = ["HostBroker", "SessionAddress"]

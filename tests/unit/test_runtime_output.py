@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,11 +13,13 @@ import structlog
 from octo_common.payload import ToolPayload
 from octo_common.runtime.output import (
     EXIT_BROKER,
+    EXIT_CHECK_FAILED,
     EXIT_USAGE,
     CliError,
     OneLineParser,
     Output,
     StdoutGone,
+    anchor_to_write,
     broker_unreachable,
     common_options,
     drop_event,
@@ -278,3 +281,18 @@ def test_broker_unreachable_is_one_broker_error_line() -> None:
     error = broker_unreachable("amqp://127.0.0.1:5672/", "cannot connect (OSError)", "broker_x")
     assert (error.status, error.code) == (EXIT_BROKER, "broker_x")
     assert error.message == "broker amqp://127.0.0.1:5672/ unreachable: cannot connect (OSError)"
+
+
+def test_anchor_to_write_is_configured_and_absent_unless_forced(tmp_path: Path) -> None:
+    anchor = tmp_path / "ledger.anchor"
+    with pytest.raises(CliError) as missing:
+        anchor_to_write(None, "ledger.anchor", False, "--force replaces it")
+    assert (missing.value.status, missing.value.code) == (EXIT_USAGE, "invalid_configuration")
+    assert missing.value.message == "ledger.anchor is not configured"
+    assert anchor_to_write(anchor, "ledger.anchor", False, "--force replaces it") == anchor
+    anchor.write_text("{}")
+    with pytest.raises(CliError) as exists:
+        anchor_to_write(anchor, "ledger.anchor", False, "--force replaces it")
+    assert (exists.value.status, exists.value.code) == (EXIT_CHECK_FAILED, "exists")
+    assert exists.value.message == f"{anchor} already exists (--force replaces it)"
+    assert anchor_to_write(anchor, "ledger.anchor", True, "--force replaces it") == anchor
