@@ -4,8 +4,10 @@ For each delivery on the host's reply queue, :class:`ReplyRouter`:
 
 1. passes it through the inbound gate (:func:`octo_common.inbound.gate`: size,
    ``octo-session``, the session lookup, ``octo-scope``, the nonce header);
-   a refusal, an unknown session or another nonce is dead-lettered, a reply
-   of a retired session is opened and dropped;
+   a refusal, an unknown session or another nonce is dead-lettered; a reply
+   of a retired session is opened with its kept authenticator and applied
+   like a live one when it answers a request kept unanswered (dropped when
+   it answers nothing kept: a repeated answer);
 2. finds the waiting request by correlation id (none: a late or repeated
    answer to a request this session sent is dropped, anything else is
    dead-lettered as unexpected);
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 from structlog.typing import FilteringBoundLogger
@@ -41,7 +45,7 @@ from octo_common.messages import WorkerMessage, message_type
 from octo_common.states import Running
 from octo_host.client.broker import HostBroker
 from octo_host.client.runs import HostRun, RunCache
-from octo_host.client.sessions import HostSession, SessionRegistry, Waiter
+from octo_host.client.sessions import HostSession, RetiredRequest, SessionRegistry, Waiter
 from octo_host.engine import WorkflowEngine
 from octo_host.kinds import RequestKind
 from octo_host.reactions import ReplyReaction, reply_reaction
@@ -100,7 +104,12 @@ class ReplyRouter:
             if retired is None:
                 await self._broker.dead_letter(message, "unknown_session")
                 return
-            await self._retired_reply(retired, message)
+            key = (routed.session_id, str(message.correlation_id))
+            kept = self._sessions.retired_requests.get(key)
+            if kept is None:
+                await self._retired_reply(retired, message)
+                return
+            await self._apply_retired(retired, message, kept, key)
             return
         if not routed.nonce_matches:
             await self._broker.dead_letter(message, InvalidAuthenticationTag.code)
@@ -115,7 +124,12 @@ class ReplyRouter:
         if kind is None or waiter.run is None:
             await self._deliver_raw(session, message, waiter, str(correlation_id))
             return
-        await self._apply(session, message, waiter, kind, str(correlation_id))
+        request_id = str(correlation_id)
+
+        def forget() -> None:
+            session._waiters.pop(request_id, None)
+
+        await self._apply(session.authenticator, message, waiter, kind, request_id, forget)
 
     async def _open_or_settle(
         self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
@@ -147,11 +161,42 @@ class ReplyRouter:
     async def _retired_reply(
         self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
     ) -> None:
-        """A reply of a session let go of: authentic ones are dropped (too late to apply)."""
+        """A reply of a session let go of that answers nothing kept: an authentic one is
+        a repeated answer to a request already answered (dropped); a forged one is
+        dead-lettered."""
         opened = await self._open_or_settle(authenticator, message)
         if opened is None:
             return
         await self._drop_reply(authenticator.session_id, opened, message, "session_retired")
+
+    async def _apply_retired(
+        self,
+        authenticator: SessionAuthenticator,
+        message: AbstractIncomingMessage,
+        kept: RetiredRequest,
+        key: tuple[str, str],
+    ) -> None:
+        """A late reply to a retired session's unanswered request: applied like a live one.
+
+        The run is loaded again by name and plan (the retired session let go
+        of the object); the reply is authenticated with the retired session's
+        authenticator and goes through the same checks, transition and
+        persist as a live reply (:meth:`_apply`).
+        """
+        try:
+            run = await self._runs.load(kept.run_name, kept.plan)
+        except OctoError as exc:
+            # As for a ledger that cannot be written: a copy for the operator.
+            self._log.error("ledger_load_failed", run=kept.run_name, error=exc.code)
+            await self._broker.dead_letter(message, exc.code)
+            return
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiter = Waiter(kept.kind, kept.request, run, future, abandoned=True)
+
+        def forget() -> None:
+            self._sessions.retired_requests.pop(key, None)
+
+        await self._apply(authenticator, message, waiter, kept.kind, key[1], forget)
 
     async def _unrequested(self, session: HostSession, message: AbstractIncomingMessage) -> None:
         """An authenticated reply nobody waits for: a duplicate is dropped."""
@@ -189,12 +234,17 @@ class ReplyRouter:
 
     async def _apply(
         self,
-        session: HostSession,
+        authenticator: SessionAuthenticator,
         message: AbstractIncomingMessage,
         waiter: Waiter,
         kind: RequestKind,
         correlation_id: str,
+        forget: Callable[[], None],
     ) -> None:
+        """Open and apply a reply to ``waiter``'s request, persist, then ack and release.
+
+        ``forget`` unregisters the request (it is answered, or refused for good).
+        """
         run = waiter.run
         assert run is not None
         if run._detached:
@@ -206,20 +256,20 @@ class ReplyRouter:
             candidate = run._ledger.copy()
             try:
                 state = self._engine.apply_reply(
-                    kind, run.plan, candidate, waiter.request, session.authenticator, message.body
+                    kind, run.plan, candidate, waiter.request, authenticator, message.body
                 )
             except OctoError as exc:
-                await self._not_applied(session, message, waiter, kind, correlation_id, run, exc)
+                await self._not_applied(message, waiter, kind, correlation_id, run, exc, forget)
                 return
             try:
                 await self._runs.persist_locked(run, candidate)
             except OctoError as exc:
-                session._waiters.pop(correlation_id, None)
+                forget()
                 self._log.error("ledger_persist_failed", run=run.name, error=exc.code)
                 await self._broker.dead_letter(message, exc.code)
                 waiter.fail(exc)
                 return
-        session._waiters.pop(correlation_id, None)
+        forget()
         await self._broker.ack(message)
         self._log.info(
             "reply_applied",
@@ -235,13 +285,13 @@ class ReplyRouter:
 
     async def _not_applied(
         self,
-        session: HostSession,
         message: AbstractIncomingMessage,
         waiter: Waiter,
         kind: RequestKind,
         correlation_id: str,
         run: HostRun,
         error: OctoError,
+        forget: Callable[[], None],
     ) -> None:
         """Settle an authentic reply the ledger did not take, as :func:`reply_reaction` says."""
         match reply_reaction(kind, error):
@@ -254,13 +304,13 @@ class ReplyRouter:
                 waiter.abandoned = True
                 await self._broker.ack(message)
             case ReplyReaction.REFUSED:
-                session._waiters.pop(correlation_id, None)
+                forget()
                 waiter.fail(error)
                 await self._broker.ack(message)
             case ReplyReaction.STALE if isinstance(
                 error, InvalidStateTransition | InvalidCompensationStateTransition
             ):
-                session._waiters.pop(correlation_id, None)
+                forget()
                 await self._broker.ack(message)
                 # A warning: after an operator's decision (octo-host resolve) a
                 # `running` is also what an effect still going on would send.
@@ -276,20 +326,19 @@ class ReplyRouter:
                 # The caller sees what it was told.
                 waiter.resolve(Running())
             case ReplyReaction.FAIL_CLOSED:
-                await self._refused_by_ledger(session, message, waiter, correlation_id, error)
+                forget()
+                await self._refused_by_ledger(message, waiter, correlation_id, error)
             case _:
                 await self._broker.dead_letter(message, error.code)
 
     async def _refused_by_ledger(
         self,
-        session: HostSession,
         message: AbstractIncomingMessage,
         waiter: Waiter,
         correlation_id: str,
         error: OctoError,
     ) -> None:
         """Authentic but inconsistent with the ledger: fail closed (dead-letter)."""
-        session._waiters.pop(correlation_id, None)
         self._log.error(
             "reply_refused_by_ledger",
             run=waiter.run.name if waiter.run is not None else None,

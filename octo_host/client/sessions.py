@@ -5,7 +5,8 @@ key nonce, the derived key and a HOST authenticator per ``open_session``),
 the waiter of each request sent and not yet answered, and
 :class:`SessionRegistry`: open, close, replace (one fresh session for every
 verb that saw the same failure) and retire sessions, register a request and
-await its reply.
+await its reply; a retired session's unanswered requests are kept (bounded)
+for their late replies.
 
 It must never persist or reuse a session, replace a session newer than the
 one that failed, drop a waiter a caller still awaits while one given up on
@@ -32,11 +33,12 @@ from octo_host.amqp import BrokerUnavailable
 from octo_host.client.broker import HostBroker
 from octo_host.client.settings import ClientSettings
 from octo_host.kinds import RequestKind
+from octo_host.plan import WorkflowPlan
 
 if TYPE_CHECKING:
     from octo_host.client.runs import HostRun
 
-__all__ = ["HostSession", "ReplyTimedOut", "SessionRegistry", "Waiter"]
+__all__ = ["HostSession", "ReplyTimedOut", "RetiredRequest", "SessionRegistry", "Waiter"]
 
 # Waiters kept per session for late replies (their requests timed out, or the
 # worker answered pending_* first); the oldest is dropped beyond this.
@@ -45,6 +47,9 @@ _MAX_SENT_REMEMBERED: Final = 4096
 # Closed sessions let go of (their id and authenticator kept, to recognise a
 # late reply of theirs): the oldest is forgotten beyond this.
 _MAX_RETIRED_SESSIONS: Final = 4096
+# Requests of sessions let go of that were never answered (kept so a late reply
+# is still applied to the ledger): the oldest is forgotten beyond this.
+_MAX_RETIRED_REQUESTS: Final = 1024
 
 
 class ReplyTimedOut(OctoError):
@@ -77,6 +82,20 @@ class Waiter:
     def fail(self, error: BaseException) -> None:
         if not self.abandoned and not self.future.done():
             self.future.set_exception(error)
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredRequest:
+    """A request of a session let go of whose reply never came, kept for that reply.
+
+    It names its run by name and plan, not by object, so retiring a session
+    still lets go of the runs its waiters held: a late reply loads the run again.
+    """
+
+    kind: RequestKind
+    request: Any
+    run_name: str
+    plan: WorkflowPlan
 
 
 class HostSession:
@@ -143,6 +162,8 @@ class SessionRegistry:
         """Open sessions and closed ones not yet retired."""
         self.retired: dict[str, SessionAuthenticator] = {}
         """Session id -> authenticator of closed sessions let go of (see ``retire_closed``)."""
+        self.retired_requests: dict[tuple[str, str], RetiredRequest] = {}
+        """(session id, request id) -> a retired session's request still unanswered."""
         self._replace_lock = asyncio.Lock()
 
     def has_key(self, scope: str) -> bool:
@@ -213,10 +234,13 @@ class SessionRegistry:
 
         A session closed for longer than a whole verb's retries (every attempt
         a reply timeout plus the longest backoff) whose waiters are all given
-        up is dropped with its waiters (and the runs they hold); only its id
-        and authenticator are kept, so a late reply of it is still recognised
-        and dropped, not dead-lettered. A long-lived client otherwise keeps
-        every session it ever opened.
+        up is dropped with its waiters (and the runs they hold). Its id and
+        authenticator are kept, so a late reply of it is still authenticated
+        (a forged one is dead-lettered), and so is each request still
+        unanswered, by run name and plan (the newest ``_MAX_RETIRED_REQUESTS``
+        over all sessions): its late reply is applied to the ledger like a
+        live one. A long-lived client otherwise keeps every session it ever
+        opened.
         """
         now = asyncio.get_running_loop().time()
         settings = self._settings
@@ -231,7 +255,19 @@ class SessionRegistry:
             self.retired[session_id] = session.authenticator
             if len(self.retired) > _MAX_RETIRED_SESSIONS:
                 del self.retired[next(iter(self.retired))]
+            self._keep_unanswered(session_id, session._waiters)
             self._log.info("session_retired", scope=session.scope, session_id=session_id)
+
+    def _keep_unanswered(self, session_id: str, waiters: Mapping[str, Waiter]) -> None:
+        kept = self.retired_requests
+        for request_id, waiter in waiters.items():
+            if waiter.kind is None or waiter.run is None:
+                continue  # a raw send's reply is applied to nothing
+            kept[(session_id, request_id)] = RetiredRequest(
+                waiter.kind, waiter.request, waiter.run.name, waiter.run.plan
+            )
+            if len(kept) > _MAX_RETIRED_REQUESTS:
+                del kept[next(iter(kept))]
 
     async def close_exact(self, session: HostSession) -> None:
         """Close exactly this session (not its successor)."""

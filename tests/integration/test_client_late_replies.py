@@ -510,3 +510,57 @@ async def test_a_late_reply_for_an_evicted_run_goes_to_the_run_loaded_again(
     stored = await stored_ledger(host_env, "two-keys")
     assert stored.operation(k1).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
     assert stored.operation(k2) is not None
+
+
+async def test_an_authentic_late_reply_of_a_retired_session_is_applied_to_the_ledger(
+    scripted: ScriptedWorker,
+    hosts: HostFactory,
+    host_env: HostEnv,
+    worker_env: WorkerEnv,
+    dead_letters: Inbox,
+) -> None:
+    # Grace before a closed session is let go of: one attempt of 0.3 s, no backoff.
+    client = await hosts.start(reply_timeout=0.3, max_attempts=1, backoff_max=0.0)
+    _, run, key = await recorded(client)
+    first = await client.open_session(worker_env.scope, manifest())
+    # Nothing answers: the dispatch and the reconciliation after it time out.
+    state = await client.dispatch(first, run, key, publish_payload())
+    assert state.kind == StateKind.PENDING
+    dispatch = await scripted.next("dispatch_operation")
+    await scripted.next("reconcile_operation")
+    await client.close_session(first)
+    await asyncio.sleep(0.4)
+    await client.open_session(worker_env.scope, manifest())  # lets the closed one go
+    assert first.session_id not in client._sessions.by_id
+    assert first.session_id in client._sessions.retired
+
+    # The worker's outcome of the dispatch arrives now: applied, persisted, acked.
+    await scripted.reply(dispatch, succeeded(dispatch))
+    await until(lambda: run.state(key) == StateKind.SUCCEEDED, "the late outcome is applied")
+    stored = await stored_ledger(host_env)
+    assert stored.operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
+    assert stored.revision == 2
+
+    # A repeated copy of that answer is dropped: one transition, nothing dead-lettered.
+    await scripted.reply(dispatch, succeeded(dispatch))
+    await asyncio.sleep(0.3)
+    assert (await stored_ledger(host_env)).revision == 2 == run.revision
+    # A forged reply to that request under the retired session is still dead-lettered.
+    forged_key = SessionKey.derive(
+        ScopeKey(bytes(32)), worker_env.scope, first.session_id, first.key_nonce
+    )
+    forged = SessionAuthenticator(first.session_id, forged_key, SessionRole.WORKER)
+    envelope = build_worker_reply(
+        worker_env.scope,
+        first.session_id,
+        first.key_nonce,
+        forged.seal(outcome(dispatch, Failed("forged"))),
+        reply_to=client.reply_queue,
+        correlation_id=dispatch.request.request_id,
+    )
+    await publish_envelope(scripted.channel, envelope, timeout=WAIT)
+    dead = await dead_letters.wait_for(lambda m: header(m, HEADER_SESSION) == first.session_id)
+    assert reason_of(dead) == "invalid_authentication_tag"
+    await asyncio.sleep(0.2)
+    assert len(dead_letters.matching(lambda m: header(m, HEADER_SESSION) == first.session_id)) == 1
+    assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
