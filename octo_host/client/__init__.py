@@ -23,7 +23,7 @@ from octo_host.client.runs import (
     HostRun,
     routes_record_key,
 )
-from octo_host.client.sessions import HostSession, ReplyTimedOut
+from octo_host.client.sessions import HostSession, ReplyCut, ReplyTimedOut
 
 __all__ = [
     "ROUTES_NAMESPACE",
@@ -32,6 +32,7 @@ __all__ = [
     "HostRun",
     "HostSession",
     "RecoverySummary",
+    "ReplyCut",
     "ReplyTimedOut",
     "routes_record_key",
 ]

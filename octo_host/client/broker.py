@@ -1,16 +1,20 @@
 """The host client's AMQP side: one connection, confirmed publishes, the reply consumer.
 
-This module owns, for one host id (H§16.2, W§12.5): the plain connection,
-the confirm channel every frame is published on, the quorum reply queue
+This module owns, for one host id (H§16.2, W§12.5): the plain connection
+(client property ``connection_name`` = ``octo-host-<host-id>``), the confirm
+channel every frame is published on, the quorum reply queue
 ``octo.v5.reply.<host-id>`` and its consumer on a channel of its own, the
-watch that reports when no reply can arrive any more, and the settling of a
-reply delivery (ack, or a confirmed dead-letter copy with ``octo-reason``).
+watch that reports when no reply can arrive any more, the reconnection after
+a loss (with backoff, the same reply queue consumed again, as the worker
+daemon's connection loop does), and the settling of a reply delivery (ack,
+or a confirmed dead-letter copy with ``octo-reason``).
 The topology helpers are :mod:`octo_host.amqp`; the confirmed publish and
 the dead-letter copy are :mod:`octo_common.runtime.broker`.
 
 It must never decide anything about a frame (the reply router and the verbs
-do), retry a publish with other bytes than the first, or log frame bodies,
-nonces or the URL.
+do), retry a publish with other bytes than the first, publish again on a new
+connection a frame whose publish the lost one cut (the caller reconciles), or
+log frame bodies, nonces or the URL.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ from octo_common.transport import (
     build_host_publish,
     reply_queue,
 )
-from octo_host.amqp import connect, consume_reply_queue, declare_reply_queue, open_confirm_channel
+from octo_host.amqp import (
+    BrokerUnavailable,
+    connect,
+    consume_reply_queue,
+    declare_reply_queue,
+    open_confirm_channel,
+)
 from octo_host.client.settings import ClientSettings
 
 __all__ = ["HostBroker", "SessionAddress"]
@@ -52,7 +62,7 @@ class SessionAddress(Protocol):
 
 
 class HostBroker:
-    """The host's connection to RabbitMQ: publish with confirms, consume replies."""
+    """The host's connection to RabbitMQ: publish with confirms, consume replies, reconnect."""
 
     def __init__(
         self, url: str, host_id: str, settings: ClientSettings, log: FilteringBoundLogger
@@ -60,6 +70,8 @@ class HostBroker:
         self._url = url
         self.host_id = host_id
         self.reply_queue = reply_queue(host_id)
+        self.connection_name = f"octo-host-{host_id}"
+        """The ``connection_name`` client property of every connection this broker opens."""
         self._settings = settings
         self._log = log
         self._connection: AbstractConnection | None = None
@@ -67,14 +79,23 @@ class HostBroker:
         self._consume_channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
+        self._on_delivery: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None
+        self._on_lost: Callable[[str, bool], None] | None = None
+        # Each connection's callbacks act only while it is the current one.
+        self._generation = 0
+        self._connected = asyncio.Event()
+        self._stopping = False
+        self._reconnecting: asyncio.Task[None] | None = None
         self.replies_lost: str | None = None
-        """Why replies can no longer arrive (None while the consumer is alive)."""
+        """Why replies cannot arrive now (None while the consumer is alive)."""
+        self.reconnects = 0
+        """Connections opened again after a loss (observability)."""
         self.published: Counter[str] = Counter()
         """Frames published, by message type."""
 
     @property
     def can_publish(self) -> bool:
-        """Whether a publish channel is open (between ``start`` and ``disconnect``)."""
+        """Whether a publish channel is open (connected, between ``start`` and ``disconnect``)."""
         return self._publish_channel is not None
 
     async def start(
@@ -84,31 +105,49 @@ class HostBroker:
     ) -> None:
         """Connect, declare the reply queue and consume it with ``on_delivery``.
 
-        ``on_lost(reason, unexpected)`` is called once when no reply can arrive
-        any more (``unexpected`` is False during :meth:`stop_consuming`'s own
-        shutdown). Raises :class:`~octo_host.amqp.BrokerUnavailable`; the
-        caller then disconnects.
+        ``on_lost(reason, unexpected)`` is called once per connection when no
+        reply can arrive on it any more: ``unexpected`` is False during
+        :meth:`stop_consuming`'s own shutdown; otherwise the broker reconnects
+        by itself (:meth:`_reconnect`) and consumes the same reply queue again.
+        Raises :class:`~octo_host.amqp.BrokerUnavailable` when this first
+        connection fails; the caller then disconnects.
         """
+        self._on_delivery, self._on_lost = on_delivery, on_lost
+        self._stopping = False
+        await self._open()
+
+    async def _open(self) -> None:
+        """One connection: confirm channel, reply queue declared, consumer, watch."""
+        assert self._on_delivery is not None
+        self._generation += 1
+        generation = self._generation
         connection = await connect(
-            self._url, timeout=self._settings.publish_timeout, name=f"octo-host-{self.host_id}"
+            self._url, timeout=self._settings.publish_timeout, name=self.connection_name
         )
         self._connection = connection
+        try:
+            publish = await open_confirm_channel(connection)
+            await declare_reply_queue(publish, self.host_id)
+            consumer = await consume_reply_queue(
+                connection, self.host_id, self._on_delivery, prefetch_count=64
+            )
+            self._consume_channel, self._queue, self._consumer_tag = consumer
+            await self._watch(generation, connection, self._consume_channel)
+        except BaseException:
+            self._generation += 1  # this connection's own close is no loss to report
+            self._connection = self._consume_channel = None
+            self._queue, self._consumer_tag = None, None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), timeout=5.0)
+            raise
+        self._publish_channel = publish
         self.replies_lost = None
-        self._publish_channel = await open_confirm_channel(connection)
-        await declare_reply_queue(self._publish_channel, self.host_id)
-        consumer = await consume_reply_queue(
-            connection, self.host_id, on_delivery, prefetch_count=64
-        )
-        self._consume_channel, self._queue, self._consumer_tag = consumer
-        await self._watch(connection, self._consume_channel, on_lost)
+        self._connected.set()
 
     async def _watch(
-        self,
-        connection: AbstractConnection,
-        channel: AbstractChannel,
-        on_lost: Callable[[str, bool], None],
+        self, generation: int, connection: AbstractConnection, channel: AbstractChannel
     ) -> None:
-        """Report at once when no reply can arrive any more.
+        """Report at once when no reply can arrive on this connection any more.
 
         The connection or the consume channel closed, or the broker cancelled
         the consumer (the reply queue was deleted): a caller would otherwise
@@ -116,10 +155,17 @@ class HostBroker:
         """
 
         def lost(reason: str) -> None:
-            if self.replies_lost is not None:
-                return
+            if generation != self._generation or self.replies_lost is not None:
+                return  # an older connection's close, or already reported
             self.replies_lost = reason
-            on_lost(reason, self._consumer_tag is not None)  # None: our own shutdown
+            self._connected.clear()
+            self._publish_channel = None
+            unexpected = self._consumer_tag is not None and not self._stopping
+            if self._on_lost is not None:
+                self._on_lost(reason, unexpected)  # not unexpected: our own shutdown
+            if unexpected:
+                self._log.warning("broker_connection_lost", reason=reason)
+                self._reconnecting = asyncio.ensure_future(self._reconnect(connection))
 
         connection.close_callbacks.add(lambda *_: lost("the connection closed"))
         channel.close_callbacks.add(lambda *_: lost("the reply channel closed"))
@@ -131,8 +177,52 @@ class HostBroker:
         underlay = await channel.get_underlay_channel()
         underlay.on_consumer_cancel_callbacks.add(cancelled)
 
+    async def _reconnect(self, lost: AbstractConnection) -> None:
+        """Connect again with backoff (``backoff_initial`` doubling to ``backoff_max``)
+        until connected or stopped; the reply queue is declared and consumed again.
+
+        Replies the broker held meanwhile, and deliveries the lost channel never
+        acked, arrive on the new consumer (a copy already opened is a
+        ``DuplicateFrame``, dropped).
+        """
+        self._queue, self._consumer_tag = None, None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(lost.close(), timeout=5.0)
+        settings = self._settings
+        delay = settings.backoff_initial
+        while not self._stopping:
+            try:
+                await self._open()
+            except Exception as exc:
+                error = exc.reason if isinstance(exc, BrokerUnavailable) else type(exc).__name__
+                self._log.warning("broker_reconnect_failed", error=error, retry_in=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max(settings.backoff_max, settings.backoff_initial))
+                continue
+            self.reconnects += 1
+            self._log.info("broker_reconnected", reply_queue=self.reply_queue)
+            return
+
+    async def wait_connected(self) -> None:
+        """Until a connection is up again, for at most one publish timeout.
+
+        Returns at once while connected; raises
+        :class:`~octo_host.amqp.BrokerUnavailable` when no connection came
+        back in time, or the client is stopping.
+        """
+        if self._connected.is_set():
+            return
+        if self._stopping or self._on_delivery is None:
+            raise BrokerUnavailable("not connected")
+        try:
+            await asyncio.wait_for(self._connected.wait(), self._settings.publish_timeout)
+        except TimeoutError:
+            raise BrokerUnavailable(f"not reconnected: {self.replies_lost}") from None
+
     async def stop_consuming(self) -> None:
-        """Cancel the reply consumer (best effort, at most 5 s); idempotent."""
+        """Cancel the reply consumer (best effort, at most 5 s) and stop reconnecting;
+        idempotent."""
+        self._stopping = True
         queue, tag = self._queue, self._consumer_tag
         self._queue, self._consumer_tag = None, None
         if queue is not None and tag is not None:
@@ -140,10 +230,17 @@ class HostBroker:
                 await asyncio.wait_for(queue.cancel(tag), timeout=5.0)
 
     async def disconnect(self) -> None:
-        """Close the connection (best effort, at most 5 s); idempotent."""
+        """Stop reconnecting and close the connection (best effort, at most 5 s); idempotent."""
+        self._stopping = True
+        reconnecting, self._reconnecting = self._reconnecting, None
+        if reconnecting is not None and not reconnecting.done():
+            reconnecting.cancel()
+            with contextlib.suppress(BaseException):
+                await reconnecting
         connection, self._connection = self._connection, None
         self._publish_channel = None
         self._consume_channel = None
+        self._connected.clear()
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), timeout=5.0)
@@ -174,7 +271,14 @@ class HostBroker:
         )
         channel = self._publish_channel
         if channel is None:
-            raise PublishChannelClosed(envelope.routing_key)
+            # Nothing was sent yet: wait for the reconnection, then publish first.
+            with contextlib.suppress(BrokerUnavailable):
+                await self.wait_connected()
+            channel = self._publish_channel
+            if channel is None:
+                raise PublishChannelClosed(envelope.routing_key)
+        # A publish cut by a lost channel is not repeated on the next connection:
+        # the frame may have reached the broker, and the caller reconciles.
         for attempt in range(1, attempts + 1):
             try:
                 await publish_envelope(channel, envelope, timeout=self._settings.publish_timeout)

@@ -98,6 +98,16 @@ class HostClient:
         return self._broker.reply_queue
 
     @property
+    def connection_name(self) -> str:
+        """The ``connection_name`` client property of this client's broker connections."""
+        return self._broker.connection_name
+
+    @property
+    def reconnects(self) -> int:
+        """How often the client connected again after losing its connection."""
+        return self._broker.reconnects
+
+    @property
     def published(self) -> Counter[str]:
         """Frames published, by message type (observability)."""
         return self._broker.published
@@ -141,7 +151,13 @@ class HostClient:
 
         Raises :class:`~octo_host.amqp.BrokerUnavailable` when the broker cannot
         be reached, a channel cannot be opened or the queue cannot be declared
-        or consumed (the client is closed again).
+        or consumed (the client is closed again). Once started, the client
+        reconnects by itself after a lost connection (closed by the broker or
+        an operator, a lost reply channel or consumer), with backoff from
+        ``backoff_initial`` to ``backoff_max``, and consumes the same reply
+        queue again. Verbs wait for it (at most one publish timeout each); a
+        request cut by the loss is reconciled on the new connection, never
+        sent again as it was.
         """
         try:
             await self._broker.start(self._replies.on_delivery, self._sessions.fail_waiting)
@@ -268,9 +284,10 @@ class HostClient:
         directly. Any other key (read from the store, sent before, no longer
         ``pending``) is reconciled instead, and dispatched again only if the
         worker answers ``unknown_operation`` while the ledger still says
-        ``pending``; otherwise that refusal is raised. A timeout or a
+        ``pending``; otherwise that refusal is raised. A timeout, a broker
+        connection lost while the request was out, or a
         ``pending``/``indeterminate``/``adapter_error`` refusal leads to
-        reconciliation of the same key (H§16.4).
+        reconciliation of the same key (H§16.4), on the new connection.
         """
         return await self._verbs.dispatch(session, run, operation_key, payload)
 

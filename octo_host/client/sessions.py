@@ -38,7 +38,14 @@ from octo_host.plan import WorkflowPlan
 if TYPE_CHECKING:
     from octo_host.client.runs import HostRun
 
-__all__ = ["HostSession", "ReplyTimedOut", "RetiredRequest", "SessionRegistry", "Waiter"]
+__all__ = [
+    "HostSession",
+    "ReplyCut",
+    "ReplyTimedOut",
+    "RetiredRequest",
+    "SessionRegistry",
+    "Waiter",
+]
 
 # Waiters kept per session for late replies (their requests timed out, or the
 # worker answered pending_* first); the oldest is dropped beyond this.
@@ -59,6 +66,19 @@ class ReplyTimedOut(OctoError):
     _text = "no reply within the timeout"
     request_id: str
     timeout: float
+
+
+class ReplyCut(OctoError):
+    """The broker connection was lost while the request was out (or being published).
+
+    Its reply may still come once the client has reconnected, or never: like a
+    timeout, never evidence either way (H§16.5). The verb reconciles the same
+    key on the new connection; a late reply is still applied.
+    """
+
+    _fields = ("request_id",)
+    _text = "the broker connection was lost before the reply"
+    request_id: str
 
 
 @dataclass(eq=False)
@@ -367,12 +387,28 @@ class SessionRegistry:
             raise
 
     def fail_waiting(self, reason: str, unexpected: bool) -> None:
-        """Fail every waiting request at once: no reply can arrive any more."""
-        waiting = [w for s in self.by_id.values() for w in s._waiters.values()]
+        """Release every waiting request at once: no reply can arrive on this connection.
+
+        ``unexpected`` (a lost connection, channel or consumer; the broker
+        reconnects): each waiter is given up on with :class:`ReplyCut`, so its
+        verb reconciles on the new connection and a late reply is still
+        applied. Otherwise (the client is closing) it fails with
+        ``BrokerUnavailable``.
+        """
+        waiting = [
+            (request_id, waiter)
+            for session in self.by_id.values()
+            for request_id, waiter in session._waiters.items()
+            if not waiter.abandoned
+        ]
         if unexpected:
-            self._log.error("replies_lost", reason=reason, waiting=len(waiting))
-        for waiter in waiting:
-            waiter.fail(BrokerUnavailable(f"no replies: {reason}"))
+            self._log.warning("replies_cut", reason=reason, waiting=len(waiting))
+        for request_id, waiter in waiting:
+            if unexpected:
+                waiter.fail(ReplyCut(request_id))
+                waiter.abandoned = True
+            else:
+                waiter.fail(BrokerUnavailable(f"no replies: {reason}"))
 
     def awaited_runs(self) -> set[int]:
         """The ids of the runs a caller awaits a reply for.

@@ -43,9 +43,10 @@ from octo_common.states import (
     StateKind,
     WorkerOperationState,
 )
+from octo_common.transport import PublishChannelClosed
 from octo_host.client.broker import HostBroker
 from octo_host.client.runs import HostRun, RunCache
-from octo_host.client.sessions import HostSession, ReplyTimedOut, SessionRegistry
+from octo_host.client.sessions import HostSession, ReplyCut, ReplyTimedOut, SessionRegistry
 from octo_host.client.settings import ClientSettings
 from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
 from octo_host.engine import OutboundFrame, WorkflowEngine
@@ -130,6 +131,7 @@ class HostVerbs:
         """
         if session.closed:
             raise SessionClosed(session.session_id)
+        await self._broker.wait_connected()
         request_id = outbound.request.request_id
         waiter = self._sessions.register(session, request_id, None, outbound.request, None)
         message_type = _KINDS[_KIND_OF_REQUEST[type(outbound.request)]].message_type
@@ -208,10 +210,15 @@ class HostVerbs:
 
         ``build(auth) -> OutboundFrame`` runs under the run lock after the
         ledger is durable, so an approval and its sealing see one revision,
-        and a decision to send sees the ledger it is made from.
+        and a decision to send sees the ledger it is made from. While the
+        broker reconnects, it first waits for the connection (at most one
+        publish timeout, else ``BrokerUnavailable``). A publish cut by a lost
+        connection raises :class:`ReplyCut`: the frame may have reached the
+        worker, so it is never published again; the caller reconciles.
         """
         if session.closed:
             raise SessionClosed(session.session_id)
+        await self._broker.wait_connected()
         async with run._lock:
             await self._runs.persist_locked(run, run._ledger)
             outbound = build(session.authenticator)
@@ -226,6 +233,10 @@ class HostVerbs:
             await self._broker.publish(
                 session, outbound.frame, request.request_id, kind=row.message_type
             )
+        except PublishChannelClosed:
+            # Kept, given up on: a copy that did reach the worker is still applied.
+            waiter.abandoned = True
+            raise ReplyCut(request.request_id) from None
         except BaseException:
             session._waiters.pop(request.request_id, None)
             raise
@@ -318,7 +329,7 @@ class HostVerbs:
             state = await self._dispatch_once(session, run, operation_key, payload)
         except _SentBefore:
             return await self.settle(session, run, operation_key, data, payload, None)
-        except ReplyTimedOut as exc:
+        except (ReplyTimedOut, ReplyCut) as exc:
             return await self.settle(session, run, operation_key, data, payload, exc)
         except WorkerRequestRejected as exc:
             reaction = rejection_reaction(RequestKind.DISPATCH, exc.rejection_code)
@@ -439,7 +450,8 @@ class HostVerbs:
         """Run ``attempt`` (a request of ``kind``) until a terminal state or the attempts
         run out; returns the last state observed (``Pending`` if none).
 
-        H§16.4-16.5: a timeout, or a refusal the reactions table answers with
+        H§16.4-16.5: a timeout, a connection lost while the request was out
+        (``ReplyCut``), or a refusal the reactions table answers with
         ``RECONCILE``, leads to the next attempt (same key); ``NEW_SESSION``, or
         three timeouts in a row, first replaces the session. ``DISPATCH_SAME_KEY``
         dispatches ``operation_key`` again with the payload ``same_key``, in
@@ -460,6 +472,8 @@ class HostVerbs:
             except ReplyTimedOut:
                 timeouts += 1
                 continue
+            except ReplyCut:
+                continue  # the session is not suspect: the broker lost the connection
             except WorkerRequestRejected as exc:
                 code = exc.rejection_code
                 self._log.info(
@@ -478,6 +492,8 @@ class HostVerbs:
                     )
                 except ReplyTimedOut:
                     timeouts += 1
+                    continue
+                except ReplyCut:
                     continue
                 except WorkerRequestRejected as again:
                     reaction = rejection_reaction(RequestKind.DISPATCH, again.rejection_code)

@@ -1101,23 +1101,29 @@ async def test_a_reply_consumer_that_cannot_start_is_broker_unavailable(
     assert "ChannelNotFoundEntity" in refused.value.reason
 
 
-async def test_a_lost_reply_consumer_fails_waiting_calls_at_once(
+async def test_a_lost_reply_consumer_releases_waiting_calls_at_once_and_is_restored(
     workers: WorkerRunner, hosts: HostFactory, worker_env: WorkerEnv, channel: AbstractChannel
 ) -> None:
     await workers.start(adapters=registry(SlowPublish(worker_env, delay=1.5)))
-    # A reply timeout far beyond the wait below: a failure within it is not a timeout.
-    client = await hosts.start(reply_timeout=20 * WAIT)
+    # A reply timeout far beyond the wait below: an outcome within it is not a timeout.
+    client = await hosts.start(reply_timeout=20 * WAIT, backoff_initial=0.05)
     run, key, session, dispatching = await dispatch_in_flight(client, worker_env)
     assert session._waiters
 
-    # The reply queue is deleted: the broker cancels the client's consumer.
+    # The reply queue is deleted: the broker cancels the client's consumer. The
+    # waiting dispatch is released at once; the client connects again (declaring
+    # and consuming its reply queue anew) and reconciles the same key there.
     await channel.queue_delete(client.reply_queue)
-    with pytest.raises(BrokerUnavailable, match="cancelled the reply consumer"):
-        await asyncio.wait_for(dispatching, WAIT)
-    # The intent stays durable and pending: recover() resolves it later.
-    assert run.state(key) == StateKind.PENDING
-    with pytest.raises(BrokerUnavailable):
-        await client.reconcile(session, run, key, publish_payload())
+    state = await asyncio.wait_for(dispatching, 3 * WAIT)
+
+    assert isinstance(state, Succeeded)
+    assert client.reconnects == 1
+    assert client.published["dispatch_operation"] == 1
+    assert client.published["reconcile_operation"] >= 1
+    assert run.state(key) == StateKind.SUCCEEDED
+    assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
+    # Later verbs work on the restored consumer.
+    assert isinstance(await client.reconcile(session, run, key, publish_payload()), Succeeded)
 
 
 async def test_a_failed_session_is_replaced_once_and_never_replaces_its_successor(
