@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn, TextIO
@@ -63,6 +63,7 @@ __all__ = [
     "run_command",
     "run_verb",
     "state_detail",
+    "state_line",
     "stdout_gone",
     "verb_parser",
 ]
@@ -295,6 +296,24 @@ def anchor_to_write(anchor: Path | None, key: str, force: bool, replace_hint: st
     if anchor.exists() and not force:
         raise CliError(EXIT_CHECK_FAILED, f"{anchor} already exists ({replace_hint})", "exists")
     return anchor
+
+
+def state_line(
+    detail: Mapping[str, Any], *, payload: str = "payload", failure: str = "failure message"
+) -> str:
+    """One line of a :func:`state_detail`: the state, then the sizes it carries.
+
+    ``payload`` and ``failure`` name the two sizes as the command calls them
+    (``succeeded (payload: json, 12 bytes)``, ``failed (failure message: 40
+    bytes)``).
+    """
+    text = str(detail["state"])
+    sizes = detail.get("payload")
+    if sizes is not None:
+        text += f" ({payload}: {sizes['format']}, {sizes['bytes']} bytes)"
+    if "message_bytes" in detail:
+        text += f" ({failure}: {detail['message_bytes']} bytes)"
+    return text
 
 
 def broker_unreachable(redacted_url: str, reason: str, code: str) -> CliError:

@@ -18,7 +18,6 @@ from octo_common.runtime.output import (
     EXIT_OK,
     EXIT_USAGE,
     CliError,
-    OneLineParser,
     Output,
     print_table,
 )
@@ -27,20 +26,15 @@ from octo_worker.adapters import (
     effective_adapter_deadline,
     load_adapters,
 )
-from octo_worker.cli.common import config_of
+from octo_worker.cli.common import Verbs, config_of, verb_group
 from octo_worker.config import WorkerConfig
 
 __all__ = ["adapter_options", "cmd_adapters_list", "load_enabled", "register"]
 
-Verbs = Any  # argparse's sub-parsers action
 
-
-def register(verbs: Verbs, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add ``adapters list`` to the verbs."""
-    adapters = verbs.add_parser("adapters", help="installed adapter plug-ins")
-    adapter_verbs = adapters.add_subparsers(
-        dest="adapters_verb", metavar="VERB", required=True, parser_class=OneLineParser
-    )
+    adapter_verbs = verb_group(verbs, "adapters", "installed adapter plug-ins")
     alist = adapter_verbs.add_parser(
         "list", parents=[common], help=f"entry points of {ADAPTER_ENTRY_POINT_GROUP}"
     )

@@ -27,6 +27,7 @@ from octo_common.runtime.output import (
     EXIT_STORAGE,
     EXIT_USAGE,
     CliError,
+    OneLineParser,
     broker_unreachable,
     printable,
 )
@@ -37,6 +38,7 @@ from octo_worker.topology import TopologyError, connect
 __all__ = [
     "DEFAULT_CONFIG",
     "PROG",
+    "Verbs",
     "broker_connection",
     "check_tokens",
     "config_of",
@@ -46,10 +48,12 @@ __all__ = [
     "positive_int",
     "run_event_loop",
     "storage_failure",
+    "verb_group",
     "vhost",
 ]
 
 DEFAULT_CONFIG: Final = "/etc/octo/worker.toml"
+Verbs = Any  # argparse's sub-parsers action, which each verb module's ``register`` adds to
 PROG: Final = "octo-worker"
 T = TypeVar("T")
 
@@ -60,6 +64,15 @@ _PROBE_TIMEOUT_SECONDS: Final = 5.0
 
 def config_of(args: argparse.Namespace) -> WorkerConfig:
     return load_config(args.config)
+
+
+def verb_group(verbs: Verbs, name: str, help_text: str) -> Verbs:
+    """Add the verb group ``name`` (``journal``, ``dlq``...); returns the sub-parsers its
+    verbs are added to (one is required; the chosen one is ``args.<name>_verb``)."""
+    group = verbs.add_parser(name, help=help_text)
+    return group.add_subparsers(
+        dest=f"{name}_verb", metavar="VERB", required=True, parser_class=OneLineParser
+    )
 
 
 def run_event_loop(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:

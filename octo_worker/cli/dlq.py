@@ -28,7 +28,6 @@ from octo_common.runtime.output import (
     EXIT_OK,
     EXIT_USAGE,
     CliError,
-    OneLineParser,
     Output,
     printable,
 )
@@ -39,7 +38,14 @@ from octo_common.transport import (
     HEADER_SCOPE,
     HEADER_SESSION,
 )
-from octo_worker.cli.common import PROG, broker_connection, config_of, positive_int
+from octo_worker.cli.common import (
+    PROG,
+    Verbs,
+    broker_connection,
+    config_of,
+    positive_int,
+    verb_group,
+)
 from octo_worker.config import WorkerConfig
 
 __all__ = [
@@ -53,15 +59,10 @@ __all__ = [
     "register",
 ]
 
-Verbs = Any  # argparse's sub-parsers action
 
-
-def register(verbs: Verbs, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add ``dlq list``, ``dlq show`` and ``dlq drop`` to the verbs."""
-    dlq = verbs.add_parser("dlq", help=f"inspect and drain {DEAD_QUEUE}")
-    dlq_verbs = dlq.add_subparsers(
-        dest="dlq_verb", metavar="VERB", required=True, parser_class=OneLineParser
-    )
+    dlq_verbs = verb_group(verbs, "dlq", f"inspect and drain {DEAD_QUEUE}")
     dlist = dlq_verbs.add_parser("list", parents=[common], help="list dead-lettered frames")
     dlist.add_argument("--limit", type=positive_int, default=50, metavar="N")
     dlist.add_argument("--body", action="store_true", help="also print each frame body")

@@ -23,20 +23,22 @@ from octo_common.errors import OctoError
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
-    EXIT_USAGE,
     CliError,
-    OneLineParser,
     Output,
+    anchor_to_write,
     print_table,
     printable,
     state_detail,
+    state_line,
 )
 from octo_worker.cli.common import (
+    Verbs,
     check_tokens,
     config_of,
     journal_store,
     parse_duration,
     storage_failure,
+    verb_group,
 )
 from octo_worker.config import WorkerConfig
 from octo_worker.journal import WorkerOperationRecord
@@ -54,15 +56,10 @@ __all__ = [
     "register",
 ]
 
-Verbs = Any  # argparse's sub-parsers action
 
-
-def register(verbs: Verbs, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add the ``journal`` verbs."""
-    journal = verbs.add_parser("journal", help="inspect the journal database")
-    journal_verbs = journal.add_subparsers(
-        dest="journal_verb", metavar="VERB", required=True, parser_class=OneLineParser
-    )
+    journal_verbs = verb_group(verbs, "journal", "inspect the journal database")
     jlist = journal_verbs.add_parser("list", parents=[common], help="list journal rows")
     jlist.add_argument("--scope", metavar="S")
     jlist.set_defaults(handler=cmd_journal_list)
@@ -252,36 +249,26 @@ def record_detail(scope: str, record: WorkerOperationRecord, revision: int) -> d
     }
 
 
-def _state_line(detail: Mapping[str, Any]) -> str:
-    text = str(detail["state"])
-    payload = detail.get("payload")
-    if payload is not None:
-        text += f" (payload: {payload['format']}, {payload['bytes']} bytes)"
-    if "message_bytes" in detail:
-        text += f" (failure message: {detail['message_bytes']} bytes)"
-    return text
-
-
 def _detail_lines(item: Mapping[str, Any]) -> list[str]:
-    lines = [
-        f"scope:              {item['scope']}",
-        f"operation key:      {item['operation_key']}",
-        f"tool:               {item['tool']}",
-        f"input fingerprint:  {item['input_fingerprint']}",
-        f"state:              {_state_line(item)}",
-        f"revision:           {item['revision']}",
+    fields: list[tuple[str, object]] = [
+        ("scope:", item["scope"]),
+        ("operation key:", item["operation_key"]),
+        ("tool:", item["tool"]),
+        ("input fingerprint:", item["input_fingerprint"]),
+        ("state:", state_line(item)),
+        ("revision:", item["revision"]),
     ]
     compensation = item["compensation"]
     if compensation is None:
-        lines.append("compensation:       none")
+        fields.append(("compensation:", "none"))
     else:
-        lines += [
-            f"compensation key:   {compensation['compensation_key']}",
-            f"  input fingerprint {compensation['input_fingerprint']}",
-            f"  grant fingerprint {compensation['grant_fingerprint']}",
-            f"  state             {_state_line(compensation)}",
+        fields += [
+            ("compensation key:", compensation["compensation_key"]),
+            ("  input fingerprint", compensation["input_fingerprint"]),
+            ("  grant fingerprint", compensation["grant_fingerprint"]),
+            ("  state", state_line(compensation)),
         ]
-    return lines
+    return [f"{label:<20}{value}" for label, value in fields]
 
 
 _VERIFY_STEPS: Final = ("head", "journal rows", "sessions", "outbox rows")
@@ -390,16 +377,13 @@ def cmd_journal_reseal(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:
     config = config_of(args)
-    anchor = config.anchor_path
-    if anchor is None:
-        raise CliError(EXIT_USAGE, "storage.anchor is not configured", "invalid_configuration")
-    if anchor.exists() and not args.force:
-        raise CliError(
-            EXIT_CHECK_FAILED,
-            f"{anchor} already exists; --force re-anchors to the database as it is now, "
-            "which accepts any rollback that happened (only after restoring a backup on purpose)",
-            "exists",
-        )
+    anchor = anchor_to_write(
+        config.anchor_path,
+        "storage.anchor",
+        args.force,
+        "--force re-anchors to the database as it is now, which accepts any rollback that "
+        "happened: only after restoring a backup on purpose",
+    )
 
     async def initialize() -> dict[str, int]:
         store = SqliteJournalStore(

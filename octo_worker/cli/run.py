@@ -34,7 +34,6 @@ from octo_common.runtime.output import (
     EXIT_STORAGE,
     EXIT_USAGE,
     CliError,
-    OneLineParser,
     Output,
     drop_exception_text,
     one_line,
@@ -43,6 +42,7 @@ from octo_common.transport import worker_queue
 from octo_worker.cli.adapters import load_enabled
 from octo_worker.cli.common import (
     PROG,
+    Verbs,
     broker_connection,
     config_of,
     journal_store,
@@ -52,7 +52,6 @@ from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_ke
 
 __all__ = ["cmd_check", "cmd_run", "configure_logging", "register"]
 
-Verbs = Any  # argparse's sub-parsers action
 
 _LEVELS: Final = {
     "debug": logging.DEBUG,
@@ -110,7 +109,7 @@ def configure_logging(level: str = "info", log_format: str = "json") -> None:
     root.setLevel(max(logging.WARNING, _LEVELS.get(level, logging.INFO)))
 
 
-def register(verbs: Verbs, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add ``run`` and ``check`` to the verbs."""
     run = verbs.add_parser("run", parents=[common], help="run the daemon (systemd: Type=notify)")
     run.set_defaults(handler=cmd_run)

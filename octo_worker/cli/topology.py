@@ -18,16 +18,17 @@ from octo_common.runtime.output import (
     EXIT_OK,
     EXIT_USAGE,
     CliError,
-    OneLineParser,
     Output,
     print_table,
 )
 from octo_common.transport import DEAD_OVERFLOW, DEAD_POLICY_NAME, WORKER_POLICY_NAME
 from octo_worker.cli.common import (
+    Verbs,
     broker_connection,
     check_tokens,
     config_of,
     delivery_limit,
+    verb_group,
     vhost,
 )
 from octo_worker.config import WorkerConfig
@@ -41,15 +42,10 @@ from octo_worker.topology import (
 
 __all__ = ["cmd_topology_declare", "cmd_topology_show", "register"]
 
-Verbs = Any  # argparse's sub-parsers action
 
-
-def register(verbs: Verbs, common: OneLineParser) -> None:
+def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add ``topology declare`` and ``topology show`` to the verbs."""
-    topology = verbs.add_parser("topology", help="broker exchanges, queues and policy")
-    topology_verbs = topology.add_subparsers(
-        dest="topology_verb", metavar="VERB", required=True, parser_class=OneLineParser
-    )
+    topology_verbs = verb_group(verbs, "topology", "broker exchanges, queues and policy")
     declare = topology_verbs.add_parser(
         "declare", parents=[common], help="declare the configured scopes' topology and policy"
     )

@@ -31,6 +31,7 @@ from octo_common.runtime.output import (
     run_command,
     run_verb,
     state_detail,
+    state_line,
 )
 from octo_common.states import Failed, Pending, Running, Succeeded
 
@@ -296,3 +297,15 @@ def test_anchor_to_write_is_configured_and_absent_unless_forced(tmp_path: Path) 
     assert (exists.value.status, exists.value.code) == (EXIT_CHECK_FAILED, "exists")
     assert exists.value.message == f"{anchor} already exists (--force replaces it)"
     assert anchor_to_write(anchor, "ledger.anchor", True, "--force replaces it") == anchor
+
+
+def test_state_line_names_the_sizes_as_the_command_calls_them() -> None:
+    assert state_line(state_detail(Pending())) == "pending"
+    succeeded = state_detail(Succeeded(ToolPayload.json({"a": 1})))
+    assert state_line(succeeded) == "succeeded (payload: json, 7 bytes)"
+    assert state_line(succeeded, payload="output") == "succeeded (output: json, 7 bytes)"
+    failed = state_detail(Failed("no such file"))
+    assert state_line(failed) == "failed (failure message: 12 bytes)"
+    assert state_line(failed, failure="failure text withheld") == (
+        "failed (failure text withheld: 12 bytes)"
+    )

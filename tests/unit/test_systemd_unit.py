@@ -83,7 +83,7 @@ def test_service_type_watchdog_and_start_command(unit: Unit) -> None:
         "/opt/octo/.venv/bin/octo-worker run --config /etc/octo/%i.toml"
     )
     assert one(unit, "Service", "Restart") == "on-failure"
-    # exit 2 = configuration error (octo_worker.cli.EXIT_USAGE): a restart cannot fix it
+    # exit 2 = configuration error (octo_common.runtime.output.EXIT_USAGE): a restart cannot fix it
     assert one(unit, "Service", "RestartPreventExitStatus") == "2"
     assert one(unit, "Service", "KillSignal") == "SIGTERM"
     assert one(unit, "Install", "WantedBy") == "multi-user.target"
