@@ -8,8 +8,9 @@ implementations; :func:`combine_hooks` runs several in order.
 
 ``kind`` is the request's message type as spelled on the wire
 (``dispatch_operation``, ``compensate_operation``, ``reconcile_operation``,
-``invoke``, ...); ``operation_key`` is the operation key a keyed request
-names (also for a compensation), None for other requests.
+``reconcile_compensation``, ``invoke``, ...); ``operation_key`` is the
+operation key a keyed request names (also for a compensation and its
+lookup), None for other requests.
 
 A hook runs on the event loop, inline: it must return quickly, never
 await, never raise, never change what the worker decides, and never see

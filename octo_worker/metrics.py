@@ -33,6 +33,7 @@ from prometheus_client import (
 
 from octo_common.errors import OctoError, SessionReplay
 from octo_worker.hooks import WorkerHooks
+from octo_worker.request_kinds import KEYED_KINDS
 
 __all__ = ["WorkerMetrics"]
 
@@ -59,12 +60,10 @@ class _Children(Generic[_MetricT]):
         return child
 
 
-# Requests whose admission is counted (an effect), and requests whose answer
-# says whether their operation key is resolved.
-_ADMITTED_KINDS: Final = frozenset({"dispatch_operation", "compensate_operation"})
-_KEYED_KINDS: Final = frozenset(
-    {"dispatch_operation", "compensate_operation", "reconcile_operation"}
-)
+# Requests whose admission is counted (the effect kinds), and requests whose
+# answer says whether their operation key is resolved (every keyed kind).
+_ADMITTED_KINDS: Final = frozenset(name for name, kind in KEYED_KINDS.items() if kind.effect)
+_KEYED_KINDS: Final = frozenset(KEYED_KINDS)
 
 
 class WorkerMetrics(WorkerHooks):

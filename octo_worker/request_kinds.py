@@ -8,11 +8,11 @@ kind (``octo_worker.session_answers``):
   W§10.6): authorize, check the adapter's contract, admit into the journal,
   commit the admission, ack, call the adapter once, observe, commit the
   answer with the outbox row, publish;
-* a **lookup** kind (``reconcile_operation``; D11's
-  ``reconcile_compensation`` is one more row of this shape): authorize
-  (the request id only), let the journal check the key's identity, spend
-  the session's shared reconciliation budgets, call the adapter's status
-  lookup, observe, commit the answer, publish, ack.
+* a **lookup** kind (``reconcile_operation``, and D11's
+  ``reconcile_compensation``): authorize (the request id only), let the
+  journal check the key's identity, spend the session's reconciliation
+  budgets (one set of counters shared by both lookup kinds), call the
+  adapter's status lookup, observe, commit the answer, publish, ack.
 
 A duplicate of any keyed kind is answered from the journal (D5) through
 the row's ``lookup``, ``pending``, ``result`` and ``answer``.
@@ -41,11 +41,14 @@ from octo_common.errors import (
 from octo_common.grants import CapabilityGrant
 from octo_common.messages import (
     CompensateOperation,
+    CompensationReconcileResult,
     CompensationResult,
     DispatchOperation,
     OperationCompensationResult,
     OperationReconcileResult,
     OperationResult,
+    ReconcileCompensation,
+    ReconciledCompensation,
     ReconciledOperation,
     ReconcileOperation,
     WorkerMessage,
@@ -54,7 +57,14 @@ from octo_common.states import OperationStatus
 from octo_worker.adapters import AdapterContext, WorkerAdapter
 from octo_worker.journal import Dispatch, Existing, WorkerOperationJournal
 
-__all__ = ["COMPENSATE", "DISPATCH", "KEYED_KINDS", "RECONCILE_OPERATION", "KeyedKind"]
+__all__ = [
+    "COMPENSATE",
+    "DISPATCH",
+    "KEYED_KINDS",
+    "RECONCILE_COMPENSATION",
+    "RECONCILE_OPERATION",
+    "KeyedKind",
+]
 
 # The request, authorization and result structs differ per kind; each row's
 # callables take and return its own (``Any`` here, checked by the rows).
@@ -132,6 +142,21 @@ def _compensation_result(session_id: str, request: Request, status: OperationSta
     return OperationCompensationResult(session_id, request.request_id, request.binding, status)
 
 
+def _compensation_lookup_result(
+    session_id: str, request: Request, status: OperationStatus
+) -> Result:
+    return CompensationReconcileResult(
+        session_id,
+        request.request_id,
+        request.tool,
+        request.operation_key,
+        request.compensation_key,
+        request.tenant_scope,
+        request.grant_fingerprint,
+        status,
+    )
+
+
 def _indeterminate_compensation(
     operation_key: str, compensation_key: str | None, cause: str
 ) -> OctoError:
@@ -141,6 +166,12 @@ def _indeterminate_compensation(
 
 def _validate_reconciliation(journal: WorkerOperationJournal, auth: Authorized) -> None:
     journal.validate_reconciliation(auth)
+
+
+def _validate_compensation_reconciliation(
+    journal: WorkerOperationJournal, auth: Authorized
+) -> None:
+    journal.validate_compensation_reconciliation(auth)
 
 
 DISPATCH: Final = KeyedKind(
@@ -223,12 +254,42 @@ RECONCILE_OPERATION: Final = KeyedKind(
     observed_event="reconciled",
 )
 
+# D11: the mirror of reconcile_operation for a compensation, looked up by its
+# compensation key; the same path, the same shared budgets.
+RECONCILE_COMPENSATION: Final = KeyedKind(
+    message_type="reconcile_compensation",
+    effect=False,
+    request_of=lambda message: message.request,
+    names=_compensation_names,
+    authorize=SessionAuthorizer.authorize_compensation_reconciliation,
+    admit=_validate_compensation_reconciliation,
+    observe=WorkerOperationJournal.observe_compensation_reconciliation,
+    lookup=WorkerOperationJournal.lookup_compensation_reconciliation,
+    pending=lambda request: PendingCompensation(request.operation_key),
+    result=_compensation_lookup_result,
+    validate_result=SessionAuthorizer.validate_compensation_reconciliation_result,
+    answer=ReconciledCompensation,
+    call=lambda adapter, request, grant, context: adapter.reconcile_compensation(
+        request, grant, context
+    ),
+    adapter_method="reconcile_compensation",
+    context=_compensation_context,
+    indeterminate=None,
+    grant_fingerprint=lambda request: request.grant_fingerprint,
+    input_fingerprint=None,
+    existing_event="compensation_reconciliation_existing",
+    admitted_event="compensation_reconciliation_admitted",
+    observed_event="compensation_reconciled",
+)
+
 # By message type; the message classes are listed so a decoded message finds its row.
 KEYED_KINDS: Final[Mapping[str, KeyedKind]] = {
-    kind.message_type: kind for kind in (DISPATCH, COMPENSATE, RECONCILE_OPERATION)
+    kind.message_type: kind
+    for kind in (DISPATCH, COMPENSATE, RECONCILE_OPERATION, RECONCILE_COMPENSATION)
 }
 KEYED_MESSAGES: Final[Mapping[type, KeyedKind]] = {
     DispatchOperation: DISPATCH,
     CompensateOperation: COMPENSATE,
     ReconcileOperation: RECONCILE_OPERATION,
+    ReconcileCompensation: RECONCILE_COMPENSATION,
 }

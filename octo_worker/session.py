@@ -400,8 +400,9 @@ class WorkerSession(SessionAnswers):
         admission (or session-state) commit and before the adapter for
         ``dispatch_operation``/``compensate_operation``/``invoke`` and
         ``close_session``; after the reply's publish confirm for answers from
-        the journal, refusals and ``reconcile_operation``; dead-lettered for
-        frames that do not authenticate. ``store`` must be the same object for
+        the journal, refusals and the lookups (``reconcile_operation``,
+        ``reconcile_compensation``); dead-lettered for frames that do not
+        authenticate. ``store`` must be the same object for
         every session of the scope: key locks are shared per store object.
         """
         run = Handling(delivery=delivery, store=store, log=self._log)

@@ -61,6 +61,7 @@ from octo_common.messages import (
     CompensationResult,
     Invoke,
     OperationResult,
+    ReconciledCompensation,
     ReconciledOperation,
     RequestRejected,
     Result,
@@ -353,10 +354,12 @@ class SessionAnswers:
             run, frame, journal.changeset(), unresolved=status.kind not in TERMINAL_KINDS
         )
 
-    # -- lookup kinds: reconcile_operation (W§10.6; D11 adds a row) -------------------
+    # -- lookup kinds: reconcile_operation (W§10.6), reconcile_compensation (D11) ------
 
     async def _lookup_locked(self, kind: KeyedKind, request: Any, run: Handling) -> Step:
         tool = request.tool
+        if kind.grant_fingerprint is not None:
+            run.log = run.log.bind(grant_fingerprint=kind.grant_fingerprint(request))
         try:
             auth = kind.authorize(self._authorizer, request)
         except OctoError as exc:
@@ -368,7 +371,8 @@ class SessionAnswers:
             kind.admit(journal, auth)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
-        # Session total first, then per tool (W§10.6 reconcile step 3).
+        # Session total first, then per tool (W§10.6 reconcile step 3). Both
+        # lookup kinds spend these same counters (D11).
         if self._reconciliations_total >= self._limits.per_session:
             return await self._refuse_locked(
                 run, ReconciliationSessionBudgetExhausted(self._limits.per_session)
@@ -626,7 +630,10 @@ def reply_unresolved(message: WorkerMessage) -> bool | None:
     """
     if isinstance(message, RequestRejected):
         return _refusal_unresolved(message.code)
-    if isinstance(message, OperationResult | ReconciledOperation | CompensationResult):
+    if isinstance(
+        message,
+        OperationResult | ReconciledOperation | CompensationResult | ReconciledCompensation,
+    ):
         return message.result.status.kind not in TERMINAL_KINDS
     return None
 

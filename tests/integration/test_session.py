@@ -42,6 +42,7 @@ from octo_common.messages import (
     Cancel,
     CloseSession,
     CompensateOperation,
+    CompensationReconcileRequest,
     CompensationResult,
     DispatchOperation,
     Invoke,
@@ -51,6 +52,7 @@ from octo_common.messages import (
     OperationDispatchRequest,
     OperationReconcileRequest,
     OperationResult,
+    ReconcileCompensation,
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
@@ -172,6 +174,8 @@ class ScriptedAdapter(BaseWorkerAdapter):
         default_factory=lambda: Succeeded(ToolPayload.json({"undone": 1}))
     )
     reconcile_outcome: Any = field(default_factory=Running)
+    # D11: what the lookup of a compensation by its key observes.
+    lookup_outcome: Any = field(default_factory=Running)
     invoke_outcome: Any = field(default_factory=lambda: ToolPayload.json({"sum": 3}))
     gate: asyncio.Event | None = None
     calls: list[str] = field(default_factory=list)
@@ -206,6 +210,11 @@ class ScriptedAdapter(BaseWorkerAdapter):
 
     async def reconcile_operation(self, request: Any, grant: Any, context: AdapterContext) -> Any:
         return await self._outcome("reconcile", self.reconcile_outcome, context)
+
+    async def reconcile_compensation(
+        self, request: Any, grant: Any, context: AdapterContext
+    ) -> Any:
+        return await self._outcome("lookup", self.lookup_outcome, context)
 
 
 class ConfigurableRegistry(WorkerAdapterRegistry):
@@ -322,6 +331,27 @@ class World:
         )
         return CompensateOperation(
             OperationCompensationRequest(SESSION, self.next_id("compensate"), binding, payload)
+        )
+
+    def reconcile_compensation(
+        self,
+        key: str,
+        compensation_key: str,
+        grant: CapabilityGrant,
+        *,
+        tenant: str = SCOPE,
+        tool: str = PUBLISH,
+    ) -> ReconcileCompensation:
+        return ReconcileCompensation(
+            CompensationReconcileRequest(
+                SESSION,
+                self.next_id("lookup"),
+                tool,
+                key,
+                compensation_key,
+                tenant,
+                grant.compensation_fingerprint(),
+            )
         )
 
     def invoke(self, payload: ToolPayload, *, tool: str = SCRIPTED) -> Invoke:
@@ -623,16 +653,20 @@ async def test_every_adapter_call_gets_its_scope_session_key_and_deadline(tmp_pa
         await w.send(w.reconcile("op-d", tool=SCRIPTED))
         undo = ToolPayload.json({"undo": 1})
         await w.send(w.compensate("op-d", "cmp-d", undo, grant, tool=SCRIPTED))
+        await w.send(w.reconcile_compensation("op-d", "cmp-d", grant, tool=SCRIPTED))
         finished = loop.time()
 
-        assert w.scripted.calls == ["invoke", "dispatch", "reconcile", "compensate"]
-        invoke, dispatch, reconcile, compensate = w.scripted.contexts
+        assert w.scripted.calls == ["invoke", "dispatch", "reconcile", "compensate", "lookup"]
+        invoke, dispatch, reconcile, compensate, lookup = w.scripted.contexts
         assert invoke == AdapterContext.for_invoke(SCOPE, SESSION, "invoke-1", invoke.deadline)
         assert dispatch == AdapterContext.for_operation(SCOPE, SESSION, "op-d", dispatch.deadline)
         assert reconcile.idempotency_key == dispatch.idempotency_key
         assert compensate == AdapterContext.for_compensation(
             SCOPE, SESSION, "cmp-d", compensate.deadline
         )
+        # D11: the lookup of the compensation names it by the compensation's key.
+        assert lookup.idempotency_key == compensate.idempotency_key
+        assert (lookup.scope, lookup.session_id) == (SCOPE, SESSION)
         for context in w.scripted.contexts:
             assert started + deadline <= context.deadline <= finished + deadline
     finally:

@@ -125,6 +125,16 @@ def test_a_reply_resolves_or_keeps_its_key_pending() -> None:
     assert pending_age(m, "s1") == 0.0
 
 
+def test_a_compensation_lookup_resolves_or_keeps_its_key_pending() -> None:
+    # D11: a compensation admitted and cut by a crash is found by its lookup.
+    m = WorkerMetrics()
+    m.after_ack("s1", "compensate_operation", "op-1")
+    m.after_reply("s1", "reconcile_compensation", "op-1", True, True, False)  # pending
+    assert "op-1" in m._pending_since["s1"]
+    m.after_reply("s1", "reconcile_compensation", "op-1", False, False, False)  # terminal
+    assert "s1" not in m._pending_since
+
+
 def test_commit_failures_count_by_code_except_a_replayed_open() -> None:
     m = WorkerMetrics()
     m.on_commit_failed("s1", StorageBackendError("disk"))

@@ -10,11 +10,13 @@ import pytest
 
 from octo_common.errors import AdapterIndeterminate
 from octo_common.messages import (
+    CompensationReconcileResult,
     CompensationResult,
     OperationCompensationBinding,
     OperationCompensationResult,
     OperationReconcileResult,
     OperationResult,
+    ReconciledCompensation,
     ReconciledOperation,
     RequestRejected,
 )
@@ -199,6 +201,13 @@ def test_a_terminal_status_resolves_and_running_leaves_the_key_unresolved() -> N
         OperationCompensationResult("session-1", "c-1", binding, Succeeded(payload))
     )
     assert reply_unresolved(compensated) is False
+    for status, unresolved in ((Succeeded(payload), False), (Running(), True)):
+        looked_up = ReconciledCompensation(
+            CompensationReconcileResult(
+                "session-1", "l-1", "t", "op-1", "cmp-1", "tenant-a", "ab" * 32, status
+            )
+        )
+        assert reply_unresolved(looked_up) is unresolved
 
 
 def test_a_pending_refusal_marks_the_key_unresolved_and_other_refusals_say_nothing() -> None:

@@ -13,6 +13,8 @@ from octo_common.errors import (
 )
 from octo_common.messages import (
     CompensateOperation,
+    CompensationReconcileRequest,
+    CompensationReconcileResult,
     CompensationResult,
     DispatchOperation,
     OperationCompensationBinding,
@@ -22,13 +24,22 @@ from octo_common.messages import (
     OperationReconcileRequest,
     OperationReconcileResult,
     OperationResult,
+    ReconcileCompensation,
+    ReconciledCompensation,
     ReconciledOperation,
     ReconcileOperation,
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Running, Succeeded
 from octo_worker.adapters import AdapterContext
-from octo_worker.request_kinds import COMPENSATE, DISPATCH, RECONCILE_OPERATION, KeyedKind
+from octo_worker.request_kinds import (
+    COMPENSATE,
+    DISPATCH,
+    KEYED_KINDS,
+    RECONCILE_COMPENSATION,
+    RECONCILE_OPERATION,
+    KeyedKind,
+)
 
 SESSION = "session-1"
 SCOPE = "tenant-a"
@@ -36,6 +47,9 @@ BINDING = OperationCompensationBinding("t.op", "op-1", "cmp-1", SCOPE, "ab" * 32
 DISPATCH_REQUEST = OperationDispatchRequest(SESSION, "d-1", "t.op", "op-1", ToolPayload.text("x"))
 COMPENSATE_REQUEST = OperationCompensationRequest(SESSION, "c-1", BINDING, ToolPayload.text("y"))
 RECONCILE_REQUEST = OperationReconcileRequest(SESSION, "r-1", "t.op", "op-1")
+LOOKUP_REQUEST = CompensationReconcileRequest(
+    SESSION, "l-1", "t.op", "op-1", "cmp-1", SCOPE, "ab" * 32
+)
 
 
 def same(error: OctoError, expected: OctoError) -> bool:
@@ -47,6 +61,7 @@ ROWS = [
     (DISPATCH, DispatchOperation(DISPATCH_REQUEST), ("d-1", "op-1", None)),
     (COMPENSATE, CompensateOperation(COMPENSATE_REQUEST), ("c-1", "op-1", "cmp-1")),
     (RECONCILE_OPERATION, ReconcileOperation(RECONCILE_REQUEST), ("r-1", "op-1", None)),
+    (RECONCILE_COMPENSATION, ReconcileCompensation(LOOKUP_REQUEST), ("l-1", "op-1", "cmp-1")),
 ]
 
 
@@ -97,6 +112,30 @@ def test_reconcile_is_a_lookup_answering_reconciled_operation() -> None:
     assert RECONCILE_OPERATION.adapter_method == "reconcile_operation"
 
 
+def test_reconcile_compensation_is_a_lookup_answering_reconciled_compensation() -> None:
+    # D11: the mirror of reconcile_operation, by compensation key.
+    status = Succeeded(ToolPayload.text("undone"))
+    result = RECONCILE_COMPENSATION.result(SESSION, LOOKUP_REQUEST, status)
+    assert result == CompensationReconcileResult(
+        SESSION, "l-1", "t.op", "op-1", "cmp-1", SCOPE, "ab" * 32, status
+    )
+    assert result.matches_request(LOOKUP_REQUEST)
+    assert RECONCILE_COMPENSATION.answer(result) == ReconciledCompensation(result)
+    assert same(RECONCILE_COMPENSATION.pending(LOOKUP_REQUEST), PendingCompensation("op-1"))
+    assert not RECONCILE_COMPENSATION.effect and RECONCILE_COMPENSATION.indeterminate is None
+    assert RECONCILE_COMPENSATION.adapter_method == "reconcile_compensation"
+    assert RECONCILE_COMPENSATION.grant_fingerprint is not None
+    assert RECONCILE_COMPENSATION.grant_fingerprint(LOOKUP_REQUEST) == "ab" * 32
+    assert KEYED_KINDS["reconcile_compensation"] is RECONCILE_COMPENSATION
+
+
+def test_the_two_lookup_kinds_share_one_path() -> None:
+    # Both are lookups (no admission, no ack before the adapter, no
+    # indeterminate answer): the session spends one set of budgets for both.
+    lookups = [kind for kind in KEYED_KINDS.values() if not kind.effect]
+    assert lookups == [RECONCILE_OPERATION, RECONCILE_COMPENSATION]
+
+
 def test_contexts_name_the_key_each_kind_is_idempotent_by() -> None:
     deadline = 12.5
     assert DISPATCH.context(SCOPE, SESSION, DISPATCH_REQUEST, deadline) == (
@@ -106,5 +145,8 @@ def test_contexts_name_the_key_each_kind_is_idempotent_by() -> None:
         AdapterContext.for_operation(SCOPE, SESSION, "op-1", deadline)
     )
     assert COMPENSATE.context(SCOPE, SESSION, COMPENSATE_REQUEST, deadline) == (
+        AdapterContext.for_compensation(SCOPE, SESSION, "cmp-1", deadline)
+    )
+    assert RECONCILE_COMPENSATION.context(SCOPE, SESSION, LOOKUP_REQUEST, deadline) == (
         AdapterContext.for_compensation(SCOPE, SESSION, "cmp-1", deadline)
     )

@@ -85,11 +85,10 @@ OPEN_NEW = {
     "dispatch_operation": Answer.REQUEST,
     "compensate_operation": Answer.REQUEST,
     "reconcile_operation": Answer.REQUEST,
+    "reconcile_compensation": Answer.REQUEST,
     "close_session": Answer.CLOSE,
     "cancel": Answer.REFUSE_UNSUPPORTED,
     "open_session": Answer.REPLAY,
-    # Not handled by the worker yet (D11): a host may not send it to this worker.
-    "reconcile_compensation": Answer.UNEXPECTED,
     "result": Answer.UNEXPECTED,
     "operation_result": Answer.UNEXPECTED,
     "compensation_result": Answer.UNEXPECTED,
@@ -103,6 +102,7 @@ OPEN_DUPLICATE = {
     "dispatch_operation": Answer.FROM_JOURNAL,
     "compensate_operation": Answer.FROM_JOURNAL,
     "reconcile_operation": Answer.FROM_JOURNAL,
+    "reconcile_compensation": Answer.FROM_JOURNAL,
 }
 
 POISONED = {
@@ -110,6 +110,7 @@ POISONED = {
     "dispatch_operation": Answer.REFUSE_POISONED,
     "compensate_operation": Answer.REFUSE_POISONED,
     "reconcile_operation": Answer.REFUSE_POISONED,
+    "reconcile_compensation": Answer.REFUSE_POISONED,
     "cancel": Answer.REFUSE_POISONED,
     "close_session": Answer.CLOSE,
 }
