@@ -83,7 +83,7 @@ class HostClient:
         self._log = log
         self._broker = HostBroker(url, host_id, self._settings, log)
         self._sessions = SessionRegistry(scope_keys, self._broker, self._settings, log)
-        self._runs = RunCache(store, self.engine, self._settings, self._sessions.awaited_runs, log)
+        self._runs = RunCache(store, self.engine, self._settings, log)
         self._replies = ReplyRouter(self.engine, self._sessions, self._runs, self._broker, log)
         self._verbs = HostVerbs(
             self.engine, self._sessions, self._runs, self._broker, self._settings, log

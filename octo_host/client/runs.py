@@ -4,20 +4,25 @@ This module owns :class:`HostRun` (one workflow run's ledger in the store,
 record key ``("workflow-ledger", run)``, with the keys it recorded and never
 sent) and :class:`RunCache`: load or create a run's ledger for a plan and
 validate it against the rollback watermark (the highest revision this client
-stored for the run), keep a bounded number of runs loaded, write a ledger
-with compare-and-swap before anything acts on it, adopt the stored ledger
-after a conflict, and bind each operation key to the scope of its first
-dispatch (``("workflow-routes", run)``).
+saw for the run), keep a bounded number of runs loaded (least recently used
+out, runs in use set aside), write a ledger with compare-and-swap before
+anything acts on it, adopt the stored ledger after a conflict, and bind
+each operation key to the scope of its first dispatch
+(``("workflow-routes", run)``).
 
 It must never adopt a ledger that does not validate for its plan and
 watermark, let a run's stored revision fall behind the database (a write
 runs to the end even when its caller is cancelled), change a key's bound
-scope, or drop a run that holds keys it recorded and never sent.
+scope, drop a run that holds keys it recorded and never sent, or cost more
+per load than the runs it drops (no copy of the cache, no scan of every
+run or waiter).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
@@ -94,6 +99,20 @@ def routes_record_key(run: str) -> StorageRecordKey:
     return StorageRecordKey(ROUTES_NAMESPACE, run)
 
 
+class _RunLock(asyncio.Lock):
+    """A run's lock; ``on_release`` (set by the run cache while it has set the run
+    aside as in use) is called after every release."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        super().release()
+        if self.on_release is not None:
+            self.on_release()
+
+
 class HostRun:
     """One workflow run's durable ledger (``("workflow-ledger", name)``).
 
@@ -115,7 +134,10 @@ class HostRun:
         self._ledger = ledger
         self._stored_revision = stored_revision
         self._durable_ledger_revision = ledger.revision
-        self._lock = asyncio.Lock()
+        self._lock = _RunLock()
+        # Waiters a caller awaits for a request of this run (kept by the
+        # sessions' waiter tables): while any is, the run stays cached.
+        self._awaited = 0
         # Keys this object recorded and sent no dispatch for (changed under the
         # lock): the only keys a dispatch_operation may go to directly. A key
         # read from the store, whatever its state, may have been sent before
@@ -128,6 +150,16 @@ class HostRun:
         # ("workflow-routes", name): loaded on the first dispatch (None until then).
         self._routes: dict[str, str] | None = None
         self._routes_revision: int | None = None
+
+    def _in_use(self) -> bool:
+        """Its lock held, a reply awaited by a caller, or keys recorded and never sent."""
+        return self._awaited > 0 or bool(self._unsent) or self._lock.locked()
+
+    def _release_pin(self) -> None:
+        """A waiter a caller awaited no longer is (answered, given up on, removed)."""
+        self._awaited -= 1
+        if self._awaited == 0 and self._lock.on_release is not None:
+            self._lock.on_release()
 
     @property
     def ledger(self) -> WorkflowOperationLedger:
@@ -152,24 +184,52 @@ class HostRun:
 
 
 class RunCache:
-    """The runs one client has loaded, least recently loaded first, and their writes."""
+    """The runs one client has loaded and their writes.
+
+    Bounded by ``max_cached_runs`` (see :meth:`_evict`): the runs that may be
+    dropped are kept in least-recently-used order, and a run found in use
+    when its turn comes is set aside until its last pin goes, so a miss over
+    the bound costs O(1) amortised.
+
+    **Watermarks.** The watermark of a run is the highest ledger revision
+    this client saw for it (loaded, written or adopted); a load never
+    accepts a ledger below it, so a store rolled back under a running client
+    is refused rather than believed (H§17.10). It is kept for every run in
+    the cache and, once a run is dropped, for the ``max_cached_runs`` runs
+    dropped last; beyond that it is forgotten, so the client holds at most
+    ``2 * max_cached_runs`` of them (plus the runs in use) however many runs
+    it ever loaded. A run whose watermark is forgotten is still covered by
+    the store's own rollback protection: the SQLite ledger's sealed store
+    head is checked by every load (a database restored whole is refused
+    while this process runs, anchor or not), and with its anchor file the
+    last ``RECENT_RECORDS`` records the backend loaded or wrote are checked
+    one by one and every record at the next open (a record put back alone
+    is found there). The PostgreSQL backend has no anchor (D13): a run
+    dropped longer ago than the watermarks reach is protected only by the
+    store's floor rule and the record's authentication.
+    """
 
     def __init__(
         self,
         store: AuthenticatedStore,
         engine: WorkflowEngine,
         settings: ClientSettings,
-        awaited_runs: Callable[[], set[int]],
         log: FilteringBoundLogger,
     ) -> None:
         self.store = store
         self._engine = engine
         self._settings = settings
-        self._awaited_runs = awaited_runs
         self._log = log
         self.loaded: dict[str, HostRun] = {}
-        """Runs loaded, least recently loaded first; bounded (see ``_evict``)."""
+        """Every run held, least recently loaded first (bounded, see ``_evict``)."""
+        self._lru: OrderedDict[str, HostRun] = OrderedDict()
+        """The runs of ``loaded`` not set aside as in use, least recently used first."""
         self._watermarks: dict[str, int] = {}
+        """Run name -> watermark, for every run of ``loaded``."""
+        self._dropped_watermarks: OrderedDict[str, int] = OrderedDict()
+        """Run name -> watermark of runs dropped, the last ``max_cached_runs`` of them."""
+        self.examined = 0
+        """Runs looked at by ``_evict`` (a count the tests read: O(1) per miss)."""
 
     async def load(self, name: str, plan: WorkflowPlan, *, minimum_revision: int = 0) -> HostRun:
         """Load (or create at revision 0) the ledger of run ``name`` for ``plan``.
@@ -185,6 +245,8 @@ class RunCache:
         ):
             del self.loaded[name]
             self.loaded[name] = cached  # most recently used
+            if name in self._lru:
+                self._lru.move_to_end(name)
             return cached
         key = ledger_record_key(name)
         record = await self.store.load(key)
@@ -193,44 +255,89 @@ class RunCache:
             record = await self.store.create(key, ledger.to_json().encode("utf-8"))
         else:
             ledger = WorkflowOperationLedger.from_json(record.payload)
-        watermark = max(self._watermarks.get(name, 0), minimum_revision)
+        watermark = max(self.watermark(name), minimum_revision)
         self._engine.validate_operation_ledger_at_or_after(plan, ledger, watermark)
-        self._watermarks[name] = ledger.revision
         run = HostRun(name, plan, ledger, record.revision)
         replaced = self.loaded.pop(name, None)
         if replaced is not None:
             # Two objects for one run: neither may dispatch a key without reconciling.
+            self._lru.pop(name, None)
+            replaced._lock.on_release = None
             replaced._unsent.clear()
             replaced._detached = True
+        self._dropped_watermarks.pop(name, None)
+        self._watermarks[name] = max(self._watermarks.get(name, 0), ledger.revision)
         self.loaded[name] = run
-        self._evict()
+        self._lru[name] = run
+        self._evict(run)
         self._log.info("run_loaded", run=name, revision=ledger.revision, plan=plan.fingerprint)
         return run
 
-    def _evict(self) -> None:
+    def watermark(self, name: str) -> int:
+        """The highest ledger revision this client saw for run ``name`` (0 if forgotten)."""
+        found = self._watermarks.get(name)
+        if found is None:
+            found = self._dropped_watermarks.get(name, 0)
+        return found
+
+    def _raise_watermark(self, name: str, revision: int) -> None:
+        if name in self.loaded:
+            if revision > self._watermarks.get(name, 0):
+                self._watermarks[name] = revision
+            return
+        # A detached object written after its run was dropped (or replaced and dropped).
+        dropped = self._dropped_watermarks
+        if revision > dropped.get(name, 0):
+            dropped[name] = revision
+            dropped.move_to_end(name)
+            self._trim_dropped_watermarks()
+
+    def _trim_dropped_watermarks(self) -> None:
+        dropped = self._dropped_watermarks
+        while len(dropped) > self._settings.max_cached_runs:
+            dropped.popitem(last=False)
+
+    def _evict(self, newest: HostRun) -> None:
         """Keep at most ``max_cached_runs`` runs loaded, dropping the least recently used.
 
         A long-lived client otherwise keeps the ledger of every run it ever
-        loaded. Kept whatever the bound: the run just loaded, a run in use (its
-        lock held, or a reply to a request of it awaited by a caller), and a
-        run holding keys it recorded and never sent (a second
+        loaded. Kept whatever the bound: the run just loaded (``newest``), a
+        run in use (its lock held, or a reply to a request of it awaited by a
+        caller), and a run holding keys it recorded and never sent (a second
         object for the run could not tell them from sent ones). A dropped
         object is detached: if a caller still holds it, it reconciles every key
-        before dispatching any, like the object loaded for the run next.
+        before dispatching any, like the object loaded for the run next. Its
+        watermark moves to the dropped runs' (see the class docstring).
+
+        A run found in use is taken out of the order and set aside (its lock
+        calls :meth:`_set_back` when a pin goes), so each run is looked at
+        once per time it is set aside or dropped: O(1) amortised per miss.
         """
         excess = len(self.loaded) - self._settings.max_cached_runs
-        if excess <= 0:
-            return
-        waited = self._awaited_runs()
-        newest = next(reversed(self.loaded))
-        for name, run in list(self.loaded.items()):
-            if name == newest or run._lock.locked() or run._unsent or id(run) in waited:
+        lru = self._lru
+        while excess > 0 and lru:
+            name, run = lru.popitem(last=False)
+            self.examined += 1
+            if run is newest:  # every other run is set aside: keep it, stop
+                lru[name] = run
+                return
+            if run._in_use():
+                run._lock.on_release = functools.partial(self._set_back, name)
                 continue
             del self.loaded[name]
             run._detached = True
+            self._dropped_watermarks[name] = self._watermarks.pop(name, 0)
+            self._dropped_watermarks.move_to_end(name)
             excess -= 1
-            if excess <= 0:
-                return
+        self._trim_dropped_watermarks()
+
+    def _set_back(self, name: str) -> None:
+        """A pin of a run set aside went: once it is not in use, it may be dropped again."""
+        run = self.loaded.get(name)
+        if run is None or run._lock.on_release is None or run._in_use():
+            return
+        run._lock.on_release = None
+        self._lru[name] = run  # most recently used: it just was
 
     async def persist_locked(
         self,
@@ -306,7 +413,7 @@ class RunCache:
         run._stored_revision = record.revision
         run._ledger = candidate
         run._durable_ledger_revision = candidate.revision
-        self._watermarks[run.name] = candidate.revision
+        self._raise_watermark(run.name, candidate.revision)
         self._log.debug("ledger_persisted", run=run.name, revision=candidate.revision)
 
     async def _resync(self, run: HostRun) -> None:
@@ -316,7 +423,7 @@ class RunCache:
             if record is None or record.revision == run._stored_revision:
                 return
             ledger = WorkflowOperationLedger.from_json(record.payload)
-            watermark = self._watermarks.get(run.name, 0)
+            watermark = self.watermark(run.name)
             self._engine.validate_operation_ledger_at_or_after(run.plan, ledger, watermark)
         except OctoError as exc:
             self._log.error("ledger_resync_failed", run=run.name, error=exc.code)
@@ -325,7 +432,7 @@ class RunCache:
         run._ledger = ledger
         run._durable_ledger_revision = ledger.revision
         run._unsent.clear()  # the other writer may have sent any key
-        self._watermarks[run.name] = ledger.revision
+        self._raise_watermark(run.name, ledger.revision)
         self._log.warning("ledger_resynced", run=run.name, revision=ledger.revision)
 
     def current(self, run: HostRun) -> HostRun:

@@ -2,15 +2,20 @@
 
 This module owns :class:`HostSession` (a fresh session id, a fresh 32-byte
 key nonce, the derived key and a HOST authenticator per ``open_session``),
-the waiter of each request sent and not yet answered, and
-:class:`SessionRegistry`: open, close, replace (one fresh session for every
-verb that saw the same failure) and retire sessions, register a request and
-await its reply; a retired session's unanswered requests are kept (bounded)
-for their late replies.
+the waiter of each request sent and not yet answered (:class:`Waiter`, in
+its session's :class:`WaiterTable`), and :class:`SessionRegistry`: open,
+close, replace (one fresh session for every verb that saw the same failure)
+and retire sessions, register a request and await its reply; a retired
+session's unanswered requests are kept (bounded) for their late replies.
+
+A waiter a caller awaits pins its run in the client's run cache: the count
+is kept on the run as waiters are registered, given up on and removed, so
+no part ever scans the sessions' waiters to learn which runs are awaited.
 
 It must never persist or reuse a session, replace a session newer than the
 one that failed, drop a waiter a caller still awaits while one given up on
-remains, or log keys, nonces or frames.
+remains, cost more per request than the request's own waiter (no loop over
+every session or waiter), or log keys, nonces or frames.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Mapping
+from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, ValuesView
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -45,6 +50,7 @@ __all__ = [
     "RetiredRequest",
     "SessionRegistry",
     "Waiter",
+    "WaiterTable",
 ]
 
 # Waiters kept per session for late replies (their requests timed out, or the
@@ -81,27 +87,147 @@ class ReplyCut(OctoError):
     request_id: str
 
 
-@dataclass(eq=False)
 class Waiter:
     """A request waiting for its reply (routed by correlation id = request id).
 
     ``kind`` is None for a frame sent with :meth:`HostClient.send`: its reply
-    is handed over as it is, not applied to a ledger.
+    is handed over as it is, not applied to a ledger. While it sits in its
+    session's :class:`WaiterTable` and is not given up on (``abandoned``), a
+    caller awaits it and it pins ``run`` in the run cache. ``abandoned``
+    only ever goes from False to True.
     """
 
-    kind: RequestKind | None
-    request: Any
-    run: HostRun | None
-    future: asyncio.Future[Any]
-    abandoned: bool = False
+    __slots__ = (
+        "_abandoned",
+        "_pinning",
+        "_request_id",
+        "_table",
+        "future",
+        "kind",
+        "request",
+        "run",
+    )
+
+    def __init__(
+        self,
+        kind: RequestKind | None,
+        request: Any,
+        run: HostRun | None,
+        future: asyncio.Future[Any],
+        abandoned: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.request = request
+        self.run = run
+        self.future = future
+        self._abandoned = abandoned
+        self._pinning = False  # counted in run._awaited
+        self._table: WaiterTable | None = None
+        self._request_id = ""
+
+    @property
+    def abandoned(self) -> bool:
+        """Given up on (timed out, cancelled, kept for a late reply): no caller awaits it."""
+        return self._abandoned
+
+    @abandoned.setter
+    def abandoned(self, value: bool) -> None:
+        if not value:
+            if self._abandoned:
+                raise ValueError("a waiter given up on stays given up on")
+            return
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if self._table is not None:
+            self._table._given_up[self._request_id] = None
+        self._unpin()
 
     def resolve(self, value: Any) -> None:
-        if not self.abandoned and not self.future.done():
+        if not self._abandoned and not self.future.done():
             self.future.set_result(value)
 
     def fail(self, error: BaseException) -> None:
-        if not self.abandoned and not self.future.done():
+        if not self._abandoned and not self.future.done():
             self.future.set_exception(error)
+
+    def _unpin(self) -> None:
+        if self._pinning:
+            self._pinning = False
+            assert self.run is not None
+            self.run._release_pin()
+
+    def __repr__(self) -> str:
+        return f"Waiter(kind={self.kind!r}, abandoned={self._abandoned})"
+
+
+class WaiterTable(MutableMapping[str, Waiter]):
+    """One session's waiters by request id, oldest first.
+
+    Adding a waiter a caller awaits pins its run (``HostRun._awaited``);
+    removing it or giving it up unpins it. The request ids of the waiters
+    given up on are kept in the order they were given up, so the one to
+    drop from a full session is found without a scan.
+    """
+
+    __slots__ = ("_given_up", "_items")
+
+    def __init__(self) -> None:
+        self._items: dict[str, Waiter] = {}
+        self._given_up: dict[str, None] = {}
+
+    def __getitem__(self, request_id: str) -> Waiter:
+        return self._items[request_id]
+
+    def __setitem__(self, request_id: str, waiter: Waiter) -> None:
+        if waiter._table is not None:
+            raise ValueError("a waiter belongs to one session's table")
+        if request_id in self._items:
+            del self[request_id]
+        self._items[request_id] = waiter
+        waiter._table = self
+        waiter._request_id = request_id
+        if waiter._abandoned:
+            self._given_up[request_id] = None
+        elif waiter.run is not None:
+            waiter.run._awaited += 1
+            waiter._pinning = True
+
+    def __delitem__(self, request_id: str) -> None:
+        waiter = self._items.pop(request_id)
+        self._given_up.pop(request_id, None)
+        waiter._table = None
+        waiter._unpin()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._items
+
+    def get(self, request_id: str, default: Any = None) -> Any:
+        return self._items.get(request_id, default)
+
+    def values(self) -> ValuesView[Waiter]:
+        return self._items.values()
+
+    def items(self) -> ItemsView[str, Waiter]:
+        return self._items.items()
+
+    @property
+    def awaited(self) -> int:
+        """How many of these waiters a caller still awaits."""
+        return len(self._items) - len(self._given_up)
+
+    def first_given_up(self) -> str | None:
+        """The request id of the waiter given up on first, None if none is."""
+        return next(iter(self._given_up), None)
+
+    def oldest(self) -> str:
+        return next(iter(self._items))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +266,7 @@ class HostSession:
         self.closed = False
         self.closed_at: float | None = None  # loop time of the close
         self.replaced_by: HostSession | None = None
-        self._waiters: dict[str, Waiter] = {}
+        self._waiters = WaiterTable()
         # Request ids this session sent (the newest _MAX_SENT_REMEMBERED, in
         # order): an authentic reply to one whose waiter is gone is a late or
         # repeated answer (W§10.7), dropped; one to any other id is unexpected.
@@ -151,11 +277,19 @@ class HostSession:
         return self.authenticator.session_id
 
     def current(self) -> HostSession:
-        """This session, or the newest session that replaced it."""
+        """This session, or the newest session that replaced it.
+
+        The chain is shortened as it is walked (each session passed points
+        to the newest one): a handle kept across many replacements costs one
+        step, and does not keep every session between alive.
+        """
+        newest = self
+        while newest.replaced_by is not None:
+            newest = newest.replaced_by
         session = self
-        while session.replaced_by is not None:
-            session = session.replaced_by
-        return session
+        while session.replaced_by is not None and session.replaced_by is not newest:
+            session.replaced_by, session = newest, session.replaced_by
+        return newest
 
     def __repr__(self) -> str:
         return (
@@ -184,6 +318,8 @@ class SessionRegistry:
         """Session id -> authenticator of closed sessions let go of (see ``retire_closed``)."""
         self.retired_requests: dict[tuple[str, str], RetiredRequest] = {}
         """(session id, request id) -> a retired session's request still unanswered."""
+        self._closing: dict[str, HostSession] = {}
+        """The closed sessions of ``by_id``, in the order they were closed."""
         self._replace_lock = asyncio.Lock()
 
     def has_key(self, scope: str) -> bool:
@@ -214,8 +350,7 @@ class SessionRegistry:
             # so close_idle() sends nothing for it and it is let go of like any
             # closed session. (After a timeout or a lost channel the worker may
             # have it: the session stays, and close_idle() closes it at the worker.)
-            session.closed = True
-            session.closed_at = asyncio.get_running_loop().time()
+            self._mark_closed(session)
             raise
         self._log.info("session_opened", scope=scope, session_id=session_id)
         return session
@@ -261,15 +396,26 @@ class SessionRegistry:
         over all sessions): its late reply is applied to the ledger like a
         live one. A long-lived client otherwise keeps every session it ever
         opened.
+
+        Only the sessions closed for longer than that are looked at (the
+        oldest closes first): the cost is the sessions let go of plus those
+        a caller still waits on, never every session held.
         """
         now = asyncio.get_running_loop().time()
         settings = self._settings
         grace = settings.max_attempts * (settings.reply_timeout + settings.backoff_max)
-        for session_id, session in list(self.by_id.items()):
+        due: list[HostSession] = []
+        for session in self._closing.values():
             closed_at = session.closed_at
-            if closed_at is None or now - closed_at < grace:
+            if closed_at is not None and now - closed_at < grace:
+                break
+            if session._waiters.awaited:
                 continue
-            if any(not waiter.abandoned for waiter in session._waiters.values()):
+            due.append(session)
+        for session in due:
+            session_id = session.session_id
+            del self._closing[session_id]
+            if self.by_id.get(session_id) is not session:
                 continue
             del self.by_id[session_id]
             self.retired[session_id] = session.authenticator
@@ -294,10 +440,15 @@ class SessionRegistry:
         if session.closed:
             return
         frame = session.authenticator.seal(CloseSession(session.session_id))
-        session.closed = True
-        session.closed_at = asyncio.get_running_loop().time()
+        self._mark_closed(session)
         await self._broker.publish(session, frame, None, kind="close_session")
         self._log.info("session_closed", scope=session.scope, session_id=session.session_id)
+
+    def _mark_closed(self, session: HostSession) -> None:
+        session.closed = True
+        session.closed_at = asyncio.get_running_loop().time()
+        if self.by_id.get(session.session_id) is session:
+            self._closing[session.session_id] = session
 
     async def close_idle(self) -> None:
         """Close, at the worker, every open session no caller awaits a reply on.
@@ -312,7 +463,7 @@ class SessionRegistry:
         idle = [
             session
             for session in self.by_id.values()
-            if not session.closed and all(w.abandoned for w in session._waiters.values())
+            if not session.closed and not session._waiters.awaited
         ]
         if not idle or not self._broker.can_publish:
             return
@@ -343,9 +494,9 @@ class SessionRegistry:
             raise BrokerUnavailable(f"no replies: {lost}")
         waiters = session._waiters
         if len(waiters) >= _MAX_WAITERS_PER_SESSION:
-            # The oldest one given up on goes first; a caller still waiting
+            # The first one given up on goes first; a caller still waiting
             # loses its waiter only when every one has a caller.
-            oldest = next((rid for rid, w in waiters.items() if w.abandoned), next(iter(waiters)))
+            oldest = waiters.first_given_up() or waiters.oldest()
             waiters.pop(oldest).abandoned = True
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # A waiter given up on (timeout, cancelled verb) may still be failed by a
@@ -409,20 +560,6 @@ class SessionRegistry:
                 waiter.abandoned = True
             else:
                 waiter.fail(BrokerUnavailable(f"no replies: {reason}"))
-
-    def awaited_runs(self) -> set[int]:
-        """The ids of the runs a caller awaits a reply for.
-
-        A waiter given up on (timed out, cancelled, or kept after a pending_*
-        refusal) does not count: no reply may ever come for it, and the
-        worker's journal keeps what it would say.
-        """
-        return {
-            id(waiter.run)
-            for session in self.by_id.values()
-            for waiter in session._waiters.values()
-            if waiter.run is not None and not waiter.abandoned
-        }
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
