@@ -225,3 +225,52 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     # A check of the checker.
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
+
+
+# Inside the worker --------------------------------------------------------------------------
+
+# What a session and its rules are built from: the storage interface and documents, never a
+# backend (ARCHITECTURE.md "Scaling out": a second backend is added without touching them).
+WORKER_BACKEND_FREE = (
+    "octo_worker.session",
+    "octo_worker.session_answers",
+    "octo_worker.session_commits",
+    "octo_worker.session_rules",
+    "octo_worker.handling",
+    "octo_worker.request_kinds",
+    "octo_worker.hooks",
+    "octo_worker.storage.interface",
+    "octo_worker.storage.documents",
+)
+WORKER_BACKENDS = (
+    "octo_worker.store",
+    "octo_worker.storage.sqlite",
+    "octo_worker.storage.sqlite_reader",
+    "octo_worker.storage.sqlite_writer",
+    "octo_worker.storage.sqlite_rows",
+    "octo_common.runtime.sqlite",
+)
+
+
+@pytest.mark.parametrize("name", WORKER_BACKEND_FREE)
+def test_the_session_and_its_rules_import_no_storage_backend(name: str) -> None:
+    known = {module_name(path): path for path in modules("octo_worker")}
+    bad = sorted(
+        {
+            imported_name
+            for imported_name in imported(known[name])
+            if top(imported_name) == "sqlite3"
+            or any(within(imported_name, backend) for backend in WORKER_BACKENDS)
+        }
+    )
+    assert bad == [], f"{name} imports {bad}"
+
+
+def test_the_worker_modules_import_each_other_without_a_cycle() -> None:
+    known = {module_name(path): path for path in modules("octo_worker")}
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        targets = {host_module_of(imported_name, known) for imported_name in imported(path)}
+        graph[name] = {target for target in targets if target is not None and target != name}
+    assert graph["octo_worker.session"] >= {"octo_worker.session_answers"}
+    assert cycles(graph) == []
