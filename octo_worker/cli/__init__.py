@@ -13,8 +13,8 @@ unusable.
 
 One module per verb group: ``run`` (run, check), ``topology`` (declare,
 show), ``journal`` (list, show, verify, prune, reseal, init-anchor),
-``adapters`` (list), ``dlq`` (list, show, drop) and the console's own
-``octo_worker.console.verb``; beside them ``common`` (configuration, the
+``adapters`` (list), ``dlq`` (list, show, drop) and ``console`` (the web
+console, served by ``octo_worker.console``); beside them ``common`` (configuration, the
 broker, the journal store, argument types) and ``main`` (the parser and the
 entry point).
 

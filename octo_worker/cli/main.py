@@ -21,6 +21,7 @@ from octo_common.runtime.output import (
 )
 from octo_worker.cli.adapters import register as add_adapters_verbs
 from octo_worker.cli.common import DEFAULT_CONFIG, PROG
+from octo_worker.cli.console import register as add_console_verb
 from octo_worker.cli.dlq import register as add_dlq_verbs
 from octo_worker.cli.journal import register as add_journal_verbs
 from octo_worker.cli.run import cmd_run
@@ -45,12 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_journal_verbs,
         add_adapters_verbs,
         add_dlq_verbs,
+        add_console_verb,
     ):
         add(verbs, common)
-    # The console's verb module imports this package: loaded only when a parser is built.
-    from octo_worker.console.verb import add_console_verb
-
-    add_console_verb(verbs, common)
     return parser
 
 

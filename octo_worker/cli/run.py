@@ -142,7 +142,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
             ) from None
         log.info("metrics_listening", listen=listen)
     daemon = WorkerDaemon(config, metrics=metrics)
-    from octo_worker.console.verb import run_with_console  # [console] listen: off by default
+    from octo_worker.console.serve import run_with_console  # [console] listen: off by default
 
     try:
         run_event_loop(run_with_console(daemon, config, args.config), config.worker.event_loop)

@@ -3,8 +3,9 @@
 Modules: ``data`` (what the pages show, gathered with the ``journal`` and
 ``dlq`` verbs' own helpers), ``live`` (the delivery counters, in process or
 scraped), ``security`` (bind address, access token, Host header), ``app``
-(the aiohttp application and its pages), ``verb`` (the CLI verb, and the
-daemon's optional console beside its metrics). Templates and the one
+(the aiohttp application and its pages), ``serve`` (binding it, for the
+``console`` verb in ``octo_worker.cli.console`` and for the daemon's
+optional console beside its metrics). Templates and the one
 stylesheet and script live in ``templates/`` and ``static/``.
 
 The console must never change state (GET and HEAD only; no verb writes the

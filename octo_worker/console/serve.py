@@ -1,10 +1,11 @@
-"""``octo-worker console`` and the daemon's optional console beside its metrics.
+"""Serving the console: for ``octo-worker console`` and beside the daemon.
 
-``add_console_verb`` registers the verb on the ``octo-worker`` parser;
-``cmd_console`` serves the pages until SIGINT/SIGTERM; ``run_with_console``
-runs the daemon with the console in its event loop when ``[console] listen``
-is set (off by default). Both check the bind address and the token before a
-socket is opened, and fail as a configuration error (exit 2).
+``start_site`` binds the console's aiohttp application; ``token_of`` loads
+the configured access token; ``metrics_source`` picks the standalone live
+view's source; ``run_with_console`` runs the daemon with the console in its
+event loop when ``[console] listen`` is set (off by default). The bind
+address and the token are checked before a socket is opened; a failure is a
+configuration error (exit 2). The verb itself is ``octo_worker.cli.console``.
 
 This module never prints or logs the access token, and serves nothing but
 ``octo_worker.console.app``.
@@ -12,18 +13,13 @@ This module never prints or logs the access token, and serves nothing but
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import errno
-import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import structlog
 
-from octo_common.runtime.output import EXIT_OK, Output
-from octo_worker.cli.common import config_of, run_event_loop
 from octo_worker.config import InvalidConfiguration, WorkerConfig
 from octo_worker.console.security import (
     AccessToken,
@@ -40,38 +36,12 @@ if TYPE_CHECKING:  # the web stack loads only when a console is served
     from octo_worker.console.live import LiveSource
     from octo_worker.daemon import WorkerDaemon
 
-__all__ = ["DEFAULT_LISTEN", "add_console_verb", "cmd_console", "run_with_console"]
+__all__ = ["DEFAULT_LISTEN", "metrics_source", "run_with_console", "start_site", "token_of"]
 
 DEFAULT_LISTEN: Final = "127.0.0.1:9465"
 
 
-def add_console_verb(verbs: Any, common: argparse.ArgumentParser) -> None:
-    """``octo-worker console`` on the verb subparsers of ``octo-worker``."""
-    console = verbs.add_parser(
-        "console",
-        parents=[common],
-        help="serve the read-only web console (loopback by default)",
-    )
-    console.add_argument(
-        "--listen",
-        default=DEFAULT_LISTEN,
-        metavar="HOST:PORT",
-        help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks a free one)",
-    )
-    console.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a non-loopback address (needs --token-file or console.token_file)",
-    )
-    console.add_argument(
-        "--token-file",
-        metavar="PATH",
-        help="access-token file (mode 0600; default console.token_file)",
-    )
-    console.set_defaults(handler=cmd_console)
-
-
-def _token(config: WorkerConfig, override: str | None) -> AccessToken | None:
+def token_of(config: WorkerConfig, override: str | None) -> AccessToken | None:
     if override is not None:
         return load_token(Path(override), "--token-file")
     configured = config.console.token_file
@@ -81,7 +51,7 @@ def _token(config: WorkerConfig, override: str | None) -> AccessToken | None:
     return load_token(config.path(configured, where), where)
 
 
-def _metrics_source(config: WorkerConfig) -> LiveSource:
+def metrics_source(config: WorkerConfig) -> LiveSource:
     from octo_worker.console.live import ScrapeSource, UnavailableSource
 
     listen = config.metrics.listen
@@ -93,7 +63,7 @@ def _metrics_source(config: WorkerConfig) -> LiveSource:
     return ScrapeSource(listen)
 
 
-async def _start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[web.AppRunner, str]:
+async def start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[web.AppRunner, str]:
     from aiohttp import web
 
     from octo_worker.console.app import build_app
@@ -121,38 +91,6 @@ async def _start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[
     return runner, bound.url()
 
 
-def cmd_console(args: argparse.Namespace, out: Output) -> int:
-    config = config_of(args)
-    address = parse_listen(args.listen, "--listen")
-    token = _token(config, args.token_file)
-    check_bind(
-        address,
-        allow_remote=args.allow_remote or config.console.allow_remote,
-        token_configured=token is not None,
-    )
-    from octo_worker.console.app import ConsoleSettings
-
-    settings = ConsoleSettings(config, args.config, _metrics_source(config), token)
-
-    async def serve() -> str:
-        runner, url = await _start_site(settings, address)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        out.line(f"console: {url} (read-only; Ctrl-C stops it)")
-        out.document({"ok": True, "url": url, "token_required": token is not None})
-        out.stdout.flush()
-        try:
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-        return url
-
-    run_event_loop(serve(), config.worker.event_loop)
-    return EXIT_OK
-
-
 async def run_with_console(daemon: WorkerDaemon, config: WorkerConfig, config_path: str) -> None:
     """``daemon.run`` with the console served in the same loop when ``[console] listen``
     is set; the live view then reads the daemon's own metrics in process."""
@@ -161,7 +99,7 @@ async def run_with_console(daemon: WorkerDaemon, config: WorkerConfig, config_pa
         await daemon.run(install_signal_handlers=True)
         return
     address = parse_listen(listen, "console.listen")
-    token = _token(config, None)
+    token = token_of(config, None)
     check_bind(
         address, allow_remote=config.console.allow_remote, token_configured=token is not None
     )
@@ -175,7 +113,7 @@ async def run_with_console(daemon: WorkerDaemon, config: WorkerConfig, config_pa
         token,
         served_by_daemon=True,
     )
-    runner, url = await _start_site(settings, address)
+    runner, url = await start_site(settings, address)
     structlog.get_logger("octo.worker.console").info("console_listening", url=url)
     try:
         await daemon.run(install_signal_handlers=True)
