@@ -418,6 +418,19 @@ async def hosts(
     await factory.close_all()
 
 
+@pytest.fixture
+async def scripted(
+    broker: AbstractConnection, channel: AbstractChannel, worker_env: WorkerEnv
+) -> AsyncIterator[Any]:
+    """A scripted worker on this test's scope (see ``scripted_worker.py``), no daemon."""
+    from .scripted_worker import ScriptedWorker  # it imports this module's helpers
+
+    worker = ScriptedWorker(channel, worker_env.scope, worker_env.scope_key)
+    await worker.start(broker)
+    yield worker
+    worker.answer_all(None)
+
+
 # Hand-crafted frames --------------------------------------------------------------------
 
 

@@ -1,59 +1,33 @@
 """Late and stale authentic replies reaching the host client (H§16.3, W§10.7).
 
-The worker side is a scripted peer: the test consumes the scope's worker
-queue itself on the real broker, opens each session with a WORKER-role
-``SessionAuthenticator`` derived from the scope key, and seals the replies it
-is told to send, in the order a worker answering duplicate deliveries
-concurrently may send them. The host ledger is a real SQLite file.
+The worker side is the scripted peer of ``scripted_worker.py`` on the real
+broker: it seals the replies it is told to send, in the order a worker
+answering duplicate deliveries concurrently may send them. The host ledger
+is a real SQLite file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
 
-import aio_pika
 import pytest
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
 from octo_common.errors import InvalidStateTransition
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
-from octo_common.messages import (
-    CloseSession,
-    CompensateOperation,
-    CompensationResult,
-    DispatchOperation,
-    OpenSession,
-    OperationCompensationResult,
-    OperationReconcileResult,
-    OperationResult,
-    ReconciledOperation,
-    ReconcileOperation,
-    RequestRejected,
-    WorkerMessage,
-    message_type,
-)
-from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.payload import canonical_operation_input_bytes
 from octo_common.runtime.broker import publish_envelope
 from octo_common.states import (
     Failed,
-    OperationStatus,
     Pending,
     Running,
     StateKind,
     Succeeded,
 )
 from octo_common.transport import (
-    EXCHANGE,
-    HEADER_KEY_NONCE,
     HEADER_SESSION,
     build_worker_reply,
-    worker_queue,
 )
-from octo_host.client import HostRun
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.plan import WorkflowStep
 
@@ -68,160 +42,19 @@ from .conftest import (
     manifest,
     reason_of,
 )
+from .scripted_worker import (
+    ScriptedWorker,
+    compensation_state,
+    outcome,
+    refusal,
+    succeeded,
+    until,
+)
 from .test_client import STEPS, TOOL, publish_payload, recorded, stored_ledger, undo_payload
 
 pytestmark = pytest.mark.rabbitmq
 
-OUTPUT = ToolPayload.json({"name": "notes.txt"})
 STEPS_TWO = [*STEPS, WorkflowStep("announce", "announce it")]
-
-
-@dataclass
-class Received:
-    """One request the scripted worker opened, with what it needs to answer it."""
-
-    session_id: str
-    nonce: bytes
-    reply_to: str
-    auth: SessionAuthenticator
-    message: WorkerMessage
-
-    @property
-    def type(self) -> str:
-        return message_type(self.message)
-
-    @property
-    def request(self) -> Any:
-        return self.message.request  # type: ignore[union-attr]
-
-
-class ScriptedWorker:
-    """The worker end of the scope's queue, answering only what the test says.
-
-    Every delivery is acked on arrival; ``open_session`` creates the worker
-    authenticator of its session, every other request is queued for
-    :meth:`next`, unless :meth:`answer_all` set an automatic answer.
-    """
-
-    def __init__(self, channel: AbstractChannel, scope: str, scope_key: ScopeKey) -> None:
-        self.channel, self.scope, self.scope_key = channel, scope, scope_key
-        self._auth: dict[str, SessionAuthenticator] = {}
-        self._requests: asyncio.Queue[Received] = asyncio.Queue()
-        self._auto: Callable[[Received], WorkerMessage] | None = None
-
-    async def start(self, broker: AbstractConnection) -> None:
-        consume = await broker.channel()
-        exchange = await consume.declare_exchange(
-            EXCHANGE, aio_pika.ExchangeType.DIRECT, durable=True
-        )
-        name = worker_queue(self.scope)
-        queue = await consume.declare_queue(
-            name,
-            durable=True,
-            arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
-        )
-        await queue.bind(exchange, routing_key=name)
-        await queue.consume(self._on_message)
-
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        await message.ack()
-        session_id = header(message, HEADER_SESSION)
-        nonce_hex = header(message, HEADER_KEY_NONCE)
-        assert session_id is not None and nonce_hex is not None and message.reply_to
-        nonce = bytes.fromhex(nonce_hex)
-        auth = self._auth.get(session_id)
-        if auth is None:
-            key = SessionKey.derive(self.scope_key, self.scope, session_id, nonce)
-            auth = self._auth[session_id] = SessionAuthenticator(
-                session_id, key, SessionRole.WORKER
-            )
-        opened = auth.open(message.body)
-        if isinstance(opened, OpenSession | CloseSession):
-            return
-        received = Received(session_id, nonce, message.reply_to, auth, opened)
-        if self._auto is not None:
-            await self.reply(received, self._auto(received))
-        else:
-            self._requests.put_nowait(received)
-
-    async def next(self, kind: str) -> Received:
-        received = await asyncio.wait_for(self._requests.get(), WAIT)
-        assert received.type == kind
-        return received
-
-    def answer_all(self, answer: Callable[[Received], WorkerMessage] | None) -> None:
-        """From now on answer every request at once with ``answer`` (None: queue them)."""
-        self._auto = answer
-
-    async def reply(self, received: Received, answer: WorkerMessage) -> None:
-        body = received.auth.seal(answer)
-        envelope = build_worker_reply(
-            self.scope,
-            received.session_id,
-            received.nonce,
-            body,
-            reply_to=received.reply_to,
-            correlation_id=received.request.request_id,
-        )
-        await publish_envelope(self.channel, envelope, timeout=WAIT)
-
-
-def outcome(received: Received, status: OperationStatus) -> WorkerMessage:
-    """The worker's answer to ``received`` with ``status``, in the request's message type."""
-    request = received.request
-    if isinstance(received.message, CompensateOperation):
-        return CompensationResult(
-            OperationCompensationResult(
-                request.session_id, request.request_id, request.binding, status
-            )
-        )
-    result = OperationReconcileResult(
-        request.session_id, request.request_id, request.tool, request.operation_key, status
-    )
-    if isinstance(received.message, ReconcileOperation):
-        return ReconciledOperation(result)
-    assert isinstance(received.message, DispatchOperation)
-    return OperationResult(result)
-
-
-def refusal(received: Received, code: str) -> RequestRejected:
-    request = received.request
-    return RequestRejected(
-        request.session_id,
-        request.request_id,
-        code,
-        request.operation_key,
-        getattr(request, "compensation_key", None),
-    )
-
-
-def succeeded(received: Received) -> WorkerMessage:
-    return outcome(received, Succeeded(OUTPUT))
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"never: {what}")
-        await asyncio.sleep(0.02)
-
-
-def compensation_state(run: HostRun, key: str) -> StateKind | None:
-    operation = run.operation(key)
-    assert operation is not None
-    return None if operation.compensation is None else operation.compensation.state
-
-
-@pytest.fixture
-async def scripted(
-    broker: AbstractConnection, channel: AbstractChannel, worker_env: WorkerEnv
-) -> AsyncIterator[ScriptedWorker]:
-    worker = ScriptedWorker(channel, worker_env.scope, worker_env.scope_key)
-    await worker.start(broker)
-    yield worker
-    worker.answer_all(None)
 
 
 # A pending_* refusal, then the outcome for the same request id -----------------------------
