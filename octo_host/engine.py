@@ -691,9 +691,33 @@ class WorkflowEngine:
         request raised as ``WorkerRequestRejected``, the expected result
         message, then the kind's ``apply_verified_*`` method.
         """
-        rule = _RULES[kind]
-        result = _open_reply(rule, request, auth, frame)
-        return rule.apply_verified(self, plan, ledger, request, result)
+        result = self.open_reply(kind, request, auth, frame)
+        return self.apply_opened_reply(kind, plan, ledger, request, result)
+
+    def open_reply(
+        self, kind: RequestKind, request: Any, auth: SessionAuthenticator, frame: bytes
+    ) -> Any:
+        """The first half of :meth:`apply_reply`: a host authenticator, ``open``, the
+        worker's refusal raised as ``WorkerRequestRejected``, the expected result
+        message; returns that message's result. Nothing is applied."""
+        return _open_reply(_RULES[kind], request, auth, frame)
+
+    def apply_opened_reply(
+        self,
+        kind: RequestKind,
+        plan: WorkflowPlan,
+        ledger: WorkflowOperationLedger,
+        request: Any,
+        result: Any,
+    ) -> OperationStatus:
+        """The second half of :meth:`apply_reply`: the kind's ``apply_verified_*`` method
+        on a result :meth:`open_reply` returned.
+
+        A frame opens once (a second ``open`` is a ``DuplicateFrame``): a host
+        whose ledger write lost a compare-and-swap to another host applies the
+        same result again, with every check, to the ledger the store now holds.
+        """
+        return _RULES[kind].apply_verified(self, plan, ledger, request, result)
 
 
 # The per-kind table ----------------------------------------------------------------------

@@ -78,15 +78,24 @@ def cmd_compensate(args: argparse.Namespace, out: Output) -> int:
             )
         target = compensation_target(config, scope, operation, original)
         existing = operation.compensation
+        compensation_key: str | None = None
         if existing is None:
-            compensation_key = await client.record_compensation(run, target, inverse, nonce)
-        elif existing.state not in TERMINAL_KINDS and existing.matches_input(
-            canonical_operation_input_bytes(inverse)
-        ):
+            try:
+                compensation_key = await client.record_compensation(run, target, inverse, nonce)
+            except CompensationAlreadyRecorded:
+                # Another host sharing the ledger recorded one first: resumed below
+                # if it is this inverse, refused otherwise.
+                existing = recorded_operation(run, args.key).compensation
+                if existing is None:
+                    raise
+        if compensation_key is None:
+            assert existing is not None
+            if existing.state in TERMINAL_KINDS or not existing.matches_input(
+                canonical_operation_input_bytes(inverse)
+            ):
+                raise CompensationAlreadyRecorded(args.key)
             # The recorded intent, resumed under a fresh approval (same key and input).
             compensation_key = existing.compensation_key
-        else:
-            raise CompensationAlreadyRecorded(args.key)
         session = await client.open_session(scope, manifest)
         try:
             state = await client.compensate(

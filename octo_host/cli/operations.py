@@ -14,7 +14,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from octo_common.errors import WorkerRequestRejected
+from octo_common.errors import DuplicateOperationKey, WorkerRequestRejected
 from octo_common.payload import canonical_operation_input_bytes
 from octo_common.runtime.output import EXIT_CHECK_FAILED, CliError, OneLineParser, Output
 from octo_common.states import StateKind
@@ -80,7 +80,12 @@ def cmd_dispatch(args: argparse.Namespace, out: Output) -> int:
         key = client.engine.derive_operation_key(plan, step, tool, data, nonce)
         recorded = run.operation(key) is None
         if recorded:
-            await client.record_operation(run, step, tool, payload, nonce, scope=scope)
+            try:
+                await client.record_operation(run, step, tool, payload, nonce, scope=scope)
+            except DuplicateOperationKey:
+                # Another host sharing the ledger recorded this step's intent first:
+                # the run now holds it under the same derived key; it is settled.
+                recorded = False
         session = await client.open_session(scope, manifest)
         try:
             state = await client.dispatch(session, run, key, payload)

@@ -12,8 +12,10 @@ For each delivery on the host's reply queue, :class:`ReplyRouter`:
    answer to a request this session sent is dropped, anything else is
    dead-lettered as unexpected);
 3. opens and applies the reply with the engine under the run lock, persists
-   the ledger (compare-and-swap) and only then acks the delivery and
-   releases the caller; a reply the ledger does not take is settled as
+   the ledger (compare-and-swap; a write that lost to another host sharing
+   the ledger applies the same answer again to what the store holds, a
+   bounded number of times) and only then acks the delivery and releases
+   the caller; a reply the ledger does not take is settled as
    :func:`octo_host.reactions.reply_reaction` says.
 
 It must never ack a reply before the ledger change it carries is durable,
@@ -38,13 +40,14 @@ from octo_common.errors import (
     InvalidStateTransition,
     OctoError,
     UnexpectedMessage,
+    WriteConflict,
 )
 from octo_common.frames import SessionAuthenticator
 from octo_common.inbound import Refused, Unrouted, gate
 from octo_common.messages import WorkerMessage, message_type
 from octo_common.states import Running
 from octo_host.client.broker import HostBroker
-from octo_host.client.runs import HostRun, RunCache
+from octo_host.client.runs import MAX_WRITE_ATTEMPTS, HostRun, RunCache
 from octo_host.client.sessions import HostSession, RetiredRequest, SessionRegistry, Waiter
 from octo_host.engine import WorkflowEngine
 from octo_host.kinds import RequestKind
@@ -253,22 +256,34 @@ class ReplyRouter:
             # would meet this one's revision (WriteConflict).
             run = self._runs.current(run)
         async with run._lock:
-            candidate = run._ledger.copy()
             try:
-                state = self._engine.apply_reply(
-                    kind, run.plan, candidate, waiter.request, authenticator, message.body
-                )
+                result = self._engine.open_reply(kind, waiter.request, authenticator, message.body)
             except OctoError as exc:
                 await self._not_applied(message, waiter, kind, correlation_id, run, exc, forget)
                 return
-            try:
-                await self._runs.persist_locked(run, candidate)
-            except OctoError as exc:
-                forget()
-                self._log.error("ledger_persist_failed", run=run.name, error=exc.code)
-                await self._broker.dead_letter(message, exc.code)
-                waiter.fail(exc)
-                return
+            for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
+                candidate = run._ledger.copy()
+                try:
+                    state = self._engine.apply_opened_reply(
+                        kind, run.plan, candidate, waiter.request, result
+                    )
+                except OctoError as exc:
+                    await self._not_applied(message, waiter, kind, correlation_id, run, exc, forget)
+                    return
+                try:
+                    await self._runs.persist_locked(run, candidate)
+                except WriteConflict as exc:
+                    # Another host wrote the run (a shared ledger): the run now holds
+                    # what the store holds; apply the same answer to that.
+                    if attempt < MAX_WRITE_ATTEMPTS:
+                        self._log.info("reply_reapplied", run=run.name, attempt=attempt)
+                        continue
+                    await self._persist_failed(message, waiter, run, exc, forget)
+                    return
+                except OctoError as exc:
+                    await self._persist_failed(message, waiter, run, exc, forget)
+                    return
+                break
         forget()
         await self._broker.ack(message)
         self._log.info(
@@ -282,6 +297,20 @@ class ReplyRouter:
             late=waiter.abandoned,
         )
         waiter.resolve(state)
+
+    async def _persist_failed(
+        self,
+        message: AbstractIncomingMessage,
+        waiter: Waiter,
+        run: HostRun,
+        error: OctoError,
+        forget: Callable[[], None],
+    ) -> None:
+        """The ledger change a reply carries cannot be made durable: a copy for the operator."""
+        forget()
+        self._log.error("ledger_persist_failed", run=run.name, error=error.code)
+        await self._broker.dead_letter(message, error.code)
+        waiter.fail(error)
 
     async def _not_applied(
         self,

@@ -8,7 +8,9 @@ saw for the run), keep a bounded number of runs loaded (least recently used
 out, runs in use set aside), write a ledger with compare-and-swap before
 anything acts on it, adopt the stored ledger after a conflict, and bind
 each operation key to the scope of its first dispatch
-(``("workflow-routes", run)``).
+(``("workflow-routes", run)``). Hosts that share one ledger decide by
+compare-and-swap: a write that lost adopts the stored ledger and the caller
+decides again from it (``MAX_WRITE_ATTEMPTS``).
 
 It must never adopt a ledger that does not validate for its plan and
 watermark, let a run's stored revision fall behind the database (a write
@@ -46,6 +48,7 @@ from octo_host.plan import WorkflowPlan
 from octo_host.store import AuthenticatedStore, ledger_record_key
 
 __all__ = [
+    "MAX_WRITE_ATTEMPTS",
     "ROUTES_NAMESPACE",
     "DispatchScopeMismatch",
     "HostRun",
@@ -74,6 +77,14 @@ class DispatchScopeMismatch(OctoError):
             f"refused for scope {self.scope}"
         )
 
+
+MAX_WRITE_ATTEMPTS: Final = 4
+"""Writes of one decision to a run: the first, and those after a ``WriteConflict``.
+
+Hosts sharing one ledger (D13) decide by compare-and-swap: a write that
+lost adopts the stored ledger (``RunCache.persist_locked``) and the decision
+is taken again from it; past this bound the conflict is raised (fail closed).
+"""
 
 ROUTES_NAMESPACE: Final = "workflow-routes"
 _ROUTES_FORMAT_VERSION: Final = 1
@@ -252,7 +263,14 @@ class RunCache:
         record = await self.store.load(key)
         if record is None:
             ledger = self._engine.operation_ledger(plan)
-            record = await self.store.create(key, ledger.to_json().encode("utf-8"))
+            try:
+                record = await self.store.create(key, ledger.to_json().encode("utf-8"))
+            except WriteConflict:
+                # Another host created the run first (a shared ledger): load theirs.
+                record = await self.store.load(key)
+                if record is None:
+                    raise
+                ledger = WorkflowOperationLedger.from_json(record.payload)
         else:
             ledger = WorkflowOperationLedger.from_json(record.payload)
         watermark = max(self.watermark(name), minimum_revision)
@@ -445,17 +463,24 @@ class RunCache:
         Raises :class:`DispatchScopeMismatch` when an earlier dispatch bound it
         to another scope. Called under the run lock.
         """
-        routes = await self.routes_with(run, operation_key, scope)
-        if routes is None:
+        for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
+            routes = await self.routes_with(run, operation_key, scope)
+            if routes is None:
+                return
+            try:
+                record = await self.store.compare_and_swap(
+                    routes_record_key(run.name), run._routes_revision, _routes_doc(run, routes)
+                )
+            except WriteConflict:
+                run._routes = None  # another host bound a key: reloaded and decided again
+                if attempt >= MAX_WRITE_ATTEMPTS:
+                    raise
+                continue
+            except BaseException:
+                run._routes = None  # reloaded from the store on the next dispatch
+                raise
+            run._routes, run._routes_revision = routes, record.revision
             return
-        try:
-            record = await self.store.compare_and_swap(
-                routes_record_key(run.name), run._routes_revision, _routes_doc(run, routes)
-            )
-        except BaseException:
-            run._routes = None  # reloaded from the store on the next dispatch
-            raise
-        run._routes, run._routes_revision = routes, record.revision
 
     async def routes_with(
         self, run: HostRun, operation_key: str, scope: str

@@ -25,7 +25,13 @@ from typing import Any, Final
 
 from structlog.typing import FilteringBoundLogger
 
-from octo_common.errors import InvalidScopeKey, OctoError, SessionClosed, WorkerRequestRejected
+from octo_common.errors import (
+    InvalidScopeKey,
+    OctoError,
+    SessionClosed,
+    WorkerRequestRejected,
+    WriteConflict,
+)
 from octo_common.frames import SessionAuthenticator
 from octo_common.messages import (
     CompensationReconcileRequest,
@@ -45,12 +51,13 @@ from octo_common.states import (
 )
 from octo_common.transport import PublishChannelClosed
 from octo_host.client.broker import HostBroker
-from octo_host.client.runs import HostRun, RunCache
+from octo_host.client.runs import MAX_WRITE_ATTEMPTS, HostRun, RunCache
 from octo_host.client.sessions import HostSession, ReplyCut, ReplyTimedOut, SessionRegistry
 from octo_host.client.settings import ClientSettings
 from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
 from octo_host.engine import OutboundFrame, WorkflowEngine
 from octo_host.kinds import RequestKind
+from octo_host.ledger import WorkflowOperationLedger
 from octo_host.reactions import Reaction, rejection_reaction
 
 __all__ = ["HostVerbs", "new_request_id"]
@@ -159,22 +166,46 @@ class HostVerbs:
             raise InvalidScopeKey("missing")  # no key configured for this scope
         data = canonical_operation_input_bytes(payload)
         async with run._lock:
-            candidate = run._ledger.copy()
-            if operation_key is None:
-                operation_key = self._engine.record_derived_operation(
-                    run.plan, candidate, step_id, tool, data, nonce
-                )
-            else:
-                self._engine.record_operation(
-                    run.plan, candidate, step_id, tool, operation_key, data
-                )
-            routes = None
-            if scope is not None:
-                routes = await self._runs.routes_with(run, operation_key, scope)
+            for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
+                # Decided on the ledger as stored: after a lost compare-and-swap, the
+                # other host's intent for this step has the same derived key, and
+                # recording it again raises DuplicateOperationKey.
+                candidate = run._ledger.copy()
+                if operation_key is None:
+                    key = self._engine.record_derived_operation(
+                        run.plan, candidate, step_id, tool, data, nonce
+                    )
+                else:
+                    key = operation_key
+                    self._engine.record_operation(run.plan, candidate, step_id, tool, key, data)
+                routes = None
+                if scope is not None:
+                    routes = await self._runs.routes_with(run, key, scope)
+                if await self._persisted(run, candidate, routes, attempt):
+                    break
+            run._unsent.add(key)
+        self._log.info("operation_recorded", run=run.name, operation_key=key, tool=tool)
+        return key
+
+    async def _persisted(
+        self,
+        run: HostRun,
+        candidate: WorkflowOperationLedger,
+        routes: dict[str, str] | None,
+        attempt: int,
+    ) -> bool:
+        """Write ``candidate``; False when another host's write came first and the
+        decision is to be taken again on the ledger the run now holds (the last
+        attempt raises the ``WriteConflict``)."""
+        try:
             await self._runs.persist_locked(run, candidate, routes)
-            run._unsent.add(operation_key)
-        self._log.info("operation_recorded", run=run.name, operation_key=operation_key, tool=tool)
-        return operation_key
+        except WriteConflict:
+            if attempt >= MAX_WRITE_ATTEMPTS:
+                self._log.error("ledger_write_conflict", run=run.name, attempts=attempt)
+                raise
+            self._log.info("ledger_write_retried", run=run.name, attempt=attempt)
+            return False
+        return True
 
     async def record_compensation(
         self,
@@ -186,11 +217,15 @@ class HostVerbs:
         """Record the one compensation intent (both verifiers run) and persist it."""
         data = canonical_operation_input_bytes(payload)
         async with run._lock:
-            candidate = run._ledger.copy()
-            compensation_key = self._engine.record_derived_compensation_with_action_verifier(
-                run.plan, candidate, target, data, nonce
-            )
-            await self._runs.persist_locked(run, candidate)
+            for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
+                # As for an operation: the other host's intent is found on the stored
+                # ledger (CompensationAlreadyRecorded), never a second one recorded.
+                candidate = run._ledger.copy()
+                compensation_key = self._engine.record_derived_compensation_with_action_verifier(
+                    run.plan, candidate, target, data, nonce
+                )
+                if await self._persisted(run, candidate, None, attempt):
+                    break
         self._log.info(
             "compensation_recorded",
             run=run.name,

@@ -21,6 +21,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from octo_common.errors import (
     CompensationRequiresSucceededOperation,
+    DuplicateOperationKey,
     InvalidScopeKey,
     OctoError,
     SessionClosed,
@@ -1142,7 +1143,7 @@ async def test_a_failed_session_is_replaced_once_and_never_replaces_its_successo
     assert client.published["open_session"] == 2
 
 
-async def test_a_write_conflict_resyncs_the_run_so_the_next_write_succeeds(
+async def test_a_write_conflict_resyncs_the_run_and_the_decision_is_taken_again(
     hosts: HostFactory, host_env: HostEnv
 ) -> None:
     first = await hosts.start()
@@ -1153,14 +1154,55 @@ async def test_a_write_conflict_resyncs_the_run_so_the_next_write_succeeds(
     theirs = await second.record_operation(
         other_run, "publish", TOOL, publish_payload("b.txt"), b"release-42:2"
     )
-    with pytest.raises(WriteConflict):
-        await first.record_operation(
-            run, "publish", TOOL, publish_payload("c.txt"), b"release-42:3"
-        )
-    # The failed write adopted the stored ledger: the next one goes through.
+    # The first write meets the other's revision: the run adopts the stored
+    # ledger and the intent is recorded on top of it, in the same call.
     mine = await first.record_operation(
         run, "publish", TOOL, publish_payload("c.txt"), b"release-42:3"
     )
     stored = await stored_ledger(host_env)
     assert [o.operation_key for o in stored.operations] == [key, theirs, mine]
     assert run.ledger == stored
+    # The other writer's own intent, decided again on the stored ledger, is
+    # found there: refused as a duplicate, never recorded twice.
+    with pytest.raises(DuplicateOperationKey):
+        await first.record_operation(
+            run, "publish", TOOL, publish_payload("b.txt"), b"release-42:2"
+        )
+    assert (await stored_ledger(host_env)).revision == stored.revision
+
+
+async def test_a_write_that_keeps_conflicting_fails_closed(
+    hosts: HostFactory, host_env: HostEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = await hosts.start()
+    _, run, key = await recorded(first)
+    second = await hosts.start()
+    other_run = await second.load_run(RUN, second.engine.plan(STEPS))
+    resync = first._runs._resync
+    moved: list[str] = []
+
+    async def another_writer_first(target: HostRun) -> None:
+        # Before each retry the other host writes again: every attempt loses.
+        await resync(target)
+        moved.append(
+            await second.record_operation(
+                other_run,
+                "publish",
+                TOOL,
+                publish_payload(f"o{len(moved)}.txt"),
+                f"other:{len(moved)}".encode(),
+            )
+        )
+
+    await second.record_operation(other_run, "publish", TOOL, publish_payload("x.txt"), b"x")
+    monkeypatch.setattr(first._runs, "_resync", another_writer_first)
+    with pytest.raises(WriteConflict):
+        await first.record_operation(run, "publish", TOOL, publish_payload("c.txt"), b"c")
+
+    stored = await stored_ledger(host_env)
+    assert len(moved) == 4  # one resync per attempt (MAX_WRITE_ATTEMPTS), then fail closed
+    mine = first.engine.derive_operation_key(
+        run.plan, "publish", TOOL, canonical_operation_input_bytes(publish_payload("c.txt")), b"c"
+    )
+    keys = [o.operation_key for o in stored.operations]
+    assert mine not in keys and keys[0] == key and keys[2:] == moved
