@@ -53,6 +53,11 @@ class Reaction(StrEnum):
     DISPATCH_SAME_KEY = "dispatch_same_key"
     """The worker never admitted the key: it may be dispatched again under the same key
     (only while the ledger still holds it ``pending``; the verb checks that)."""
+    COMPENSATE_SAME_KEY = "compensate_same_key"
+    """The worker never admitted the compensation (``unknown_compensation`` on a
+    lookup, D11): it may be sent under the same ``cmp-`` key and a fresh approval,
+    only while the ledger still holds it ``pending`` and by a caller that holds the
+    inverse input (recovery); the lookup itself raises the refusal to that caller."""
     FAIL_CLOSED = "fail_closed"
     """Drift between host and worker, configuration, or a code not listed: raise."""
 
@@ -98,10 +103,11 @@ _BY_CODE: Final[Mapping[str, Reaction]] = {
 }
 
 # Where a kind reacts otherwise. A compensation lookup (RECONCILE_COMPENSATION,
-# D11) reacts as the rows above say; what ``unknown_compensation`` leads to is
-# decided with the verb that sends the lookup.
+# D11) reacts as the rows above say, except that it alone proves a compensation
+# unknown: admission precedes the inverse effect.
 _BY_KIND: Final[Mapping[tuple[RequestKind, str], Reaction]] = {
     (RequestKind.RECONCILE, "unknown_operation"): _R.DISPATCH_SAME_KEY,
+    (RequestKind.RECONCILE_COMPENSATION, "unknown_compensation"): _R.COMPENSATE_SAME_KEY,
 }
 
 

@@ -1,4 +1,5 @@
-"""``octo-host dispatch`` and ``reconcile``: send a recorded operation, or ask for its state.
+"""``octo-host dispatch`` and ``reconcile``: send a recorded operation, or ask for the state
+of an operation or (``cmp-`` key, D11) of a compensation.
 
 ``dispatch`` derives the ``op-`` key from plan, step, tool, input and nonce
 (default nonce ``RUN/STEP``), so repeating the same command after a crash
@@ -14,9 +15,15 @@ import argparse
 import asyncio
 from typing import Any
 
-from octo_common.errors import DuplicateOperationKey, WorkerRequestRejected
+from octo_common.errors import DuplicateOperationKey, UnknownCompensation, WorkerRequestRejected
 from octo_common.payload import canonical_operation_input_bytes
-from octo_common.runtime.output import EXIT_CHECK_FAILED, CliError, OneLineParser, Output
+from octo_common.runtime.output import (
+    EXIT_CHECK_FAILED,
+    EXIT_USAGE,
+    CliError,
+    OneLineParser,
+    Output,
+)
 from octo_common.states import StateKind
 from octo_host.cli.context import (
     PROG,
@@ -31,7 +38,7 @@ from octo_host.cli.context import (
 )
 from octo_host.cli.options import SCOPE_HELP, Verbs, payload_of, token_arg
 from octo_host.cli.results import finish, operation_result, result_lines
-from octo_host.client import HostClient
+from octo_host.client import HostClient, HostRun
 
 __all__ = ["cmd_dispatch", "cmd_reconcile", "register"]
 
@@ -53,13 +60,22 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     dispatch.set_defaults(handler=cmd_dispatch)
 
     reconcile = verbs.add_parser(
-        "reconcile", parents=[common], help="ask the worker for a recorded operation's state"
+        "reconcile",
+        parents=[common],
+        help="ask the worker for a recorded operation's or compensation's state",
     )
     reconcile.add_argument("run", type=token_arg, metavar="RUN")
-    reconcile.add_argument("key", type=token_arg, metavar="KEY")
+    reconcile.add_argument(
+        "key",
+        type=token_arg,
+        metavar="KEY",
+        help="an operation key, or a compensation's cmp- key (looked up, no input needed)",
+    )
     reconcile.add_argument("--scope", type=token_arg, metavar="S", help=SCOPE_HELP)
     reconcile.add_argument(
-        "--payload", required=True, metavar="JSON|@FILE", help="the operation's input"
+        "--payload",
+        metavar="JSON|@FILE",
+        help="the operation's input (required for an operation key)",
     )
     reconcile.add_argument("--plan", type=token_arg, metavar="NAME")
     reconcile.set_defaults(handler=cmd_reconcile)
@@ -104,9 +120,15 @@ def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
     scope = scope_of(config, args.scope)
     manifest = config.manifest(scope)
 
-    async def body(client: HostClient) -> tuple[dict[str, Any], StateKind]:
+    async def body(client: HostClient) -> tuple[dict[str, Any], StateKind, str]:
         run = await load_recorded(client, config, args.run, args.plan)
+        if run.operation(args.key) is None:
+            compensated = run.ledger.compensated_operation(args.key)
+            if compensated is not None:
+                return await _look_up_compensation(client, run, compensated.operation_key)
         operation = recorded_operation(run, args.key)
+        if args.payload is None:
+            raise CliError(EXIT_USAGE, "--payload: required to reconcile an operation", "usage")
         payload = payload_of(grant_format(config, scope, operation.tool), args.payload, "--payload")
         operation.verify_input(canonical_operation_input_bytes(payload))
         session = await client.open_session(scope, manifest)
@@ -123,7 +145,41 @@ def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
             ) from None
         finally:
             await close_quietly(client, session)
-        return operation_result(run, args.key, state, None), state.kind
+        document = operation_result(run, args.key, state, None)
+        return document, state.kind, f"operation {args.key}"
 
-    document, state = asyncio.run(with_client(config, scope, body))
-    return finish(out, document, result_lines(document), state, f"operation {args.key}")
+    async def _look_up_compensation(
+        client: HostClient, run: HostRun, operation_key: str
+    ) -> tuple[dict[str, Any], StateKind, str]:
+        # D11: a lookup names the compensation as recorded; it takes no input, runs nothing.
+        if args.payload is not None:
+            raise CliError(
+                EXIT_USAGE, "--payload: a compensation is looked up without input", "usage"
+            )
+        session = await client.open_session(scope, manifest)
+        try:
+            state = await client.reconcile_compensation(session, run, operation_key)
+        except WorkerRequestRejected as error:
+            if error.rejection_code != UnknownCompensation.code:
+                raise
+            raise CliError(
+                EXIT_CHECK_FAILED,
+                f"the worker never admitted {args.key}; send it with: {PROG} recover "
+                f"{args.run} --scope {scope} --inputs FILE (its recorded inverse), "
+                f"or {PROG} compensate",
+                UnknownCompensation.code,
+            ) from None
+        finally:
+            await close_quietly(client, session)
+        document = operation_result(run, operation_key, state, None)
+        settled = run.operation(operation_key)
+        assert settled is not None and settled.compensation is not None
+        document["compensation_key"] = args.key
+        document["compensation_state"] = settled.compensation.state.value
+        return document, state.kind, f"compensation {args.key}"
+
+    document, state, what = asyncio.run(with_client(config, scope, body))
+    lines = result_lines(document)
+    if "compensation_state" in document:
+        lines.append(f"compensation state: {document['compensation_state']}")
+    return finish(out, document, lines, state, what)

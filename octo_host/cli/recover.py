@@ -2,7 +2,10 @@
 
 ``--inputs FILE`` reads ``{"operations": {KEY: input}, "compensations": {KEY:
 {"inverse": input, "original": input}}}`` (inputs as JSON values: objects for
-JSON tools, strings for text tools); the ledger keeps only fingerprints.
+JSON tools, strings for text tools); the ledger keeps only fingerprints. An
+operation needs its input to be reconciled; a compensation is looked up
+without one (D11), and its inverse is needed only to send it again (the
+worker never admitted it, or its adapter has no lookup).
 
 It must never stop at one key's refusal (the others go on) or print a payload.
 """
@@ -97,6 +100,7 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
     scope = scope_of(config, args.scope)
     manifest = config.manifest(scope)
     raw_operations, raw_compensations = _read_inputs(args.inputs)
+    no_input: set[str] = set()
 
     async def body(client: HostClient) -> dict[str, Any]:
         ledger = await stored_ledger(client.store, args.run)
@@ -150,8 +154,20 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             args.run, plan, scope, manifest, inputs=inputs, compensations=compensations
         )
         await close_quietly(client, summary.session)
-        # A key refused here was left out of recover(), which lists it unresolved.
-        errors = {**refused, **summary.errors}
+        # A key refused here was left out of what recover() may send: the reason it
+        # is still unresolved (a compensation's lookup may have settled it anyway).
+        unresolved, settled = set(summary.unresolved), set(summary.reconciled)
+        errors = {
+            **summary.errors,
+            **{k: code for k, code in refused.items() if k in unresolved or k not in settled},
+        }
+        # An operation is reconciled only with its input; a compensation is always
+        # looked up first (D11), so one without an error code is unfinished there.
+        no_input.update(
+            key
+            for key in summary.unresolved
+            if key not in errors and ledger.operation(key) is not None and key not in inputs
+        )
         return {
             "run": args.run,
             "revision": summary.run.revision,
@@ -183,7 +199,10 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
         out.line("no operations")
     out.document(document)
     for key in document["unresolved"]:
-        out.line(f"unresolved: {key}: {document['errors'].get(key, 'no input given')}")
+        reason = document["errors"].get(key)
+        if reason is None:
+            reason = "no input given" if key in no_input else "not finished at the worker yet"
+        out.line(f"unresolved: {key}: {reason}")
     for key, code in document["errors"].items():
         if key not in document["unresolved"]:
             out.line(f"failed:    {key}: {code}")
@@ -191,8 +210,8 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
         unresolved = document["unresolved"]
         hint = (
             "give their inputs with --inputs, or reconcile / resolve them"
-            if any(key not in document["errors"] for key in unresolved)
-            else "see the reasons above"
+            if no_input
+            else "see the reasons above; recover again later, or resolve them"
         )
         out.error(
             f"{len(unresolved)} key(s) unresolved: " + ", ".join(unresolved[:5]) + f" ({hint})"

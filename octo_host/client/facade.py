@@ -7,7 +7,8 @@ methods, each handed to the part that does the work:
   the reply consumer;
 * :mod:`~octo_host.client.sessions`: sessions and the requests waiting on them;
 * :mod:`~octo_host.client.runs`: each run's durable ledger and routes;
-* :mod:`~octo_host.client.verbs`: record, dispatch, reconcile, compensate;
+* :mod:`~octo_host.client.verbs`: record, dispatch, reconcile, compensate,
+  look a compensation up;
 * :mod:`~octo_host.client.replies`: routing and applying replies;
 * :mod:`~octo_host.client.recovery`: ``recover`` after a restart.
 
@@ -322,6 +323,25 @@ class HostClient:
         """
         return await self._verbs.compensate(session, run, target, dispatch)
 
+    async def reconcile_compensation(
+        self, session: HostSession, run: HostRun, operation_key: str
+    ) -> WorkerOperationState:
+        """Look up the recorded compensation of ``operation_key`` at the worker (D11).
+
+        ``reconcile_compensation`` names the compensation exactly as the ledger
+        recorded it; the worker's adapter looks it up by its ``cmp-`` key and
+        performs nothing, so no approval, no verifier and no inverse input are
+        needed. The answer moves a ``pending`` or ``running`` compensation to
+        what was observed (never a terminal one) and is persisted before this
+        returns; retries and new sessions as for ``reconcile``. Returns the
+        last state observed (``Pending`` when every attempt was refused with a
+        code that asks to try again, such as ``adapter_error`` from an adapter
+        without the lookup). ``unknown_compensation`` (the worker never
+        admitted the key: ``compensate`` may send it) is raised as
+        ``WorkerRequestRejected``, as is every refusal that fails closed.
+        """
+        return await self._verbs.reconcile_compensation(session, run, operation_key)
+
     async def recover(
         self,
         run_name: str,
@@ -334,15 +354,26 @@ class HostClient:
         minimum_revision: int = 0,
     ) -> RecoverySummary:
         """After a host restart: load and validate the ledger, open a fresh session,
-        reconcile every operation and compensation that is not terminal (H§16.5).
+        reconcile every operation and compensation that is not terminal (H§16.5, D11).
 
         The ledger keeps only fingerprints, so the host supplies each
-        unfinished operation's payload in ``inputs`` (by operation key) and each
-        unfinished compensation's target and inverse payload in
-        ``compensations``. Keys without them are reported in ``unresolved``.
-        An operation the worker never admitted (``unknown_operation``) is
-        dispatched again under its same key if the ledger still says
-        ``pending``. A key whose recovery raises an :class:`OctoError`
+        unfinished operation's payload in ``inputs`` (by operation key);
+        operations without one are reported in ``unresolved``. An operation
+        the worker never admitted (``unknown_operation``) is dispatched again
+        under its same key if the ledger still says ``pending``.
+
+        Every compensation that is not terminal is first looked up
+        (``reconcile_compensation``, D11): no input, approval or verifier is
+        needed, and the observed state is persisted before anything else.
+        When the lookup leaves it unresolved and ``compensations`` holds its
+        target and inverse payload (by operation key), the same ``cmp-`` key
+        is sent under a fresh approval: when the worker never admitted it
+        (``unknown_compensation``, only while the ledger still says
+        ``pending``), or when the lookup could not settle it (an adapter
+        without the lookup answers ``adapter_error``: the worker then answers
+        from its journal). A compensation still unfinished is reported in
+        ``unresolved``, with the code of what left it so in ``errors``.
+        A key whose recovery raises an :class:`OctoError`
         (a verifier's refusal, a wrong input, a worker refusal, a failed
         publish or ledger write) is reported in ``unresolved`` with its code in
         ``errors``, and recovery goes on with the next key. The fresh session

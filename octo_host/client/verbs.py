@@ -1,4 +1,5 @@
-"""The host client's verbs: record, dispatch, reconcile, compensate (H§12, H§16.4, H§16.5).
+"""The host client's verbs: record, dispatch, reconcile, compensate, look a compensation up
+(H§12, H§16.4, H§16.5, D11).
 
 This module owns the per-kind table of the requests the client sends, the one
 path every request takes (persist the ledger, seal under the run lock,
@@ -351,7 +352,19 @@ class HostVerbs:
 
         return await self._send_prepared(session, run, RequestKind.COMPENSATE, build)
 
-    # -- verbs ---------------------------------------------------------------------------
+    async def _reconcile_compensation_once(
+        self, session: HostSession, run: HostRun, operation_key: str
+    ) -> OperationStatus:
+        request_id = new_request_id(RequestKind.RECONCILE_COMPENSATION)
+
+        def build(auth: SessionAuthenticator) -> OutboundFrame[CompensationReconcileRequest]:
+            # A lookup performs no effect: no verifier, no approval, no input (D11).
+            return self._engine.prepare_authenticated_compensation_reconciliation(
+                run.plan, run._ledger, operation_key, request_id, auth
+            )
+
+        return await self._send_prepared(session, run, RequestKind.RECONCILE_COMPENSATION, build)
+
     # -- verbs ---------------------------------------------------------------------------
 
     async def dispatch(
@@ -422,7 +435,7 @@ class HostVerbs:
         async def reconcile(session: HostSession, number: int) -> OperationStatus:
             return await self._reconcile_once(session, run, operation_key, data)
 
-        last = await self._repeat(
+        last, _ = await self._repeat(
             RequestKind.RECONCILE,
             session,
             run,
@@ -459,7 +472,7 @@ class HostVerbs:
                 )
             return await self._compensate_once(session, run, target, sent)
 
-        last = await self._repeat(
+        last, _ = await self._repeat(
             RequestKind.COMPENSATE, session.current(), run, target.operation_key, attempt, None
         )
         self._log.info(
@@ -469,6 +482,49 @@ class HostVerbs:
             state=last.kind.value,
         )
         return last
+
+    async def reconcile_compensation(
+        self, session: HostSession, run: HostRun, operation_key: str
+    ) -> WorkerOperationState:
+        """``HostClient.reconcile_compensation`` (its docstring is the contract)."""
+        state, _ = await self.look_up_compensation(session, run, operation_key)
+        return state
+
+    async def look_up_compensation(
+        self, session: HostSession, run: HostRun, operation_key: str
+    ) -> tuple[WorkerOperationState, str | None]:
+        """Look the compensation of ``operation_key`` up until a terminal state or the
+        attempts run out (D11); returns the last state observed and, when it is not
+        terminal, the code of what left it so (a refusal, or ``reply_timed_out``).
+
+        ``unknown_compensation`` (the worker never admitted the ``cmp-`` key) and
+        every refusal the reactions table fails closed on are raised as
+        :class:`WorkerRequestRejected`.
+        """
+
+        async def attempt(session: HostSession, number: int) -> OperationStatus:
+            return await self._reconcile_compensation_once(session, run, operation_key)
+
+        last, cause = await self._repeat(
+            RequestKind.RECONCILE_COMPENSATION,
+            session.current(),
+            run,
+            operation_key,
+            attempt,
+            None,
+        )
+        operation = run.operation(operation_key)
+        compensation = None if operation is None else operation.compensation
+        self._log.info(
+            "compensation_observed",
+            run=run.name,
+            operation_key=operation_key,
+            compensation_key=None if compensation is None else compensation.compensation_key,
+            state=last.kind.value,
+            ledger_state=None if compensation is None else compensation.state.value,
+            lookup=True,
+        )
+        return last, cause
 
     async def _repeat(
         self,
@@ -481,9 +537,11 @@ class HostVerbs:
         *,
         timeouts: int = 0,
         new_session: bool = False,
-    ) -> WorkerOperationState:
+    ) -> tuple[WorkerOperationState, str | None]:
         """Run ``attempt`` (a request of ``kind``) until a terminal state or the attempts
-        run out; returns the last state observed (``Pending`` if none).
+        run out; returns the last state observed (``Pending`` if none) and, unless the
+        last attempt observed a state, the code of what ended it (the refusal's code,
+        or ``reply_timed_out``).
 
         H§16.4-16.5: a timeout, a connection lost while the request was out
         (``ReplyCut``), or a refusal the reactions table answers with
@@ -491,9 +549,11 @@ class HostVerbs:
         three timeouts in a row, first replaces the session. ``DISPATCH_SAME_KEY``
         dispatches ``operation_key`` again with the payload ``same_key``, in
         the same attempt, if one is given (the dispatch itself refuses unless
-        the ledger still holds the key ``pending``). Any other refusal is raised.
+        the ledger still holds the key ``pending``). Any other refusal is raised
+        (``COMPENSATE_SAME_KEY`` among them: only the caller holds the inverse input).
         """
         last: WorkerOperationState = Pending()
+        cause: str | None = None
         for number in range(self._settings.max_attempts):
             if number:
                 await self._backoff(number)
@@ -504,13 +564,16 @@ class HostVerbs:
             session = session.current()
             try:
                 state = await attempt(session, number)
-            except ReplyTimedOut:
+            except ReplyTimedOut as exc:
                 timeouts += 1
+                cause = exc.code
                 continue
-            except ReplyCut:
-                continue  # the session is not suspect: the broker lost the connection
+            except ReplyCut as cut:
+                cause = cut.code  # the session is not suspect: the broker lost the connection
+                continue
             except WorkerRequestRejected as exc:
                 code = exc.rejection_code
+                cause = code
                 self._log.info(
                     "request_rejected", run=run.name, operation_key=operation_key, code=code
                 )
@@ -525,20 +588,23 @@ class HostVerbs:
                     state = await self._dispatch_once(
                         session, run, operation_key, same_key, unknown=exc
                     )
-                except ReplyTimedOut:
+                except ReplyTimedOut as again_timeout:
                     timeouts += 1
+                    cause = again_timeout.code
                     continue
-                except ReplyCut:
+                except ReplyCut as cut:
+                    cause = cut.code
                     continue
                 except WorkerRequestRejected as again:
+                    cause = again.rejection_code
                     reaction = rejection_reaction(RequestKind.DISPATCH, again.rejection_code)
                     new_session = _new_session_or_raise(reaction, again)
                     continue
             timeouts = 0
-            last = state
+            last, cause = state, None
             if state.kind in TERMINAL_KINDS:
                 break
-        return last
+        return last, cause
 
     async def _backoff(self, attempt: int) -> None:
         settings = self._settings

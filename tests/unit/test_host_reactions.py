@@ -109,7 +109,26 @@ def test_every_reaction_is_reachable() -> None:
         rejection_reaction(kind, code) for kind in ALL_KINDS for code, _ in SAME_FOR_EVERY_KIND
     }
     reached.add(rejection_reaction(RequestKind.RECONCILE, "unknown_operation"))
+    reached.add(rejection_reaction(RequestKind.RECONCILE_COMPENSATION, "unknown_compensation"))
     assert reached == set(Reaction)
+
+
+@pytest.mark.parametrize(
+    ("kind", "reaction"),
+    [
+        (RequestKind.RECONCILE_COMPENSATION, Reaction.COMPENSATE_SAME_KEY),
+        (RequestKind.RECONCILE, Reaction.FAIL_CLOSED),
+        (RequestKind.DISPATCH, Reaction.FAIL_CLOSED),
+        (RequestKind.COMPENSATE, Reaction.FAIL_CLOSED),
+    ],
+)
+def test_only_a_compensation_lookup_proves_a_compensation_unknown(
+    kind: RequestKind, reaction: Reaction
+) -> None:
+    # Admission precedes the inverse effect: a lookup answered unknown_compensation
+    # shows the worker never admitted the cmp- key (D11); after anything else the
+    # code is drift, and the host fails closed.
+    assert rejection_reaction(kind, "unknown_compensation") is reaction
 
 
 # Replies (H§16.3) ------------------------------------------------------------------------
