@@ -326,10 +326,12 @@ class ScopeLifecycle:
         if scope.handling.get(sid, 0) > handlers:
             return
         try:
-            entries = await self.store.load_outbox(scope.name)
+            # This session's rows alone (indexed): a close costs what the
+            # session left in the outbox, not the scope's whole outbox.
+            entries = await self.store.load_outbox(scope.name, session_id=sid)
         except Exception:
             return  # kept; a later delivery or start tries again
-        if any(entry.session_id == sid for entry in entries):
+        if entries:
             return
         if scope.handling.get(sid, 0) > handlers:
             return  # another delivery of it started meanwhile (dead-lettered: closed)

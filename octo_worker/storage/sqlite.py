@@ -66,6 +66,7 @@ import structlog
 from octo_common.errors import (
     InvalidJournalLease,
     OctoError,
+    RecordLocationMismatch,
     RollbackDetected,
     StorageBackendError,
 )
@@ -106,6 +107,7 @@ from octo_worker.storage.sqlite_rows import (
     backend_error,
     check_scope,
     guarded,
+    open_row,
     prepare,
     record_key,
 )
@@ -137,6 +139,8 @@ class StoreStats(msgspec.Struct, frozen=True):
     committed_change_sets: int
     failed_change_sets: int
     largest_batch: int
+    rows_opened: int = 0
+    """Rows loaded, authenticated and decrypted (every load of every namespace)."""
 
 
 # The store ------------------------------------------------------------------------------
@@ -232,6 +236,7 @@ class SqliteJournalStore:
         self._committed = 0
         self._failed = 0
         self._largest_batch = 0
+        self._rows_opened = 0
 
     # Takes chained session commits (SessionDocuments.link/after). A wrapper
     # that forwards this must hand change sets on in call order, without an
@@ -250,6 +255,7 @@ class SqliteJournalStore:
             self._committed,
             self._failed,
             self._largest_batch,
+            self._rows_opened,
         )
 
     async def reserve_fence(self, scope: str) -> WorkerJournalLease:
@@ -488,14 +494,32 @@ class SqliteJournalStore:
         document = self._open_row(scope, NS_SESSION, rows[0])
         return state_status(document, scope, rows[0].item)
 
-    async def load_outbox(self, scope: str) -> list[OutboxEntry]:
-        """Every outbox row of ``scope``, oldest revision first (W§11.4)."""
+    async def load_outbox(self, scope: str, *, session_id: str | None = None) -> list[OutboxEntry]:
+        """Every outbox row of ``scope``, oldest revision first (W§11.4).
+
+        With ``session_id``, the rows of that session alone, found through the
+        rows' session column and its index: the cost is that session's rows,
+        not the scope's outbox. Each row is authenticated, and one whose
+        document names another session than its column raises
+        ``RecordLocationMismatch`` (the column is unauthenticated metadata).
+        """
         check_scope(scope)
-        rows = await self._read_call(lambda: self._reader.read_items(scope, NS_OUTBOX, None))
+        if session_id is None:
+            rows = await self._read_call(lambda: self._reader.read_items(scope, NS_OUTBOX, None))
+            chosen = False
+        else:
+            validate_token("session id", session_id)
+            wanted = session_id
+            rows, chosen = await self._read_call(lambda: self._reader.read_outbox(scope, wanted))
         entries: list[OutboxEntry] = []
         for row in rows:
             document = self._open_row(scope, NS_OUTBOX, row)
-            entries.append(read_outbox(document, scope, row.item, row.revision))
+            entry = read_outbox(document, scope, row.item, row.revision)
+            if session_id is not None and entry.session_id != session_id:
+                if chosen:
+                    raise RecordLocationMismatch(session_id, entry.session_id)
+                continue
+            entries.append(entry)
         return entries
 
     async def head_revision(self, scope: str) -> int:
@@ -680,11 +704,5 @@ class SqliteJournalStore:
 
     def _open_row(self, scope: str, namespace: str, row: Row) -> bytes:
         """Authenticate (and decrypt) one row; the caller checks its document."""
-        record = open_record(
-            self._keyring, record_key(namespace, scope), row.envelope, row.revision
-        )
-        if self._data_keyring is None:
-            return record.payload
-        return decrypt_document(
-            self._data_keyring, namespace, scope, row.item, row.revision, record.payload
-        )
+        self._rows_opened += 1
+        return open_row(self._keyring, self._data_keyring, scope, namespace, row)

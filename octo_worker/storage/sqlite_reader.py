@@ -34,6 +34,7 @@ from octo_worker.storage.sqlite_rows import (
     BY_ITEMS,
     HEAD_NAMESPACE,
     LIVE_SESSION_ROWS,
+    OUTBOX_ROWS,
     RESEAL_BATCH,
     SQL_CHUNK,
     Row,
@@ -64,6 +65,9 @@ class JournalReader:
         # The anchor and the heads the current snapshot is compared with.
         self._snapshot_anchor: Mapping[StorageRecordKey, int] = {}
         self._snapshot_heads: dict[str, int] = {}
+        # Whether outbox rows carry their session (schema 4): a read-only
+        # store reads an older journal as it is.
+        self._outbox_sessions = False
 
     def open(self) -> None:
         self.close()
@@ -80,9 +84,11 @@ class JournalReader:
             connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
             connection.execute("PRAGMA foreign_keys=ON")
             connection.execute("PRAGMA query_only=ON")
+            columns = connection.execute("PRAGMA table_info(items)").fetchall()
         except BaseException:
             connection.close()
             raise
+        self._outbox_sessions = any(str(column[1]) == "session" for column in columns)
         self._db = connection
 
     def _reading(self) -> sqlite3.Connection:
@@ -168,6 +174,27 @@ class JournalReader:
 
         head, rows = self._read_transaction(select, scope)
         return self._checked_rows(rows, head)
+
+    def read_outbox(self, scope: str, session: str) -> tuple[list[Row], bool]:
+        """The outbox rows of one session, oldest revision first, through the index.
+
+        Returns the rows and whether they were chosen by their session column;
+        without it (a read-only store on a journal older than schema 4) every
+        outbox row of the scope, for the caller to choose from.
+        """
+        if not self._outbox_sessions:
+            return self.read_items(scope, NS_OUTBOX, None), False
+
+        def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            return connection.execute(
+                "SELECT item, revision, envelope FROM items "  # noqa: S608
+                f"INDEXED BY items_outbox_sessions WHERE {OUTBOX_ROWS} "
+                "AND name = ? AND session = ? ORDER BY revision, id",
+                (scope, session),
+            ).fetchall()
+
+        head, rows = self._read_transaction(select, scope)
+        return self._checked_rows(rows, head), True
 
     def read_sessions(self, scope: str, keep: Sequence[str] | None) -> tuple[list[Row], list[Row]]:
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:

@@ -3,7 +3,8 @@
 Owns the schema and its forward-only migrations, the shape of a prepared
 change set (:class:`RowWrite`, :class:`PendingCommit`) and of a loaded row
 (:class:`Row`), the validation and rendering of a ``WorkerCommit`` before
-any I/O (:func:`prepare`), the read-only connection, and how a sqlite or OS
+any I/O (:func:`prepare`), how one loaded row is authenticated and
+decrypted (:func:`open_row`), the read-only connection, and how a sqlite or OS
 failure is told (:func:`backend_error`: class and code, never a path or
 data). It must never do I/O itself beyond opening a read-only connection.
 """
@@ -31,7 +32,7 @@ from octo_common.errors import (
 )
 from octo_common.ids import validate_token
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
-from octo_common.records import StorageRecordKey
+from octo_common.records import StorageKeyring, StorageRecordKey, decrypt_document, open_record
 from octo_worker.storage.documents import (
     NS_JOURNAL,
     NS_OUTBOX,
@@ -58,6 +59,8 @@ BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item IN "
 # The partial index's condition, repeated word for word by the query that
 # uses it (SQLite matches the terms, so the namespaces are literals here).
 LIVE_SESSION_ROWS: Final = f"namespace IN ('{NS_SESSION}', '{NS_SESSION_OPEN}') AND closed = 0"
+# The outbox index's condition, likewise repeated by the query that uses it.
+OUTBOX_ROWS: Final = f"namespace = '{NS_OUTBOX}'"
 SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
 
 # Forward-only migrations: index i moves the schema from version i to i + 1.
@@ -96,6 +99,15 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "ALTER TABLE items ADD COLUMN closed INTEGER NOT NULL DEFAULT 0",
         f"CREATE INDEX items_live_sessions ON items (name, item) WHERE {LIVE_SESSION_ROWS}",
     ),
+    # 3 -> 4: the session id of each outbox row (unauthenticated metadata, used
+    # only to find one session's rows through the partial index; each row found
+    # is authenticated and its document must name that session). Rows written
+    # before the migration read NULL until the writer's open fills them in from
+    # their authenticated documents (``JournalWriter.fill_outbox_sessions``).
+    (
+        "ALTER TABLE items ADD COLUMN session TEXT",
+        f"CREATE INDEX items_outbox_sessions ON items (name, session) WHERE {OUTBOX_ROWS}",
+    ),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -113,6 +125,8 @@ class RowWrite(NamedTuple):
     after: int | None = None
     # Session state rows only: the document's status is ``closed``.
     closed: bool = False
+    # Outbox rows only: the session the reply belongs to (the row's metadata).
+    session: str | None = None
 
 
 @dataclass(slots=True)
@@ -138,6 +152,20 @@ class Row(NamedTuple):
 def record_key(namespace: str, scope: str) -> StorageRecordKey:
     # Record keys validate on construction; rows of a scope reuse the same few.
     return StorageRecordKey(namespace, scope)
+
+
+def open_row(
+    keyring: StorageKeyring,
+    data_keyring: StorageKeyring | None,
+    scope: str,
+    namespace: str,
+    row: Row,
+) -> bytes:
+    """Authenticate (and decrypt) one row's envelope; the caller checks its document."""
+    record = open_record(keyring, record_key(namespace, scope), row.envelope, row.revision)
+    if data_keyring is None:
+        return record.payload
+    return decrypt_document(data_keyring, namespace, scope, row.item, row.revision, record.payload)
 
 
 _VALID_SCOPES: set[str] = set()
@@ -208,7 +236,9 @@ def prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[RowWrite, ...], tu
         document = outbox_document(
             scope, entry.session_id, entry.reply_to, entry.correlation_id, entry.frame
         )
-        writes.append(RowWrite(NS_OUTBOX, entry.message_id, document, None))
+        writes.append(
+            RowWrite(NS_OUTBOX, entry.message_id, document, None, session=entry.session_id)
+        )
     for message in changes.outbox_delete:
         if not is_message_id(message):
             raise InvalidToken("message id", message)

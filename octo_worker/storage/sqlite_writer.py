@@ -7,7 +7,8 @@ reserves fences, applies a batch of change sets in ONE transaction and ONE
 fsync (each under its own savepoint, W§11.2 steps 1-5; chained session
 commits resolved to the revision their predecessor wrote), advances the
 anchor after a commit, and runs the maintenance writes (closed marks,
-re-sealed envelopes, pruned rows) in short transactions.
+outbox rows' sessions, re-sealed envelopes, pruned rows) in short
+transactions.
 
 It must never run on the event loop, let its connection leave its thread,
 move a head outside a commit, or raise with a path, a key or a document.
@@ -44,8 +45,14 @@ from octo_common.records import (
     seal_record,
 )
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
-from octo_common.runtime.sqlite import copy_error, migrate_schema
-from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_common.runtime.sqlite import copy_error, migrate_schema, roll_back
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    read_outbox,
+)
 from octo_worker.storage.sqlite_rows import (
     HEAD_NAMESPACE,
     MIGRATIONS,
@@ -54,10 +61,12 @@ from octo_worker.storage.sqlite_rows import (
     SESSION_TAIL_LIMIT,
     SQL_CHUNK,
     PendingCommit,
+    Row,
     RowWrite,
     backend_error,
     connect_read_only,
     note_tails,
+    open_row,
     record_key,
 )
 
@@ -121,6 +130,7 @@ class JournalWriter:
         try:
             self._configure(connection)
             migrate_schema(connection, MIGRATIONS)
+            self.fill_outbox_sessions(connection)
             self._tighten_side_files()
             if self._anchor_path is not None:
                 heads = self._all_heads(connection)
@@ -143,6 +153,43 @@ class JournalWriter:
             connection.close()
             raise
         self._db = connection
+
+    def fill_outbox_sessions(self, connection: sqlite3.Connection) -> int:
+        """Fill in the session of the outbox rows written before schema 4 (once, at open).
+
+        Each row is authenticated and decrypted, and its document gives the
+        session; a row that does not open is left as it is (the daemon's start
+        reads the whole outbox and fails on it, as before the migration).
+        Metadata only: no revision, envelope or head moves. Returns the rows
+        filled in.
+        """
+        rows = connection.execute(
+            "SELECT id, name, item, revision, envelope FROM items "
+            "WHERE namespace = ? AND session IS NULL",
+            (NS_OUTBOX,),
+        ).fetchall()
+        if not rows:
+            return 0
+        found: list[tuple[str, int]] = []
+        for row_id, scope, item, revision, envelope in rows:
+            row = Row(str(item), int(revision), bytes(envelope))
+            try:
+                document = open_row(self._keyring, self._data_keyring, str(scope), NS_OUTBOX, row)
+                entry = read_outbox(document, str(scope), row.item, row.revision)
+            except (OctoError, ValueError):
+                continue
+            found.append((entry.session_id, int(row_id)))
+        if found:
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                connection.executemany(
+                    "UPDATE items SET session = ? WHERE id = ? AND session IS NULL", found
+                )
+                connection.execute("COMMIT")
+            except BaseException:
+                roll_back(connection)
+                raise
+        return len(found)
 
     def _open_checked_read_only(self) -> None:
         """The open checks of a read-only store: schema version and anchor, no writes."""
@@ -375,8 +422,17 @@ class JournalWriter:
                 try:
                     connection.execute(
                         "INSERT INTO items (namespace, name, item, revision, envelope, "
-                        "written_at, closed) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (write.namespace, scope, write.item, revision, envelope, now, write.closed),
+                        "written_at, closed, session) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            write.namespace,
+                            scope,
+                            write.item,
+                            revision,
+                            envelope,
+                            now,
+                            write.closed,
+                            write.session,
+                        ),
                     )
                 except sqlite3.IntegrityError:
                     if write.item in pending.new_sessions and write.namespace in SESSION_ROWS:

@@ -429,6 +429,48 @@ async def test_a_session_closed_while_a_handler_runs_is_let_go_of_after_that_han
     assert len(read_effect_log(worker_env.effect_log)) == 1
 
 
+async def test_letting_a_closed_session_go_reads_only_its_own_outbox_rows(
+    names: Names, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    runner = WorkerRunner(worker_env)
+    daemon = await runner.start()
+    try:
+        # Twelve sessions each leave their last reply in the outbox: confirmed,
+        # deleted only by the session's next commit (issue 21).
+        sessions = [await opened(raw_host, daemon) for _ in range(12)]
+        for number, session in enumerate(sessions):
+            request_id = f"d-{number}"
+            await raw_host.publish(
+                _publish_frame(session, request_id, operation_key(), f"{number}.txt"),
+                headers=raw_host.headers(session, request_id),
+                correlation_id=request_id,
+            )
+            assert isinstance(
+                await asyncio.wait_for(answer(raw_host, session, request_id), WAIT),
+                OperationResult,
+            )
+        scope = daemon._scopes[names.scope]
+        for session in sessions:
+            held = scope.sessions[session.session_id]
+            await _until(lambda held=held: len(held._commits.confirmed) == 1, "the confirm")
+        assert len(await daemon.store.load_outbox(names.scope)) == 12
+        before = daemon.store.stats.rows_opened
+        for session in sessions[:4]:
+            # (Waited for in memory: polling the store would read rows too.)
+            await raw_host.publish(
+                session.auth.seal(CloseSession(session.session_id)),
+                headers=raw_host.headers(session, "close"),
+            )
+            await _until(lambda s=session: s.session_id in scope.closed, "the session let go")
+        # Each close deleted its own row in its commit and looked up its own
+        # rows only: none left, none of the other sessions' rows read.
+        assert daemon.store.stats.rows_opened == before
+        remaining = await daemon.store.load_outbox(names.scope)
+        assert sorted(e.session_id for e in remaining) == sorted(s.session_id for s in sessions[4:])
+    finally:
+        await runner.stop_all()
+
+
 async def test_an_outbox_release_meeting_a_newer_fence_gives_the_scope_up(
     raw_host: RawHost, worker_env: WorkerEnv, workers: WorkerRunner
 ) -> None:

@@ -1242,6 +1242,8 @@ async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: 
     await close_session(store, lease, "s-old")
     await store.close()
     with sqlite3.connect(db_path) as connection:  # back to schema 2
+        connection.execute("DROP INDEX items_outbox_sessions")
+        connection.execute("ALTER TABLE items DROP COLUMN session")
         connection.execute("DROP INDEX items_live_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN closed")
         connection.execute("UPDATE schema_version SET version = 2")
