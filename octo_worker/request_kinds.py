@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from octo_common import messages
 from octo_common.authorizer import SessionAuthorizer
 from octo_common.digest import worker_input_fingerprint
 from octo_common.errors import (
@@ -39,20 +40,6 @@ from octo_common.errors import (
     PendingOperation,
 )
 from octo_common.grants import CapabilityGrant
-from octo_common.messages import (
-    CompensateOperation,
-    CompensationReconcileResult,
-    CompensationResult,
-    DispatchOperation,
-    OperationCompensationResult,
-    OperationReconcileResult,
-    OperationResult,
-    ReconcileCompensation,
-    ReconciledCompensation,
-    ReconciledOperation,
-    ReconcileOperation,
-    WorkerMessage,
-)
 from octo_common.states import OperationStatus
 from octo_worker.adapters import AdapterContext, WorkerAdapter
 from octo_worker.journal import Dispatch, Existing, WorkerOperationJournal
@@ -94,7 +81,7 @@ class KeyedKind:
     # (session id, request, status) -> the result struct.
     result: Callable[[str, Request, OperationStatus], Result]
     validate_result: Callable[[SessionAuthorizer, Authorized, Result], None]
-    answer: Callable[[Result], WorkerMessage]
+    answer: Callable[[Result], messages.WorkerMessage]
     # (adapter, request, grant, context) -> the adapter's coroutine.
     call: Callable[[WorkerAdapter, Request, CapabilityGrant, AdapterContext], Awaitable[Any]]
     adapter_method: str
@@ -133,19 +120,21 @@ def _compensation_context(
 
 
 def _operation_result(session_id: str, request: Request, status: OperationStatus) -> Result:
-    return OperationReconcileResult(
+    return messages.OperationReconcileResult(
         session_id, request.request_id, request.tool, request.operation_key, status
     )
 
 
 def _compensation_result(session_id: str, request: Request, status: OperationStatus) -> Result:
-    return OperationCompensationResult(session_id, request.request_id, request.binding, status)
+    return messages.OperationCompensationResult(
+        session_id, request.request_id, request.binding, status
+    )
 
 
 def _compensation_lookup_result(
     session_id: str, request: Request, status: OperationStatus
 ) -> Result:
-    return CompensationReconcileResult(
+    return messages.CompensationReconcileResult(
         session_id,
         request.request_id,
         request.tool,
@@ -186,7 +175,7 @@ DISPATCH: Final = KeyedKind(
     pending=lambda request: PendingOperation(request.operation_key),
     result=_operation_result,
     validate_result=SessionAuthorizer.validate_operation_result,
-    answer=OperationResult,
+    answer=messages.OperationResult,
     call=lambda adapter, request, grant, context: adapter.dispatch_operation(
         request, grant, context
     ),
@@ -214,7 +203,7 @@ COMPENSATE: Final = KeyedKind(
     pending=lambda request: PendingCompensation(request.operation_key),
     result=_compensation_result,
     validate_result=SessionAuthorizer.validate_compensation_result,
-    answer=CompensationResult,
+    answer=messages.CompensationResult,
     call=lambda adapter, request, grant, context: adapter.compensate_operation(
         request, grant, context
     ),
@@ -240,7 +229,7 @@ RECONCILE_OPERATION: Final = KeyedKind(
     pending=lambda request: PendingOperation(request.operation_key),
     result=_operation_result,
     validate_result=SessionAuthorizer.validate_reconciliation_result,
-    answer=ReconciledOperation,
+    answer=messages.ReconciledOperation,
     call=lambda adapter, request, grant, context: adapter.reconcile_operation(
         request, grant, context
     ),
@@ -268,7 +257,7 @@ RECONCILE_COMPENSATION: Final = KeyedKind(
     pending=lambda request: PendingCompensation(request.operation_key),
     result=_compensation_lookup_result,
     validate_result=SessionAuthorizer.validate_compensation_reconciliation_result,
-    answer=ReconciledCompensation,
+    answer=messages.ReconciledCompensation,
     call=lambda adapter, request, grant, context: adapter.reconcile_compensation(
         request, grant, context
     ),
@@ -288,8 +277,8 @@ KEYED_KINDS: Final[Mapping[str, KeyedKind]] = {
     for kind in (DISPATCH, COMPENSATE, RECONCILE_OPERATION, RECONCILE_COMPENSATION)
 }
 KEYED_MESSAGES: Final[Mapping[type, KeyedKind]] = {
-    DispatchOperation: DISPATCH,
-    CompensateOperation: COMPENSATE,
-    ReconcileOperation: RECONCILE_OPERATION,
-    ReconcileCompensation: RECONCILE_COMPENSATION,
+    messages.DispatchOperation: DISPATCH,
+    messages.CompensateOperation: COMPENSATE,
+    messages.ReconcileOperation: RECONCILE_OPERATION,
+    messages.ReconcileCompensation: RECONCILE_COMPENSATION,
 }
