@@ -2,7 +2,9 @@
 
 ``interface`` holds the commit value types and the store protocols;
 ``documents`` the session and outbox documents every backend stores;
-``sqlite`` (with ``sqlite_writer`` and ``sqlite_reader``) the SQLite
-backend. A session or the daemon imports the interface and the documents,
-never a backend module.
+``changes``, ``sealing``, ``commit_queue`` and ``base`` what every backend
+shares (change sets and their decisions, sealed rows, group commit, the
+public API); ``sqlite`` (with ``sqlite_writer``, ``sqlite_reader`` and
+``sqlite_rows``) the SQLite backend. A session or the daemon imports the
+interface and the documents, never a backend module.
 """

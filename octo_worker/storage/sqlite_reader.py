@@ -15,33 +15,26 @@ its thread.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from octo_common.errors import (
-    InvalidRevision,
-    OctoError,
-    RevisionFloorMismatch,
-    RollbackDetected,
-    StorageBackendError,
-)
+from octo_common.errors import OctoError, RollbackDetected, StorageBackendError
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
 from octo_common.records import StorageRecordKey
+from octo_worker.storage.changes import HEAD_NAMESPACE, Row, record_key
 from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
 from octo_worker.storage.interface import ScopeMetadata
+from octo_worker.storage.sealing import checked_rows
 from octo_worker.storage.sqlite_rows import (
     BY_ITEMS,
-    HEAD_NAMESPACE,
     LIVE_SESSION_ROWS,
     OUTBOX_ROWS,
     RESEAL_BATCH,
     SQL_CHUNK,
-    Row,
     backend_error,
     connect_read_only,
     guarded,
-    record_key,
 )
 from octo_worker.storage.sqlite_writer import JournalWriter
 
@@ -173,7 +166,7 @@ class JournalReader:
             return found
 
         head, rows = self._read_transaction(select, scope)
-        return self._checked_rows(rows, head)
+        return checked_rows(rows, head)
 
     def read_outbox(self, scope: str, session: str) -> tuple[list[Row], bool]:
         """The outbox rows of one session, oldest revision first, through the index.
@@ -194,7 +187,7 @@ class JournalReader:
             ).fetchall()
 
         head, rows = self._read_transaction(select, scope)
-        return self._checked_rows(rows, head), True
+        return checked_rows(rows, head), True
 
     def read_sessions(self, scope: str, keep: Sequence[str] | None) -> tuple[list[Row], list[Row]]:
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
@@ -225,18 +218,7 @@ class JournalReader:
         head, rows = self._read_transaction(select, scope)
         states = [row[1:] for row in rows if row[0] == NS_SESSION]
         openings = [row[1:] for row in rows if row[0] == NS_SESSION_OPEN]
-        return self._checked_rows(states, head), self._checked_rows(openings, head)
-
-    @staticmethod
-    def _checked_rows(rows: Iterable[tuple[Any, ...]], head: int) -> list[Row]:
-        checked: list[Row] = []
-        for item, revision, envelope in rows:
-            if type(revision) is not int or revision < 1:
-                raise InvalidRevision()
-            if revision > head:
-                raise RevisionFloorMismatch(revision, head)
-            checked.append(Row(str(item), revision, bytes(envelope)))
-        return checked
+        return checked_rows(states, head), checked_rows(openings, head)
 
     def read_scopes(self) -> list[str]:
         rows = (
@@ -288,7 +270,7 @@ class JournalReader:
             ).fetchall()
 
         head, rows = self._read_transaction(select, scope)
-        checked = self._checked_rows([row[2:] for row in rows], head)
+        checked = checked_rows([row[2:] for row in rows], head)
         return [(int(row[0]), str(row[1]), ok) for row, ok in zip(rows, checked, strict=True)]
 
     def read_prunable(self, scope: str, cutoff: float) -> list[Row]:
@@ -300,4 +282,4 @@ class JournalReader:
             ).fetchall()
 
         head, rows = self._read_transaction(select, scope)
-        return self._checked_rows(rows, head)
+        return checked_rows(rows, head)

@@ -16,7 +16,6 @@ move a head outside a commit, or raise with a path, a key or a document.
 
 from __future__ import annotations
 
-import itertools
 import os
 import sqlite3
 import stat
@@ -29,23 +28,23 @@ import structlog
 
 from octo_common.errors import (
     FencingTokenExhausted,
-    FencingTokenRejected,
     OctoError,
     RevisionExhausted,
     RollbackDetected,
-    SessionReplay,
     StorageBackendError,
-    WriteConflict,
 )
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS, SQLITE_MAX_INTEGER
-from octo_common.records import (
-    StorageKeyring,
-    StorageRecordKey,
-    encrypt_document,
-    seal_record,
-)
+from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
-from octo_common.runtime.sqlite import copy_error, migrate_schema, roll_back
+from octo_common.runtime.sqlite import migrate_schema, roll_back
+from octo_worker.storage.changes import (
+    HEAD_NAMESPACE,
+    CommitBatch,
+    PendingCommit,
+    Row,
+    RowWrite,
+    SessionTails,
+)
 from octo_worker.storage.documents import (
     NS_JOURNAL,
     NS_OUTBOX,
@@ -53,21 +52,13 @@ from octo_worker.storage.documents import (
     NS_SESSION_OPEN,
     read_outbox,
 )
+from octo_worker.storage.sealing import RowSealer
 from octo_worker.storage.sqlite_rows import (
-    HEAD_NAMESPACE,
     MIGRATIONS,
     SCHEMA_VERSION,
-    SESSION_ROWS,
-    SESSION_TAIL_LIMIT,
     SQL_CHUNK,
-    PendingCommit,
-    Row,
-    RowWrite,
     backend_error,
     connect_read_only,
-    note_tails,
-    open_row,
-    record_key,
 )
 
 __all__ = ["JournalWriter"]
@@ -90,18 +81,15 @@ class JournalWriter:
     ) -> None:
         self._path = path
         self._anchor_path = anchor_path
-        self._keyring = keyring
-        self._data_keyring = data_keyring
+        self._sealer = RowSealer(keyring, data_keyring)
         self._read_only = read_only
         self._maintenance = maintenance
         self._db: sqlite3.Connection | None = None
         # Commit baselines per scope (W§11.2 step 2): set by reserve and commits.
         self._baselines: dict[str, int] = {}
-        # (scope, session id) -> (link, revision) of the last change set that
-        # wrote the session's state row through this instance: the base of a
-        # chained commit (bounded; an evicted entry only makes a chained
-        # commit fail closed).
-        self._session_tails: dict[tuple[str, str], tuple[int, int]] = {}
+        # The last write to each session's state row through this instance:
+        # the base of a chained commit.
+        self._session_tails = SessionTails()
         # The anchor as last written; replaced (never mutated), read by the
         # reader thread at the start of each snapshot.
         self.anchor: Mapping[StorageRecordKey, int] = {}
@@ -174,7 +162,7 @@ class JournalWriter:
         for row_id, scope, item, revision, envelope in rows:
             row = Row(str(item), int(revision), bytes(envelope))
             try:
-                document = open_row(self._keyring, self._data_keyring, str(scope), NS_OUTBOX, row)
+                document = self._sealer.open(str(scope), NS_OUTBOX, row)
                 entry = read_outbox(document, str(scope), row.item, row.revision)
             except (OctoError, ValueError):
                 continue
@@ -296,18 +284,12 @@ class JournalWriter:
     def apply_batch(self, batch: Sequence[PendingCommit]) -> list[int | OctoError]:
         """One transaction, one fsync, for every change set of ``batch``.
 
-        Runs entirely in the writer thread. A change set that fails its own
-        checks is rolled back to its savepoint; a failure of the transaction
-        (or of the anchor write) fails every change set in it.
+        Runs entirely in the writer thread; every outcome is decided by
+        ``CommitBatch``. A change set that fails its own checks is rolled
+        back to its savepoint; a failure of the transaction (or of the anchor
+        write) fails every change set in it.
         """
-        outcomes: list[int | OctoError] = []
-        # Heads as this transaction sees them: read once per scope, then kept
-        # here (the write lock is ours) and written back once before COMMIT.
-        heads: dict[str, tuple[int, int]] = {}
-        advanced: dict[str, int] = {}
-        # Session state rows written (or failed: None) by this transaction so
-        # far; folded into ``_session_tails`` once it commits.
-        tails: dict[tuple[str, str], tuple[int, int] | None] = {}
+        decisions = CommitBatch(batch, self._baselines, self._session_tails, SQLITE_MAX_INTEGER)
         # Alone in its transaction, a change set needs no savepoint: a refusal
         # rolls the whole (otherwise empty) transaction back.
         use_savepoints = len(batch) > 1
@@ -319,20 +301,17 @@ class JournalWriter:
                     if use_savepoints:
                         connection.execute("SAVEPOINT change_set")
                     try:
-                        revision = self._apply_one(connection, pending, heads, advanced, tails)
+                        revision = self._apply_one(connection, pending, decisions)
                     except OctoError as exc:
                         if use_savepoints:
                             connection.execute("ROLLBACK TO change_set")
                             connection.execute("RELEASE change_set")
-                        outcomes.append(exc)
-                        note_tails(tails, pending, None)
+                        decisions.refused(pending, exc)
                         continue
                     if use_savepoints:
                         connection.execute("RELEASE change_set")
-                    note_tails(tails, pending, revision)
-                    heads[pending.scope] = (revision, heads[pending.scope][1])
-                    advanced[pending.scope] = revision
-                    outcomes.append(revision)
+                    decisions.committed_one(pending, revision)
+                advanced = decisions.advanced
                 for scope, revision in advanced.items():
                     connection.execute(
                         "UPDATE heads SET revision = ? WHERE namespace = ? AND name = ?",
@@ -344,16 +323,8 @@ class JournalWriter:
                     connection.execute("ROLLBACK")
                 raise
         except (sqlite3.Error, OSError, OctoError) as exc:
-            for tail in tails:
-                self._session_tails.pop(tail, None)
-            failure: OctoError = exc if isinstance(exc, OctoError) else backend_error(exc)
-            failed: list[int | OctoError] = [
-                o if isinstance(o, OctoError) else copy_error(failure) for o in outcomes
-            ]
-            return failed + [copy_error(failure) for _ in range(len(batch) - len(outcomes))]
-        # Committed: the database is the truth for this instance's baselines,
-        # even if the anchor write below fails its callers.
-        self._baselines.update(advanced)
+            return decisions.fail_all(exc if isinstance(exc, OctoError) else backend_error(exc))
+        advanced = decisions.advanced
         if advanced and self._anchor_path is not None:
             anchor = dict(self.anchor)
             for scope, revision in advanced.items():
@@ -361,58 +332,41 @@ class JournalWriter:
             try:
                 self._write_anchor_file(anchor)
             except OSError as exc:
-                # Its callers are told the batch failed: nothing may chain on it.
-                for name in tails:
-                    self._session_tails.pop(name, None)
-                failure = backend_error(exc)
-                return [o if isinstance(o, OctoError) else copy_error(failure) for o in outcomes]
+                # Committed all the same (the baselines move), but its callers
+                # are told the batch failed: nothing may chain on it.
+                return decisions.fail_all(backend_error(exc), committed=True)
             finally:
                 # Readers compare against the newest anchor the disk may hold.
                 self.anchor = anchor
-        self._fold_tails(tails)
-        return outcomes
+        return decisions.finish()
 
     def _apply_one(
-        self,
-        connection: sqlite3.Connection,
-        pending: PendingCommit,
-        heads: dict[str, tuple[int, int]],
-        advanced: Mapping[str, int],
-        tails: Mapping[tuple[str, str], tuple[int, int] | None],
+        self, connection: sqlite3.Connection, pending: PendingCommit, decisions: CommitBatch
     ) -> int:
         """W§11.2 steps 1-4 for one change set, inside the open transaction.
 
         The head itself is advanced by the caller, once per scope and batch.
         """
         scope = pending.scope
-        head = heads.get(scope)
-        if head is None:
+        if decisions.needs_head(scope):
             row = connection.execute(
                 "SELECT revision, fence FROM heads WHERE namespace = ? AND name = ?",
                 (HEAD_NAMESPACE, scope),
             ).fetchone()
-            head = (0, 0) if row is None else (int(row[0]), int(row[1]))
-            heads[scope] = head
-        head_revision, fence = head
-        if fence != pending.token:  # step 1
-            raise FencingTokenRejected(fence, pending.token)
-        baseline = advanced.get(scope, self._baselines.get(scope))
-        if baseline != head_revision:  # step 2
-            raise WriteConflict(baseline, head_revision, head_revision)
-        writes = pending.writes
-        if any(write.after is not None for write in writes):
-            writes = tuple(self._chain(connection, scope, w, head_revision, tails) for w in writes)
-        if head_revision >= SQLITE_MAX_INTEGER:  # step 4, after step 3's verdict
+            head, fence = (0, 0) if row is None else (int(row[0]), int(row[1]))
+            decisions.see_head(scope, head, fence)
+        writes, revision = decisions.check(pending)  # steps 1-2
+        for write in writes:
+            if write.after is not None:  # a broken chain
+                raise decisions.conflict(pending, write, self._current(connection, scope, write))
+        if revision is None:  # step 4, after step 3's verdict
             for write in writes:
-                conflict = self._conflict(connection, scope, write, head_revision)
-                if conflict.actual != write.base_revision:
-                    if write.item in pending.new_sessions and write.namespace in SESSION_ROWS:
-                        raise SessionReplay(write.item)
-                    raise conflict
+                actual = self._current(connection, scope, write)
+                if actual != write.base_revision:
+                    raise decisions.conflict(pending, write, actual)
             raise RevisionExhausted()
-        revision = head_revision + 1
         now = time.time()
-        sealed = [(write, self._seal(scope, write, revision)) for write in writes]
+        sealed = [(write, self._sealer.seal(scope, write, revision)) for write in writes]
         # Step 3 is checked by the writes themselves, one statement per row: an
         # insert meets the UNIQUE key when the row exists, an update names the
         # base revision. A refused change set is undone by the caller (its
@@ -435,9 +389,8 @@ class JournalWriter:
                         ),
                     )
                 except sqlite3.IntegrityError:
-                    if write.item in pending.new_sessions and write.namespace in SESSION_ROWS:
-                        raise SessionReplay(write.item) from None
-                    raise self._conflict(connection, scope, write, head_revision) from None
+                    actual = self._current(connection, scope, write)
+                    raise decisions.conflict(pending, write, actual) from None
             else:
                 updated = connection.execute(
                     "UPDATE items SET revision = ?, envelope = ?, written_at = ?, closed = ? "
@@ -454,9 +407,10 @@ class JournalWriter:
                     ),
                 ).rowcount
                 if updated != 1:
-                    raise self._conflict(connection, scope, write, head_revision)
+                    actual = self._current(connection, scope, write)
+                    raise decisions.conflict(pending, write, actual)
         for write in writes:
-            if write.closed:
+            if write.closed and write.namespace == NS_SESSION:
                 # Its opening row is never rewritten: mark it beside the envelope.
                 connection.execute(
                     "UPDATE items SET closed = 1 WHERE namespace = ? AND name = ? AND item = ?",
@@ -469,53 +423,14 @@ class JournalWriter:
             )
         return revision
 
-    def _chain(
-        self,
-        connection: sqlite3.Connection,
-        scope: str,
-        write: RowWrite,
-        head_revision: int,
-        tails: Mapping[tuple[str, str], tuple[int, int] | None],
-    ) -> RowWrite:
-        """A chained session write with its base: what the change set it follows wrote."""
-        if write.after is None:
-            return write
-        name = (scope, write.item)
-        tail = tails[name] if name in tails else self._session_tails.get(name)
-        if tail is None or tail[0] != write.after:
-            # That change set failed, never came here, or was written over since.
-            raise self._conflict(connection, scope, write, head_revision)
-        return write._replace(base_revision=tail[1], after=None)
-
-    def _fold_tails(self, tails: Mapping[tuple[str, str], tuple[int, int] | None]) -> None:
-        known = self._session_tails
-        for name, revision in tails.items():
-            known.pop(name, None)  # re-inserted last: the bound drops the oldest
-            if revision is not None:
-                known[name] = revision
-        excess = len(known) - SESSION_TAIL_LIMIT
-        if excess > 0:
-            for name in list(itertools.islice(known, excess)):
-                del known[name]
-
     @staticmethod
-    def _conflict(
-        connection: sqlite3.Connection, scope: str, write: RowWrite, head_revision: int
-    ) -> WriteConflict:
+    def _current(connection: sqlite3.Connection, scope: str, write: RowWrite) -> int | None:
+        """The revision ``write``'s row has now (None: absent)."""
         current = connection.execute(
             "SELECT revision FROM items WHERE namespace = ? AND name = ? AND item = ?",
             (write.namespace, scope, write.item),
         ).fetchone()
-        actual = None if current is None else int(current[0])
-        return WriteConflict(write.base_revision, actual, head_revision)
-
-    def _seal(self, scope: str, write: RowWrite, revision: int) -> bytes:
-        payload = write.document
-        if self._data_keyring is not None:
-            payload = encrypt_document(
-                self._data_keyring, write.namespace, scope, write.item, revision, payload
-            )
-        return seal_record(self._keyring, record_key(write.namespace, scope), revision, payload)
+        return None if current is None else int(current[0])
 
     def close(self) -> None:
         self._session_tails.clear()

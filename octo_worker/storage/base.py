@@ -1,0 +1,426 @@
+"""The public API every journal backend shares: ``JournalStoreBase`` (W§11, PROTOCOL.md §2.4).
+
+Owns what a journal store does on the event loop whatever the database:
+the argument checks of every entry point, a commit prepared before any I/O
+and queued for group commit (``commit_queue.CommitQueue``), every loaded
+row opened (authenticated, decrypted, its document's location checked:
+``sealing.RowSealer``) and turned into what the caller asked for (journal
+records, sessions with both their rows, outbox entries), and the operator
+work built on loads (prune candidates chosen, rows resealed). The read-only
+and maintenance modes refuse what they must not do before any I/O.
+
+A backend (``sqlite.SqliteJournalStore``, ``postgres.PostgresJournalStore``)
+supplies the primitives below: open, reserve a fence in one statement, run
+one batch of change sets as one transaction (deciding nothing itself:
+``changes.CommitBatch`` does), read rows beside their head in one snapshot
+(the floor rule, ``sealing.checked_rows``), and the maintenance writes.
+
+It must never decide an outcome in a backend's place, log or raise with
+keys, documents or frames, or let a caller's cancellation leave a
+submitted commit's outcome unknown.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+
+import msgspec
+import structlog
+
+from octo_common.errors import (
+    InvalidJournalLease,
+    RecordLocationMismatch,
+    RollbackDetected,
+    StorageBackendError,
+)
+from octo_common.ids import validate_token
+from octo_common.records import StorageKeyring
+from octo_common.states import TERMINAL_KINDS
+from octo_worker.journal import WorkerOperationRecord
+from octo_worker.storage.changes import PendingCommit, Row, check_scope, prepare
+from octo_worker.storage.commit_queue import CommitQueue, Outcomes, StoreStats
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    read_outbox,
+    session_header,
+    state_status,
+)
+from octo_worker.storage.interface import (
+    OutboxEntry,
+    PersistedSession,
+    PruneReport,
+    ResealReport,
+    ScopeMetadata,
+    WorkerCommit,
+    WorkerJournalLease,
+    issue_lease,
+)
+from octo_worker.storage.sealing import RowSealer
+
+__all__ = ["JournalStoreBase"]
+
+_log = structlog.get_logger("octo_worker.store")
+
+Resealed = tuple[int, int, bytes, bytes]
+"""(row id, revision, envelope read, envelope sealed again) of one row ``reseal`` rewrites."""
+
+
+class JournalStoreBase(abc.ABC):
+    """Rows, CAS revisions, fences, group commit and the outbox (W§11); see the module docstring.
+
+    ``read_only=True`` (the operator's inspection verbs, beside a running
+    daemon): every write call raises ``StorageBackendError`` before any
+    I/O. ``maintenance=True`` (``prune`` and ``reseal`` beside a running
+    daemon) may rewrite or delete rows but never moves a head: ``commit``
+    and ``reserve_fence`` raise ``StorageBackendError``. With
+    ``group_commit=False`` every change set gets its own transaction (for
+    benchmarks); ``on_batch`` is told the size of every transaction.
+    """
+
+    # Takes chained session commits (SessionDocuments.link/after). A wrapper
+    # that forwards this must hand change sets on in call order, without an
+    # await before it does (a chained one arriving first fails closed).
+    chains_session_commits: Final = True
+
+    def __init__(
+        self,
+        keyring: StorageKeyring,
+        data_keyring: StorageKeyring | None,
+        *,
+        group_commit: bool,
+        on_batch: Callable[[int], None] | None,
+        read_only: bool,
+        maintenance: bool,
+    ) -> None:
+        self._sealer = RowSealer(keyring, data_keyring)
+        self._keyring = keyring
+        self._data_keyring = data_keyring
+        self._read_only = read_only
+        self._maintenance = maintenance
+        self._commits = CommitQueue(self._run_batch, group_commit=group_commit, on_batch=on_batch)
+        self._opened = False
+        self._closed = False
+
+    # What a backend supplies ----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _ensure_open(self) -> None:
+        """Open the database on first use (``StorageBackendError`` once closed)."""
+
+    @abc.abstractmethod
+    async def _reserve(self, scope: str) -> int:
+        """W§11.3 in one statement; the head revision read becomes the commit baseline."""
+
+    @abc.abstractmethod
+    def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
+        """Start one transaction for ``batch``; ``done`` gets one outcome per change set."""
+
+    @abc.abstractmethod
+    async def _rows(self, scope: str, namespace: str, items: Sequence[str] | None) -> list[Row]:
+        """Rows of ``items`` (None: every row, oldest revision first), floor-checked."""
+
+    @abc.abstractmethod
+    async def _outbox_rows(self, scope: str, session: str) -> tuple[list[Row], bool]:
+        """One session's outbox rows, oldest revision first, and whether they were
+        chosen by their session column (False: every outbox row of the scope, for
+        the caller to choose from)."""
+
+    @abc.abstractmethod
+    async def _session_rows(
+        self, scope: str, keep: Sequence[str] | None
+    ) -> tuple[list[Row], list[Row]]:
+        """(state rows, opening rows); with ``keep``, live sessions and those named."""
+
+    @abc.abstractmethod
+    async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:
+        """Journal rows last written before ``cutoff`` (Unix time), floor-checked."""
+
+    @abc.abstractmethod
+    async def _row_batch(self, scope: str, after: int) -> list[tuple[int, str, Row]]:
+        """The next rows of every namespace after row id ``after``, as (id, namespace, row)."""
+
+    @abc.abstractmethod
+    async def _head(self, scope: str) -> int:
+        """The scope's committed revision (0 without a head)."""
+
+    @abc.abstractmethod
+    async def _scope_names(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def _metadata(self, scope: str) -> ScopeMetadata: ...
+
+    @abc.abstractmethod
+    async def _integrity(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
+        """Delete rows still at the revision read; how many went."""
+
+    @abc.abstractmethod
+    async def _replace_envelopes(self, scope: str, changes: Sequence[Resealed]) -> int:
+        """Swap envelopes of rows still at the revision and envelope read; how many."""
+
+    @abc.abstractmethod
+    async def _mark_closed_rows(self, scope: str, ids: Sequence[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish queued commits, release the database. Idempotent."""
+
+    # The public API -------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> StoreStats:
+        """How many transactions ran, the change sets they carried, the rows opened."""
+        return msgspec.structs.replace(self._commits.stats, rows_opened=self._sealer.opened)
+
+    async def reserve_fence(self, scope: str) -> WorkerJournalLease:
+        """Create the head if absent, add 1 to its fence, return it (W§11.3).
+
+        The head revision read in the same transaction becomes this store
+        instance's commit baseline for the scope.
+        """
+        check_scope(scope)
+        self._check_committing()
+        token = await self._reserve(scope)
+        return issue_lease(scope, token)
+
+    async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
+        """Commit one change set (W§11.2); returns the new scope revision.
+
+        Concurrent calls share transactions (group commit); each caller gets
+        the outcome it would have had alone. Once submitted, the commit is
+        shielded from the caller's cancellation: it completes or fails.
+        """
+        check_scope(scope)
+        if not isinstance(lease, WorkerJournalLease) or not lease.is_for(scope):
+            raise InvalidJournalLease()
+        if not isinstance(changes, WorkerCommit):
+            raise TypeError("changes must be a WorkerCommit")
+        writes, new_sessions = prepare(scope, changes)
+        self._check_committing()
+        if not self._opened:
+            await self._ensure_open()
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        return await self._commits.submit(
+            scope, lease.token, writes, new_sessions, tuple(changes.outbox_delete)
+        )
+
+    async def load_records(
+        self, scope: str, keys: Iterable[str]
+    ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
+        """The rows of ``keys`` (None for a key without a row), W§9.2's ``records``."""
+        check_scope(scope)
+        wanted = list(dict.fromkeys(keys))
+        for key in wanted:
+            validate_token("operation key", key)
+        rows = await self._rows(scope, NS_JOURNAL, wanted)
+        result: dict[str, tuple[WorkerOperationRecord, int] | None] = dict.fromkeys(wanted)
+        for row in rows:
+            result[row.item] = (self._record(scope, row), row.revision)
+        return result
+
+    async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
+        """Every journal row of ``scope``, oldest revision first (operator helper)."""
+        check_scope(scope)
+        rows = await self._rows(scope, NS_JOURNAL, None)
+        return [(self._record(scope, row), row.revision) for row in rows]
+
+    def _record(self, scope: str, row: Row) -> WorkerOperationRecord:
+        document = self._sealer.open(scope, NS_JOURNAL, row)
+        return WorkerOperationRecord.from_row_json(document, scope, row.item)
+
+    async def prune(self, scope: str, older_than_seconds: float) -> PruneReport:
+        """Remove terminal journal rows not written for ``older_than_seconds``.
+
+        Only an operation in a terminal state whose compensation is absent or
+        terminal is removed; ``pending`` and ``running`` rows are never touched.
+        Every candidate is authenticated before it is chosen, and a row written
+        again since (another revision) is kept. The scope head does not move.
+
+        A pruned key is forgotten: a later request for it is admitted as new.
+        Prune only keys whose host runs are finished (see OPERATIONS.md).
+        """
+        check_scope(scope)
+        if not older_than_seconds >= 0:
+            raise ValueError("older_than_seconds must be a non-negative number")
+        self._check_writable()
+        cutoff = time.time() - older_than_seconds
+        rows = await self._prunable_rows(scope, cutoff)
+        victims: list[tuple[str, int]] = []
+        kept = 0
+        for row in rows:
+            record = self._record(scope, row)
+            compensation = record.compensation
+            if record.state.kind in TERMINAL_KINDS and (
+                compensation is None or compensation.state.kind in TERMINAL_KINDS
+            ):
+                victims.append((row.item, row.revision))
+            else:
+                kept += 1
+        removed = await self._delete_journal_rows(scope, victims) if victims else 0
+        if removed:
+            _log.info("journal_pruned", scope=scope, removed=removed, kept=kept)
+        return PruneReport(removed=removed, kept=kept)
+
+    async def reseal(self, scope: str) -> ResealReport:
+        """Re-seal every row of ``scope`` that an old key sealed, at its own revision.
+
+        A row is re-sealed when the storage key that sealed it is not the
+        keyring's active key or, with a data keyring, when its payload is
+        encrypted under another data key than the active one. Every row is
+        authenticated (and decrypted) first; a row that fails stops the
+        call with that error. Revisions, the head and the fence do not move,
+        so this is safe while the daemon runs: a row the daemon writes
+        meanwhile (sealed with the active key) is left as it is. Batches of
+        1,000 rows, one short transaction each. Rows a running daemon never
+        writes again (closed sessions, above all) need this before an old
+        key can be retired.
+        """
+        check_scope(scope)
+        self._check_writable()
+        resealed = current = 0
+        after = 0
+        while True:
+            rows = await self._row_batch(scope, after)
+            if not rows:
+                break
+            changes: list[Resealed] = []
+            for row_id, namespace, row in rows:
+                after = row_id
+                envelope = self._sealer.reseal(scope, namespace, row)
+                if envelope is None:
+                    current += 1
+                else:
+                    changes.append((row_id, row.revision, row.envelope, envelope))
+            if changes:
+                resealed += await self._replace_envelopes(scope, changes)
+        if resealed:
+            _log.info("journal_resealed", scope=scope, resealed=resealed, current=current)
+        return ResealReport(resealed=resealed, current=current)
+
+    async def load_sessions(
+        self, scope: str, *, skip_closed_except: Iterable[str] | None = None
+    ) -> dict[str, PersistedSession]:
+        """Every session of ``scope`` (every status), keyed by session id.
+
+        With ``skip_closed_except``, closed sessions are left out (neither
+        read nor authenticated), except those it names: a start then costs
+        what the live sessions cost, not every session ever closed. "Closed"
+        is the store's own mark, set by the commit that closed the session;
+        one closed before that mark existed (SQLite schema 3) is still returned.
+        """
+        check_scope(scope)
+        keep = None if skip_closed_except is None else sorted(set(skip_closed_except))
+        for session_id in keep or ():
+            validate_token("session id", session_id)
+        states, openings = await self._session_rows(scope, keep)
+        opened: dict[str, tuple[bytes, int]] = {}
+        for row in openings:
+            document = self._sealer.open(scope, NS_SESSION_OPEN, row)
+            session_header(document, scope, row.item)
+            opened[row.item] = (document, row.revision)
+        sessions: dict[str, PersistedSession] = {}
+        for row in states:
+            document = self._sealer.open(scope, NS_SESSION, row)
+            status = state_status(document, scope, row.item)
+            opening = opened.pop(row.item, None)
+            if opening is None:
+                # Both rows are written by the session's first commit: a
+                # missing half was deleted.
+                raise RollbackDetected(None, row.revision)
+            sessions[row.item] = PersistedSession(
+                row.item, status, opening[0], document, row.revision
+            )
+        if opened:  # an opening document whose state row is gone
+            raise RollbackDetected(None, next(iter(opened.values()))[1])
+        return sessions
+
+    async def mark_closed(self, scope: str, session_ids: Iterable[str]) -> None:
+        """Mark sessions the caller read, authenticated and found closed, so that
+        ``skip_closed_except`` leaves them out from now on.
+
+        For sessions closed before the mark existed (a commit that closes a
+        session marks it itself). Metadata only: no revision, envelope or head moves.
+        """
+        check_scope(scope)
+        ids = sorted(set(session_ids))
+        for session_id in ids:
+            validate_token("session id", session_id)
+        if ids:
+            self._check_writable()
+            await self._mark_closed_rows(scope, ids)
+
+    async def session_status(self, scope: str, session_id: str) -> str | None:
+        """The status in ``session_id``'s state row (read and authenticated), None without one."""
+        check_scope(scope)
+        validate_token("session id", session_id)
+        rows = await self._rows(scope, NS_SESSION, [session_id])
+        if not rows:
+            return None
+        document = self._sealer.open(scope, NS_SESSION, rows[0])
+        return state_status(document, scope, rows[0].item)
+
+    async def load_outbox(self, scope: str, *, session_id: str | None = None) -> list[OutboxEntry]:
+        """Every outbox row of ``scope``, oldest revision first (W§11.4).
+
+        With ``session_id``, the rows of that session alone, found through the
+        rows' session column and its index: the cost is that session's rows,
+        not the scope's outbox. Each row is authenticated, and one whose
+        document names another session than its column raises
+        ``RecordLocationMismatch`` (the column is unauthenticated metadata).
+        """
+        check_scope(scope)
+        if session_id is None:
+            rows = await self._rows(scope, NS_OUTBOX, None)
+            chosen = False
+        else:
+            validate_token("session id", session_id)
+            rows, chosen = await self._outbox_rows(scope, session_id)
+        entries: list[OutboxEntry] = []
+        for row in rows:
+            document = self._sealer.open(scope, NS_OUTBOX, row)
+            entry = read_outbox(document, scope, row.item, row.revision)
+            if session_id is not None and entry.session_id != session_id:
+                if chosen:
+                    raise RecordLocationMismatch(session_id, entry.session_id)
+                continue
+            entries.append(entry)
+        return entries
+
+    async def head_revision(self, scope: str) -> int:
+        """The scope's committed revision (0 without a head)."""
+        check_scope(scope)
+        return await self._head(scope)
+
+    async def scopes(self) -> list[str]:
+        """Every scope with a head, sorted (operator helper)."""
+        return await self._scope_names()
+
+    async def scope_metadata(self, scope: str) -> ScopeMetadata:
+        """The scope's fence and row metadata (operator helper; reads no envelope)."""
+        check_scope(scope)
+        return await self._metadata(scope)
+
+    async def integrity_check(self) -> list[str]:
+        """``["ok"]`` when the database reports itself healthy, else its findings."""
+        return await self._integrity()
+
+    # Modes -----------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self._read_only:
+            raise StorageBackendError("the store was opened read-only")
+
+    def _check_committing(self) -> None:
+        """Moving a head (commit, fence) is for neither a read-only nor a maintenance store."""
+        self._check_writable()
+        if self._maintenance:
+            raise StorageBackendError("a maintenance store neither commits nor reserves fences")

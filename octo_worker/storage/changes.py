@@ -1,0 +1,379 @@
+"""What a journal commit writes and how a batch of commits is decided, for every backend (W§11.2).
+
+Owns, independent of any database:
+
+* the shape of a prepared change set (:class:`RowWrite`,
+  :class:`PendingCommit`) and of a loaded row (:class:`Row`), and the
+  validation and rendering of a ``WorkerCommit`` before any I/O
+  (:func:`prepare`);
+* the scope-token and base-revision checks every entry point makes
+  (:func:`check_scope`, :func:`check_base_revision`) and the record key a
+  row is sealed under (:func:`record_key`);
+* the decisions of one group-commit transaction (:class:`CommitBatch`):
+  W§11.2 steps 1-2 against the head as the transaction sees it, the new
+  revision (step 4, with its ceiling), the error a refused row write gets
+  (step 3: ``WriteConflict``, or ``SessionReplay`` for a new session), the
+  chained session commits resolved to the revision their predecessor
+  wrote (:class:`SessionTails`), every caller's outcome, and what the
+  store instance keeps once the transaction committed (baselines, tails)
+  or failed (nothing).
+
+A backend runs the statements (reading a head, writing a row under its
+base revision, reading a row's current revision after a refusal) and tells
+:class:`CommitBatch` what happened; it never decides an outcome itself.
+
+It must never do I/O, hold a key, or let a refused change set leave a
+trace in what the store keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, NamedTuple
+
+from octo_common.digest import message_id as frame_message_id
+from octo_common.errors import (
+    FencingTokenRejected,
+    InvalidRevision,
+    InvalidToken,
+    OctoError,
+    OperationJournalScopeMismatch,
+    RecordLocationMismatch,
+    SessionReplay,
+    WriteConflict,
+)
+from octo_common.ids import validate_token
+from octo_common.records import StorageRecordKey
+from octo_common.runtime.sqlite import copy_error
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    is_message_id,
+    outbox_document,
+    session_header,
+    state_status,
+)
+from octo_worker.storage.interface import WorkerCommit
+
+__all__ = [
+    "HEAD_NAMESPACE",
+    "SESSION_ROWS",
+    "SESSION_TAIL_LIMIT",
+    "CommitBatch",
+    "PendingCommit",
+    "Row",
+    "RowWrite",
+    "SessionTails",
+    "check_base_revision",
+    "check_scope",
+    "prepare",
+    "record_key",
+]
+
+# The scope heads live under the journal namespace (W§11.1).
+HEAD_NAMESPACE: Final = NS_JOURNAL
+SESSION_ROWS: Final = frozenset({NS_SESSION, NS_SESSION_OPEN})
+# Sessions whose last committed state revision a store instance remembers
+# for chained commits (SessionDocuments.link/after); about 100 bytes each.
+SESSION_TAIL_LIMIT: Final = 65536
+
+
+class RowWrite(NamedTuple):
+    namespace: str
+    item: str
+    document: bytes
+    # The revision the row must currently have; None: the row must be absent.
+    base_revision: int | None
+    # Session state rows only (SessionDocuments.link/after): this write's
+    # link, and the link of the change set whose revision is its base.
+    link: int | None = None
+    after: int | None = None
+    # Session rows only: the session's state document says ``closed`` (the
+    # opening row of a session opened and closed in one commit carries it too).
+    closed: bool = False
+    # Outbox rows only: the session the reply belongs to (the row's metadata).
+    session: str | None = None
+
+
+@dataclass(slots=True)
+class PendingCommit:
+    scope: str
+    token: int
+    writes: tuple[RowWrite, ...]
+    new_sessions: tuple[str, ...]
+    outbox_delete: tuple[str, ...]
+    # The caller's window on the outcome: resolved with the revision or the
+    # error (never an exception, so nothing is left unretrieved), or cancelled
+    # with its caller, which the store then skips.
+    future: asyncio.Future[int | OctoError]
+
+
+class Row(NamedTuple):
+    item: str
+    revision: int
+    envelope: bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def record_key(namespace: str, scope: str) -> StorageRecordKey:
+    # Record keys validate on construction; rows of a scope reuse the same few.
+    return StorageRecordKey(namespace, scope)
+
+
+_VALID_SCOPES: set[str] = set()
+
+
+def check_scope(scope: str) -> None:
+    """A scope is a token (field ``operation journal scope``); valid ones are remembered."""
+    if type(scope) is str and scope in _VALID_SCOPES:
+        return
+    validate_token("operation journal scope", scope)
+    if len(_VALID_SCOPES) >= 4096:
+        _VALID_SCOPES.clear()
+    _VALID_SCOPES.add(scope)
+
+
+def check_base_revision(value: object) -> None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise InvalidRevision()
+
+
+def prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[RowWrite, ...], tuple[str, ...]]:
+    """Validate a change set and render its documents, before any I/O."""
+    writes: list[RowWrite] = []
+    new_sessions: list[str] = []
+    journal = changes.journal
+    if journal is not None:
+        if journal.scope != scope:
+            raise OperationJournalScopeMismatch(scope, journal.scope)
+        for key, change in journal.rows.items():
+            if change.record.operation_key != key:
+                raise RecordLocationMismatch(key, change.record.operation_key)
+            check_base_revision(change.base_revision)
+            document = change.record.to_row_json(scope)
+            writes.append(RowWrite(NS_JOURNAL, key, document, change.base_revision))
+    for session_id, documents in changes.sessions.items():
+        validate_token("session id", session_id)
+        check_base_revision(documents.base_revision)
+        closed = state_status(documents.state, scope, session_id) == "closed"
+        link, after = documents.link, documents.after
+        for value in (link, after):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError("a commit link is a positive int")
+        if after is not None:
+            if documents.base_revision is not None or documents.opening is not None:
+                raise ValueError("a chained commit names neither a base revision nor an opening")
+            writes.append(
+                RowWrite(NS_SESSION, session_id, documents.state, None, link, after, closed)
+            )
+            continue
+        writes.append(
+            RowWrite(
+                NS_SESSION, session_id, documents.state, documents.base_revision, link, None, closed
+            )
+        )
+        if documents.base_revision is None:
+            if documents.opening is None:
+                raise ValueError("a new session must supply its opening document")
+            session_header(documents.opening, scope, session_id)
+            writes.append(
+                RowWrite(NS_SESSION_OPEN, session_id, documents.opening, None, closed=closed)
+            )
+            new_sessions.append(session_id)
+        elif documents.opening is not None:
+            raise ValueError("a session's opening document is written once, when it opens")
+    for entry in changes.outbox_insert:
+        validate_token("session id", entry.session_id)
+        expected_id = frame_message_id(entry.frame)
+        if entry.message_id != expected_id:
+            raise RecordLocationMismatch(expected_id, entry.message_id)
+        document = outbox_document(
+            scope, entry.session_id, entry.reply_to, entry.correlation_id, entry.frame
+        )
+        writes.append(
+            RowWrite(NS_OUTBOX, entry.message_id, document, None, session=entry.session_id)
+        )
+    for message in changes.outbox_delete:
+        if not is_message_id(message):
+            raise InvalidToken("message id", message)
+    return tuple(writes), tuple(new_sessions)
+
+
+def closed_sessions(writes: Sequence[RowWrite]) -> list[str]:
+    """The sessions a change set closes (their opening rows get the closed mark too)."""
+    return [write.item for write in writes if write.closed and write.namespace == NS_SESSION]
+
+
+# Chained session commits --------------------------------------------------------------
+
+_Tail = tuple[int, int]  # (link, revision) of the last change set that wrote a state row
+_Name = tuple[str, str]  # (scope, session id)
+
+
+class SessionTails:
+    """What a store instance remembers of its last write to each session's state row.
+
+    The base of a chained commit (``SessionDocuments.after``): the revision
+    that the change set named by ``after`` wrote, through this instance.
+    Bounded (the oldest is forgotten first); a forgotten or failed tail only
+    makes a chained commit fail closed with ``WriteConflict``.
+    """
+
+    def __init__(self, limit: int = SESSION_TAIL_LIMIT) -> None:
+        self._known: dict[_Name, _Tail] = {}
+        self._limit = limit
+
+    def get(self, name: _Name) -> _Tail | None:
+        return self._known.get(name)
+
+    def fold(self, tails: dict[_Name, _Tail | None]) -> None:
+        """Take what a committed transaction wrote (None: nothing to chain on)."""
+        known = self._known
+        for name, tail in tails.items():
+            known.pop(name, None)  # re-inserted last: the bound drops the oldest
+            if tail is not None:
+                known[name] = tail
+        excess = len(known) - self._limit
+        if excess > 0:
+            for name in list(itertools.islice(known, excess)):
+                del known[name]
+
+    def forget(self, names: dict[_Name, _Tail | None]) -> None:
+        """Drop what a failed transaction touched: nothing may chain on it."""
+        for name in names:
+            self._known.pop(name, None)
+
+    def clear(self) -> None:
+        self._known.clear()
+
+
+# One group-commit transaction ----------------------------------------------------------
+
+
+class CommitBatch:
+    """The decisions of one transaction over a batch of change sets (W§11.2 steps 1-4).
+
+    A backend, inside its transaction, for each change set in order:
+
+    1. :meth:`needs_head` / :meth:`see_head`: the scope's head (revision,
+       fence) as the transaction sees it, read once per scope;
+    2. :meth:`check`: steps 1-2 and chain resolution; returns the writes
+       with their bases (a broken chain keeps ``after`` set: the backend
+       reads the row's current revision and reports the refusal) and the
+       new revision, or None when the revision would pass ``ceiling``
+       (the backend then reports the first refused write, if any, else
+       :meth:`exhausted`);
+    3. :meth:`committed_one` or :meth:`refused` (with the error from
+       :meth:`conflict`), then the next change set;
+
+    then writes :meth:`advanced` into the heads, commits, and calls
+    :meth:`finish` (or :meth:`fail_all` when the transaction failed).
+    """
+
+    def __init__(
+        self,
+        batch: Sequence[PendingCommit],
+        baselines: dict[str, int],
+        tails: SessionTails,
+        ceiling: int,
+    ) -> None:
+        self.batch = batch
+        self._baselines = baselines
+        self._tails = tails
+        self._ceiling = ceiling
+        self._heads: dict[str, tuple[int, int]] = {}
+        self.advanced: dict[str, int] = {}
+        self._written: dict[_Name, _Tail | None] = {}
+        self.outcomes: list[int | OctoError] = []
+
+    def needs_head(self, scope: str) -> bool:
+        return scope not in self._heads
+
+    def see_head(self, scope: str, revision: int, fence: int) -> None:
+        self._heads[scope] = (revision, fence)
+
+    def head_revision(self, scope: str) -> int:
+        return self._heads[scope][0]
+
+    def check(self, pending: PendingCommit) -> tuple[tuple[RowWrite, ...], int | None]:
+        """Steps 1-2, chains resolved, and the new revision (None: past the ceiling)."""
+        scope = pending.scope
+        head_revision, fence = self._heads[scope]
+        if fence != pending.token:  # step 1
+            raise FencingTokenRejected(fence, pending.token)
+        baseline = self.advanced.get(scope, self._baselines.get(scope))
+        if baseline != head_revision:  # step 2
+            raise WriteConflict(baseline, head_revision, head_revision)
+        writes = pending.writes
+        if any(write.after is not None for write in writes):
+            writes = tuple(self._chain(scope, write) for write in writes)
+        revision = head_revision + 1 if head_revision < self._ceiling else None
+        return writes, revision
+
+    def _chain(self, scope: str, write: RowWrite) -> RowWrite:
+        if write.after is None:
+            return write
+        name = (scope, write.item)
+        tail = self._written[name] if name in self._written else self._tails.get(name)
+        if tail is None or tail[0] != write.after:
+            # That change set failed, never came here, or was written over
+            # since: ``after`` stays set and the write is refused.
+            return write
+        return write._replace(base_revision=tail[1], after=None)
+
+    def conflict(
+        self, pending: PendingCommit, write: RowWrite, actual: int | None
+    ) -> WriteConflict | SessionReplay:
+        """The refusal of ``write``, whose row is at ``actual`` (None: absent)."""
+        if (
+            write.base_revision is None
+            and write.after is None
+            and write.namespace in SESSION_ROWS
+            and write.item in pending.new_sessions
+        ):
+            return SessionReplay(write.item)
+        return WriteConflict(write.base_revision, actual, self._heads[pending.scope][0])
+
+    def committed_one(self, pending: PendingCommit, revision: int) -> None:
+        self._note_tails(pending, revision)
+        scope = pending.scope
+        self._heads[scope] = (revision, self._heads[scope][1])
+        self.advanced[scope] = revision
+        self.outcomes.append(revision)
+
+    def refused(self, pending: PendingCommit, error: OctoError) -> None:
+        self._note_tails(pending, None)
+        self.outcomes.append(error)
+
+    def _note_tails(self, pending: PendingCommit, revision: int | None) -> None:
+        for write in pending.writes:
+            if write.namespace == NS_SESSION:
+                link = write.link
+                name = (pending.scope, write.item)
+                self._written[name] = None if link is None or revision is None else (link, revision)
+
+    def finish(self) -> list[int | OctoError]:
+        """The transaction committed: baselines and tails move; every caller's outcome."""
+        self._baselines.update(self.advanced)
+        self._tails.fold(self._written)
+        return self.outcomes
+
+    def fail_all(self, failure: OctoError, *, committed: bool = False) -> list[int | OctoError]:
+        """The transaction (or what follows its COMMIT) failed: every change set fails.
+
+        ``committed``: the database holds the transaction all the same (a
+        failure after COMMIT): the baselines still move, nothing may chain on it.
+        """
+        if committed:
+            self._baselines.update(self.advanced)
+        self._tails.forget(self._written)
+        failed: list[int | OctoError] = [
+            o if isinstance(o, OctoError) else copy_error(failure) for o in self.outcomes
+        ]
+        return failed + [copy_error(failure) for _ in range(len(self.batch) - len(failed))]
