@@ -75,8 +75,11 @@ async def test_a_database_without_write_times_migrates(tmp_path: Path) -> None:
     store = SqliteJournalStore(path, StorageKeyring("k1", bytes(32)))
     await _write(store, [_record("op-old", Failed("x"))])
     await store.close()
-    # Take the database back to schema 1 (no written_at column, no closed mark).
+    # Take the database back to schema 1 (no written_at column, no closed mark,
+    # no outbox session).
     with sqlite3.connect(path) as connection:
+        connection.execute("DROP INDEX items_outbox_sessions")
+        connection.execute("ALTER TABLE items DROP COLUMN session")
         connection.execute("DROP INDEX items_live_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN closed")
         connection.execute("ALTER TABLE items DROP COLUMN written_at")
