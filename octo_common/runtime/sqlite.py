@@ -9,31 +9,43 @@ the worker journal hands over one prepared batch at a time and runs each
 item with :func:`run_each`). Each outcome goes back to the event loop of
 the caller that submitted it, with one wake-up per loop per batch. Also
 owns :func:`migrate_schema` (forward migrations under a ``schema_version``
-table) and :func:`copy_error`.
+table, SQL statements or functions run in the migration's transaction),
+:func:`prepare_database_files` (how both stores create and secure their
+database files: directory ``0o700``, database, ``-wal`` and ``-shm``
+``0o600``, never through a link; :func:`check_database_files` once a
+connection is open) and :func:`copy_error`.
 
 It must never interpret what it runs: it does not know SQL, records or
 keys, and never logs. A failure of ``run_batch`` itself fails every item of
-that batch and leaves the thread serving the next one.
+that batch and leaves the thread serving the next one. It must never follow
+a link to a database file or change the mode of anything reached through one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
+import os
 import queue
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import Any, Final, Generic, TypeVar
 
 from octo_common.errors import OctoError, StorageBackendError
 
 __all__ = [
     "DatabaseThread",
+    "MigrationStep",
     "Outcome",
     "copy_error",
     "migrate_schema",
+    "check_database_files",
+    "prepare_database_files",
     "roll_back",
     "run_each",
 ]
@@ -238,12 +250,20 @@ def _resolve(future: asyncio.Future[Any], outcome: Outcome) -> None:
 # Schema migration -----------------------------------------------------------------------
 
 
-def migrate_schema(connection: sqlite3.Connection, migrations: Sequence[Sequence[str]]) -> None:
-    """Bring the schema to version ``len(migrations)`` in one ``BEGIN IMMEDIATE``.
+MigrationStep = str | Callable[[sqlite3.Connection], None]
+"""One step of a migration: an SQL statement, or a function run on the connection
+inside the migration's transaction (to build what SQL alone cannot)."""
 
-    ``migrations[i]`` holds the statements that move version ``i`` to
-    ``i + 1``. The version lives in ``schema_version`` (one row). A newer
-    version than this code knows, or a malformed version table, raises
+
+def migrate_schema(
+    connection: sqlite3.Connection, migrations: Sequence[Sequence[MigrationStep]]
+) -> int:
+    """Bring the schema to version ``len(migrations)`` in one ``BEGIN IMMEDIATE``;
+    return the version the database had before (0 for a new one).
+
+    ``migrations[i]`` holds the steps that move version ``i`` to ``i + 1``.
+    The version lives in ``schema_version`` (one row). A newer version than
+    this code knows, or a malformed version table, raises
     ``StorageBackendError``; any failure rolls the whole migration back.
     """
     target = len(migrations)
@@ -256,9 +276,12 @@ def migrate_schema(connection: sqlite3.Connection, migrations: Sequence[Sequence
         version: int = rows[0][0] if rows else 0
         if version > target:
             raise StorageBackendError(f"open: schema version {version} is newer than supported")
-        for statements in migrations[version:]:
-            for statement in statements:
-                connection.execute(statement)
+        for steps in migrations[version:]:
+            for step in steps:
+                if isinstance(step, str):
+                    connection.execute(step)
+                else:
+                    step(connection)
         if not rows:
             connection.execute("INSERT INTO schema_version (version) VALUES (?)", (target,))
         elif version != target:
@@ -267,6 +290,7 @@ def migrate_schema(connection: sqlite3.Connection, migrations: Sequence[Sequence
     except BaseException:
         roll_back(connection)
         raise
+    return version
 
 
 def roll_back(connection: sqlite3.Connection) -> None:
@@ -274,3 +298,98 @@ def roll_back(connection: sqlite3.Connection) -> None:
     if connection.in_transaction:
         with contextlib.suppress(sqlite3.Error):
             connection.execute("ROLLBACK")
+
+
+# Database files ------------------------------------------------------------------------
+
+_NO_LINK: Final = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def prepare_database_files(database: Path) -> int | None:
+    """Create and secure a database's files before this process's connection opens them.
+
+    The directory is created (with its parents) when absent and forced to
+    ``0o700``. The database file is created when absent (``O_CREAT | O_EXCL
+    | O_NOFOLLOW``, then ``fchmod`` ``0o600``, whatever the umask). The
+    database and any ``-wal`` / ``-shm`` beside it must be regular files
+    (a link planted at any of these paths is refused with
+    ``StorageBackendError``, never followed); one with another mode is
+    forced to ``0o600`` by ``fchmod`` on a descriptor opened without
+    following a link. SQLite then creates its side files with the
+    database's mode. Returns the mode of an existing directory that gives
+    group or others any access (the caller warns), else None. ``OSError``
+    for what the system refuses.
+
+    A descriptor is opened only to create or repair a file: closing a
+    descriptor of a database file drops every POSIX lock this process holds
+    on it, SQLite's included, so a database another connection of this
+    process has open is left alone when its files are already right.
+    """
+    directory = database.parent
+    loose: int | None = None
+    if not os.path.lexists(directory):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _force_mode(directory, 0o700, directory=True)
+    else:
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        if mode & 0o077:
+            loose = mode
+    try:
+        fd = os.open(database, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_LINK, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    for path in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):
+        try:
+            _force_mode(path, 0o600, directory=False)
+        except FileNotFoundError:
+            if path == database:
+                raise
+    return loose
+
+
+def check_database_files(database: Path) -> None:
+    """Once a connection is open: the database and its side files are regular files
+    of mode ``0o600`` (``StorageBackendError`` otherwise). Never opens a descriptor."""
+    for path in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise StorageBackendError("database path is not a regular file")
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            raise StorageBackendError("database file permissions are not 0600")
+
+
+def _force_mode(path: Path, mode: int, *, directory: bool) -> None:
+    """``path`` must be a directory / regular file (never a link); give it ``mode``
+    through a descriptor that did not follow a link, only when it has another."""
+    what = "database directory" if directory else "database path"
+    info = os.lstat(path)  # FileNotFoundError: the caller decides
+    if stat.S_ISLNK(info.st_mode):
+        raise StorageBackendError(f"{what} is a symbolic link")
+    if not (stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)):
+        raise StorageBackendError(f"{what} is not a {'directory' if directory else 'regular file'}")
+    if stat.S_IMODE(info.st_mode) == mode:
+        return
+    flags = (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY
+    try:
+        fd = os.open(path, flags | _NO_LINK)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # replaced since the lstat
+            raise StorageBackendError(f"{what} changed while it was secured") from None
+        raise
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            raise StorageBackendError(f"{what} changed while it was secured")
+        os.fchmod(fd, mode)
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            raise StorageBackendError(f"{what} permissions could not be set")
+    finally:
+        os.close(fd)

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,7 +39,14 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
-from octo_common.runtime.sqlite import DatabaseThread, Outcome, migrate_schema, roll_back
+from octo_common.runtime.sqlite import (
+    DatabaseThread,
+    Outcome,
+    check_database_files,
+    migrate_schema,
+    prepare_database_files,
+    roll_back,
+)
 from octo_host.storage.authenticated import AuthenticatedStore
 from octo_host.storage.contract import (
     Head,
@@ -117,37 +123,12 @@ def _sqlite_detail(operation: str, exc: sqlite3.Error) -> str:
 
 
 def _prepare_files(database: Path) -> None:
-    """Directory 0o700 when created (warn if group/other-readable), db file 0o600."""
-    directory = database.parent
-    if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
-    else:
-        mode = stat.S_IMODE(directory.stat().st_mode)
-        if mode & 0o077:
-            _log.warning("storage_directory_not_private", directory=str(directory), mode=oct(mode))
-    if not database.exists():
-        fd = os.open(database, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-    _secure_database_files(database)
-
-
-def _secure_database_files(database: Path) -> None:
-    """Force the database, ``-wal`` and ``-shm`` files to 0o600 and verify it."""
-    for candidate in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):
-        try:
-            info = candidate.lstat()
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            raise StorageBackendError("database path is not a regular file")
-        if stat.S_IMODE(info.st_mode) != 0o600:
-            os.chmod(candidate, 0o600)
-            if stat.S_IMODE(candidate.lstat().st_mode) != 0o600:
-                raise StorageBackendError("database file permissions could not be set")
+    """Directory 0o700 when created (warn if group/other-readable), db files 0o600."""
+    loose = prepare_database_files(database)
+    if loose is not None:
+        _log.warning(
+            "storage_directory_not_private", directory=str(database.parent), mode=oct(loose)
+        )
 
 
 class _Work:
@@ -348,7 +329,7 @@ class SqliteRecordBackend(SwapBackend):
             connection.execute("PRAGMA synchronous = FULL")
             connection.execute("PRAGMA foreign_keys = ON")
             migrate_schema(connection, _MIGRATIONS)
-            _secure_database_files(self._path)
+            check_database_files(self._path)
             self._guard.open(connection, anchor)
         except BaseException:
             connection.close()

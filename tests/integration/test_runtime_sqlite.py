@@ -1,22 +1,33 @@
 """The database thread and the schema migration both stores use (W§11, H§17.7).
 
 The thread is exercised with plain functions (no database), the migration
-on a real SQLite file.
+and the database files (private, never through a link) on real SQLite files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import stat
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from octo_common.errors import StorageBackendError, WriteConflict
-from octo_common.runtime.sqlite import DatabaseThread, Outcome, migrate_schema, run_each
+from octo_common.runtime.sqlite import (
+    DatabaseThread,
+    Outcome,
+    check_database_files,
+    migrate_schema,
+    prepare_database_files,
+    run_each,
+)
 
 WAIT = 5.0
 
@@ -244,3 +255,148 @@ def test_a_failing_migration_is_rolled_back_whole(tmp_path: Path) -> None:
     assert not connection.in_transaction
     tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
     assert tables == set()
+
+
+def test_a_migration_step_may_be_a_function_run_in_the_same_transaction(tmp_path: Path) -> None:
+    connection = connect(tmp_path / "db.sqlite3")
+    assert migrate_schema(connection, MIGRATIONS[:1]) == 0
+
+    def build(inside: sqlite3.Connection) -> None:
+        assert inside.in_transaction
+        inside.execute("INSERT INTO a VALUES (7)")
+
+    def fail(inside: sqlite3.Connection) -> None:
+        inside.execute("INSERT INTO a VALUES (8)")
+        raise StorageBackendError("cannot build")
+
+    with pytest.raises(StorageBackendError, match="cannot build"):
+        migrate_schema(connection, (*MIGRATIONS[:1], ("CREATE TABLE c (z INTEGER)", fail)))
+    assert version(connection) == [(1,)]  # nothing of the failed step stayed
+    assert connection.execute("SELECT x FROM a").fetchall() == []
+    assert migrate_schema(connection, (*MIGRATIONS[:1], ("CREATE TABLE c (z INTEGER)", build))) == 1
+    assert connection.execute("SELECT x FROM a").fetchall() == [(7,)]
+    assert version(connection) == [(2,)]
+
+
+# Database files -------------------------------------------------------------------------------
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+@pytest.fixture
+def loose_umask() -> Iterator[None]:
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def test_database_files_are_created_private_even_under_a_loose_umask(
+    tmp_path: Path, loose_umask: None
+) -> None:
+    database = tmp_path / "state" / "db.sqlite3"
+    assert prepare_database_files(database) is None
+    assert mode_of(database.parent) == 0o700
+    assert mode_of(database) == 0o600
+    connection = connect(database)
+    try:
+        assert connection.execute("PRAGMA journal_mode=WAL").fetchone() == ("wal",)
+        connection.execute("CREATE TABLE t (x INTEGER)")
+        check_database_files(database)  # SQLite gave its side files the database's mode
+        assert mode_of(Path(f"{database}-wal")) == 0o600
+    finally:
+        connection.close()
+
+
+def test_loose_files_are_made_private_and_a_loose_directory_is_reported(tmp_path: Path) -> None:
+    directory = tmp_path / "shared"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o755)
+    database = directory / "db.sqlite3"
+    for path in (database, Path(f"{database}-wal")):
+        path.touch()
+        path.chmod(0o644)
+    assert prepare_database_files(database) == 0o755
+    assert mode_of(database) == 0o600
+    assert mode_of(Path(f"{database}-wal")) == 0o600
+    assert mode_of(directory) == 0o755  # reported (the caller warns), never changed
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm"])
+def test_a_link_at_a_database_path_is_refused_and_never_followed(
+    tmp_path: Path, suffix: str
+) -> None:
+    database = tmp_path / "db.sqlite3"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.touch()
+    elsewhere.chmod(0o644)
+    if suffix:
+        database.touch()
+        database.chmod(0o600)
+    os.symlink(elsewhere, f"{database}{suffix}")
+    with pytest.raises(StorageBackendError, match="symbolic link"):
+        prepare_database_files(database)
+    with pytest.raises(StorageBackendError, match="not a regular file"):
+        check_database_files(database)
+    assert mode_of(elsewhere) == 0o644  # the link's target was never touched
+
+
+def test_a_database_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    occupied = tmp_path / "occupied"
+    occupied.write_text("not a directory")
+    with pytest.raises(OSError):
+        prepare_database_files(occupied / "db.sqlite3")
+
+
+def test_preparing_the_files_of_an_open_database_keeps_its_connection_s_locks(
+    tmp_path: Path,
+) -> None:
+    # Closing any descriptor of a database file drops every POSIX lock this
+    # process holds on it, SQLite's included: another process that writes and
+    # closes would then take itself for the last connection, checkpoint and
+    # delete the WAL under the open ones, and no new reader would ever see
+    # their later commits.
+    database = tmp_path / "db.sqlite3"
+    prepare_database_files(database)
+    writer = connect(database)
+    reader: sqlite3.Connection | None = None
+    try:
+        writer.execute("PRAGMA journal_mode=WAL")
+        writer.execute("CREATE TABLE t (x INTEGER)")
+        writer.execute("INSERT INTO t VALUES (1)")
+        prepare_database_files(database)  # what a second store of this process does
+        check_database_files(database)
+        reader = connect(database)
+        assert reader.execute("SELECT count(*) FROM t").fetchone() == (1,)
+        subprocess.run(  # another process writes, then closes the database
+            [
+                sys.executable,
+                "-c",
+                f"import sqlite3; c = sqlite3.connect({str(database)!r}, isolation_level=None); "
+                "c.execute('INSERT INTO t VALUES (2)'); c.close()",
+            ],
+            check=True,
+            timeout=30,
+        )
+        writer.execute("INSERT INTO t VALUES (3)")
+        seen = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sqlite3; "
+                f"print(sqlite3.connect({str(database)!r}).execute('SELECT count(*) FROM t')"
+                ".fetchone()[0])",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        if reader is not None:
+            reader.close()
+        writer.close()
+    assert seen.stdout.strip() == "3"
