@@ -8,7 +8,8 @@ A SQLite ledger database holds, beside its records, one *store head*:
   of every live record's (namespace, name, revision), with their count;
 * ``key_id`` and ``auth_tag``: keyed BLAKE3 with the storage key ``key_id``
   names, 64 lowercase hex, over ``"octo-storage-head-v1" ‖ LP(key_id) ‖
-  BE64(revision) ‖ BE64(count) ‖ LP(digest bytes)``.
+  BE64(revision) ‖ BE64(count) ‖ LP(digest bytes)`` (the seal of
+  :mod:`octo_common.headseal`, which the worker journal's scope heads share).
 
 Each write transaction moves the head in O(1) (per written record: remove
 its old element, add the new one) and reseals it with the active key; at
@@ -23,20 +24,11 @@ keyring) or put key material in an error.
 
 from __future__ import annotations
 
-import hmac
-import re
 from typing import Final
 
-import blake3
-
-from octo_common.digest import be64, lp
-from octo_common.errors import (
-    InvalidKeyId,
-    InvalidRecordAuthenticationTag,
-    StorageBackendError,
-)
-from octo_common.ids import is_token
-from octo_common.limits import MAX_STORAGE_KEY_ID_BYTES
+from octo_common import headseal
+from octo_common.digest import be64
+from octo_common.errors import StorageBackendError
 from octo_common.records import StorageKey, StorageKeyring
 from octo_common.setdigest import SET_DIGEST_BYTES, SetDigest
 
@@ -44,21 +36,15 @@ __all__ = ["HEAD_DOMAIN", "LEDGER_ROWS_DOMAIN", "StoreHead", "head_tag"]
 
 HEAD_DOMAIN: Final = b"octo-storage-head-v1"
 LEDGER_ROWS_DOMAIN: Final = b"octo-host-ledger-records-v1"
-_TAG_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def head_tag(key: StorageKey, key_id: str, revision: int, digest: SetDigest) -> str:
     """The head's tag: keyed BLAKE3 (64 lowercase hex) of its framed fields."""
-    message = b"".join(
-        (
-            HEAD_DOMAIN,
-            lp(key_id.encode("utf-8")),
-            be64(revision),
-            be64(digest.count),
-            lp(digest.to_bytes()),
-        )
-    )
-    return str(blake3.blake3(message, key=key.reveal()).hexdigest())
+    return headseal.head_tag(key, HEAD_DOMAIN, key_id, _fields(revision, digest))
+
+
+def _fields(revision: int, digest: SetDigest) -> bytes:
+    return be64(revision) + headseal.digest_fields(digest)
 
 
 class StoreHead:
@@ -110,23 +96,15 @@ class StoreHead:
         """Check the seal: absent or malformed tag → ``InvalidRecordAuthenticationTag``,
         bad key id → ``InvalidKeyId``, key not in the keyring → ``UnknownKeyId``,
         mismatch → ``InvalidRecordAuthenticationTag``."""
-        if self.key_id is None or self.tag is None:
-            raise InvalidRecordAuthenticationTag()
-        if not (is_token(self.key_id) and len(self.key_id) <= MAX_STORAGE_KEY_ID_BYTES):
-            raise InvalidKeyId()
-        if not _TAG_HEX.fullmatch(self.tag):
-            raise InvalidRecordAuthenticationTag()
-        key = keyring.key_for(self.key_id)
-        expected = head_tag(key, self.key_id, self.revision, self.digest)
-        if not hmac.compare_digest(expected.encode("ascii"), self.tag.encode("ascii")):
-            raise InvalidRecordAuthenticationTag()
+        headseal.verify_head_seal(
+            keyring, HEAD_DOMAIN, self.key_id, self.tag, _fields(self.revision, self.digest)
+        )
 
     def sealed_with(self, keyring: StorageKeyring | None) -> StoreHead:
         """This head sealed with the keyring's active key (unsealed without a keyring)."""
         if keyring is None:
             return StoreHead(self.revision, self.digest)
-        key_id = keyring.active_id
-        tag = head_tag(keyring.active_key, key_id, self.revision, self.digest)
+        key_id, tag = headseal.seal_head(keyring, HEAD_DOMAIN, _fields(self.revision, self.digest))
         return StoreHead(self.revision, self.digest, key_id, tag)
 
     def row(self) -> tuple[int, int, bytes, str | None, str | None]:
