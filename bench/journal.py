@@ -33,7 +33,10 @@ Parts (all by default), every rate in interleaved rounds on the same disk:
   aiosqlite comes with the ``bench`` extra (``pip install -e '.[bench]'``).
 * ``sizes``: admission latency (one caller) with ``--small`` and ``--big``
   existing records; each database is built with one bulk insert of sealed
-  rows. Goal: latency(big) / latency(small) <= 1.5.
+  rows (and the scope head's digest over them, sealed as the store keeps
+  it). Goal: latency(big) / latency(small) <= 1.5. Also printed: the time
+  to load the scope (``reserve_fence``, which checks every row of the scope
+  against its sealed head: O(rows), once per start or reload).
 
 The machine may be shared, so rates run in interleaved rounds; the figures
 printed last are medians (a ratio is taken per round) and, for the rates
@@ -65,6 +68,7 @@ import blake3
 from octo_common.records import StorageKeyring, StorageRecordKey, seal_record
 from octo_common.states import Pending
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
+from octo_worker.storage.sqlite_heads import read_head, update_head
 from octo_worker.store import (
     SessionDocuments,
     SqliteJournalStore,
@@ -183,7 +187,8 @@ def raw_commits_per_second(path: Path, seconds: float) -> float:
 
 
 async def build_database(path: Path, records: int, progress: Callable[[str], None]) -> None:
-    """A store database holding ``records`` sealed journal rows at revision 1."""
+    """A store database holding ``records`` sealed journal rows at revision 1, and the
+    scope head's digest over them (what the store's commits would have left)."""
     store = SqliteJournalStore(path, keyring())
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, WorkerCommit())  # head revision 1
@@ -194,11 +199,15 @@ async def build_database(path: Path, records: int, progress: Callable[[str], Non
     connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("BEGIN IMMEDIATE")
     batch: list[tuple[str, str, str, int, bytes]] = []
+    head = read_head(connection, SCOPE)
+    assert head is not None
+    digest = head.digest.copy()
     step = max(records // 10, 1)
     for index in range(records):
         key = f"op-existing-{index}"
         envelope = seal_record(ring, location, 1, record(key).to_row_json(SCOPE))
         batch.append(("worker-journal", SCOPE, key, 1, envelope))
+        digest.add("worker-journal", key, 1)
         if len(batch) == 10_000:
             connection.executemany(
                 INSERT_ROW,
@@ -212,22 +221,27 @@ async def build_database(path: Path, records: int, progress: Callable[[str], Non
             INSERT_ROW,
             batch,
         )
+    update_head(connection, head.sealed(ring, digest=digest))
     connection.execute("COMMIT")
     connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     connection.close()
 
 
-async def admission_latency(path: Path, admissions: int, run: int) -> tuple[float, float]:
-    """(median, p99) seconds of one caller's admissions against ``path``."""
+async def admission_latency(path: Path, admissions: int, run: int) -> tuple[float, float, float]:
+    """(median, p99) seconds of one caller's admissions against ``path``, and the
+    seconds ``reserve_fence`` took (the scope checked against its sealed head)."""
     store = SqliteJournalStore(path, keyring())
+    await store.scopes()  # open (and migrate) first: not part of the load
+    started = time.perf_counter()
     lease = await store.reserve_fence(SCOPE)
+    load = time.perf_counter() - started
     admitter = Admitter(store, f"latency-{run}")
     revision: int | None = None
     for _ in range(admissions):
         revision = await admitter.admit(lease, f"{SESSION}-latency-{run}", revision)
     await store.close()
     latencies = sorted(admitter.latencies[admissions // 10 :])  # drop warm-up
-    return statistics.median(latencies), latencies[int(len(latencies) * 0.99) - 1]
+    return statistics.median(latencies), latencies[int(len(latencies) * 0.99) - 1], load
 
 
 # stdlib sqlite3 on its own thread vs aiosqlite ------------------------------------------------
@@ -534,13 +548,13 @@ async def sizes(
     medians: dict[str, list[float]] = {label: [] for label, _ in databases}
     for round_number in range(rounds):
         for label, size in databases:
-            median, p99 = await admission_latency(
+            median, p99, load = await admission_latency(
                 root / f"size-{label}.db", admissions, round_number
             )
             medians[label].append(median)
             say(
                 f"admission latency with {size:>9,} records: median {median * 1e6:7.0f} us, "
-                f"p99 {p99 * 1e6:7.0f} us"
+                f"p99 {p99 * 1e6:7.0f} us; scope load (reserve_fence) {load:6.2f} s"
             )
     low, high = statistics.median(medians["small"]), statistics.median(medians["big"])
     say(

@@ -186,7 +186,13 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                 asyncio.Semaphore(scope_config.max_concurrency),
             )
             self._scopes[scope.name] = scope
-            await self._load_scope(scope)
+            try:
+                await self._load_scope(scope)
+            except OctoError as exc:
+                # A scope whose rows are not its sealed head's (rollback_detected)
+                # or that cannot be read stops the start: fail closed, say which.
+                self._log.error("scope_load_failed", scope=scope.name, error=exc.code)
+                raise
         self._log.info(
             "worker_started",
             scopes=len(self._scopes),

@@ -4,7 +4,9 @@
 exception text), serves the metrics endpoint when configured, and runs the
 daemon (with the console beside it when ``[console] listen`` is set) until
 SIGTERM. ``check`` probes the configuration, each key file, the adapters,
-the journal (read-only) and the broker, and reports each as one line.
+the journal (read-only: schema, anchor, every configured scope against its
+sealed head, its sessions as a start reads them) and the broker, and
+reports each as one line.
 
 It must never print a key, a password or a traceback.
 """
@@ -49,6 +51,7 @@ from octo_worker.cli.common import (
     run_event_loop,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_key
+from octo_worker.storage.documents import read_session
 
 __all__ = ["cmd_check", "cmd_run", "configure_logging", "register"]
 
@@ -149,7 +152,9 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     except InvalidConfiguration as error:
         raise CliError(EXIT_USAGE, str(error), error.code) from None
     except StorageError as error:
-        raise CliError(EXIT_STORAGE, f"journal storage: {error}", error.code) from None
+        raise CliError(
+            EXIT_STORAGE, f"journal storage: {error.code}: {error}", error.code
+        ) from None
     except OctoError as error:
         raise CliError(EXIT_USAGE, f"start-up failed: {error}", error.code) from None
     except OSError as error:
@@ -283,6 +288,7 @@ def _creatable(directory: Path) -> str:
 
 
 async def _probe_journal(config: WorkerConfig) -> str:
+    """What the daemon's start reads, read-only: the rules of ``run``'s start up to the broker."""
     path = config.journal_path
     anchor = config.anchor_path
     if anchor is not None and not anchor.exists():
@@ -302,10 +308,25 @@ async def _probe_journal(config: WorkerConfig) -> str:
                 f"{path}: integrity_check: {'; '.join(problems[:3])}",
                 "storage_backend_error",
             )
-        scopes = await store.scopes()
-        for scope in scopes:
-            await store.head_revision(scope)  # checks the rollback anchor too
-    return f"{path} integrity ok, {len(scopes)} scope(s)"
+        rows = sessions = 0
+        for scope in config.scopes:
+            try:
+                # What reserving the scope's fence checks, then what loading it reads.
+                checked = await store.verify_scope(scope.name)
+                in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
+                persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
+                for record in persisted.values():
+                    read_session(record, scope.name)
+            except OctoError as error:
+                raise CliError(
+                    EXIT_STORAGE, f"scope {scope.name}: {error.code}: {error}", error.code
+                ) from None
+            rows += checked.rows
+            sessions += len(persisted)
+    return (
+        f"{path} integrity ok; {len(config.scopes)} scope(s) match their sealed heads "
+        f"({rows} row(s), {sessions} session(s) to restore)"
+    )
 
 
 async def _probe_broker(config: WorkerConfig) -> str:

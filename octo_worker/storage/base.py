@@ -6,14 +6,18 @@ and queued for group commit (``commit_queue.CommitQueue``), every loaded
 row opened (authenticated, decrypted, its document's location checked:
 ``sealing.RowSealer``) and turned into what the caller asked for (journal
 records, sessions with both their rows, outbox entries), and the operator
-work built on loads (prune candidates chosen, rows resealed). The read-only
+work built on loads (prune candidates chosen, rows resealed), and each
+scope checked against its sealed head whenever it is loaded (every fence
+reservation) or verified (``scope_head.check_snapshot``). The read-only
 and maintenance modes refuse what they must not do before any I/O.
 
 A backend (``sqlite.SqliteJournalStore``, ``postgres.PostgresJournalStore``)
-supplies the primitives below: open, reserve a fence in one statement, run
-one batch of change sets as one transaction (deciding nothing itself:
-``changes.CommitBatch`` does), read rows beside their head in one snapshot
-(the floor rule, ``sealing.checked_rows``), and the maintenance writes.
+supplies the primitives below: open, reserve a fence (the head verified and
+resealed), run one batch of change sets as one transaction (deciding nothing
+itself: ``changes.CommitBatch`` does, the scope digests included), read rows
+beside their head in one snapshot (the floor rule, ``sealing.checked_rows``),
+read a whole scope's head and row digest in one snapshot, and the
+maintenance writes (each keeping the digest right).
 
 It must never decide an outcome in a backend's place, log or raise with
 keys, documents or frames, or let a caller's cancellation leave a
@@ -56,11 +60,13 @@ from octo_worker.storage.interface import (
     PersistedSession,
     PruneReport,
     ResealReport,
+    ScopeCheck,
     ScopeMetadata,
     WorkerCommit,
     WorkerJournalLease,
     issue_lease,
 )
+from octo_worker.storage.scope_head import ScopeSnapshot, check_snapshot
 from octo_worker.storage.sealing import RowSealer
 
 __all__ = ["JournalStoreBase"]
@@ -115,7 +121,17 @@ class JournalStoreBase(abc.ABC):
 
     @abc.abstractmethod
     async def _reserve(self, scope: str) -> int:
-        """W§11.3 in one statement; the head revision read becomes the commit baseline."""
+        """W§11.3 in one transaction: the head created (fence 1) or verified, its fence
+        raised and the head resealed; the head revision read becomes the commit baseline."""
+
+    @abc.abstractmethod
+    async def _scope_snapshot(self, scope: str) -> ScopeSnapshot:
+        """The scope's head and the digest recomputed over all its rows, in one read
+        snapshot, with the anchored revision (O(rows of the scope), off the event loop)."""
+
+    @abc.abstractmethod
+    async def _reseal_head(self, scope: str) -> bool:
+        """Reseal the scope's head with the active key if another sealed it; whether it did."""
 
     @abc.abstractmethod
     def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
@@ -183,13 +199,31 @@ class JournalStoreBase(abc.ABC):
     async def reserve_fence(self, scope: str) -> WorkerJournalLease:
         """Create the head if absent, add 1 to its fence, return it (W§11.3).
 
-        The head revision read in the same transaction becomes this store
-        instance's commit baseline for the scope.
+        The head must authenticate; the head revision read in the same
+        transaction becomes this store instance's commit baseline for the
+        scope. Then the whole scope is checked against its head
+        (:meth:`verify_scope`): no lease for a scope whose rows are not the
+        head's (``RollbackDetected``).
         """
         check_scope(scope)
         self._check_committing()
         token = await self._reserve(scope)
+        await self.verify_scope(scope)
         return issue_lease(scope, token)
+
+    async def verify_scope(self, scope: str) -> ScopeCheck:
+        """Check every row of ``scope`` against its sealed head, in one read snapshot.
+
+        The head must authenticate and not be below the anchor, and the
+        digest recomputed over the scope's rows (journal, session and outbox
+        rows) must be the head's: a row deleted, put back to an older sealed
+        version or copied in is ``RollbackDetected``. O(rows of the scope);
+        rows are not opened here (``journal verify`` opens each one besides).
+        """
+        check_scope(scope)
+        snapshot = await self._scope_snapshot(scope)
+        check_snapshot(snapshot, self._keyring)
+        return ScopeCheck(snapshot.revision, snapshot.rows, snapshot.computed is not None)
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         """Commit one change set (W§11.2); returns the new scope revision.
@@ -243,7 +277,8 @@ class JournalStoreBase(abc.ABC):
         Only an operation in a terminal state whose compensation is absent or
         terminal is removed; ``pending`` and ``running`` rows are never touched.
         Every candidate is authenticated before it is chosen, and a row written
-        again since (another revision) is kept. The scope head does not move.
+        again since (another revision) is kept. The scope head's revision does
+        not move; its digest moves by the rows removed, in the same transaction.
 
         A pruned key is forgotten: a later request for it is admitted as new.
         Prune only keys whose host runs are finished (see OPERATIONS.md).
@@ -277,12 +312,13 @@ class JournalStoreBase(abc.ABC):
         keyring's active key or, with a data keyring, when its payload is
         encrypted under another data key than the active one. Every row is
         authenticated (and decrypted) first; a row that fails stops the
-        call with that error. Revisions, the head and the fence do not move,
-        so this is safe while the daemon runs: a row the daemon writes
-        meanwhile (sealed with the active key) is left as it is. Batches of
-        1,000 rows, one short transaction each. Rows a running daemon never
-        writes again (closed sessions, above all) need this before an old
-        key can be retired.
+        call with that error. Revisions, the head's revision and fence and
+        its digest do not move, so this is safe while the daemon runs: a row
+        the daemon writes meanwhile (sealed with the active key) is left as
+        it is. Batches of 1,000 rows, one short transaction each; then the
+        head itself is resealed with the active key. Rows a running daemon
+        never writes again (closed sessions, above all) need this before an
+        old key can be retired.
         """
         check_scope(scope)
         self._check_writable()
@@ -302,8 +338,16 @@ class JournalStoreBase(abc.ABC):
                     changes.append((row_id, row.revision, row.envelope, envelope))
             if changes:
                 resealed += await self._replace_envelopes(scope, changes)
-        if resealed:
-            _log.info("journal_resealed", scope=scope, resealed=resealed, current=current)
+        # The head too, so that the key that sealed it can be retired.
+        head_resealed = await self._reseal_head(scope)
+        if resealed or head_resealed:
+            _log.info(
+                "journal_resealed",
+                scope=scope,
+                resealed=resealed,
+                current=current,
+                head=head_resealed,
+            )
         return ResealReport(resealed=resealed, current=current)
 
     async def load_sessions(

@@ -10,13 +10,15 @@ Owns, independent of any database:
   (:func:`check_scope`, :func:`check_base_revision`) and the record key a
   row is sealed under (:func:`record_key`);
 * the decisions of one group-commit transaction (:class:`CommitBatch`):
-  W§11.2 steps 1-2 against the head as the transaction sees it, the new
-  revision (step 4, with its ceiling), the error a refused row write gets
-  (step 3: ``WriteConflict``, or ``SessionReplay`` for a new session), the
-  chained session commits resolved to the revision their predecessor
-  wrote (:class:`SessionTails`), every caller's outcome, and what the
-  store instance keeps once the transaction committed (baselines, tails)
-  or failed (nothing).
+  W§11.2 steps 1-2 against the head as the transaction sees it (its seal
+  verified before anything is written on it), the new revision (step 4,
+  with its ceiling), the error a refused row write gets (step 3:
+  ``WriteConflict``, or ``SessionReplay`` for a new session), the chained
+  session commits resolved to the revision their predecessor wrote
+  (:class:`SessionTails`), each scope's row digest moved by the rows each
+  change set wrote or deleted (``scope_head``), the heads to write back,
+  every caller's outcome, and what the store instance keeps once the
+  transaction committed (baselines, tails) or failed (nothing).
 
 A backend runs the statements (reading a head, writing a row under its
 base revision, reading a row's current revision after a refusal) and tells
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -49,6 +51,7 @@ from octo_common.errors import (
 from octo_common.ids import validate_token
 from octo_common.records import StorageRecordKey
 from octo_common.runtime.sqlite import copy_error
+from octo_common.setdigest import SetDigest
 from octo_worker.storage.documents import (
     NS_JOURNAL,
     NS_OUTBOX,
@@ -60,6 +63,7 @@ from octo_worker.storage.documents import (
     state_status,
 )
 from octo_worker.storage.interface import WorkerCommit
+from octo_worker.storage.scope_head import HEAD_NAMESPACE, DigestChanges, ScopeHead
 
 __all__ = [
     "HEAD_NAMESPACE",
@@ -76,8 +80,6 @@ __all__ = [
     "record_key",
 ]
 
-# The scope heads live under the journal namespace (W§11.1).
-HEAD_NAMESPACE: Final = NS_JOURNAL
 SESSION_ROWS: Final = frozenset({NS_SESSION, NS_SESSION_OPEN})
 # Sessions whose last committed state revision a store instance remembers
 # for chained commits (SessionDocuments.link/after); about 100 bytes each.
@@ -261,19 +263,24 @@ class CommitBatch:
 
     A backend, inside its transaction, for each change set in order:
 
-    1. :meth:`needs_head` / :meth:`see_head`: the scope's head (revision,
-       fence) as the transaction sees it, read once per scope;
-    2. :meth:`check`: steps 1-2 and chain resolution; returns the writes
-       with their bases (a broken chain keeps ``after`` set: the backend
-       reads the row's current revision and reports the refusal) and the
-       new revision, or None when the revision would pass ``ceiling``
-       (the backend then reports the first refused write, if any, else
-       :meth:`exhausted`);
-    3. :meth:`committed_one` or :meth:`refused` (with the error from
+    1. :meth:`needs_head` / :meth:`see_head`: the scope's head as the
+       transaction sees it (None: no head row), read once per scope;
+    2. :meth:`check`: steps 1-2, the head's seal verified (once per scope
+       and transaction, through ``verify_head``, which holds the key), and
+       chain resolution; returns the writes with their bases (a broken
+       chain keeps ``after`` set: the backend reads the row's current
+       revision and reports the refusal) and the new revision, or None when
+       the revision would pass ``ceiling`` (the backend then reports the
+       first refused write, if any, else :meth:`exhausted`);
+    3. its rows written, each told to a :class:`DigestChanges` (old and new
+       revision, None for absent), then :meth:`moved_digest` (still inside
+       the change set: a digest that cannot move refuses it), then
+       :meth:`committed_one` or :meth:`refused` (with the error from
        :meth:`conflict`), then the next change set;
 
-    then writes :meth:`advanced` into the heads, commits, and calls
-    :meth:`finish` (or :meth:`fail_all` when the transaction failed).
+    then writes :meth:`advanced_heads` (sealed by the backend) into the
+    heads, commits, and calls :meth:`finish` (or :meth:`fail_all` when the
+    transaction failed).
     """
 
     def __init__(
@@ -282,12 +289,16 @@ class CommitBatch:
         baselines: dict[str, int],
         tails: SessionTails,
         ceiling: int,
+        *,
+        verify_head: Callable[[ScopeHead], None],
     ) -> None:
         self.batch = batch
         self._baselines = baselines
         self._tails = tails
         self._ceiling = ceiling
-        self._heads: dict[str, tuple[int, int]] = {}
+        self._verify_head = verify_head
+        self._heads: dict[str, ScopeHead] = {}
+        self._unverified: set[str] = set()
         self.advanced: dict[str, int] = {}
         self._written: dict[_Name, _Tail | None] = {}
         self.outcomes: list[int | OctoError] = []
@@ -295,25 +306,34 @@ class CommitBatch:
     def needs_head(self, scope: str) -> bool:
         return scope not in self._heads
 
-    def see_head(self, scope: str, revision: int, fence: int) -> None:
-        self._heads[scope] = (revision, fence)
+    def see_head(self, scope: str, head: ScopeHead | None) -> None:
+        """The head read in this transaction (None: no head row, so fence 0: refused)."""
+        if head is None:
+            self._heads[scope] = ScopeHead.empty(scope)
+        else:
+            self._heads[scope] = head
+            self._unverified.add(scope)
 
     def head_revision(self, scope: str) -> int:
-        return self._heads[scope][0]
+        return self._heads[scope].revision
 
     def check(self, pending: PendingCommit) -> tuple[tuple[RowWrite, ...], int | None]:
-        """Steps 1-2, chains resolved, and the new revision (None: past the ceiling)."""
+        """Steps 1-2, the head authenticated, chains resolved, and the new revision
+        (None: past the ceiling)."""
         scope = pending.scope
-        head_revision, fence = self._heads[scope]
-        if fence != pending.token:  # step 1
-            raise FencingTokenRejected(fence, pending.token)
+        head = self._heads[scope]
+        if head.fence != pending.token:  # step 1
+            raise FencingTokenRejected(head.fence, pending.token)
         baseline = self.advanced.get(scope, self._baselines.get(scope))
-        if baseline != head_revision:  # step 2
-            raise WriteConflict(baseline, head_revision, head_revision)
+        if baseline != head.revision:  # step 2
+            raise WriteConflict(baseline, head.revision, head.revision)
+        if scope in self._unverified:
+            self._verify_head(head)  # what this change set moves must be authentic
+            self._unverified.discard(scope)
         writes = pending.writes
         if any(write.after is not None for write in writes):
             writes = tuple(self._chain(scope, write) for write in writes)
-        revision = head_revision + 1 if head_revision < self._ceiling else None
+        revision = head.revision + 1 if head.revision < self._ceiling else None
         return writes, revision
 
     def _chain(self, scope: str, write: RowWrite) -> RowWrite:
@@ -338,18 +358,28 @@ class CommitBatch:
             and write.item in pending.new_sessions
         ):
             return SessionReplay(write.item)
-        return WriteConflict(write.base_revision, actual, self._heads[pending.scope][0])
+        return WriteConflict(write.base_revision, actual, self._heads[pending.scope].revision)
 
-    def committed_one(self, pending: PendingCommit, revision: int) -> None:
+    def moved_digest(self, pending: PendingCommit, changes: DigestChanges) -> SetDigest:
+        """The scope's digest moved by what ``pending`` wrote and deleted (O(rows it
+        changed)); ``RollbackDetected`` when the rows are not the head's."""
+        return changes.applied_to(self._heads[pending.scope])
+
+    def committed_one(self, pending: PendingCommit, revision: int, digest: SetDigest) -> None:
         self._note_tails(pending, revision)
         scope = pending.scope
-        self._heads[scope] = (revision, self._heads[scope][1])
+        before = self._heads[scope]
+        self._heads[scope] = ScopeHead(scope, revision, before.fence, digest)
         self.advanced[scope] = revision
         self.outcomes.append(revision)
 
     def refused(self, pending: PendingCommit, error: OctoError) -> None:
         self._note_tails(pending, None)
         self.outcomes.append(error)
+
+    def advanced_heads(self) -> list[ScopeHead]:
+        """The heads this transaction moved, unsealed: the backend seals and writes them."""
+        return [self._heads[scope] for scope in self.advanced]
 
     def _note_tails(self, pending: PendingCommit, revision: int | None) -> None:
         for write in pending.writes:

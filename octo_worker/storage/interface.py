@@ -3,7 +3,8 @@
 Owns the commit value types (:class:`WorkerCommit`, :class:`SessionDocuments`,
 :class:`OutboxEntry`), what a store loads (:class:`PersistedSession`), the
 lease (:class:`WorkerJournalLease`), the operator reports any backend returns
-(:class:`PruneReport`, :class:`ResealReport`, :class:`ScopeMetadata`) and the
+(:class:`PruneReport`, :class:`ResealReport`, :class:`ScopeCheck`,
+:class:`ScopeMetadata`) and the
 protocols :class:`WorkerSessionStore` (what a session calls) and
 :class:`WorkerJournalStore` (what the daemon calls besides). A backend
 implements the protocols; a session and the daemon depend on nothing else.
@@ -29,6 +30,7 @@ __all__ = [
     "PersistedSession",
     "PruneReport",
     "ResealReport",
+    "ScopeCheck",
     "ScopeMetadata",
     "SessionDocuments",
     "WorkerCommit",
@@ -225,6 +227,20 @@ class PruneReport(NamedTuple):
     kept: int
 
 
+class ScopeCheck(NamedTuple):
+    """What loading a whole scope against its sealed head found (``verify_scope``).
+
+    ``revision``: the head revision; ``rows``: how many rows the scope
+    holds (every digested namespace); ``digests``: False only for a journal
+    read as it is before its heads got digests (an older schema beside a
+    daemon not restarted yet), which then had the anchor check alone.
+    """
+
+    revision: int
+    rows: int
+    digests: bool
+
+
 class ScopeMetadata(NamedTuple):
     """What a store keeps beside a scope's sealed rows, for operator views.
 
@@ -260,7 +276,12 @@ class WorkerSessionStore(Protocol):
 class WorkerJournalStore(WorkerSessionStore, Protocol):
     """What the daemon calls besides: start-up, reload, routing, stop (W§10.10, W§12.2)."""
 
-    async def reserve_fence(self, scope: str) -> WorkerJournalLease: ...
+    async def reserve_fence(self, scope: str) -> WorkerJournalLease:
+        """Reserve the next fence, after checking the whole scope against its sealed head
+        (``verify_scope``): a scope whose rows are not its head's is never served."""
+        ...
+
+    async def verify_scope(self, scope: str) -> ScopeCheck: ...
 
     async def load_sessions(
         self, scope: str, *, skip_closed_except: Iterable[str] | None = None

@@ -4,7 +4,8 @@ Owns :class:`RowSealer`: a row's document sealed as a keyed storage
 envelope (``octo_common.records.seal_record``) under (row namespace, scope)
 at the revision of the commit that writes it, encrypted first with a data
 keyring (H§17.9); a loaded row authenticated and decrypted; a row sealed
-again under the active keys (``reseal``). Also :func:`checked_rows`, the
+again under the active keys (``reseal``); a scope's head sealed and
+verified with the storage keyring (``scope_head``). Also :func:`checked_rows`, the
 floor rule a backend applies to rows read in the same snapshot as their
 scope head (every revision >= 1 and <= the head, W§11.1).
 
@@ -27,6 +28,7 @@ from octo_common.records import (
     seal_record,
 )
 from octo_worker.storage.changes import Row, RowWrite, record_key
+from octo_worker.storage.scope_head import ScopeHead
 
 __all__ = ["RowSealer", "checked_rows", "data_key_id"]
 
@@ -110,3 +112,11 @@ class RowSealer:
         if record.key_id == self.keyring.active_id and not stale_data:
             return None
         return seal_record(self.keyring, key, row.revision, payload)
+
+    def seal_head(self, head: ScopeHead) -> ScopeHead:
+        """``head`` sealed with the active storage key."""
+        return head.sealed(self.keyring)
+
+    def verify_head(self, head: ScopeHead) -> None:
+        """Check ``head``'s seal (``InvalidRecordAuthenticationTag``, ``UnknownKeyId``, ...)."""
+        head.verify(self.keyring)

@@ -3,8 +3,9 @@
 What it owns
 ------------
 One SQLite database holds the journals of many tenant scopes. Per scope there
-is one **head** (``heads`` row ``worker-journal``/scope: scope revision and
-fence) and any number of **rows** (``items``) in the namespaces
+is one **head** (``heads`` row ``worker-journal``/scope: scope revision,
+fence, and the digest of every row the scope holds, sealed with the storage
+key: ``scope_head``) and any number of **rows** (``items``) in the namespaces
 ``worker-journal`` (operation key → ``JournalRow``), ``worker-session``
 (session id → state document), ``worker-session-open`` (session id → opening
 document) and ``worker-outbox`` (message id → outbox document). Every row is a
@@ -40,7 +41,9 @@ reads, the rollback anchor's explicit initialisation, and closing.
 
 What it must never do
 ---------------------
-Interpret documents beyond their location fields, decide protocol outcomes,
+Interpret documents beyond their location fields, decide protocol outcomes
+(a scope whose rows are not its head's included: ``base`` and ``scope_head``
+decide),
 log or raise with keys, payloads, documents or frames, or let a caller's
 cancellation leave a submitted commit's outcome unknown.
 """
@@ -50,19 +53,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from octo_common.errors import StorageBackendError
-from octo_common.records import StorageKeyring
+from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
+from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.sqlite import DatabaseThread, run_each
 from octo_worker.storage.base import JournalStoreBase, Resealed
 from octo_worker.storage.changes import PendingCommit, Row
 from octo_worker.storage.commit_queue import Outcomes, StoreStats
 from octo_worker.storage.interface import ScopeMetadata
+from octo_worker.storage.scope_head import ScopeSnapshot
+from octo_worker.storage.sqlite_heads import read_scope_snapshot
 from octo_worker.storage.sqlite_reader import JournalReader
-from octo_worker.storage.sqlite_rows import backend_error, guarded
+from octo_worker.storage.sqlite_rows import backend_error, connect_read_only, guarded
 from octo_worker.storage.sqlite_writer import JournalWriter
 
 __all__ = ["SqliteJournalStore", "StoreStats"]
@@ -244,6 +250,31 @@ class SqliteJournalStore(JournalStoreBase):
     async def _integrity(self) -> list[str]:
         """``PRAGMA integrity_check``: ``["ok"]`` when the database is healthy."""
         return await self._read_call(self._reader.integrity)
+
+    async def _scope_snapshot(self, scope: str) -> ScopeSnapshot:
+        # On a connection and thread of its own: O(rows of the scope), which
+        # the reader thread's loads of other scopes must not wait behind.
+        if not self._opened:
+            await self._ensure_open()
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        anchor = self._writer.anchor  # as last written: never newer than the snapshot
+        read = functools.partial(self._read_scope_snapshot, scope, anchor)
+        return await asyncio.to_thread(guarded, read)
+
+    def _read_scope_snapshot(
+        self, scope: str, anchor: Mapping[StorageRecordKey, int]
+    ) -> ScopeSnapshot:
+        connection = connect_read_only(self._path)
+        try:
+            connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+            connection.execute("BEGIN")
+            return read_scope_snapshot(connection, scope, anchor)
+        finally:
+            connection.close()
+
+    async def _reseal_head(self, scope: str) -> bool:
+        return await self._write_call(lambda: self._writer.reseal_head(scope))
 
     async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
         return await self._write_call(lambda: self._writer.delete_journal_rows(scope, victims))

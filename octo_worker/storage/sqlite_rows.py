@@ -1,6 +1,7 @@
 """What the SQLite journal store's threads share: schema, statements' pieces, errors.
 
-Owns the schema and its forward-only migrations, the SQL fragments both
+Owns the schema and its forward-only migrations (the last one builds the
+scope heads' digests: ``sqlite_heads``), the SQL fragments both
 threads use, the read-only connection, and how a sqlite or OS failure is
 told (:func:`backend_error`: class and code, never a path or data). Row
 shapes and change sets are every backend's (``changes``). It must never do
@@ -21,7 +22,11 @@ from octo_common.errors import (
     StorageBackendError,
 )
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
+from octo_common.records import StorageKeyring
+from octo_common.runtime.sqlite import MigrationStep
 from octo_worker.storage.documents import NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.scope_head import DIGEST_FORMAT
+from octo_worker.storage.sqlite_heads import HEAD_COLUMNS, seal_existing_heads
 
 T = TypeVar("T")
 
@@ -36,8 +41,9 @@ LIVE_SESSION_ROWS: Final = f"namespace IN ('{NS_SESSION}', '{NS_SESSION_OPEN}') 
 OUTBOX_ROWS: Final = f"namespace = '{NS_OUTBOX}'"
 SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
 
-# Forward-only migrations: index i moves the schema from version i to i + 1.
-MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+# Forward-only migrations: index i moves the schema from version i to i + 1;
+# the last one (4 -> 5, the scope heads' digests) is ``migrations(keyring)``'s.
+_SQL_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (
         """CREATE TABLE heads (
             namespace TEXT NOT NULL,
@@ -83,7 +89,23 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     ),
 )
 
-SCHEMA_VERSION: Final = len(MIGRATIONS)
+SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 1
+# The heads carry digests from schema DIGEST_FORMAT (5) on: the anchor's digest mark.
+DIGEST_SCHEMA_VERSION: Final = DIGEST_FORMAT
+
+
+def migrations(keyring: StorageKeyring) -> tuple[tuple[MigrationStep, ...], ...]:
+    """Every migration; 4 -> 5 adds the scope heads' digests and seals them with ``keyring``."""
+    return (*_SQL_MIGRATIONS, (*HEAD_COLUMNS, seal_existing_heads(keyring)))
+
+
+def schema_version(connection: sqlite3.Connection) -> int:
+    """The schema version the database has now (0 for a database without one)."""
+    try:
+        row = connection.execute("SELECT version FROM schema_version").fetchone()
+    except sqlite3.OperationalError:
+        return 0
+    return 0 if row is None else int(row[0])
 
 
 def backend_error(exc: BaseException) -> StorageBackendError:

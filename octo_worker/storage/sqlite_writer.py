@@ -3,12 +3,14 @@
 :class:`JournalWriter` runs only in the store's writer thread and owns its
 connection: it opens the database (created 0o600, WAL, ``synchronous=FULL``,
 schema migrated) and checks or initialises the rollback anchor (H§17.10),
-reserves fences, applies a batch of change sets in ONE transaction and ONE
-fsync (each under its own savepoint, W§11.2 steps 1-5; chained session
-commits resolved to the revision their predecessor wrote), advances the
-anchor after a commit, and runs the maintenance writes (closed marks,
-outbox rows' sessions, re-sealed envelopes, pruned rows) in short
-transactions.
+reserves fences (each reservation verifies and reseals the scope's head),
+applies a batch of change sets in ONE transaction and ONE fsync (each under
+its own savepoint, W§11.2 steps 1-5; chained session commits resolved to
+the revision their predecessor wrote; each scope's row digest moved by the
+rows written and deleted, and its head resealed, in the same transaction),
+advances the anchor after a commit, and runs the maintenance writes (closed
+marks, outbox rows' sessions, re-sealed envelopes and heads, pruned rows
+with their digest) in short transactions.
 
 It must never run on the event loop, let its connection leave its thread,
 move a head outside a commit, or raise with a path, a key or a document.
@@ -16,9 +18,7 @@ move a head outside a commit, or raise with a path, a key or a document.
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import stat
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,7 +36,13 @@ from octo_common.errors import (
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS, SQLITE_MAX_INTEGER
 from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
-from octo_common.runtime.sqlite import migrate_schema, roll_back
+from octo_common.runtime.sqlite import (
+    check_database_files,
+    migrate_schema,
+    prepare_database_files,
+    roll_back,
+)
+from octo_common.setdigest import SetDigest
 from octo_worker.storage.changes import (
     HEAD_NAMESPACE,
     CommitBatch,
@@ -52,13 +58,17 @@ from octo_worker.storage.documents import (
     NS_SESSION_OPEN,
     read_outbox,
 )
+from octo_worker.storage.scope_head import DigestChanges, ScopeHead, anchored_with_digests
+from octo_worker.storage.scope_head import check_anchor as compare_with_anchor
 from octo_worker.storage.sealing import RowSealer
+from octo_worker.storage.sqlite_heads import insert_head, read_head, update_head
 from octo_worker.storage.sqlite_rows import (
-    MIGRATIONS,
     SCHEMA_VERSION,
     SQL_CHUNK,
     backend_error,
     connect_read_only,
+    migrations,
+    schema_version,
 )
 
 __all__ = ["JournalWriter"]
@@ -99,16 +109,11 @@ class JournalWriter:
             self._open_checked_read_only()
             return
         self.close()  # a failed earlier attempt may have left one open
-        directory = self._path.parent
-        if not directory.exists():
-            directory.mkdir(mode=0o700, parents=True)
-            os.chmod(directory, 0o700)
-        elif directory.stat().st_mode & 0o077:
-            _log.warning("journal_directory_permissive", mode=oct(directory.stat().st_mode & 0o777))
-        if not self._path.exists():
-            descriptor = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.close(descriptor)
-        os.chmod(self._path, 0o600)
+        # Before anything is created or migrated: a configured anchor must exist.
+        anchor = self._read_anchor_file() if self._anchor_path and check_anchor else None
+        loose = prepare_database_files(self._path)
+        if loose is not None:
+            _log.warning("journal_directory_permissive", mode=oct(loose))
         connection = sqlite3.connect(
             self._path,
             timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
@@ -117,24 +122,24 @@ class JournalWriter:
         )
         try:
             self._configure(connection)
-            migrate_schema(connection, MIGRATIONS)
+            if anchor is not None:
+                # Before migrating: a journal whose anchor says its heads carry
+                # digests must not get them rebuilt from its rows as they are.
+                found = schema_version(connection)
+                compare_with_anchor(anchor, self._all_heads(connection) if found else {}, found)
+            migrate_schema(connection, migrations(self._sealer.keyring))
             self.fill_outbox_sessions(connection)
-            self._tighten_side_files()
+            check_database_files(self._path)
             if self._anchor_path is not None:
                 heads = self._all_heads(connection)
-                if check_anchor:
-                    anchor = self._read_anchor_file()
-                    self._check_anchor(anchor, heads)
-                else:
-                    anchor = {}
-                raised = dict(anchor)
+                raised = anchored_with_digests(anchor or {})
                 for name, revision in heads.items():
                     head_key = StorageRecordKey(HEAD_NAMESPACE, name)
                     if revision > raised.get(head_key, 0):
                         raised[head_key] = revision
                 if self._maintenance:
-                    raised = anchor  # checked only: the daemon owns the file
-                elif raised != anchor or not check_anchor:
+                    raised = dict(anchor or {})  # checked only: the daemon owns the file
+                elif raised != anchor:
                     self._write_anchor_file(raised)
                 self.anchor = raised
         except BaseException:
@@ -187,11 +192,7 @@ class JournalWriter:
         try:
             connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
             connection.execute("PRAGMA query_only=ON")
-            try:
-                row = connection.execute("SELECT version FROM schema_version").fetchone()
-            except sqlite3.OperationalError:
-                row = None
-            version = 0 if row is None else int(row[0])
+            version = schema_version(connection)
             # Every inspection query reads columns of schema 1, so a journal the
             # daemon has not migrated yet (just after an upgrade) reads as it is.
             if version < 1:
@@ -203,7 +204,7 @@ class JournalWriter:
                 )
             if self._anchor_path is not None:
                 anchor = self._read_anchor_file()
-                self._check_anchor(anchor, self._all_heads(connection))
+                compare_with_anchor(anchor, self._all_heads(connection), version)
                 self.anchor = anchor
         finally:
             connection.close()
@@ -216,17 +217,6 @@ class JournalWriter:
         connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
         connection.execute("PRAGMA foreign_keys=ON")
 
-    def _tighten_side_files(self) -> None:
-        # SQLite gives -wal/-shm the main file's mode; this only repairs
-        # files left by an older, looser process.
-        for suffix in ("-wal", "-shm"):
-            side = Path(os.fspath(self._path) + suffix)
-            try:
-                if stat.S_IMODE(side.stat().st_mode) != 0o600:
-                    os.chmod(side, 0o600)
-            except FileNotFoundError:
-                continue
-
     @staticmethod
     def _all_heads(connection: sqlite3.Connection) -> dict[str, int]:
         rows = connection.execute(
@@ -238,17 +228,6 @@ class JournalWriter:
         assert self._anchor_path is not None
         return read_anchor(self._anchor_path)
 
-    @staticmethod
-    def _check_anchor(anchor: Mapping[StorageRecordKey, int], heads: Mapping[str, int]) -> None:
-        for anchored_key, anchored in anchor.items():
-            actual = (
-                heads.get(anchored_key.name) if anchored_key.namespace == HEAD_NAMESPACE else None
-            )
-            if actual is None:
-                raise RollbackDetected(None, anchored)
-            if actual < anchored:
-                raise RollbackDetected(actual, anchored)
-
     def _write_anchor_file(self, revisions: Mapping[StorageRecordKey, int]) -> None:
         assert self._anchor_path is not None
         write_anchor(self._anchor_path, revisions)
@@ -259,27 +238,28 @@ class JournalWriter:
         return self._db
 
     def reserve(self, scope: str) -> int:
+        """Create the scope's head (fence 1) or verify it and add 1 to its fence; reseal it."""
         connection = self._connection()
         connection.execute("BEGIN IMMEDIATE")
         try:
-            # One statement creates the head or adds 1 to its fence; it refuses
-            # (returns no row) instead of overflowing SQLite's integer range.
-            row = connection.execute(
-                "INSERT INTO heads (namespace, name, revision, fence) VALUES (?, ?, 0, 1) "
-                "ON CONFLICT (namespace, name) DO UPDATE SET fence = fence + 1 "
-                "WHERE fence < ? RETURNING revision, fence",
-                (HEAD_NAMESPACE, scope, SQLITE_MAX_INTEGER),
-            ).fetchone()
-            if row is None:
-                raise FencingTokenExhausted()
-            revision, fence = int(row[0]), int(row[1])
+            head = read_head(connection, scope)
+            if head is None:
+                head = self._sealer.seal_head(ScopeHead.empty(scope).with_fence(1))
+                insert_head(connection, head)
+            else:
+                self._sealer.verify_head(head)
+                # Refused instead of overflowing SQLite's integer range.
+                if head.fence >= SQLITE_MAX_INTEGER:
+                    raise FencingTokenExhausted()
+                head = self._sealer.seal_head(head.with_fence(head.fence + 1))
+                update_head(connection, head)
             connection.execute("COMMIT")
         except BaseException:
             if connection.in_transaction:
                 connection.execute("ROLLBACK")
             raise
-        self._baselines[scope] = revision
-        return fence
+        self._baselines[scope] = head.revision
+        return head.fence
 
     def apply_batch(self, batch: Sequence[PendingCommit]) -> list[int | OctoError]:
         """One transaction, one fsync, for every change set of ``batch``.
@@ -289,7 +269,13 @@ class JournalWriter:
         back to its savepoint; a failure of the transaction (or of the anchor
         write) fails every change set in it.
         """
-        decisions = CommitBatch(batch, self._baselines, self._session_tails, SQLITE_MAX_INTEGER)
+        decisions = CommitBatch(
+            batch,
+            self._baselines,
+            self._session_tails,
+            SQLITE_MAX_INTEGER,
+            verify_head=self._sealer.verify_head,
+        )
         # Alone in its transaction, a change set needs no savepoint: a refusal
         # rolls the whole (otherwise empty) transaction back.
         use_savepoints = len(batch) > 1
@@ -301,7 +287,7 @@ class JournalWriter:
                     if use_savepoints:
                         connection.execute("SAVEPOINT change_set")
                     try:
-                        revision = self._apply_one(connection, pending, decisions)
+                        revision, digest = self._apply_one(connection, pending, decisions)
                     except OctoError as exc:
                         if use_savepoints:
                             connection.execute("ROLLBACK TO change_set")
@@ -310,14 +296,10 @@ class JournalWriter:
                         continue
                     if use_savepoints:
                         connection.execute("RELEASE change_set")
-                    decisions.committed_one(pending, revision)
-                advanced = decisions.advanced
-                for scope, revision in advanced.items():
-                    connection.execute(
-                        "UPDATE heads SET revision = ? WHERE namespace = ? AND name = ?",
-                        (revision, HEAD_NAMESPACE, scope),
-                    )
-                connection.execute("COMMIT" if advanced else "ROLLBACK")
+                    decisions.committed_one(pending, revision, digest)
+                for head in decisions.advanced_heads():
+                    update_head(connection, self._sealer.seal_head(head))
+                connection.execute("COMMIT" if decisions.advanced else "ROLLBACK")
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -342,19 +324,15 @@ class JournalWriter:
 
     def _apply_one(
         self, connection: sqlite3.Connection, pending: PendingCommit, decisions: CommitBatch
-    ) -> int:
-        """W§11.2 steps 1-4 for one change set, inside the open transaction.
+    ) -> tuple[int, SetDigest]:
+        """W§11.2 steps 1-4 for one change set, inside the open transaction: its
+        revision and the scope digest moved by its rows (O(rows it changes)).
 
         The head itself is advanced by the caller, once per scope and batch.
         """
         scope = pending.scope
         if decisions.needs_head(scope):
-            row = connection.execute(
-                "SELECT revision, fence FROM heads WHERE namespace = ? AND name = ?",
-                (HEAD_NAMESPACE, scope),
-            ).fetchone()
-            head, fence = (0, 0) if row is None else (int(row[0]), int(row[1]))
-            decisions.see_head(scope, head, fence)
+            decisions.see_head(scope, read_head(connection, scope))
         writes, revision = decisions.check(pending)  # steps 1-2
         for write in writes:
             if write.after is not None:  # a broken chain
@@ -366,6 +344,7 @@ class JournalWriter:
                     raise decisions.conflict(pending, write, actual)
             raise RevisionExhausted()
         now = time.time()
+        moves = DigestChanges()
         sealed = [(write, self._sealer.seal(scope, write, revision)) for write in writes]
         # Step 3 is checked by the writes themselves, one statement per row: an
         # insert meets the UNIQUE key when the row exists, an update names the
@@ -409,6 +388,7 @@ class JournalWriter:
                 if updated != 1:
                     actual = self._current(connection, scope, write)
                     raise decisions.conflict(pending, write, actual)
+            moves.wrote(write.namespace, write.item, write.base_revision, revision)
         for write in writes:
             if write.closed and write.namespace == NS_SESSION:
                 # Its opening row is never rewritten: mark it beside the envelope.
@@ -417,11 +397,13 @@ class JournalWriter:
                     (NS_SESSION_OPEN, scope, write.item),
                 )
         for message in pending.outbox_delete:
-            connection.execute(
-                "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ?",
+            for (deleted,) in connection.execute(
+                "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? "
+                "RETURNING revision",
                 (NS_OUTBOX, scope, message),
-            )
-        return revision
+            ).fetchall():
+                moves.wrote(NS_OUTBOX, message, int(deleted), None)
+        return revision, decisions.moved_digest(pending, moves)
 
     @staticmethod
     def _current(connection: sqlite3.Connection, scope: str, write: RowWrite) -> int | None:
@@ -477,7 +459,51 @@ class JournalWriter:
         )
 
     def delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
-        return self._count_in_transaction(
-            "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
-            [(NS_JOURNAL, scope, item, revision) for item, revision in victims],
-        )
+        """Delete the rows still at the revision that was read; move the scope's digest by
+        them and reseal its head at the same revision and fence, in one transaction."""
+        if not victims:
+            return 0
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            head = read_head(connection, scope)
+            if head is None:
+                raise RollbackDetected(None, 0)  # rows without their head
+            self._sealer.verify_head(head)
+            moves = DigestChanges()
+            for item, revision in victims:
+                deleted = connection.execute(
+                    "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? "
+                    "AND revision = ?",
+                    (NS_JOURNAL, scope, item, revision),
+                ).rowcount
+                if deleted == 1:
+                    moves.wrote(NS_JOURNAL, item, revision, None)
+            if moves:
+                moved = head.with_digest(moves.applied_to(head))
+                update_head(connection, self._sealer.seal_head(moved))
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+        return len(moves)
+
+    def reseal_head(self, scope: str) -> bool:
+        """Reseal the scope's head with the active key if another key sealed it (its
+        revision, fence and digest unchanged); whether it did."""
+        connection = self._connection()
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            head = read_head(connection, scope)
+            if head is None or head.key_id == self._sealer.keyring.active_id:
+                connection.execute("ROLLBACK")
+                return False
+            self._sealer.verify_head(head)
+            update_head(connection, self._sealer.seal_head(head))
+            connection.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+        return True

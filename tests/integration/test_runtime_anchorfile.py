@@ -120,7 +120,10 @@ async def test_the_worker_journal_writes_its_anchor_private(
     finally:
         await store.close()
     assert mode(anchor) == 0o600
-    assert read_anchor(anchor) == {StorageRecordKey("worker-journal", "tenant-a"): 1}
+    assert read_anchor(anchor) == {
+        StorageRecordKey("worker-journal", "tenant-a"): 1,
+        StorageRecordKey("worker-journal-format", "scope-row-digest"): 5,
+    }
 
 
 async def test_the_host_ledger_writes_its_anchor_private(tmp_path: Path, loose_umask: None) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from octo_common.errors import OctoError, RecordLocationMismatch
+from octo_worker.storage.sqlite_rows import SCHEMA_VERSION
 from octo_worker.store import SqliteJournalStore, WorkerCommit
 
 from .test_worker_store import SCOPE, data_keyring, outbox, sql, storage_keyring
@@ -30,8 +31,11 @@ async def fill(store: SqliteJournalStore, sessions: int, per_session: int) -> No
 
 
 def to_schema_3(path: Path) -> None:
-    """The database as schema 3 left it: no session column, no outbox index."""
+    """The database as schema 3 left it: no session column, no outbox index (and no
+    scope head digests, which schema 5 added)."""
     with sqlite3.connect(path) as connection:
+        for column in ("row_count", "digest", "key_id", "auth_tag"):
+            connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
         connection.execute("DROP INDEX items_outbox_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN session")
         connection.execute("UPDATE schema_version SET version = 3")
@@ -93,7 +97,7 @@ async def test_rows_written_before_schema_4_get_their_session_at_the_next_open(
     reopened = SqliteJournalStore(path, storage_keyring(), data_keyring=data_keyring())
     try:
         await reopened.head_revision(SCOPE)  # opens: migrates, fills the sessions in
-        assert sql(path, "SELECT version FROM schema_version") == [(4,)]
+        assert sql(path, "SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
         filled = sql(
             path,
             "SELECT session, COUNT(*) FROM items WHERE namespace = 'worker-outbox' "

@@ -41,6 +41,7 @@ from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending, Succeeded
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
+from octo_worker.storage.scope_head import ScopeHead
 from octo_worker.store import (
     OutboxEntry,
     SessionDocuments,
@@ -49,6 +50,8 @@ from octo_worker.store import (
     WorkerJournalLease,
 )
 
+# The anchor entry of a journal whose scope heads carry digests (schema 5).
+DIGEST_MARK = b'{"namespace":"worker-journal-format","name":"scope-row-digest","revision":5}'
 SCOPE = "tenant-release"
 OTHER_SCOPE = "tenant-audit"
 SECRET_TEXT = "very-secret-output-7f3a"
@@ -114,6 +117,28 @@ def sql(
         return connection.execute(statement, parameters).fetchall()
     finally:
         connection.close()
+
+
+def drop_head_digests(connection: sqlite3.Connection) -> None:
+    """Take the scope heads back to schema 4 (no digest, no seal)."""
+    for column in ("row_count", "digest", "key_id", "auth_tag"):
+        connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
+
+
+def set_head(path: Path, scope: str, keyring: StorageKeyring, **fields: int) -> None:
+    """Move a scope head's revision or fence as its key holder would: resealed."""
+    (row,) = sql(
+        path,
+        "SELECT revision, fence, row_count, digest, key_id, auth_tag FROM heads WHERE name = ?",
+        (scope,),
+    )
+    head = ScopeHead.from_row(scope, row).sealed(keyring, **fields)
+    sql(
+        path,
+        "UPDATE heads SET revision = ?, fence = ?, row_count = ?, digest = ?, key_id = ?, "
+        "auth_tag = ? WHERE name = ?",
+        (*head.row(), scope),
+    )
 
 
 def envelopes(path: Path) -> list[bytes]:
@@ -267,7 +292,8 @@ async def test_a_lease_used_by_a_store_that_never_reserved_conflicts(db_path: Pa
 
 async def test_fence_and_revision_exhaustion(store: SqliteJournalStore, db_path: Path) -> None:
     await store.reserve_fence(SCOPE)
-    sql(db_path, "UPDATE heads SET fence = ?, revision = ?", (SQLITE_MAX_INTEGER - 1,) * 2)
+    maximum = SQLITE_MAX_INTEGER - 1
+    set_head(db_path, SCOPE, storage_keyring(), fence=maximum, revision=maximum)
     lease = await store.reserve_fence(SCOPE)
     assert lease.token == SQLITE_MAX_INTEGER
     with pytest.raises(FencingTokenExhausted):
@@ -722,7 +748,9 @@ async def test_restoring_an_older_database_is_detected_by_the_anchor(
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
     await store.close()
     assert anchor.read_bytes() == (
-        b'{"format_version":1,"records":[{"namespace":"worker-journal","name":"tenant-release","revision":2}]}'
+        b'{"format_version":1,"records":[{"namespace":"worker-journal","name":"tenant-release","revision":2},'
+        + DIGEST_MARK
+        + b"]}"
     )
     assert stat.S_IMODE(anchor.stat().st_mode) == 0o600
 
@@ -792,7 +820,7 @@ async def test_a_malformed_anchor_fails_the_open_until_initialised(
         assert await operator.scopes() == []
     finally:
         await operator.close()
-    assert anchor.read_bytes() == b'{"format_version":1,"records":[]}'
+    assert anchor.read_bytes() == b'{"format_version":1,"records":[' + DIGEST_MARK + b"]}"
 
 
 async def test_an_anchor_write_failure_fails_every_caller_of_the_transaction(
@@ -1242,6 +1270,7 @@ async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: 
     await close_session(store, lease, "s-old")
     await store.close()
     with sqlite3.connect(db_path) as connection:  # back to schema 2
+        drop_head_digests(connection)
         connection.execute("DROP INDEX items_outbox_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN session")
         connection.execute("DROP INDEX items_live_sessions")

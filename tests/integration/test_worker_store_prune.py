@@ -76,8 +76,10 @@ async def test_a_database_without_write_times_migrates(tmp_path: Path) -> None:
     await _write(store, [_record("op-old", Failed("x"))])
     await store.close()
     # Take the database back to schema 1 (no written_at column, no closed mark,
-    # no outbox session).
+    # no outbox session, no head digest).
     with sqlite3.connect(path) as connection:
+        for column in ("row_count", "digest", "key_id", "auth_tag"):  # schema 5's head columns
+            connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
         connection.execute("DROP INDEX items_outbox_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN session")
         connection.execute("DROP INDEX items_live_sessions")

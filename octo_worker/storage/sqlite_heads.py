@@ -1,0 +1,138 @@
+"""The SQLite statements of the journal's scope heads (see ``scope_head`` for the rules).
+
+Owns how a :class:`~octo_worker.storage.scope_head.ScopeHead` is read,
+inserted and updated in the ``heads`` table, how a scope's row triples are
+read for a recomputation, the schema 4 → 5 migration that adds the head's
+digest and seal columns and builds them from the rows in the migration's own
+transaction, and a whole scope read in one snapshot for the check it gets
+whenever it is loaded (:func:`read_scope_snapshot`). The caller holds the
+transaction: every function runs on the connection it is given, inside what
+the caller began.
+
+It must never decide what a head or a digest means (``scope_head`` does),
+commit or roll back, or run on the event loop.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator, Mapping
+from typing import Final
+
+from octo_common.errors import StorageBackendError
+from octo_common.records import StorageKeyring, StorageRecordKey
+from octo_worker.storage.scope_head import (
+    DIGESTED_NAMESPACES,
+    HEAD_NAMESPACE,
+    ScopeHead,
+    ScopeSnapshot,
+    digest_of,
+)
+
+__all__ = [
+    "HEAD_COLUMNS",
+    "has_digests",
+    "insert_head",
+    "read_head",
+    "read_scope_snapshot",
+    "scope_rows",
+    "seal_existing_heads",
+    "update_head",
+]
+
+# Schema 4 -> 5: the digest and seal of each scope head. NULL only between
+# these statements and ``seal_existing_heads``, in the same transaction.
+HEAD_COLUMNS: Final = (
+    "ALTER TABLE heads ADD COLUMN row_count INTEGER",
+    "ALTER TABLE heads ADD COLUMN digest BLOB",
+    "ALTER TABLE heads ADD COLUMN key_id TEXT",
+    "ALTER TABLE heads ADD COLUMN auth_tag TEXT",
+)
+
+_SELECT_HEAD: Final = (
+    "SELECT revision, fence, row_count, digest, key_id, auth_tag FROM heads "
+    "WHERE namespace = ? AND name = ?"
+)
+_UPDATE_HEAD: Final = (
+    "UPDATE heads SET revision = ?, fence = ?, row_count = ?, digest = ?, key_id = ?, "
+    "auth_tag = ? WHERE namespace = ? AND name = ?"
+)
+_INSERT_HEAD: Final = (
+    "INSERT INTO heads (revision, fence, row_count, digest, key_id, auth_tag, namespace, name) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# One index range per namespace (the UNIQUE (namespace, name, item) index).
+_SELECT_ROWS: Final = (
+    "SELECT namespace, item, revision FROM items WHERE namespace IN (?, ?, ?, ?) AND name = ?"
+)
+
+
+def read_head(connection: sqlite3.Connection, scope: str) -> ScopeHead | None:
+    """The scope's head as stored (None without one); its seal is not checked here."""
+    row = connection.execute(_SELECT_HEAD, (HEAD_NAMESPACE, scope)).fetchone()
+    return None if row is None else ScopeHead.from_row(scope, tuple(row))
+
+
+def update_head(connection: sqlite3.Connection, head: ScopeHead) -> None:
+    connection.execute(_UPDATE_HEAD, (*head.row(), HEAD_NAMESPACE, head.scope))
+
+
+def insert_head(connection: sqlite3.Connection, head: ScopeHead) -> None:
+    connection.execute(_INSERT_HEAD, (*head.row(), HEAD_NAMESPACE, head.scope))
+
+
+def scope_rows(connection: sqlite3.Connection, scope: str) -> Iterator[tuple[str, str, int]]:
+    """Every (namespace, key, revision) of ``scope`` in the digested namespaces."""
+    cursor = connection.execute(_SELECT_ROWS, (*DIGESTED_NAMESPACES, scope))
+    for namespace, item, revision in cursor:
+        if not isinstance(namespace, str) or not isinstance(item, str):
+            raise StorageBackendError("malformed item row")
+        if type(revision) is not int or revision < 1:
+            raise StorageBackendError("malformed item row")
+        yield namespace, item, revision
+
+
+def has_digests(connection: sqlite3.Connection) -> bool:
+    """Whether the heads table has the digest columns (schema 4 or later)."""
+    columns = {str(c[1]) for c in connection.execute("PRAGMA table_info(heads)").fetchall()}
+    return "digest" in columns
+
+
+def seal_existing_heads(keyring: StorageKeyring) -> Callable[[sqlite3.Connection], None]:
+    """The migration step that builds every scope head's digest from its rows and seals it.
+
+    Runs once, inside the migration's transaction (O(rows), once); the
+    rows are taken as they are, as the journal did before digests existed.
+    """
+
+    def build(connection: sqlite3.Connection) -> None:
+        heads = connection.execute(
+            "SELECT name, revision, fence FROM heads WHERE namespace = ?", (HEAD_NAMESPACE,)
+        ).fetchall()
+        for name, revision, fence in heads:
+            scope = str(name)
+            digest = digest_of(scope, list(scope_rows(connection, scope)))
+            head = ScopeHead(scope, int(revision), int(fence), digest).sealed(keyring)
+            update_head(connection, head)
+
+    return build
+
+
+def read_scope_snapshot(
+    connection: sqlite3.Connection, scope: str, anchor: Mapping[StorageRecordKey, int]
+) -> ScopeSnapshot:
+    """The scope's head and the digest recomputed over its rows, in the caller's read
+    snapshot (O(rows of the scope)), for ``scope_head.check_snapshot``. A journal
+    without digests yet (a read-only look at schema 4 or older) gives no digest."""
+    anchored = anchor.get(StorageRecordKey(HEAD_NAMESPACE, scope), 0)
+    if not has_digests(connection):
+        row = connection.execute(
+            "SELECT revision FROM heads WHERE namespace = ? AND name = ?", (HEAD_NAMESPACE, scope)
+        ).fetchone()
+        revision = 0 if row is None else int(row[0])
+        rows = sum(1 for _ in scope_rows(connection, scope))
+        return ScopeSnapshot(None, None, revision, rows, anchored)
+    head = read_head(connection, scope)
+    computed = digest_of(scope, scope_rows(connection, scope))
+    revision = 0 if head is None else head.revision
+    return ScopeSnapshot(head, computed, revision, computed.count, anchored)
