@@ -42,13 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 
 from octo_common.errors import (
     FencingRequired,
@@ -64,6 +62,17 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
+from octo_common.runtime.postgres import (
+    Connection,
+    check_schema,
+    check_url,
+    connect_pool,
+    migrate_schema,
+    postgres_error,
+    read_password_file,
+    redacted_url,
+    wait_for_close,
+)
 from octo_host.storage.authenticated import AuthenticatedStore
 from octo_host.storage.contract import (
     Head,
@@ -78,13 +87,6 @@ from octo_host.storage.contract import (
     fenced_check,
     head_from_row,
 )
-from octo_host.storage.postgres_config import (
-    DEFAULT_SCHEMA,
-    check_schema,
-    check_url,
-    read_password_file,
-    redacted_url,
-)
 from octo_host.storage.postgres_sql import MIGRATIONS, SCHEMA_VERSION, statements
 
 __all__ = [
@@ -96,13 +98,14 @@ __all__ = [
     "redacted_url",
 ]
 
+DEFAULT_SCHEMA = "octo_ledger"
 POSTGRES_MAX_BIGINT = 2**63 - 1
 """The ceiling of revisions and fences (``BIGINT``), as SQLite's ``INTEGER``."""
 
 MAX_WRITES_PER_TRANSACTION = 256
 _DEADLOCK_RETRIES = 3
 _T = TypeVar("_T")
-_Connection: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
+_Connection: TypeAlias = Connection
 
 
 # Errors ------------------------------------------------------------------------------
@@ -115,15 +118,9 @@ class _GuardRefused(Exception):
 def _translated(operation: str, exc: BaseException) -> OctoError:
     """What a caller sees for ``exc``: protocol errors as they are, else a fresh
     ``StorageBackendError`` naming the class (and SQLSTATE), never a message."""
-    if isinstance(exc, OctoError):
-        return exc
     if isinstance(exc, _GuardRefused):
         return StorageBackendError(f"{operation}: a record changed under its lock")
-    if isinstance(exc, asyncpg.PostgresError):
-        return StorageBackendError(f"{operation}: {type(exc).__name__} ({exc.sqlstate})")
-    if isinstance(exc, TimeoutError):
-        return StorageBackendError(f"{operation}: timed out")
-    return StorageBackendError(f"{operation}: {type(exc).__name__}")
+    return postgres_error(operation, exc)
 
 
 # The write queue ------------------------------------------------------------------------
@@ -222,7 +219,7 @@ class PostgresRecordBackend(SwapBackend):
         self._max_connections = max_connections
         self._connect_timeout = connect_timeout
         self._command_timeout = command_timeout
-        self._idle_timeout_ms = max(1, int(idle_transaction_timeout * 1000))
+        self._idle_timeout = idle_transaction_timeout
         self._sql = statements(self._schema)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: asyncpg.Pool | None = None
@@ -262,10 +259,6 @@ class PostgresRecordBackend(SwapBackend):
             raise StorageBackendError("the backend is bound to another event loop")
         return loop
 
-    def _password(self) -> str:
-        assert self._password_file is not None
-        return read_password_file(self._password_file)
-
     async def _ready(self, operation: str, *, writer: bool = False) -> asyncpg.Pool:
         """The pool, opening it (and migrating the schema) on first use.
 
@@ -290,54 +283,25 @@ class PostgresRecordBackend(SwapBackend):
             return self._pool
 
     async def _open(self) -> asyncpg.Pool:
-        pool: asyncpg.Pool = await asyncpg.create_pool(
+        pool = await connect_pool(
             self._url,
-            password=None if self._password_file is None else self._password,
-            min_size=1,
+            self._password_file,
+            application_name="octo-host-ledger",
             max_size=self._max_connections,
-            timeout=self._connect_timeout,
+            connect_timeout=self._connect_timeout,
             command_timeout=self._command_timeout,
-            server_settings={
-                "synchronous_commit": "on",
-                "idle_in_transaction_session_timeout": str(self._idle_timeout_ms),
-                "application_name": "octo-host-ledger",
-            },
+            idle_transaction_timeout=self._idle_timeout,
         )
         try:
             async with pool.acquire() as connection:
-                await self._migrate(connection)
+                # One opener at a time per schema, across every host of the database.
+                await migrate_schema(
+                    connection, self._schema, MIGRATIONS, f"octo-ledger:{self._schema}"
+                )
         except BaseException:
             pool.terminate()
             raise
         return pool
-
-    async def _migrate(self, connection: _Connection) -> None:
-        sql = self._sql
-        lock_id = int.from_bytes(
-            hashlib.blake2b(f"octo-ledger:{self._schema}".encode(), digest_size=8).digest(),
-            "big",
-            signed=True,
-        )
-        async with connection.transaction():
-            # One opener at a time per schema, across every host of the database.
-            await connection.execute("SELECT pg_advisory_xact_lock($1)", lock_id)
-            version = 0
-            if await connection.fetchval(sql["has_version_table"]):
-                rows = await connection.fetch(sql["select_version"])
-                if len(rows) > 1:
-                    raise StorageBackendError("open: malformed schema_version table")
-                version = rows[0][0] if rows else 0
-            if version > SCHEMA_VERSION:
-                raise StorageBackendError(f"open: schema version {version} is newer than supported")
-            if version == SCHEMA_VERSION:
-                return  # no DDL: a role with only table privileges can use the store
-            await connection.execute(sql["create_schema"])
-            await connection.execute(sql["create_version_table"])
-            for statements in MIGRATIONS[version:]:
-                for statement in statements:
-                    await connection.execute(statement.format(s=f'"{self._schema}"'))
-            await connection.execute(sql["clear_version"])
-            await connection.execute(sql["insert_version"], SCHEMA_VERSION)
 
     # Reads ---------------------------------------------------------------------------
 
@@ -649,10 +613,7 @@ class PostgresRecordBackend(SwapBackend):
         async with self._open_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            try:
-                await asyncio.wait_for(pool.close(), timeout=self._command_timeout)
-            except (Exception, asyncio.CancelledError):
-                pool.terminate()
+            await wait_for_close(pool, self._command_timeout)
 
 
 class PostgresLedgerStore(AuthenticatedStore):

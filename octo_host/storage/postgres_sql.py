@@ -1,5 +1,7 @@
 """The SQL of the PostgreSQL ledger backend: its schema migrations and its statements.
 
+The migrations run through ``octo_common.runtime.postgres.migrate_schema``.
+
 Every statement names its tables through ``{s}``, the quoted schema, filled
 in once per backend by :func:`statements`. Values are always bound
 parameters, never text.
@@ -42,12 +44,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
-_HAS_VERSION_TABLE = "SELECT to_regclass('{s}.schema_version') IS NOT NULL"
 _SELECT_VERSION = "SELECT version FROM {s}.schema_version"
-_CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {s}"
-_CREATE_VERSION_TABLE = "CREATE TABLE IF NOT EXISTS {s}.schema_version (version BIGINT NOT NULL)"
-_CLEAR_VERSION = "DELETE FROM {s}.schema_version"
-_INSERT_VERSION = "INSERT INTO {s}.schema_version (version) VALUES ($1)"
 
 # One statement, so one snapshot; head and item read independently (as SQLite's).
 _SELECT_RECORD = """
@@ -116,17 +113,12 @@ _ESTABLISH_FENCE = """
 
 def statements(schema: str) -> dict[str, str]:
     """Every statement by name, with ``{s}`` filled in as the quoted ``schema`` (a name
-    :func:`~octo_host.storage.postgres_config.check_schema` accepted)."""
+    :func:`~octo_common.runtime.postgres.check_schema` accepted)."""
     quoted = f'"{schema}"'
     return {
         name: text.format(s=quoted)
         for name, text in (
-            ("has_version_table", _HAS_VERSION_TABLE),
             ("select_version", _SELECT_VERSION),
-            ("create_schema", _CREATE_SCHEMA),
-            ("create_version_table", _CREATE_VERSION_TABLE),
-            ("clear_version", _CLEAR_VERSION),
-            ("insert_version", _INSERT_VERSION),
             ("select_record", _SELECT_RECORD),
             ("lock_heads", _LOCK_HEADS),
             ("select_items", _SELECT_ITEMS),

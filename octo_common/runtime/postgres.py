@@ -1,0 +1,243 @@
+"""PostgreSQL for both stores: where it is, how it is opened and migrated, how it fails (D13).
+
+Owns the checks of the ``[storage]`` values a PostgreSQL store is built
+from (a ``postgresql://`` URL that never carries a password, a schema name
+safe to quote into SQL, the password read from a private file with the one
+private-file rule of :mod:`octo_common.keyfile`, and the URL as it may be
+shown), the connection pool both stores open (``synchronous_commit = on``,
+a bound on idle transactions, the password read at each new connection),
+forward schema migrations under a ``schema_version`` table and an advisory
+lock (so processes opening one database together migrate it once), and how
+a database failure is told (:func:`postgres_error`: operation, class and
+SQLSTATE, never a message or a bound value).
+
+It must never log, return or raise a password or a file's content, accept a
+URL with a password in it, or run a statement it did not get from a store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from octo_common.errors import OctoError, StorageBackendError
+from octo_common.keyfile import KeyFileRefused, read_private_file
+
+__all__ = [
+    "PostgresError",
+    "advisory_lock_key",
+    "check_schema",
+    "check_url",
+    "connect_pool",
+    "migrate_schema",
+    "postgres_error",
+    "read_password_file",
+    "redacted_url",
+    "schema_version",
+    "wait_for_close",
+]
+
+PostgresError = asyncpg.PostgresError
+Connection: TypeAlias = "asyncpg.Connection[Any] | PoolConnectionProxy[Any]"
+
+_PASSWORD_READ_LIMIT = 4097  # one byte more than the longest password accepted
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def check_url(url: object) -> str:
+    if not isinstance(url, str):
+        raise TypeError("url must be a str")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+        query = urllib.parse.parse_qs(parts.query)
+    except ValueError:
+        raise StorageBackendError("url: not a valid postgresql:// URL") from None
+    if parts.scheme not in ("postgresql", "postgres"):
+        raise StorageBackendError("url: must start with postgresql://")
+    if password is not None or "password" in query:
+        raise StorageBackendError("url: must not contain a password (give password_file)")
+    return url
+
+
+def redacted_url(url: str) -> str:
+    """``scheme://user@host:port/database``: no query, never a password."""
+    parts = urllib.parse.urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{user}{host}{port}{parts.path}"
+
+
+def check_schema(schema: object) -> str:
+    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+        raise StorageBackendError("schema: must match [a-z_][a-z0-9_]{0,62}")
+    if schema.startswith("pg_"):
+        raise StorageBackendError("schema: names starting with pg_ are reserved")
+    return schema
+
+
+_PASSWORD_REFUSALS: dict[str, str] = {
+    "missing": "does not exist",
+    "unopenable": "cannot be opened (a link, or no permission)",
+    "not_regular": "is not a regular file",
+    "permissions": "is open to group or others (chmod 600)",
+    "unreadable": "cannot be read",
+    "format": "must hold one line",
+}
+
+
+def read_password_file(path: str | os.PathLike[str]) -> str:
+    """The password in ``path``, under the one private-file rule (``octo_common.keyfile``).
+
+    One line of UTF-8; a trailing newline is not part of it. Failures are
+    ``StorageBackendError`` naming the problem, never the content.
+    """
+    try:
+        content = read_private_file(path, _PASSWORD_READ_LIMIT)
+    except KeyFileRefused as refused:
+        raise StorageBackendError(f"password_file: {_PASSWORD_REFUSALS[refused.reason]}") from None
+    try:
+        text = content.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise StorageBackendError("password_file: not UTF-8 text") from None
+    if len(content) >= _PASSWORD_READ_LIMIT or not text or "\n" in text:
+        raise StorageBackendError("password_file: must hold one line")
+    return text
+
+
+# Failures ------------------------------------------------------------------------------
+
+
+def postgres_error(operation: str, exc: BaseException) -> OctoError:
+    """What a caller sees for ``exc``: a protocol error as it is, else a fresh
+    ``StorageBackendError`` naming ``operation``, the class and the SQLSTATE,
+    never the server's message (it can quote bound values)."""
+    if isinstance(exc, OctoError):
+        return exc
+    if isinstance(exc, asyncpg.PostgresError):
+        return StorageBackendError(f"{operation}: {type(exc).__name__} ({exc.sqlstate})")
+    if isinstance(exc, TimeoutError):
+        return StorageBackendError(f"{operation}: timed out")
+    return StorageBackendError(f"{operation}: {type(exc).__name__}")
+
+
+# Opening -------------------------------------------------------------------------------
+
+
+async def connect_pool(
+    url: str,
+    password_file: str | os.PathLike[str] | None,
+    *,
+    application_name: str,
+    max_size: int,
+    connect_timeout: float,
+    command_timeout: float,
+    idle_transaction_timeout: float,
+) -> asyncpg.Pool:
+    """A pool of at most ``max_size`` connections to ``url`` (checked by :func:`check_url`).
+
+    Every session commits with ``synchronous_commit = on`` (a COMMIT returns
+    once its WAL is flushed) and is ended by the server when a transaction
+    stays idle for ``idle_transaction_timeout`` seconds (a paused process
+    cannot hold its locks for long). The password file, if any, is read at
+    each new connection, so a rotated password is picked up.
+    """
+
+    def password() -> str:
+        assert password_file is not None
+        return read_password_file(password_file)
+
+    pool: asyncpg.Pool = await asyncpg.create_pool(
+        url,
+        password=None if password_file is None else password,
+        min_size=1,
+        max_size=max_size,
+        timeout=connect_timeout,
+        command_timeout=command_timeout,
+        server_settings={
+            "synchronous_commit": "on",
+            "idle_in_transaction_session_timeout": str(
+                max(1, int(idle_transaction_timeout * 1000))
+            ),
+            "application_name": application_name,
+        },
+    )
+    return pool
+
+
+def advisory_lock_key(name: str) -> int:
+    """A stable signed 64-bit key for ``pg_advisory_xact_lock`` named by ``name``."""
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+async def migrate_schema(
+    connection: Connection,
+    schema: str,
+    migrations: Sequence[Sequence[str]],
+    lock_name: str,
+) -> int:
+    """Create ``schema`` when absent and move it forward to ``len(migrations)``.
+
+    ``migrations[i]`` moves version ``i`` to ``i + 1``; each statement names
+    its tables through ``{s}``, the quoted schema (a name :func:`check_schema`
+    accepted). One transaction under the advisory lock ``lock_name``, so
+    processes opening a fresh database together migrate it once. A schema
+    newer than ``migrations`` is refused; a current one runs no DDL (a role
+    with only table privileges can use the store). Returns the version found.
+    """
+    quoted = f'"{check_schema(schema)}"'
+    target = len(migrations)
+    async with connection.transaction():
+        await connection.execute("SELECT pg_advisory_xact_lock($1)", advisory_lock_key(lock_name))
+        version = 0
+        if await connection.fetchval(f"SELECT to_regclass('{quoted}.schema_version') IS NOT NULL"):
+            rows = await connection.fetch(f"SELECT version FROM {quoted}.schema_version")  # noqa: S608
+            if len(rows) > 1:
+                raise StorageBackendError("open: malformed schema_version table")
+            version = rows[0][0] if rows else 0
+        if version > target:
+            raise StorageBackendError(f"open: schema version {version} is newer than supported")
+        if version == target:
+            return int(version)
+        await connection.execute(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
+        await connection.execute(
+            f"CREATE TABLE IF NOT EXISTS {quoted}.schema_version (version BIGINT NOT NULL)"
+        )
+        for statements in migrations[version:]:
+            for statement in statements:
+                await connection.execute(statement.format(s=quoted))
+        await connection.execute(f"DELETE FROM {quoted}.schema_version")  # noqa: S608
+        await connection.execute(
+            f"INSERT INTO {quoted}.schema_version (version) VALUES ($1)",  # noqa: S608
+            target,
+        )
+        return int(version)
+
+
+async def schema_version(connection: Connection, schema: str) -> int | None:
+    """The version in ``schema``'s ``schema_version`` table; None without the table."""
+    quoted = f'"{check_schema(schema)}"'
+    if not await connection.fetchval(f"SELECT to_regclass('{quoted}.schema_version') IS NOT NULL"):
+        return None
+    rows = await connection.fetch(f"SELECT version FROM {quoted}.schema_version")  # noqa: S608
+    if len(rows) != 1:
+        raise StorageBackendError("open: malformed schema_version table")
+    return int(rows[0][0])
+
+
+async def wait_for_close(pool: asyncpg.Pool, timeout: float) -> None:
+    """Close ``pool`` gracefully within ``timeout`` seconds, else terminate it."""
+    try:
+        await asyncio.wait_for(pool.close(), timeout=timeout)
+    except (Exception, asyncio.CancelledError):
+        pool.terminate()
