@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from octo_common.errors import InvalidConfiguration, OctoError
+from octo_common.errors import InvalidConfiguration, OctoError, StorageBackendError
 from octo_common.frames import ScopeKey
 from octo_common.ids import is_token
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
@@ -36,6 +36,7 @@ from octo_common.runtime.keyfiles import (
     load_scope_key,
     load_storage_key,
 )
+from octo_common.runtime.postgres import check_schema, check_url, redacted_url
 from octo_common.transport import DEFAULT_DEAD_MAX_BYTES, DEFAULT_DEAD_MAX_LENGTH
 
 __all__ = [
@@ -74,10 +75,20 @@ class StorageKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class StorageConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """The journal database and the keys its rows are sealed with."""
+    """The journal database and the keys its rows are sealed with.
+
+    SQLite (``journal``, a file in ``worker.state_dir``) by default; with
+    ``url``, the journal in PostgreSQL instead (D13), so that several
+    workers can serve a scope in turn. ``url`` never holds the password
+    (``password_file``); a PostgreSQL journal has no rollback anchor
+    (``anchor`` is refused beside ``url``, see ``octo_worker.storage.postgres``).
+    """
 
     journal: str = "journal.sqlite3"
     anchor: str | None = None
+    url: str | None = None
+    password_file: str | None = None
+    schema: str = "octo_journal"
     key: StorageKeyConfig | None = None
     read_keys: tuple[StorageKeyConfig, ...] = ()
     data_key: StorageKeyConfig | None = None
@@ -165,6 +176,23 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def anchor_path(self) -> Path | None:
         anchor = self.storage.anchor
         return None if anchor is None else self.state_path(anchor, "storage.anchor")
+
+    @property
+    def shared_journal(self) -> bool:
+        """Whether the journal is in PostgreSQL (``[storage] url``), shared by workers."""
+        return self.storage.url is not None
+
+    @property
+    def storage_password_path(self) -> Path | None:
+        """``storage.password_file``, resolved (read by the store at each connection)."""
+        file = self.storage.password_file
+        return None if file is None else self.path(file, "storage.password_file")
+
+    def journal_location(self) -> str:
+        """Where the journal is, as it may be shown: the file, or the URL without secrets."""
+        if self.storage.url is not None:
+            return f"{redacted_url(self.storage.url)} schema {self.storage.schema}"
+        return str(self.journal_path)
 
     def broker_url(self) -> str:
         """The AMQP URL with the password from ``password_file`` (never logged)."""
@@ -318,11 +346,29 @@ def _check(config: WorkerConfig) -> None:
     refresh = config.metrics.queue_refresh_seconds
     if not (math.isfinite(refresh) and 0 < refresh <= 3600):
         raise InvalidConfiguration("metrics.queue_refresh_seconds: must be in (0, 3600]")
+    _check_storage(config.storage)
     console = config.console.listen
     if console is not None:
         host, _, port = console.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidConfiguration("console.listen: expected HOST:PORT")
+
+
+def _check_storage(storage: StorageConfig) -> None:
+    if storage.url is None:
+        if storage.password_file is not None:
+            raise InvalidConfiguration("storage.password_file: only with storage.url")
+        return
+    try:  # never echo the URL: it may hold a secret
+        check_url(storage.url)
+        check_schema(storage.schema)
+    except StorageBackendError as exc:
+        raise InvalidConfiguration(f"storage.{exc.detail}") from None
+    if storage.anchor is not None:
+        raise InvalidConfiguration(
+            "storage.anchor: a PostgreSQL journal has no rollback anchor (other workers commit"
+            " to it too); its rollback protection is the database's own"
+        )
 
 
 def load_config(path: str | os.PathLike[str]) -> WorkerConfig:

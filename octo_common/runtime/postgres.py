@@ -142,6 +142,7 @@ async def connect_pool(
     connect_timeout: float,
     command_timeout: float,
     idle_transaction_timeout: float,
+    read_only: bool = False,
 ) -> asyncpg.Pool:
     """A pool of at most ``max_size`` connections to ``url`` (checked by :func:`check_url`).
 
@@ -149,13 +150,21 @@ async def connect_pool(
     once its WAL is flushed) and is ended by the server when a transaction
     stays idle for ``idle_transaction_timeout`` seconds (a paused process
     cannot hold its locks for long). The password file, if any, is read at
-    each new connection, so a rotated password is picked up.
+    each new connection, so a rotated password is picked up. With
+    ``read_only`` every transaction is read-only (the server refuses a write).
     """
 
     def password() -> str:
         assert password_file is not None
         return read_password_file(password_file)
 
+    settings = {
+        "synchronous_commit": "on",
+        "idle_in_transaction_session_timeout": str(max(1, int(idle_transaction_timeout * 1000))),
+        "application_name": application_name,
+    }
+    if read_only:
+        settings["default_transaction_read_only"] = "on"
     pool: asyncpg.Pool = await asyncpg.create_pool(
         url,
         password=None if password_file is None else password,
@@ -163,13 +172,7 @@ async def connect_pool(
         max_size=max_size,
         timeout=connect_timeout,
         command_timeout=command_timeout,
-        server_settings={
-            "synchronous_commit": "on",
-            "idle_in_transaction_session_timeout": str(
-                max(1, int(idle_transaction_timeout * 1000))
-            ),
-            "application_name": application_name,
-        },
+        server_settings=settings,
     )
     return pool
 

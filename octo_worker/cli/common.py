@@ -32,7 +32,8 @@ from octo_common.runtime.output import (
     printable,
 )
 from octo_worker.config import WorkerConfig, load_config
-from octo_worker.store import SqliteJournalStore
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.configured import configured_store
 from octo_worker.topology import TopologyError, connect
 
 __all__ = [
@@ -154,25 +155,19 @@ async def broker_connection(config: WorkerConfig) -> AsyncIterator[AbstractConne
 @contextlib.asynccontextmanager
 async def journal_store(
     config: WorkerConfig, *, maintenance: bool = False
-) -> AsyncIterator[SqliteJournalStore]:
+) -> AsyncIterator[JournalStoreBase]:
     """The journal, read-only, or for maintenance (rows only, never a revision):
     beside a running daemon neither may migrate the schema or rewrite the
-    anchor file the daemon replaces after each commit."""
-    path = config.journal_path
-    if not path.exists():
+    anchor file the daemon replaces after each commit. SQLite or PostgreSQL,
+    as ``[storage]`` says."""
+    path = config.journal_location()
+    if not config.shared_journal and not config.journal_path.exists():
         raise CliError(
             EXIT_CHECK_FAILED,
             f"journal database {path} does not exist (the daemon creates it when it starts)",
             "not_found",
         )
-    store = SqliteJournalStore(
-        path,
-        config.storage_keyring(),
-        anchor_path=config.anchor_path,
-        data_keyring=config.data_keyring(),
-        read_only=not maintenance,
-        maintenance=maintenance,
-    )
+    store = configured_store(config, read_only=not maintenance, maintenance=maintenance)
     try:
         try:
             await store.scopes()  # opens the database (and checks the anchor)

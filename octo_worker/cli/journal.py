@@ -23,6 +23,7 @@ from octo_common.errors import OctoError
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     CliError,
     Output,
     anchor_to_write,
@@ -42,6 +43,7 @@ from octo_worker.cli.common import (
 )
 from octo_worker.config import WorkerConfig
 from octo_worker.journal import WorkerOperationRecord
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
 
 __all__ = [
@@ -123,7 +125,7 @@ def record_summary(scope: str, record: WorkerOperationRecord, revision: int) -> 
     }
 
 
-async def _scopes_of(store: SqliteJournalStore, wanted: str | None) -> list[str]:
+async def _scopes_of(store: JournalStoreBase, wanted: str | None) -> list[str]:
     scopes = await store.scopes()
     if wanted is None:
         return scopes
@@ -137,7 +139,7 @@ async def _scopes_of(store: SqliteJournalStore, wanted: str | None) -> list[str]
 def _each_scope(
     config: WorkerConfig,
     wanted: str | None,
-    action: Callable[[SqliteJournalStore, str], Awaitable[PruneReport | ResealReport]],
+    action: Callable[[JournalStoreBase, str], Awaitable[PruneReport | ResealReport]],
 ) -> dict[str, dict[str, int]]:
     """``action`` on every scope of the journal (or ``wanted``): its report per scope."""
 
@@ -395,6 +397,13 @@ def cmd_journal_reseal(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:
     config = config_of(args)
+    if config.shared_journal:
+        raise CliError(
+            EXIT_USAGE,
+            "storage.url: a PostgreSQL journal has no rollback anchor (other workers commit"
+            " to it too); its rollback protection is the database's own",
+            "invalid_configuration",
+        )
     anchor = anchor_to_write(
         config.anchor_path,
         "storage.anchor",

@@ -40,6 +40,7 @@ from octo_common.runtime.output import (
     drop_exception_text,
     one_line,
 )
+from octo_common.runtime.postgres import read_password_file
 from octo_common.transport import worker_queue
 from octo_worker.cli.adapters import load_enabled
 from octo_worker.cli.common import (
@@ -51,6 +52,7 @@ from octo_worker.cli.common import (
     run_event_loop,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_key
+from octo_worker.storage.configured import configured_store
 from octo_worker.storage.documents import read_session
 
 __all__ = ["cmd_check", "cmd_run", "configure_logging", "register"]
@@ -289,6 +291,8 @@ def _creatable(directory: Path) -> str:
 
 async def _probe_journal(config: WorkerConfig) -> str:
     """What the daemon's start reads, read-only: the rules of ``run``'s start up to the broker."""
+    if config.shared_journal:
+        return await _probe_shared_journal(config)
     path = config.journal_path
     anchor = config.anchor_path
     if anchor is not None and not anchor.exists():
@@ -327,6 +331,34 @@ async def _probe_journal(config: WorkerConfig) -> str:
         f"{path} integrity ok; {len(config.scopes)} scope(s) match their sealed heads "
         f"({rows} row(s), {sessions} session(s) to restore)"
     )
+
+
+async def _probe_shared_journal(config: WorkerConfig) -> str:
+    """The PostgreSQL journal: reachable with the password file, schema current."""
+    where = config.journal_location()
+    password_file = config.storage_password_path
+    if password_file is not None:
+        read_password_file(password_file)  # its own failure first (never its content)
+    store = configured_store(config, read_only=True)
+    try:
+        try:
+            problems = await store.integrity_check()
+        except OctoError as error:
+            if "does not exist" in str(error):
+                return f"postgresql {where}: reachable, schema not created yet (run creates it)"
+            raise CliError(
+                EXIT_STORAGE, f"postgresql {where}: {error.code}: {error}", error.code
+            ) from None
+        if problems != ["ok"]:
+            raise CliError(
+                EXIT_STORAGE,
+                f"postgresql {where}: {'; '.join(problems[:3])}",
+                "storage_backend_error",
+            )
+        scopes = await store.scopes()
+    finally:
+        await store.close()
+    return f"postgresql {where} schema ok, {len(scopes)} scope(s), shared (failover)"
 
 
 async def _probe_broker(config: WorkerConfig) -> str:

@@ -1,7 +1,7 @@
 """What the console shows, gathered the way the operator verbs gather it.
 
 The journal is read through ``octo-worker journal``'s own read-only store
-helper and row summaries (``SqliteJournalStore(..., read_only=True)``:
+helper and row summaries (the configured journal store, read-only:
 ``scopes``, ``list_records``, ``load_records``, ``load_sessions``,
 ``load_outbox``, ``head_revision``, ``scope_metadata``); the dead-letter
 queue through ``octo-worker dlq list``'s own AMQP inspection (the
@@ -32,7 +32,7 @@ from octo_worker.cli.common import PROG, journal_store
 from octo_worker.cli.dlq import dead_letter_entry, holding
 from octo_worker.cli.journal import record_detail, record_summary
 from octo_worker.config import WorkerConfig
-from octo_worker.store import SqliteJournalStore
+from octo_worker.storage.base import JournalStoreBase
 
 __all__ = [
     "DeadLetterView",
@@ -125,7 +125,7 @@ class OverviewView:
 
 
 async def _scope_view(
-    store: SqliteJournalStore, name: str, configured: bool, config_path: str, now: float
+    store: JournalStoreBase, name: str, configured: bool, config_path: str, now: float
 ) -> ScopeView:
     view = ScopeView(name, configured, True)
     records = await store.list_records(name)

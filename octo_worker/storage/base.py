@@ -239,8 +239,7 @@ class JournalStoreBase(abc.ABC):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = prepare(scope, changes)
         self._check_committing()
-        if not self._opened:
-            await self._ensure_open()
+        await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
         return await self._commits.submit(

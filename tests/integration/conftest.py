@@ -52,6 +52,9 @@ from octo_host.store import SqliteLedgerStore
 from octo_worker.adapters import WorkerAdapterRegistry
 from octo_worker.config import WorkerConfig, load_config
 from octo_worker.daemon import WorkerDaemon
+from tests.postgres import PostgresSchema
+
+from .journal_backends import BACKENDS, JournalDatabase
 
 URL = "amqp://guest:guest@127.0.0.1:5672/"
 TOOL = "files.publish"
@@ -113,6 +116,15 @@ def compensation_target(
 
 
 # Broker ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=BACKENDS)
+def journal_db(request: pytest.FixtureRequest, tmp_path: Path) -> JournalDatabase:
+    """A worker journal database of each backend in turn (``journal_backends``)."""
+    if request.param == "sqlite":
+        return JournalDatabase("sqlite", tmp_path / "journal" / "worker.db", None)
+    place: PostgresSchema = request.getfixturevalue("postgres_schema")
+    return JournalDatabase("postgres", tmp_path / "unused", place)
 
 
 @pytest.fixture

@@ -79,7 +79,10 @@ from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.session import WorkerSession, WorkerSessionLimits
 from octo_worker.storage import documents
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import SqliteJournalStore, WorkerCommit, WorkerJournalLease
+
+from .journal_backends import JournalDatabase
 
 SCOPE = "tenant-release"
 SESSION = "session-1"
@@ -135,7 +138,7 @@ class FaultyStore:
     ``load_records`` fail.
     """
 
-    def __init__(self, inner: SqliteJournalStore) -> None:
+    def __init__(self, inner: JournalStoreBase) -> None:
         self.inner = inner
         self.commits: list[WorkerCommit] = []
         self.fail_commits: set[int] = set()
@@ -253,7 +256,7 @@ class World:
     """One opened session with its host peer, store, adapters and effect log."""
 
     tmp_path: Path
-    real_store: SqliteJournalStore
+    real_store: JournalStoreBase
     store: FaultyStore
     lease: WorkerJournalLease
     adapters: ConfigurableRegistry
@@ -263,6 +266,14 @@ class World:
     session: WorkerSession
     opening_frame: bytes
     counter: int = 0
+    # The journal database of a world opened on one (``journal_db``); else its file.
+    database: JournalDatabase | None = None
+
+    def new_store(self) -> JournalStoreBase:
+        """Another store object on this world's journal (a restart, a reload)."""
+        if self.database is None:
+            return new_store(self.tmp_path / "journal.db")
+        return self.database.store(StorageKeyring("k1", STORAGE_KEY))
 
     def next_id(self, prefix: str) -> str:
         self.counter += 1
@@ -369,8 +380,13 @@ async def open_world(
     scripted: ScriptedAdapter | None = None,
     store_path: Path | None = None,
     extra: dict[str, Any] | None = None,
+    database: JournalDatabase | None = None,
 ) -> World:
-    real_store = new_store(store_path or tmp_path / "journal.db")
+    real_store: JournalStoreBase = (
+        new_store(store_path or tmp_path / "journal.db")
+        if database is None
+        else database.store(StorageKeyring("k1", STORAGE_KEY))
+    )
     store = FaultyStore(real_store)
     lease = await real_store.reserve_fence(SCOPE)
     files = FilesPublishAdapter(tmp_path / "published", tmp_path / "effects.log")
@@ -408,6 +424,7 @@ async def open_world(
         host,
         session,
         opening_frame,
+        database=database,
     )
 
 

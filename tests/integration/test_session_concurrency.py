@@ -1,4 +1,4 @@
-"""Concurrent admissions through real sessions on one real SQLite journal.
+"""Concurrent admissions through real sessions on one real journal, on both backends.
 
 Issue 3's acceptance: 1,000 concurrent admissions of 100 keys from two
 sessions give exactly 100 Dispatch; and one session's concurrent handlings
@@ -15,7 +15,6 @@ import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +42,10 @@ from octo_worker.adapters import (
     WorkerAdapterRegistry,
 )
 from octo_worker.session import WorkerSession, WorkerSessionLimits
-from octo_worker.store import SqliteJournalStore, WorkerCommit, WorkerJournalLease
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.store import WorkerCommit, WorkerJournalLease
+
+from .journal_backends import JournalDatabase
 
 SCOPE = "tenant-concurrency"
 TOOL = "count.effect"
@@ -87,8 +89,10 @@ class Delivery:
         return None
 
 
-async def test_1000_concurrent_admissions_of_100_keys_from_two_sessions(tmp_path: Path) -> None:
-    store = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+async def test_1000_concurrent_admissions_of_100_keys_from_two_sessions(
+    journal_db: JournalDatabase,
+) -> None:
+    store = journal_db.store(StorageKeyring("k1", bytes(32)))
     lease = await store.reserve_fence(SCOPE)
     adapter = CountingAdapter()
     adapters = registry(adapter)
@@ -126,7 +130,7 @@ async def test_1000_concurrent_admissions_of_100_keys_from_two_sessions(tmp_path
 # One session, many concurrent handlings ----------------------------------------------------
 #
 # A session's commits are one compare-and-swap chain on its state row. With a
-# store that chains them (``SqliteJournalStore``), a handling submits its
+# store that chains them (both journal backends), a handling submits its
 # commit while the previous one is still in flight, so concurrent handlings
 # of one session share transactions. These keep every promise of the
 # one-at-a-time version: each admission durable before its effect, the
@@ -145,7 +149,7 @@ class FailingCommitStore:
 
     chains_session_commits = True
 
-    def __init__(self, store: SqliteJournalStore, fail_at: int) -> None:
+    def __init__(self, store: JournalStoreBase, fail_at: int) -> None:
         self.store, self.fail_at, self.calls = store, fail_at, 0
         self.outcomes: dict[int, str] = {}
         # Commit number -> an event it waits for before it goes on (or fails).
@@ -212,7 +216,7 @@ def dispatch(host: SessionAuthenticator, n: int) -> bytes:
     return host.seal(DispatchOperation(request))
 
 
-async def restored_calls(store: SqliteJournalStore, lease: WorkerJournalLease) -> int:
+async def restored_calls(store: JournalStoreBase, lease: WorkerJournalLease) -> int:
     """What the durable session state says this session spent."""
     persisted = (await store.load_sessions(SCOPE))["session-1"]
     restored = await WorkerSession.restore(
@@ -233,9 +237,11 @@ def registry(adapter: CountingAdapter) -> WorkerAdapterRegistry:
     return adapters
 
 
-async def test_concurrent_handlings_of_one_session_share_transactions(tmp_path: Path) -> None:
+async def test_concurrent_handlings_of_one_session_share_transactions(
+    journal_db: JournalDatabase,
+) -> None:
     count = 200
-    store = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    store = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await store.reserve_fence(SCOPE)
         adapter = CountingAdapter()
@@ -270,9 +276,9 @@ async def test_concurrent_handlings_of_one_session_share_transactions(tmp_path: 
         await store.close()
 
 
-async def test_a_failed_commit_fails_every_commit_built_on_it(tmp_path: Path) -> None:
+async def test_a_failed_commit_fails_every_commit_built_on_it(journal_db: JournalDatabase) -> None:
     count = 40
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         adapter = CountingAdapter()
@@ -335,9 +341,9 @@ async def started(
 
 
 async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned(
-    tmp_path: Path,
+    journal_db: JournalDatabase,
 ) -> None:
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         store = FailingCommitStore(real, fail_at=2)
@@ -370,8 +376,10 @@ async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned
         await real.close()
 
 
-async def test_outbox_release_behind_a_failed_commit_commits_nothing(tmp_path: Path) -> None:
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+async def test_outbox_release_behind_a_failed_commit_commits_nothing(
+    journal_db: JournalDatabase,
+) -> None:
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         store = FailingCommitStore(real, fail_at=2)
@@ -395,8 +403,10 @@ class UnchainedStore(FailingCommitStore):
     chains_session_commits = False
 
 
-async def test_a_handling_cancelled_while_waiting_its_turn_changes_nothing(tmp_path: Path) -> None:
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+async def test_a_handling_cancelled_while_waiting_its_turn_changes_nothing(
+    journal_db: JournalDatabase,
+) -> None:
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         store = UnchainedStore(real, fail_at=0)
@@ -423,10 +433,12 @@ async def test_a_handling_cancelled_while_waiting_its_turn_changes_nothing(tmp_p
         await real.close()
 
 
-async def test_a_closed_session_is_never_persisted_poisoned_again(tmp_path: Path) -> None:
+async def test_a_closed_session_is_never_persisted_poisoned_again(
+    journal_db: JournalDatabase,
+) -> None:
     # The daemon persists a stored-poisoned session's refusal sequence after
     # the refusal; a close_session committed first keeps the session closed.
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         store = FailingCommitStore(real, fail_at=0)
@@ -444,11 +456,11 @@ async def test_a_closed_session_is_never_persisted_poisoned_again(tmp_path: Path
 
 
 async def test_with_a_store_that_cannot_chain_a_handling_starts_after_the_commit_before_it(
-    tmp_path: Path,
+    journal_db: JournalDatabase,
 ) -> None:
     # As when the session held its lock through each commit: the second
     # request reads the session as the failed commit left it, poisoned.
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         store = UnchainedStore(real, fail_at=2)
@@ -510,15 +522,17 @@ def invoke(host: SessionAuthenticator) -> bytes:
 class GatedSession:
     """A session whose first commit after the open waits at a gate, then lands or fails."""
 
-    real: SqliteJournalStore
+    real: JournalStoreBase
     store: FailingCommitStore
     session: WorkerSession
     host: SessionAuthenticator
 
 
 @pytest.fixture(params=[True, False], ids=["lands", "fails"])
-async def gated(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[GatedSession]:
-    real = SqliteJournalStore(tmp_path / "journal.db", StorageKeyring("k1", bytes(32)))
+async def gated(
+    request: pytest.FixtureRequest, journal_db: JournalDatabase
+) -> AsyncIterator[GatedSession]:
+    real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
         store = FailingCommitStore(real, fail_at=0 if request.param else 2)
@@ -575,11 +589,11 @@ async def test_a_frame_of_a_closing_session_is_dropped_only_once_the_close_lands
 
 
 async def test_a_superseded_worker_seals_nothing_so_the_new_owner_reuses_no_sequence(
-    tmp_path: Path,
+    journal_db: JournalDatabase,
 ) -> None:
     ring = StorageKeyring("k1", bytes(32))
-    old = SqliteJournalStore(tmp_path / "journal.db", ring)
-    new = SqliteJournalStore(tmp_path / "journal.db", ring)
+    old = journal_db.store(ring)
+    new = journal_db.store(ring)
     try:
         old_lease = await old.reserve_fence(SCOPE)
         first, host = await open_session(old, old_lease, registry(CountingAdapter()), 10, 1)

@@ -1,6 +1,8 @@
-"""WorkerSession across crashes, restarts and store faults, on real SQLite files.
+"""WorkerSession across crashes, restarts and store faults, on both journal backends.
 
-A "restart" closes the store object and opens a new one on the same file,
+Every ``world`` here is opened on ``journal_db`` (a SQLite file, then a
+PostgreSQL schema). A "restart" closes the store object and opens a new one
+on the same database,
 reserves a fresh fence and rebuilds the session with ``WorkerSession.restore``
 from what ``load_sessions`` returns, as the daemon does (W§10.10). A "crash"
 cancels a handling mid-flight. Faults are injected at the store boundary
@@ -35,8 +37,10 @@ from octo_common.messages import (
 from octo_common.payload import ToolPayload
 from octo_common.states import Pending, Succeeded
 from octo_worker.session import WorkerSession, WorkerSessionLimits
-from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.store import SessionDocuments, WorkerCommit
 
+from .journal_backends import JournalDatabase
 from .test_session import (
     NONCE,
     PUBLISH,
@@ -48,7 +52,6 @@ from .test_session import (
     FaultyStore,
     RecordingDelivery,
     World,
-    new_store,
     open_world,
     publish_grant,
     publish_payload,
@@ -59,10 +62,10 @@ from .test_session import (
 )
 
 
-async def restart(world: World, *, path: Path | None = None) -> tuple[SqliteJournalStore, Any]:
-    """Close the store, reopen the file under a fresh fence, restore the session."""
+async def restart(world: World) -> tuple[JournalStoreBase, Any]:
+    """Close the store, reopen the database under a fresh fence, restore the session."""
     await world.real_store.close()
-    store = new_store(path or world.tmp_path / "journal.db")
+    store = world.new_store()
     lease = await store.reserve_fence(SCOPE)
     persisted = (await store.load_sessions(SCOPE))[SESSION]
     session = await WorkerSession.restore(
@@ -82,8 +85,8 @@ async def restart(world: World, *, path: Path | None = None) -> tuple[SqliteJour
 
 
 @pytest.fixture
-async def world(tmp_path: Path) -> Any:
-    w = await open_world(tmp_path)
+async def world(tmp_path: Path, journal_db: JournalDatabase) -> Any:
+    w = await open_world(tmp_path, database=journal_db)
     yield w
     w.files.close()
     await w.real_store.close()
@@ -179,7 +182,7 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
     assert sealed_through >= 1
 
     # The daemon's reload (W§10.9 step 4): fresh fence, restore, persist poisoned.
-    reloaded = new_store(world.tmp_path / "journal.db")
+    reloaded = world.new_store()
     lease = await reloaded.reserve_fence(SCOPE)
     persisted = (await reloaded.load_sessions(SCOPE))[SESSION]
     assert persisted.status == "open"  # the failed commit left nothing
@@ -216,7 +219,7 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
 class SlowCommitStore(FaultyStore):
     """Commits really, but reports the outcome only when the test lets it."""
 
-    def __init__(self, inner: SqliteJournalStore) -> None:
+    def __init__(self, inner: JournalStoreBase) -> None:
         super().__init__(inner)
         self.release = asyncio.Event()
         self.entered = asyncio.Event()
@@ -325,8 +328,10 @@ async def test_closed_session_stays_closed_after_restart(world: World) -> None:
     assert delivery.events == [("dead_letter", "session_closed")]
 
 
-async def test_two_sessions_of_a_scope_share_the_key_lock(tmp_path: Path) -> None:
-    w = await open_world(tmp_path)
+async def test_two_sessions_of_a_scope_share_the_key_lock(
+    tmp_path: Path, journal_db: JournalDatabase
+) -> None:
+    w = await open_world(tmp_path, database=journal_db)
     try:
         # A second session on the same store and scope.
         other_id = "session-2"

@@ -1,8 +1,9 @@
 """One session's outbox rows, found without reading the scope's whole outbox (issue 21, W§11.4).
 
-Real SQLite files. Rows read are counted with the store's own counter
-(``StoreStats.rows_opened``: rows loaded, authenticated and decrypted),
-never timed.
+Both backends (``journal_db``); the schema-4 migration tests are
+inherently SQLite-file tests. Rows read are counted with the store's own
+counter (``StoreStats.rows_opened``: rows loaded, authenticated and
+decrypted), never timed.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from octo_common.errors import OctoError, RecordLocationMismatch
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.sqlite_rows import SCHEMA_VERSION
 from octo_worker.store import SqliteJournalStore, WorkerCommit
 
+from .journal_backends import JournalDatabase
 from .test_worker_store import SCOPE, data_keyring, outbox, sql, storage_keyring
 
 
@@ -23,7 +26,7 @@ def frame(session: int, number: int) -> bytes:
     return f'{{"session":{session},"frame":{number}}}'.encode()
 
 
-async def fill(store: SqliteJournalStore, sessions: int, per_session: int) -> None:
+async def fill(store: JournalStoreBase, sessions: int, per_session: int) -> None:
     lease = await store.reserve_fence(SCOPE)
     for number in range(per_session):
         entries = [outbox(f"s-{session}", frame(session, number)) for session in range(sessions)]
@@ -43,13 +46,9 @@ def to_schema_3(path: Path) -> None:
 
 @pytest.mark.parametrize("encrypted", [False, True], ids=["sealed", "encrypted"])
 async def test_one_sessions_rows_are_read_alone_whatever_the_outbox_holds(
-    tmp_path: Path, encrypted: bool
+    journal_db: JournalDatabase, encrypted: bool
 ) -> None:
-    store = SqliteJournalStore(
-        tmp_path / "worker.db",
-        storage_keyring(),
-        data_keyring=data_keyring() if encrypted else None,
-    )
+    store = journal_db.store(storage_keyring(), data_keyring=data_keyring() if encrypted else None)
     try:
         await fill(store, sessions=60, per_session=3)
         before = store.stats.rows_opened
@@ -67,13 +66,14 @@ async def test_one_sessions_rows_are_read_alone_whatever_the_outbox_holds(
         await store.close()
 
 
-async def test_a_rows_session_column_edited_behind_the_store_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "worker.db"
-    store = SqliteJournalStore(path, storage_keyring())
+async def test_a_rows_session_column_edited_behind_the_store_is_refused(
+    journal_db: JournalDatabase,
+) -> None:
+    store = journal_db.store(storage_keyring())
     try:
         await fill(store, sessions=2, per_session=1)
         # The column is metadata: the authenticated document says whose row it is.
-        sql(path, "UPDATE items SET session = 's-0' WHERE session = 's-1'")
+        await journal_db.set_outbox_session("s-1", "s-0")
         with pytest.raises(RecordLocationMismatch):
             await store.load_outbox(SCOPE, session_id="s-0")
         assert await store.load_outbox(SCOPE, session_id="s-1") == []

@@ -1,4 +1,18 @@
-"""Scenarios for ``SqliteJournalStore`` on real SQLite files (W§11, H§17.7-17.10)."""
+"""The worker journal store on real databases (W§11, H§17.7-17.10, D13).
+
+One suite for both backends: every test that takes ``journal_db`` runs on a
+SQLite file and on a PostgreSQL schema (``journal_backends``), and edits the
+database behind the store's back through the same back door. Inherently
+SQLite-file tests take ``db_path`` and run on SQLite only:
+
+* the rollback anchor file (a restored older database, a database ahead of
+  its anchor, a head rolled back while open, a malformed anchor, a failed
+  anchor write, a chain never landing on a commit whose anchor write
+  failed): the PostgreSQL store keeps no anchor file (see
+  ``octo_worker.storage.postgres``);
+* file and directory modes (``test_files_are_private``);
+* journals of SQLite schema 2 (``test_sessions_closed_before_schema_3_...``).
+"""
 
 from __future__ import annotations
 
@@ -41,7 +55,7 @@ from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending, Succeeded
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
-from octo_worker.storage.scope_head import ScopeHead
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import (
     OutboxEntry,
     SessionDocuments,
@@ -49,6 +63,8 @@ from octo_worker.store import (
     WorkerCommit,
     WorkerJournalLease,
 )
+
+from .journal_backends import JournalDatabase
 
 # The anchor entry of a journal whose scope heads carry digests (schema 5).
 DIGEST_MARK = b'{"namespace":"worker-journal-format","name":"scope-row-digest","revision":5}'
@@ -125,22 +141,6 @@ def drop_head_digests(connection: sqlite3.Connection) -> None:
         connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
 
 
-def set_head(path: Path, scope: str, keyring: StorageKeyring, **fields: int) -> None:
-    """Move a scope head's revision or fence as its key holder would: resealed."""
-    (row,) = sql(
-        path,
-        "SELECT revision, fence, row_count, digest, key_id, auth_tag FROM heads WHERE name = ?",
-        (scope,),
-    )
-    head = ScopeHead.from_row(scope, row).sealed(keyring, **fields)
-    sql(
-        path,
-        "UPDATE heads SET revision = ?, fence = ?, row_count = ?, digest = ?, key_id = ?, "
-        "auth_tag = ? WHERE name = ?",
-        (*head.row(), scope),
-    )
-
-
 def envelopes(path: Path) -> list[bytes]:
     return [bytes(row[0]) for row in sql(path, "SELECT envelope FROM items")]  # type: ignore[call-overload]
 
@@ -151,8 +151,8 @@ def db_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def store(db_path: Path) -> AsyncIterator[SqliteJournalStore]:
-    journal_store = SqliteJournalStore(db_path, storage_keyring())
+async def store(journal_db: JournalDatabase) -> AsyncIterator[JournalStoreBase]:
+    journal_store = journal_db.store(storage_keyring())
     yield journal_store
     await journal_store.close()
 
@@ -160,7 +160,7 @@ async def store(db_path: Path) -> AsyncIterator[SqliteJournalStore]:
 # Round trip --------------------------------------------------------------------------
 
 
-async def test_reserve_commit_load_round_trip(store: SqliteJournalStore) -> None:
+async def test_reserve_commit_load_round_trip(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     assert lease.token == 1
     first = await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
@@ -182,7 +182,7 @@ async def test_reserve_commit_load_round_trip(store: SqliteJournalStore) -> None
     assert await store.integrity_check() == ["ok"]
 
 
-async def test_scopes_are_independent(store: SqliteJournalStore) -> None:
+async def test_scopes_are_independent(store: JournalStoreBase) -> None:
     lease_a = await store.reserve_fence(SCOPE)
     lease_b = await store.reserve_fence(OTHER_SCOPE)
     await store.commit(SCOPE, lease_a, rows(SCOPE, (pending("op-1"), None)))
@@ -196,20 +196,20 @@ async def test_scopes_are_independent(store: SqliteJournalStore) -> None:
 
 
 async def test_every_commit_advances_the_revision_even_when_empty(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     revisions = [await store.commit(SCOPE, lease, WorkerCommit()) for _ in range(3)]
     assert revisions == [1, 2, 3]
 
 
-async def test_reopened_store_reads_rows_and_keeps_the_fence(db_path: Path) -> None:
-    first = SqliteJournalStore(db_path, storage_keyring())
+async def test_reopened_store_reads_rows_and_keeps_the_fence(journal_db: JournalDatabase) -> None:
+    first = journal_db.store(storage_keyring())
     lease = await first.reserve_fence(SCOPE)
     await first.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
     await first.close()
 
-    second = SqliteJournalStore(db_path, storage_keyring())
+    second = journal_db.store(storage_keyring())
     try:
         new_lease = await second.reserve_fence(SCOPE)
         loaded = await second.load_records(SCOPE, ["op-1"])
@@ -225,7 +225,7 @@ async def test_reopened_store_reads_rows_and_keeps_the_fence(db_path: Path) -> N
 
 
 async def test_a_lease_has_no_public_constructor_and_a_redacted_repr(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     with pytest.raises(TypeError):
@@ -246,9 +246,9 @@ async def test_a_lease_has_no_public_constructor_and_a_redacted_repr(
         pickle.dumps(lease)
 
 
-async def test_a_superseded_fence_cannot_write(db_path: Path) -> None:
-    store_a = SqliteJournalStore(db_path, storage_keyring())
-    store_b = SqliteJournalStore(db_path, storage_keyring())
+async def test_a_superseded_fence_cannot_write(journal_db: JournalDatabase) -> None:
+    store_a = journal_db.store(storage_keyring())
+    store_b = journal_db.store(storage_keyring())
     try:
         lease_a = await store_a.reserve_fence(SCOPE)
         lease_b = await store_b.reserve_fence(SCOPE)
@@ -263,21 +263,23 @@ async def test_a_superseded_fence_cannot_write(db_path: Path) -> None:
 
 
 async def test_a_head_moved_by_another_writer_is_a_write_conflict(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
     # Another writer advanced the head without taking the fence.
-    sql(db_path, "UPDATE heads SET revision = revision + 1 WHERE name = ?", (SCOPE,))
+    await journal_db.raise_head(SCOPE)
 
     with pytest.raises(WriteConflict) as conflict:
         await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
     assert (conflict.value.expected, conflict.value.actual) == (1, 2)
 
 
-async def test_a_lease_used_by_a_store_that_never_reserved_conflicts(db_path: Path) -> None:
-    owner = SqliteJournalStore(db_path, storage_keyring())
-    stranger = SqliteJournalStore(db_path, storage_keyring())
+async def test_a_lease_used_by_a_store_that_never_reserved_conflicts(
+    journal_db: JournalDatabase,
+) -> None:
+    owner = journal_db.store(storage_keyring())
+    stranger = journal_db.store(storage_keyring())
     try:
         lease = await owner.reserve_fence(SCOPE)
         await owner.commit(SCOPE, lease, WorkerCommit())
@@ -290,10 +292,12 @@ async def test_a_lease_used_by_a_store_that_never_reserved_conflicts(db_path: Pa
         await stranger.close()
 
 
-async def test_fence_and_revision_exhaustion(store: SqliteJournalStore, db_path: Path) -> None:
+async def test_fence_and_revision_exhaustion(
+    store: JournalStoreBase, journal_db: JournalDatabase
+) -> None:
     await store.reserve_fence(SCOPE)
     maximum = SQLITE_MAX_INTEGER - 1
-    set_head(db_path, SCOPE, storage_keyring(), fence=maximum, revision=maximum)
+    await journal_db.set_head(SCOPE, storage_keyring(), fence=maximum, revision=maximum)
     lease = await store.reserve_fence(SCOPE)
     assert lease.token == SQLITE_MAX_INTEGER
     with pytest.raises(FencingTokenExhausted):
@@ -308,7 +312,7 @@ async def test_fence_and_revision_exhaustion(store: SqliteJournalStore, db_path:
 # Row checks -------------------------------------------------------------------------
 
 
-async def test_stale_base_revision_is_a_write_conflict(store: SqliteJournalStore) -> None:
+async def test_stale_base_revision_is_a_write_conflict(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
     await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), 1)))
@@ -327,7 +331,7 @@ async def test_stale_base_revision_is_a_write_conflict(store: SqliteJournalStore
 
 
 async def test_a_conflicting_change_set_is_excluded_alone_from_a_group_commit(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-0"), None)))
@@ -348,7 +352,7 @@ async def test_a_conflicting_change_set_is_excluded_alone_from_a_group_commit(
 
 
 async def test_mismatched_changeset_locations_are_refused_before_any_io(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     wrong_scope = rows(OTHER_SCOPE, (pending("op-1"), None))
@@ -365,7 +369,7 @@ async def test_mismatched_changeset_locations_are_refused_before_any_io(
 # Sessions ----------------------------------------------------------------------------
 
 
-async def test_sessions_round_trip_and_replay_is_refused(store: SqliteJournalStore) -> None:
+async def test_sessions_round_trip_and_replay_is_refused(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     opened = await store.commit(
         SCOPE,
@@ -415,7 +419,7 @@ async def test_sessions_round_trip_and_replay_is_refused(store: SqliteJournalSto
 
 
 async def test_a_replayed_session_fails_alone_inside_a_group_commit(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
 
@@ -436,7 +440,7 @@ async def test_a_replayed_session_fails_alone_inside_a_group_commit(
     assert sorted(await store.load_sessions(SCOPE)) == ["sess-1", "sess-2", "sess-3"]
 
 
-async def test_session_documents_must_name_their_row(store: SqliteJournalStore) -> None:
+async def test_session_documents_must_name_their_row(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     with pytest.raises(RecordLocationMismatch):
         await store.commit(
@@ -468,7 +472,7 @@ async def test_session_documents_must_name_their_row(store: SqliteJournalStore) 
 # Outbox --------------------------------------------------------------------------------
 
 
-async def test_outbox_insert_delete_and_load_order(store: SqliteJournalStore) -> None:
+async def test_outbox_insert_delete_and_load_order(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     frames = [f'{{"frame":{i}}}'.encode() for i in range(4)]
     first = await store.commit(
@@ -512,7 +516,7 @@ def test_value_reprs_never_show_documents_or_frames() -> None:
     assert all(SECRET_TEXT not in repr(value) for value in values)
 
 
-async def test_outbox_message_id_must_be_the_frame_digest(store: SqliteJournalStore) -> None:
+async def test_outbox_message_id_must_be_the_frame_digest(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     entry = outbox("sess-1", b'{"frame":1}')
     forged = OutboxEntry("0" * 64, entry.session_id, entry.reply_to, None, entry.frame)
@@ -523,26 +527,27 @@ async def test_outbox_message_id_must_be_the_frame_digest(store: SqliteJournalSt
 # Tampering fails closed --------------------------------------------------------------------
 
 
-async def test_a_tampered_envelope_fails_closed(store: SqliteJournalStore, db_path: Path) -> None:
+async def test_a_tampered_envelope_fails_closed(
+    store: JournalStoreBase, journal_db: JournalDatabase
+) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
-    (envelope,) = sql(db_path, "SELECT envelope FROM items WHERE item = 'op-1'")[0]
-    assert isinstance(envelope, bytes)
+    envelope = await journal_db.envelope("op-1")
     tag_start = envelope.index(b'"auth_tag":"') + len(b'"auth_tag":"')
     flipped = b"1" if envelope[tag_start : tag_start + 1] != b"1" else b"2"
     tampered = envelope[:tag_start] + flipped + envelope[tag_start + 1 :]
-    sql(db_path, "UPDATE items SET envelope = ? WHERE item = 'op-1'", (tampered,))
+    await journal_db.set_envelope("op-1", tampered)
 
     with pytest.raises(InvalidRecordAuthenticationTag):
         await store.load_records(SCOPE, ["op-1"])
 
 
 async def test_a_failing_load_fails_alone_among_concurrent_loads(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None), (pending("op-2"), None)))
-    sql(db_path, "UPDATE items SET envelope = CAST('{}' AS BLOB) WHERE item = 'op-2'")
+    await journal_db.set_envelope("op-2", b"{}")
 
     outcomes = await asyncio.gather(
         store.load_records(SCOPE, ["op-1"]),
@@ -556,41 +561,32 @@ async def test_a_failing_load_fails_alone_among_concurrent_loads(
     assert outcomes[2] == 1
 
 
-async def test_row_revision_edits_fail_closed(store: SqliteJournalStore, db_path: Path) -> None:
+async def test_row_revision_edits_fail_closed(
+    store: JournalStoreBase, journal_db: JournalDatabase
+) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
     await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
 
-    sql(db_path, "UPDATE items SET revision = 2 WHERE item = 'op-1'")
+    await journal_db.set_revision("op-1", 2)
     with pytest.raises(RevisionMismatch):
         await store.load_records(SCOPE, ["op-1"])
-    sql(db_path, "UPDATE items SET revision = 3 WHERE item = 'op-1'")
+    await journal_db.set_revision("op-1", 3)
     with pytest.raises(RevisionFloorMismatch):
         await store.load_records(SCOPE, ["op-1"])
 
 
 async def test_rows_transplanted_to_another_scope_or_key_fail_closed(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     other_lease = await store.reserve_fence(OTHER_SCOPE)
     await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
     await store.commit(OTHER_SCOPE, other_lease, rows(OTHER_SCOPE, (pending("op-7"), None)))
     # Another scope: same key, same revision, different tag location.
-    sql(
-        db_path,
-        "INSERT INTO items (namespace, name, item, revision, envelope) "
-        "SELECT namespace, ?, item, revision, envelope FROM items WHERE name = ? AND item = 'op-1'",
-        (OTHER_SCOPE, SCOPE),
-    )
+    await journal_db.copy_row("op-1", SCOPE, to_scope=OTHER_SCOPE, to_item="op-1")
     # Another key of the same scope: the tag passes, the document names op-1.
-    sql(
-        db_path,
-        "INSERT INTO items (namespace, name, item, revision, envelope) "
-        "SELECT namespace, name, 'op-2', revision, envelope FROM items "
-        "WHERE name = ? AND item = 'op-1'",
-        (SCOPE,),
-    )
+    await journal_db.copy_row("op-1", SCOPE, to_scope=SCOPE, to_item="op-2")
 
     with pytest.raises(InvalidRecordAuthenticationTag):
         await store.load_records(OTHER_SCOPE, ["op-1"])
@@ -600,7 +596,7 @@ async def test_rows_transplanted_to_another_scope_or_key_fail_closed(
 
 
 async def test_a_session_row_moved_to_another_session_fails_closed(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     await store.commit(
@@ -612,18 +608,18 @@ async def test_a_session_row_moved_to_another_session_fails_closed(
             }
         ),
     )
-    sql(db_path, "UPDATE items SET item = 'sess-2' WHERE namespace = 'worker-session'")
+    await journal_db.rename_items("worker-session", "sess-2")
     with pytest.raises(RecordLocationMismatch):
         await store.load_sessions(SCOPE)
 
 
 async def test_a_session_missing_half_of_its_rows_fails_closed(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     documents = SessionDocuments(state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1"))
     await store.commit(SCOPE, lease, WorkerCommit(sessions={"sess-1": documents}))
-    sql(db_path, "DELETE FROM items WHERE namespace = 'worker-session-open'")
+    await journal_db.delete_rows("worker-session-open")
     with pytest.raises(RollbackDetected):
         await store.load_sessions(SCOPE)
 
@@ -631,14 +627,14 @@ async def test_a_session_missing_half_of_its_rows_fails_closed(
 # Keys --------------------------------------------------------------------------------------
 
 
-async def test_unknown_and_wrong_storage_keys_fail_closed(db_path: Path) -> None:
-    writer = SqliteJournalStore(db_path, storage_keyring("storage-v1", 1))
+async def test_unknown_and_wrong_storage_keys_fail_closed(journal_db: JournalDatabase) -> None:
+    writer = journal_db.store(storage_keyring("storage-v1", 1))
     lease = await writer.reserve_fence(SCOPE)
     await writer.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
     await writer.close()
 
-    unknown = SqliteJournalStore(db_path, storage_keyring("storage-v2", 1))
-    wrong = SqliteJournalStore(db_path, storage_keyring("storage-v1", 2))
+    unknown = journal_db.store(storage_keyring("storage-v2", 1))
+    wrong = journal_db.store(storage_keyring("storage-v1", 2))
     try:
         with pytest.raises(UnknownKeyId):
             await unknown.load_records(SCOPE, ["op-1"])
@@ -649,9 +645,11 @@ async def test_unknown_and_wrong_storage_keys_fail_closed(db_path: Path) -> None
         await wrong.close()
 
 
-async def test_storage_key_rotation_reads_old_rows_and_writes_new_ones(db_path: Path) -> None:
+async def test_storage_key_rotation_reads_old_rows_and_writes_new_ones(
+    journal_db: JournalDatabase,
+) -> None:
     keyring = storage_keyring("storage-v1", 1)
-    store = SqliteJournalStore(db_path, keyring)
+    store = journal_db.store(keyring)
     try:
         lease = await store.reserve_fence(SCOPE)
         await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
@@ -664,12 +662,12 @@ async def test_storage_key_rotation_reads_old_rows_and_writes_new_ones(db_path: 
     finally:
         await store.close()
     assert loaded == {"op-1": (pending("op-1"), 1), "op-2": (pending("op-2"), 2)}
-    assert any(b'"key_id":"storage-v2"' in envelope for envelope in envelopes(db_path))
+    assert any(b'"key_id":"storage-v2"' in envelope for envelope in await journal_db.envelopes())
 
 
-async def test_data_encryption_hides_payloads_and_rotates(db_path: Path) -> None:
+async def test_data_encryption_hides_payloads_and_rotates(journal_db: JournalDatabase) -> None:
     data_keys = data_keyring("data-v1", 9)
-    store = SqliteJournalStore(db_path, storage_keyring(), data_keyring=data_keys)
+    store = journal_db.store(storage_keyring(), data_keyring=data_keys)
     try:
         lease = await store.reserve_fence(SCOPE)
         await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
@@ -680,25 +678,19 @@ async def test_data_encryption_hides_payloads_and_rotates(db_path: Path) -> None
         await store.close()
 
     assert loaded == {"op-1": (succeeded("op-1"), 1), "op-2": (succeeded("op-2"), 2)}
-    raw = db_path.read_bytes() + b"".join(
-        Path(str(db_path) + suffix).read_bytes()
-        for suffix in ("-wal",)
-        if Path(str(db_path) + suffix).exists()
-    )
+    raw = await journal_db.raw_bytes()
     assert SECRET_TEXT.encode() not in raw
-    assert b"op-1" not in b"".join(envelopes(db_path))
+    assert b"op-1" not in b"".join(await journal_db.envelopes())
 
 
-async def test_wrong_or_unknown_data_key_fails_closed(db_path: Path) -> None:
-    writer = SqliteJournalStore(db_path, storage_keyring(), data_keyring=data_keyring("data-v1", 9))
+async def test_wrong_or_unknown_data_key_fails_closed(journal_db: JournalDatabase) -> None:
+    writer = journal_db.store(storage_keyring(), data_keyring=data_keyring("data-v1", 9))
     lease = await writer.reserve_fence(SCOPE)
     await writer.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), None)))
     await writer.close()
 
-    wrong = SqliteJournalStore(db_path, storage_keyring(), data_keyring=data_keyring("data-v1", 8))
-    unknown = SqliteJournalStore(
-        db_path, storage_keyring(), data_keyring=data_keyring("data-v2", 9)
-    )
+    wrong = journal_db.store(storage_keyring(), data_keyring=data_keyring("data-v1", 8))
+    unknown = journal_db.store(storage_keyring(), data_keyring=data_keyring("data-v2", 9))
     try:
         with pytest.raises(InvalidEnvelope):
             await wrong.load_records(SCOPE, ["op-1"])
@@ -850,7 +842,7 @@ async def test_an_anchor_write_failure_fails_every_caller_of_the_transaction(
 # Group commit, cancellation, concurrency ------------------------------------------------------
 
 
-async def test_group_commit_batches_concurrent_callers(store: SqliteJournalStore) -> None:
+async def test_group_commit_batches_concurrent_callers(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     before = store.stats
 
@@ -866,9 +858,9 @@ async def test_group_commit_batches_concurrent_callers(store: SqliteJournalStore
 
 
 async def test_without_group_commit_every_change_set_is_its_own_transaction(
-    db_path: Path,
+    journal_db: JournalDatabase,
 ) -> None:
-    store = SqliteJournalStore(db_path, storage_keyring(), group_commit=False)
+    store = journal_db.store(storage_keyring(), group_commit=False)
     try:
         lease = await store.reserve_fence(SCOPE)
         revisions = await asyncio.gather(
@@ -880,7 +872,7 @@ async def test_without_group_commit_every_change_set_is_its_own_transaction(
         await store.close()
 
 
-async def test_group_commit_outcomes_equal_a_serial_model(store: SqliteJournalStore) -> None:
+async def test_group_commit_outcomes_equal_a_serial_model(store: JournalStoreBase) -> None:
     """Random concurrent change sets (some stale) get exactly their serial outcome."""
     chooser = random.Random(20261202)
     scopes = [SCOPE, OTHER_SCOPE]
@@ -946,7 +938,7 @@ async def test_group_commit_outcomes_equal_a_serial_model(store: SqliteJournalSt
         assert await store.head_revision(scope) == heads[scope]
 
 
-async def test_a_cancelled_caller_still_commits(store: SqliteJournalStore) -> None:
+async def test_a_cancelled_caller_still_commits(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     task = asyncio.create_task(store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None))))
     await asyncio.sleep(0)  # the change set is submitted
@@ -960,7 +952,7 @@ async def test_a_cancelled_caller_still_commits(store: SqliteJournalStore) -> No
 
 
 async def test_concurrent_admissions_from_two_sessions_never_overwrite(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     keys = [f"op-{i}" for i in range(100)]
@@ -1014,8 +1006,8 @@ async def test_files_are_private(db_path: Path) -> None:
     assert modes == {"worker.db": 0o600, "worker.db-wal": 0o600, "worker.db-shm": 0o600}
 
 
-async def test_close_is_idempotent_and_final(db_path: Path) -> None:
-    store = SqliteJournalStore(db_path, storage_keyring())
+async def test_close_is_idempotent_and_final(journal_db: JournalDatabase) -> None:
+    store = journal_db.store(storage_keyring())
     lease = await store.reserve_fence(SCOPE)
     await store.close()
     await store.close()
@@ -1025,13 +1017,13 @@ async def test_close_is_idempotent_and_final(db_path: Path) -> None:
         await store.load_records(SCOPE, ["op-1"])
 
 
-async def test_a_newer_schema_is_refused(db_path: Path) -> None:
-    store = SqliteJournalStore(db_path, storage_keyring())
+async def test_a_newer_schema_is_refused(journal_db: JournalDatabase) -> None:
+    store = journal_db.store(storage_keyring())
     await store.scopes()
     await store.close()
-    sql(db_path, "UPDATE schema_version SET version = 99")
+    await journal_db.set_schema_version(99)
 
-    newer = SqliteJournalStore(db_path, storage_keyring())
+    newer = journal_db.store(storage_keyring())
     try:
         with pytest.raises(StorageBackendError):
             await newer.scopes()
@@ -1042,7 +1034,7 @@ async def test_a_newer_schema_is_refused(db_path: Path) -> None:
 # Chained session commits (SessionDocuments.link/after) ---------------------------------------
 
 
-async def open_session(store: SqliteJournalStore, lease: WorkerJournalLease, sid: str) -> int:
+async def open_session(store: JournalStoreBase, lease: WorkerJournalLease, sid: str) -> int:
     documents = SessionDocuments(state_doc(SCOPE, sid), opening_doc(SCOPE, sid), link=None)
     return await store.commit(SCOPE, lease, WorkerCommit(sessions={sid: documents}))
 
@@ -1057,7 +1049,7 @@ def session_step(
 
 
 async def test_chained_commits_of_one_session_share_a_transaction_in_build_order(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     assert store.chains_session_commits is True
     lease = await store.reserve_fence(SCOPE)
@@ -1081,7 +1073,7 @@ async def test_chained_commits_of_one_session_share_a_transaction_in_build_order
 
 
 async def test_a_commit_chained_on_a_failed_one_fails_and_the_rest_of_the_batch_commits(
-    store: SqliteJournalStore,
+    store: JournalStoreBase,
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     opened = await open_session(store, lease, "sess-1")
@@ -1115,8 +1107,10 @@ async def test_a_commit_chained_on_a_failed_one_fails_and_the_rest_of_the_batch_
         await store.commit(SCOPE, lease, session_step("sess-1", 3, link=203, after=201))
 
 
-async def test_a_chain_fails_closed_on_a_link_this_store_did_not_commit(db_path: Path) -> None:
-    store = SqliteJournalStore(db_path, storage_keyring())
+async def test_a_chain_fails_closed_on_a_link_this_store_did_not_commit(
+    journal_db: JournalDatabase,
+) -> None:
+    store = journal_db.store(storage_keyring())
     try:
         lease = await store.reserve_fence(SCOPE)
         opened = await open_session(store, lease, "sess-1")
@@ -1131,7 +1125,7 @@ async def test_a_chain_fails_closed_on_a_link_this_store_did_not_commit(db_path:
     finally:
         await store.close()
     # Another instance (a restarted worker) knows no link at all.
-    reopened = SqliteJournalStore(db_path, storage_keyring())
+    reopened = journal_db.store(storage_keyring())
     try:
         lease = await reopened.reserve_fence(SCOPE)
         with pytest.raises(WriteConflict):
@@ -1140,7 +1134,7 @@ async def test_a_chain_fails_closed_on_a_link_this_store_did_not_commit(db_path:
         await reopened.close()
 
 
-async def test_chained_documents_are_checked_before_any_io(store: SqliteJournalStore) -> None:
+async def test_chained_documents_are_checked_before_any_io(store: JournalStoreBase) -> None:
     lease = await store.reserve_fence(SCOPE)
     bad = [
         SessionDocuments(state_doc(SCOPE, "sess-1"), base_revision=1, link=2, after=1),
@@ -1204,14 +1198,14 @@ async def test_a_chain_never_lands_on_a_commit_whose_anchor_write_failed(
 # Closed sessions at start (schema 3) -----------------------------------------------------------
 
 
-async def close_session(store: SqliteJournalStore, lease: WorkerJournalLease, sid: str) -> int:
+async def close_session(store: JournalStoreBase, lease: WorkerJournalLease, sid: str) -> int:
     base = (await store.load_sessions(SCOPE))[sid].revision
     documents = SessionDocuments(state_doc(SCOPE, sid, "closed", 1), base_revision=base)
     return await store.commit(SCOPE, lease, WorkerCommit(sessions={sid: documents}))
 
 
 async def test_a_start_reads_no_closed_session_but_those_it_names(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     for sid in ("s-open", "s-gone", "s-replying"):
@@ -1234,7 +1228,7 @@ async def test_a_start_reads_no_closed_session_but_those_it_names(
     ]
     # The mark is metadata beside the sealed rows: both rows of a closed
     # session carry it, nothing else does.
-    marked = sql(db_path, "SELECT namespace, item FROM items WHERE closed = 1 ORDER BY 2, 1")
+    marked = await journal_db.closed_rows()
     assert marked == [
         ("worker-session", "s-gone"),
         ("worker-session-open", "s-gone"),
@@ -1244,21 +1238,18 @@ async def test_a_start_reads_no_closed_session_but_those_it_names(
 
 
 async def test_a_tampered_closed_mark_never_hides_a_session_state(
-    store: SqliteJournalStore, db_path: Path
+    store: JournalStoreBase, journal_db: JournalDatabase
 ) -> None:
     lease = await store.reserve_fence(SCOPE)
     await open_session(store, lease, "s-open")
-    sql(db_path, "UPDATE items SET closed = 1 WHERE item = 's-open'")
+    await journal_db.mark_closed("s-open")
     # Left out of a start, but its sealed state still says open wherever it is read.
     assert await store.load_sessions(SCOPE, skip_closed_except=[]) == {}
     assert await store.session_status(SCOPE, "s-open") == "open"
     assert (await store.load_sessions(SCOPE))["s-open"].status == "open"
     # Half a session hidden: the other half alone is a rollback, refused.
     await open_session(store, lease, "s-half")
-    sql(
-        db_path,
-        "UPDATE items SET closed = 1 WHERE item = 's-half' AND namespace = 'worker-session'",
-    )
+    await journal_db.mark_closed("s-half", "worker-session")
     with pytest.raises(RollbackDetected):
         await store.load_sessions(SCOPE, skip_closed_except=[])
 

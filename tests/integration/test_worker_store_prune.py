@@ -1,8 +1,9 @@
-"""`SqliteJournalStore.prune` on a real SQLite file (issue 6: `octo-worker journal prune`).
+"""The journal store's ``prune`` on both backends (issue 6: `octo-worker journal prune`).
 
 Only terminal rows (with no compensation, or a terminal one) older than the
 cut-off go; pending and running rows stay whatever their age; the scope head
-does not move; a database from before the write-time column migrates.
+does not move. SQLite only (an inherently SQLite-file test): a database
+from before the write-time column migrates.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from octo_worker.journal import (
     WorkerCompensationRecord,
     WorkerOperationRecord,
 )
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import SqliteJournalStore, WorkerCommit
+
+from .journal_backends import JournalDatabase
 
 SCOPE = "tenant-prune"
 FP = "ab" * 32
@@ -29,20 +33,14 @@ def _record(key: str, state: object, compensation: object = None) -> WorkerOpera
     return WorkerOperationRecord("files.publish", key, FP, state, compensation)  # type: ignore[arg-type]
 
 
-async def _write(store: SqliteJournalStore, records: list[WorkerOperationRecord]) -> int:
+async def _write(store: JournalStoreBase, records: list[WorkerOperationRecord]) -> int:
     lease = await store.reserve_fence(SCOPE)
     rows = {r.operation_key: JournalRowChange(r, None) for r in records}
     return await store.commit(SCOPE, lease, WorkerCommit(journal=JournalChangeset(SCOPE, rows)))
 
 
-def _age_all_rows(path: Path, seconds: float) -> None:
-    with sqlite3.connect(path) as connection:
-        connection.execute("UPDATE items SET written_at = written_at - ?", (seconds,))
-
-
-async def test_prune_removes_only_old_terminal_rows(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
-    store = SqliteJournalStore(path, StorageKeyring("k1", bytes(32)))
+async def test_prune_removes_only_old_terminal_rows(journal_db: JournalDatabase) -> None:
+    store = journal_db.store(StorageKeyring("k1", bytes(32)))
     done = Succeeded(ToolPayload.json({"ok": 1}))
     open_compensation = WorkerCompensationRecord("cmp-a", FP, FP, Pending())
     closed_compensation = WorkerCompensationRecord("cmp-b", FP, FP, Succeeded(ToolPayload.json({})))
@@ -60,7 +58,7 @@ async def test_prune_removes_only_old_terminal_rows(tmp_path: Path) -> None:
     head = await store.head_revision(SCOPE)
     assert (await store.prune(SCOPE, 3600)).removed == 0  # nothing is old yet
 
-    _age_all_rows(path, 7200)
+    await journal_db.age_rows(7200)
     report = await store.prune(SCOPE, 3600)
 
     remaining = {record.operation_key for record, _ in await store.list_records(SCOPE)}

@@ -1,8 +1,10 @@
-"""A read-only `SqliteJournalStore` (the operator's inspection verbs) writes nothing.
+"""A read-only journal store (the operator's inspection verbs) writes nothing.
 
 `octo-worker journal list|show|verify` and `check` run beside a live daemon:
 they must not migrate the schema, create files, or rewrite the rollback
-anchor the daemon replaces after each commit.
+anchor the daemon replaces after each commit. Tests that take ``journal_db``
+run on both backends; the others are inherently SQLite-file tests (the
+anchor file, the database file's bytes and its WAL, SQLite schemas 1 and 2).
 """
 
 from __future__ import annotations
@@ -17,12 +19,66 @@ import pytest
 from octo_common.errors import StorageBackendError
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
 
+from .journal_backends import JournalDatabase
 from .test_worker_store import opening_doc, state_doc
 from .test_worker_store_prune import SCOPE, _record, _write
 
 RING = StorageKeyring("k1", bytes(32))
+
+
+async def test_a_read_only_store_reads_and_refuses_every_write(journal_db: JournalDatabase) -> None:
+    writer = journal_db.store(RING)
+    await _write(writer, [_record("op-a", Pending())])
+    await writer.close()
+    rows = await journal_db.sql("SELECT namespace, name, item, revision, envelope FROM items")
+    heads = await journal_db.sql("SELECT name, revision, fence FROM heads")
+
+    reader = journal_db.store(RING, read_only=True)
+    try:
+        assert await reader.scopes() == [SCOPE]
+        assert [r.operation_key for r, _ in await reader.list_records(SCOPE)] == ["op-a"]
+        for write in (
+            reader.reserve_fence(SCOPE),
+            reader.prune(SCOPE, 0),
+            reader.reseal(SCOPE),
+            reader.mark_closed(SCOPE, ["s-1"]),
+        ):
+            with pytest.raises(StorageBackendError, match="read-only"):
+                await write
+    finally:
+        await reader.close()
+    assert (
+        await journal_db.sql("SELECT namespace, name, item, revision, envelope FROM items") == rows
+    )
+    assert await journal_db.sql("SELECT name, revision, fence FROM heads") == heads
+
+
+async def test_a_maintenance_store_rewrites_rows_but_never_a_head(
+    journal_db: JournalDatabase,
+) -> None:
+    writer = journal_db.store(RING)
+    await _write(writer, [_record("op-a", Pending())])
+    lease = await writer.reserve_fence(SCOPE)
+    await writer.close()
+    heads = await journal_db.sql("SELECT name, revision, fence FROM heads")
+
+    rotated = StorageKeyring("k2", bytes([9]) * 32)
+    rotated.add_read_key("k1", bytes(32))
+    maintenance = journal_db.store(rotated, maintenance=True)
+    try:
+        with pytest.raises(StorageBackendError, match="maintenance"):
+            await maintenance.reserve_fence(SCOPE)
+        with pytest.raises(StorageBackendError, match="maintenance"):
+            await maintenance.commit(SCOPE, lease, WorkerCommit())
+        assert (await maintenance.reseal(SCOPE)).resealed == 1
+        assert (await maintenance.prune(SCOPE, 3600)).removed == 0
+    finally:
+        await maintenance.close()
+    assert await journal_db.sql("SELECT name, revision, fence FROM heads") == heads
+    assert all(b'"key_id":"k2"' in envelope for envelope in await journal_db.envelopes())
 
 
 async def test_a_read_only_store_reads_and_never_writes(tmp_path: Path) -> None:
@@ -145,11 +201,8 @@ async def test_a_maintenance_store_changes_rows_but_never_the_anchor(tmp_path: P
     assert anchor.read_bytes() == anchored
 
 
-async def test_scope_metadata_reads_the_fence_and_write_times_of_any_schema(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "journal.db"
-    writer = SqliteJournalStore(path, RING)
+async def _metadata_scenario(writer: JournalStoreBase) -> None:
+    """Fence 4, journal rows op-a and op-b, one open and one closed session."""
     await _write(writer, [_record("op-a", Pending())])
     await writer.reserve_fence(SCOPE)  # a second owner: fence 2, then _write's 3rd below
     await _write(writer, [_record("op-b", Pending())])
@@ -162,11 +215,14 @@ async def test_scope_metadata_reads_the_fence_and_write_times_of_any_schema(
     closing = SessionDocuments(state_doc(SCOPE, "s-closed", "closed", 3), None, opened["s-closed"])
     await writer.commit(SCOPE, lease, WorkerCommit(sessions={"s-closed": closing}))
     await writer.close()
-    with sqlite3.connect(path) as connection:
-        connection.execute("UPDATE items SET written_at = 1000.0 WHERE item = 'op-a'")
-    database = path.read_bytes()
 
-    reader = SqliteJournalStore(path, RING, read_only=True)
+
+async def test_scope_metadata_reads_the_fence_and_write_times(journal_db: JournalDatabase) -> None:
+    await _metadata_scenario(journal_db.store(RING))
+    await journal_db.sql("UPDATE items SET written_at = 1000.0 WHERE item = 'op-a'")
+    rows = await journal_db.sql("SELECT item, revision, envelope, written_at FROM items")
+
+    reader = journal_db.store(RING, read_only=True)
     try:
         metadata = await reader.scope_metadata(SCOPE)
         assert metadata.fence == 4
@@ -174,6 +230,20 @@ async def test_scope_metadata_reads_the_fence_and_write_times_of_any_schema(
         assert set(metadata.written_at) == {"op-a", "op-b"}
         assert metadata.closed_sessions == 1
         assert (await reader.scope_metadata("tenant-none")).fence == 0
+    finally:
+        await reader.close()
+    assert await journal_db.sql("SELECT item, revision, envelope, written_at FROM items") == rows
+
+
+async def test_scope_metadata_reads_a_schema_1_journal_without_its_later_columns(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "journal.db"
+    await _metadata_scenario(SqliteJournalStore(path, RING))
+    database = path.read_bytes()
+    reader = SqliteJournalStore(path, RING, read_only=True)
+    try:
+        assert (await reader.scope_metadata(SCOPE)).fence == 4
     finally:
         await reader.close()
     assert path.read_bytes() == database

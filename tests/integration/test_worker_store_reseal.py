@@ -1,4 +1,4 @@
-"""`SqliteJournalStore.reseal` on a real SQLite file (`octo-worker journal reseal`).
+"""The journal store's ``reseal`` on both backends (`octo-worker journal reseal`).
 
 Rows a running worker never writes again (closed sessions above all) keep
 the key that sealed them; reseal moves every row of a scope onto the active
@@ -7,8 +7,6 @@ storage and data keys at its own revision, so an old key can be retired.
 
 from __future__ import annotations
 
-import sqlite3
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +14,9 @@ import pytest
 from octo_common.errors import OctoError, UnknownKeyId
 from octo_common.messages import CloseSession
 from octo_common.records import StorageKey, StorageKeyring
-from octo_worker.store import SqliteJournalStore
+from octo_worker.storage.base import JournalStoreBase
 
+from .journal_backends import JournalDatabase
 from .test_session_concurrency import (
     SCOPE,
     CountingAdapter,
@@ -38,7 +37,7 @@ def keyring(active: tuple[str, StorageKey], *old: tuple[str, StorageKey]) -> Sto
     return ring
 
 
-async def everything(store: SqliteJournalStore) -> tuple[int, int, int]:
+async def everything(store: JournalStoreBase) -> tuple[int, int, int]:
     """Open every row of the scope (journal, sessions, outbox): counts."""
     return (
         len(await store.list_records(SCOPE)),
@@ -47,9 +46,9 @@ async def everything(store: SqliteJournalStore) -> tuple[int, int, int]:
     )
 
 
-async def written_under_old_keys(path: Path) -> int:
+async def written_under_old_keys(journal_db: JournalDatabase) -> int:
     """A session that served two requests and closed, and one still open."""
-    store = SqliteJournalStore(path, keyring(("k1", K1)), data_keyring=keyring(("d1", D1)))
+    store = journal_db.store(keyring(("k1", K1)), data_keyring=keyring(("d1", D1)))
     try:
         lease = await store.reserve_fence(SCOPE)
         closed, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
@@ -64,14 +63,11 @@ async def written_under_old_keys(path: Path) -> int:
         await store.close()
 
 
-async def test_reseal_moves_every_row_onto_the_active_keys(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
-    head = await written_under_old_keys(path)
+async def test_reseal_moves_every_row_onto_the_active_keys(journal_db: JournalDatabase) -> None:
+    head = await written_under_old_keys(journal_db)
 
-    rotated = SqliteJournalStore(
-        path,
-        keyring(("k2", K2), ("k1", K1)),
-        data_keyring=keyring(("d2", D2), ("d1", D1)),
+    rotated = journal_db.store(
+        keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", D2), ("d1", D1))
     )
     try:
         counts = await everything(rotated)
@@ -85,17 +81,18 @@ async def test_reseal_moves_every_row_onto_the_active_keys(tmp_path: Path) -> No
         await rotated.close()
 
     # The old keys can go: every row opens without them.
-    retired = SqliteJournalStore(path, keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
+    retired = journal_db.store(keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
     try:
         assert await everything(retired) == counts
     finally:
         await retired.close()
 
 
-async def test_without_reseal_closed_sessions_still_need_the_old_key(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
-    await written_under_old_keys(path)
-    retired = SqliteJournalStore(path, keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
+async def test_without_reseal_closed_sessions_still_need_the_old_key(
+    journal_db: JournalDatabase,
+) -> None:
+    await written_under_old_keys(journal_db)
+    retired = journal_db.store(keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
     try:
         with pytest.raises(UnknownKeyId):
             await retired.load_sessions(SCOPE)
@@ -104,30 +101,27 @@ async def test_without_reseal_closed_sessions_still_need_the_old_key(tmp_path: P
 
 
 async def test_reseal_stops_at_a_tampered_row_and_leaves_a_row_written_meanwhile(
-    tmp_path: Path,
+    journal_db: JournalDatabase,
 ) -> None:
-    path = tmp_path / "journal.db"
-    await written_under_old_keys(path)
-    with sqlite3.connect(path) as connection:
-        before = connection.execute("SELECT id, envelope FROM items ORDER BY id").fetchall()
-        row_id = before[-1][0]
-        # Another row's envelope in its place: it no longer authenticates there.
-        connection.execute("UPDATE items SET envelope = ? WHERE id = ?", (before[0][1], row_id))
-    store = SqliteJournalStore(
-        path, keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", D2), ("d1", D1))
+    await written_under_old_keys(journal_db)
+    before = await journal_db.sql("SELECT id, envelope FROM items ORDER BY id")
+    row_id = before[-1][0]
+    # Another row's envelope in its place: it no longer authenticates there.
+    await journal_db.sql("UPDATE items SET envelope = ? WHERE id = ?", before[0][1], row_id)
+    store = journal_db.store(
+        keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", D2), ("d1", D1))
     )
     try:
         with pytest.raises(OctoError):
             await store.reseal(SCOPE)
         # A row whose envelope changed since it was read is not overwritten.
         first_id = before[0][0]
-        replaced = await store._write_call(
-            lambda: store._writer.replace_envelopes([(first_id, 1, b"not what is stored", b"x")])
+        replaced = await store._replace_envelopes(
+            SCOPE, [(first_id, 1, b"not what is stored", b"x")]
         )
         assert replaced == 0
     finally:
         await store.close()
-    with sqlite3.connect(path) as connection:
-        stored = dict(connection.execute("SELECT id, envelope FROM items").fetchall())
+    stored = dict(await journal_db.sql("SELECT id, envelope FROM items"))
     # Nothing was written: the batch failed before its transaction.
     assert all(stored[i] == e for i, e in before[:-1])

@@ -1,0 +1,578 @@
+"""The worker's journal store on PostgreSQL: ``PostgresJournalStore`` (W§11, D13).
+
+What it owns
+------------
+The journal of many tenant scopes in two tables of one PostgreSQL schema
+(``postgres_sql``: ``heads``, ``items``, ``schema_version``), reached with
+asyncpg, with exactly the rows, envelopes, revisions, fences, outbox and
+operator views of the SQLite journal (``base.JournalStoreBase`` holds the
+public API both share; ``changes.CommitBatch`` decides every commit), so
+that several worker daemons on several machines can serve one scope in
+turn (D13): the broker's single active consumer picks the owner, and the
+fence decides between an owner and the one it superseded.
+
+* **Fences** (W§11.3): one ``INSERT ... ON CONFLICT DO UPDATE`` creates the
+  head or raises its fence and returns the head revision, the commit
+  baseline, in the same statement.
+* **Group commit** (W§11.2): the change sets waiting together run in ONE
+  transaction (one WAL flush): the heads of their scopes are locked first
+  (``FOR UPDATE``, in name order), then each change set is decided by
+  ``CommitBatch`` against the locked head (fence, baseline, chained
+  session commits) and written by ONE statement that compares every row's
+  revision with its base in SQL and writes all of its rows or none (so no
+  savepoint is needed: a refused change set changed nothing), then the
+  heads advance. A superseded owner's commit meets the new fence under
+  the lock: ``FencingTokenRejected``, nothing written.
+* **Reads**: one statement each, the head read beside the rows in that
+  statement's snapshot (the floor rule); no read sets a baseline.
+
+Rollback anchor: none. A local anchor file (H§17.10) holds what one process
+committed and cannot follow the commits another worker makes to the same
+scope after a failover, so it would refuse their progress or miss a
+rollback; as for the host's PostgreSQL ledger, protection against a
+database restored from an old backup is the database's own (point-in-time
+recovery, replicas, ``synchronous_commit``). Within the database the floor
+rule still refuses a row newer than its head.
+
+What it must never do
+---------------------
+Decide an outcome itself (``CommitBatch`` does), log or raise with keys,
+documents, frames, passwords or bound SQL values (a database failure is a
+``StorageBackendError`` naming the operation, class and SQLSTATE), or let a
+caller's cancellation leave a submitted commit's outcome unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import asyncpg
+
+from octo_common.errors import (
+    FencingTokenExhausted,
+    OctoError,
+    RevisionExhausted,
+    StorageBackendError,
+)
+from octo_common.records import StorageKeyring
+from octo_common.runtime.postgres import (
+    Connection,
+    check_schema,
+    check_url,
+    connect_pool,
+    migrate_schema,
+    postgres_error,
+    redacted_url,
+    schema_version,
+    wait_for_close,
+)
+from octo_common.runtime.sqlite import copy_error
+from octo_worker.storage.base import JournalStoreBase, Resealed
+from octo_worker.storage.changes import (
+    CommitBatch,
+    PendingCommit,
+    Row,
+    RowWrite,
+    SessionTails,
+    closed_sessions,
+)
+from octo_worker.storage.commit_queue import Outcomes
+from octo_worker.storage.documents import NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.interface import ScopeMetadata
+from octo_worker.storage.postgres_sql import (
+    DEFAULT_SCHEMA,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    statements,
+)
+from octo_worker.storage.sealing import checked_rows
+
+__all__ = ["DEFAULT_SCHEMA", "POSTGRES_MAX_BIGINT", "PostgresJournalStore"]
+
+POSTGRES_MAX_BIGINT = 2**63 - 1
+"""The ceiling of revisions and fences (``BIGINT``), as SQLite's ``INTEGER``."""
+
+# A transaction the server ends as a deadlock or a serialization failure
+# committed nothing: it runs again, whole, this many times.
+_RETRIES = 3
+_T = TypeVar("_T")
+
+
+class _GuardRefused(Exception):
+    """A statement's SQL check refused what the locked state allowed."""
+
+
+class PostgresJournalStore(JournalStoreBase):
+    """The journal in a PostgreSQL schema (W§11, D13); the public API is ``JournalStoreBase``'s.
+
+    ``PostgresJournalStore(url, keyring, *, password_file=None,
+    schema="octo_journal", data_keyring=None, ...)`` does no I/O; the first
+    awaited call connects (a pool of at most ``max_connections``), creates
+    the schema when it is absent and migrates it forward under an advisory
+    lock (workers that open one database together migrate it once). A
+    schema newer than this code is refused. ``url`` must not hold a
+    password (``password_file``, read at each new connection).
+
+    ``read_only=True`` (the inspection verbs, beside running daemons): no
+    schema is created or migrated (a missing one is refused), every session
+    is ``default_transaction_read_only``, and every write call raises
+    ``StorageBackendError`` before any I/O. ``maintenance=True`` (``prune``
+    and ``reseal``): rows only, never a head (``commit`` and
+    ``reserve_fence`` raise); each maintenance write holds its scope's head
+    lock, so it never lands between a commit's reads and writes.
+
+    Sessions commit with ``synchronous_commit = on`` and the server ends a
+    transaction idle for ``idle_transaction_timeout`` seconds, so a paused
+    worker holds a scope's head lock no longer than that. One event loop:
+    the first call binds the store to its loop. Revisions and fences stop
+    at 2^63 - 1. No rollback anchor (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keyring: StorageKeyring,
+        *,
+        password_file: str | os.PathLike[str] | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        data_keyring: StorageKeyring | None = None,
+        group_commit: bool = True,
+        on_batch: Callable[[int], None] | None = None,
+        read_only: bool = False,
+        maintenance: bool = False,
+        max_connections: int = 4,
+        connect_timeout: float = 10.0,
+        command_timeout: float = 30.0,
+        idle_transaction_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(
+            keyring,
+            data_keyring,
+            group_commit=group_commit,
+            on_batch=on_batch,
+            read_only=read_only,
+            maintenance=maintenance,
+        )
+        self._url = check_url(url)
+        self._schema = check_schema(schema)
+        self._password_file = None if password_file is None else os.fspath(password_file)
+        if type(max_connections) is not int or not 2 <= max_connections <= 100:
+            raise ValueError("max_connections must be in 2..100")
+        for value in (connect_timeout, command_timeout, idle_transaction_timeout):
+            if not value > 0:
+                raise ValueError("timeouts must be positive")
+        self._max_connections = max_connections
+        self._connect_timeout = connect_timeout
+        self._command_timeout = command_timeout
+        self._idle_timeout = idle_transaction_timeout
+        self._sql = statements(self._schema)
+        self._pool: asyncpg.Pool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open_lock: asyncio.Lock | None = None
+        # One write transaction at a time (batches, fences, maintenance), so
+        # this instance's baselines and tails move in its own order.
+        self._write_lock: asyncio.Lock | None = None
+        self._writes: set[asyncio.Task[Any]] = set()
+        # Commit baselines per scope (W§11.2 step 2): set by reserve and commits.
+        self._baselines: dict[str, int] = {}
+        self._session_tails = SessionTails()
+
+    @property
+    def schema(self) -> str:
+        """The PostgreSQL schema that holds the tables."""
+        return self._schema
+
+    def __repr__(self) -> str:
+        return f"PostgresJournalStore(url={redacted_url(self._url)!r}, schema={self._schema!r})"
+
+    # Opening and closing --------------------------------------------------------------------
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._open_lock = asyncio.Lock()
+            self._write_lock = asyncio.Lock()
+        elif self._loop is not loop:
+            raise StorageBackendError("the store is bound to another event loop")
+
+    async def _ensure_open(self) -> None:
+        self._bind_loop()
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        if self._pool is not None:
+            return
+        assert self._open_lock is not None
+        async with self._open_lock:
+            if self._pool is None:  # not opened by another task while this one waited
+                try:
+                    self._pool = await self._open()
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:
+                    raise postgres_error("open", exc) from None
+            self._opened = True
+
+    async def _open(self) -> asyncpg.Pool:
+        pool = await connect_pool(
+            self._url,
+            self._password_file,
+            application_name="octo-worker-journal",
+            max_size=self._max_connections,
+            connect_timeout=self._connect_timeout,
+            command_timeout=self._command_timeout,
+            idle_transaction_timeout=self._idle_timeout,
+            read_only=self._read_only,
+        )
+        try:
+            async with pool.acquire() as connection:
+                if self._read_only:
+                    version = await schema_version(connection, self._schema)
+                    if version is None:
+                        raise StorageBackendError("open: the journal schema does not exist")
+                    if version != SCHEMA_VERSION:
+                        raise StorageBackendError(
+                            f"open: schema version {version} is not {SCHEMA_VERSION}"
+                        )
+                else:
+                    await migrate_schema(
+                        connection, self._schema, MIGRATIONS, f"octo-journal:{self._schema}"
+                    )
+        except BaseException:
+            pool.terminate()
+            raise
+        return pool
+
+    async def close(self) -> None:
+        """Finish queued commits, then close the pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._commits.idle.wait()
+        while self._writes:
+            await asyncio.wait(list(self._writes))
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await wait_for_close(pool, self._command_timeout)
+        self._session_tails.clear()
+
+    # Running statements ---------------------------------------------------------------------
+
+    def _ready_pool(self) -> asyncpg.Pool:
+        pool = self._pool
+        if pool is None:
+            raise StorageBackendError("store is closed")
+        return pool
+
+    async def _read(self, operation: str, body: Callable[[Connection], Awaitable[_T]]) -> _T:
+        await self._ensure_open()
+        try:
+            async with self._ready_pool().acquire() as connection:
+                return await body(connection)
+        except (OctoError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise postgres_error(operation, exc) from None
+
+    async def _write(
+        self,
+        operation: str,
+        body: Callable[[Connection], Awaitable[_T]],
+        *,
+        queued: bool = False,
+    ) -> _T:
+        """``body`` in one transaction, the only write of this store under way; a
+        deadlock or serialization failure runs it again, whole.
+
+        ``queued``: a batch of the commit queue, submitted before ``close`` was
+        called (it still runs: its callers wait for it).
+        """
+        if not queued:
+            self._check_writable()
+            await self._ensure_open()
+        assert self._write_lock is not None
+        async with self._write_lock:
+            for attempt in range(_RETRIES + 1):
+                try:
+                    async with (
+                        self._ready_pool().acquire() as connection,
+                        connection.transaction(),
+                    ):
+                        return await body(connection)
+                except (
+                    asyncpg.exceptions.DeadlockDetectedError,
+                    asyncpg.exceptions.SerializationError,
+                ) as exc:
+                    if attempt == _RETRIES:
+                        raise postgres_error(operation, exc) from None
+                except (OctoError, asyncio.CancelledError):
+                    raise
+                except _GuardRefused:
+                    raise StorageBackendError(
+                        f"{operation}: a row changed under its lock"
+                    ) from None
+                except Exception as exc:
+                    raise postgres_error(operation, exc) from None
+        raise AssertionError("unreachable")
+
+    # Fences and commits -------------------------------------------------------------------
+
+    async def _reserve(self, scope: str) -> int:
+        async def body(connection: Connection) -> tuple[int, int]:
+            row = await connection.fetchrow(self._sql["reserve"], scope, POSTGRES_MAX_BIGINT)
+            if row is None:
+                raise FencingTokenExhausted()
+            return int(row[0]), int(row[1])
+
+        revision, fence = await self._write("reserve_fence", body)
+        self._baselines[scope] = revision
+        return fence
+
+    def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._commit_batch(batch), name="octo-journal-commit")
+        self._writes.add(task)
+
+        def finished(task: asyncio.Task[list[int | OctoError]]) -> None:
+            self._writes.discard(task)
+            if task.cancelled():
+                outcomes: Outcomes = [
+                    StorageBackendError("commit: cancelled") for _ in range(len(batch))
+                ]
+            else:
+                failure = task.exception()
+                if failure is not None:
+                    # A defect here must not strand the batch's callers.
+                    outcomes = [postgres_error("commit", failure) for _ in batch]
+                else:
+                    outcomes = task.result()
+            done(outcomes)
+
+        task.add_done_callback(finished)
+
+    async def _commit_batch(self, batch: list[PendingCommit]) -> list[int | OctoError]:
+        """One transaction for ``batch`` (retried whole on a deadlock); every outcome."""
+        decisions: list[CommitBatch] = []
+
+        async def body(connection: Connection) -> list[int | OctoError]:
+            # A fresh decision record per attempt: a failed attempt left nothing.
+            decision = CommitBatch(batch, self._baselines, self._session_tails, POSTGRES_MAX_BIGINT)
+            decisions.append(decision)
+            await self._apply(connection, decision)
+            return decision.outcomes
+
+        try:
+            await self._write("commit", body, queued=True)
+        except OctoError as exc:
+            if not decisions:  # failed before its transaction began
+                return [copy_error(exc) for _ in batch]
+            return decisions[-1].fail_all(exc)
+        return decisions[-1].finish()
+
+    async def _apply(self, connection: Connection, decisions: CommitBatch) -> None:
+        """W§11.2 steps 1-4 for every change set of the batch, inside its transaction."""
+        scopes = sorted({pending.scope for pending in decisions.batch})
+        for name, revision, fence in await connection.fetch(self._sql["lock_heads"], scopes):
+            decisions.see_head(str(name), int(revision), int(fence))
+        for scope in scopes:
+            if decisions.needs_head(scope):
+                decisions.see_head(scope, 0, 0)
+        now = time.time()
+        for pending in decisions.batch:
+            try:
+                revision = await self._apply_one(connection, pending, decisions, now)
+            except OctoError as exc:
+                decisions.refused(pending, exc)
+                continue
+            decisions.committed_one(pending, revision)
+        advanced = decisions.advanced
+        if advanced:
+            names = list(advanced)
+            moved = await connection.fetch(
+                self._sql["advance_heads"], names, [advanced[name] for name in names]
+            )
+            if len(moved) != len(names):
+                raise _GuardRefused()
+
+    async def _apply_one(
+        self, connection: Connection, pending: PendingCommit, decisions: CommitBatch, now: float
+    ) -> int:
+        scope = pending.scope
+        writes, revision = decisions.check(pending)  # steps 1-2
+        for write in writes:
+            if write.after is not None:  # a broken chain
+                actual = await self._current(connection, scope, write)
+                raise decisions.conflict(pending, write, actual)
+        if revision is None:  # step 4, after step 3's verdict
+            for write in writes:
+                actual = await self._current(connection, scope, write)
+                if actual != write.base_revision:
+                    raise decisions.conflict(pending, write, actual)
+            raise RevisionExhausted()
+        sealer = self._sealer
+        row = await connection.fetchrow(
+            self._sql["write_change_set"],
+            scope,
+            revision,
+            now,
+            [write.namespace for write in writes],
+            [write.item for write in writes],
+            [write.base_revision for write in writes],
+            [sealer.seal(scope, write, revision) for write in writes],
+            [write.closed for write in writes],
+            [write.session for write in writes],
+            closed_sessions(writes),
+            list(pending.outbox_delete),
+        )
+        assert row is not None
+        refused_at, actual, written, _ = row
+        if refused_at is not None:  # step 3: nothing of this change set was written
+            write = writes[int(refused_at) - 1]
+            raise decisions.conflict(pending, write, None if actual is None else int(actual))
+        if written != len(writes):
+            raise _GuardRefused()
+        return revision
+
+    async def _current(self, connection: Connection, scope: str, write: RowWrite) -> int | None:
+        value = await connection.fetchval(self._sql["current"], scope, write.namespace, write.item)
+        return None if value is None else int(value)
+
+    # Reads -----------------------------------------------------------------------------------
+
+    async def _rows(self, scope: str, namespace: str, items: Sequence[str] | None) -> list[Row]:
+        async def body(connection: Connection) -> list[Row]:
+            if items is None:
+                found = await connection.fetch(self._sql["select_namespace"], scope, namespace)
+            else:
+                found = await connection.fetch(
+                    self._sql["select_items"], scope, namespace, list(items)
+                )
+            return _floor_checked([tuple(row) for row in found])
+
+        return await self._read("load", body)
+
+    async def _outbox_rows(self, scope: str, session: str) -> tuple[list[Row], bool]:
+        async def body(connection: Connection) -> list[Row]:
+            found = await connection.fetch(self._sql["select_outbox_of"], scope, session)
+            return _floor_checked([tuple(row) for row in found])
+
+        return await self._read("load_outbox", body), True
+
+    async def _session_rows(
+        self, scope: str, keep: Sequence[str] | None
+    ) -> tuple[list[Row], list[Row]]:
+        async def body(connection: Connection) -> tuple[list[Row], list[Row]]:
+            if keep is None:
+                found = await connection.fetch(self._sql["select_sessions"], scope)
+            else:
+                found = await connection.fetch(self._sql["select_live_sessions"], scope, list(keep))
+            states = [(r[0], r[2], r[3], r[4]) for r in found if r[1] == NS_SESSION]
+            openings = [(r[0], r[2], r[3], r[4]) for r in found if r[1] == NS_SESSION_OPEN]
+            return _floor_checked(states), _floor_checked(openings)
+
+        return await self._read("load_sessions", body)
+
+    async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:
+        async def body(connection: Connection) -> list[Row]:
+            found = await connection.fetch(self._sql["select_prunable"], scope, cutoff)
+            return _floor_checked([tuple(row) for row in found])
+
+        return await self._read("prune", body)
+
+    async def _row_batch(self, scope: str, after: int) -> list[tuple[int, str, Row]]:
+        async def body(connection: Connection) -> list[tuple[int, str, Row]]:
+            found = await connection.fetch(self._sql["select_batch"], scope, after)
+            checked = _floor_checked([(r[0], r[3], r[4], r[5]) for r in found])
+            return [(int(r[1]), str(r[2]), row) for r, row in zip(found, checked, strict=True)]
+
+        return await self._read("reseal", body)
+
+    async def _head(self, scope: str) -> int:
+        async def body(connection: Connection) -> int:
+            row = await connection.fetchrow(self._sql["select_head"], scope)
+            return 0 if row is None else int(row[0])
+
+        return await self._read("head_revision", body)
+
+    async def _scope_names(self) -> list[str]:
+        async def body(connection: Connection) -> list[str]:
+            return [str(row[0]) for row in await connection.fetch(self._sql["select_scopes"])]
+
+        return await self._read("scopes", body)
+
+    async def _metadata(self, scope: str) -> ScopeMetadata:
+        async def body(connection: Connection) -> ScopeMetadata:
+            head = await connection.fetchrow(self._sql["select_head"], scope)
+            written = await connection.fetch(self._sql["select_written"], scope)
+            closed = await connection.fetchval(self._sql["count_closed"], scope)
+            return ScopeMetadata(
+                0 if head is None else int(head[1]),
+                {str(item): float(when) for item, when in written},
+                int(closed or 0),
+            )
+
+        return await self._read("scope_metadata", body)
+
+    async def _integrity(self) -> list[str]:
+        """``["ok"]`` once the server answers and the schema is at the supported version.
+
+        PostgreSQL has no per-database integrity pragma: pages are the
+        server's (data checksums, ``amcheck``), and every row is still fully
+        opened on each load.
+        """
+
+        async def body(connection: Connection) -> list[str]:
+            version = await schema_version(connection, self._schema)
+            if version != SCHEMA_VERSION:
+                return [f"schema version {version} is not {SCHEMA_VERSION}"]
+            return ["ok"]
+
+        return await self._read("integrity_check", body)
+
+    # Maintenance writes (rows only, under the scope's head lock) ------------------------------
+
+    async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
+        async def body(connection: Connection) -> int:
+            await connection.fetch(self._sql["lock_head"], scope)
+            deleted = await connection.fetch(
+                self._sql["delete_journal_rows"],
+                scope,
+                [item for item, _ in victims],
+                [revision for _, revision in victims],
+            )
+            return len(deleted)
+
+        return await self._write("prune", body)
+
+    async def _replace_envelopes(self, scope: str, changes: Sequence[Resealed]) -> int:
+        async def body(connection: Connection) -> int:
+            await connection.fetch(self._sql["lock_head"], scope)
+            replaced = await connection.fetch(
+                self._sql["replace_envelopes"],
+                scope,
+                [change[0] for change in changes],
+                [change[1] for change in changes],
+                [change[2] for change in changes],
+                [change[3] for change in changes],
+            )
+            return len(replaced)
+
+        return await self._write("reseal", body)
+
+    async def _mark_closed_rows(self, scope: str, ids: Sequence[str]) -> None:
+        async def body(connection: Connection) -> None:
+            await connection.execute(self._sql["mark_closed"], scope, list(ids))
+
+        await self._write("mark_closed", body)
+
+
+def _floor_checked(rows: Sequence[tuple[Any, ...]]) -> list[Row]:
+    """Rows read as (head, item, revision, envelope) in one statement: the floor rule."""
+    if not rows:
+        return []
+    head = rows[0][0]
+    return checked_rows((row[1:] for row in rows), 0 if head is None else int(head))

@@ -1,0 +1,262 @@
+"""The SQL of the PostgreSQL journal store: its schema migrations and its statements (D13).
+
+Every statement names its tables through ``{s}``, the quoted schema, filled
+in once per store by :func:`statements`; values are always bound
+parameters, never text. The row namespaces are written out as literals
+(``documents.NS_*``; a unit test checks they agree).
+The tables mirror the SQLite journal's (``sqlite_rows``): ``heads`` (one
+row per scope: revision and fence) and ``items`` (every sealed row, with
+the unauthenticated metadata ``written_at``, ``closed`` and ``session``).
+
+This module must never hold behaviour beyond filling in the schema name, or
+a statement that writes a row without the compare-and-swap guard it
+documents.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["DEFAULT_SCHEMA", "MIGRATIONS", "RESEAL_BATCH", "SCHEMA_VERSION", "statements"]
+
+DEFAULT_SCHEMA: Final = "octo_journal"
+# Rows re-sealed per batch (``reseal``; the LIMIT of ``select_batch``).
+RESEAL_BATCH: Final = 1000
+
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (
+        """
+        CREATE TABLE {s}.heads (
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            revision BIGINT NOT NULL CHECK (revision >= 0),
+            fence BIGINT NOT NULL CHECK (fence >= 0),
+            PRIMARY KEY (namespace, name)
+        )
+        """,
+        # ``id`` orders the outbox rows one commit inserted and pages reseal.
+        """
+        CREATE TABLE {s}.items (
+            id BIGINT GENERATED ALWAYS AS IDENTITY,
+            namespace TEXT NOT NULL,
+            name TEXT NOT NULL,
+            item TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            envelope BYTEA NOT NULL,
+            written_at DOUBLE PRECISION NOT NULL,
+            closed BOOLEAN NOT NULL DEFAULT FALSE,
+            session TEXT,
+            PRIMARY KEY (name, namespace, item)
+        )
+        """,
+        "CREATE UNIQUE INDEX items_by_id ON {s}.items (name, id)",
+        "CREATE INDEX items_by_revision ON {s}.items (name, namespace, revision, id)",
+        "CREATE INDEX items_live_sessions ON {s}.items (name, item) "
+        "WHERE namespace IN ('worker-session', 'worker-session-open') AND NOT closed",
+        "CREATE INDEX items_outbox_sessions ON {s}.items (name, session) "
+        "WHERE namespace = 'worker-outbox'",
+    ),
+)
+"""Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
+
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+# W§11.3 in one statement: the head created at fence 1, or its fence raised
+# by one (never past $2); the revision it returns is the commit baseline.
+_RESERVE = """
+    INSERT INTO {s}.heads AS h (namespace, name, revision, fence)
+    VALUES ('worker-journal', $1, 0, 1)
+    ON CONFLICT (namespace, name) DO UPDATE SET fence = h.fence + 1 WHERE h.fence < $2
+    RETURNING h.revision, h.fence
+"""
+
+# The heads of a batch's scopes, locked in name order (two transactions never
+# wait for each other in a cycle); a scope without a head has none to lock.
+_LOCK_HEADS = """
+    SELECT name, revision, fence FROM {s}.heads
+     WHERE namespace = 'worker-journal' AND name = ANY($1::text[])
+     ORDER BY name
+       FOR UPDATE
+"""
+
+# One change set's row writes, all or nothing, in ONE statement: the current
+# revision of every row is compared with its base (absent for NULL) in SQL;
+# the first one that differs is returned (by its position, with what the row
+# holds) and nothing is written; otherwise every row is written at $2, the
+# opening rows of the sessions it closes are marked, the outbox rows it
+# releases deleted, and the rows written counted. The data-modifying parts
+# run on one snapshot, so they never see each other's rows: the rows they
+# touch are disjoint by construction (a row is written once per change set;
+# an opening row is inserted, never updated; only outbox rows are deleted).
+_WRITE_CHANGE_SET = """
+    WITH w AS (
+        SELECT * FROM unnest($4::text[], $5::text[], $6::bigint[], $7::bytea[], $8::boolean[],
+                             $9::text[])
+          WITH ORDINALITY AS w(namespace, item, base, envelope, closed, session, n)
+    ),
+    bad AS (
+        SELECT w.n, i.revision AS actual
+          FROM w LEFT JOIN {s}.items AS i
+            ON i.name = $1 AND i.namespace = w.namespace AND i.item = w.item
+         WHERE i.revision IS DISTINCT FROM w.base
+         ORDER BY w.n
+         LIMIT 1
+    ),
+    upd AS (
+        UPDATE {s}.items AS i
+           SET revision = $2, envelope = w.envelope, written_at = $3, closed = w.closed
+          FROM w
+         WHERE NOT EXISTS (SELECT 1 FROM bad) AND w.base IS NOT NULL
+           AND i.name = $1 AND i.namespace = w.namespace AND i.item = w.item
+           AND i.revision = w.base
+        RETURNING 1
+    ),
+    ins AS (
+        INSERT INTO {s}.items (namespace, name, item, revision, envelope, written_at, closed,
+                                 session)
+        SELECT w.namespace, $1, w.item, $2, w.envelope, $3, w.closed, w.session
+          FROM w
+         WHERE NOT EXISTS (SELECT 1 FROM bad) AND w.base IS NULL
+        ON CONFLICT DO NOTHING
+        RETURNING 1
+    ),
+    marked AS (
+        UPDATE {s}.items SET closed = TRUE
+         WHERE NOT EXISTS (SELECT 1 FROM bad)
+           AND name = $1 AND namespace = 'worker-session-open' AND item = ANY($10::text[])
+           AND NOT closed
+        RETURNING 1
+    ),
+    released AS (
+        DELETE FROM {s}.items
+         WHERE NOT EXISTS (SELECT 1 FROM bad)
+           AND name = $1 AND namespace = 'worker-outbox' AND item = ANY($11::text[])
+        RETURNING 1
+    )
+    SELECT (SELECT n FROM bad), (SELECT actual FROM bad),
+           (SELECT count(*) FROM upd) + (SELECT count(*) FROM ins),
+           (SELECT count(*) FROM marked) + (SELECT count(*) FROM released)
+"""
+
+_CURRENT = "SELECT revision FROM {s}.items WHERE name = $1 AND namespace = $2 AND item = $3"
+
+_ADVANCE_HEADS = """
+    UPDATE {s}.heads AS h SET revision = a.revision
+      FROM unnest($1::text[], $2::bigint[]) AS a(name, revision)
+     WHERE h.namespace = 'worker-journal' AND h.name = a.name AND h.revision < a.revision
+    RETURNING 1
+"""
+
+# Reads: one statement each, so the head ({head}: the scope's head revision)
+# and the rows come from one snapshot.
+_HEAD = (
+    "(SELECT h.revision FROM {s}.heads AS h "
+    "WHERE h.namespace = 'worker-journal' AND h.name = $1) AS head"
+)
+_SELECT_ITEMS = """
+    SELECT {head}, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace = $2 AND item = ANY($3::text[])
+"""
+_SELECT_NAMESPACE = """
+    SELECT {head}, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace = $2
+     ORDER BY revision, id
+"""
+_SELECT_OUTBOX_OF = """
+    SELECT {head}, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace = 'worker-outbox' AND session = $2
+     ORDER BY revision, id
+"""
+_SELECT_SESSIONS = """
+    SELECT {head}, namespace, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open')
+     ORDER BY item
+"""
+# The live sessions through their partial index, and the closed ones named.
+_SELECT_LIVE_SESSIONS = """
+    SELECT {head}, namespace, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open') AND NOT closed
+    UNION ALL
+    SELECT {head}, namespace, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open') AND closed
+       AND item = ANY($2::text[])
+"""
+_SELECT_PRUNABLE = """
+    SELECT {head}, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace = 'worker-journal' AND written_at < $2
+     ORDER BY revision, id
+"""
+_SELECT_BATCH = """
+    SELECT {head}, id, namespace, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND id > $2
+     ORDER BY id
+     LIMIT 1000
+"""
+_SELECT_HEAD = (
+    "SELECT revision, fence FROM {s}.heads WHERE namespace = 'worker-journal' AND name = $1"
+)
+_SELECT_SCOPES = "SELECT name FROM {s}.heads WHERE namespace = 'worker-journal' ORDER BY name"
+_SELECT_WRITTEN = """
+    SELECT item, written_at FROM {s}.items WHERE name = $1 AND namespace = 'worker-journal'
+"""
+_COUNT_CLOSED = """
+    SELECT count(*) FROM {s}.items WHERE name = $1 AND namespace = 'worker-session' AND closed
+"""
+
+# Maintenance: each in a transaction that holds the scope's head lock, so
+# it never runs between a commit's reads and writes.
+_LOCK_HEAD = """
+    SELECT revision FROM {s}.heads WHERE namespace = 'worker-journal' AND name = $1 FOR UPDATE
+"""
+_DELETE_JOURNAL_ROWS = """
+    DELETE FROM {s}.items AS i
+     USING unnest($2::text[], $3::bigint[]) AS v(item, revision)
+     WHERE i.name = $1 AND i.namespace = 'worker-journal' AND i.item = v.item
+       AND i.revision = v.revision
+    RETURNING 1
+"""
+_REPLACE_ENVELOPES = """
+    UPDATE {s}.items AS i SET envelope = c.new
+      FROM unnest($2::bigint[], $3::bigint[], $4::bytea[], $5::bytea[])
+           AS c(id, revision, old, new)
+     WHERE i.name = $1 AND i.id = c.id AND i.revision = c.revision AND i.envelope = c.old
+    RETURNING 1
+"""
+_MARK_CLOSED = """
+    UPDATE {s}.items SET closed = TRUE
+     WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open')
+       AND item = ANY($2::text[])
+"""
+
+
+def statements(schema: str) -> dict[str, str]:
+    """Every statement by name, with ``{s}`` filled in as the quoted ``schema`` (a name
+    :func:`~octo_common.runtime.postgres.check_schema` accepted) and ``{head}`` as
+    the scope's head revision."""
+    quoted = f'"{schema}"'
+    head = _HEAD.format(s=quoted)
+    return {
+        name: text.format(s=quoted, head=head)
+        for name, text in (
+            ("reserve", _RESERVE),
+            ("lock_heads", _LOCK_HEADS),
+            ("write_change_set", _WRITE_CHANGE_SET),
+            ("current", _CURRENT),
+            ("advance_heads", _ADVANCE_HEADS),
+            ("select_items", _SELECT_ITEMS),
+            ("select_namespace", _SELECT_NAMESPACE),
+            ("select_outbox_of", _SELECT_OUTBOX_OF),
+            ("select_sessions", _SELECT_SESSIONS),
+            ("select_live_sessions", _SELECT_LIVE_SESSIONS),
+            ("select_prunable", _SELECT_PRUNABLE),
+            ("select_batch", _SELECT_BATCH),
+            ("select_head", _SELECT_HEAD),
+            ("select_scopes", _SELECT_SCOPES),
+            ("select_written", _SELECT_WRITTEN),
+            ("count_closed", _COUNT_CLOSED),
+            ("lock_head", _LOCK_HEAD),
+            ("delete_journal_rows", _DELETE_JOURNAL_ROWS),
+            ("replace_envelopes", _REPLACE_ENVELOPES),
+            ("mark_closed", _MARK_CLOSED),
+        )
+    }

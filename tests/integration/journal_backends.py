@@ -1,0 +1,180 @@
+"""The worker journal's backends for the shared store tests: one database, opened and edited.
+
+``journal_db`` (in this directory's ``conftest.py``) gives every test that
+asks for it a :class:`JournalDatabase` of each backend in turn: a SQLite
+file in ``tmp_path`` and a PostgreSQL schema of the test's own (marked
+``postgres``). ``store()`` opens a new store object on it, as another
+process would; the other methods read and edit the database behind the
+store's back, as someone with access to the database would, in the same
+words for both backends, so one test body checks both.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from octo_common.records import StorageKeyring
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.postgres import PostgresJournalStore
+from octo_worker.storage.scope_head import ScopeHead
+from octo_worker.store import SqliteJournalStore
+from tests.postgres import PostgresSchema
+
+POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
+BACKENDS = ["sqlite", POSTGRES]
+
+
+def default_keyring() -> StorageKeyring:
+    return StorageKeyring("storage-v1", bytes([1]) * 32)
+
+
+@dataclass
+class JournalDatabase:
+    """One journal database (a SQLite file or a PostgreSQL schema) and a back door into it."""
+
+    kind: str
+    path: Path
+    place: PostgresSchema | None
+
+    @property
+    def postgres(self) -> bool:
+        return self.place is not None
+
+    def store(self, keyring: StorageKeyring | None = None, **options: Any) -> JournalStoreBase:
+        """A new journal store object on this database."""
+        ring = keyring or default_keyring()
+        if self.place is None:
+            return SqliteJournalStore(self.path, ring, **options)
+        return PostgresJournalStore(
+            self.place.url,
+            ring,
+            password_file=self.place.password_file,
+            schema=self.place.schema,
+            **options,
+        )
+
+    # The back door: ``?`` placeholders, translated for PostgreSQL ----------------------
+
+    async def sql(self, statement: str, *parameters: object) -> list[tuple[Any, ...]]:
+        """Run ``statement`` (``?`` placeholders) on the database, outside any store."""
+        if self.place is None:
+            connection = sqlite3.connect(self.path, isolation_level=None)
+            try:
+                return [tuple(row) for row in connection.execute(statement, parameters).fetchall()]
+            finally:
+                connection.close()
+        numbered = statement
+        for index in range(1, len(parameters) + 1):
+            numbered = numbered.replace("?", f"${index}", 1)
+        pg = await self.place.connect()
+        try:
+            return [tuple(row) for row in await pg.fetch(numbered, *parameters)]
+        finally:
+            await pg.close()
+
+    def _true(self) -> str:
+        return "TRUE" if self.postgres else "1"
+
+    async def envelopes(self) -> list[bytes]:
+        return [bytes(row[0]) for row in await self.sql("SELECT envelope FROM items")]
+
+    async def envelope(self, item: str) -> bytes:
+        (row,) = await self.sql("SELECT envelope FROM items WHERE item = ?", item)
+        return bytes(row[0])
+
+    async def set_envelope(self, item: str, envelope: bytes) -> None:
+        await self.sql("UPDATE items SET envelope = ? WHERE item = ?", envelope, item)
+
+    async def set_revision(self, item: str, revision: int) -> None:
+        await self.sql("UPDATE items SET revision = ? WHERE item = ?", revision, item)
+
+    async def copy_row(self, item: str, scope: str, *, to_scope: str, to_item: str) -> None:
+        """Insert a copy of ``item``'s row of ``scope`` under another scope and key."""
+        columns = "namespace, name, item, revision, envelope, written_at"
+        await self.sql(
+            f"INSERT INTO items ({columns}) "
+            "SELECT namespace, ?, ?, revision, envelope, written_at FROM items "
+            "WHERE name = ? AND item = ?",
+            to_scope,
+            to_item,
+            scope,
+            item,
+        )
+
+    async def rename_items(self, namespace: str, to_item: str) -> None:
+        await self.sql("UPDATE items SET item = ? WHERE namespace = ?", to_item, namespace)
+
+    async def delete_rows(self, namespace: str) -> None:
+        await self.sql("DELETE FROM items WHERE namespace = ?", namespace)
+
+    async def raise_head(self, scope: str) -> None:
+        await self.sql("UPDATE heads SET revision = revision + 1 WHERE name = ?", scope)
+
+    async def set_heads(self, *, revision: int, fence: int) -> None:
+        await self.sql("UPDATE heads SET revision = ?, fence = ?", revision, fence)
+
+    async def set_head(self, scope: str, keyring: StorageKeyring, **fields: int) -> None:
+        """Move a scope head's revision or fence as its key holder would: resealed."""
+        ((*row,),) = await self.sql(
+            "SELECT revision, fence, row_count, digest, key_id, auth_tag FROM heads WHERE name = ?",
+            scope,
+        )
+        head = ScopeHead.from_row(scope, tuple(row)).sealed(keyring, **fields)
+        await self.sql(
+            "UPDATE heads SET revision = ?, fence = ?, row_count = ?, digest = ?, key_id = ?, "
+            "auth_tag = ? WHERE name = ?",
+            *head.row(),
+            scope,
+        )
+
+    async def mark_closed(self, item: str, namespace: str | None = None) -> None:
+        if namespace is None:
+            await self.sql(f"UPDATE items SET closed = {self._true()} WHERE item = ?", item)
+        else:
+            await self.sql(
+                f"UPDATE items SET closed = {self._true()} WHERE item = ? AND namespace = ?",
+                item,
+                namespace,
+            )
+
+    async def closed_rows(self) -> list[tuple[str, str]]:
+        rows = await self.sql(
+            f"SELECT namespace, item FROM items WHERE closed = {self._true()} ORDER BY 2, 1"
+        )
+        return [(str(namespace), str(item)) for namespace, item in rows]
+
+    async def set_schema_version(self, version: int) -> None:
+        await self.sql("UPDATE schema_version SET version = ?", version)
+
+    async def schema_version(self) -> int:
+        ((version,),) = await self.sql("SELECT version FROM schema_version")
+        return int(version)
+
+    async def age_rows(self, seconds: float) -> None:
+        await self.sql("UPDATE items SET written_at = written_at - ?", float(seconds))
+
+    async def set_outbox_session(self, old: str, new: str) -> None:
+        await self.sql("UPDATE items SET session = ? WHERE session = ?", new, old)
+
+    async def raw_bytes(self) -> bytes:
+        """Every byte the database holds for its rows (the file and its WAL; the tables)."""
+        if self.place is None:
+            return b"".join(
+                Path(str(self.path) + suffix).read_bytes()
+                for suffix in ("", "-wal")
+                if Path(str(self.path) + suffix).exists()
+            )
+        rows = await self.sql("SELECT namespace, name, item, envelope, session FROM items")
+        return b"".join(
+            b"".join(v if isinstance(v, bytes) else str(v).encode() for v in row) for row in rows
+        )
+
+    async def ids(self, namespace: str) -> Sequence[int]:
+        rows = await self.sql("SELECT id FROM items WHERE namespace = ? ORDER BY id", namespace)
+        return [int(row[0]) for row in rows]
