@@ -60,9 +60,8 @@ from octo_worker.queue_watch import watch_queues
 from octo_worker.scopes import ScopeLifecycle, ServedScope, Supersession
 from octo_worker.sdnotify import Notifier, watchdog_interval
 from octo_worker.session import WorkerSessionLimits
-from octo_worker.store import (
-    SqliteJournalStore,
-)
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.configured import configured_store
 
 __all__ = ["WorkerDaemon"]
 
@@ -107,7 +106,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
             per_tool=config.limits.reconciliations_per_tool,
             per_session=config.limits.reconciliations_per_session,
         )
-        self._store: SqliteJournalStore | None = None
+        self._store: JournalStoreBase | None = None
         self._scopes: dict[str, ServedScope] = {}
         self._connection: AbstractConnection | None = None
         self._consume_channel: AbstractChannel | None = None
@@ -120,7 +119,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         self._log = _log.bind(worker=config.worker.state_dir)
 
     @property
-    def store(self) -> SqliteJournalStore:
+    def store(self) -> JournalStoreBase:
         if self._store is None:
             raise RuntimeError("the daemon has not started")
         return self._store
@@ -163,22 +162,14 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
     async def _start(self) -> None:
         config = self.config
         keys = config.scope_keys()
-        keyring = config.storage_keyring()
-        data_keyring = config.data_keyring()
+        config.storage_keyring()  # the key files' problems before anything else
+        config.data_keyring()
         self._adapters = self._load_adapters().with_default_deadline(
             config.adapters.deadline_seconds
         )
-        journal = config.journal_path
-        journal.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        anchor = config.anchor_path
-        store = SqliteJournalStore(
-            journal,
-            keyring,
-            anchor_path=anchor,
-            data_keyring=data_keyring,
-            on_batch=self.hooks.after_transaction,
-        )
-        self._store = store
+        if not config.shared_journal:
+            config.journal_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._store = configured_store(config, on_batch=self.hooks.after_transaction)
         for scope_config in config.scopes:
             scope = ServedScope(
                 scope_config.name,

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from octo_worker.adapters import WorkerAdapterRegistry
     from octo_worker.hooks import WorkerHooks
     from octo_worker.session import WorkerSessionLimits
-    from octo_worker.store import SqliteJournalStore
+    from octo_worker.storage.base import JournalStoreBase
 
 __all__ = ["BrokerDelivery", "DeliveryPath"]
 
@@ -131,7 +131,7 @@ class DeliveryPath:
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
         @property
-        def store(self) -> SqliteJournalStore: ...
+        def store(self) -> JournalStoreBase: ...
 
         def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from octo_worker.adapters import WorkerAdapterRegistry
     from octo_worker.session import WorkerSessionLimits
-    from octo_worker.store import SqliteJournalStore
+    from octo_worker.storage.base import JournalStoreBase
 
 __all__ = [
     "CLOSED_REMEMBERED",
@@ -129,7 +129,7 @@ class ScopeLifecycle:
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
         @property
-        def store(self) -> SqliteJournalStore: ...
+        def store(self) -> JournalStoreBase: ...
 
         def request_stop(self) -> None: ...
 

@@ -52,6 +52,7 @@ from octo_worker.cli.common import (
     run_event_loop,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_key
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.configured import configured_store
 from octo_worker.storage.documents import read_session
 
@@ -312,29 +313,36 @@ async def _probe_journal(config: WorkerConfig) -> str:
                 f"{path}: integrity_check: {'; '.join(problems[:3])}",
                 "storage_backend_error",
             )
-        rows = sessions = 0
-        for scope in config.scopes:
-            try:
-                # What reserving the scope's fence checks, then what loading it reads.
-                checked = await store.verify_scope(scope.name)
-                in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
-                persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
-                for record in persisted.values():
-                    read_session(record, scope.name)
-            except OctoError as error:
-                raise CliError(
-                    EXIT_STORAGE, f"scope {scope.name}: {error.code}: {error}", error.code
-                ) from None
-            rows += checked.rows
-            sessions += len(persisted)
+        rows, sessions = await _probe_scopes(config, store)
     return (
         f"{path} integrity ok; {len(config.scopes)} scope(s) match their sealed heads "
         f"({rows} row(s), {sessions} session(s) to restore)"
     )
 
 
+async def _probe_scopes(config: WorkerConfig, store: JournalStoreBase) -> tuple[int, int]:
+    """Each configured scope as a start (or a takeover) checks and reads it: rows, sessions."""
+    rows = sessions = 0
+    for scope in config.scopes:
+        try:
+            # What reserving the scope's fence checks, then what loading it reads.
+            checked = await store.verify_scope(scope.name)
+            in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
+            persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
+            for record in persisted.values():
+                read_session(record, scope.name)
+        except OctoError as error:
+            raise CliError(
+                EXIT_STORAGE, f"scope {scope.name}: {error.code}: {error}", error.code
+            ) from None
+        rows += checked.rows
+        sessions += len(persisted)
+    return rows, sessions
+
+
 async def _probe_shared_journal(config: WorkerConfig) -> str:
-    """The PostgreSQL journal: reachable with the password file, schema current."""
+    """The PostgreSQL journal (D13): reachable with the password file, schema current,
+    every configured scope matching its sealed head, as a takeover would find it."""
     where = config.journal_location()
     password_file = config.storage_password_path
     if password_file is not None:
@@ -355,10 +363,13 @@ async def _probe_shared_journal(config: WorkerConfig) -> str:
                 f"postgresql {where}: {'; '.join(problems[:3])}",
                 "storage_backend_error",
             )
-        scopes = await store.scopes()
+        rows, sessions = await _probe_scopes(config, store)
     finally:
         await store.close()
-    return f"postgresql {where} schema ok, {len(scopes)} scope(s), shared (failover)"
+    return (
+        f"postgresql {where} schema ok, shared by failover workers; {len(config.scopes)} "
+        f"scope(s) match their sealed heads ({rows} row(s), {sessions} session(s) to restore)"
+    )
 
 
 async def _probe_broker(config: WorkerConfig) -> str:

@@ -11,18 +11,26 @@ that several worker daemons on several machines can serve one scope in
 turn (D13): the broker's single active consumer picks the owner, and the
 fence decides between an owner and the one it superseded.
 
-* **Fences** (W§11.3): one ``INSERT ... ON CONFLICT DO UPDATE`` creates the
-  head or raises its fence and returns the head revision, the commit
-  baseline, in the same statement.
+* **Fences** (W§11.3): the scope's head is created sealed at fence 1, or
+  read under its row lock, its seal verified, and its fence raised by ONE
+  ``UPDATE`` that compares the fence and revision it read in SQL and stores
+  the head resealed (the seal needs the storage key, which only this process
+  holds, so the new fence is sealed here; the compare-and-swap is what keeps
+  two reservations from ever getting the same fence). The revision read is
+  the commit baseline. Then the whole scope is checked against its head
+  (``base.JournalStoreBase.verify_scope``).
 * **Group commit** (W§11.2): the change sets waiting together run in ONE
   transaction (one WAL flush): the heads of their scopes are locked first
   (``FOR UPDATE``, in name order), then each change set is decided by
   ``CommitBatch`` against the locked head (fence, baseline, chained
   session commits) and written by ONE statement that compares every row's
   revision with its base in SQL and writes all of its rows or none (so no
-  savepoint is needed: a refused change set changed nothing), then the
-  heads advance. A superseded owner's commit meets the new fence under
-  the lock: ``FencingTokenRejected``, nothing written.
+  savepoint is needed: a refused change set changed nothing; the scope's
+  digest is moved by its writes before the statement, so only a change
+  set whose deletions could empty the digest, which an honest head never
+  allows, runs inside a savepoint), then the heads advance, resealed with
+  their moved digests (``scope_head``). A superseded owner's commit meets
+  the new fence under the lock: ``FencingTokenRejected``, nothing written.
 * **Reads**: one statement each, the head read beside the rows in that
   statement's snapshot (the floor rule); no read sets a baseline.
 
@@ -56,6 +64,7 @@ from octo_common.errors import (
     FencingTokenExhausted,
     OctoError,
     RevisionExhausted,
+    RollbackDetected,
     StorageBackendError,
 )
 from octo_common.records import StorageKeyring
@@ -71,6 +80,7 @@ from octo_common.runtime.postgres import (
     wait_for_close,
 )
 from octo_common.runtime.sqlite import copy_error
+from octo_common.setdigest import SetDigest
 from octo_worker.storage.base import JournalStoreBase, Resealed
 from octo_worker.storage.changes import (
     CommitBatch,
@@ -81,7 +91,7 @@ from octo_worker.storage.changes import (
     closed_sessions,
 )
 from octo_worker.storage.commit_queue import Outcomes
-from octo_worker.storage.documents import NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
 from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.postgres_sql import (
     DEFAULT_SCHEMA,
@@ -89,6 +99,7 @@ from octo_worker.storage.postgres_sql import (
     SCHEMA_VERSION,
     statements,
 )
+from octo_worker.storage.scope_head import DigestChanges, ScopeHead, ScopeSnapshot, digest_of
 from octo_worker.storage.sealing import checked_rows
 
 __all__ = ["DEFAULT_SCHEMA", "POSTGRES_MAX_BIGINT", "PostgresJournalStore"]
@@ -104,6 +115,18 @@ _T = TypeVar("_T")
 
 class _GuardRefused(Exception):
     """A statement's SQL check refused what the locked state allowed."""
+
+
+class _Again(Exception):
+    """Another worker changed what this transaction read first: run it again."""
+
+
+class _Refused(Exception):
+    """A change set refused after its statement wrote rows: its savepoint undoes them."""
+
+    def __init__(self, error: OctoError) -> None:
+        super().__init__(error.code)
+        self.error = error
 
 
 class PostgresJournalStore(JournalStoreBase):
@@ -306,6 +329,7 @@ class PostgresJournalStore(JournalStoreBase):
                 except (
                     asyncpg.exceptions.DeadlockDetectedError,
                     asyncpg.exceptions.SerializationError,
+                    _Again,
                 ) as exc:
                     if attempt == _RETRIES:
                         raise postgres_error(operation, exc) from None
@@ -322,15 +346,81 @@ class PostgresJournalStore(JournalStoreBase):
     # Fences and commits -------------------------------------------------------------------
 
     async def _reserve(self, scope: str) -> int:
+        sealer = self._sealer
+
         async def body(connection: Connection) -> tuple[int, int]:
-            row = await connection.fetchrow(self._sql["reserve"], scope, POSTGRES_MAX_BIGINT)
+            row = await connection.fetchrow(self._sql["lock_head"], scope)
             if row is None:
+                head = sealer.seal_head(ScopeHead.empty(scope).with_fence(1))
+                created = await connection.fetchval(
+                    self._sql["create_head"], scope, *head.row()[2:]
+                )
+                if created is None:  # another worker created it meanwhile
+                    raise _Again()
+                return head.revision, head.fence
+            head = ScopeHead.from_row(scope, tuple(row))
+            sealer.verify_head(head)
+            if head.fence >= POSTGRES_MAX_BIGINT:
                 raise FencingTokenExhausted()
-            return int(row[0]), int(row[1])
+            raised = sealer.seal_head(head.with_fence(head.fence + 1))
+            key_id, tag = raised.row()[4:]
+            moved = await connection.fetchval(
+                self._sql["raise_fence"],
+                scope,
+                raised.fence,
+                key_id,
+                tag,
+                head.fence,
+                head.revision,
+            )
+            if moved != raised.fence:
+                raise _GuardRefused()
+            return raised.revision, raised.fence
 
         revision, fence = await self._write("reserve_fence", body)
         self._baselines[scope] = revision
         return fence
+
+    async def _reseal_head(self, scope: str) -> bool:
+        sealer = self._sealer
+
+        async def body(connection: Connection) -> bool:
+            row = await connection.fetchrow(self._sql["lock_head"], scope)
+            if row is None:
+                return False
+            head = ScopeHead.from_row(scope, tuple(row))
+            if head.key_id == sealer.keyring.active_id:
+                return False
+            sealer.verify_head(head)
+            await self._store_head(connection, sealer.seal_head(head))
+            return True
+
+        return await self._write("reseal", body)
+
+    async def _store_head(self, connection: Connection, head: ScopeHead) -> None:
+        """Write ``head`` (sealed) at the revision and fence it has, under its lock."""
+        revision, fence, count, digest, key_id, tag = head.row()
+        moved = await connection.fetchval(
+            self._sql["reseal_head"], head.scope, revision, fence, count, digest, key_id, tag
+        )
+        if moved != 1:
+            raise _GuardRefused()
+
+    async def _scope_snapshot(self, scope: str) -> ScopeSnapshot:
+        """The head and every row triple of the scope in one repeatable-read snapshot;
+        the digest recomputed off the event loop. No anchor (module docstring)."""
+
+        async def body(connection: Connection) -> tuple[ScopeHead | None, list[Any]]:
+            async with connection.transaction(isolation="repeatable_read", readonly=True):
+                row = await connection.fetchrow(self._sql["select_head_row"], scope)
+                rows = await connection.fetch(self._sql["select_scope_rows"], scope)
+            head = None if row is None else ScopeHead.from_row(scope, tuple(row))
+            return head, [tuple(found) for found in rows]
+
+        head, rows = await self._read("verify_scope", body)
+        computed = await asyncio.to_thread(digest_of, scope, rows)
+        revision = 0 if head is None else head.revision
+        return ScopeSnapshot(head, computed, revision, computed.count, 0)
 
     def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
         assert self._loop is not None
@@ -360,7 +450,13 @@ class PostgresJournalStore(JournalStoreBase):
 
         async def body(connection: Connection) -> list[int | OctoError]:
             # A fresh decision record per attempt: a failed attempt left nothing.
-            decision = CommitBatch(batch, self._baselines, self._session_tails, POSTGRES_MAX_BIGINT)
+            decision = CommitBatch(
+                batch,
+                self._baselines,
+                self._session_tails,
+                POSTGRES_MAX_BIGINT,
+                verify_head=self._sealer.verify_head,
+            )
             decisions.append(decision)
             await self._apply(connection, decision)
             return decision.outcomes
@@ -376,31 +472,35 @@ class PostgresJournalStore(JournalStoreBase):
     async def _apply(self, connection: Connection, decisions: CommitBatch) -> None:
         """W§11.2 steps 1-4 for every change set of the batch, inside its transaction."""
         scopes = sorted({pending.scope for pending in decisions.batch})
-        for name, revision, fence in await connection.fetch(self._sql["lock_heads"], scopes):
-            decisions.see_head(str(name), int(revision), int(fence))
+        for row in await connection.fetch(self._sql["lock_heads"], scopes):
+            name = str(row[0])
+            decisions.see_head(name, ScopeHead.from_row(name, tuple(row)[1:]))
         for scope in scopes:
             if decisions.needs_head(scope):
-                decisions.see_head(scope, 0, 0)
+                decisions.see_head(scope, None)
         now = time.time()
         for pending in decisions.batch:
             try:
-                revision = await self._apply_one(connection, pending, decisions, now)
+                revision, digest = await self._apply_one(connection, pending, decisions, now)
             except OctoError as exc:
                 decisions.refused(pending, exc)
                 continue
-            decisions.committed_one(pending, revision)
-        advanced = decisions.advanced
-        if advanced:
-            names = list(advanced)
+            decisions.committed_one(pending, revision, digest)
+        heads = [self._sealer.seal_head(head).row() for head in decisions.advanced_heads()]
+        if heads:
             moved = await connection.fetch(
-                self._sql["advance_heads"], names, [advanced[name] for name in names]
+                self._sql["advance_heads"],
+                [head.scope for head in decisions.advanced_heads()],
+                *(list(column) for column in zip(*heads, strict=True)),
             )
-            if len(moved) != len(names):
+            if len(moved) != len(heads):
                 raise _GuardRefused()
 
     async def _apply_one(
         self, connection: Connection, pending: PendingCommit, decisions: CommitBatch, now: float
-    ) -> int:
+    ) -> tuple[int, SetDigest]:
+        """W§11.2 steps 1-4 for one change set: its revision and the scope's digest
+        moved by its rows (O(rows it changes))."""
         scope = pending.scope
         writes, revision = decisions.check(pending)  # steps 1-2
         for write in writes:
@@ -413,6 +513,39 @@ class PostgresJournalStore(JournalStoreBase):
                 if actual != write.base_revision:
                     raise decisions.conflict(pending, write, actual)
             raise RevisionExhausted()
+        moves = DigestChanges()
+        for write in writes:
+            moves.wrote(write.namespace, write.item, write.base_revision, revision)
+        # What the writes do to the digest is known before they run (the
+        # statement checks each base): a digest they cannot move refuses the
+        # change set with nothing written. Deletions are known after it; only
+        # when they could empty the digest does the change set need a savepoint.
+        written = decisions.moved_digest(pending, moves)
+        if written.count >= len(pending.outbox_delete):
+            return revision, await self._write_rows(
+                connection, pending, decisions, writes, revision, now, moves
+            )
+        try:
+            async with connection.transaction():  # a savepoint
+                digest = await self._write_rows(
+                    connection, pending, decisions, writes, revision, now, moves
+                )
+        except _Refused as refused:
+            raise refused.error from None
+        return revision, digest
+
+    async def _write_rows(
+        self,
+        connection: Connection,
+        pending: PendingCommit,
+        decisions: CommitBatch,
+        writes: tuple[RowWrite, ...],
+        revision: int,
+        now: float,
+        moves: DigestChanges,
+    ) -> SetDigest:
+        """Step 3 and the writes, in one statement; the digest moved by them."""
+        scope = pending.scope
         sealer = self._sealer
         row = await connection.fetchrow(
             self._sql["write_change_set"],
@@ -429,13 +562,19 @@ class PostgresJournalStore(JournalStoreBase):
             list(pending.outbox_delete),
         )
         assert row is not None
-        refused_at, actual, written, _ = row
+        refused_at, actual, written, _marked, deleted_items, deleted_revisions = row
         if refused_at is not None:  # step 3: nothing of this change set was written
             write = writes[int(refused_at) - 1]
             raise decisions.conflict(pending, write, None if actual is None else int(actual))
         if written != len(writes):
             raise _GuardRefused()
-        return revision
+        for item, old in zip(deleted_items or (), deleted_revisions or (), strict=True):
+            moves.wrote(NS_OUTBOX, str(item), int(old), None)
+        try:
+            return decisions.moved_digest(pending, moves)
+        except RollbackDetected as error:
+            # Rows were written: only the savepoint the caller holds undoes them.
+            raise _Refused(error) from None
 
     async def _current(self, connection: Connection, scope: str, write: RowWrite) -> int | None:
         value = await connection.fetchval(self._sql["current"], scope, write.namespace, write.item)
@@ -536,21 +675,35 @@ class PostgresJournalStore(JournalStoreBase):
     # Maintenance writes (rows only, under the scope's head lock) ------------------------------
 
     async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
+        """Delete the rows still at the revision read; move the scope's digest by them and
+        reseal its head at the same revision and fence, in one transaction."""
+        sealer = self._sealer
+
         async def body(connection: Connection) -> int:
-            await connection.fetch(self._sql["lock_head"], scope)
+            row = await connection.fetchrow(self._sql["lock_head"], scope)
+            if row is None:
+                raise RollbackDetected(None, 0)  # rows without their head
+            head = ScopeHead.from_row(scope, tuple(row))
+            sealer.verify_head(head)
             deleted = await connection.fetch(
                 self._sql["delete_journal_rows"],
                 scope,
                 [item for item, _ in victims],
                 [revision for _, revision in victims],
             )
-            return len(deleted)
+            moves = DigestChanges()
+            for item, revision in deleted:
+                moves.wrote(NS_JOURNAL, str(item), int(revision), None)
+            if moves:
+                moved = head.with_digest(moves.applied_to(head))
+                await self._store_head(connection, sealer.seal_head(moved))
+            return len(moves)
 
         return await self._write("prune", body)
 
     async def _replace_envelopes(self, scope: str, changes: Sequence[Resealed]) -> int:
         async def body(connection: Connection) -> int:
-            await connection.fetch(self._sql["lock_head"], scope)
+            await connection.fetchrow(self._sql["lock_head"], scope)
             replaced = await connection.fetch(
                 self._sql["replace_envelopes"],
                 scope,

@@ -4,9 +4,11 @@ Every statement names its tables through ``{s}``, the quoted schema, filled
 in once per store by :func:`statements`; values are always bound
 parameters, never text. The row namespaces are written out as literals
 (``documents.NS_*``; a unit test checks they agree).
-The tables mirror the SQLite journal's (``sqlite_rows``): ``heads`` (one
-row per scope: revision and fence) and ``items`` (every sealed row, with
-the unauthenticated metadata ``written_at``, ``closed`` and ``session``).
+The tables mirror the SQLite journal's (``sqlite_rows``, ``sqlite_heads``):
+``heads`` (one row per scope: revision, fence, the digest and count of its
+rows, and the head's seal, ``scope_head``) and ``items`` (every sealed row,
+with the unauthenticated metadata ``written_at``, ``closed`` and
+``session``).
 
 This module must never hold behaviour beyond filling in the schema name, or
 a statement that writes a row without the compare-and-swap guard it
@@ -31,6 +33,10 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             name TEXT NOT NULL,
             revision BIGINT NOT NULL CHECK (revision >= 0),
             fence BIGINT NOT NULL CHECK (fence >= 0),
+            row_count BIGINT NOT NULL CHECK (row_count >= 0),
+            digest BYTEA NOT NULL,
+            key_id TEXT NOT NULL,
+            auth_tag TEXT NOT NULL,
             PRIMARY KEY (namespace, name)
         )
         """,
@@ -61,19 +67,45 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
-# W§11.3 in one statement: the head created at fence 1, or its fence raised
-# by one (never past $2); the revision it returns is the commit baseline.
-_RESERVE = """
-    INSERT INTO {s}.heads AS h (namespace, name, revision, fence)
-    VALUES ('worker-journal', $1, 0, 1)
-    ON CONFLICT (namespace, name) DO UPDATE SET fence = h.fence + 1 WHERE h.fence < $2
-    RETURNING h.revision, h.fence
+# W§11.3: a scope's first head, created sealed at fence 1 (nothing when
+# another worker created it first: the caller runs again), ...
+_CREATE_HEAD = """
+    INSERT INTO {s}.heads AS h (namespace, name, revision, fence, row_count, digest, key_id,
+                                auth_tag)
+    VALUES ('worker-journal', $1, 0, 1, $2, $3, $4, $5)
+    ON CONFLICT (namespace, name) DO NOTHING
+    RETURNING h.fence
+"""
+# ... or the fence of the head read (and locked) raised by ONE statement that
+# compares it, and the revision, with what was read (compare-and-swap in SQL);
+# the head is resealed with it.
+_RAISE_FENCE = """
+    UPDATE {s}.heads SET fence = $2, key_id = $3, auth_tag = $4
+     WHERE namespace = 'worker-journal' AND name = $1 AND fence = $5 AND revision = $6
+       AND $2 = $5 + 1
+    RETURNING fence
+"""
+_LOCK_HEAD = """
+    SELECT revision, fence, row_count, digest, key_id, auth_tag FROM {s}.heads
+     WHERE namespace = 'worker-journal' AND name = $1
+       FOR UPDATE
+"""
+_SELECT_HEAD_ROW = """
+    SELECT revision, fence, row_count, digest, key_id, auth_tag FROM {s}.heads
+     WHERE namespace = 'worker-journal' AND name = $1
+"""
+# A head resealed at the same revision and fence (a prune moved its digest, or
+# a reseal moved it onto the active key), under its lock.
+_RESEAL_HEAD = """
+    UPDATE {s}.heads SET row_count = $4, digest = $5, key_id = $6, auth_tag = $7
+     WHERE namespace = 'worker-journal' AND name = $1 AND revision = $2 AND fence = $3
+    RETURNING 1
 """
 
 # The heads of a batch's scopes, locked in name order (two transactions never
 # wait for each other in a cycle); a scope without a head has none to lock.
 _LOCK_HEADS = """
-    SELECT name, revision, fence FROM {s}.heads
+    SELECT name, revision, fence, row_count, digest, key_id, auth_tag FROM {s}.heads
      WHERE namespace = 'worker-journal' AND name = ANY($1::text[])
      ORDER BY name
        FOR UPDATE
@@ -84,7 +116,8 @@ _LOCK_HEADS = """
 # the first one that differs is returned (by its position, with what the row
 # holds) and nothing is written; otherwise every row is written at $2, the
 # opening rows of the sessions it closes are marked, the outbox rows it
-# releases deleted, and the rows written counted. The data-modifying parts
+# releases deleted (returned, with their revisions, for the scope's digest),
+# and the rows written counted. The data-modifying parts
 # run on one snapshot, so they never see each other's rows: the rows they
 # touch are disjoint by construction (a row is written once per change set;
 # an opening row is inserted, never updated; only outbox rows are deleted).
@@ -131,19 +164,25 @@ _WRITE_CHANGE_SET = """
         DELETE FROM {s}.items
          WHERE NOT EXISTS (SELECT 1 FROM bad)
            AND name = $1 AND namespace = 'worker-outbox' AND item = ANY($11::text[])
-        RETURNING 1
+        RETURNING item, revision
     )
     SELECT (SELECT n FROM bad), (SELECT actual FROM bad),
            (SELECT count(*) FROM upd) + (SELECT count(*) FROM ins),
-           (SELECT count(*) FROM marked) + (SELECT count(*) FROM released)
+           (SELECT count(*) FROM marked),
+           (SELECT array_agg(item) FROM released), (SELECT array_agg(revision) FROM released)
 """
 
 _CURRENT = "SELECT revision FROM {s}.items WHERE name = $1 AND namespace = $2 AND item = $3"
 
+# The heads a batch moved, resealed, each still at the fence it was read with.
 _ADVANCE_HEADS = """
-    UPDATE {s}.heads AS h SET revision = a.revision
-      FROM unnest($1::text[], $2::bigint[]) AS a(name, revision)
-     WHERE h.namespace = 'worker-journal' AND h.name = a.name AND h.revision < a.revision
+    UPDATE {s}.heads AS h
+       SET revision = a.revision, row_count = a.row_count, digest = a.digest,
+           key_id = a.key_id, auth_tag = a.auth_tag
+      FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bytea[], $6::text[],
+                  $7::text[]) AS a(name, revision, fence, row_count, digest, key_id, auth_tag)
+     WHERE h.namespace = 'worker-journal' AND h.name = a.name AND h.fence = a.fence
+       AND h.revision < a.revision
     RETURNING 1
 """
 
@@ -195,6 +234,12 @@ _SELECT_BATCH = """
 _SELECT_HEAD = (
     "SELECT revision, fence FROM {s}.heads WHERE namespace = 'worker-journal' AND name = $1"
 )
+# Every row of a scope, for its digest (``scope_head``): the four namespaces.
+_SELECT_SCOPE_ROWS = """
+    SELECT namespace, item, revision FROM {s}.items
+     WHERE name = $1
+       AND namespace IN ('worker-journal', 'worker-session', 'worker-session-open', 'worker-outbox')
+"""
 _SELECT_SCOPES = "SELECT name FROM {s}.heads WHERE namespace = 'worker-journal' ORDER BY name"
 _SELECT_WRITTEN = """
     SELECT item, written_at FROM {s}.items WHERE name = $1 AND namespace = 'worker-journal'
@@ -205,15 +250,12 @@ _COUNT_CLOSED = """
 
 # Maintenance: each in a transaction that holds the scope's head lock, so
 # it never runs between a commit's reads and writes.
-_LOCK_HEAD = """
-    SELECT revision FROM {s}.heads WHERE namespace = 'worker-journal' AND name = $1 FOR UPDATE
-"""
 _DELETE_JOURNAL_ROWS = """
     DELETE FROM {s}.items AS i
      USING unnest($2::text[], $3::bigint[]) AS v(item, revision)
      WHERE i.name = $1 AND i.namespace = 'worker-journal' AND i.item = v.item
        AND i.revision = v.revision
-    RETURNING 1
+    RETURNING i.item, i.revision
 """
 _REPLACE_ENVELOPES = """
     UPDATE {s}.items AS i SET envelope = c.new
@@ -238,7 +280,11 @@ def statements(schema: str) -> dict[str, str]:
     return {
         name: text.format(s=quoted, head=head)
         for name, text in (
-            ("reserve", _RESERVE),
+            ("create_head", _CREATE_HEAD),
+            ("raise_fence", _RAISE_FENCE),
+            ("lock_head", _LOCK_HEAD),
+            ("select_head_row", _SELECT_HEAD_ROW),
+            ("reseal_head", _RESEAL_HEAD),
             ("lock_heads", _LOCK_HEADS),
             ("write_change_set", _WRITE_CHANGE_SET),
             ("current", _CURRENT),
@@ -254,7 +300,7 @@ def statements(schema: str) -> dict[str, str]:
             ("select_scopes", _SELECT_SCOPES),
             ("select_written", _SELECT_WRITTEN),
             ("count_closed", _COUNT_CLOSED),
-            ("lock_head", _LOCK_HEAD),
+            ("select_scope_rows", _SELECT_SCOPE_ROWS),
             ("delete_journal_rows", _DELETE_JOURNAL_ROWS),
             ("replace_envelopes", _REPLACE_ENVELOPES),
             ("mark_closed", _MARK_CLOSED),

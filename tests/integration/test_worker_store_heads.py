@@ -1,10 +1,12 @@
-"""The journal's sealed scope heads on real SQLite files (issue 15 item 7).
+"""The journal's sealed scope heads on real databases (issue 15 item 7).
 
 Every commit, prune and reseal keeps each scope's digest equal to its rows
-(checked by recomputing it, ``verify_scope``); a journal from before the
-digests migrates forward with them built once under the storage key; a
-head edited without the key, or a journal edited back to the older schema
-behind its anchor's back, is refused.
+(checked by recomputing it, ``verify_scope``), and a head edited without
+the key is refused: on both backends (``journal_db``). Inherently SQLite
+(``db_path``): a journal from before the digests migrates forward with them
+built once under the storage key, and one edited back to the older schema
+behind its anchor's back is refused (the PostgreSQL journal had digests
+from its first schema and keeps no anchor file).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from octo_common.errors import (
 )
 from octo_common.records import StorageKeyring
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
+from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.scope_head import DIGEST_ANCHOR_KEY
 from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
 
+from .journal_backends import JournalDatabase
 from .test_worker_store import (
     OTHER_SCOPE,
     SCOPE,
@@ -47,7 +51,7 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "journal" / "worker.db"
 
 
-async def fill(store: SqliteJournalStore) -> None:
+async def fill(store: JournalStoreBase) -> None:
     """Journal, session and outbox rows in two scopes, some of them rewritten or deleted."""
     lease = await store.reserve_fence(SCOPE)
     other = await store.reserve_fence(OTHER_SCOPE)
@@ -75,14 +79,14 @@ async def fill(store: SqliteJournalStore) -> None:
     await store.commit(OTHER_SCOPE, other, rows(OTHER_SCOPE, (pending("op-1"), None)))
 
 
-async def verified(store: SqliteJournalStore, scope: str = SCOPE) -> tuple[int, int]:
+async def verified(store: JournalStoreBase, scope: str = SCOPE) -> tuple[int, int]:
     check = await store.verify_scope(scope)
     assert check.digests
     return check.revision, check.rows
 
 
-async def test_every_commit_keeps_the_digest_equal_to_the_rows(db_path: Path) -> None:
-    store = SqliteJournalStore(db_path, storage_keyring())
+async def test_every_commit_keeps_the_digest_equal_to_the_rows(journal_db: JournalDatabase) -> None:
+    store = journal_db.store(storage_keyring())
     try:
         await fill(store)
         # op-1, op-2, the session's two rows, one outbox row left.
@@ -102,20 +106,22 @@ async def test_every_commit_keeps_the_digest_equal_to_the_rows(db_path: Path) ->
     finally:
         await store.close()
     # A fresh store, in a fresh read snapshot, recomputes the same.
-    reopened = SqliteJournalStore(db_path, storage_keyring(), read_only=True)
+    reopened = journal_db.store(storage_keyring(), read_only=True)
     try:
         assert await verified(reopened) == (6, 9)
     finally:
         await reopened.close()
 
 
-async def test_prune_beside_a_running_writer_keeps_the_digest_right(db_path: Path) -> None:
-    daemon = SqliteJournalStore(db_path, storage_keyring())
+async def test_prune_beside_a_running_writer_keeps_the_digest_right(
+    journal_db: JournalDatabase,
+) -> None:
+    daemon = journal_db.store(storage_keyring())
     try:
         await fill(daemon)
         lease = await daemon.reserve_fence(SCOPE)
-        sql(db_path, "UPDATE items SET written_at = written_at - 7200")
-        maintenance = SqliteJournalStore(db_path, storage_keyring(), maintenance=True)
+        await journal_db.age_rows(7200)
+        maintenance = journal_db.store(storage_keyring(), maintenance=True)
         try:
             report = await maintenance.prune(SCOPE, 3600)
         finally:
@@ -131,33 +137,33 @@ async def test_prune_beside_a_running_writer_keeps_the_digest_right(db_path: Pat
 
 
 async def test_reseal_moves_the_head_onto_the_active_key_so_the_old_one_can_go(
-    db_path: Path,
+    journal_db: JournalDatabase,
 ) -> None:
     old = storage_keyring("storage-v1", 1)
-    store = SqliteJournalStore(db_path, old)
+    store = journal_db.store(old)
     try:
         await fill(store)
     finally:
         await store.close()
     rotated = StorageKeyring("storage-v2", bytes([2]) * 32)
     rotated.add_read_key("storage-v1", bytes([1]) * 32)
-    maintenance = SqliteJournalStore(db_path, rotated, maintenance=True)
+    maintenance = journal_db.store(rotated, maintenance=True)
     try:
         for scope in (SCOPE, OTHER_SCOPE):
             await maintenance.reseal(scope)
     finally:
         await maintenance.close()
-    (key_ids,) = zip(*sql(db_path, "SELECT DISTINCT key_id FROM heads"), strict=True)
+    (key_ids,) = zip(*await journal_db.sql("SELECT DISTINCT key_id FROM heads"), strict=True)
     assert key_ids == ("storage-v2",)
 
-    retired = SqliteJournalStore(db_path, StorageKeyring("storage-v2", bytes([2]) * 32))
+    retired = journal_db.store(StorageKeyring("storage-v2", bytes([2]) * 32))
     try:
         assert await verified(retired) == (2, 5)
         await retired.reserve_fence(SCOPE)
         assert (await retired.load_records(SCOPE, ["op-1"]))["op-1"] == (succeeded("op-1"), 2)
     finally:
         await retired.close()
-    stale = SqliteJournalStore(db_path, storage_keyring("storage-v1", 1))
+    stale = journal_db.store(storage_keyring("storage-v1", 1))
     try:
         with pytest.raises(UnknownKeyId):
             await stale.verify_scope(SCOPE)
@@ -165,16 +171,18 @@ async def test_reseal_moves_the_head_onto_the_active_key_so_the_old_one_can_go(
         await stale.close()
 
 
-async def test_a_head_edited_without_the_key_is_refused(db_path: Path) -> None:
-    store = SqliteJournalStore(db_path, storage_keyring())
+async def test_a_head_edited_without_the_key_is_refused(journal_db: JournalDatabase) -> None:
+    store = journal_db.store(storage_keyring())
     try:
         await fill(store)
-        sql(db_path, "UPDATE heads SET fence = fence + 5 WHERE name = ?", (SCOPE,))
+        await journal_db.sql("UPDATE heads SET fence = fence + 5 WHERE name = ?", SCOPE)
         with pytest.raises(InvalidRecordAuthenticationTag):
             await store.reserve_fence(SCOPE)
         with pytest.raises(InvalidRecordAuthenticationTag):
             await store.verify_scope(SCOPE)
-        sql(db_path, "UPDATE heads SET digest = NULL WHERE name = ?", (OTHER_SCOPE,))
+        # No digest (SQLite), or one of the wrong size (PostgreSQL's column is NOT NULL).
+        broken = b"\x00" if journal_db.postgres else None
+        await journal_db.sql("UPDATE heads SET digest = ? WHERE name = ?", broken, OTHER_SCOPE)
         with pytest.raises(StorageBackendError):
             await store.reserve_fence(OTHER_SCOPE)
     finally:

@@ -7,7 +7,8 @@ wrong. Each scope's sealed head commits to that set, so each of these edits
 is refused when the scope is loaded (a fence reservation: every start and
 reload), by ``verify_scope``, by ``octo-worker run``, ``journal verify`` and
 ``check``, with and without the rollback anchor (the anchor alone cannot
-see them: the head revision does not move).
+see them: the head revision does not move). The store-level check runs on
+both backends (``journal_db``); the daemon and the verbs on SQLite files.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from octo_worker.config import WorkerConfig, load_config
 from octo_worker.daemon import WorkerDaemon
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
 from octo_worker.store import SqliteJournalStore, WorkerCommit
+
+from .journal_backends import JournalDatabase
 
 REPO = Path(__file__).resolve().parents[2]
 SCOPE = "tenant-release"
@@ -237,3 +240,52 @@ async def test_run_and_check_refuse_a_deleted_row_with_exit_4(tmp_path: Path) ->
     assert check.returncode == 4, check.stdout
     (line,) = [c for c in json.loads(check.stdout)["checks"] if c["name"] == "journal"]
     assert not line["ok"] and f"scope {SCOPE}: rollback_detected" in line["detail"]
+
+
+# The same edits on either backend, through the store alone (no anchor). ---------------
+
+
+async def _fill_store(journal_db: JournalDatabase) -> bytes:
+    store = journal_db.store()
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        other = await store.reserve_fence(OTHER)
+        await store.commit(SCOPE, lease, change(SCOPE, record("op-1"), None))
+        older = await journal_db.envelope("op-1")
+        await store.commit(SCOPE, lease, change(SCOPE, record("op-2"), None))
+        await store.commit(SCOPE, lease, change(SCOPE, record("op-1", done=True), 1))
+        await store.commit(OTHER, other, change(OTHER, record("op-9", done=True), None))
+    finally:
+        await store.close()
+    return older
+
+
+async def _tamper(journal_db: JournalDatabase, tampering: str, older: bytes) -> None:
+    if tampering == "row deleted":
+        await journal_db.sql("DELETE FROM items WHERE name = ? AND item = 'op-1'", SCOPE)
+    elif tampering == "row replaced by its older self":
+        await journal_db.sql(
+            "UPDATE items SET revision = 1, envelope = ? WHERE name = ? AND item = 'op-1'",
+            older,
+            SCOPE,
+        )
+    else:
+        await journal_db.copy_row("op-9", OTHER, to_scope=SCOPE, to_item="op-9")
+
+
+@pytest.mark.parametrize("tampering", list(TAMPERING))
+async def test_a_tampered_set_of_rows_is_refused_by_either_backend(
+    journal_db: JournalDatabase, tampering: str
+) -> None:
+    older = await _fill_store(journal_db)
+    await _tamper(journal_db, tampering, older)
+    store = journal_db.store()
+    try:
+        with pytest.raises(RollbackDetected):
+            await store.reserve_fence(SCOPE)  # what every start, reload and takeover does
+        with pytest.raises(RollbackDetected):
+            await store.verify_scope(SCOPE)
+        lease = await store.reserve_fence(OTHER)
+        await store.commit(OTHER, lease, change(OTHER, record("op-10"), None))
+    finally:
+        await store.close()

@@ -412,3 +412,43 @@ def test_the_configured_event_loop_runs_the_daemon(choice: str, module: str) -> 
         return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
     assert run_event_loop(which(), choice) == module
+
+
+SCOPE_ONLY = '[[scopes]]\nname = "a"\nkey_file = "scope.key"\n\n'
+
+
+def test_a_storage_url_puts_the_journal_in_postgresql(tree: Path) -> None:
+    config = load(
+        tree,
+        SCOPE_ONLY + '[storage]\nurl = "postgresql://octo@db.example:5432/octo"\n'
+        'password_file = "db.password"\nschema = "journal_a"\n',
+    )
+    assert config.shared_journal
+    assert config.storage_password_path == tree / "db.password"
+    assert config.journal_location() == "postgresql://octo@db.example:5432/octo schema journal_a"
+    assert not load(tree, SCOPE_ONLY).shared_journal
+
+
+@pytest.mark.parametrize(
+    ("storage", "where"),
+    [
+        pytest.param('url = "postgresql://octo:s3cret@db/octo"', "storage.url", id="password"),
+        pytest.param(
+            'url = "postgresql://octo@db/octo?password=s3cret"', "storage.url", id="query"
+        ),
+        pytest.param('url = "mysql://octo@db/octo"', "storage.url", id="scheme"),
+        pytest.param(
+            'url = "postgresql://db/octo"\nschema = "Bad-Name"', "storage.schema", id="schema"
+        ),
+        pytest.param(
+            'url = "postgresql://db/octo"\nanchor = "journal.anchor"', "storage.anchor", id="anchor"
+        ),
+        pytest.param('password_file = "db.password"', "storage.password_file", id="no-url"),
+    ],
+)
+def test_a_storage_url_is_refused_naming_the_key_and_never_the_secret(
+    tree: Path, storage: str, where: str
+) -> None:
+    message = refused(tree, SCOPE_ONLY + f"[storage]\n{storage}\n")
+    assert f": {where}: " in message, message
+    assert "s3cret" not in message

@@ -248,7 +248,12 @@ WORKER_BACKENDS = (
     "octo_worker.storage.sqlite_reader",
     "octo_worker.storage.sqlite_writer",
     "octo_worker.storage.sqlite_rows",
+    "octo_worker.storage.sqlite_heads",
+    "octo_worker.storage.postgres",
+    "octo_worker.storage.postgres_sql",
+    "octo_worker.storage.configured",
     "octo_common.runtime.sqlite",
+    "octo_common.runtime.postgres",
 )
 
 
@@ -259,7 +264,7 @@ def test_the_session_and_its_rules_import_no_storage_backend(name: str) -> None:
         {
             imported_name
             for imported_name in imported(known[name])
-            if top(imported_name) == "sqlite3"
+            if top(imported_name) in ("sqlite3", "asyncpg")
             or any(within(imported_name, backend) for backend in WORKER_BACKENDS)
         }
     )
