@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
+    "CONTEXT_METHODS",
     "AdapterContext",
     "AdapterLoadFailed",
     "DEFAULT_ADAPTER_DEADLINE_SECONDS",
@@ -610,6 +611,9 @@ def load_adapters(
     * a name that is not a tool token, a factory result that is not a
       ``WorkerAdapter``, or an adapter whose ``tool`` names another tool →
       ``InvalidTool(name)``;
+    * an adapter one of whose five async methods cannot be called as
+      ``(request, grant, context)`` (the two-argument contract before D12)
+      → ``AdapterLoadFailed(name, reason)`` naming the method;
     * a name listed twice → ``DuplicateTool(name)``.
     """
     options = options or {}
@@ -650,5 +654,32 @@ def load_adapters(
         declared = getattr(adapter, "tool", None)
         if declared is not None and declared != name:
             raise InvalidTool(name)
+        _check_context_argument(name, adapter)
         registry.register(name, adapter)
     return registry
+
+
+# The five methods the worker calls as ``method(request, grant, context)`` (D12).
+CONTEXT_METHODS = (
+    "invoke",
+    "dispatch_operation",
+    "compensate_operation",
+    "reconcile_operation",
+    "reconcile_compensation",
+)
+
+
+def _check_context_argument(name: str, adapter: object) -> None:
+    """Refuse an adapter one of whose methods cannot take ``(request, grant, context)``.
+
+    A plug-in written for the contract before D12 (two arguments) would
+    otherwise fail every call as ``adapter_failed``; it is refused at load
+    instead, naming the adapter and the first such method.
+    """
+    for method in CONTEXT_METHODS:
+        try:
+            inspect.signature(getattr(adapter, method)).bind(None, None, None)
+        except (TypeError, ValueError):
+            raise AdapterLoadFailed(
+                name, f"its method {method} does not take (request, grant, context)"
+            ) from None

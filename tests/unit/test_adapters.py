@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import sys
 import threading
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from octo_common.messages import (
 from octo_common.payload import ToolPayload
 from octo_worker.adapters import (
     ADAPTER_ENTRY_POINT_GROUP,
+    CONTEXT_METHODS,
     DEFAULT_ADAPTER_DEADLINE_SECONDS,
     AdapterContext,
     AdapterLoadFailed,
@@ -625,6 +627,30 @@ class NeedsAToken(BaseWorkerAdapter):
 
     def __init__(self):
         raise KeyError("BILLING_TOKEN")  # an environment variable it expected
+
+
+class TwoArguments(BaseWorkerAdapter):
+    # Written for the contract before D12: no context argument.
+
+    async def reconcile_operation(self, request, grant):
+        return None
+
+
+class KeywordContext(BaseWorkerAdapter):
+    # Takes the context by keyword only: the worker passes it by position.
+
+    async def dispatch_operation(self, request, grant, *, context):
+        return None
+
+
+class FlexibleContext(BaseWorkerAdapter):
+    # Accepts the three arguments however it likes: loads.
+
+    async def dispatch_operation(self, request, *rest, **extra):
+        return None
+
+    async def reconcile_operation(self, request, grant, context=None):
+        return None
 """
 
 DEPENDENT_MODULE = "octo_test_plugin_with_a_missing_dependency"
@@ -639,6 +665,9 @@ wrong.tool = {PLUGIN_MODULE}:WrongTool
 not.adapter = {PLUGIN_MODULE}:NotAnAdapter
 missing.attr = {PLUGIN_MODULE}:NoSuchClass
 token.tool = {PLUGIN_MODULE}:NeedsAToken
+old.contract = {PLUGIN_MODULE}:TwoArguments
+keyword.context = {PLUGIN_MODULE}:KeywordContext
+flexible.context = {PLUGIN_MODULE}:FlexibleContext
 dependent.tool = {DEPENDENT_MODULE}:Adapter
 raising.tool = {RAISING_MODULE}:Adapter
 """
@@ -746,6 +775,38 @@ def test_an_installed_adapter_that_fails_to_load_is_named_with_the_failure(
     assert info.value.adapter == name
     assert reason in info.value.reason
     assert "BILLING_TOKEN" not in str(info.value) and "red" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "method"),
+    [("old.contract", "reconcile_operation"), ("keyword.context", "dispatch_operation")],
+)
+def test_a_plugin_of_the_two_argument_contract_is_refused_at_load(
+    plugin_distribution: Path, name: str, method: str
+) -> None:
+    # D12: every method takes (request, grant, context); refused here, naming
+    # the adapter and the method, instead of failing every call later.
+    with pytest.raises(AdapterLoadFailed) as info:
+        load_adapters([name])
+    assert info.value.code == "adapter_load_failed"
+    assert info.value.adapter == name
+    assert f"its method {method} does not take (request, grant, context)" in info.value.reason
+
+
+def test_a_plugin_that_accepts_the_context_however_it_likes_loads(
+    plugin_distribution: Path,
+) -> None:
+    assert load_adapters(["flexible.context"]).tools() == ["flexible.context"]
+
+
+def test_every_method_the_worker_calls_with_a_context_is_checked() -> None:
+    # The five async methods of the contract, and only those.
+    async_methods = {
+        name
+        for name, value in vars(BaseWorkerAdapter).items()
+        if inspect.iscoroutinefunction(value)
+    }
+    assert set(CONTEXT_METHODS) == async_methods
 
 
 def test_a_name_listed_twice_is_a_duplicate(plugin_distribution: Path) -> None:
