@@ -437,7 +437,8 @@ class Observer:
         return read_effect_log(self.demo.effect_log)
 
     def release(self) -> Path:
-        return self.demo.published / RELEASE
+        # files.publish keeps each tenant scope's files in a directory of its own (D12).
+        return self.demo.published / self.demo.scope / RELEASE
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

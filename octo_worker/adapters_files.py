@@ -1,40 +1,57 @@
-"""The reference adapter ``files.publish``: publish one file into a directory,
-durably, at most once per operation key, with an explicit inverse.
+"""The reference adapter ``files.publish``: publish one file into a tenant's
+directory, durably, at most once per operation, with an explicit inverse.
 
-Layout of ``target_dir``:
+Layout of ``target_dir`` (D12: one adapter serves every tenant scope, and
+operation keys are unique only within a scope):
 
-* ``<name>``: a published file. Names match ``[A-Za-z0-9._-]{1,128}`` and
-  never start with a dot, so nothing the adapter keeps for itself (all
-  dot-names) can collide with a published file.
-* ``.octo-publish/op.<operation key>.json``: one record per operation key
-  (name, sha256, size, state: ``publishing``, ``published``, ``refused``,
-  ``removing``, ``removed``). It is the adapter's memory: reconciliation
-  answers from it, and a repeated dispatch or compensation never repeats an
-  effect that it records.
-* ``.octo-publish/name.<name>``: the claim on a name, created with
-  ``O_EXCL`` and holding the owning operation key.
-* ``.octo-tmp.*``: a file being written; a publish removes its own, but
-  one cut by a crash stays behind (never published: safe to delete).
+* ``<scope>/<name>``: a file published in tenant scope ``<scope>`` (the scope
+  whose journal admitted the operation, ``context.scope``). Two scopes never
+  share a file, whatever names their payloads give. Names match
+  ``[A-Za-z0-9._-]{1,128}`` and never start with a dot; a scope that starts
+  with a dot has no directory (its publications are refused), so nothing
+  the adapter keeps for itself (all dot-names) can collide with a file.
+* ``.octo-publish/pub.<idempotency key>.json``: one record per operation,
+  named by the operation's ``context.idempotency_key`` (never the bare
+  operation key): name, sha256, size, state (``publishing``, ``published``,
+  ``refused``, ``removing``, ``removed``), the compensation that removed it,
+  and the effect log's length when the effect in progress began. It is the
+  adapter's memory: both lookups answer from it, and a repeated dispatch or
+  compensation never repeats an effect it records.
+* ``.octo-publish/claim.<sha256 of scope and name>``: the claim on one
+  scope's name, created with ``O_EXCL``, holding the owner's idempotency key.
+* ``<scope>/.octo-tmp.*``: a file being written; a publish removes its own,
+  but one cut by a crash stays behind (never published: safe to delete).
 
-Every real effect (a publish, a removal) is appended to ``effect_log`` as one
-JSON line with ``O_APPEND`` and fsync before the adapter reports success, so
-tests and operators can count effects. Files, records and the log are
-written crash-safely: temp file, fsync, link or rename, fsync the directory.
+Every real effect (a publish, a removal) is appended to ``effect_log`` as
+one JSON line (``effect``, ``scope``, ``idempotency_key``: the operation's
+for a publish, the compensation's for a removal, ``operation_key``,
+``compensation_key``, ``name``) with ``O_APPEND`` and fsync before the
+adapter reports success, so tests and operators can count effects. Files,
+records and the log are written crash-safely: temp file, fsync, link or
+rename, fsync the directory.
+
+A crash between an effect (the link, the unlink) and its log line is
+repaired, never left as a gap: the record written before the effect notes
+the log's length, and only this effect's line can follow at that offset, so
+whoever meets the interrupted record next (a repeated call or a lookup)
+reads that one line, and writes it once if it is missing. No path reads the
+whole log.
 
 All file work runs on one private thread, one call at a time and in
-submission order, so a reconciliation submitted after a dispatch (even one
-whose deadline expired) always sees that dispatch's finished outcome.
+submission order, so a lookup submitted after a dispatch or a compensation
+(even one whose deadline expired) always sees that call's finished outcome.
 
 This adapter must never log or store payload content outside the published
 file, never write into ``target_dir`` outside the names above, and never
-perform an effect from ``reconcile_operation``. Reconciliation may finish the
-bookkeeping of a publication a crash interrupted (the missing effect line and
-record of a file that is already there, or the refusal of one that never
-appeared), exactly as a repeated dispatch does, so the effect log holds one
-line per published key whichever of the two comes first.
+perform an effect from a lookup (``reconcile_operation``,
+``reconcile_compensation``): a lookup may finish the bookkeeping of an
+effect a crash interrupted (the missing log line and record of a file that
+is already there or already gone), or settle for good one that never
+happened, exactly as a repeated call does.
 
-One process owns ``target_dir``: the single file thread is what orders a
-reconciliation after a dispatch, so two daemons must not share a directory.
+One process owns ``target_dir`` and ``effect_log``: the single file thread
+is what orders a lookup after the call it reports on, and what makes the
+line after a recorded offset this effect's own.
 """
 
 from __future__ import annotations
@@ -56,6 +73,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import msgspec
 
+from octo_common.digest import adapter_idempotency_key
 from octo_common.errors import AdapterFailed, AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
@@ -64,6 +82,7 @@ from octo_worker.adapters import AdapterContext, BaseWorkerAdapter, DurableOpera
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
     from octo_common.messages import (
+        CompensationReconcileRequest,
         OperationCompensationRequest,
         OperationDispatchRequest,
         OperationReconcileRequest,
@@ -72,8 +91,10 @@ if TYPE_CHECKING:
 __all__ = [
     "FAILED_KEY_REUSED",
     "FAILED_NOT_PUBLISHED",
+    "FAILED_NOT_REMOVED",
     "FAILED_TARGET_CHANGED",
     "FAILED_TARGET_EXISTS",
+    "FAILED_UNSAFE_SCOPE",
     "FilesPublishAdapter",
     "read_effect_log",
 ]
@@ -81,13 +102,17 @@ __all__ = [
 TOOL: Final = "files.publish"
 FAILED_TARGET_EXISTS: Final = "target exists"
 FAILED_NOT_PUBLISHED: Final = "not published"
+FAILED_NOT_REMOVED: Final = "not removed"
 FAILED_KEY_REUSED: Final = "operation key already used for another publication"
 FAILED_TARGET_CHANGED: Final = "published file was modified"
+FAILED_UNSAFE_SCOPE: Final = "scope has no directory"
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _META_DIR: Final = ".octo-publish"
 _TMP_PREFIX: Final = ".octo-tmp."
-_RECORD_FORMAT: Final = 1
+_RECORD_FORMAT: Final = 2
+# One effect line is well under this (names and keys are at most 128 bytes).
+_MAX_LINE: Final = 4096
 
 T = TypeVar("T")
 
@@ -105,17 +130,25 @@ class _UndoInput(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What the adapter remembers about one operation key."""
+    """What the adapter remembers about one operation (named by its idempotency key)."""
 
     format_version: int
+    idempotency_key: str
+    scope: str
     operation_key: str
     name: str
     sha256: str
     size: int
     state: _RecordState
+    # The effect log's length when the effect in progress (publish, then
+    # removal) began: its line, if written, starts exactly there.
+    log_offset: int
     reason: str | None = None
     compensation_key: str | None = None
+    compensation_idempotency_key: str | None = None
     removed_file: bool | None = None
+    # A compensation found never to have removed anything; it never will.
+    refused_compensation: str | None = None
 
 
 _RECORD_DECODER = msgspec.json.Decoder(_Record)
@@ -230,27 +263,61 @@ def _append_line(path: Path, line: bytes) -> None:
         _fsync_dir(path.parent)
 
 
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _line_at(path: Path, offset: int) -> dict[str, Any] | None:
+    """The complete JSON line starting at ``offset`` of the log, or None."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read(_MAX_LINE)
+    except FileNotFoundError:
+        return None
+    line, newline, _ = chunk.partition(b"\n")
+    if not newline:
+        return None
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
 def read_effect_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every effect line of an effect log, oldest first (a missing log is empty).
 
-    A last line without its newline is a torn write of an effect that was
-    never reported as done, and is skipped.
+    A line that is not a complete JSON object is a torn write of an effect
+    that was never reported as done (a power cut inside a write), and is
+    skipped: the adapter writes the line again when it meets the effect's
+    record.
     """
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return []
-    lines = data.split(b"\n")
-    complete = lines[:-1]  # the part after the last newline is empty or torn
-    return [json.loads(line) for line in complete if line]
+    entries = []
+    for line in data.split(b"\n")[:-1]:  # the part after the last newline is empty or torn
+        try:
+            entry = json.loads(line) if line else None
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
 
 
 # The adapter -----------------------------------------------------------------
 
 
 class FilesPublishAdapter(BaseWorkerAdapter):
-    """``files.publish``: publish ``{"name", "content"}`` as a file, undo with
-    ``{"undo": "publish", "name"}``, reconcile by operation key.
+    """``files.publish``: publish ``{"name", "content"}`` as a file of the tenant's
+    directory, undo with ``{"undo": "publish", "name"}``, look both up by their
+    idempotency keys.
 
     Declares ``RECONCILIATION`` and no invocation safety (``invoke`` is
     refused: publishing is an effect that needs the journal).
@@ -275,6 +342,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         self.deadline_seconds = float(deadline_seconds)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._log_checked = False
 
     def __repr__(self) -> str:
         return f"FilesPublishAdapter(tool={TOOL!r})"
@@ -286,6 +354,10 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     @property
     def effect_log(self) -> Path:
         return self._log
+
+    def published_path(self, scope: str, name: str) -> Path:
+        """Where a file ``name`` published in tenant scope ``scope`` lives."""
+        return self._dir / scope / name
 
     def close(self) -> None:
         """Wait for running file work to finish and stop the private thread."""
@@ -303,16 +375,18 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     async def dispatch_operation(
         self, request: OperationDispatchRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus:
-        """Publish the file for ``request.operation_key`` at most once.
+        """Publish the file of this operation at most once, in ``context.scope``'s directory.
 
         The input is checked before anything is touched
-        (``AdapterInvalidJsonInput``). A name already published by this key
-        (a repeated dispatch) answers the same success without writing; a
-        name held by anything else answers ``Failed("target exists")``. An
-        I/O error part-way is ``AdapterIndeterminate``: reconciliation tells.
+        (``AdapterInvalidJsonInput``). A name already published by this
+        operation (a repeated dispatch) answers the same success without
+        writing; a name of the scope held by anything else answers
+        ``Failed("target exists")``. An I/O error part-way is
+        ``AdapterIndeterminate``: reconciliation tells.
         """
         name, data = _parse_publish(request.payload, grant)
-        return await self._run(self._publish, request.operation_key, name, data)
+        operation = (context.scope, context.idempotency_key, request.operation_key)
+        return await self._run(self._publish, operation, name, data)
 
     async def compensate_operation(
         self,
@@ -323,33 +397,58 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         """Remove exactly the file the original operation published.
 
         The inverse payload must be ``{"undo": "publish", "name": <name>}``
-        and name the file recorded for ``request.operation_key``, else
+        and name the file recorded for the operation, else
         ``AdapterInvalidJsonInput`` and nothing is touched. A file already
-        gone is a success (the record notes that nothing was removed).
+        gone is a success (the record notes that nothing was removed). The
+        removal is named by ``context.idempotency_key`` (the compensation's).
         """
         name = _parse_undo(request.payload)
-        return await self._run(self._remove, request.operation_key, request.compensation_key, name)
+        operation = _operation_of(context, request.operation_key)
+        removal = (context.idempotency_key, request.compensation_key)
+        return await self._run(self._remove, operation, removal, name)
 
     async def reconcile_operation(
         self, request: OperationReconcileRequest, grant: CapabilityGrant, context: AdapterContext
     ) -> OperationStatus:
-        """Look up what happened to ``request.operation_key``; never publishes.
+        """Look up what happened to this operation (by ``context.idempotency_key``);
+        never publishes.
 
         Published (even if compensated since) → the dispatch's own success
         payload. Refused → the same ``Failed`` the dispatch answered. No
         record, or a publication interrupted before its file appeared →
         ``Failed("not published")``. That answer is final, not a guess:
-        dispatch runs once per key and synchronously on this adapter's
-        single file thread, so a reconciliation queued behind it sees its
-        outcome; after a crash nothing resumes an interrupted publication
-        (a repeated dispatch of such a key also answers "not published"),
-        so an effect that is not in the directory now never will be.
+        dispatch runs once per operation and synchronously on this adapter's
+        single file thread, so a lookup queued behind it sees its outcome;
+        after a crash nothing resumes an interrupted publication (a repeated
+        dispatch of it also answers "not published"), so an effect that is
+        not in the directory now never will be.
 
         An interrupted publication is settled here as a repeated dispatch
         settles it (its effect line written once, its record finished), so
-        the effect log never misses a publication reconciliation reports.
+        the effect log never misses a publication a lookup reports.
         """
-        return await self._run(self._lookup, request.operation_key)
+        operation = (context.scope, context.idempotency_key, request.operation_key)
+        return await self._run(self._lookup, operation)
+
+    async def reconcile_compensation(
+        self,
+        request: CompensationReconcileRequest,
+        grant: CapabilityGrant,
+        context: AdapterContext,
+    ) -> OperationStatus:
+        """Look up the removal of this compensation (by ``context.idempotency_key``,
+        the compensation's); never removes anything (D11).
+
+        Removed → the compensation's own success payload. A removal cut by a
+        crash after its file was gone is finished (its line written once);
+        one cut before the file went, or a compensation that never reached
+        the removal, never will remove it: ``Failed("not removed")``, and a
+        later compensation under this key answers the same. An original
+        that was never published → ``Failed("not published")``, as the
+        compensation itself answers.
+        """
+        operation = _operation_of(context, request.operation_key)
+        return await self._run(self._lookup_removal, operation, context.idempotency_key)
 
     # Thread plumbing ---------------------------------------------------------
 
@@ -363,26 +462,45 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         # finishes on the thread, and later calls queue behind it.
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
-    # Sync effects (on the file thread) -----------------------------------
-
-    def _publish(self, key: str, name: str, data: bytes) -> OperationStatus:
+    def _locked(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         with self._lock:
             try:
-                return self._publish_locked(key, name, data)
+                return fn(*args)
             except OSError:
-                raise AdapterIndeterminate("file system error during publish") from None
+                raise AdapterIndeterminate(f"file system error during {what}") from None
 
-    def _publish_locked(self, key: str, name: str, data: bytes) -> OperationStatus:
+    # Sync effects (on the file thread) -----------------------------------
+
+    def _publish(self, operation: tuple[str, str, str], name: str, data: bytes) -> OperationStatus:
+        return self._locked("publish", self._publish_locked, operation, name, data)
+
+    def _publish_locked(
+        self, operation: tuple[str, str, str], name: str, data: bytes
+    ) -> OperationStatus:
+        scope, key, operation_key = operation
         self._ensure_dirs()
         digest = hashlib.sha256(data).hexdigest()
-        record = self._read_record(key)
+        record = self._read_record(key, operation_key)
         if record is not None:
             if record.name != name or record.sha256 != digest:
                 return Failed(FAILED_KEY_REUSED)
             return self._settle(record)
-        target = self._dir / name
-        claim = self._claim_path(name)
-        fresh = _Record(_RECORD_FORMAT, key, name, digest, len(data), "publishing")
+        fresh = _Record(
+            _RECORD_FORMAT,
+            key,
+            scope,
+            operation_key,
+            name,
+            digest,
+            len(data),
+            "publishing",
+            _log_size(self._log),
+        )
+        if not _valid_name(scope):
+            return self._refuse(fresh, FAILED_UNSAFE_SCOPE)
+        directory = self._scope_dir(scope)
+        target = directory / name
+        claim = self._claim_path(scope, name)
         if target.exists() or claim.exists():
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
         # Intent first: after a crash the record says what may have begun.
@@ -392,7 +510,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         except FileExistsError:
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
         _fsync_dir(self._meta)
-        tmp = self._dir / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+        tmp = directory / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
         linked = False
         try:
             _write_new_file(tmp, data, 0o644)
@@ -404,103 +522,138 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(self._dir)
+        _fsync_dir(directory)
         if not linked:
-            self._release_claim(name, key)
+            self._release_claim(fresh)
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
-        self._append_effect("publish", key, None, name)
+        self._append_effect("publish", fresh, key, None)
         published = msgspec.structs.replace(fresh, state="published")
         self._write_record(published)
         return Succeeded(_publish_payload(published))
 
     def _settle(self, record: _Record) -> OperationStatus:
-        """A repeated dispatch of a recorded key: answer, finishing bookkeeping only."""
-        if record.state == "refused":
-            return Failed(record.reason or FAILED_NOT_PUBLISHED)
+        """A repeated dispatch of a recorded operation: answer, finishing bookkeeping only."""
         if record.state == "publishing":
             record = self._resolve_publishing(record)
-            if record.state == "refused":
-                return Failed(record.reason or FAILED_NOT_PUBLISHED)
+        if record.state == "refused":
+            return Failed(record.reason or FAILED_NOT_PUBLISHED)
         return Succeeded(_publish_payload(record))
 
     def _resolve_publishing(self, record: _Record) -> _Record:
         """Finish a publication a crash interrupted: its file either appeared or never will."""
         if self._is_published(record):
-            if not self._logged("publish", record.operation_key):
-                self._append_effect("publish", record.operation_key, None, record.name)
+            if not self._logged("publish", record, record.idempotency_key):
+                self._append_effect("publish", record, record.idempotency_key, None)
             settled = msgspec.structs.replace(record, state="published")
             self._write_record(settled)
             return settled
-        self._release_claim(record.name, record.operation_key)
+        self._release_claim(record)
         refused = msgspec.structs.replace(record, state="refused", reason=FAILED_NOT_PUBLISHED)
         self._write_record(refused)
         return refused
 
-    def _remove(self, key: str, compensation_key: str, name: str) -> OperationStatus:
-        with self._lock:
-            try:
-                return self._remove_locked(key, compensation_key, name)
-            except OSError:
-                raise AdapterIndeterminate("file system error during removal") from None
+    def _remove(
+        self, operation: tuple[str, str, str], removal: tuple[str, str], name: str
+    ) -> OperationStatus:
+        return self._locked("removal", self._remove_locked, operation, removal, name)
 
-    def _remove_locked(self, key: str, compensation_key: str, name: str) -> OperationStatus:
+    def _remove_locked(
+        self, operation: tuple[str, str, str], removal: tuple[str, str], name: str
+    ) -> OperationStatus:
+        _, key, operation_key = operation
+        removal_key, compensation_key = removal
         self._ensure_dirs()
-        record = self._read_record(key)
-        if record is None or record.state == "refused":
+        record = self._published_record(key, operation_key)
+        if record is None:
             return Failed(FAILED_NOT_PUBLISHED)
         if record.name != name:
             raise AdapterInvalidJsonInput("inverse input names another file")
-        if record.state == "publishing":
-            record = self._resolve_publishing(record)
-            if record.state == "refused":
-                return Failed(FAILED_NOT_PUBLISHED)
+        if record.refused_compensation == removal_key:
+            return Failed(FAILED_NOT_REMOVED)
         if record.state == "removed":
             return Succeeded(_undo_payload(record))
-        target = self._dir / name
-        owned = self._claim_owner(name) == key
-        found = _sha256_of(target) if owned else None
-        present = found is not None
-        if present and found != record.sha256:
+        owned, present = self._file_of(record)
+        if present is None:
             return Failed(FAILED_TARGET_CHANGED)
         if record.state == "published":
             record = msgspec.structs.replace(
                 record,
                 state="removing",
                 compensation_key=compensation_key,
+                compensation_idempotency_key=removal_key,
                 removed_file=present,
+                log_offset=_log_size(self._log),
             )
             self._write_record(record)
         if present:
-            os.unlink(target)
-            _fsync_dir(self._dir)
+            directory = self._scope_dir(record.scope)
+            os.unlink(directory / record.name)
+            _fsync_dir(directory)
+        return Succeeded(_undo_payload(self._finish_removal(record, owned, bool(present))))
+
+    def _finish_removal(self, record: _Record, owned: bool, unlinked: bool) -> _Record:
+        """The bookkeeping after a removal's unlink (``unlinked``: by this call), or
+        after the file was found gone."""
         if owned:
-            self._release_claim(name, key)
-        # A crash between unlink and the log line leaves `removing` with the
-        # file gone: the removal happened, so it is logged on the way out.
-        if record.removed_file and (present or not self._logged("remove", key)):
-            self._append_effect("remove", key, record.compensation_key, name)
+            self._release_claim(record)
+        removal_key = record.compensation_idempotency_key
+        # A crash between the unlink and the log line leaves `removing` with
+        # the file gone: the removal happened, so it is logged on the way out.
+        if record.removed_file and (unlinked or not self._logged("remove", record, removal_key)):
+            self._append_effect("remove", record, removal_key, record.compensation_key)
         removed = msgspec.structs.replace(record, state="removed")
         self._write_record(removed)
-        return Succeeded(_undo_payload(removed))
+        return removed
 
-    def _lookup(self, key: str) -> OperationStatus:
+    def _lookup(self, operation: tuple[str, str, str]) -> OperationStatus:
         with self._lock:
             try:
-                record = self._read_record(key)
+                _, key, operation_key = operation
+                record = self._read_record(key, operation_key)
                 if record is None:
                     return Failed(FAILED_NOT_PUBLISHED)
-                if record.state == "publishing":
-                    # A crash cut this publication short. Finish its bookkeeping
-                    # exactly as a repeated dispatch would: a file that appeared
-                    # gets its one effect line and the `published` record; one
-                    # that did not never will, and the key is refused for good.
-                    # Neither writes the published file itself.
-                    record = self._resolve_publishing(record)
-                if record.state == "refused":
-                    return Failed(record.reason or FAILED_NOT_PUBLISHED)
-                return Succeeded(_publish_payload(record))
+                # A crash cut a publication short: finish its bookkeeping exactly
+                # as a repeated dispatch would. Neither writes the published file.
+                return self._settle(record)
             except OSError:
                 raise AdapterFailed("file system error during lookup") from None
+
+    def _lookup_removal(self, operation: tuple[str, str, str], removal_key: str) -> OperationStatus:
+        with self._lock:
+            try:
+                return self._lookup_removal_locked(operation, removal_key)
+            except OSError:
+                raise AdapterFailed("file system error during lookup") from None
+
+    def _lookup_removal_locked(
+        self, operation: tuple[str, str, str], removal_key: str
+    ) -> OperationStatus:
+        _, key, operation_key = operation
+        record = self._published_record(key, operation_key)
+        if record is None:
+            return Failed(FAILED_NOT_PUBLISHED)
+        if record.state == "removed":
+            return Succeeded(_undo_payload(record))
+        if record.state == "removing" and record.compensation_idempotency_key == removal_key:
+            owned, present = self._file_of(record)
+            if present is None:
+                # Another file under the name: whether this removal ran is unknown.
+                raise AdapterIndeterminate("published file was modified")
+            if not (present and record.removed_file):
+                # The file went (or was already gone when the removal began):
+                # the removal happened; only its bookkeeping is finished here.
+                return Succeeded(_undo_payload(self._finish_removal(record, owned, False)))
+            # Cut before the unlink: nothing resumes it, so it never happens.
+            record = msgspec.structs.replace(
+                record,
+                state="published",
+                compensation_key=None,
+                compensation_idempotency_key=None,
+                removed_file=None,
+            )
+        if record.state == "published" and record.refused_compensation != removal_key:
+            self._write_record(msgspec.structs.replace(record, refused_compensation=removal_key))
+        return Failed(FAILED_NOT_REMOVED)
 
     # Records, claims, log -------------------------------------------------
 
@@ -509,68 +662,132 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         if not self._meta.exists():
             self._meta.mkdir(mode=0o700, exist_ok=True)
             _fsync_dir(self._dir)
+        if not self._log_checked:
+            self._end_torn_line()
+            self._log_checked = True
+
+    def _end_torn_line(self) -> None:
+        """End a line a power cut tore, once per process, before the first append.
+
+        Every append is one complete line, so only a crash inside a write can
+        leave the log without its final newline; the torn part then stays a
+        line of its own (``read_effect_log`` skips it) instead of swallowing
+        the next effect's line.
+        """
+        try:
+            with open(self._log, "rb") as handle:
+                handle.seek(-1, os.SEEK_END)
+                last = handle.read(1)
+        except (FileNotFoundError, OSError):
+            return
+        if last != b"\n":
+            _append_line(self._log, b"\n")
+
+    def _scope_dir(self, scope: str) -> Path:
+        directory = self._dir / scope
+        if not directory.is_dir():
+            directory.mkdir(exist_ok=True)
+            _fsync_dir(self._dir)
+        return directory
 
     def _record_path(self, key: str) -> Path:
-        return self._meta / f"op.{key}.json"
+        return self._meta / f"pub.{key}.json"
 
-    def _claim_path(self, name: str) -> Path:
-        return self._meta / f"name.{name}"
+    def _claim_path(self, scope: str, name: str) -> Path:
+        # Neither a scope nor a name holds "/": the pair is unambiguous.
+        return self._meta / f"claim.{hashlib.sha256(f'{scope}/{name}'.encode()).hexdigest()}"
 
-    def _read_record(self, key: str) -> _Record | None:
+    def _read_record(self, key: str, operation_key: str) -> _Record | None:
         try:
             data = self._record_path(key).read_bytes()
         except FileNotFoundError:
+            if (self._meta / f"op.{operation_key}.json").exists():
+                # Recorded by the layout before D12, by the bare operation key,
+                # whose scope it does not know: never guess what happened.
+                raise AdapterIndeterminate("operation recorded in the old layout") from None
             return None
         try:
             record = _RECORD_DECODER.decode(data)
         except msgspec.DecodeError:
             raise AdapterIndeterminate("unreadable operation record") from None
-        if record.format_version != _RECORD_FORMAT or record.operation_key != key:
+        if record.format_version != _RECORD_FORMAT or record.idempotency_key != key:
             raise AdapterIndeterminate("unreadable operation record")
         return record
 
+    def _published_record(self, key: str, operation_key: str) -> _Record | None:
+        """The record of a publication that happened (interrupted ones settled), or None."""
+        record = self._read_record(key, operation_key)
+        if record is not None and record.state == "publishing":
+            record = self._resolve_publishing(record)
+        if record is None or record.state == "refused":
+            return None
+        return record
+
     def _write_record(self, record: _Record) -> None:
-        _replace_file(self._record_path(record.operation_key), _RECORD_ENCODER.encode(record))
+        _replace_file(self._record_path(record.idempotency_key), _RECORD_ENCODER.encode(record))
 
     def _refuse(self, record: _Record, reason: str) -> Failed:
-        """Record that ``record``'s key will never publish, and answer so."""
+        """Record that ``record``'s operation will never publish, and answer so."""
         self._write_record(msgspec.structs.replace(record, state="refused", reason=reason))
         return Failed(reason)
 
-    def _claim_owner(self, name: str) -> str | None:
+    def _claim_owner(self, record: _Record) -> str | None:
         try:
-            return self._claim_path(name).read_text("ascii")
+            return self._claim_path(record.scope, record.name).read_text("ascii")
         except FileNotFoundError:
             return None
 
-    def _release_claim(self, name: str, key: str) -> None:
-        if self._claim_owner(name) != key:
+    def _release_claim(self, record: _Record) -> None:
+        if self._claim_owner(record) != record.idempotency_key:
             return
-        os.unlink(self._claim_path(name))
+        os.unlink(self._claim_path(record.scope, record.name))
         _fsync_dir(self._meta)
 
     def _is_published(self, record: _Record) -> bool:
-        return (
-            self._claim_owner(record.name) == record.operation_key
-            and _sha256_of(self._dir / record.name) == record.sha256
-        )
+        owned, present = self._file_of(record)
+        return owned and bool(present)
+
+    def _file_of(self, record: _Record) -> tuple[bool, bool | None]:
+        """(this operation holds the name's claim, its file is there): the second is
+        None when a file is there that is not the one published."""
+        if self._claim_owner(record) != record.idempotency_key:
+            return False, False
+        found = _sha256_of(self._dir / record.scope / record.name)
+        if found is None:
+            return True, False
+        return True, (True if found == record.sha256 else None)
 
     def _append_effect(
-        self, effect: str, key: str, compensation_key: str | None, name: str
+        self, effect: str, record: _Record, key: str | None, compensation_key: str | None
     ) -> None:
+        if not self._log_checked:
+            self._end_torn_line()
+            self._log_checked = True
         line = json.dumps(
             {
                 "effect": effect,
-                "operation_key": key,
+                "scope": record.scope,
+                "idempotency_key": key,
+                "operation_key": record.operation_key,
                 "compensation_key": compensation_key,
-                "name": name,
+                "name": record.name,
             },
             separators=(",", ":"),
         )
         _append_line(self._log, line.encode("utf-8") + b"\n")
 
-    def _logged(self, effect: str, key: str) -> bool:
-        return any(
-            entry.get("effect") == effect and entry.get("operation_key") == key
-            for entry in read_effect_log(self._log)
+    def _logged(self, effect: str, record: _Record, key: str | None) -> bool:
+        """Whether the line of ``record``'s effect in progress was written (one read)."""
+        entry = _line_at(self._log, record.log_offset)
+        return (
+            entry is not None
+            and entry.get("effect") == effect
+            and entry.get("idempotency_key") == key
         )
+
+
+def _operation_of(context: AdapterContext, operation_key: str) -> tuple[str, str, str]:
+    """(scope, the operation's idempotency key, operation key) for a compensation's
+    context: the original's record is named by the operation's key, not this call's."""
+    key = adapter_idempotency_key(context.scope, "operation", operation_key)
+    return context.scope, key, operation_key

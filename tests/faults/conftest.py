@@ -47,6 +47,7 @@ from typing import IO, Any, Final
 
 import pytest
 
+from octo_common.digest import adapter_idempotency_key
 from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
@@ -217,7 +218,8 @@ effect_log = "./effects.log"
 
     @property
     def published(self) -> Path:
-        return self.state_dir / "published"
+        """``files.publish``'s files of this run's scope (D12: a directory per scope)."""
+        return self.state_dir / "published" / self.scope
 
     @property
     def ledger_path(self) -> Path:
@@ -682,8 +684,9 @@ async def check_outcome(env: CrashEnv, outcome: Outcome, ledger: WorkflowOperati
 
 def _adapter_record(env: CrashEnv, key: str) -> str | None:
     """The files.publish adapter's own record state for ``key`` (diagnostics only)."""
+    name = f"pub.{adapter_idempotency_key(env.scope, 'operation', key)}.json"
     try:
-        document = json.loads((env.published / ".octo-publish" / f"op.{key}.json").read_bytes())
+        document = json.loads((env.state_dir / "published" / ".octo-publish" / name).read_bytes())
     except FileNotFoundError:
         return None
     return str(document.get("state"))

@@ -244,7 +244,13 @@ class WorkerEnv:
 
     @property
     def published(self) -> Path:
+        """``files.publish``'s ``target_dir``."""
         return self.state_dir / "published"
+
+    @property
+    def shelf(self) -> Path:
+        """Where ``files.publish`` puts this scope's files (D12: a directory per scope)."""
+        return self.published / self.scope
 
     @property
     def effect_log(self) -> Path:

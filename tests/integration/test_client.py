@@ -20,6 +20,7 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from octo_common.errors import (
+    AdapterUnsupported,
     CompensationRequiresSucceededOperation,
     DuplicateOperationKey,
     InvalidScopeKey,
@@ -134,6 +135,13 @@ class SlowUndo(FilesPublishAdapter):
         return await super().compensate_operation(request, grant, context)
 
 
+class SlowUndoWithoutLookup(SlowUndo):
+    """``SlowUndo`` with no compensation lookup (D11): the host can only send it again."""
+
+    async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
+        raise AdapterUnsupported("reconcile_compensation")
+
+
 def registry(adapter: FilesPublishAdapter) -> WorkerAdapterRegistry:
     found = WorkerAdapterRegistry()
     found.register(TOOL, adapter)
@@ -189,7 +197,7 @@ async def test_dispatch_succeeds_and_the_ledger_is_persisted(
     assert ledger.revision == 2 == run.revision
     assert "hello" not in ledger.to_json()  # fingerprints only
     assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
-    assert (worker_env.published / "notes.txt").read_text() == "hello"
+    assert (worker_env.shelf / "notes.txt").read_text() == "hello"
     assert client.published["dispatch_operation"] == 1
     assert client.published["reconcile_operation"] == 0
 
@@ -224,7 +232,7 @@ async def test_compensation_after_success_removes_the_file(
     )
 
     assert isinstance(state, Succeeded)
-    assert not (worker_env.published / "notes.txt").exists()
+    assert not (worker_env.shelf / "notes.txt").exists()
     assert len(read_effect_log(worker_env.effect_log)) == 2
     ledger = await stored_ledger(host_env)
     operation = ledger.operation(key)
@@ -807,7 +815,8 @@ async def test_host_killed_after_its_ledger_commit_recovers_by_dispatching_the_s
 async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
     workers: WorkerRunner, hosts: HostFactory, host_env: HostEnv, worker_env: WorkerEnv
 ) -> None:
-    adapter = SlowUndo(worker_env, delay=0.5)
+    # Without the lookup the adapter cannot settle it: recover sends it again.
+    adapter = SlowUndoWithoutLookup(worker_env, delay=0.5)
     await workers.start(adapters=registry(adapter))
     before = await hosts.start()
     plan, run, key = await recorded(before)
@@ -846,7 +855,7 @@ async def test_recover_resends_a_pending_compensation_under_a_fresh_approval(
     assert action.calls >= 2  # a fresh approval and the check before sealing
     assert adapter.compensations == 1
     assert len(read_effect_log(worker_env.effect_log)) == 2
-    assert not (worker_env.published / "notes.txt").exists()
+    assert not (worker_env.shelf / "notes.txt").exists()
     stored = (await stored_ledger(host_env)).operation(key)
     assert stored is not None and stored.compensation is not None
     assert stored.compensation.state == StateKind.SUCCEEDED

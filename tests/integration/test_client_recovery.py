@@ -274,7 +274,7 @@ async def test_recover_reports_a_refused_compensation_and_goes_on(
     assert summary.reconciled == [second]
     assert after.published["compensate_operation"] == 0
     assert effect_keys(worker_env) == [first, second]
-    assert (worker_env.published / "one.txt").exists()
+    assert (worker_env.shelf / "one.txt").exists()
 
 
 async def test_recover_closes_its_session_when_it_fails(

@@ -94,7 +94,7 @@ async def compensation_cut(
         session, run, target, WorkflowCompensationDispatch("c-cut", inverse)
     )
     assert state.kind == StateKind.PENDING
-    assert not (worker_env.published / "notes.txt").exists()  # the removal happened
+    assert not (worker_env.shelf / "notes.txt").exists()  # the removal happened
     await hosts.crash(client)
     return client, key, compensation_key
 
@@ -162,7 +162,7 @@ async def test_a_lost_compensation_result_is_looked_up_after_a_host_crash(
     assert summary.reconciled == [compensation_key]
     assert after.published["compensate_operation"] == 0
     assert adapter.compensations == 1 and removals(worker_env) == 1
-    assert not (worker_env.published / "notes.txt").exists()
+    assert not (worker_env.shelf / "notes.txt").exists()
 
 
 async def test_an_adapter_without_the_lookup_leaves_a_cut_compensation_for_an_operator(

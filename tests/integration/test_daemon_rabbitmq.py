@@ -189,7 +189,7 @@ async def test_tampered_frame_is_dead_lettered_and_the_original_still_works(
     assert isinstance(message, OperationResult)
     assert isinstance(message.result.status, Succeeded)
     assert len(read_effect_log(worker_env.effect_log)) == 1
-    assert (worker_env.published / "notes.txt").read_text() == "hello"
+    assert (worker_env.shelf / "notes.txt").read_text() == "hello"
 
 
 async def test_reflected_worker_frame_is_dead_lettered(

@@ -120,7 +120,9 @@ def test_keep_leaves_private_keys_journal_and_effect_log() -> None:
         assert (root / "host" / "ledger.sqlite3").is_file()
         effects = (root / "worker" / "effects.log").read_text().splitlines()
         assert [json.loads(line)["effect"] for line in effects] == ["publish", "remove"]
-        assert not (root / "worker" / "published" / "release-42.txt").exists()
+        published = root / "worker" / "published"
+        assert published.is_dir()
+        assert list(published.rglob("release-42.txt")) == []
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -21,9 +21,11 @@ from typing import Any
 import pytest
 
 import octo_worker.adapters_files as files_module
+from octo_common.digest import adapter_idempotency_key
 from octo_common.errors import AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.grants import CapabilityGrant
 from octo_common.messages import (
+    CompensationReconcileRequest,
     OperationCompensationBinding,
     OperationCompensationRequest,
     OperationDispatchRequest,
@@ -48,7 +50,12 @@ OTHER_KEY = "op-release-43"
 # Event-loop time the adapter may bound its work by; these calls never wait for it.
 FAR_DEADLINE = 1e12
 
-AdapterRequest = OperationDispatchRequest | OperationCompensationRequest | OperationReconcileRequest
+AdapterRequest = (
+    OperationDispatchRequest
+    | OperationCompensationRequest
+    | OperationReconcileRequest
+    | CompensationReconcileRequest
+)
 
 
 class Crash(BaseException):
@@ -98,16 +105,19 @@ def reconcile(key: str) -> OperationReconcileRequest:
     return OperationReconcileRequest(SESSION, f"reconcile-{key}", TOOL, key)
 
 
-def context_for(request: AdapterRequest, deadline: float = FAR_DEADLINE) -> AdapterContext:
-    """The context the worker passes with ``request`` (D12) in scope ``TENANT``."""
-    if isinstance(request, OperationCompensationRequest):
-        return AdapterContext.for_compensation(TENANT, SESSION, request.compensation_key, deadline)
-    return AdapterContext.for_operation(TENANT, SESSION, request.operation_key, deadline)
+def context_for(
+    request: AdapterRequest, deadline: float = FAR_DEADLINE, *, scope: str = TENANT
+) -> AdapterContext:
+    """The context the worker passes with ``request`` (D12) in ``scope``: a compensation
+    and its lookup are named by the compensation key, the others by the operation key."""
+    if isinstance(request, OperationCompensationRequest | CompensationReconcileRequest):
+        return AdapterContext.for_compensation(scope, SESSION, request.compensation_key, deadline)
+    return AdapterContext.for_operation(scope, SESSION, request.operation_key, deadline)
 
 
-def args_for(request: Any) -> tuple[Any, CapabilityGrant, AdapterContext]:
+def args_for(request: Any, *, scope: str = TENANT) -> tuple[Any, CapabilityGrant, AdapterContext]:
     """The three arguments of an adapter call for ``request``: request, grant, context."""
-    return request, GRANT, context_for(request)
+    return request, GRANT, context_for(request, scope=scope)
 
 
 def expected_success(name: str, content: str = "release notes v42\n") -> Succeeded:
@@ -119,7 +129,14 @@ def expected_success(name: str, content: str = "release notes v42\n") -> Succeed
     )
 
 
+def shelf(target: Path, scope: str = TENANT) -> Path:
+    """Where the adapter publishes the files of ``scope`` (D12: one directory per scope)."""
+    return target / scope
+
+
 def visible_files(directory: Path) -> list[str]:
+    if not directory.exists():
+        return []
     return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
 
 
@@ -159,11 +176,18 @@ async def test_publish_writes_the_file_and_logs_one_effect(
     )
 
     assert status == expected_success("notes.txt")
-    assert (target / "notes.txt").read_text() == "release notes v42\n"
-    assert visible_files(target) == ["notes.txt"]
+    assert (shelf(target) / "notes.txt").read_text() == "release notes v42\n"
+    assert visible_files(shelf(target)) == ["notes.txt"]
     assert leftovers(target) == []
     assert read_effect_log(log_path) == [
-        {"effect": "publish", "operation_key": KEY, "compensation_key": None, "name": "notes.txt"}
+        {
+            "effect": "publish",
+            "scope": TENANT,
+            "idempotency_key": operation_idempotency_key(KEY),
+            "operation_key": KEY,
+            "compensation_key": None,
+            "name": "notes.txt",
+        }
     ]
     assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
     assert b"release notes" not in log_path.read_bytes()  # never the content
@@ -174,13 +198,13 @@ async def test_a_repeated_dispatch_of_the_same_key_does_not_write_again(
 ) -> None:
     request = dispatch(KEY, publish_payload("notes.txt"))
     first = await adapter.dispatch_operation(*args_for(request))
-    inode = (target / "notes.txt").stat().st_ino
+    inode = (shelf(target) / "notes.txt").stat().st_ino
 
     second = await adapter.dispatch_operation(*args_for(request))
     after_restart = await restart(target, log_path).dispatch_operation(*args_for(request))
 
     assert first == second == after_restart == expected_success("notes.txt")
-    assert (target / "notes.txt").stat().st_ino == inode
+    assert (shelf(target) / "notes.txt").stat().st_ino == inode
     assert effects(log_path) == [("publish", KEY)]
 
 
@@ -194,7 +218,7 @@ async def test_the_same_key_with_other_input_is_refused(
     )
 
     assert isinstance(status, Failed)
-    assert (target / "notes.txt").read_text() == "release notes v42\n"
+    assert (shelf(target) / "notes.txt").read_text() == "release notes v42\n"
     assert effects(log_path) == [("publish", KEY)]
 
 
@@ -208,7 +232,7 @@ async def test_a_name_published_by_another_key_is_a_conflict(
     )
 
     assert conflict == Failed("target exists")
-    assert (target / "notes.txt").read_text() == "release notes v42\n"
+    assert (shelf(target) / "notes.txt").read_text() == "release notes v42\n"
     assert effects(log_path) == [("publish", KEY)]
     # The refusal is remembered: reconciliation answers exactly what dispatch answered.
     assert await adapter.reconcile_operation(*args_for(reconcile(OTHER_KEY))) == conflict
@@ -221,15 +245,15 @@ async def test_a_name_published_by_another_key_is_a_conflict(
 async def test_a_file_placed_by_someone_else_is_never_overwritten(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
-    target.mkdir()
-    (target / "notes.txt").write_text("operator's file")
+    shelf(target).mkdir(parents=True)
+    (shelf(target) / "notes.txt").write_text("operator's file")
 
     status = await adapter.dispatch_operation(
         *args_for(dispatch(KEY, publish_payload("notes.txt")))
     )
 
     assert status == Failed("target exists")
-    assert (target / "notes.txt").read_text() == "operator's file"
+    assert (shelf(target) / "notes.txt").read_text() == "operator's file"
     assert effects(log_path) == []
 
 
@@ -278,10 +302,12 @@ async def test_compensation_removes_exactly_the_published_file(
     status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert status == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))
-    assert visible_files(target) == ["keep.txt"]
+    assert visible_files(shelf(target)) == ["keep.txt"]
     assert leftovers(target) == []
     assert read_effect_log(log_path)[-1] == {
         "effect": "remove",
+        "scope": TENANT,
+        "idempotency_key": adapter_idempotency_key(TENANT, "compensation", "cmp-undo-1"),
         "operation_key": KEY,
         "compensation_key": "cmp-undo-1",
         "name": "notes.txt",
@@ -307,7 +333,7 @@ async def test_a_compensated_name_can_be_published_again_and_is_not_removed_twic
     await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert republished == expected_success("notes.txt", "v43")
-    assert (target / "notes.txt").read_text() == "v43"
+    assert (shelf(target) / "notes.txt").read_text() == "v43"
     assert effects(log_path) == [("publish", KEY), ("remove", KEY), ("publish", OTHER_KEY)]
 
 
@@ -315,7 +341,7 @@ async def test_a_file_already_gone_is_compensated_idempotently(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
     await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
-    (target / "notes.txt").unlink()  # removed by an operator
+    (shelf(target) / "notes.txt").unlink()  # removed by an operator
 
     status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
@@ -328,12 +354,12 @@ async def test_a_modified_published_file_is_not_removed(
     adapter: FilesPublishAdapter, target: Path, log_path: Path
 ) -> None:
     await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
-    (target / "notes.txt").write_text("edited by hand")
+    (shelf(target) / "notes.txt").write_text("edited by hand")
 
     status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
     assert status == Failed("published file was modified")
-    assert (target / "notes.txt").read_text() == "edited by hand"
+    assert (shelf(target) / "notes.txt").read_text() == "edited by hand"
     assert effects(log_path) == [("publish", KEY)]
 
 
@@ -371,7 +397,7 @@ async def test_the_inverse_payload_must_match_its_own_contract(
     with pytest.raises(AdapterInvalidJsonInput):
         await adapter.compensate_operation(*args_for(request_factory()))
 
-    assert visible_files(target) == ["keep.txt", "notes.txt"]
+    assert visible_files(shelf(target)) == ["keep.txt", "notes.txt"]
     assert effects(log_path) == [("publish", KEY), ("publish", OTHER_KEY)]
 
 
@@ -446,7 +472,7 @@ async def test_concurrent_dispatches_for_one_name_publish_once(
     assert len(winners) == 1
     assert statuses.count(Failed("target exists")) == len(keys) - 1
     assert len(effects(log_path)) == 1
-    assert (target / "race.txt").read_text() == effects(log_path)[0][1]
+    assert (shelf(target) / "race.txt").read_text() == effects(log_path)[0][1]
 
 
 # Crashes ------------------------------------------------------------------------------------
@@ -477,7 +503,7 @@ async def test_a_crash_before_the_file_appears_is_final_not_published(
     recovered = restart(target, log_path)
     try:
         assert leftovers(target) == []
-        assert visible_files(target) == []
+        assert visible_files(shelf(target)) == []
         assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
             "not published"
         )
@@ -486,7 +512,7 @@ async def test_a_crash_before_the_file_appears_is_final_not_published(
             *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
         assert again == Failed("not published")
-        assert visible_files(target) == []
+        assert visible_files(shelf(target)) == []
         # The name is free again for another key.
         other = await recovered.dispatch_operation(
             *args_for(dispatch(OTHER_KEY, publish_payload("notes.txt")))
@@ -509,7 +535,7 @@ async def test_a_crash_after_the_file_appeared_is_recovered_as_published(
 
     recovered = restart(target, log_path)
     try:
-        assert visible_files(target) == ["notes.txt"]
+        assert visible_files(shelf(target)) == ["notes.txt"]
         assert leftovers(target) == []
         assert effects(log_path) == []  # the crash hit before the log line
         assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == expected_success(
@@ -525,9 +551,23 @@ async def test_a_crash_after_the_file_appeared_is_recovered_as_published(
         recovered.close()
 
 
+def operation_idempotency_key(key: str, scope: str = TENANT) -> str:
+    return adapter_idempotency_key(scope, "operation", key)
+
+
+def record_path(target: Path, key: str, scope: str = TENANT) -> Path:
+    """The adapter's record of an operation: named by its idempotency key (D12)."""
+    return target / ".octo-publish" / f"pub.{operation_idempotency_key(key, scope)}.json"
+
+
 def record_state(target: Path, key: str) -> str:
-    document = json.loads((target / ".octo-publish" / f"op.{key}.json").read_bytes())
+    document = json.loads(record_path(target, key).read_bytes())
     return str(document["state"])
+
+
+def claim_path(target: Path, name: str, scope: str = TENANT) -> Path:
+    digest = hashlib.sha256(f"{scope}/{name}".encode()).hexdigest()
+    return target / ".octo-publish" / f"claim.{digest}"
 
 
 async def crash_between_link_and_log_line(
@@ -540,7 +580,7 @@ async def crash_between_link_and_log_line(
         await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
     monkeypatch.undo()
-    assert visible_files(target) == ["notes.txt"]
+    assert visible_files(shelf(target)) == ["notes.txt"]
     assert record_state(target, KEY) == "publishing"
     assert effects(log_path) == []
 
@@ -568,7 +608,7 @@ async def test_reconciliation_after_a_cut_between_link_and_log_line_writes_the_l
         )
         assert repeated == status
         assert effects(log_path) == [("publish", KEY)]
-        assert visible_files(target) == ["notes.txt"]
+        assert visible_files(shelf(target)) == ["notes.txt"]
         assert leftovers(target) == []
     finally:
         again.close()
@@ -611,7 +651,7 @@ async def test_reconciliation_after_a_cut_then_compensation_logs_each_effect_onc
         assert removed == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))
         assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == published
         assert effects(log_path) == [("publish", KEY), ("remove", KEY)]
-        assert visible_files(target) == []
+        assert visible_files(shelf(target)) == []
     finally:
         recovered.close()
 
@@ -634,7 +674,7 @@ async def test_reconciliation_after_a_cut_before_the_link_refuses_the_key_for_go
         )
         # Settled on disk: the record is final and the name's claim is released.
         assert record_state(target, KEY) == "refused"
-        assert not (target / ".octo-publish" / "name.notes.txt").exists()
+        assert not claim_path(target, "notes.txt").exists()
         assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
             "not published"
         )
@@ -643,7 +683,7 @@ async def test_reconciliation_after_a_cut_before_the_link_refuses_the_key_for_go
         )
         assert again == Failed("not published")
         assert effects(log_path) == []
-        assert visible_files(target) == []
+        assert visible_files(shelf(target)) == []
     finally:
         recovered.close()
 
@@ -661,7 +701,7 @@ async def test_a_crash_during_removal_is_finished_by_the_repeated_compensation(
 
     recovered = restart(target, log_path)
     try:
-        assert visible_files(target) == []
+        assert visible_files(shelf(target)) == []
         assert effects(log_path) == [("publish", KEY)]
         status = await recovered.compensate_operation(*args_for(undo(KEY, "notes.txt")))
         assert status == Succeeded(ToolPayload.json({"name": "notes.txt", "removed": True}))

@@ -191,7 +191,7 @@ async def test_dispatch_show_compensate_and_a_refused_second_compensation(
     assert result["ok"] is True and result["newly_recorded"] is True
     assert result["observed"]["state"] == "succeeded"
     assert result["ledger_state"] == "succeeded" and result["revision"] == 2
-    assert (worker_env.published / "notes.txt").read_text() == "secret-release-body"
+    assert (worker_env.shelf / "notes.txt").read_text() == "secret-release-body"
     assert "secret-release-body" not in dispatched.stdout + dispatched.stderr
 
     # The same command again: the same derived key, answered, no second effect.
@@ -232,7 +232,7 @@ async def test_dispatch_show_compensate_and_a_refused_second_compensation(
     document = compensated.json()
     assert document["compensation_key"].startswith("cmp-")
     assert document["compensation_state"] == "succeeded"
-    assert not (worker_env.published / "notes.txt").exists()
+    assert not (worker_env.shelf / "notes.txt").exists()
     assert len(read_effect_log(worker_env.effect_log)) == 2
 
     second = await cli.run(
@@ -281,7 +281,7 @@ async def test_the_action_rule_refuses_another_inverse_before_anything_is_record
     assert_one_line_error(refused, "compensation_action_denied")
     ledger = (await cli.run("ledger", "show", RUN, "--json")).json()
     assert ledger["operations"][0]["compensation"] is None
-    assert (worker_env.published / "notes.txt").exists()
+    assert (worker_env.shelf / "notes.txt").exists()
 
 
 # recovery and operator decisions ---------------------------------------------------------
@@ -452,7 +452,7 @@ async def _compensation_killed_before_it_was_sent(
     [operation] = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"]
     compensation: dict[str, Any] = operation["compensation"]
     assert operation["state"] == "succeeded" and compensation["state"] == "pending"
-    assert (worker_env.published / "notes.txt").exists()
+    assert (worker_env.shelf / "notes.txt").exists()
     return key, compensation
 
 
@@ -474,7 +474,7 @@ async def test_recover_finishes_a_compensation_killed_before_it_was_sent(
     summary = recovered.json()
     assert summary["compensations"] == {key: "succeeded"}
     assert summary["reconciled"] == [compensation["compensation_key"]]
-    assert not (worker_env.published / "notes.txt").exists()
+    assert not (worker_env.shelf / "notes.txt").exists()
     assert len(read_effect_log(worker_env.effect_log)) == 2
 
 
@@ -518,7 +518,7 @@ async def test_resolve_decides_a_stuck_compensation_by_its_cmp_key(
     assert_one_line_error(again, "compensation is already cancelled")
     assert len((await cli.run("audit", "show", RUN, "--json")).json()["entries"]) == 1
     assert [e["operation_key"] for e in read_effect_log(worker_env.effect_log)] == [key]
-    assert (worker_env.published / "notes.txt").exists()
+    assert (worker_env.shelf / "notes.txt").exists()
 
 
 async def test_recover_goes_on_past_a_compensation_whose_grant_was_revoked(
@@ -560,8 +560,8 @@ async def test_recover_goes_on_past_a_compensation_whose_grant_was_revoked(
     assert summary["unresolved"] == [cmp_key]
     assert summary["operations"][pending[0]] == "succeeded"  # the other key went on
     assert summary["compensations"] == {key: "pending"}
-    assert (worker_env.published / "notes.txt").exists()  # no inverse ran
-    assert (worker_env.published / "more.txt").exists()
+    assert (worker_env.shelf / "notes.txt").exists()  # no inverse ran
+    assert (worker_env.shelf / "more.txt").exists()
 
 
 async def test_a_configured_anchor_must_exist_and_init_anchor_creates_it(

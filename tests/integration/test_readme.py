@@ -46,7 +46,7 @@ async def test_the_readme_host_example_publishes_once(
 
     first = await publish_notes(URL, worker_env.scope, scope_key, ledger, ledger_key)
     assert first == StateKind.SUCCEEDED
-    assert (worker_env.published / "notes-1.2.3.txt").read_text() == "1.2.3"
+    assert (worker_env.shelf / "notes-1.2.3.txt").read_text() == "1.2.3"
     # Run again (a retried job): the same key, answered without a second effect.
     again = await publish_notes(URL, worker_env.scope, scope_key, ledger, ledger_key)
     assert again == StateKind.SUCCEEDED

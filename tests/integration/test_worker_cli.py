@@ -169,7 +169,8 @@ class WorkerFiles:
 
     @property
     def published(self) -> Path:
-        return self.root / "state" / "published"
+        """``files.publish``'s files of this scope (D12: a directory per scope)."""
+        return self.root / "state" / "published" / self.scope
 
     def write(self, text: str | None = None) -> Path:
         if text is None:
