@@ -236,11 +236,10 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.worker.shutdown_grace_seconds
         await self._drain()
-        # A reload under way records its poisoned sessions as poisoned (W§10.9
-        # step 4) and persists their refusal sequences: let it finish, within
-        # what is left of the grace period (at least a second), or a restart
-        # could reuse a sequence (W§10.11 rule 2). It waited for the same
-        # handlers as the drain, so it is usually done at once.
+        # A reload under way records as poisoned the sessions whose refusals
+        # could not do it themselves (W§10.9 step 4): let it finish, within
+        # what is left of the grace period (at least a second). It waited for
+        # the same handlers as the drain, so it is usually done at once.
         reloads = [s.reload for s in self._scopes.values() if s.reload and not s.reload.done()]
         if reloads:
             self._log.info("worker_waiting_for_reload", scopes=len(reloads))

@@ -141,10 +141,6 @@ class DeliveryPath:
 
         async def _reload_scope(self, scope: ServedScope) -> None: ...
 
-        async def _persist_refusal_sequence(
-            self, scope: ServedScope, session: WorkerSession
-        ) -> None: ...
-
         async def _release_outbox(
             self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
         ) -> None: ...
@@ -188,7 +184,7 @@ class DeliveryPath:
                 if handled is not None and (
                     after_handling(
                         handled.status,
-                        handled.session_id in scope.persisted_poisoned,
+                        handled.commit_failed,
                         last_handler=scope.handling.get(handled.session_id) == 1,
                     )
                     is AfterHandling.LET_GO
@@ -348,11 +344,8 @@ class DeliveryPath:
         session = delivery.session
         if session is None:
             return
-        stored_poisoned = session.session_id in scope.persisted_poisoned
-        rule = after_handling(session.status, stored_poisoned, last_handler=False)
-        if rule is AfterHandling.PERSIST_SEQUENCE:
-            await self._persist_refusal_sequence(scope, session)
-        elif rule is AfterHandling.RELOAD:
+        rule = after_handling(session.status, session.commit_failed, last_handler=False)
+        if rule is AfterHandling.RELOAD:
             self.hooks.on_poisoned(scope.name, session.session_id)
             if not scope.reloading:
                 scope.reloading = True

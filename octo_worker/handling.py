@@ -118,6 +118,9 @@ class Handling:
     kind: str = ""
     keyed: KeyedKind | None = None
     adapter_ran: bool = False
+    # A refusal of this handling in a poisoned session was committed (or its
+    # commit failed): never a second one.
+    refused_poisoned: bool = False
     settled: bool = False
     acked: bool = False
     # The last commit in flight when this handling began: an ack or a
@@ -204,8 +207,7 @@ class Reply:
 
     frame: bytes = field(repr=False)
     correlation_id: str | None
-    # The message id of the frame's outbox row; None for best-effort refusals
-    # (nothing committed).
+    # The message id of the frame's outbox row (every reply is committed first).
     outbox_id: str | None = None
     # A request_rejected; what the reply says of the request's operation key
     # (True: pending or running, False: terminal, None: nothing).

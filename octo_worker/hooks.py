@@ -58,7 +58,7 @@ class WorkerHooks:
         """The store refused or failed a commit with ``error``."""
 
     def before_reply(self, scope: str, kind: str) -> None:
-        """A reply is committed to the outbox (or sealed best-effort); not yet published."""
+        """A reply is committed to the outbox; not yet published."""
 
     def after_reply(
         self,

@@ -4,11 +4,10 @@ Owns :class:`ServedScope` (one scope's fence, sessions in memory, closed
 session ids, handlers under way, consumer) and :class:`ScopeLifecycle`, the
 part of ``WorkerDaemon`` that loads a scope under a freshly reserved fence
 and restores its live sessions, republishes its outbox and releases the rows
-the broker confirmed, reloads it after a poisoning (pause, drain, new fence,
-reload, mark poisoned, resume; W§10.9 steps 3–5), persists the sequence of a
-poisoned session's refusals (W§10.11 rule 2), lets closed sessions go, and
-gives the scope up when another worker's fence refused a commit (W§11.3: it
-never takes the fence back).
+the broker confirmed, reloads it after a failed commit (pause, drain, new
+fence, reload, mark poisoned, resume; W§10.9 steps 3–5), lets closed
+sessions go, and gives the scope up when another worker's fence refused a
+commit (W§11.3: it never takes the fence back).
 
 What the status of a session makes the daemon do is decided by
 :mod:`octo_worker.session_rules`. It must never decide what a frame gets,
@@ -75,9 +74,6 @@ class ServedScope:
     # Deliveries being handled, per session id (a closed session is let go of
     # by the last one, so no reply of it is committed after that).
     handling: dict[str, int] = field(default_factory=dict)
-    persisted_poisoned: set[str] = field(default_factory=set)
-    # Of those, the highest refusal sequence persisted as sealed (W§10.11 rule 2).
-    poisoned_sealed: dict[str, int] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Handlers past the pause gate: a reload waits for these only.
     active: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -178,8 +174,6 @@ class ScopeLifecycle:
                 hooks=self.hooks,
             )
             sessions[session_id] = session
-            if session.status == "poisoned":
-                scope.persisted_poisoned.add(session_id)
         if closed:
             # Closed before the store marked closed sessions: mark them now,
             # so the next start does not read them again.
@@ -279,14 +273,15 @@ class ScopeLifecycle:
         abandoned session never makes one, nor does a closed one: without this
         its last replies would be republished at every start and reconnect, for
         ever. Run only where the scope's lease cannot change underneath (a
-        registered handler, or the reload itself). A session poisoned in memory
-        commits nothing (W§10.9); one stored as poisoned may.
+        registered handler, or the reload itself). Not for a session whose
+        commit failed: its scope is being reloaded, and the reload releases
+        the rows of the session it restores.
         """
         store = self.store
         for session in sessions:
             if scope.superseded or scope.sessions.get(session.session_id) is not session:
                 continue  # a reloaded scope has its own copy of the session
-            if session.status == "poisoned" and session.session_id not in scope.persisted_poisoned:
+            if session.commit_failed:
                 continue
             try:
                 released = await session.release_confirmed(store)
@@ -367,43 +362,6 @@ class ScopeLifecycle:
             )
         return "unknown_session"
 
-    async def _persist_refusal_sequence(self, scope: ServedScope, session: WorkerSession) -> None:
-        """A stored-poisoned session sealed a ``session_poisoned`` refusal: persist
-        ``next_outgoing`` past it, so no later refusal (after a restart or a
-        reload, which load the session from the store) reuses its sequence
-        number for other bytes (W§10.11 rule 2); the host would drop that one
-        as a duplicate and wait for its timeout."""
-        high = session.best_effort_sequence_high
-        if high <= scope.poisoned_sealed.get(session.session_id, 0):
-            return
-        scope.poisoned_sealed[session.session_id] = high
-        # A commit like a handler's: a reload waits for it before it takes a
-        # new fence (its handler has already left ``scope.active``; nothing
-        # awaited since).
-        current = asyncio.current_task()
-        if current is not None:
-            scope.active.add(current)
-        try:
-            await session.persist_poisoned(self.store, sealed_through=high)
-        except Exception as exc:
-            scope.poisoned_sealed.pop(session.session_id, None)
-            code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
-            self._log.warning(
-                "poisoned_sequence_persist_failed",
-                scope=scope.name,
-                session=session.session_id,
-                error=code,
-            )
-            # The store refused it (and may hold it all the same): reload the
-            # scope, whose first commit under a fresh fence persists the sequence
-            # (W§10.11 rule 2), rather than retry on the next frame.
-            if not scope.reloading and not self._stopping.is_set():
-                scope.reloading = True
-                scope.reload = self._spawn(self._reload_scope(scope))
-        finally:
-            if current is not None:
-                scope.active.discard(current)
-
     async def _give_up_scope(self, scope: ServedScope) -> None:
         if scope.superseded:
             return
@@ -432,30 +390,24 @@ class ScopeLifecycle:
             if scope.superseded or self._superseded(scope):
                 await self._give_up_scope(scope)
                 return
-            # Poisoned in memory, and stored poisoned with a refusal sealed
-            # since: both get next_outgoing persisted past what they sealed.
-            poisoned = {
-                sid: session.best_effort_sequence_high
+            # Sessions poisoned in memory by a failed commit. Their refusals
+            # were committed before they were published (W§10.11 rule 2), which
+            # recorded most of them poisoned already; the others (a refusal's
+            # own commit failed, or there was none to send) are recorded so now.
+            poisoned = sorted(
+                sid
                 for sid, session in scope.sessions.items()
-                if session.status == "poisoned"
-                and (
-                    sid not in scope.persisted_poisoned
-                    or session.best_effort_sequence_high > scope.poisoned_sealed.get(sid, 0)
-                )
-            }
-            scope.persisted_poisoned = set()
-            scope.poisoned_sealed = {}
+                if session.status == "poisoned" and session.commit_failed
+            )
             # The gate stays shut until every poisoned session is marked
             # poisoned again (the finally opens it): a frame for one of them
             # must not meet the reloaded session while it still reads "open".
             await self._load_scope(scope, open_gate=False)
-            for session_id, sealed in poisoned.items():
+            for session_id in poisoned:
                 restored = scope.sessions.get(session_id)
-                if restored is None:
-                    continue
-                await restored.persist_poisoned(self.store, sealed_through=sealed)
-                scope.persisted_poisoned.add(session_id)
-            self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
+                if restored is not None:
+                    await restored.persist_poisoned(self.store)
+            self._log.warning("scope_reloaded", scope=scope.name, poisoned=poisoned)
             if self._connected.is_set():
                 await self._release_outbox(scope, await self._republish_outbox(scope))
                 if self._superseded(scope):

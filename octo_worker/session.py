@@ -24,8 +24,11 @@ adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
   handlings of one session share transactions (each still waits for its own
   durability before it acks, runs an adapter or publishes);
 * a failed commit poisons the session: its memory goes back to the last
-  durable point and a refusal is published best-effort (W§10.9 steps 1–2;
-  the daemon runs steps 3–5).
+  durable point, and the refusal W§10.9 step 2 asks for is committed (the
+  status ``poisoned`` and the refusal's sequence with it) before it is
+  published, so no sequence is ever published that a session restored
+  after a crash could seal again (W§10.11 rule 2); the daemon runs steps
+  3–5.
 
 The decisions per frame live in :mod:`octo_worker.session_answers` (this
 class's base), the commit pipeline in :mod:`octo_worker.session_commits`,
@@ -34,10 +37,9 @@ sessions (``open``, ``restore``) and drives one handling: key lock, load,
 decisions under the session lock, the adapter call outside it, the reply.
 
 It persists through the store and publishes through the delivery;
-it must never send anything that was not committed first (except the
-best-effort refusals of a poisoned session), never run an adapter twice for
-one admission, never put keys, payloads, failure messages or adapter text in
-a document, a log line or a refusal.
+it must never send anything that was not committed first, never run an
+adapter twice for one admission, never put keys, payloads, failure messages
+or adapter text in a document, a log line or a refusal.
 """
 
 from __future__ import annotations
@@ -149,7 +151,6 @@ class WorkerSession(SessionAnswers):
         self._limits = limits
         self._hooks = hooks
         self._lock = asyncio.Lock()
-        self._best_effort_high = 0
         self._log = _log.bind(scope=scope, session=session_id)
         self._commits = SessionCommits(
             durable_point=self._durable_point,
@@ -328,13 +329,10 @@ class WorkerSession(SessionAnswers):
         return self._commits.highest_revision
 
     @property
-    def best_effort_sequence_high(self) -> int:
-        """Highest outbound sequence sealed without a commit (0 when none).
-
-        The daemon's first commit under a new fence persists ``next_outgoing``
-        past it (W§10.11 rule 2): see :meth:`persist_poisoned`.
-        """
-        return self._best_effort_high
+    def commit_failed(self) -> bool:
+        """Whether a commit of this session failed since it was opened or restored:
+        its scope is reloaded under a fresh fence (W§10.9 steps 3–5)."""
+        return self._commits.failures > 0
 
     def calls_for(self, tool: str) -> int:
         return self._authorizer.calls_for(tool)
@@ -371,19 +369,18 @@ class WorkerSession(SessionAnswers):
         """
         return await self._commits.release_confirmed(store)
 
-    async def persist_poisoned(self, store: WorkerSessionStore, *, sealed_through: int = 0) -> int:
-        """Record this (restored) session as ``poisoned`` (W§10.9 step 4, §10.11 rule 2).
+    async def persist_poisoned(self, store: WorkerSessionStore) -> int:
+        """Record this (restored) session as ``poisoned`` (W§10.9 step 4).
 
-        ``sealed_through`` is the replaced session's
-        :attr:`best_effort_sequence_high`; ``next_outgoing`` is persisted past
-        it. One session-only commit; its error propagates to the daemon.
+        One session-only commit, unless the store holds it ``poisoned`` (its
+        refusals committed that already) or ``closed`` (a close committed
+        first: it stays closed and answers nothing more). Every sequence it
+        ever published is durable already (W§10.11 rule 2), so nothing is
+        reserved. Its error propagates to the daemon.
         """
         async with self._lock:
-            if self._status == CLOSED:
-                # Closed meanwhile (a close_session committed first): it stays
-                # closed, and answers nothing more.
+            if self._status in (CLOSED, POISONED):
                 return self._commits.highest_revision
-            self._authenticator.reserve_outgoing(sealed_through + 1)
             self._status = POISONED
             try:
                 return await self._commits.commit_locked(store)
@@ -448,9 +445,9 @@ class WorkerSession(SessionAnswers):
                 await self._commits.wait_turn_locked(run.store)
                 if self._status == POISONED:
                     # Another handling's commit failed while this adapter ran: the
-                    # session commits nothing more for requests (W§10.9); the host
+                    # session records nothing more for requests (W§10.9); the host
                     # reconciles in a new session.
-                    step = self._refuse_best_effort(run, SessionPoisoned())
+                    step = await self._refuse_poisoned_locked(run, SessionPoisoned())
                 else:
                     step = await step.after(result, error)
         await self._finish(step, run)

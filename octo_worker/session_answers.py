@@ -13,17 +13,25 @@ followed by more decisions), after the commits W§10.6 prescribes:
   it with the session state, reply;
 * respond(message, changes): seal, commit the journal changes, the state and
   the outbox row, reply;
-* a failed commit: the session is already poisoned in memory; a refusal is
-  sealed best-effort, without a commit (W§10.9 step 2).
+* a failed commit: the session is already poisoned in memory; once no
+  commit of it is in flight, the refusal with the failure's code (W§10.9
+  step 2) is committed like any refusal, with the session state recording
+  both its sequence and the status ``poisoned``, and only then published; a
+  poisoned session's later refusals (``session_poisoned``) are committed
+  the same way. A sequence published but never made durable would be
+  sealed again, for other bytes, by the session restored after a crash
+  (W§10.11 rule 2), so when that commit fails too nothing is published: the
+  delivery goes back to the broker, or, acked already, the host's timeout
+  leads it to reconcile.
 
 It must never run an adapter itself (the driver does, outside the lock),
-never publish anything not committed first (except best-effort refusals of
-a poisoned session), and never put keys, payloads, failure messages or
-adapter text in a refusal or a log line.
+never publish anything not committed first, and never put keys, payloads,
+failure messages or adapter text in a refusal or a log line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,7 +148,6 @@ class SessionAnswers:
     _adapters: WorkerAdapterRegistry
     _limits: WorkerSessionLimits
     _commits: SessionCommits
-    _best_effort_high: int
 
     # -- routing (W§10.5) -------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class SessionAnswers:
             return await self._close_locked(run)
         if action is Answer.REFUSE_POISONED:
             self._name_any_request(message, run)
-            return self._refuse_best_effort(run, SessionPoisoned())
+            return await self._refuse_poisoned_locked(run, SessionPoisoned())
         if action is Answer.REFUSE_UNSUPPORTED:
             assert isinstance(message, Cancel)
             run.name_request("cancel", message.request.cancellation_id)
@@ -237,7 +244,7 @@ class SessionAnswers:
         try:
             await self._commits.commit_locked(run.store)
         except CommitFailed as failed:
-            return self._poisoned_answer_locked(run, failed.error)
+            return await self._poisoned_answer_locked(run, failed.error)
         grant = auth.grant
 
         async def after(result: Any, error: BaseException | None) -> FinalStep:
@@ -310,7 +317,7 @@ class SessionAnswers:
         try:
             revision = await self._commits.commit_locked(run.store, journal=journal.changeset())
         except CommitFailed as failed:
-            return self._poisoned_answer_locked(run, failed.error)
+            return await self._poisoned_answer_locked(run, failed.error)
         journal.rebase(revision)
         run.log.info(kind.admitted_event, revision=revision)
 
@@ -448,7 +455,7 @@ class SessionAnswers:
         try:
             await self._commits.commit_locked(run.store)
         except CommitFailed as failed:
-            return self._poisoned_answer_locked(run, failed.error)
+            return await self._poisoned_answer_locked(run, failed.error)
         run.log.info("session_closed", previous=previous)
         return Ack()
 
@@ -457,7 +464,7 @@ class SessionAnswers:
         try:
             await self._commits.commit_locked(run.store)
         except CommitFailed as failed:
-            return self._poisoned_answer_locked(run, failed.error)
+            return await self._poisoned_answer_locked(run, failed.error)
         run.log.info("frame_dead_lettered", code=error.code)
         return DeadLetter(error.code)
 
@@ -474,7 +481,7 @@ class SessionAnswers:
             try:
                 await self._commits.commit_locked(run.store)
             except CommitFailed as failed:
-                return self._poisoned_answer_locked(run, failed.error)
+                return await self._poisoned_answer_locked(run, failed.error)
             return Ack()
         return await self._commit_reply_locked(
             run, frame, None, refused=True, unresolved=_refusal_unresolved(error.code)
@@ -517,7 +524,7 @@ class SessionAnswers:
         try:
             await self._commits.commit_locked(run.store, journal=changes, outbox=entry)
         except CommitFailed as failed:
-            return self._poisoned_answer_locked(run, failed.error)
+            return await self._poisoned_answer_locked(run, failed.error)
         return Reply(frame, run.request_id, entry.message_id, refused, unresolved)
 
     def _rejection(self, run: Handling, error: OctoError) -> RequestRejected:
@@ -530,47 +537,40 @@ class SessionAnswers:
             run.compensation_key,
         )
 
-    # -- poisoned sessions (W§10.9, W§10.11 rules 3-4) --------------------------------
+    # -- poisoned sessions (W§10.9, W§10.11 rules 2-4) --------------------------------
 
-    def _refuse_best_effort(self, run: Handling, error: OctoError) -> FinalStep:
-        """W§10.11 rule 3: refuse in a poisoned session, sealed and published without a commit."""
-        if self._commits.superseded:
-            return Requeue()  # see _poisoned_answer_locked
-        frame = self._seal_best_effort(run, error)
-        if frame is None:
-            # Nothing to publish: there is no answer to wait for, so drop the frame.
-            return Ack()
-        return Reply(frame, run.request_id, None, True, _refusal_unresolved(error.code))
+    async def _poisoned_answer_locked(self, run: Handling, failure: OctoError) -> FinalStep:
+        """W§10.9 step 2: refuse with the failure's code, once that refusal is durable.
 
-    def _poisoned_answer_locked(self, run: Handling, failure: OctoError) -> FinalStep:
-        """W§10.9 step 2: a best-effort refusal with the failure's code, no commit.
-
-        Not once superseded (a fence rejection, W§11.3: fail closed): the new
-        owner restores the session from the store and seals from the stored
-        outbound sequence, so a refusal sealed here would share its sequence
-        number with the new owner's next frame, and the host would drop that
-        frame as a duplicate. The delivery goes back to the broker unacked
-        (the new owner answers it), or, acked already, gets no answer: the
+        Nothing is published if the refusal's own commit failed (the refusal
+        being committed here is this handling's), nor once superseded (a fence
+        rejection, W§11.3: fail closed): the new owner restores the session
+        from the store and seals from the stored outbound sequence. The
+        delivery goes back to the broker unacked (it is answered after the
+        reload, or by the new owner), or, acked already, gets no answer: the
         host times out and reconciles.
         """
-        if run.request_id is None or self._commits.superseded:
+        if run.request_id is None or self._commits.superseded or run.refused_poisoned:
             return Requeue()
-        error = _poison_refusal(run, failure)
-        frame = self._seal_best_effort(run, error)
-        if frame is None:
-            return Requeue()
-        return Reply(frame, run.request_id, None, True, _refusal_unresolved(error.code))
+        return await self._refuse_poisoned_locked(run, _poison_refusal(run, failure))
 
-    def _seal_best_effort(self, run: Handling, error: OctoError) -> bytes | None:
-        try:
-            frame = self._authenticator.seal(self._rejection(run, error))
-        except OctoError as exc:
-            run.log.warning("refusal_seal_failed", code=exc.code)
-            return None
-        sequence = self._authenticator.export_state().next_outgoing - 1
-        self._best_effort_high = max(self._best_effort_high, sequence)
-        run.log.info("request_refused_best_effort", code=error.code, sequence=sequence)
-        return frame
+    async def _refuse_poisoned_locked(self, run: Handling, error: OctoError) -> FinalStep:
+        """refuse(error) in a poisoned session: committed like any refusal, then published.
+
+        Issue 15 over W§10.11 rule 3 ("without committing"): the commit is what
+        makes the refusal's sequence durable before it is published (rule 2),
+        so a session restored after a crash at any point never seals that
+        number again. While commits built on a failed one are still in flight
+        (they fail with it) it waits, holding the lock so that nothing more is
+        built on the failure; then it commits the state as it stands, status
+        ``poisoned``, with the refusal in the outbox.
+        """
+        if self._commits.superseded:
+            return Requeue()  # see _poisoned_answer_locked
+        run.refused_poisoned = True
+        if self._commits.broken and await self._commits.drain_locked():
+            raise asyncio.CancelledError()
+        return await self._refuse_locked(run, error)
 
     def _journal_or_none(self, run: Handling) -> WorkerOperationJournal | None:
         if run.load_error is not None or run.records is None:

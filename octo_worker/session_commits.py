@@ -145,6 +145,11 @@ class SessionCommits:
         if message_id not in self.confirmed:
             self.confirmed.append(message_id)
 
+    @property
+    def broken(self) -> bool:
+        """A commit failed and commits built on it are still in flight (they fail too)."""
+        return self._broken is not None
+
     def last_in_flight(self) -> asyncio.Future[int | OctoError] | None:
         return self._in_flight[-1].settled if self._in_flight else None
 

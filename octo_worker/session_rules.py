@@ -11,8 +11,8 @@ decides lives here, as pure functions over small tables:
   ``open()`` accepted it; a ``closed`` session opens nothing
   (:data:`CLOSED_REASON`, W§10.11 rule 9);
 * :func:`after_handling`: what the daemon does once a delivery of a session
-  is handled: reload the scope, persist a refusal sequence, let a closed
-  session go (W§10.9 steps 3–5, W§10.11 rule 2, W§11.4).
+  is handled: reload the scope after a failed commit, let a closed session
+  go (W§10.9 steps 3–5, W§11.4).
 
 Everything that affects these decisions is here and nowhere else; the
 session and the daemon only carry them out. No I/O, no state.
@@ -171,19 +171,16 @@ class AfterHandling(enum.Enum):
     """What the daemon does once a delivery of a session is handled."""
 
     NOTHING = "nothing"
-    RELOAD = "reload"  # newly poisoned: pause, drain, fence, reload the scope
-    PERSIST_SEQUENCE = "persist_sequence"  # stored poisoned: persist a refusal's sequence
+    RELOAD = "reload"  # a commit failed: pause, drain, fence, reload the scope
     LET_GO = "let_go"  # closed, last handler: release its outbox rows, hold it by id
 
 
-def after_handling(
-    status: SessionStatus, stored_poisoned: bool, last_handler: bool
-) -> AfterHandling:
-    """``stored_poisoned``: the store already holds the session as poisoned (a
-    reload marked it). ``last_handler``: no other delivery of the session is
-    being handled."""
-    if status == POISONED:
-        return AfterHandling.PERSIST_SEQUENCE if stored_poisoned else AfterHandling.RELOAD
-    if status == CLOSED and last_handler:
-        return AfterHandling.LET_GO
+def after_handling(status: SessionStatus, commit_failed: bool, last_handler: bool) -> AfterHandling:
+    """``commit_failed``: a commit of this session failed since it was loaded
+    (a session restored as ``poisoned`` has none). ``last_handler``: no other
+    delivery of the session is being handled."""
+    if status == CLOSED:
+        return AfterHandling.LET_GO if last_handler else AfterHandling.NOTHING
+    if status == POISONED and commit_failed:
+        return AfterHandling.RELOAD
     return AfterHandling.NOTHING

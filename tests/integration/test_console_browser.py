@@ -30,6 +30,7 @@ import os
 import re
 import sqlite3
 import subprocess
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,12 +117,26 @@ def _wait_status(files: WorkerFiles, session_id: str, status: str) -> None:
     assert reached, f"session never reached {status!r} in the journal"
 
 
+def _commit_failures(files: WorkerFiles) -> float:
+    """``octo_journal_commit_failures_total`` summed over codes, from the daemon's endpoint."""
+    assert files.metrics_listen is not None
+    with urllib.request.urlopen(f"http://{files.metrics_listen}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("octo_journal_commit_failures_total{")
+    )
+
+
 async def _poison(url: str, files: WorkerFiles) -> str:
     """Open a session, then dispatch while another process holds the journal locked.
 
-    The daemon's admission commit waits out SQLite's busy timeout and fails;
-    the host gets ``journal_persistence_failed``; the daemon reloads the scope
-    and records the session as poisoned. The lock is released on the refusal.
+    The daemon's admission commit waits out SQLite's busy timeout and fails.
+    The lock is released once the daemon's metrics count that failure: the
+    refusal, committed before it is published (W§10.11 rule 2), then lands,
+    and the host gets ``journal_persistence_failed``; the daemon reloads the
+    scope and the session stays recorded as poisoned.
     """
     peer = HostPeer(url, SCOPE, files.scope_key)
     connection = await aio_pika.connect(url, timeout=5)
@@ -145,14 +160,16 @@ async def _poison(url: str, files: WorkerFiles) -> str:
                 peer.session_id, "poison-1", PUBLISH, f"op-{uuid.uuid4().hex}", payload
             )
             await peer.publish(channel, peer.host.seal(DispatchOperation(request)), "poison-1")
-            async with asyncio.timeout(20), replies.iterator() as messages:
-                async for message in messages:
-                    await message.ack()
-                    answer = peer.host.open(message.body)
-                    break
+            failed = await asyncio.to_thread(wait_until, lambda: _commit_failures(files), 20.0)
+            assert failed, "the daemon's commit never failed"
         finally:
             lock.execute("ROLLBACK")
             lock.close()
+        async with asyncio.timeout(20), replies.iterator() as messages:
+            async for message in messages:
+                await message.ack()
+                answer = peer.host.open(message.body)
+                break
         assert isinstance(answer, RequestRejected), answer
         assert answer.code == "journal_persistence_failed", answer.code
     finally:

@@ -1,8 +1,9 @@
 """The daemon's side of poisoning (W§10.9 steps 3-5) with a fault at the store the sessions use.
 
-A commit that fails poisons its session: the host gets a best-effort refusal,
-the daemon pauses the scope, reloads it under a freshly reserved fence, records
-the session as ``poisoned`` and resumes. The adapter never runs for the failed
+A commit that fails poisons its session: the host gets a refusal, committed
+(its sequence and the status ``poisoned``) before it is published, the daemon
+pauses the scope, reloads it under a freshly reserved fence, records the
+session as ``poisoned`` if its refusal could not, and resumes. The adapter never runs for the failed
 admission; a new session then dispatches the same key and the effect happens
 exactly once.
 """
@@ -142,9 +143,11 @@ async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
     async def observed(*args: Any) -> int:
         nonlocal calls
         calls += 1
-        if calls == 1:
+        if calls <= 2:
+            # The admission, then the refusal's own commit: nothing is
+            # published, the frame goes back to the broker.
             raise StorageBackendError("injected")
-        if calls == 2:
+        if calls == 3:
             # The reload's first commit marks the session poisoned: the scope's
             # gate must still be shut, so no queued frame runs against the
             # reloaded session while it still reads "open".
@@ -153,7 +156,8 @@ async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
 
     store.commit = observed  # type: ignore[method-assign]
     refused = await _ask(raw_host, session, "d-1", "op-gated-1")
-    assert isinstance(refused, RequestRejected)
+    # Answered once the reload recorded the session poisoned (the frame again).
+    assert isinstance(refused, RequestRejected) and refused.code == "session_poisoned"
     await wait_session(daemon, scope, session.session_id, status="poisoned")
     await _eventually(lambda: _consuming(daemon, scope))
     assert gate_open_at_marking == [False]
@@ -212,11 +216,11 @@ async def _fenced_above(daemon: WorkerDaemon, scope: str, fence: int) -> bool:
 async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_session(
     workers: Any, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
-    """A stored-poisoned session's refusal is followed by a commit that persists
-    its sequence (W§10.11 rule 2). A reload starting meanwhile (another session
-    poisons) must wait for it: with a new fence under it, the commit failed, the
-    daemon took its own fence for another worker's and stopped serving the
-    scope, and the sequence was reused after a restart."""
+    """A stored-poisoned session's refusal is committed (its sequence with it,
+    W§10.11 rule 2) before it is published. A reload starting meanwhile
+    (another session poisons) must wait for that commit: with a new fence
+    under it, the commit would fail, and a commit refused by the daemon's own
+    newer fence must never be taken for another worker's."""
     scope = worker_env.scope
     daemon = await workers.start()
     x1, x2, y = [await _opened(daemon, raw_host, scope) for _ in range(3)]
@@ -284,17 +288,21 @@ async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
     commit = boundary.commit
     failed: list[bool] = []
 
-    async def fail_then_slow_persist(scope_name: str, lease: Any, changes: Any) -> int:
-        if not failed:
-            failed.append(True)
-            raise StorageBackendError("injected")  # poisons the session: a reload
+    async def fail_twice_then_slow_poisoned(scope_name: str, lease: Any, changes: Any) -> int:
+        if len(failed) < 2:
+            failed.append(True)  # the admission, then its refusal: nothing published
+            raise StorageBackendError("injected")
         if any(b'"status":"poisoned"' in d.state for d in changes.sessions.values()):
-            await asyncio.sleep(0.5)  # the reload's W§10.9 step 4, slow
+            await asyncio.sleep(0.5)  # recording it poisoned (W§10.9 step 4), slow
         return await commit(scope_name, lease, changes)
 
-    boundary.commit = fail_then_slow_persist  # type: ignore[method-assign]
-    refused = await _ask(raw_host, session, unique("d"), unique("op"))
-    assert isinstance(refused, RequestRejected) and refused.code == "journal_persistence_failed"
+    boundary.commit = fail_twice_then_slow_poisoned  # type: ignore[method-assign]
+    request_id = unique("d")
+    await raw_host.publish(
+        _dispatch(session, request_id, unique("op")),
+        headers=raw_host.headers(session, unique("m")),
+        correlation_id=request_id,
+    )
     await _eventually(lambda: _reloading(daemon, scope))
 
     await workers.stop(daemon)  # SIGTERM while the reload runs
@@ -302,7 +310,11 @@ async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
     restarted = await workers.start()
     stored = await restarted.store.load_sessions(scope)
     assert stored[session.session_id].status == "poisoned"
-    # Its refusal sequence was persisted too: the next refusal is a new frame.
+    # The frame is answered (by the session recorded poisoned), and the next
+    # refusal is a new frame: no sequence was published and then lost.
+    reply = await raw_host.replies.wait_for(lambda m: m.correlation_id == request_id)
+    refused = session.auth.open(reply.body)
+    assert isinstance(refused, RequestRejected) and refused.code == "session_poisoned"
     again = await _ask(raw_host, session, unique("d"), unique("op"))
     assert isinstance(again, RequestRejected) and again.code == "session_poisoned"
 

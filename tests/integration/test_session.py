@@ -1119,7 +1119,11 @@ async def test_example_15_admission_commit_fails(world: World) -> None:
     assert world.effects() == []
     assert world.session.status == "poisoned"
     assert world.session.calls_for(PUBLISH) == 0  # memory back at the durable point
-    assert world.session.best_effort_sequence_high >= 1
+    # The refusal was committed before its publish (W§10.11 rule 2): its
+    # sequence and the status poisoned are durable, no journal change with it.
+    refusal = world.store.commits[-1]
+    assert refusal.journal is None and len(refusal.outbox_insert) == 1
+    assert (await world.real_store.load_sessions(SCOPE))[SESSION].status == "poisoned"
 
 
 async def test_example_16_observation_commit_fails(world: World) -> None:
@@ -1138,16 +1142,37 @@ async def test_example_16_observation_commit_fails(world: World) -> None:
     assert rejection_code(world.answer(later)) == "session_poisoned"
     duplicate = await world.deliver(world.host.seal(world.reconcile("op-g")))
     assert rejection_code(world.answer(duplicate)) == "session_poisoned"
-    assert commits_since(world, start) == []  # refused without committing
+    # Each refusal is committed before its publish, and nothing else is: no
+    # journal change, the refusal in the outbox (W§10.11 rule 2).
+    refusals = commits_since(world, start)
+    assert [(c.journal, len(c.outbox_insert)) for c in refusals] == [(None, 1), (None, 1)]
     assert len(world.effects()) == 1
 
 
 async def test_non_advancing_revision_poisons(world: World) -> None:
     world.store.stale_commits = {len(world.store.commits) + 1}
     delivery = await world.send(world.invoke(ToolPayload.json({"a": 1})))
-    assert rejection_code(world.answer(delivery)) == "invalid_journal_revision"
     assert world.session.status == "poisoned"
     assert world.scripted.calls == []
+    # The stale commit did land: the refusal's commit, built on the state the
+    # session believes durable, conflicts. A refusal whose sequence is not
+    # durable is never published (W§10.11 rule 2): the frame goes back to
+    # the broker, to be answered after the scope's reload.
+    assert delivery.kinds == ["requeue"] and delivery.frames == []
+    assert world.store.commits[-1].outbox_insert != []
+
+
+async def test_a_poisoning_refusal_whose_commit_fails_too_is_never_published(
+    world: World,
+) -> None:
+    first = len(world.store.commits) + 1
+    world.store.fail_commits = {first, first + 1}  # the admission, then the refusal
+    delivery = await world.send(world.dispatch("op-z", publish_payload("z.txt")))
+    assert delivery.kinds == ["requeue"] and delivery.frames == []
+    assert world.session.status == "poisoned"
+    assert world.effects() == []
+    # The session is not recorded poisoned yet: the daemon's reload does that.
+    assert (await world.real_store.load_sessions(SCOPE))[SESSION].status == "open"
 
 
 async def test_refusal_commit_failure_after_the_adapter_is_indeterminate(world: World) -> None:
@@ -1180,10 +1205,12 @@ async def test_handler_in_flight_when_the_session_is_poisoned(world: World) -> N
     commits = len(world.store.commits)
     gate.set()
     await task
-    # The adapter ran once; its session commits nothing more and says so.
+    # The adapter ran once; its session records nothing more of it and says
+    # so, in a refusal committed (sequence, status) before its publish.
     assert rejection_code(world.answer(in_flight)) == "session_poisoned"
     assert in_flight.kinds == ["ack", "reply"]
-    assert len(world.store.commits) == commits
+    (refusal,) = commits_since(world, commits)
+    assert refusal.journal is None and len(refusal.outbox_insert) == 1
     record = await world.record("op-a")
     assert record is not None and isinstance(record.state, Pending)
     assert world.scripted.calls == ["dispatch"]

@@ -298,9 +298,19 @@ async def test_a_failed_commit_fails_every_commit_built_on_it(journal_db: Journa
         # The commits submitted after the failed one were built on it (they
         # were in flight when it failed): each failed, none landed on the
         # state before it. Those before it committed.
-        later = [store.outcomes[call] for call in sorted(store.outcomes) if call > 4]
+        later = [
+            store.outcomes[call]
+            for call in sorted(store.outcomes)
+            if call > 4 and store.statuses[call][0] == "open"
+        ]
         assert later and set(later) == {"WriteConflict"}
         assert [store.outcomes[call] for call in (1, 2, 3, 4)] == ["ok", "ok", "ok", "injected"]
+        # Built once the failure settled: the refusals, each committed with the
+        # session poisoned before it was published (W§10.11 rule 2).
+        refusals = [call for call in store.outcomes if store.statuses[call][0] == "poisoned"]
+        assert refusals and {store.outcomes[call] for call in refusals} == {"ok"}
+        built_on_it = [call for call in store.outcomes if call > 4 and call not in refusals]
+        assert min(refusals) > max(built_on_it)
         admitted = {record.operation_key for record, _ in await real.list_records(SCOPE)}
         # The effect ran only for durable admissions, once each.
         assert set(adapter.calls) <= admitted
@@ -348,30 +358,38 @@ async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned
         lease = await real.reserve_fence(SCOPE)
         store = FailingCommitStore(real, fail_at=2)
         session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
-        opened = (await real.load_sessions(SCOPE))["session-1"]
         store.gates = {2: asyncio.Event(), 3: asyncio.Event()}
         answers: list[Any] = []
         first = await started(session, store, dispatch(host, 1), host, answers)
         second = await started(session, store, dispatch(host, 2), host, answers)
-        store.gates[2].set()  # the first admission fails; the second is still in flight
-        await settle()
-        assert session.status == "poisoned"
         close = host.seal(CloseSession(host.session_id))
+        # Built while the two admissions are in flight, on top of them.
         closing = await started(session, store, close, host, answers)
+        assert store.calls == 4 and store.statuses[4][0] == "closed"
+        store.gates[2].set()  # the first admission fails; the others were built on it
         store.gates[3].set()
         await asyncio.wait_for(asyncio.gather(first, second, closing), 10)
 
         # The close was built on the failure: it failed with it, and the
         # session is still poisoned, as the daemon's reload expects.
         assert session.status == "poisoned"
-        assert store.calls == 3
-        assert store.outcomes == {1: "ok", 2: "injected", 3: "WriteConflict"}
+        assert [store.outcomes[call] for call in (1, 2, 3, 4)] == [
+            "ok",
+            "injected",
+            "WriteConflict",
+            "WriteConflict",
+        ]
+        # After it, only the two refusals, each committed before its publish
+        # (W§10.11 rule 2) with the session poisoned.
+        assert store.calls == 6
+        assert [store.statuses[call] for call in (5, 6)] == [("poisoned", True)] * 2
+        assert [a.code for a in answers] == ["journal_persistence_failed"] * 2
         durable = (await real.load_sessions(SCOPE))["session-1"]
-        assert (durable.status, durable.revision) == ("open", opened.revision)
+        assert durable.status == "poisoned"
         later: list[Any] = []
         await session.handle(dispatch(host, 3), store, Delivery(host, later))
         assert [a.code for a in later] == ["session_poisoned"]
-        assert store.calls == 3
+        assert store.calls == 7 and store.statuses[7] == ("poisoned", True)
     finally:
         await real.close()
 
@@ -394,7 +412,9 @@ async def test_outbox_release_behind_a_failed_commit_commits_nothing(
         await first
         assert await release == 0
         assert session.status == "poisoned"
-        assert store.calls == 2  # no outbox-only commit after the failure
+        # No outbox-only commit after the failure: the one commit after it is
+        # the refusal of the failed admission (state and outbox row).
+        assert store.calls == 3 and store.statuses[3] == ("poisoned", True)
     finally:
         await real.close()
 
@@ -436,8 +456,8 @@ async def test_a_handling_cancelled_while_waiting_its_turn_changes_nothing(
 async def test_a_closed_session_is_never_persisted_poisoned_again(
     journal_db: JournalDatabase,
 ) -> None:
-    # The daemon persists a stored-poisoned session's refusal sequence after
-    # the refusal; a close_session committed first keeps the session closed.
+    # The daemon's reload records a poisoned session poisoned; a close_session
+    # committed first keeps the session closed.
     real = journal_db.store(StorageKeyring("k1", bytes(32)))
     try:
         lease = await real.reserve_fence(SCOPE)
@@ -446,7 +466,7 @@ async def test_a_closed_session_is_never_persisted_poisoned_again(
         await session.handle(host.seal(CloseSession(host.session_id)), store, Delivery(host, []))
         assert session.status == "closed" and store.calls == 2
 
-        revision = await session.persist_poisoned(store, sealed_through=5)
+        revision = await session.persist_poisoned(store)
 
         assert store.calls == 2 and revision == session.highest_revision
         assert session.status == "closed"
@@ -476,7 +496,9 @@ async def test_with_a_store_that_cannot_chain_a_handling_starts_after_the_commit
 
         assert [a.code for a in first] == ["journal_persistence_failed"]
         assert [a.code for a in second] == ["session_poisoned"]
-        assert store.calls == 2
+        # Two refusals, each committed before its publish (W§10.11 rule 2).
+        assert store.calls == 4
+        assert [store.statuses[call] for call in (3, 4)] == [("poisoned", True)] * 2
     finally:
         await real.close()
 

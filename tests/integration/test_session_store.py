@@ -173,19 +173,21 @@ async def test_frame_not_durable_before_a_crash_is_handled_as_new(world: World) 
 async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
     world: World,
 ) -> None:
-    world.store.fail_commits = {len(world.store.commits) + 1}
+    # The refusal's own commit fails too: the reload is what records the
+    # session poisoned, and no refusal was published, so no sequence is lost.
+    first = len(world.store.commits) + 1
+    world.store.fail_commits = {first, first + 1}
     refused = await world.send(world.dispatch("op-p", publish_payload("p.txt")))
-    assert rejection_code(world.answer(refused)) == "journal_persistence_failed"
+    assert refused.kinds == ["requeue"] and refused.frames == []
     old = world.session
+    assert old.status == "poisoned" and old.commit_failed
     old_store, old_lease = world.real_store, world.lease
-    sealed_through = old.best_effort_sequence_high
-    assert sealed_through >= 1
 
     # The daemon's reload (W§10.9 step 4): fresh fence, restore, persist poisoned.
     reloaded = world.new_store()
     lease = await reloaded.reserve_fence(SCOPE)
     persisted = (await reloaded.load_sessions(SCOPE))[SESSION]
-    assert persisted.status == "open"  # the failed commit left nothing
+    assert persisted.status == "open"  # the failed commits left nothing
     session = await WorkerSession.restore(
         persisted,
         scope_key=ScopeKey.from_bytes(SCOPE_KEY),
@@ -195,8 +197,9 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
         adapters=world.adapters,
         limits=WorkerSessionLimits(),
     )
-    await session.persist_poisoned(reloaded, sealed_through=sealed_through)
+    await session.persist_poisoned(reloaded)
     assert (await reloaded.load_sessions(SCOPE))[SESSION].status == "poisoned"
+    assert not session.commit_failed
 
     # The superseded store instance can no longer write.
     with pytest.raises(FencingTokenRejected):
@@ -208,8 +211,12 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
     later = await world.send(world.dispatch("op-q", publish_payload("q.txt")))
     # The host opens it: a reused sequence would raise DuplicateFrame here.
     assert rejection_code(world.answer(later)) == "session_poisoned"
-    assert world.store.commits == []
+    (refusal,) = world.store.commits  # committed before its publish, nothing else
+    assert refusal.journal is None and len(refusal.outbox_insert) == 1
     assert world.effects() == []
+    # The redelivered frame of the first refusal is answered now.
+    again = await world.send(world.dispatch("op-p", publish_payload("p.txt")))
+    assert rejection_code(world.answer(again)) == "session_poisoned"
 
     # After another restart the session is still poisoned.
     await restart(world)

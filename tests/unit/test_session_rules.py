@@ -158,20 +158,29 @@ def message_type_of(cls: type) -> str:
 
 
 @pytest.mark.parametrize(
-    ("status", "stored_poisoned", "last_handler", "after"),
+    ("status", "commit_failed", "last_handler", "after"),
     [
         ("open", False, True, AfterHandling.NOTHING),
         ("open", False, False, AfterHandling.NOTHING),
-        ("poisoned", False, True, AfterHandling.RELOAD),
-        ("poisoned", False, False, AfterHandling.RELOAD),
-        ("poisoned", True, True, AfterHandling.PERSIST_SEQUENCE),
-        ("poisoned", True, False, AfterHandling.PERSIST_SEQUENCE),
+        # A commit of the session failed: the scope is reloaded.
+        ("poisoned", True, True, AfterHandling.RELOAD),
+        ("poisoned", True, False, AfterHandling.RELOAD),
+        # Restored as poisoned, no commit failed since: its refusals are committed
+        # like any (W§10.11 rule 2), nothing is left to persist afterwards.
+        ("poisoned", False, True, AfterHandling.NOTHING),
+        ("poisoned", False, False, AfterHandling.NOTHING),
         ("closed", False, True, AfterHandling.LET_GO),
         ("closed", False, False, AfterHandling.NOTHING),
+        # Closed after a failed commit: nothing of it commits any more.
         ("closed", True, True, AfterHandling.LET_GO),
+        ("closed", True, False, AfterHandling.NOTHING),
     ],
 )
 def test_after_handling(
-    status: str, stored_poisoned: bool, last_handler: bool, after: AfterHandling
+    status: str, commit_failed: bool, last_handler: bool, after: AfterHandling
 ) -> None:
-    assert after_handling(status, stored_poisoned, last_handler) is after  # type: ignore[arg-type]
+    assert after_handling(status, commit_failed, last_handler) is after  # type: ignore[arg-type]
+
+
+def test_the_daemon_does_three_things_after_a_handling() -> None:
+    assert {rule.value for rule in AfterHandling} == {"nothing", "reload", "let_go"}
