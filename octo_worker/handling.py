@@ -30,6 +30,7 @@ from octo_worker.journal import WorkerOperationRecord
 from octo_worker.storage.interface import WorkerSessionStore
 
 if TYPE_CHECKING:
+    from octo_common.authorizer import SessionAuthorizer
     from octo_worker.request_kinds import KeyedKind
 
 __all__ = [
@@ -117,6 +118,8 @@ class Handling:
     # its row of the kind table.
     kind: str = ""
     keyed: KeyedKind | None = None
+    # The authorizer that issued this handling's token (it validates the result).
+    authorizer: SessionAuthorizer | None = None
     adapter_ran: bool = False
     # A refusal of this handling in a poisoned session was committed (or its
     # commit failed): never a second one.

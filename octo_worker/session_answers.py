@@ -235,6 +235,7 @@ class SessionAnswers:
             auth = self._authorizer.authorize(invocation)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        run.authorizer = self._authorizer
         tool = invocation.tool
         adapter = self._adapters.get(tool)
         if adapter is None:
@@ -277,7 +278,7 @@ class SessionAnswers:
             return await self._refuse_locked(run, AdapterError(tool, AdapterFailed.code))
         try:
             result = ToolResult(self._session_id, auth.request.request_id, payload)
-            self._authorizer.validate_result(auth, result)
+            self._issuer(run).validate_result(auth, result)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
         return await self._respond_locked(run, Result(result))
@@ -291,6 +292,7 @@ class SessionAnswers:
             auth = kind.authorize(self._authorizer, request)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        run.authorizer = self._authorizer
         if kind.input_fingerprint is not None:
             run.log = run.log.bind(input_fingerprint=kind.input_fingerprint(request, auth))
         tool = request.tool
@@ -351,7 +353,7 @@ class SessionAnswers:
             return await self._refuse_locked(run, kind.indeterminate(*keys, "protocol"))
         try:
             result = kind.result(self._session_id, request, status)
-            kind.validate_result(self._authorizer, auth, result)
+            kind.validate_result(self._issuer(run), auth, result)
             frame = self._authenticator.seal(kind.answer(result))
         except OctoError:
             # The observation is dropped: the refusal commits no journal change.
@@ -371,6 +373,7 @@ class SessionAnswers:
             auth = kind.authorize(self._authorizer, request)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        run.authorizer = self._authorizer
         journal = self._journal_or_none(run)
         if journal is None:
             return await self._refuse_load_error(run)
@@ -418,7 +421,7 @@ class SessionAnswers:
         try:
             kind.observe(journal, auth, status)
             result = kind.result(self._session_id, request, status)
-            kind.validate_result(self._authorizer, auth, result)
+            kind.validate_result(self._issuer(run), auth, result)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
         run.log.info(kind.observed_event, state=str(status.kind))
@@ -571,6 +574,18 @@ class SessionAnswers:
         if self._commits.broken and await self._commits.drain_locked():
             raise asyncio.CancelledError()
         return await self._refuse_locked(run, error)
+
+    def _issuer(self, run: Handling) -> SessionAuthorizer:
+        """The authorizer that issued the handling's token, which alone validates its result.
+
+        It is the session's own, unless a failed commit rebuilt the session's
+        at the last durable point while the adapter ran (W§10.9 step 1) and a
+        ``close_session`` landed since: a closed session's running handlers
+        finish and send their replies (W§10.6), so the result the adapter
+        returned is still checked, recorded and answered, never refused for
+        its token's provenance. (A session still poisoned never gets here.)
+        """
+        return run.authorizer if run.authorizer is not None else self._authorizer
 
     def _journal_or_none(self, run: Handling) -> WorkerOperationJournal | None:
         if run.load_error is not None or run.records is None:

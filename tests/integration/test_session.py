@@ -1216,6 +1216,37 @@ async def test_handler_in_flight_when_the_session_is_poisoned(world: World) -> N
     assert world.scripted.calls == ["dispatch"]
 
 
+async def test_closing_a_poisoned_session_while_its_handler_runs_keeps_its_success(
+    world: World,
+) -> None:
+    gate = asyncio.Event()
+    world.scripted.gate = gate
+    in_flight = RecordingDelivery()
+    frame = world.host.seal(world.dispatch("op-a", ToolPayload.json({"a": 1}), tool=SCRIPTED))
+    task = asyncio.create_task(world.session.handle(frame, world.store, in_flight))
+    await wait_until(lambda: world.scripted.calls == ["dispatch"])
+    world.store.fail_commits = {len(world.store.commits) + 1}
+    poisoning = await world.send(world.dispatch("op-b", publish_payload("b.txt")))
+    assert rejection_code(world.answer(poisoning)) == "journal_persistence_failed"
+    closing = await world.send(CloseSession(SESSION))
+    assert closing.events == [("ack", None)]
+    assert world.session.status == "closed"
+
+    gate.set()
+    await task
+
+    # A closed session's running handlers finish and send their replies
+    # (W§10.6): the success is recorded, and the reply is the recorded state.
+    answer = world.answer(in_flight)
+    assert isinstance(answer, OperationResult), answer
+    assert answer.result.status == Succeeded(ToolPayload.json({"ok": 1}))
+    record = await world.record("op-a")
+    assert record is not None and record.state == answer.result.status
+    assert in_flight.kinds == ["ack", "reply"]
+    assert (await world.real_store.load_sessions(SCOPE))[SESSION].status == "closed"
+    assert world.scripted.calls == ["dispatch"]
+
+
 async def test_poison_refusal_publish_failure_requeues(world: World) -> None:
     world.store.fail_commits = {len(world.store.commits) + 1}
     delivery = RecordingDelivery(fail_reply=True)
