@@ -15,9 +15,10 @@ compensation of the first one. The armed process dies by its own SIGKILL at
 the chosen point and count; the worker is restarted without the fault on the
 same files; ``recover`` reconciles the run; the compensation is finished if
 the crash came before it. :func:`check_outcome` then asserts what must hold
-after any crash: every key is known, the effect log holds at most one
-publish and one removal per key (exactly one where the ledger says
-``succeeded``), and the worker journal and the host ledger agree key by key.
+after any crash: every key is known, every compensation is settled (none
+left pending), the effect log holds at most one publish and one removal per
+key (exactly one where the ledger says ``succeeded``), and the worker
+journal and the host ledger agree key by key.
 
 Interpreters are started ahead of time (:class:`Launcher`): a runner imports
 everything, prints ``loaded`` and waits for its arguments on stdin, so a
@@ -654,21 +655,19 @@ async def check_outcome(env: CrashEnv, outcome: Outcome, ledger: WorkflowOperati
             assert removals[key] == 0, (case, index)
             assert record is None or record.compensation is None, (case, index)
             continue
-        if compensation.state == StateKind.PENDING:
-            # The inverse may have run before the crash (after_effect) or not at
-            # all (after_admission_commit, after_ack): only reconciliation knows,
-            # and a worker never re-runs an admitted compensation (W§10.10).
-            assert compensation.compensation_key in reconciled, (case, index)
-        else:
-            done = compensation.state == StateKind.SUCCEEDED
-            assert removals[key] == (1 if done else 0), (case, index, compensation.state)
-        if record is None or record.compensation is None:
-            # Recorded by the host, never admitted by the worker.
-            assert compensation.state == StateKind.PENDING and removals[key] == 0, (case, index)
-            continue
+        # Every compensation ends known, none is left pending: files.publish
+        # looks a removal up by its compensation key (D11) and recover asks it.
+        # A worker never re-runs an admitted compensation (W§10.10), so one a
+        # crash cut short is settled by that lookup, whether its removal ran
+        # (after_effect: its missing log line written once) or not
+        # (after_admission_commit, after_ack: refused for good); one the worker
+        # never admitted is sent again.
+        assert compensation.state in TERMINAL_KINDS, (case, index, compensation.state)
+        done = compensation.state == StateKind.SUCCEEDED
+        assert removals[key] == (1 if done else 0), (case, index, compensation.state)
+        assert record is not None and record.compensation is not None, (case, index)
         assert record.compensation.compensation_key == compensation.compensation_key
-        if compensation.state in TERMINAL_KINDS:
-            assert record.compensation.state.kind == compensation.state, (case, index)
+        assert record.compensation.state.kind == compensation.state, (case, index)
     # The run ends known: the first key's inverse was recorded if its publish ran.
     first = ledger.operation(keys[0])
     assert first is not None

@@ -5,12 +5,13 @@ For each run the armed process (the worker runner, or the host runner for
 the worker restarts without the fault on the same files; the host recovers
 the run; and :func:`check_outcome` (see ``conftest.py``) asserts that every
 key is known, every succeeded key has exactly one publish line in the effect
-log (none otherwise), no compensation happened twice, and the journal and
-the ledger agree. Counts 1-3 land on the dispatches, count 4 on the
-compensation of the first key; the fifth run dispatches all keys at once.
-For worker faults, runs 1 and 3 also abandon the host's interrupted call and
-recover with a new ``HostClient`` (a host restart); the others let the same
-client's timeouts lead to reconciliation and then call ``recover``.
+log (none otherwise), every compensation is settled (a compensation lookup,
+D11) and none happened twice, and the journal and the ledger agree. Counts
+1-3 land on the dispatches, count 4 on the compensation of the first key;
+the fifth run dispatches all keys at once. For worker faults, runs 1 and 3
+also abandon the host's interrupted call and recover with a new
+``HostClient`` (a host restart); the others let the same client's timeouts
+lead to reconciliation and then call ``recover``.
 """
 
 from __future__ import annotations
