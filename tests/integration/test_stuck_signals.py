@@ -8,7 +8,8 @@
 * ``octo_oldest_unresolved_pending_seconds`` counts a key a crash (here: an
   indeterminate adapter, then a restart) left pending in the journal, once
   the journal says so to a request for it, until a reconciliation finds it
-  terminal.
+  terminal; and a compensation left pending likewise, until its lookup
+  (D11) finds it terminal.
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from octo_common.messages import (
+    CompensateOperation,
+    CompensationReconcileRequest,
     DispatchOperation,
+    OperationCompensationBinding,
+    OperationCompensationRequest,
     OperationDispatchRequest,
     OperationReconcileRequest,
+    ReconcileCompensation,
+    ReconciledCompensation,
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
@@ -41,7 +48,7 @@ from octo_worker.metrics import WorkerMetrics
 from octo_worker.queue_watch import refresh_queue_gauges
 from octo_worker.topology import declare_topology
 
-from .conftest import TOOL, WAIT, RawHost, RawSession, WorkerEnv, unique, wait_session
+from .conftest import GRANT, TOOL, WAIT, RawHost, RawSession, WorkerEnv, unique, wait_session
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -217,5 +224,96 @@ async def test_a_key_a_restart_left_pending_counts_once_the_journal_says_so(
     assert (age() or 0) > 0
     done = await reconcile("r-2")
     assert isinstance(done, ReconciledOperation) and isinstance(done.result.status, Failed)
+    assert age() == 0.0
+    assert lookup.answers == []
+
+
+class _UndoIndeterminate(FilesPublishAdapter):
+    """Publishes; its inverse's outcome is lost (indeterminate)."""
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
+
+    async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any:
+        raise AdapterIndeterminate("lost the answer")
+
+
+class _UndoLookup(FilesPublishAdapter):
+    """Answers compensation lookups from a script: still running, then failed."""
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__(env.published, env.effect_log, deadline_seconds=30.0)
+        self.answers: list[Any] = [Running(), Failed("never removed")]
+
+    async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
+        return self.answers.pop(0)
+
+
+async def test_a_compensation_a_restart_left_pending_counts_until_its_lookup_settles_it(
+    daemons: Daemons, raw_host: RawHost, worker_env: WorkerEnv
+) -> None:
+    # The counterpart of the scenario above for a compensation and its lookup (D11).
+    first = WorkerAdapterRegistry()
+    first.register(TOOL, _UndoIndeterminate(worker_env))
+    daemon = await daemons.start(first)
+    session = raw_host.session()
+    await raw_host.open(session, marker=unique("open"))
+    await wait_session(daemon, raw_host.scope, session.session_id)
+    key = "op-undo-" + unique("k")
+    payload = ToolPayload.json({"name": "undo.txt", "content": "x"})
+    binding = OperationCompensationBinding(
+        TOOL, key, "cmp-" + key, raw_host.scope, GRANT.compensation_fingerprint()
+    )
+    inverse = ToolPayload.json({"undo": "publish", "name": "undo.txt"})
+
+    async def ask(request_id: str, message: Any) -> Any:
+        frame = session.auth.seal(message)
+        await raw_host.publish(
+            frame, headers=raw_host.headers(session, request_id), correlation_id=request_id
+        )
+        return await answer(raw_host, session, request_id)
+
+    def compensate(request_id: str) -> Any:
+        request = OperationCompensationRequest(session.session_id, request_id, binding, inverse)
+        return CompensateOperation(request)
+
+    dispatch = OperationDispatchRequest(session.session_id, "d-1", TOOL, key, payload)
+    assert not isinstance(await ask("d-1", DispatchOperation(dispatch)), RequestRejected)
+    refused = await ask("c-1", compensate("c-1"))
+    assert isinstance(refused, RequestRejected) and refused.code == "indeterminate_compensation"
+    await daemons.stop(daemon)
+
+    lookup = _UndoLookup(worker_env)
+    second = WorkerAdapterRegistry()
+    second.register(TOOL, lookup)
+    restarted = await daemons.start(second)
+
+    def age() -> float | None:
+        return gauge(
+            restarted.metrics, "octo_oldest_unresolved_pending_seconds", scope=raw_host.scope
+        )
+
+    assert not age()
+    pending = await ask("c-2", compensate("c-2"))
+    assert isinstance(pending, RequestRejected) and pending.code == "pending_compensation"
+    await until(lambda: (age() or 0) > 0)
+
+    def look_up(request_id: str) -> Any:
+        request = CompensationReconcileRequest(
+            session.session_id,
+            request_id,
+            TOOL,
+            key,
+            binding.compensation_key,
+            binding.tenant_scope,
+            binding.grant_fingerprint,
+        )
+        return ReconcileCompensation(request)
+
+    still = await ask("l-1", look_up("l-1"))
+    assert isinstance(still, ReconciledCompensation) and isinstance(still.result.status, Running)
+    assert (age() or 0) > 0
+    done = await ask("l-2", look_up("l-2"))
+    assert isinstance(done, ReconciledCompensation) and isinstance(done.result.status, Failed)
     assert age() == 0.0
     assert lookup.answers == []
