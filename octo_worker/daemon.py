@@ -60,6 +60,7 @@ from octo_worker.queue_watch import watch_queues
 from octo_worker.scopes import ScopeLifecycle, ServedScope, Supersession
 from octo_worker.sdnotify import Notifier, watchdog_interval
 from octo_worker.session import WorkerSessionLimits
+from octo_worker.startup import create_state_directories
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.configured import configured_store
 
@@ -168,7 +169,9 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
             config.adapters.deadline_seconds
         )
         if not config.shared_journal:
-            config.journal_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # A missing state directory whose parent is missing too is refused
+            # (InvalidConfiguration): a mistyped path, not a fresh journal.
+            create_state_directories(config)
         self._store = configured_store(config, on_batch=self.hooks.after_transaction)
         for scope_config in config.scopes:
             scope = ServedScope(

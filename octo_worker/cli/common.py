@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import re
 import urllib.parse
 from collections.abc import AsyncIterator, Coroutine, Iterable
@@ -44,11 +45,13 @@ __all__ = [
     "check_tokens",
     "config_of",
     "delivery_limit",
+    "event_loop_refusal",
     "journal_store",
     "parse_duration",
     "positive_int",
     "run_event_loop",
     "storage_failure",
+    "uvloop_installed",
     "verb_group",
     "vhost",
 ]
@@ -89,15 +92,22 @@ def run_event_loop(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
         except ImportError:
             if choice == "uvloop":
                 main.close()
-                raise CliError(
-                    EXIT_USAGE,
-                    "worker.event_loop: uvloop is not installed",
-                    "invalid_configuration",
-                ) from None
+                raise event_loop_refusal() from None
         else:
             result: T = uvloop.run(main)
             return result
     return asyncio.run(main)
+
+
+def event_loop_refusal() -> CliError:
+    """``run``'s refusal of ``event_loop = "uvloop"`` without uvloop (``check`` reports it)."""
+    return CliError(
+        EXIT_USAGE, "worker.event_loop: uvloop is not installed", "invalid_configuration"
+    )
+
+
+def uvloop_installed() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
 
 
 def positive_int(text: str) -> int:

@@ -3,10 +3,13 @@
 ``run`` configures the process's logging (JSON lines on stderr, no
 exception text), serves the metrics endpoint when configured, and runs the
 daemon (with the console beside it when ``[console] listen`` is set) until
-SIGTERM. ``check`` probes the configuration, each key file, the adapters,
-the journal (read-only: schema, anchor, every configured scope against its
-sealed head, its sessions as a start reads them) and the broker, and
-reports each as one line.
+SIGTERM. ``check`` reports, one line each, what ``run`` would refuse
+before it reaches the broker, in the order ``run`` meets it
+(:mod:`octo_worker.startup` holds the rules both apply): the configuration
+and its event loop, the metrics and console listen addresses, each key
+file, the adapters, the state directory and the journal (read-only:
+schema, anchor, every configured scope against its sealed head, its
+sessions as a start reads them); then the broker.
 
 It must never print a key, a password or a traceback.
 """
@@ -18,7 +21,6 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -48,10 +50,19 @@ from octo_worker.cli.common import (
     Verbs,
     broker_connection,
     config_of,
+    event_loop_refusal,
     journal_store,
     run_event_loop,
+    uvloop_installed,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_key
+from octo_worker.startup import (
+    bind_refusal,
+    creatable,
+    listen_address,
+    served_by_octo_worker,
+    state_directories,
+)
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.configured import configured_store
 from octo_worker.storage.documents import read_session
@@ -141,11 +152,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         try:
             metrics.serve(listen)
         except OSError as error:
-            raise CliError(
-                EXIT_USAGE,
-                f"metrics.listen: cannot listen on {listen} ({error.strerror or 'error'})",
-                "invalid_configuration",
-            ) from None
+            raise _metrics_refusal(listen, error) from None
         log.info("metrics_listening", listen=listen)
     daemon = WorkerDaemon(config, metrics=metrics)
     from octo_worker.console.serve import run_with_console  # [console] listen: off by default
@@ -169,6 +176,14 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
             "storage_backend_error",
         ) from None
     return EXIT_OK
+
+
+def _metrics_refusal(listen: str, error: OSError) -> CliError:
+    return CliError(
+        EXIT_USAGE,
+        f"metrics.listen: cannot listen on {listen} ({error.strerror or type(error).__name__})",
+        "invalid_configuration",
+    )
 
 
 @dataclass
@@ -205,11 +220,19 @@ def cmd_check(args: argparse.Namespace, out: Output) -> int:
     loaded: list[WorkerConfig] = []
 
     def probe_config() -> str:
-        loaded.append(config_of(args))
+        config = config_of(args)
+        if config.worker.event_loop == "uvloop" and not uvloop_installed():
+            raise event_loop_refusal()
+        loaded.append(config)
         return str(Path(args.config))
 
     if record("config", EXIT_USAGE, probe_config):
         config = loaded[0]
+        # In the order run meets them, so the first failure is run's refusal.
+        if config.metrics.listen is not None:
+            record("metrics", EXIT_USAGE, lambda: _probe_metrics(config))
+        if config.console.listen is not None:
+            record("console", EXIT_USAGE, lambda: _probe_console(config))
         for index, scope in enumerate(config.scopes):
             record(
                 f"scope key {scope.name}",
@@ -270,26 +293,6 @@ def _probe_adapters(config: WorkerConfig) -> str:
     return ", ".join(tools) + " loaded" if tools else "none enabled"
 
 
-def _creatable(directory: Path) -> str:
-    """Whether ``run`` can create the journal in ``directory`` (as this user)."""
-    ancestor = directory
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise CliError(
-            EXIT_STORAGE,
-            f"cannot create {directory}: {ancestor} is not a directory",
-            "storage_backend_error",
-        )
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise CliError(
-            EXIT_STORAGE,
-            f"cannot create the journal in {directory}: {ancestor} is not writable by this user",
-            "storage_backend_error",
-        )
-    return "run creates it" if ancestor == directory else f"run creates it and {directory}"
-
-
 async def _probe_journal(config: WorkerConfig) -> str:
     """What the daemon's start reads, read-only: the rules of ``run``'s start up to the broker."""
     if config.shared_journal:
@@ -303,8 +306,9 @@ async def _probe_journal(config: WorkerConfig) -> str:
             f"without it (create it with: {PROG} journal init-anchor)",
             "rollback_anchor_missing",
         )
+    state_directories(config)  # a missing state directory whose parent is missing too
     if not path.exists():
-        return f"{path} not created yet ({_creatable(path.parent)})"
+        return f"{path} not created yet ({creatable(path.parent)})"
     async with journal_store(config) as store:
         problems = await store.integrity_check()
         if problems != ["ok"]:
@@ -370,6 +374,51 @@ async def _probe_shared_journal(config: WorkerConfig) -> str:
         f"postgresql {where} schema ok, shared by failover workers; {len(config.scopes)} "
         f"scope(s) match their sealed heads ({rows} row(s), {sessions} session(s) to restore)"
     )
+
+
+def _probe_metrics(config: WorkerConfig) -> str:
+    listen = config.metrics.listen
+    assert listen is not None
+    return _probe_listen(config, listen, lambda error: _metrics_refusal(listen, error))
+
+
+def _probe_console(config: WorkerConfig) -> str:
+    from octo_worker.console.security import check_bind, parse_listen
+    from octo_worker.console.serve import token_of
+
+    listen = config.console.listen
+    assert listen is not None
+    address = parse_listen(listen, "console.listen")
+    token = token_of(config, None)
+    check_bind(
+        address, allow_remote=config.console.allow_remote, token_configured=token is not None
+    )
+
+    def refusal(error: OSError) -> CliError:
+        return CliError(
+            EXIT_USAGE,
+            f"console: cannot listen on {address.host}:{address.port} "
+            f"({error.strerror or type(error).__name__})",
+            "invalid_configuration",
+        )
+
+    return _probe_listen(config, listen, refusal)
+
+
+def _probe_listen(config: WorkerConfig, listen: str, refusal: Callable[[OSError], CliError]) -> str:
+    host, port = listen_address(listen)
+    error = bind_refusal(host, port)
+    if error is None:
+        return f"{listen} free"
+    from octo_worker.console.live import scrape_url
+
+    metrics = config.metrics.listen
+    if metrics is not None and served_by_octo_worker(
+        scrape_url(metrics), [scope.name for scope in config.scopes]
+    ):
+        # The running daemon of this configuration: a restart frees it.
+        return f"{listen} held by the running octo-worker of these scopes (a restart frees it)"
+    raise refusal(error)
 
 
 async def _probe_broker(config: WorkerConfig) -> str:

@@ -11,6 +11,7 @@ must have moved.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import urllib.request
@@ -204,3 +205,24 @@ def test_a_metrics_port_in_use_is_a_configuration_error(tmp_path: Path) -> None:
     assert run.returncode == 2
     line = run_error(run.stderr)
     assert f"metrics.listen: cannot listen on 127.0.0.1:{port}" in line, line
+
+
+def test_check_beside_the_running_daemon_finds_its_metrics_port_held_by_it(
+    metrics_worker: tuple[RunningWorker, int, Broker],
+) -> None:
+    worker, port, _ = metrics_worker
+    check = octo_worker("check", "--json", config=worker.files.config)
+    assert check.returncode == 0, check.stdout
+    (line,) = [c for c in json.loads(check.stdout)["checks"] if c["name"] == "metrics"]
+    assert line["ok"]
+    assert f"127.0.0.1:{port} held by the running octo-worker" in line["detail"]
+    # Another configuration's scopes on the same port: run would be refused.
+    other = WorkerFiles(
+        worker.files.root / "other",
+        worker.files.broker_url,
+        "tenant-elsewhere",
+        metrics_listen=f"127.0.0.1:{port}",
+    )
+    refused = octo_worker("check", "--json", config=other.config)
+    (line,) = [c for c in json.loads(refused.stdout)["checks"] if c["name"] == "metrics"]
+    assert not line["ok"] and f"metrics.listen: cannot listen on 127.0.0.1:{port}" in line["detail"]
