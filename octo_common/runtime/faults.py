@@ -13,8 +13,15 @@ host client each hold one :class:`FaultInjector` and call
   not yet published;
 * ``worker.after_reply``: the reply is confirmed by the broker, not yet
   marked published;
+* ``worker.after_compensation_admission_commit``: as
+  ``worker.after_admission_commit``, counting ``compensate_operation``
+  admissions only;
+* ``worker.after_compensation_effect``: as ``worker.after_effect``, counting
+  the adapter's ``compensate_operation`` (the inverse effect) only;
 * ``host.after_ledger_commit``: the host's ledger write is durable, the
-  frame is not yet published.
+  frame is not yet published;
+* ``host.after_compensation_intent``: the ledger write that records a
+  compensation intent is durable; nothing of it is sealed or sent.
 
 Nothing happens when the variable is absent; a malformed value is ignored
 with a warning on stderr (never fatal: production never sets it). It must
@@ -37,7 +44,10 @@ FAULT_POINTS = frozenset(
         "worker.after_effect",
         "worker.before_reply",
         "worker.after_reply",
+        "worker.after_compensation_admission_commit",
+        "worker.after_compensation_effect",
         "host.after_ledger_commit",
+        "host.after_compensation_intent",
     }
 )
 

@@ -69,6 +69,7 @@ _TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
 
 # The one kill point of the host (OCTO_FAULT, see octo_common.runtime.faults).
 _HOST_FAULT_POINT: Final = "host.after_ledger_commit"
+_INTENT_FAULT_POINT: Final = "host.after_compensation_intent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +228,7 @@ class HostVerbs:
                 )
                 if await self._persisted(run, candidate, None, attempt):
                     break
+        self._faults.reach(_INTENT_FAULT_POINT)
         self._log.info(
             "compensation_recorded",
             run=run.name,

@@ -12,10 +12,14 @@ Real processes, the real broker on 127.0.0.1:5672 and real SQLite files:
 One scenario (:func:`run_scenario`): three publish operations with distinct
 file names, dispatched one after another or all at once, then the
 compensation of the first one. The armed process dies by its own SIGKILL at
-the chosen point and count; the worker is restarted without the fault on the
-same files; ``recover`` reconciles the run; the compensation is finished if
-the crash came before it. :func:`check_outcome` then asserts what must hold
-after any crash: every key is known, every compensation is settled (none
+the chosen point and count (:data:`ALL_POINTS`: the generic worker points and
+the host's ledger commit, reached once per request, and the compensation
+points, reached once per run: the host's compensation intent, the worker's
+compensation admission commit and its inverse effect); the worker is
+restarted without the fault on the same files; ``recover`` reconciles the
+run; the compensation is finished if the crash came before it.
+:func:`check_outcome` then asserts what must hold after any crash: every
+key is known, every compensation is settled (none
 left pending), the effect log holds at most one publish and one removal per
 key (exactly one where the ledger says ``succeeded``), and the worker
 journal and the host ledger agree key by key.
@@ -85,10 +89,25 @@ WORKER_POINTS: Final = (
     "worker.before_reply",
     "worker.after_reply",
 )
+# Reached by the compensation of the first key only (once per scenario).
+COMPENSATION_POINTS: Final = (
+    "worker.after_compensation_admission_commit",
+    "worker.after_compensation_effect",
+    "host.after_compensation_intent",
+)
 HOST_POINT: Final = "host.after_ledger_commit"
+HOST_POINTS: Final = (HOST_POINT, "host.after_compensation_intent")
+ALL_POINTS: Final = (*WORKER_POINTS, HOST_POINT, *COMPENSATION_POINTS)
 # Keyed requests of one undisturbed scenario (3 dispatches + 1 compensation):
-# every worker point and the host point is reached once per request.
+# every generic worker point and the host point is reached once per request.
 REQUESTS_PER_RUN: Final = KEYS_PER_RUN + 1
+
+
+def reaches_per_run(point: str) -> int:
+    """How many times an undisturbed scenario reaches ``point`` (the counts that kill)."""
+    return 1 if point in COMPENSATION_POINTS else REQUESTS_PER_RUN
+
+
 DEATH_TIMEOUT: Final = 15.0
 SETTLE_TIMEOUT: Final = 30.0
 
@@ -159,10 +178,11 @@ class CrashEnv:
     scope_key_bytes: bytes
     host_storage_key: bytes
     config_path: Path
+    url: str = URL
     host_ids: list[str] = field(default_factory=list)
 
     @classmethod
-    def create(cls, root: Path) -> CrashEnv:
+    def create(cls, root: Path, url: str = URL) -> CrashEnv:
         scope = f"t-crash-{uuid.uuid4().hex[:12]}"
         scope_key = secrets.token_bytes(32)
         base = root / "worker"
@@ -177,7 +197,7 @@ shutdown_grace_seconds = 2.0
 log_level = "warning"
 
 [broker]
-url = "{URL}"
+url = "{url}"
 connect_timeout_seconds = 3.0
 publish_timeout_seconds = 5.0
 reconnect_initial_seconds = 0.1
@@ -199,7 +219,7 @@ effect_log = "./effects.log"
 """,
             encoding="utf-8",
         )
-        return cls(root, scope, scope_key, secrets.token_bytes(32), config_path)
+        return cls(root, scope, scope_key, secrets.token_bytes(32), config_path, url)
 
     @property
     def scope_key(self) -> ScopeKey:
@@ -377,9 +397,18 @@ class Case:
     def fault(self) -> str:
         return f"{self.point}@{self.count}"
 
+    @property
+    def host_fault(self) -> bool:
+        """The host process is the one armed (else the worker)."""
+        return self.point in HOST_POINTS
+
+    @property
+    def runner_kind(self) -> str:
+        return "host" if self.host_fault else "worker"
+
     def __str__(self) -> str:
         mode = "concurrent" if self.concurrent else "sequential"
-        host = "/host-restart" if self.restart_host and self.point != HOST_POINT else ""
+        host = "/host-restart" if self.restart_host and not self.host_fault else ""
         return f"{self.point}@{self.count}/{mode}{host}"
 
 
@@ -394,6 +423,8 @@ class Outcome:
     flow_error: str | None
     seconds: float
     summary: RecoverySummary | None = None
+    env: CrashEnv | None = None
+    ledger: WorkflowOperationLedger | None = None
 
 
 async def _record_operations(
@@ -442,7 +473,7 @@ async def _compensate_first(
 
 def _client(env: CrashEnv, host_id: str) -> HostClient:
     return HostClient(
-        URL,
+        env.url,
         host_id=host_id,
         scope_keys={env.scope: env.scope_key},
         store=env.host_store(),
@@ -477,12 +508,21 @@ async def _recover_and_finish(
 
 
 async def run_scenario(launcher: Launcher, root: Path, case: Case) -> Outcome:
-    """One crash run: arm, crash, restart clean, recover, finish. Checked by the caller."""
+    """One crash run (:func:`play_scenario`), checked (:func:`check_outcome`), queues deleted."""
+    outcome = await play_scenario(launcher, root, case)
+    assert outcome.env is not None and outcome.ledger is not None
+    await check_outcome(outcome.env, outcome, outcome.ledger)
+    await delete_queues(outcome.env)
+    return outcome
+
+
+async def play_scenario(launcher: Launcher, root: Path, case: Case) -> Outcome:
+    """One crash run: arm, crash, restart clean, recover, finish; nothing checked but the kill."""
     started = time.perf_counter()
     env = CrashEnv.create(root)
     tag = uuid.uuid4().hex[:8]
     flow_error: str | None = None
-    host_fault = case.point == HOST_POINT
+    host_fault = case.host_fault
     worker = await start_worker(launcher, env, None if host_fault else case.fault)
     restarted: Runner | None = None
     client: HostClient | None = None
@@ -548,7 +588,7 @@ async def run_scenario(launcher: Launcher, root: Path, case: Case) -> Outcome:
         states[key] = operation.state
         if key == keys[0] and operation.compensation is not None:
             compensation = operation.compensation.state
-    outcome = Outcome(
+    return Outcome(
         case,
         keys,
         states,
@@ -556,10 +596,9 @@ async def run_scenario(launcher: Launcher, root: Path, case: Case) -> Outcome:
         flow_error,
         time.perf_counter() - started,
         summary,
+        env,
+        stored,
     )
-    await check_outcome(env, outcome, stored)
-    await delete_queues(env)
-    return outcome
 
 
 async def _crash_host(launcher: Launcher, env: CrashEnv, case: Case, tag: str) -> list[str]:
@@ -568,7 +607,7 @@ async def _crash_host(launcher: Launcher, env: CrashEnv, case: Case, tag: str) -
     host.send(
         json.dumps(
             {
-                "url": URL,
+                "url": env.url,
                 "host_id": env.new_host_id(),
                 "scope": env.scope,
                 "scope_key_file": str(env.scope_key_file),
@@ -587,7 +626,7 @@ async def _crash_host(launcher: Launcher, env: CrashEnv, case: Case, tag: str) -
     keys = keys_line.split()[1:]
     returncode = await host.wait_exit(DEATH_TIMEOUT)
     assert returncode == -signal.SIGKILL, (returncode, host.stderr())
-    assert f"SIGKILL at {HOST_POINT}" in host.stderr()
+    assert f"SIGKILL at {case.point}" in host.stderr()
     return keys
 
 
@@ -694,7 +733,7 @@ def _adapter_record(env: CrashEnv, key: str) -> str | None:
 async def delete_queues(env: CrashEnv) -> None:
     from octo_host.amqp import connect
 
-    connection = await connect(URL, timeout=3.0, name="octo-test-crash-cleanup")
+    connection = await connect(env.url, timeout=3.0, name="octo-test-crash-cleanup")
     try:
         channel = await connection.channel()
         for name in env.queues():

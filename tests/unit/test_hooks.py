@@ -192,12 +192,22 @@ def test_fault_hooks_reach_each_worker_point_at_its_hook() -> None:
     hooks.after_reply("s1", "dispatch_operation", "op-1", False, False, True)
     hooks.after_commit("s1", 0.001)  # no kill point
     hooks.on_dead_letter("s1", "scope_mismatch")  # no kill point
-    assert injector.reached == [
+    assert injector.reached[:5] == [
         ("worker.after_admission_commit", 0.0),
         ("worker.after_ack", 0.2),
         ("worker.after_effect", 0.0),
         ("worker.before_reply", 0.0),
         ("worker.after_reply", 0.0),
+    ]
+    hooks.after_admission_commit("s1", "compensate_operation", "op-1")
+    hooks.after_effect("s1", "t.op", "compensate_operation")
+    hooks.after_effect("s1", "t.op", "invoke")  # another method: the generic point only
+    assert injector.reached[5:] == [
+        ("worker.after_admission_commit", 0.0),
+        ("worker.after_compensation_admission_commit", 0.0),
+        ("worker.after_effect", 0.0),
+        ("worker.after_compensation_effect", 0.0),
+        ("worker.after_effect", 0.0),
     ]
     assert {point for point, _ in injector.reached} == {
         point for point in FAULT_POINTS if point.startswith("worker.")
