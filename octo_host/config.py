@@ -119,6 +119,8 @@ from octo_common.runtime.configfile import (
 )
 from octo_common.runtime.keyfiles import load_key_file, load_scope_key, load_storage_key
 from octo_host.compensation import WorkflowCompensationAction
+from octo_host.storage.postgres import PostgresLedgerStore
+from octo_host.storage.sqlite import SqliteLedgerStore
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -301,6 +303,19 @@ class HostConfig(ConfigFile, forbid_unknown_fields=True, frozen=True):
         except OctoError as exc:
             raise InvalidConfiguration(f"ledger: {exc.code}") from None
         return ring
+
+    def ledger_store(self) -> SqliteLedgerStore | PostgresLedgerStore:
+        """The configured ledger store, not yet opened: PostgreSQL with ``[storage] url``,
+        else SQLite at ``ledger.database`` (with ``ledger.anchor``)."""
+        keyring = self.storage_keyring()  # configuration problems first
+        if self.storage.url is not None:
+            return PostgresLedgerStore(
+                self.storage.url,
+                keyring,
+                password_file=self.storage_password_path,
+                schema=self.storage.schema,
+            )
+        return SqliteLedgerStore(self.database_path, keyring, anchor_path=self.anchor_path)
 
     def grants_of(self, scope: str) -> tuple[CapabilityGrant, ...]:
         return tuple(entry.grant() for entry in self.grants if entry.scope == scope)

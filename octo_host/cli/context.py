@@ -142,25 +142,19 @@ def ledger_lock(config: HostConfig) -> Iterator[None]:
 async def open_store(
     config: HostConfig, *, create: bool
 ) -> AsyncIterator[SqliteLedgerStore | PostgresLedgerStore]:
-    keyring = config.storage_keyring()  # configuration problems first
-    store: SqliteLedgerStore | PostgresLedgerStore
+    path: Path | str
     if config.storage.url is not None:  # [storage] url: the ledger in PostgreSQL (D13)
-        path: Path | str = redacted_url(config.storage.url)
-        store = PostgresLedgerStore(
-            config.storage.url,
-            keyring,
-            password_file=config.storage_password_path,
-            schema=config.storage.schema,
-        )
+        path = redacted_url(config.storage.url)
     else:
         path = config.database_path
         if not create and not path.exists():
+            config.storage_keyring()  # configuration problems first
             raise CliError(
                 EXIT_CHECK_FAILED,
                 f"ledger database {path} does not exist (nothing recorded yet)",
                 "not_found",
             )
-        store = SqliteLedgerStore(path, keyring, anchor_path=config.anchor_path)
+    store = config.ledger_store()
     try:
         try:
             await store.integrity_check()  # opens the database, checks the anchor

@@ -10,7 +10,14 @@ methods, each handed to the part that does the work:
 * :mod:`~octo_host.client.verbs`: record, dispatch, reconcile, compensate,
   look a compensation up;
 * :mod:`~octo_host.client.replies`: routing and applying replies;
-* :mod:`~octo_host.client.recovery`: ``recover`` after a restart.
+* :mod:`~octo_host.client.recovery`: ``recover`` after a restart;
+* :mod:`~octo_host.client.pools`: the sessions the client manages, a pool per scope;
+* :mod:`~octo_host.client.shortcuts`: the verbs that take a run and a key instead
+  of a session, ``execute`` and ``undo``.
+
+``HostClient.from_config`` builds a client from ``host.toml`` (the file
+``octo-host`` reads): keys, manifests, ledger store and compensation
+verifiers, the store owned (opened by ``start``, closed by ``close``).
 
 It must never hold behaviour of its own beyond wiring the parts and the
 order of ``start`` and ``close``, or import :mod:`octo_worker`.
@@ -18,29 +25,36 @@ order of ``start`` and ``close``, or import :mod:`octo_worker`.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 import structlog
 
+from octo_common.errors import InvalidConfiguration
 from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityManifest
 from octo_common.messages import WorkerMessage
 from octo_common.payload import ToolPayload
 from octo_common.states import WorkerOperationState
 from octo_host.client.broker import HostBroker
+from octo_host.client.pools import PoolStats, SessionPools
 from octo_host.client.recovery import Recovery, RecoverySummary
 from octo_host.client.replies import ReplyRouter
 from octo_host.client.runs import HostRun, RunCache
 from octo_host.client.sessions import HostSession, SessionRegistry
 from octo_host.client.settings import ClientSettings
+from octo_host.client.shortcuts import CompensationVerifiers, PooledVerbs
 from octo_host.client.verbs import HostVerbs
 from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
+from octo_host.config import ConfiguredActionVerifier, ConfiguredGrantVerifier, load_config
 from octo_host.engine import OutboundFrame, WorkflowEngine
-from octo_host.plan import WorkflowPlan
-from octo_host.store import AuthenticatedStore
+from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.policy import WorkflowCompensationPolicy
+from octo_host.storage.postgres import PostgresLedgerStore
+from octo_host.store import AuthenticatedStore, SqliteLedgerStore
 
 __all__ = ["HostClient"]
 
@@ -52,6 +66,12 @@ class HostClient:
 
     ``reply_timeout``, ``publish_timeout``, ``max_attempts`` and
     ``max_cached_runs`` may be changed at any time; every part reads them.
+
+    ``manifests`` (scope -> manifest) lets the client manage sessions itself:
+    the verbs called with a run and a key instead of a session, ``execute``
+    and ``undo``, borrow one from the scope's pool (``session_rotate_after``,
+    ``session_max_in_flight``, ``session_pool_size``: see ``SessionPools``).
+    ``compensation_verifiers`` gives ``undo`` its grant and action verifiers.
     """
 
     def __init__(
@@ -68,6 +88,11 @@ class HostClient:
         backoff_initial: float = 0.1,
         backoff_max: float = 2.0,
         max_cached_runs: int = 4096,
+        manifests: Mapping[str, CapabilityManifest] | None = None,
+        compensation_verifiers: CompensationVerifiers | None = None,
+        session_rotate_after: int = 768,
+        session_max_in_flight: int = 256,
+        session_pool_size: int = 4,
     ) -> None:
         self.host_id = host_id
         self.store = store
@@ -79,7 +104,12 @@ class HostClient:
             backoff_initial=backoff_initial,
             backoff_max=backoff_max,
             max_cached_runs=max(1, max_cached_runs),
+            session_rotate_after=max(1, session_rotate_after),
+            session_max_in_flight=max(1, session_max_in_flight),
+            session_pool_size=max(1, session_pool_size),
         )
+        self._owned_store: SqliteLedgerStore | PostgresLedgerStore | None = None
+        self._plans: dict[str, WorkflowPlan] = {}
         log = _log.bind(host=host_id)
         self._log = log
         self._broker = HostBroker(url, host_id, self._settings, log)
@@ -90,6 +120,67 @@ class HostClient:
             self.engine, self._sessions, self._runs, self._broker, self._settings, log
         )
         self._recovery = Recovery(self._verbs, self._runs, self._sessions, log)
+        self._pools = SessionPools(manifests or {}, self._sessions, self._settings, log)
+        self._pooled = PooledVerbs(self._verbs, self._runs, self._pools, log)
+        self._pooled.verifiers = compensation_verifiers
+
+    @classmethod
+    def from_config(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        engine: WorkflowEngine | None = None,
+        session_rotate_after: int = 768,
+        session_max_in_flight: int = 256,
+        session_pool_size: int = 4,
+    ) -> HostClient:
+        """A client configured by ``host.toml`` (the file ``octo-host`` reads), not started.
+
+        Every ``[[scopes]]`` key, a pool per scope with ``[[grants]]`` (its
+        manifest), the ledger store (``[ledger]`` or ``[storage]``; opened by
+        ``start`` and closed by ``close``), the broker's timeouts and attempts,
+        the ``[[plans]]`` (``load_run`` takes their names) and the configured
+        compensation verifiers; the session tunables as for the constructor.
+        Use it as ``async with HostClient.from_config(path) as client:``. A bad
+        file raises ``InvalidConfiguration`` naming the key.
+        """
+        config = load_config(path)
+        scopes = [entry.name for entry in config.scopes]
+        broker = config.broker
+
+        def verifiers(
+            original: ToolPayload | None,
+        ) -> tuple[ConfiguredGrantVerifier, ConfiguredActionVerifier]:
+            return ConfiguredGrantVerifier(config), ConfiguredActionVerifier(config, original)
+
+        store = config.ledger_store()
+        client = cls(
+            config.broker_url(),
+            host_id=config.host.host_id,
+            scope_keys={scope: config.scope_key(scope) for scope in scopes},
+            store=store,
+            engine=engine,
+            reply_timeout=broker.reply_timeout_seconds,
+            publish_timeout=broker.publish_timeout_seconds,
+            max_attempts=broker.max_attempts,
+            backoff_initial=broker.backoff_initial_seconds,
+            backoff_max=broker.backoff_max_seconds,
+            manifests={
+                scope: config.manifest(scope) for scope in scopes if config.grants_of(scope)
+            },
+            compensation_verifiers=verifiers,
+            session_rotate_after=session_rotate_after,
+            session_max_in_flight=session_max_in_flight,
+            session_pool_size=session_pool_size,
+        )
+        client._owned_store = store
+        client._plans = {
+            plan.name: client.engine.plan(
+                [WorkflowStep(step.id, step.source) for step in plan.steps]
+            )
+            for plan in config.plans
+        }
+        return client
 
     # -- settings and counters ----------------------------------------------------------
 
@@ -161,6 +252,8 @@ class HostClient:
         sent again as it was.
         """
         try:
+            if self._owned_store is not None:
+                await self._owned_store.integrity_check()  # opens it, checks its rollback guard
             await self._broker.start(self._replies.on_delivery, self._sessions.fail_waiting)
         except BaseException:
             await self.close()
@@ -179,6 +272,8 @@ class HostClient:
         await self._broker.stop_consuming()
         await self._replies.wait_idle(5.0)
         await self._broker.disconnect()
+        if self._owned_store is not None:
+            await self._owned_store.close()
 
     async def __aenter__(self) -> HostClient:
         await self.start()
@@ -232,13 +327,20 @@ class HostClient:
     # -- runs and verbs -----------------------------------------------------------------
 
     async def load_run(
-        self, name: str, plan: WorkflowPlan, *, minimum_revision: int = 0
+        self, name: str, plan: WorkflowPlan | str, *, minimum_revision: int = 0
     ) -> HostRun:
         """Load (or create at revision 0) the ledger of run ``name`` for ``plan``.
 
-        The ledger is validated for the plan and against the rollback watermark:
-        the highest revision this client stored for the run, or ``minimum_revision``.
+        ``plan`` is a plan built by ``engine.plan``, or the name of a
+        configured ``[[plans]]`` entry (``from_config``). The ledger is
+        validated for the plan and against the rollback watermark: the
+        highest revision this client stored for the run, or ``minimum_revision``.
         """
+        if isinstance(plan, str):
+            named = self._plans.get(plan)
+            if named is None:
+                raise InvalidConfiguration(f"plans: no [[plans]] entry named {plan!r}")
+            plan = named
         return await self._runs.load(name, plan, minimum_revision=minimum_revision)
 
     async def record_operation(
@@ -276,10 +378,22 @@ class HostClient:
         """Record the one compensation intent (both verifiers run) and persist it."""
         return await self._verbs.record_compensation(run, target, payload, nonce)
 
+    @overload
     async def dispatch(
-        self, session: HostSession, run: HostRun, operation_key: str, payload: ToolPayload
-    ) -> WorkerOperationState:
+        self, session: HostSession, run: HostRun, operation_key: str, payload: ToolPayload, /
+    ) -> WorkerOperationState: ...
+
+    @overload
+    async def dispatch(
+        self, run: HostRun, operation_key: str, payload: ToolPayload, /
+    ) -> WorkerOperationState: ...
+
+    async def dispatch(self, *args: Any) -> WorkerOperationState:
         """Dispatch a recorded operation and return its observed state.
+
+        ``dispatch(session, run, key, payload)`` on a session of the caller's;
+        ``dispatch(run, key, payload)`` on a session of the pool of the scope
+        the key is bound to (``OperationScopeUnbound`` if it is bound to none).
 
         Only a ``pending`` key this run recorded and never sent is dispatched
         directly. Any other key (read from the store, sent before, no longer
@@ -290,43 +404,77 @@ class HostClient:
         ``pending``/``indeterminate``/``adapter_error`` refusal leads to
         reconciliation of the same key (H§16.4), on the new connection.
         """
-        return await self._verbs.dispatch(session, run, operation_key, payload)
+        if isinstance(args[0], HostRun):
+            return await self._pooled.dispatch(*args)
+        return await self._verbs.dispatch(*args)
 
+    @overload
     async def reconcile(
-        self,
-        session: HostSession,
-        run: HostRun,
-        operation_key: str,
-        input: ToolPayload | bytes,
-    ) -> WorkerOperationState:
-        """Reconcile a recorded operation (retries, new sessions as H§16.4 says).
+        self, session: HostSession, run: HostRun, operation_key: str, input: ToolPayload | bytes, /
+    ) -> WorkerOperationState: ...
+
+    @overload
+    async def reconcile(
+        self, run: HostRun, operation_key: str, input: ToolPayload | bytes, /
+    ) -> WorkerOperationState: ...
+
+    async def reconcile(self, *args: Any) -> WorkerOperationState:
+        """Reconcile a recorded operation (retries, new sessions as H§16.4 says);
+        without a session, on one of the pool of the key's scope.
 
         ``unknown_operation`` is raised as ``WorkerRequestRejected``: the
         worker never admitted the key (or has forgotten it); ``dispatch``
         sends it again only while the ledger says ``pending``.
         """
-        return await self._verbs.reconcile(session, run, operation_key, input)
+        if isinstance(args[0], HostRun):
+            return await self._pooled.reconcile(*args)
+        return await self._verbs.reconcile(*args)
 
+    @overload
     async def compensate(
         self,
         session: HostSession,
         run: HostRun,
         target: WorkflowCompensationTarget,
         dispatch: WorkflowCompensationDispatch,
-    ) -> WorkerOperationState:
-        """Send the recorded compensation under a fresh approval; return its state.
+        /,
+    ) -> WorkerOperationState: ...
+
+    @overload
+    async def compensate(
+        self,
+        run: HostRun,
+        target: WorkflowCompensationTarget,
+        dispatch: WorkflowCompensationDispatch,
+        /,
+    ) -> WorkerOperationState: ...
+
+    async def compensate(self, *args: Any) -> WorkerOperationState:
+        """Send the recorded compensation under a fresh approval; return its state
+        (without a session, on one of the pool of the original key's scope).
 
         The engine refuses before anything is sealed when the original is not
         ``succeeded`` or a verifier says no. A timeout or a pending /
         indeterminate / adapter refusal repeats the same ``cmp-`` key and input
         under a new approval (the worker answers from its journal).
         """
-        return await self._verbs.compensate(session, run, target, dispatch)
+        if isinstance(args[0], HostRun):
+            return await self._pooled.compensate(*args)
+        return await self._verbs.compensate(*args)
 
+    @overload
     async def reconcile_compensation(
-        self, session: HostSession, run: HostRun, operation_key: str
-    ) -> WorkerOperationState:
-        """Look up the recorded compensation of ``operation_key`` at the worker (D11).
+        self, session: HostSession, run: HostRun, operation_key: str, /
+    ) -> WorkerOperationState: ...
+
+    @overload
+    async def reconcile_compensation(
+        self, run: HostRun, operation_key: str, /
+    ) -> WorkerOperationState: ...
+
+    async def reconcile_compensation(self, *args: Any) -> WorkerOperationState:
+        """Look up the recorded compensation of ``operation_key`` at the worker (D11);
+        without a session, on one of the pool of the key's scope.
 
         ``reconcile_compensation`` names the compensation exactly as the ledger
         recorded it; the worker's adapter looks it up by its ``cmp-`` key and
@@ -340,7 +488,71 @@ class HostClient:
         admitted the key: ``compensate`` may send it) is raised as
         ``WorkerRequestRejected``, as is every refusal that fails closed.
         """
-        return await self._verbs.reconcile_compensation(session, run, operation_key)
+        if isinstance(args[0], HostRun):
+            return await self._pooled.reconcile_compensation(*args)
+        return await self._verbs.reconcile_compensation(*args)
+
+    async def execute(
+        self,
+        run: HostRun,
+        step_id: str,
+        tool: str,
+        payload: ToolPayload,
+        nonce: bytes,
+        scope: str | None = None,
+    ) -> WorkerOperationState:
+        """Record the intent and dispatch it, in one call; returns the operation's state.
+
+        Exactly ``record_operation(run, step_id, tool, payload, nonce, scope=scope)``
+        then ``dispatch(run, key, payload)``, on a session of ``scope``'s pool
+        (``scope`` may be left out when one scope has a manifest). Called again
+        for the same job (same run, step, tool, payload and nonce), it finds the
+        key the first call recorded (``DuplicateOperationKey`` is not raised)
+        and reconciles it before anything is sent again, so the effect runs at
+        most once. An outcome the worker has not told comes back ``pending`` or
+        ``running``: never dispatch again; ``reconcile`` (or ``recover`` after
+        a restart) settles it.
+        """
+        if scope is None:
+            scope = self._only_scope()
+        return await self._pooled.execute(run, step_id, tool, payload, nonce, scope)
+
+    async def undo(
+        self,
+        run: HostRun,
+        operation_key: str,
+        inverse: ToolPayload,
+        nonce: bytes,
+        policy: WorkflowCompensationPolicy | None = None,
+        *,
+        original: ToolPayload | None = None,
+    ) -> WorkerOperationState:
+        """Record the one compensation of a succeeded operation and send it, in one call.
+
+        Exactly ``record_compensation`` (the grant and action verifiers run)
+        then ``compensate`` under a fresh approval (both verifiers run again
+        right before sealing), on a session of the pool of the key's scope.
+        ``policy`` defaults to the key's scope and its grant in that scope's
+        manifest; ``original`` is the original input, for verifiers that
+        match fields of it (``[[actions]] match``). Called again after an
+        unfinished attempt with the same inverse, the recorded compensation is
+        sent again under the same ``cmp-`` key (the worker answers from its
+        journal); a finished one, or another inverse, raises
+        ``CompensationAlreadyRecorded``. An outcome not known comes back
+        ``pending`` or ``running``.
+        """
+        return await self._pooled.undo(run, operation_key, inverse, nonce, policy, original)
+
+    @property
+    def pool_stats(self) -> PoolStats:
+        """Sessions the pools opened, rotated out and closed, and those active now."""
+        return self._pools.stats
+
+    def _only_scope(self) -> str:
+        scopes = self._pools.scopes()
+        if len(scopes) != 1:
+            raise InvalidConfiguration(f"scope: required ({len(scopes)} scopes have a manifest)")
+        return scopes[0]
 
     async def recover(
         self,

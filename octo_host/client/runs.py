@@ -490,16 +490,8 @@ class RunCache:
         Raises :class:`DispatchScopeMismatch` when the key is bound to
         another scope. Called under the run lock; writes nothing.
         """
-        if run._routes is None:
-            record = await self.store.load(routes_record_key(run.name))
-            if record is None:
-                run._routes, run._routes_revision = {}, None
-            else:
-                doc = decode_struct(record.payload, _RoutesDoc, error=InvalidLedgerEncoding)
-                if doc.format_version != _ROUTES_FORMAT_VERSION or doc.run != run.name:
-                    raise InvalidLedgerEncoding("routes record of another run or version")
-                run._routes, run._routes_revision = dict(doc.routes), record.revision
-        bound = run._routes.get(operation_key)
+        routes = await self._routes(run)
+        bound = routes.get(operation_key)
         if bound == scope:
             return None
         if bound is not None:
@@ -512,4 +504,23 @@ class RunCache:
                 scope=scope,
             )
             raise DispatchScopeMismatch(operation_key, bound, scope)
-        return {**run._routes, operation_key: scope}
+        return {**routes, operation_key: scope}
+
+    async def bound_scope(self, run: HostRun, operation_key: str) -> str | None:
+        """The scope ``operation_key`` is bound to (by ``record_operation(scope=...)`` or
+        its first dispatch), or None. Takes the run lock."""
+        async with run._lock:
+            return (await self._routes(run)).get(operation_key)
+
+    async def _routes(self, run: HostRun) -> dict[str, str]:
+        """The run's routes, loaded from the store the first time. Under the run lock."""
+        if run._routes is None:
+            record = await self.store.load(routes_record_key(run.name))
+            if record is None:
+                run._routes, run._routes_revision = {}, None
+            else:
+                doc = decode_struct(record.payload, _RoutesDoc, error=InvalidLedgerEncoding)
+                if doc.format_version != _ROUTES_FORMAT_VERSION or doc.run != run.name:
+                    raise InvalidLedgerEncoding("routes record of another run or version")
+                run._routes, run._routes_revision = dict(doc.routes), record.revision
+        return run._routes

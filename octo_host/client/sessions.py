@@ -266,6 +266,8 @@ class HostSession:
         self.closed = False
         self.closed_at: float | None = None  # loop time of the close
         self.replaced_by: HostSession | None = None
+        self.requests = 0
+        """Requests registered on this session (each retains one request id at the worker)."""
         self._waiters = WaiterTable()
         # Request ids this session sent (the newest _MAX_SENT_REMEMBERED, in
         # order): an authentic reply to one whose waiter is gone is a late or
@@ -504,6 +506,7 @@ class SessionRegistry:
         future.add_done_callback(_retrieve)
         waiter = Waiter(kind, request, run, future)
         waiters[request_id] = waiter
+        session.requests += 1
         sent = session._sent
         sent[request_id] = None
         if len(sent) > _MAX_SENT_REMEMBERED:

@@ -29,3 +29,10 @@ class ClientSettings:
     backoff_max: float
     max_cached_runs: int
     """Runs kept loaded, at least 1 (see ``RunCache``)."""
+    session_rotate_after: int = 768
+    """A pooled session is rotated out once it may hold this many request ids
+    (the worker retains at most 1,024 per session, ``SessionPools``)."""
+    session_max_in_flight: int = 256
+    """Verbs one pooled session carries at once before the pool opens another."""
+    session_pool_size: int = 4
+    """Sessions a scope's pool keeps open at most for busy verbs (rotated ones apart)."""

@@ -257,14 +257,15 @@ class WorkerEnv:
         return self.state_dir / "effects.log"
 
 
-@pytest.fixture
-def worker_env(tmp_path: Path, names: Names) -> WorkerEnv:
-    root = tmp_path
+def write_worker_env(root: Path, scope: str, *, tools: tuple[str, ...] = (TOOL,)) -> WorkerEnv:
+    """Keys and ``worker.toml`` of a worker serving ``scope`` with ``tools`` (one of
+    them may be ``files.publish``, publishing under ``state/published``)."""
     scope_key = secrets.token_bytes(32)
     base = root / "worker"
     write_private(base / "keys" / "scope.key", scope_key)
     write_private(base / "keys" / "storage.key", secrets.token_bytes(32).hex().encode() + b"\n")
     config_path = base / "worker.toml"
+    enabled = ", ".join(f'"{tool}"' for tool in tools)
     config_path.write_text(
         f"""
 [worker]
@@ -282,11 +283,11 @@ journal = "journal.sqlite3"
 key = {{ id = "worker-k1", key_file = "keys/storage.key" }}
 
 [[scopes]]
-name = "{names.scope}"
+name = "{scope}"
 key_file = "keys/scope.key"
 
 [adapters]
-enabled = ["{TOOL}"]
+enabled = [{enabled}]
 
 [adapters.options."{TOOL}"]
 target_dir = "./published"
@@ -296,11 +297,16 @@ effect_log = "./effects.log"
     )
     return WorkerEnv(
         root=root,
-        scope=names.scope,
+        scope=scope,
         scope_key=ScopeKey.from_bytes(scope_key),
         config_path=config_path,
         config=load_config(config_path),
     )
+
+
+@pytest.fixture
+def worker_env(tmp_path: Path, names: Names) -> WorkerEnv:
+    return write_worker_env(tmp_path, names.scope)
 
 
 class WorkerRunner:
