@@ -1,0 +1,530 @@
+"""The request and result bodies of the wire messages (W§4.1, D6, D9, D11).
+
+Every struct here is a frozen value that compares by value; field order is
+the serialization order of W§4.1, which tags, sizes and fingerprints are
+computed over. Built by user code, a struct sets ``protocol_version = 5``
+and validates itself (W§4.4). Import them from :mod:`octo_common.messages`,
+which carries them in its messages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+import msgspec
+
+from octo_common._struct import ProtocolStruct
+from octo_common.errors import (
+    CancellationIdMatchesRequest,
+    InvalidCompensationGrantFingerprint,
+    InvalidCompensationKey,
+    SerializationError,
+    UnsupportedVersion,
+)
+from octo_common.ids import (
+    all_tokens,
+    is_fingerprint,
+    validate_compensation_key,
+    validate_token,
+)
+from octo_common.limits import PROTOCOL_VERSION
+from octo_common.payload import ToolPayload
+from octo_common.states import Cancelled, Failed, OperationStatus, Running, Succeeded
+
+U16 = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_V: Final = PROTOCOL_VERSION
+
+
+def check_version(version: int) -> None:
+    """``UnsupportedVersion`` unless ``version`` is this protocol's (5)."""
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(version)
+
+
+def _check_status(status: Any) -> None:
+    if not isinstance(status, Running | Succeeded | Failed | Cancelled):
+        raise SerializationError("a result status is running, succeeded, failed or cancelled")
+    status.validate()
+
+
+def _check_fingerprint(value: str) -> None:
+    if not is_fingerprint(value):
+        raise InvalidCompensationGrantFingerprint()
+
+
+class _Versioned(ProtocolStruct, frozen=True):
+    __versioned__ = True
+
+
+# Requests and results (W§4.1) -----------------------------------------------
+
+
+class ToolInvocation(_Versioned, frozen=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            payload: ToolPayload,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        """Header only: an invocation's payload is checked by the authorizer."""
+        check_version(self.protocol_version)
+        if all_tokens(self.session_id, self.request_id, self.tool):
+            return
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+
+
+class ToolResult(_Versioned, frozen=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            payload: ToolPayload,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+
+
+class WorkerCancellationRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
+    """Reserved (D9): decodes and validates; a worker refuses it."""
+
+    protocol_version: U16
+    session_id: str
+    cancellation_id: str
+    request_id: str
+    tool: str
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            cancellation_id: str,
+            request_id: str,
+            tool: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("cancellation id", self.cancellation_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        if self.cancellation_id == self.request_id:
+            raise CancellationIdMatchesRequest()
+
+
+class WorkerCancellationResult(_Versioned, frozen=True, forbid_unknown_fields=True):
+    """Reserved (D9)."""
+
+    protocol_version: U16
+    session_id: str
+    cancellation_id: str
+    request_id: str
+    tool: str
+    outcome: Literal["acknowledged", "too_late", "unsupported"]
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            cancellation_id: str,
+            request_id: str,
+            tool: str,
+            outcome: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        check_version(self.protocol_version)
+        validate_token("session id", self.session_id)
+        validate_token("cancellation id", self.cancellation_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        if self.cancellation_id == self.request_id:
+            raise CancellationIdMatchesRequest()
+
+
+class OperationDispatchRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            payload: ToolPayload,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate_header(self) -> None:
+        check_version(self.protocol_version)
+        if all_tokens(self.session_id, self.request_id, self.tool, self.operation_key):
+            return
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+
+    def validate(self) -> None:
+        self.validate_header()
+        self.payload.validate_for(self.payload.format)
+
+
+class OperationReconcileRequest(_Versioned, frozen=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        check_version(self.protocol_version)
+        if not all_tokens(self.session_id, self.request_id, self.tool, self.operation_key):
+            validate_token("session id", self.session_id)
+            validate_token("request id", self.request_id)
+            validate_token("tool", self.tool)
+            validate_token("operation key", self.operation_key)
+
+
+class OperationReconcileResult(_Versioned, frozen=True):
+    """The result of a dispatch (``operation_result``) or a reconciliation."""
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    status: OperationStatus
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            status: OperationStatus,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        check_version(self.protocol_version)
+        if not all_tokens(self.session_id, self.request_id, self.tool, self.operation_key):
+            validate_token("session id", self.session_id)
+            validate_token("request id", self.request_id)
+            validate_token("tool", self.tool)
+            validate_token("operation key", self.operation_key)
+        _check_status(self.status)
+
+    def matches_request(self, request: Any) -> bool:
+        """W§4.3: equal version, session, request id, tool and operation key."""
+        return bool(
+            self.protocol_version == request.protocol_version
+            and self.session_id == request.session_id
+            and self.request_id == request.request_id
+            and self.tool == request.tool
+            and self.operation_key == request.operation_key
+        )
+
+    def matches_dispatch(self, dispatch: Any) -> bool:
+        return self.matches_request(dispatch)
+
+
+class OperationCompensationBinding(ProtocolStruct, frozen=True):
+    """What a compensation is bound to (W§4.4)."""
+
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+
+    def validate(self) -> None:
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+        validate_compensation_key(self.compensation_key)
+        validate_token("tenant scope", self.tenant_scope)
+        _check_fingerprint(self.grant_fingerprint)
+
+
+def _binding_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], last: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Turn ``(session_id, request_id, binding, <last>)`` into the flat fields."""
+    names = ("session_id", "request_id", "binding", last)
+    flat_names = ("tool", "operation_key", "compensation_key", "tenant_scope")
+    if "binding" not in kwargs and len(args) < 3 and all(n in kwargs for n in flat_names):
+        return args, kwargs  # already flat (keyword form)
+    values = dict(zip(names, args, strict=False))
+    for name in names:
+        if name in kwargs:
+            values[name] = kwargs.pop(name)
+    binding = values.get("binding")
+    if not isinstance(binding, OperationCompensationBinding):
+        raise TypeError("binding must be an OperationCompensationBinding")
+    kwargs.update(
+        session_id=values.get("session_id"),
+        request_id=values.get("request_id"),
+        tool=binding.tool,
+        operation_key=binding.operation_key,
+        compensation_key=binding.compensation_key,
+        tenant_scope=binding.tenant_scope,
+        grant_fingerprint=binding.grant_fingerprint,
+    )
+    kwargs[last] = values.get(last)
+    kwargs.setdefault("protocol_version", PROTOCOL_VERSION)
+    return (), kwargs
+
+
+class _CompensationFields(_Versioned, frozen=True):
+    def _validate_header(self) -> None:
+        check_version(self.protocol_version)  # type: ignore[attr-defined]
+        if all_tokens(
+            self.session_id,  # type: ignore[attr-defined]
+            self.request_id,  # type: ignore[attr-defined]
+            self.tool,  # type: ignore[attr-defined]
+            self.operation_key,  # type: ignore[attr-defined]
+            self.compensation_key,  # type: ignore[attr-defined]
+            self.tenant_scope,  # type: ignore[attr-defined]
+        ):
+            # Every token passes, so only the cmp- prefix and the fingerprint remain.
+            if not self.compensation_key.startswith("cmp-"):  # type: ignore[attr-defined]
+                raise InvalidCompensationKey(self.compensation_key)  # type: ignore[attr-defined]
+            _check_fingerprint(self.grant_fingerprint)  # type: ignore[attr-defined]
+            return
+        validate_token("session id", self.session_id)  # type: ignore[attr-defined]
+        validate_token("request id", self.request_id)  # type: ignore[attr-defined]
+        validate_token("tool", self.tool)  # type: ignore[attr-defined]
+        validate_token("operation key", self.operation_key)  # type: ignore[attr-defined]
+        validate_compensation_key(self.compensation_key)  # type: ignore[attr-defined]
+        validate_token("tenant scope", self.tenant_scope)  # type: ignore[attr-defined]
+        _check_fingerprint(self.grant_fingerprint)  # type: ignore[attr-defined]
+
+    @property
+    def binding(self) -> OperationCompensationBinding:
+        return OperationCompensationBinding(
+            self.tool,  # type: ignore[attr-defined]
+            self.operation_key,  # type: ignore[attr-defined]
+            self.compensation_key,  # type: ignore[attr-defined]
+            self.tenant_scope,  # type: ignore[attr-defined]
+            self.grant_fingerprint,  # type: ignore[attr-defined]
+        )
+
+
+class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    payload: ToolPayload
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            binding: OperationCompensationBinding,
+            payload: ToolPayload,
+        ) -> None: ...
+
+    @classmethod
+    def _build_arguments(
+        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return _binding_arguments(args, kwargs, "payload")
+
+    def validate_header(self) -> None:
+        self._validate_header()
+
+    def validate(self) -> None:
+        self._validate_header()
+        self.payload.validate_for(self.payload.format)
+
+
+class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    status: OperationStatus
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            binding: OperationCompensationBinding,
+            status: OperationStatus,
+        ) -> None: ...
+
+    @classmethod
+    def _build_arguments(
+        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return _binding_arguments(args, kwargs, "status")
+
+    def validate(self) -> None:
+        self._validate_header()
+        _check_status(self.status)
+
+    def matches_request(self, request: Any) -> bool:
+        """W§4.3: the five operation fields plus key, tenant and fingerprint."""
+        return bool(
+            self.protocol_version == request.protocol_version
+            and self.session_id == request.session_id
+            and self.request_id == request.request_id
+            and self.tool == request.tool
+            and self.operation_key == request.operation_key
+            and self.compensation_key == request.compensation_key
+            and self.tenant_scope == request.tenant_scope
+            and self.grant_fingerprint == request.grant_fingerprint
+        )
+
+
+class CompensationReconcileRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    """D11: ask the worker to look a compensation up by its key (no effect).
+
+    The seven fields name the compensation exactly as the ledger and the
+    journal hold it; there is no payload. Validated like the header of a
+    ``compensate_operation``: tokens, the ``cmp-`` key, the tenant scope and
+    the grant fingerprint syntax. Unknown keys are rejected on decode, as for
+    every struct that carries a compensation binding.
+    """
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            compensation_key: str,
+            tenant_scope: str,
+            grant_fingerprint: str,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        self._validate_header()
+
+
+class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    """D11: the status a compensation lookup observed (``reconciled_compensation``)."""
+
+    protocol_version: U16
+    session_id: str
+    request_id: str
+    tool: str
+    operation_key: str
+    compensation_key: str
+    tenant_scope: str
+    grant_fingerprint: str
+    status: OperationStatus
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            session_id: str,
+            request_id: str,
+            tool: str,
+            operation_key: str,
+            compensation_key: str,
+            tenant_scope: str,
+            grant_fingerprint: str,
+            status: OperationStatus,
+            *,
+            protocol_version: int = _V,
+        ) -> None: ...
+
+    def validate(self) -> None:
+        self._validate_header()
+        _check_status(self.status)
+
+    def matches_request(self, request: Any) -> bool:
+        """All eight identity fields equal (as W§4.3 for compensation results)."""
+        return bool(
+            self.protocol_version == request.protocol_version
+            and self.session_id == request.session_id
+            and self.request_id == request.request_id
+            and self.tool == request.tool
+            and self.operation_key == request.operation_key
+            and self.compensation_key == request.compensation_key
+            and self.tenant_scope == request.tenant_scope
+            and self.grant_fingerprint == request.grant_fingerprint
+        )
