@@ -79,6 +79,7 @@ __all__ = [
     "call_adapter",
     "call_adapter_with_deadline",
     "load_adapters",
+    "run_handler",
 ]
 
 ADAPTER_ENTRY_POINT_GROUP = "octo.adapters"
@@ -455,16 +456,24 @@ class TypedJsonWorkerAdapter(BaseWorkerAdapter, Generic[InputT]):
             value = msgspec.convert(payload.value, self._input_type, strict=True)
         except (msgspec.ValidationError, TypeError, ValueError) as exc:
             raise AdapterInvalidJsonInput(type(exc).__name__) from None
-        if inspect.iscoroutinefunction(self._handler):
-            output = await self._handler(value)
-        else:
-            # A plain function may block: off the event loop, so the daemon keeps
-            # serving and the deadline still answers (the thread runs on; a
-            # READ_ONLY or idempotent invoke is safe to leave running).
-            output = await asyncio.to_thread(self._handler, value)
-            if inspect.isawaitable(output):
-                output = await output
-        return json_output_payload(output)
+        return json_output_payload(await run_handler(self._handler, value))
+
+
+async def run_handler(handler: Callable[..., Any], *args: Any) -> Any:
+    """``handler(*args)``: awaited when it is a coroutine function, else run in a worker
+    thread (its result awaited if it is awaitable).
+
+    A plain function may block: off the event loop, so the daemon keeps
+    serving and the deadline still answers. The thread runs on after the
+    deadline; the call is then indeterminate, which a durable operation's
+    lookup settles and which a READ_ONLY or idempotent invoke tolerates.
+    """
+    if inspect.iscoroutinefunction(handler):
+        return await handler(*args)
+    output = await asyncio.to_thread(handler, *args)
+    if inspect.isawaitable(output):
+        output = await output
+    return output
 
 
 def json_output_payload(output: object) -> ToolPayload:
