@@ -16,20 +16,20 @@ or log credentials or frame bodies.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Final
 
 import aio_pika
 import aiormq
 from aio_pika.abc import (
     AbstractChannel,
     AbstractConnection,
-    AbstractIncomingMessage,
     AbstractQueue,
 )
 from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
+from octo_common.runtime.consumer import Received, consume_queue
 from octo_common.transport import (
     EXCHANGE,
     reply_queue,
@@ -85,17 +85,20 @@ async def open_confirm_channel(connection: AbstractConnection) -> AbstractChanne
 async def consume_reply_queue(
     connection: AbstractConnection,
     host_id: str,
-    callback: Callable[[AbstractIncomingMessage], Awaitable[Any]],
+    callback: Callable[[Received], None],
     *,
     prefetch_count: int,
 ) -> tuple[AbstractChannel, AbstractQueue, str]:
     """Consume this host's (declared) reply queue on a channel of its own, with
-    manual acks; returns the channel, the queue and the consumer tag."""
+    manual acks; returns the channel, the queue and the consumer tag.
+
+    ``callback`` gets each delivery and must only start its handling
+    (:func:`octo_common.runtime.consumer.consume_queue`)."""
     try:
         channel = await connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=prefetch_count)
         queue = await channel.get_queue(reply_queue(host_id), ensure=False)
-        tag = await queue.consume(callback, no_ack=False)
+        tag = await consume_queue(queue, callback)
     except _BROKER_ERRORS as error:
         raise BrokerUnavailable(
             f"cannot consume the reply queue ({type(error).__name__})"

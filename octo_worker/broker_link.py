@@ -19,10 +19,11 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from octo_common.errors import OctoError
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.runtime.consumer import InboundMessage, Received, consume_queue
 from octo_common.transport import PublishChannelClosed, worker_queue
 from octo_worker.scopes import ServedScope
 from octo_worker.topology import connect, declare_topology, open_confirm_channel
@@ -62,7 +63,7 @@ class BrokerLink:
         async def _on_message(
             self,
             scope: ServedScope,
-            message: AbstractIncomingMessage,
+            message: InboundMessage,
             channel: AbstractChannel,
         ) -> None: ...
 
@@ -196,13 +197,17 @@ class BrokerLink:
             return
         queue = await channel.get_queue(worker_queue(scope.name), ensure=False)
 
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            task = asyncio.ensure_future(self._on_message(scope, message, channel))
-            scope.tasks.add(task)
-            task.add_done_callback(scope.tasks.discard)
+        tasks = scope.tasks
+        loop = asyncio.get_running_loop()
+
+        def on_message(message: Received) -> None:
+            # Its own task: the one the client runs this callback in ends with the channel.
+            task = loop.create_task(self._on_message(scope, message, channel))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
         scope.queue = queue
-        scope.consumer_tag = await queue.consume(on_message, no_ack=False)
+        scope.consumer_tag = await consume_queue(queue, on_message)
         self._set_consumers_gauge()
 
     async def _stop_consuming(self, scope: ServedScope | None = None) -> None:
@@ -258,7 +263,7 @@ class BrokerLink:
     async def dead_letter(
         self,
         scope: ServedScope,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         channel: AbstractChannel,
         reason: str,
     ) -> None:

@@ -23,12 +23,13 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 
 from octo_common.errors import OctoError, SessionReplay
 from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole, decode_frame
 from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession
+from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
 from octo_worker.scopes import ServedScope, remember_closed
 from octo_worker.session import WorkerSession
@@ -59,7 +60,7 @@ class _Broker(Protocol):
     async def dead_letter(
         self,
         scope: ServedScope,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         channel: AbstractChannel,
         reason: str,
     ) -> None: ...
@@ -72,7 +73,7 @@ class BrokerDelivery:
         self,
         daemon: _Broker,
         scope: ServedScope,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         channel: AbstractChannel,
     ) -> None:
         self._daemon = daemon
@@ -152,7 +153,7 @@ class DeliveryPath:
         async def dead_letter(
             self,
             scope: ServedScope,
-            message: AbstractIncomingMessage,
+            message: InboundMessage,
             channel: AbstractChannel,
             reason: str,
         ) -> None: ...
@@ -160,7 +161,7 @@ class DeliveryPath:
     async def _on_message(
         self,
         scope: ServedScope,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         channel: AbstractChannel,
     ) -> None:
         async with scope.semaphore:
@@ -209,7 +210,7 @@ class DeliveryPath:
     async def _deliver(
         self,
         scope: ServedScope,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         delivery: BrokerDelivery,
     ) -> None:
         body = message.body
@@ -263,7 +264,7 @@ class DeliveryPath:
     async def _open_session(
         self,
         scope: ServedScope,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         delivery: BrokerDelivery,
         session_id: str,
         key_nonce: bytes,

@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 from pamqp.commands import Basic
 
+from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import (
     CONTENT_TYPE,
     DEAD_EXCHANGE,
@@ -42,6 +43,7 @@ from octo_common.transport import (
 __all__ = [
     "copy_to_dead_letter",
     "dead_letter_delivery",
+    "frame_properties",
     "publish_confirmed",
     "publish_envelope",
 ]
@@ -54,6 +56,29 @@ _IN_FLIGHT: weakref.WeakKeyDictionary[AbstractChannel, dict[str, asyncio.Future[
     weakref.WeakKeyDictionary()
 )
 _NO_ROUTE = 312  # AMQP reply code of a returned mandatory publish
+
+
+def frame_properties(
+    message_id: str,
+    correlation_id: str | None,
+    reply_to: str | None,
+    headers: Mapping[str, Any],
+) -> aiormq.spec.Basic.Properties:
+    """The AMQP properties of one Octo publish: what an ``aio_pika.Message`` with the
+    same fields would send, persistent, with :data:`CONTENT_TYPE`.
+
+    The frame goes straight to aiormq: an ``aio_pika.Message`` and an
+    ``Exchange`` object per publish cost about a fifth of the publish's CPU
+    (measured). ``headers`` is copied (the encoder needs a ``dict``).
+    """
+    return aiormq.spec.Basic.Properties(
+        content_type=CONTENT_TYPE,
+        delivery_mode=DELIVERY_MODE_PERSISTENT,
+        headers=dict(headers),
+        message_id=message_id,
+        correlation_id=correlation_id,
+        reply_to=reply_to,
+    )
 
 
 async def publish_confirmed(
@@ -80,16 +105,7 @@ async def publish_confirmed(
     """
     if not getattr(channel, "publisher_confirms", False):
         raise ValueError("publish_confirmed needs a channel with publisher confirms")
-    # The frame goes straight to aiormq: an aio_pika.Message and an Exchange
-    # object per publish cost about a fifth of the publish's CPU (measured).
-    properties = aiormq.spec.Basic.Properties(
-        content_type=CONTENT_TYPE,
-        delivery_mode=DELIVERY_MODE_PERSISTENT,
-        headers=dict(headers),
-        message_id=message_id,
-        correlation_id=correlation_id,
-        reply_to=reply_to,
-    )
+    properties = frame_properties(message_id, correlation_id, reply_to, headers)
     in_flight = _IN_FLIGHT.setdefault(channel, {})
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -175,7 +191,7 @@ async def publish_envelope(
 
 async def copy_to_dead_letter(
     channel: AbstractChannel | None,
-    message: AbstractIncomingMessage,
+    message: InboundMessage,
     reason: str,
     *,
     timeout: float,
@@ -216,7 +232,7 @@ async def copy_to_dead_letter(
 
 
 async def dead_letter_delivery(
-    message: AbstractIncomingMessage,
+    message: InboundMessage,
     publish_channel: AbstractChannel | None,
     reason: str,
     *,

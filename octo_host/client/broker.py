@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 from structlog.typing import FilteringBoundLogger
 
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.runtime.consumer import InboundMessage, Received
 from octo_common.transport import (
     PublishChannelClosed,
     PublishFailed,
@@ -79,7 +80,7 @@ class HostBroker:
         self._consume_channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
         self._consumer_tag: str | None = None
-        self._on_delivery: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None
+        self._on_delivery: Callable[[Received], None] | None = None
         self._on_lost: Callable[[str, bool], None] | None = None
         # Each connection's callbacks act only while it is the current one.
         self._generation = 0
@@ -100,10 +101,11 @@ class HostBroker:
 
     async def start(
         self,
-        on_delivery: Callable[[AbstractIncomingMessage], Awaitable[None]],
+        on_delivery: Callable[[Received], None],
         on_lost: Callable[[str, bool], None],
     ) -> None:
-        """Connect, declare the reply queue and consume it with ``on_delivery``.
+        """Connect, declare the reply queue and consume it with ``on_delivery``
+        (called once per delivery; it starts the delivery's handling and returns).
 
         ``on_lost(reason, unexpected)`` is called once per connection when no
         reply can arrive on it any more: ``unexpected`` is False during
@@ -300,12 +302,12 @@ class HostBroker:
             message_id=envelope.message_id,
         )
 
-    async def ack(self, message: AbstractIncomingMessage) -> None:
+    async def ack(self, message: InboundMessage) -> None:
         """Ack a reply delivery; a lost channel is not an error (the broker redelivers)."""
         with contextlib.suppress(Exception):
             await message.ack()
 
-    async def dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
+    async def dead_letter(self, message: InboundMessage, reason: str) -> None:
         """W§12.3 for the host: a confirmed copy with ``octo-reason``, then ack."""
         self._log.info("reply_dead_lettered", reason=reason, request_id=message.correlation_id)
         with contextlib.suppress(Exception):  # settling on a lost channel: the broker redelivers

@@ -30,7 +30,6 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage
 from structlog.typing import FilteringBoundLogger
 
 from octo_common.errors import (
@@ -45,6 +44,7 @@ from octo_common.errors import (
 from octo_common.frames import SessionAuthenticator
 from octo_common.inbound import Refused, Unrouted, gate
 from octo_common.messages import WorkerMessage, message_type
+from octo_common.runtime.consumer import InboundMessage
 from octo_common.states import Running
 from octo_host.client.broker import HostBroker
 from octo_host.client.runs import MAX_WRITE_ATTEMPTS, HostRun, RunCache
@@ -74,9 +74,9 @@ class ReplyRouter:
         self._log = log
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def on_delivery(self, message: AbstractIncomingMessage) -> None:
+    def on_delivery(self, message: InboundMessage) -> None:
         """The reply consumer's callback: each delivery is handled in a task of its own."""
-        task = asyncio.ensure_future(self._handle(message))
+        task = asyncio.get_running_loop().create_task(self._handle(message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -85,7 +85,7 @@ class ReplyRouter:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
-    async def _handle(self, message: AbstractIncomingMessage) -> None:
+    async def _handle(self, message: InboundMessage) -> None:
         try:
             await self._route(message)
         except asyncio.CancelledError:
@@ -97,7 +97,7 @@ class ReplyRouter:
             with contextlib.suppress(Exception):
                 await self._broker.dead_letter(message, "host_internal_error")
 
-    async def _route(self, message: AbstractIncomingMessage) -> None:
+    async def _route(self, message: InboundMessage) -> None:
         routed = gate(len(message.body), message.headers, self._sessions.by_id.get)
         if isinstance(routed, Refused):
             await self._broker.dead_letter(message, routed.reason)
@@ -135,7 +135,7 @@ class ReplyRouter:
         await self._apply(session.authenticator, message, waiter, kind, request_id, forget)
 
     async def _open_or_settle(
-        self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
+        self, authenticator: SessionAuthenticator, message: InboundMessage
     ) -> WorkerMessage | None:
         """Open a reply; None once it is settled (a duplicate acked, a bad frame dead-lettered)."""
         try:
@@ -149,7 +149,7 @@ class ReplyRouter:
         return opened
 
     async def _drop_reply(
-        self, session_id: str, opened: WorkerMessage, message: AbstractIncomingMessage, reason: str
+        self, session_id: str, opened: WorkerMessage, message: InboundMessage, reason: str
     ) -> None:
         """An authentic reply with nothing to apply: logged, acked."""
         self._log.info(
@@ -162,7 +162,7 @@ class ReplyRouter:
         await self._broker.ack(message)
 
     async def _retired_reply(
-        self, authenticator: SessionAuthenticator, message: AbstractIncomingMessage
+        self, authenticator: SessionAuthenticator, message: InboundMessage
     ) -> None:
         """A reply of a session let go of that answers nothing kept: an authentic one is
         a repeated answer to a request already answered (dropped); a forged one is
@@ -175,7 +175,7 @@ class ReplyRouter:
     async def _apply_retired(
         self,
         authenticator: SessionAuthenticator,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         kept: RetiredRequest,
         key: tuple[str, str],
     ) -> None:
@@ -201,7 +201,7 @@ class ReplyRouter:
 
         await self._apply(authenticator, message, waiter, kept.kind, key[1], forget)
 
-    async def _unrequested(self, session: HostSession, message: AbstractIncomingMessage) -> None:
+    async def _unrequested(self, session: HostSession, message: InboundMessage) -> None:
         """An authenticated reply nobody waits for: a duplicate is dropped."""
         opened = await self._open_or_settle(session.authenticator, message)
         if opened is None:
@@ -224,7 +224,7 @@ class ReplyRouter:
     async def _deliver_raw(
         self,
         session: HostSession,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         waiter: Waiter,
         correlation_id: str,
     ) -> None:
@@ -238,7 +238,7 @@ class ReplyRouter:
     async def _apply(
         self,
         authenticator: SessionAuthenticator,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         waiter: Waiter,
         kind: RequestKind,
         correlation_id: str,
@@ -300,7 +300,7 @@ class ReplyRouter:
 
     async def _persist_failed(
         self,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         waiter: Waiter,
         run: HostRun,
         error: OctoError,
@@ -314,7 +314,7 @@ class ReplyRouter:
 
     async def _not_applied(
         self,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         waiter: Waiter,
         kind: RequestKind,
         correlation_id: str,
@@ -362,7 +362,7 @@ class ReplyRouter:
 
     async def _refused_by_ledger(
         self,
-        message: AbstractIncomingMessage,
+        message: InboundMessage,
         waiter: Waiter,
         correlation_id: str,
         error: OctoError,
