@@ -14,6 +14,7 @@ and feed :func:`check_delivery` with what the broker delivered.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ __all__ = [
     "WORKER_QUEUE_PREFIX",
     "DeliveryHeaders",
     "FrameEnvelope",
+    "FrameRoute",
     "PublishChannelClosed",
     "PublishFailed",
     "PublishNacked",
@@ -231,6 +233,40 @@ class FrameEnvelope:
     delivery_mode: int = DELIVERY_MODE_PERSISTENT
 
 
+@dataclass(frozen=True, slots=True)
+class FrameRoute:
+    """Where one session's frames go in one direction, its names checked once (W§12.1).
+
+    ``headers`` are the three ``octo-*`` headers every frame of the session
+    carries; ``reply_to`` is the host reply queue a host publish names (None
+    on a reply). Built by :func:`build_host_publish` and
+    :func:`build_worker_reply` (remembered for the most recent routes, so a
+    session's names are validated once, not per frame); :meth:`envelope`
+    checks only what changes per frame.
+    """
+
+    routing_key: str
+    reply_to: str | None
+    headers: Mapping[str, str]
+
+    def envelope(self, body: bytes, correlation_id: str | None) -> FrameEnvelope:
+        """The publish of ``body``: its size and the correlation id checked, its message id."""
+        body = _check_body(body)
+        return FrameEnvelope(
+            body=body,
+            message_id=frame_message_id(body),
+            correlation_id=_check_correlation_id(correlation_id),
+            reply_to=self.reply_to,
+            headers=self.headers,
+            routing_key=self.routing_key,
+        )
+
+
+# Routes are a few hundred bytes; this many covers every live session of a busy
+# process, and one that falls out is only validated again.
+_ROUTES_KEPT: Final = 4096
+
+
 def _frame_headers(scope: str, session_id: str, key_nonce: bytes) -> Mapping[str, str]:
     validate_token("tenant scope", scope)
     validate_token("session id", session_id)
@@ -259,6 +295,31 @@ def _check_correlation_id(correlation_id: str | None) -> str | None:
     return correlation_id
 
 
+def _hashable_nonce(key_nonce: bytes) -> bytes:
+    """The nonce as ``bytes`` (a route is remembered by it); anything else but a
+    32-byte ``bytearray`` raises ``InvalidKeyNonce``."""
+    if type(key_nonce) is not bytes:
+        validate_key_nonce(key_nonce)
+        return bytes(key_nonce)
+    return key_nonce
+
+
+@functools.lru_cache(maxsize=_ROUTES_KEPT)
+def _host_route(scope: str, session_id: str, key_nonce: bytes, reply_to: str) -> FrameRoute:
+    headers = _frame_headers(scope, session_id, key_nonce)
+    if host_id_of_reply_queue(reply_to) is None:
+        raise ValueError("reply_to must be a host reply queue (octo.v5.reply.<host-id>)")
+    return FrameRoute(routing_key=worker_queue(scope), reply_to=reply_to, headers=headers)
+
+
+@functools.lru_cache(maxsize=_ROUTES_KEPT)
+def _reply_route(scope: str, session_id: str, key_nonce: bytes, reply_to: str) -> FrameRoute:
+    headers = _frame_headers(scope, session_id, key_nonce)
+    if host_id_of_reply_queue(reply_to) is None:
+        raise ValueError("a reply is routed to a host reply queue (octo.v5.reply.<host-id>)")
+    return FrameRoute(routing_key=reply_to, reply_to=None, headers=headers)
+
+
 def build_host_publish(
     scope: str,
     session_id: str,
@@ -274,18 +335,8 @@ def build_host_publish(
     must be a host reply queue (:func:`reply_queue`); ``correlation_id`` is
     the request id, None for ``open_session`` and ``close_session``.
     """
-    headers = _frame_headers(scope, session_id, key_nonce)
-    if host_id_of_reply_queue(reply_to) is None:
-        raise ValueError("reply_to must be a host reply queue (octo.v5.reply.<host-id>)")
-    body = _check_body(body)
-    return FrameEnvelope(
-        body=body,
-        message_id=frame_message_id(body),
-        correlation_id=_check_correlation_id(correlation_id),
-        reply_to=reply_to,
-        headers=headers,
-        routing_key=worker_queue(scope),
-    )
+    route = _host_route(scope, session_id, _hashable_nonce(key_nonce), reply_to)
+    return route.envelope(body, correlation_id)
 
 
 def build_worker_reply(
@@ -303,18 +354,8 @@ def build_worker_reply(
     ``open_session`` delivery; it becomes the routing key. A reply carries no
     ``reply_to`` of its own.
     """
-    headers = _frame_headers(scope, session_id, key_nonce)
-    if host_id_of_reply_queue(reply_to) is None:
-        raise ValueError("a reply is routed to a host reply queue (octo.v5.reply.<host-id>)")
-    body = _check_body(body)
-    return FrameEnvelope(
-        body=body,
-        message_id=frame_message_id(body),
-        correlation_id=_check_correlation_id(correlation_id),
-        reply_to=None,
-        headers=headers,
-        routing_key=reply_to,
-    )
+    route = _reply_route(scope, session_id, _hashable_nonce(key_nonce), reply_to)
+    return route.envelope(body, correlation_id)
 
 
 def build_dead_letter_headers(
