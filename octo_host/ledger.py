@@ -15,7 +15,7 @@ mutates last.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 import msgspec
@@ -168,6 +168,10 @@ class WorkflowOperation:
     input_fingerprint: str
     state: StateKind
     compensation: WorkflowCompensation | None = None
+    # Set once validate_syntax passed: the record is immutable, so it stays
+    # valid, and a ledger re-validated several times per request checks each
+    # record once. A changed record (dataclasses.replace) starts unchecked.
+    _syntax_valid: bool = field(default=False, init=False, repr=False, compare=False)
 
     def matches_input(self, data: bytes) -> bool:
         """At most 256 KiB and the same ledger input fingerprint."""
@@ -184,6 +188,12 @@ class WorkflowOperation:
 
     def validate_syntax(self) -> None:
         """H§9 operation syntax, first error wins."""
+        if self._syntax_valid:
+            return
+        self._check_syntax()
+        object.__setattr__(self, "_syntax_valid", True)
+
+    def _check_syntax(self) -> None:
         if not is_step_id(self.step_id):
             raise InvalidStepId(self.step_id)
         if not _token(self.tool):

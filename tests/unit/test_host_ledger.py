@@ -961,3 +961,32 @@ def test_operator_resolution_of_a_compensation_refuses_an_unknown_state(
     assert refused.value.compensation_key == "cmp-undo"
     assert refused.value.current is StateKind.PENDING
     assert ledger == before
+
+
+# A record's syntax is checked once --------------------------------------------
+
+
+def test_a_record_that_passed_stays_valid_and_a_changed_one_is_checked_again() -> None:
+    valid = WorkflowOperation("publish", TOOL, KEY, "0" * 64, StateKind.PENDING)
+    valid.validate_syntax()
+    valid.validate_syntax()
+    assert valid == WorkflowOperation("publish", TOOL, KEY, "0" * 64, StateKind.PENDING)
+    assert "_syntax_valid" not in repr(valid)
+    compensation = WorkflowCompensation(
+        "cmp-undo", "1" * 64, "tenant-a", "2" * 64, StateKind.PENDING
+    )
+    # A compensation on an operation that did not succeed: the changed record is refused.
+    changed = replace(valid, compensation=compensation)
+    with pytest.raises(CompensationRequiresSucceededOperation):
+        changed.validate_syntax()
+    replace(changed, state=StateKind.SUCCEEDED).validate_syntax()
+
+
+def test_a_refused_record_is_refused_every_time() -> None:
+    bad = WorkflowOperation("publish", TOOL, KEY, "not-a-fingerprint", StateKind.PENDING)
+    for _ in range(2):
+        with pytest.raises(InvalidInputFingerprint):
+            bad.validate_syntax()
+    ledger = WorkflowOperationLedger(PLAN_FP, operations=[bad])
+    with pytest.raises(InvalidInputFingerprint):
+        ledger.to_json()
