@@ -13,10 +13,12 @@ Rules this module keeps:
 
 * Every method is all-or-nothing: all checks run before the first mutation, so
   an error leaves the state (``export_state()``) unchanged.
-* ``export_state()`` is called several times per durable operation: the
-  retained request ids are kept as ``RetainedRequestId`` values and the
-  immutable parts of the export are cached until the next mutation, so an
-  export costs no more than copying the counters.
+* A commit persists ``checkpoint()``: the counters, the identities and the
+  retained request ids as a count and a completion bitmap, never the ids
+  themselves, so it costs the same whatever the number of retained ids.
+  Retained ids are append-only (never released), so the first ``retained``
+  ids of retention order (``retained_ids``) are exactly the ids of a
+  checkpoint; ``export_state_at`` rebuilds the full state of one (O(ids)).
 * Tokens carry the provenance (object identity) of the issuing instance; a
   validator refuses a token of another instance first. A restored authorizer
   is a new instance and refuses the old instance's tokens.
@@ -76,6 +78,7 @@ __all__ = [
     "AuthorizedOperationCompensation",
     "AuthorizedOperationInvocation",
     "AuthorizedOperationReconciliation",
+    "AuthorizerCheckpoint",
     "AuthorizerState",
     "CompensationIdentity",
     "RetainedRequestId",
@@ -122,6 +125,23 @@ class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compensations_by_tool: dict[str, int]
     compensation_identities: tuple[CompensationIdentity, ...]
     request_ids: tuple[RetainedRequestId, ...]
+
+
+class AuthorizerCheckpoint(msgspec.Struct, frozen=True):
+    """What a commit persists of a :class:`SessionAuthorizer` (D4, incremental form).
+
+    The counters and identities as in :class:`AuthorizerState`; the retained
+    request ids as their number (``retained``: they are the first
+    ``retained`` ids of retention order) and ``completed``, a bitmap whose
+    bit ``i`` is set when the ``i``-th retained id has a validated result.
+    Its size never depends on how many request ids are retained.
+    """
+
+    calls_by_tool: dict[str, int]
+    compensations_by_tool: dict[str, int]
+    compensation_identities: tuple[CompensationIdentity, ...]
+    retained: int
+    completed: int
 
 
 # Tokens ---------------------------------------------------------------------
@@ -323,11 +343,13 @@ class SessionAuthorizer:
         "_calls",
         "_compensation_fingerprints",
         "_compensations",
-        "_exported",
+        "_completed",
         "_identities",
         "_manifest",
+        "_order",
+        "_positions",
         "_provenance",
-        "_request_ids",
+        "_sorted_identities",
     )
 
     def __init__(self, manifest: CapabilityManifest) -> None:
@@ -338,20 +360,19 @@ class SessionAuthorizer:
         self._calls: dict[str, int] = {}
         self._compensations: dict[str, int] = {}
         self._identities: set[CompensationIdentity] = set()
-        # Insertion order is retention order; the value is the exported entry
-        # (request id and completed flag), replaced in place when completed.
-        self._request_ids: dict[str, RetainedRequestId] = {}
-        # The last export, dropped by every mutation. Each mutating method
-        # retains a request id (``_retain``) or completes one
-        # (``_mark_completed``) after its last check, and those two helpers
-        # drop it; ``restore`` fills a fresh instance before any export.
-        self._exported: AuthorizerState | None = None
+        # ``_identities`` sorted, dropped whenever an identity is added.
+        self._sorted_identities: tuple[CompensationIdentity, ...] | None = ()
+        # Retained request ids in retention order (append-only), each id's
+        # position in it, and the completed flags as a bitmap over positions.
+        self._order: list[str] = []
+        self._positions: dict[str, int] = {}
+        self._completed = 0
         self._provenance = _Provenance()
 
     def __repr__(self) -> str:
         return (
             f"SessionAuthorizer(session_id={self._manifest.session_id!r}, "
-            f"request_ids={len(self._request_ids)})"
+            f"request_ids={len(self._order)})"
         )
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
@@ -377,15 +398,19 @@ class SessionAuthorizer:
 
     def request_id_count(self) -> int:
         """How many request ids this authorizer retains (at most 1024)."""
-        return len(self._request_ids)
+        return len(self._order)
 
     def is_retained(self, request_id: str) -> bool:
-        return request_id in self._request_ids
+        return request_id in self._positions
 
     def is_completed(self, request_id: str) -> bool:
         """Whether a result for ``request_id`` was validated."""
-        entry = self._request_ids.get(request_id)
-        return entry is not None and entry.completed
+        position = self._positions.get(request_id)
+        return position is not None and (self._completed >> position) & 1 == 1
+
+    def retained_ids(self, start: int = 0) -> list[str]:
+        """The retained request ids from position ``start`` on, in retention order."""
+        return self._order[start:]
 
     # -- request ids -----------------------------------------------------------
 
@@ -398,15 +423,15 @@ class SessionAuthorizer:
 
     def _retain(self, request_id: str) -> None:
         # The only way a request id enters retention (after every check).
-        self._request_ids[request_id] = RetainedRequestId(request_id, False)
-        self._exported = None
+        self._positions[request_id] = len(self._order)
+        self._order.append(request_id)
 
     def _check_request_id_free(self, request_id: str) -> None:
-        if request_id in self._request_ids:
+        if request_id in self._positions:
             raise DuplicateRequest(request_id)
 
     def _check_request_capacity(self) -> None:
-        if len(self._request_ids) >= MAX_SESSION_REQUEST_IDS:
+        if len(self._order) >= MAX_SESSION_REQUEST_IDS:
             raise SessionRequestLimitExceeded(MAX_SESSION_REQUEST_IDS)
 
     # -- authorization ---------------------------------------------------------
@@ -534,6 +559,7 @@ class SessionAuthorizer:
         self._retain(request.request_id)
         if is_new:
             self._identities.add(identity)
+            self._sorted_identities = None
             self._compensations[request.tool] = spent + 1
         token: AuthorizedOperationCompensation = AuthorizedOperationCompensation._issue(
             request, grant, self._provenance
@@ -558,10 +584,8 @@ class SessionAuthorizer:
             raise DuplicateResult(request_id)
 
     def _mark_completed(self, request_id: str) -> None:
-        # A token of this instance always names a retained id; assigning keeps
-        # its position in retention order.
-        self._request_ids[request_id] = RetainedRequestId(request_id, True)
-        self._exported = None
+        # A token of this instance always names a retained id.
+        self._completed |= 1 << self._positions[request_id]
 
     def validate_result(self, auth: AuthorizedInvocation, result: ToolResult) -> None:
         """Check an invocation result and mark its request completed (W§8.4)."""
@@ -631,28 +655,44 @@ class SessionAuthorizer:
 
     # -- persistence -----------------------------------------------------------
 
-    def export_state(self) -> AuthorizerState:
-        """Everything but provenance, in a canonical order (D4).
+    def checkpoint(self) -> AuthorizerCheckpoint:
+        """What a commit persists now (see :class:`AuthorizerCheckpoint`).
 
-        Each call returns a new ``AuthorizerState`` with its own counter maps;
-        its tuples (immutable, of frozen values) are shared with earlier
-        exports until the next mutation of this authorizer.
+        O(tools + identities), never O(retained ids): the sorted identities
+        are kept until the next identity is added, and the counter maps are
+        copies (a caller that mutates them cannot alter this authorizer).
         """
-        exported = self._exported
-        if exported is None:
-            exported = self._exported = AuthorizerState(
-                calls_by_tool={t: n for t, n in sorted(self._calls.items()) if n},
-                compensations_by_tool={t: n for t, n in sorted(self._compensations.items()) if n},
-                compensation_identities=tuple(sorted(self._identities)),
-                request_ids=tuple(self._request_ids.values()),
-            )
-        # Copies of the maps: a caller that mutates its export cannot alter the cache.
-        return AuthorizerState(
-            calls_by_tool=dict(exported.calls_by_tool),
-            compensations_by_tool=dict(exported.compensations_by_tool),
-            compensation_identities=exported.compensation_identities,
-            request_ids=exported.request_ids,
+        identities = self._sorted_identities
+        if identities is None:
+            identities = self._sorted_identities = tuple(sorted(self._identities))
+        return AuthorizerCheckpoint(
+            calls_by_tool={t: n for t, n in sorted(self._calls.items()) if n},
+            compensations_by_tool={t: n for t, n in sorted(self._compensations.items()) if n},
+            compensation_identities=identities,
+            retained=len(self._order),
+            completed=self._completed,
         )
+
+    def export_state_at(self, checkpoint: AuthorizerCheckpoint) -> AuthorizerState:
+        """The full state of ``checkpoint``, one this authorizer took earlier (its
+        request ids are a prefix of this authorizer's: retained ids are never released)."""
+        retained = checkpoint.retained
+        if not 0 <= retained <= len(self._order):
+            raise ValueError("a checkpoint retains more request ids than this authorizer")
+        bits = checkpoint.completed
+        return AuthorizerState(
+            calls_by_tool=dict(checkpoint.calls_by_tool),
+            compensations_by_tool=dict(checkpoint.compensations_by_tool),
+            compensation_identities=checkpoint.compensation_identities,
+            request_ids=tuple(
+                RetainedRequestId(request_id, (bits >> position) & 1 == 1)
+                for position, request_id in enumerate(self._order[:retained])
+            ),
+        )
+
+    def export_state(self) -> AuthorizerState:
+        """Everything but provenance, in a canonical order (D4); O(retained ids)."""
+        return self.export_state_at(self.checkpoint())
 
     @classmethod
     def restore(cls, manifest: CapabilityManifest, state: AuthorizerState) -> SessionAuthorizer:
@@ -685,7 +725,12 @@ class SessionAuthorizer:
         authorizer._calls = calls
         authorizer._compensations = compensations
         authorizer._identities = identities
-        authorizer._request_ids = request_ids
+        authorizer._sorted_identities = None
+        authorizer._order = list(request_ids)
+        authorizer._positions = {request_id: i for i, request_id in enumerate(request_ids)}
+        authorizer._completed = sum(
+            1 << i for i, entry in enumerate(request_ids.values()) if entry.completed
+        )
         return authorizer
 
 

@@ -131,6 +131,7 @@ class WorkerSession(SessionAnswers):
         reconciliations_by_tool: Mapping[str, int],
         state_revision: int,
         highest_revision: int,
+        request_rows: int,
         lease: WorkerJournalLease,
         adapters: WorkerAdapterRegistry,
         limits: WorkerSessionLimits,
@@ -155,6 +156,7 @@ class WorkerSession(SessionAnswers):
         self._commits = SessionCommits(
             durable_point=self._durable_point,
             state_document=self._state_document,
+            retained_ids=self._retained_ids,
             go_back=self._go_back,
             mark_poisoned=self._mark_poisoned,
             scope=scope,
@@ -166,6 +168,7 @@ class WorkerSession(SessionAnswers):
             state_revision=state_revision,
             highest_revision=highest_revision,
             durable=self._durable_point(),
+            request_rows=request_rows,
         )
 
     def __repr__(self) -> str:
@@ -226,6 +229,7 @@ class WorkerSession(SessionAnswers):
             reconciliations_by_tool={},
             state_revision=0,
             highest_revision=0,
+            request_rows=0,
             lease=lease,
             adapters=adapters,
             limits=limits,
@@ -288,6 +292,7 @@ class WorkerSession(SessionAnswers):
             reconciliations_by_tool=stored.reconciliations_by_tool,
             state_revision=persisted.revision,
             highest_revision=max(head, persisted.revision),
+            request_rows=stored.request_rows,
             lease=lease,
             adapters=adapters,
             limits=limits,
@@ -514,7 +519,7 @@ class WorkerSession(SessionAnswers):
 
     def _durable_point(self) -> DurablePoint:
         return DurablePoint(
-            authorizer=self._authorizer.export_state(),
+            authorizer=self._authorizer.checkpoint(),
             total=self._reconciliations_total,
             by_tool=dict(self._reconciliations_by_tool),
         )
@@ -522,8 +527,9 @@ class WorkerSession(SessionAnswers):
     def _state_document(self, point: DurablePoint | None = None) -> bytes:
         """The state document (W§10.3) a commit writes.
 
-        Status and authenticator are read now; budgets, request ids and
-        reconciliation counters come from ``point`` (default: taken now).
+        Status and authenticator are read now; budgets, the count of retained
+        request ids and reconciliation counters come from ``point`` (default:
+        taken now).
         """
         if point is None:
             point = self._durable_point()
@@ -537,8 +543,12 @@ class WorkerSession(SessionAnswers):
             point.by_tool,
         )
 
+    def _retained_ids(self, start: int) -> list[str]:
+        return self._authorizer.retained_ids(start)
+
     def _go_back(self, point: DurablePoint) -> None:
-        self._authorizer = SessionAuthorizer.restore(self._manifest, point.authorizer)
+        state = self._authorizer.export_state_at(point.authorizer)
+        self._authorizer = SessionAuthorizer.restore(self._manifest, state)
         self._reconciliations_total = point.total
         self._reconciliations_by_tool = dict(point.by_tool)
         self._status = POISONED

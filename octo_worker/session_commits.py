@@ -1,8 +1,9 @@
 """The commits of one worker session, in the order they were built (W§10.5, W§10.9, W§11.2).
 
 :class:`SessionCommits` submits each commit of a session (its state
-document, with the journal rows and the outbox row of the handling that
-built it), settles them strictly in build order, and keeps what the session
+document and the request rows of the request ids retained since the
+previous commit, with the journal rows and the outbox row of the handling
+that built it), settles them strictly in build order, and keeps what the session
 needs to know about them: the revision of its state row, the highest scope
 revision seen (W§10.1), the outbox rows confirmed since (deleted inside the
 next commit, never in one of their own), and the first failure.
@@ -30,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from octo_common.authorizer import AuthorizerState
+from octo_common.authorizer import AuthorizerCheckpoint
 from octo_common.errors import (
     FencingTokenRejected,
     InvalidJournalRevision,
@@ -53,9 +54,14 @@ __all__ = ["CommitFailed", "DurablePoint", "SessionCommits"]
 
 @dataclass(frozen=True, slots=True)
 class DurablePoint:
-    """What a failed commit restores in memory: budgets, request ids, counters."""
+    """What a failed commit restores in memory: budgets, request ids, counters.
 
-    authorizer: AuthorizerState
+    ``authorizer`` counts the retained request ids (their rows are the
+    store's); it never holds them, so taking a point costs the same whatever
+    their number.
+    """
+
+    authorizer: AuthorizerCheckpoint
     total: int
     by_tool: Mapping[str, int]
 
@@ -77,6 +83,8 @@ class _InFlight:
     link: int | None
     point: DurablePoint
     deletes: list[str]
+    # Request rows the store holds once this commit landed.
+    rows: int
     # Resolved (in build order) with the revision or the failure.
     settled: asyncio.Future[int | OctoError]
 
@@ -94,6 +102,7 @@ class SessionCommits:
         *,
         durable_point: Callable[[], DurablePoint],
         state_document: Callable[[DurablePoint], bytes],
+        retained_ids: Callable[[int], list[str]],
         go_back: Callable[[DurablePoint], None],
         mark_poisoned: Callable[[], None],
         scope: str,
@@ -105,12 +114,15 @@ class SessionCommits:
         state_revision: int,
         highest_revision: int,
         durable: DurablePoint,
+        request_rows: int,
     ) -> None:
         # The session's own: its budgets, request ids and counters now; the
         # state document a commit writes (status and window now, the rest
-        # from the point); back to a point and poisoned; poisoned.
+        # from the point); its retained request ids from a position on; back
+        # to a point and poisoned; poisoned.
         self._durable_point = durable_point
         self._state_document = state_document
+        self._retained_ids = retained_ids
         self._go_back = go_back
         self._mark_poisoned = mark_poisoned
         self._scope = scope
@@ -122,6 +134,13 @@ class SessionCommits:
         self.state_revision = state_revision
         self.highest_revision = highest_revision
         self._durable = durable
+        # Request rows the store holds as of the durable point, and as of the
+        # last commit built: each commit inserts the rows of the request ids
+        # retained since the one before it (so its cost never depends on how
+        # many the session retains). A state read in format 1 has none yet:
+        # its first commit inserts them all.
+        self._durable_rows = request_rows
+        self._rows_built = request_rows
         # Outbox rows whose publish the broker confirmed, deleted in the next commit.
         self.confirmed: list[str] = []
         # Commits submitted and not yet applied to memory, oldest first.
@@ -140,6 +159,7 @@ class SessionCommits:
         self.state_revision = revision
         self.highest_revision = revision
         self._durable = point
+        self._durable_rows = self._rows_built = point.authorizer.retained
 
     def confirm(self, message_id: str) -> None:
         if message_id not in self.confirmed:
@@ -223,13 +243,16 @@ class SessionCommits:
             # A commit in flight has failed: this one would be built on it.
             # The changes made for it go back to the durable point as well.
             failure = self._broken
-            self._go_back(self._durable)
+            self._back_to_durable()
         if failure is not None:
             if cancelled:
                 raise asyncio.CancelledError()
             raise CommitFailed(failure)
         deletes, self.confirmed = self.confirmed, []
         point = self._durable_point()
+        start, rows = self._rows_built, point.authorizer.retained
+        requests = tuple(enumerate(self._retained_ids(start)[: rows - start], start))
+        self._rows_built = rows
         if chains:
             link: int | None = next_commit_link()
             after = self._in_flight[-1].link if self._in_flight else None
@@ -240,6 +263,7 @@ class SessionCommits:
             base_revision=None if after is not None else self.state_revision,
             link=link,
             after=after,
+            requests=requests,
         )
         changes = WorkerCommit(
             journal=journal if journal else None,
@@ -253,6 +277,7 @@ class SessionCommits:
             link=link,
             point=point,
             deletes=deletes,
+            rows=rows,
             settled=asyncio.get_running_loop().create_future(),
         )
         self._in_flight.append(commit)
@@ -359,6 +384,7 @@ class SessionCommits:
                 self.highest_revision = revision
                 self.state_revision = revision
                 self._durable = commit.point
+                self._durable_rows = commit.rows
                 commit.settled.set_result(revision)
         if not self._in_flight:
             self._broken = None
@@ -375,5 +401,11 @@ class SessionCommits:
         ``session_poisoned`` whether or not they count as duplicates. The
         daemon's reload restores the durable window from the store.
         """
-        self._go_back(self._durable)
+        self._back_to_durable()
         self._log.error("session_poisoned", code=failure.code)
+
+    def _back_to_durable(self) -> None:
+        """Memory back to the last durable point; the next commit inserts the
+        request rows retained since that point."""
+        self._go_back(self._durable)
+        self._rows_built = self._durable_rows

@@ -51,7 +51,9 @@ from octo_worker.storage.documents import (
     NS_OUTBOX,
     NS_SESSION,
     NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
     read_outbox,
+    request_location,
     session_header,
     state_status,
 )
@@ -150,8 +152,9 @@ class JournalStoreBase(abc.ABC):
     @abc.abstractmethod
     async def _session_rows(
         self, scope: str, keep: Sequence[str] | None
-    ) -> tuple[list[Row], list[Row]]:
-        """(state rows, opening rows); with ``keep``, live sessions and those named."""
+    ) -> tuple[list[Row], list[Row], list[Row]]:
+        """(state rows, opening rows, request rows of those sessions), in one snapshot;
+        with ``keep``, live sessions and those named."""
 
     @abc.abstractmethod
     async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:
@@ -364,12 +367,18 @@ class JournalStoreBase(abc.ABC):
         keep = None if skip_closed_except is None else sorted(set(skip_closed_except))
         for session_id in keep or ():
             validate_token("session id", session_id)
-        states, openings = await self._session_rows(scope, keep)
+        states, openings, request_rows = await self._session_rows(scope, keep)
         opened: dict[str, tuple[bytes, int]] = {}
         for row in openings:
             document = self._sealer.open(scope, NS_SESSION_OPEN, row)
             session_header(document, scope, row.item)
             opened[row.item] = (document, row.revision)
+        requests: dict[str, list[bytes]] = {}
+        request_floor = 0
+        for row in request_rows:
+            document = self._sealer.open(scope, NS_SESSION_REQUEST, row)
+            requests.setdefault(request_location(document, scope, row.item), []).append(document)
+            request_floor = max(request_floor, row.revision)
         sessions: dict[str, PersistedSession] = {}
         for row in states:
             document = self._sealer.open(scope, NS_SESSION, row)
@@ -380,10 +389,17 @@ class JournalStoreBase(abc.ABC):
                 # missing half was deleted.
                 raise RollbackDetected(None, row.revision)
             sessions[row.item] = PersistedSession(
-                row.item, status, opening[0], document, row.revision
+                row.item,
+                status,
+                opening[0],
+                document,
+                row.revision,
+                tuple(requests.pop(row.item, ())),
             )
         if opened:  # an opening document whose state row is gone
             raise RollbackDetected(None, next(iter(opened.values()))[1])
+        if requests:  # request rows of a session whose state row was not read
+            raise RollbackDetected(None, request_floor)
         return sessions
 
     async def mark_closed(self, scope: str, session_ids: Iterable[str]) -> None:

@@ -49,6 +49,7 @@ from octo_common.errors import (
     WriteConflict,
 )
 from octo_common.ids import validate_token
+from octo_common.limits import MAX_SESSION_REQUEST_IDS
 from octo_common.records import StorageRecordKey
 from octo_common.runtime.sqlite import copy_error
 from octo_common.setdigest import SetDigest
@@ -57,8 +58,11 @@ from octo_worker.storage.documents import (
     NS_OUTBOX,
     NS_SESSION,
     NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
     is_message_id,
     outbox_document,
+    request_document,
+    request_item,
     session_header,
     state_status,
 )
@@ -99,7 +103,7 @@ class RowWrite(NamedTuple):
     # Session rows only: the session's state document says ``closed`` (the
     # opening row of a session opened and closed in one commit carries it too).
     closed: bool = False
-    # Outbox rows only: the session the reply belongs to (the row's metadata).
+    # Outbox and request rows only: the session the row belongs to (metadata).
     session: str | None = None
 
 
@@ -168,6 +172,7 @@ def prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[RowWrite, ...], tu
         for value in (link, after):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError("a commit link is a positive int")
+        writes.extend(_request_writes(scope, session_id, documents.requests))
         if after is not None:
             if documents.base_revision is not None or documents.opening is not None:
                 raise ValueError("a chained commit names neither a base revision nor an opening")
@@ -205,6 +210,28 @@ def prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[RowWrite, ...], tu
         if not is_message_id(message):
             raise InvalidToken("message id", message)
     return tuple(writes), tuple(new_sessions)
+
+
+def _request_writes(
+    scope: str, session_id: str, requests: Sequence[tuple[int, str]]
+) -> list[RowWrite]:
+    """One inserted request row per (position, request id): never written before
+    (absent base), so a row already there refuses the change set."""
+    writes: list[RowWrite] = []
+    for position, request_id in requests:
+        if type(position) is not int or not 0 <= position < MAX_SESSION_REQUEST_IDS:
+            raise ValueError("a request row's position is an int in [0, 1024)")
+        validate_token("request id", request_id)
+        writes.append(
+            RowWrite(
+                NS_SESSION_REQUEST,
+                request_item(session_id, request_id),
+                request_document(scope, session_id, request_id, position),
+                None,
+                session=session_id,
+            )
+        )
+    return writes
 
 
 def closed_sessions(writes: Sequence[RowWrite]) -> list[str]:

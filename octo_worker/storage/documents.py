@@ -2,16 +2,25 @@
 
 Owns the row namespaces of a scope, the session **opening** document
 (written once), the session **state** document (rewritten by every commit
-that touches the session), the **outbox** document (a committed reply
-frame), and how each is written and read back:
+that touches the session; fixed size: its retained request ids are a count
+and a completion bitmap), the session **request** documents (one per
+retained request id, inserted once by the commit that first carries the id,
+never rewritten), the **outbox** document (a committed reply frame), and how
+each is written and read back:
 
 * the session side builds documents with :func:`opening_document` and
   :func:`state_document`, and reads a persisted session back with
   :func:`read_session` (strict: unknown keys, duplicates, wrong types, a
-  document not in its written form, a wrong location all fail closed);
-* a store reads only a session document's location and status
-  (:func:`session_header`, :func:`state_status`) and writes and reads
-  outbox documents (:func:`outbox_document`, :func:`read_outbox`).
+  document not in its written form, a wrong location all fail closed; a
+  request row missing or one the state does not count is
+  ``RollbackDetected``). A state document of format 1 (every retained id
+  inline, as written before the request rows existed) still reads; the
+  session's next commit writes format 2 and the rows;
+* a store renders request documents (:func:`request_document`), reads only a
+  session document's location and status (:func:`session_header`,
+  :func:`state_status`) and a request document's location
+  (:func:`request_location`), and writes and reads outbox documents
+  (:func:`outbox_document`, :func:`read_outbox`).
 
 It must never hold a session key or a scope key in a document, do I/O, or
 decide anything beyond a document's own validity.
@@ -28,14 +37,23 @@ from typing import Final, Literal, TypeAlias
 
 import msgspec
 
-from octo_common.authorizer import AuthorizerState
+from octo_common.authorizer import (
+    AuthorizerCheckpoint,
+    AuthorizerState,
+    CompensationIdentity,
+    RetainedRequestId,
+)
 from octo_common.codec import decode_struct, encode_struct
 from octo_common.digest import message_id as frame_message_id
-from octo_common.errors import RecordLocationMismatch, SerializationError
+from octo_common.errors import RecordLocationMismatch, RollbackDetected, SerializationError
 from octo_common.frames import AuthenticatorState
 from octo_common.grants import CapabilityManifest
 from octo_common.ids import is_token, parse_key_nonce_hex
-from octo_common.limits import REPLAY_WINDOW_SIZE, WORKER_SESSION_FORMAT_VERSION
+from octo_common.limits import (
+    MAX_SESSION_REQUEST_IDS,
+    REPLAY_WINDOW_SIZE,
+    WORKER_SESSION_FORMAT_VERSION,
+)
 from octo_worker.storage.interface import OutboxEntry, PersistedSession
 
 __all__ = [
@@ -43,6 +61,7 @@ __all__ = [
     "NS_OUTBOX",
     "NS_SESSION",
     "NS_SESSION_OPEN",
+    "NS_SESSION_REQUEST",
     "SESSION_STATUSES",
     "OpeningDocument",
     "OutboxDocument",
@@ -54,6 +73,9 @@ __all__ = [
     "outbox_document",
     "read_outbox",
     "read_session",
+    "request_document",
+    "request_item",
+    "request_location",
     "session_header",
     "state_document",
     "state_status",
@@ -64,12 +86,19 @@ NS_JOURNAL: Final = "worker-journal"
 NS_SESSION: Final = "worker-session"
 NS_SESSION_OPEN: Final = "worker-session-open"
 NS_OUTBOX: Final = "worker-outbox"
+# One row per retained request id of a session; item: request_item(...).
+NS_SESSION_REQUEST: Final = "worker-session-request"
 
 SessionStatus: TypeAlias = Literal["open", "closed", "poisoned"]
 SESSION_STATUSES: Final = frozenset({"open", "closed", "poisoned"})
 
 _OUTBOX_FORMAT_VERSION: Final = 1
 _SEEN_HEX_CHARS: Final = REPLAY_WINDOW_SIZE // 4
+# State documents: format 1 holds every retained request id inline; format 2
+# holds their count and completion bitmap, the ids being request rows.
+_STATE_FORMATS: Final = frozenset({WORKER_SESSION_FORMAT_VERSION, 2})
+_STATE_FORMAT: Final = 2
+_COMPLETED_HEX_CHARS: Final = MAX_SESSION_REQUEST_IDS // 4
 _MESSAGE_ID: Final = re.compile(r"[0-9a-f]{64}")
 
 
@@ -99,7 +128,7 @@ class ReconciliationDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=
 
 
 class StateDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Rewritten by every commit that touches the session."""
+    """Format 1, read only: every retained request id inline."""
 
     format_version: int
     scope: str
@@ -108,6 +137,37 @@ class StateDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     authenticator: AuthenticatorDocument
     authorizer: AuthorizerState
     reconciliations: ReconciliationDocument
+
+
+class AuthorizerDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    calls_by_tool: dict[str, int]
+    compensations_by_tool: dict[str, int]
+    compensation_identities: tuple[CompensationIdentity, ...]
+    retained: int  # request rows of the session: positions 0 .. retained - 1
+    completed: str  # 256 lowercase hex: bit i set = position i completed, big-endian
+
+
+class StateDocumentV2(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Format 2, rewritten by every commit that touches the session; fixed size
+    whatever the number of retained request ids."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    status: SessionStatus
+    authenticator: AuthenticatorDocument
+    authorizer: AuthorizerDocument
+    reconciliations: ReconciliationDocument
+
+
+class RequestDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One retained request id of a session, at its position in retention order."""
+
+    format_version: int
+    scope: str
+    session_id: str
+    request_id: str
+    position: int
 
 
 def opening_document(
@@ -131,14 +191,15 @@ def state_document(
     session_id: str,
     status: SessionStatus,
     authenticator: AuthenticatorState,
-    authorizer: AuthorizerState,
+    authorizer: AuthorizerCheckpoint,
     reconciliations_total: int,
     reconciliations_by_tool: Mapping[str, int],
 ) -> bytes:
-    """The state document one commit writes, in its written form (counters sorted by tool)."""
+    """The state document one commit writes, in its written form (format 2, counters
+    sorted by tool); the commit also inserts the request rows it is the first to count."""
     return encode_struct(
-        StateDocument(
-            format_version=WORKER_SESSION_FORMAT_VERSION,
+        StateDocumentV2(
+            format_version=_STATE_FORMAT,
             scope=scope,
             session_id=session_id,
             status=status,
@@ -147,7 +208,13 @@ def state_document(
                 inbound_highest=authenticator.inbound_highest,
                 inbound_seen=f"{authenticator.inbound_seen:0{_SEEN_HEX_CHARS}x}",
             ),
-            authorizer=authorizer,
+            authorizer=AuthorizerDocument(
+                calls_by_tool=authorizer.calls_by_tool,
+                compensations_by_tool=authorizer.compensations_by_tool,
+                compensation_identities=authorizer.compensation_identities,
+                retained=authorizer.retained,
+                completed=f"{authorizer.completed:0{_COMPLETED_HEX_CHARS}x}",
+            ),
             reconciliations=ReconciliationDocument(
                 total=reconciliations_total,
                 by_tool=dict(sorted(reconciliations_by_tool.items())),
@@ -156,9 +223,44 @@ def state_document(
     )
 
 
+def request_item(session_id: str, request_id: str) -> str:
+    """The item of a request row: ``session_id/request_id`` (``/`` is in no token)."""
+    return f"{session_id}/{request_id}"
+
+
+def request_document(scope: str, session_id: str, request_id: str, position: int) -> bytes:
+    """The request document of one retained request id, in its written form."""
+    return encode_struct(
+        RequestDocument(WORKER_SESSION_FORMAT_VERSION, scope, session_id, request_id, position)
+    )
+
+
+def request_location(document: bytes, scope: str, item: str) -> str:
+    """The session a request document stored under ``item`` belongs to.
+
+    Strict decode, format version 1, ``scope`` and ``item`` naming exactly
+    the document's session and request id (``RecordLocationMismatch``):
+    the item and the row's session column are not authenticated, the
+    document is.
+    """
+    request = decode_struct(document, RequestDocument)
+    if request.format_version != WORKER_SESSION_FORMAT_VERSION:
+        raise SerializationError("request document format_version must be 1")
+    if request.scope != scope:
+        raise RecordLocationMismatch(scope, request.scope)
+    expected = request_item(request.session_id, request.request_id)
+    if expected != item:
+        raise RecordLocationMismatch(item, expected)
+    return request.session_id
+
+
 @dataclass(frozen=True, slots=True)
 class StoredSession:
-    """A persisted session's documents, read back and checked (see :func:`read_session`)."""
+    """A persisted session's documents, read back and checked (see :func:`read_session`).
+
+    ``request_rows``: how many request rows the store holds for it (0 for a
+    state of format 1, whose ids are inline: the next commit writes them all).
+    """
 
     manifest: CapabilityManifest
     key_nonce: bytes
@@ -168,23 +270,32 @@ class StoredSession:
     authorizer: AuthorizerState
     reconciliations_total: int
     reconciliations_by_tool: dict[str, int]
+    request_rows: int
 
 
 def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
     """Read a persisted session of ``scope`` back, refusing anything not written by this module.
 
     Both documents are decoded strictly and must name ``scope`` and the
-    session id (``RecordLocationMismatch``), carry format version 1, agree
-    on the status, be byte for byte in their written form (an unknown key
-    inside the manifest, which the manifest's own decoding would drop, is
-    refused), hold a valid manifest of this session, a reply queue, a 64-hex
-    nonce and consistent reconciliation counters (``SerializationError``).
+    session id (``RecordLocationMismatch``), carry their format version
+    (opening 1, state 1 or 2), agree on the status, be byte for byte in
+    their written form (an unknown key inside the manifest, which the
+    manifest's own decoding would drop, is refused), hold a valid manifest
+    of this session, a reply queue, a 64-hex nonce and consistent
+    reconciliation counters (``SerializationError``). A format 2 state's
+    request rows (``persisted.requests``) must be exactly its positions
+    0 .. retained - 1, each once: one missing, repeated or past the count
+    is ``RollbackDetected`` (a row deleted, or a state put back).
     """
     opening = decode_struct(persisted.opening, OpeningDocument)
-    state = decode_struct(persisted.state, StateDocument)
     session_id = persisted.session_id
+    state: StateDocument | StateDocumentV2
+    if _state_format(persisted.state) == _STATE_FORMAT:
+        state = decode_struct(persisted.state, StateDocumentV2)
+    else:
+        state = decode_struct(persisted.state, StateDocument)
     _check_location(opening.format_version, opening.scope, opening.session_id, scope, session_id)
-    _check_location(state.format_version, state.scope, state.session_id, scope, session_id)
+    _check_state_location(state.format_version, state.scope, state.session_id, scope, session_id)
     if persisted.status != state.status:
         raise SerializationError("session status disagrees with its state document")
     if encode_struct(opening) != bytes(persisted.opening) or encode_struct(state) != bytes(
@@ -205,6 +316,14 @@ def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
         raise SerializationError("session state: invalid reconciliation counters")
     if sum(counters.by_tool.values()) != counters.total:
         raise SerializationError("session state: reconciliation counters disagree")
+    if isinstance(state, StateDocumentV2):
+        authorizer = _read_requests(state, persisted, scope)
+        request_rows = len(authorizer.request_ids)
+    else:
+        if persisted.requests:
+            # Rows exist only beside a format 2 state: this one was put back.
+            raise RollbackDetected(None, persisted.revision)
+        authorizer, request_rows = state.authorizer, 0
     window = state.authenticator
     return StoredSession(
         manifest=manifest,
@@ -214,16 +333,75 @@ def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
         authenticator=AuthenticatorState(
             window.next_outgoing, window.inbound_highest, _parse_seen(window.inbound_seen)
         ),
-        authorizer=state.authorizer,
+        authorizer=authorizer,
         reconciliations_total=counters.total,
         reconciliations_by_tool=dict(counters.by_tool),
+        request_rows=request_rows,
+    )
+
+
+def _state_format(document: bytes) -> object:
+    try:
+        return _SESSION_HEADER.decode(document).format_version
+    except msgspec.MsgspecError:
+        return None  # the strict decode reports it
+
+
+def _read_requests(
+    state: StateDocumentV2, persisted: PersistedSession, scope: str
+) -> AuthorizerState:
+    """The authorizer state a format 2 state and its request rows hold together."""
+    document = state.authorizer
+    retained = document.retained
+    if not _count(retained) or retained > MAX_SESSION_REQUEST_IDS:
+        raise SerializationError("session state: invalid retained request id count")
+    completed = _parse_bits(document.completed, "completed")
+    if completed >> retained:
+        raise SerializationError("session state: a completed flag past the retained ids")
+    ids: list[str | None] = [None] * retained
+    for raw in persisted.requests:
+        request = decode_struct(raw, RequestDocument)
+        if request.format_version != WORKER_SESSION_FORMAT_VERSION:
+            raise SerializationError("request document format_version must be 1")
+        if request.scope != scope:
+            raise RecordLocationMismatch(scope, request.scope)
+        if request.session_id != persisted.session_id:
+            raise RecordLocationMismatch(persisted.session_id, request.session_id)
+        if encode_struct(request) != bytes(raw):
+            raise SerializationError("request document is not in its written form")
+        position = request.position
+        if not _count(position) or position >= retained or ids[position] is not None:
+            raise RollbackDetected(None, persisted.revision)
+        ids[position] = request.request_id
+    if any(request_id is None for request_id in ids):
+        raise RollbackDetected(None, persisted.revision)
+    return AuthorizerState(
+        calls_by_tool=document.calls_by_tool,
+        compensations_by_tool=document.compensations_by_tool,
+        compensation_identities=document.compensation_identities,
+        request_ids=tuple(
+            RetainedRequestId(str(request_id), (completed >> position) & 1 == 1)
+            for position, request_id in enumerate(ids)
+        ),
     )
 
 
 def _parse_seen(text: str) -> int:
+    return _parse_bits(text, "inbound_seen")
+
+
+def _parse_bits(text: str, name: str) -> int:
     if len(text) != _SEEN_HEX_CHARS or text.strip("0123456789abcdef"):
-        raise SerializationError("session state: inbound_seen must be 256 lowercase hex")
+        raise SerializationError(f"session state: {name} must be 256 lowercase hex")
     return int(text, 16)
+
+
+def _check_state_location(
+    format_version: int, doc_scope: str, doc_session: str, scope: str, session_id: str
+) -> None:
+    if format_version not in _STATE_FORMATS:
+        raise SerializationError("unsupported session state format_version")
+    _check_location(WORKER_SESSION_FORMAT_VERSION, doc_scope, doc_session, scope, session_id)
 
 
 def _check_location(
@@ -267,8 +445,8 @@ def session_header(document: bytes, scope: str, session_id: str) -> str | None:
         header = _SESSION_HEADER.decode(document)
     except msgspec.MsgspecError as exc:
         raise SerializationError(f"session document: {str(exc)[:120]}") from None
-    if header.format_version != WORKER_SESSION_FORMAT_VERSION:
-        raise SerializationError("session document format_version must be 1")
+    if header.format_version not in _STATE_FORMATS:
+        raise SerializationError("session document format_version must be 1 or 2")
     if header.scope != scope:
         raise RecordLocationMismatch(scope, header.scope)
     if header.session_id != session_id:

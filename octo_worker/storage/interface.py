@@ -121,8 +121,9 @@ class SessionDocuments(msgspec.Struct, frozen=True):
     """A session's documents for one commit (W§10.3).
 
     ``state``/``opening`` are compact JSON written by
-    :mod:`octo_worker.storage.documents`; both carry ``format_version`` 1,
-    ``scope`` and ``session_id`` (the state also ``status``).
+    :mod:`octo_worker.storage.documents`; both carry their ``format_version``,
+    ``scope`` and ``session_id`` (the state also ``status``); ``requests``
+    become request rows rendered by the store.
     ``base_revision`` is the revision the state row was last written at;
     None means a new session, which must supply ``opening``.
 
@@ -144,6 +145,9 @@ class SessionDocuments(msgspec.Struct, frozen=True):
     base_revision: int | None = None
     link: int | None = None
     after: int | None = None
+    # (position, request id) of each retained request id this commit is the
+    # first to persist: one request row each, inserted (never rewritten).
+    requests: tuple[tuple[int, str], ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -153,13 +157,15 @@ class SessionDocuments(msgspec.Struct, frozen=True):
 
 
 class PersistedSession(msgspec.Struct, frozen=True):
-    """A session as loaded: ``revision`` is its state row's revision."""
+    """A session as loaded: ``revision`` is its state row's revision; ``requests``
+    the documents of its request rows (authenticated, in no particular order)."""
 
     session_id: str
     status: str
     opening: bytes
     state: bytes
     revision: int
+    requests: tuple[bytes, ...] = ()
 
     def __repr__(self) -> str:
         return (

@@ -91,7 +91,13 @@ from octo_worker.storage.changes import (
     closed_sessions,
 )
 from octo_worker.storage.commit_queue import Outcomes
-from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
+)
 from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.postgres_sql import (
     DEFAULT_SCHEMA,
@@ -603,15 +609,16 @@ class PostgresJournalStore(JournalStoreBase):
 
     async def _session_rows(
         self, scope: str, keep: Sequence[str] | None
-    ) -> tuple[list[Row], list[Row]]:
-        async def body(connection: Connection) -> tuple[list[Row], list[Row]]:
+    ) -> tuple[list[Row], list[Row], list[Row]]:
+        async def body(connection: Connection) -> tuple[list[Row], list[Row], list[Row]]:
             if keep is None:
                 found = await connection.fetch(self._sql["select_sessions"], scope)
             else:
                 found = await connection.fetch(self._sql["select_live_sessions"], scope, list(keep))
             states = [(r[0], r[2], r[3], r[4]) for r in found if r[1] == NS_SESSION]
             openings = [(r[0], r[2], r[3], r[4]) for r in found if r[1] == NS_SESSION_OPEN]
-            return _floor_checked(states), _floor_checked(openings)
+            requests = [(r[0], r[2], r[3], r[4]) for r in found if r[1] == NS_SESSION_REQUEST]
+            return _floor_checked(states), _floor_checked(openings), _floor_checked(requests)
 
         return await self._read("load_sessions", body)
 

@@ -62,6 +62,14 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "CREATE INDEX items_outbox_sessions ON {s}.items (name, session) "
         "WHERE namespace = 'worker-outbox'",
     ),
+    # 1 -> 2: a session's request rows (``worker-session-request``, one per
+    # retained request id) found by their session column. No row exists
+    # before it; a state document written before it holds its request ids
+    # inline and still loads.
+    (
+        "CREATE INDEX items_request_sessions ON {s}.items (name, session) "
+        "WHERE namespace = 'worker-session-request'",
+    ),
 )
 """Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
 
@@ -206,12 +214,15 @@ _SELECT_OUTBOX_OF = """
      WHERE name = $1 AND namespace = 'worker-outbox' AND session = $2
      ORDER BY revision, id
 """
+# Sessions with their request rows, in one statement (one snapshot).
 _SELECT_SESSIONS = """
     SELECT {head}, namespace, item, revision, envelope FROM {s}.items
-     WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open')
+     WHERE name = $1
+       AND namespace IN ('worker-session', 'worker-session-open', 'worker-session-request')
      ORDER BY item
 """
-# The live sessions through their partial index, and the closed ones named.
+# The live sessions through their partial index, and the closed ones named;
+# the request rows of those sessions through theirs.
 _SELECT_LIVE_SESSIONS = """
     SELECT {head}, namespace, item, revision, envelope FROM {s}.items
      WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open') AND NOT closed
@@ -219,6 +230,12 @@ _SELECT_LIVE_SESSIONS = """
     SELECT {head}, namespace, item, revision, envelope FROM {s}.items
      WHERE name = $1 AND namespace IN ('worker-session', 'worker-session-open') AND closed
        AND item = ANY($2::text[])
+    UNION ALL
+    SELECT {head}, namespace, item, revision, envelope FROM {s}.items
+     WHERE name = $1 AND namespace = 'worker-session-request'
+       AND session IN (SELECT item FROM {s}.items
+                        WHERE name = $1 AND namespace = 'worker-session'
+                          AND (NOT closed OR item = ANY($2::text[])))
 """
 _SELECT_PRUNABLE = """
     SELECT {head}, item, revision, envelope FROM {s}.items
@@ -234,11 +251,12 @@ _SELECT_BATCH = """
 _SELECT_HEAD = (
     "SELECT revision, fence FROM {s}.heads WHERE namespace = 'worker-journal' AND name = $1"
 )
-# Every row of a scope, for its digest (``scope_head``): the four namespaces.
+# Every row of a scope, for its digest (``scope_head``): the five namespaces.
 _SELECT_SCOPE_ROWS = """
     SELECT namespace, item, revision FROM {s}.items
      WHERE name = $1
-       AND namespace IN ('worker-journal', 'worker-session', 'worker-session-open', 'worker-outbox')
+       AND namespace IN ('worker-journal', 'worker-session', 'worker-session-open', 'worker-outbox',
+                         'worker-session-request')
 """
 _SELECT_SCOPES = "SELECT name FROM {s}.heads WHERE namespace = 'worker-journal' ORDER BY name"
 _SELECT_WRITTEN = """

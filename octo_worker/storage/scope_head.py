@@ -13,11 +13,13 @@ the scope's rows:
   BE64(revision) ‖ BE64(fence) ‖ BE64(count) ‖ LP(digest bytes)``, made with
   the active storage key.
 
-Which rows. All four row namespaces of a scope, because the head revision
+Which rows. All five row namespaces of a scope, because the head revision
 covers all of them and each is a decision input at a restart:
 ``worker-journal`` (a deleted key would be admitted and run again),
 ``worker-session`` and ``worker-session-open`` (a session state put back
 to an older version would accept a replayed frame or a reused sequence),
+``worker-session-request`` (a deleted retained request id would let a
+request id be reused),
 ``worker-outbox`` (a deleted reply would never be republished, an old one
 put back would be sent twice). None is excluded. What is not covered is
 the unauthenticated metadata beside the rows (``written_at``, ``closed``),
@@ -60,7 +62,13 @@ from octo_common.errors import (
 from octo_common.limits import MAX_U64
 from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.setdigest import SET_DIGEST_BYTES, SetDigest
-from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
+)
 
 __all__ = [
     "DIGESTED_NAMESPACES",
@@ -86,7 +94,13 @@ SCOPE_ROWS_DOMAIN: Final = b"octo-worker-scope-rows-v1"
 
 # The scope heads live under the journal namespace (W§11.1).
 HEAD_NAMESPACE: Final = NS_JOURNAL
-DIGESTED_NAMESPACES: Final = (NS_JOURNAL, NS_SESSION, NS_SESSION_OPEN, NS_OUTBOX)
+DIGESTED_NAMESPACES: Final = (
+    NS_JOURNAL,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    NS_OUTBOX,
+    NS_SESSION_REQUEST,
+)
 
 # The anchor entry that says "this journal's heads carry digests, since
 # format DIGEST_FORMAT" (the SQLite schema version that added them).

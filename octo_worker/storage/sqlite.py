@@ -229,7 +229,7 @@ class SqliteJournalStore(JournalStoreBase):
 
     async def _session_rows(
         self, scope: str, keep: Sequence[str] | None
-    ) -> tuple[list[Row], list[Row]]:
+    ) -> tuple[list[Row], list[Row], list[Row]]:
         return await self._read_call(lambda: self._reader.read_sessions(scope, keep))
 
     async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:

@@ -63,7 +63,8 @@ _INSERT_HEAD: Final = (
 )
 # One index range per namespace (the UNIQUE (namespace, name, item) index).
 _SELECT_ROWS: Final = (
-    "SELECT namespace, item, revision FROM items WHERE namespace IN (?, ?, ?, ?) AND name = ?"
+    "SELECT namespace, item, revision FROM items WHERE namespace IN "  # noqa: S608
+    f"({', '.join('?' * len(DIGESTED_NAMESPACES))}) AND name = ?"
 )
 
 

@@ -23,18 +23,25 @@ from octo_common.errors import OctoError, RollbackDetected, StorageBackendError
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
 from octo_common.records import StorageRecordKey
 from octo_worker.storage.changes import HEAD_NAMESPACE, Row, record_key
-from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
+)
 from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.sealing import checked_rows
 from octo_worker.storage.sqlite_rows import (
     BY_ITEMS,
     LIVE_SESSION_ROWS,
     OUTBOX_ROWS,
+    REQUEST_ROWS,
     RESEAL_BATCH,
-    SQL_CHUNK,
     backend_error,
     connect_read_only,
     guarded,
+    select_in_chunks,
 )
 from octo_worker.storage.sqlite_writer import JournalWriter
 
@@ -156,14 +163,12 @@ class JournalReader:
                     "WHERE namespace = ? AND name = ? ORDER BY revision, id",
                     (namespace, scope),
                 ).fetchall()
-            found: list[tuple[Any, ...]] = []
-            for start in range(0, len(items), SQL_CHUNK):
-                chunk = items[start : start + SQL_CHUNK]
-                marks = ",".join("?" * len(chunk))
-                # Only "?" placeholders are formatted in; every value is bound.
-                sql = f"SELECT item, revision, envelope FROM items {BY_ITEMS}({marks})"  # noqa: S608
-                found.extend(connection.execute(sql, (namespace, scope, *chunk)).fetchall())
-            return found
+            return select_in_chunks(
+                connection,
+                f"SELECT item, revision, envelope FROM items {BY_ITEMS}",  # noqa: S608
+                (namespace, scope),
+                items,
+            )
 
         head, rows = self._read_transaction(select, scope)
         return checked_rows(rows, head)
@@ -189,7 +194,11 @@ class JournalReader:
         head, rows = self._read_transaction(select, scope)
         return checked_rows(rows, head), True
 
-    def read_sessions(self, scope: str, keep: Sequence[str] | None) -> tuple[list[Row], list[Row]]:
+    def read_sessions(
+        self, scope: str, keep: Sequence[str] | None
+    ) -> tuple[list[Row], list[Row], list[Row]]:
+        """(state rows, opening rows, request rows of the sessions whose state was read)."""
+
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
             if keep is None:
                 return connection.execute(
@@ -202,23 +211,46 @@ class JournalReader:
                 f"INDEXED BY items_live_sessions WHERE name = ? AND {LIVE_SESSION_ROWS}",
                 (scope,),
             ).fetchall()
-            for start in range(0, len(keep), SQL_CHUNK):
-                chunk = keep[start : start + SQL_CHUNK]
-                marks = ",".join("?" * len(chunk))
-                # Only "?" placeholders are formatted in; every value is bound.
-                sql = (
-                    "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
-                    f"WHERE namespace IN (?, ?) AND name = ? AND closed = 1 AND item IN ({marks})"
+            found.extend(
+                select_in_chunks(
+                    connection,
+                    "SELECT namespace, item, revision, envelope FROM items "
+                    "WHERE namespace IN (?, ?) AND name = ? AND closed = 1 AND item",
+                    (NS_SESSION, NS_SESSION_OPEN, scope),
+                    keep,
                 )
-                found.extend(
-                    connection.execute(sql, (NS_SESSION, NS_SESSION_OPEN, scope, *chunk)).fetchall()
-                )
+            )
             return found
 
-        head, rows = self._read_transaction(select, scope)
+        def select_all(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            found = select(connection)
+            sessions = sorted({str(row[1]) for row in found if row[0] == NS_SESSION})
+            if self._outbox_sessions:  # (schema 4 on: no request row exists before 6)
+                found.extend(self._request_rows(connection, scope, sessions))
+            return found
+
+        head, rows = self._read_transaction(select_all, scope)
         states = [row[1:] for row in rows if row[0] == NS_SESSION]
         openings = [row[1:] for row in rows if row[0] == NS_SESSION_OPEN]
-        return checked_rows(states, head), checked_rows(openings, head)
+        requests = [row[1:] for row in rows if row[0] == NS_SESSION_REQUEST]
+        return (
+            checked_rows(states, head),
+            checked_rows(openings, head),
+            checked_rows(requests, head),
+        )
+
+    @staticmethod
+    def _request_rows(
+        connection: sqlite3.Connection, scope: str, sessions: Sequence[str]
+    ) -> list[tuple[Any, ...]]:
+        """The request rows of ``sessions``, through their partial index (schema 6)."""
+        return select_in_chunks(
+            connection,
+            "SELECT namespace, item, revision, envelope FROM items "  # noqa: S608
+            f"WHERE {REQUEST_ROWS} AND name = ? AND session",
+            (scope,),
+            sessions,
+        )
 
     def read_scopes(self) -> list[str]:
         rows = (
@@ -265,8 +297,17 @@ class JournalReader:
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
             return connection.execute(
                 "SELECT id, namespace, item, revision, envelope FROM items "
-                "WHERE name = ? AND id > ? AND namespace IN (?, ?, ?, ?) ORDER BY id LIMIT ?",
-                (scope, after, NS_JOURNAL, NS_SESSION, NS_SESSION_OPEN, NS_OUTBOX, RESEAL_BATCH),
+                "WHERE name = ? AND id > ? AND namespace IN (?, ?, ?, ?, ?) ORDER BY id LIMIT ?",
+                (
+                    scope,
+                    after,
+                    NS_JOURNAL,
+                    NS_SESSION,
+                    NS_SESSION_OPEN,
+                    NS_OUTBOX,
+                    NS_SESSION_REQUEST,
+                    RESEAL_BATCH,
+                ),
             ).fetchall()
 
         head, rows = self._read_transaction(select, scope)

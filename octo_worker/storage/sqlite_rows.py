@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from octo_common.errors import (
     OctoError,
@@ -24,7 +24,12 @@ from octo_common.errors import (
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
 from octo_common.records import StorageKeyring
 from octo_common.runtime.sqlite import MigrationStep
-from octo_worker.storage.documents import NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.documents import (
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
+)
 from octo_worker.storage.scope_head import DIGEST_FORMAT
 from octo_worker.storage.sqlite_heads import HEAD_COLUMNS, seal_existing_heads
 
@@ -33,12 +38,14 @@ T = TypeVar("T")
 # Rows re-sealed per batch (``reseal``): one short read and one write each.
 RESEAL_BATCH: Final = 1000
 
-BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item IN "
+BY_ITEMS: Final = "WHERE namespace = ? AND name = ? AND item"
 # The partial index's condition, repeated word for word by the query that
 # uses it (SQLite matches the terms, so the namespaces are literals here).
 LIVE_SESSION_ROWS: Final = f"namespace IN ('{NS_SESSION}', '{NS_SESSION_OPEN}') AND closed = 0"
 # The outbox index's condition, likewise repeated by the query that uses it.
 OUTBOX_ROWS: Final = f"namespace = '{NS_OUTBOX}'"
+# The request rows index's condition, likewise.
+REQUEST_ROWS: Final = f"namespace = '{NS_SESSION_REQUEST}'"
 SQL_CHUNK: Final = 500  # well under SQLite's bound on host parameters
 
 # Forward-only migrations: index i moves the schema from version i to i + 1;
@@ -89,14 +96,40 @@ _SQL_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     ),
 )
 
-SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 1
+# 5 -> 6: the request rows of a session (``worker-session-request``, one per
+# retained request id) found by their session column through a partial
+# index. No row exists before it; a state document written before it holds
+# its request ids inline and still loads (``documents.read_session``).
+_REQUEST_ROWS_MIGRATION: Final = (
+    f"CREATE INDEX items_request_sessions ON items (name, session) WHERE {REQUEST_ROWS}",
+)
+
+SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 2
 # The heads carry digests from schema DIGEST_FORMAT (5) on: the anchor's digest mark.
 DIGEST_SCHEMA_VERSION: Final = DIGEST_FORMAT
 
 
 def migrations(keyring: StorageKeyring) -> tuple[tuple[MigrationStep, ...], ...]:
     """Every migration; 4 -> 5 adds the scope heads' digests and seals them with ``keyring``."""
-    return (*_SQL_MIGRATIONS, (*HEAD_COLUMNS, seal_existing_heads(keyring)))
+    return (
+        *_SQL_MIGRATIONS,
+        (*HEAD_COLUMNS, seal_existing_heads(keyring)),
+        _REQUEST_ROWS_MIGRATION,
+    )
+
+
+def select_in_chunks(
+    connection: sqlite3.Connection, select: str, fixed: tuple[Any, ...], values: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    """The rows of ``select`` followed by ``IN (?, ...)`` over ``values``, SQL_CHUNK at
+    a time; ``fixed`` binds ``select``'s own placeholders. Only "?" placeholders
+    are formatted in: every value is bound."""
+    found: list[tuple[Any, ...]] = []
+    for start in range(0, len(values), SQL_CHUNK):
+        chunk = values[start : start + SQL_CHUNK]
+        sql = f"{select} IN ({','.join('?' * len(chunk))})"
+        found.extend(connection.execute(sql, (*fixed, *chunk)).fetchall())
+    return found
 
 
 def schema_version(connection: sqlite3.Connection) -> int:

@@ -1371,28 +1371,36 @@ async def test_each_committed_state_document_is_the_durable_point(world: World) 
     commits = commits_since(world, start)
     assert len(commits) == 2
     for commit in commits:
-        state = decode_struct(commit.sessions[SESSION].state, documents.StateDocument)
+        state = decode_struct(commit.sessions[SESSION].state, documents.StateDocumentV2)
         assert state.authorizer.calls_by_tool == {SCRIPTED: 1}
     admitted, observed = (
-        decode_struct(c.sessions[SESSION].state, documents.StateDocument) for c in commits
+        decode_struct(c.sessions[SESSION].state, documents.StateDocumentV2) for c in commits
     )
-    assert [r.completed for r in admitted.authorizer.request_ids] == [False]
-    assert [r.completed for r in observed.authorizer.request_ids] == [True]
+    # One retained id: its row goes with the admission, the observation only
+    # sets its completed bit in the fixed-size state.
+    assert (admitted.authorizer.retained, int(admitted.authorizer.completed, 16)) == (1, 0)
+    assert (observed.authorizer.retained, int(observed.authorizer.completed, 16)) == (1, 1)
+    request_id = world.session._authorizer.retained_ids(0)[0]
+    assert [c.sessions[SESSION].requests for c in commits] == [((0, request_id),), ()]
     durable = world.session._commits._durable
-    assert durable.authorizer == observed.authorizer
+    assert durable.authorizer.retained == observed.authorizer.retained
+    assert durable.authorizer.completed == int(observed.authorizer.completed, 16)
+    assert durable.authorizer.calls_by_tool == observed.authorizer.calls_by_tool
     assert (durable.total, dict(durable.by_tool)) == (0, {})
     persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]
     assert persisted.state == commits[-1].sessions[SESSION].state
+    assert len(persisted.requests) == 1
 
 
 async def test_state_document_is_strict(world: World) -> None:
     persisted = (await world.real_store.load_sessions(SCOPE))[SESSION]
+    decode_struct(persisted.state, documents.StateDocumentV2)  # the written form decodes
     tampered = persisted.state.replace(b'"status":"open"', b'"status":"open","extra":1')
     with pytest.raises(SerializationError):
-        decode_struct(tampered, documents.StateDocument)
+        decode_struct(tampered, documents.StateDocumentV2)
     duplicated = persisted.state.replace(b'"status":"open"', b'"status":"open","status":"open"')
     with pytest.raises(SerializationError):
-        decode_struct(duplicated, documents.StateDocument)
+        decode_struct(duplicated, documents.StateDocumentV2)
 
 
 async def test_commit_count_per_handling_matches_the_cadence(world: World) -> None:

@@ -216,10 +216,10 @@ def dispatch(host: SessionAuthenticator, n: int) -> bytes:
     return host.seal(DispatchOperation(request))
 
 
-async def restored_calls(store: JournalStoreBase, lease: WorkerJournalLease) -> int:
-    """What the durable session state says this session spent."""
+async def restored_session(store: JournalStoreBase, lease: WorkerJournalLease) -> WorkerSession:
+    """session-1 as its durable state rebuilds it."""
     persisted = (await store.load_sessions(SCOPE))["session-1"]
-    restored = await WorkerSession.restore(
+    return await WorkerSession.restore(
         persisted,
         scope_key=SCOPE_KEY,
         scope=SCOPE,
@@ -228,7 +228,11 @@ async def restored_calls(store: JournalStoreBase, lease: WorkerJournalLease) -> 
         adapters=registry(CountingAdapter()),
         limits=WorkerSessionLimits(),
     )
-    return restored.calls_for(TOOL)
+
+
+async def restored_calls(store: JournalStoreBase, lease: WorkerJournalLease) -> int:
+    """What the durable session state says this session spent."""
+    return (await restored_session(store, lease)).calls_for(TOOL)
 
 
 def registry(adapter: CountingAdapter) -> WorkerAdapterRegistry:

@@ -136,7 +136,8 @@ def sql(
 
 
 def drop_head_digests(connection: sqlite3.Connection) -> None:
-    """Take the scope heads back to schema 4 (no digest, no seal)."""
+    """Take the scope heads back to schema 4 (no digest, no seal, no request rows index)."""
+    connection.execute("DROP INDEX IF EXISTS items_request_sessions")
     for column in ("row_count", "digest", "key_id", "auth_tag"):
         connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
 
@@ -1262,6 +1263,7 @@ async def test_sessions_closed_before_schema_3_are_still_read_at_start(db_path: 
     await store.close()
     with sqlite3.connect(db_path) as connection:  # back to schema 2
         drop_head_digests(connection)
+        connection.execute("DROP INDEX IF EXISTS items_request_sessions")  # schema 6
         connection.execute("DROP INDEX items_outbox_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN session")
         connection.execute("DROP INDEX items_live_sessions")

@@ -227,7 +227,7 @@ async def test_a_journal_from_before_the_digests_migrates_forward_once(
         assert await verified(upgraded) == (3, 6)
     finally:
         await upgraded.close()
-    assert sql(db_path, "SELECT version FROM schema_version") == [(5,)]
+    assert sql(db_path, "SELECT version FROM schema_version") == [(6,)]
     assert read_anchor(anchor)[DIGEST_ANCHOR_KEY] == 5
 
     # The digests built by the migration are the ones every load checks.

@@ -23,7 +23,13 @@ from octo_common.records import StorageKeyring
 from octo_common.states import Pending
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
 from octo_worker.storage import postgres_sql
-from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX, NS_SESSION, NS_SESSION_OPEN
+from octo_worker.storage.documents import (
+    NS_JOURNAL,
+    NS_OUTBOX,
+    NS_SESSION,
+    NS_SESSION_OPEN,
+    NS_SESSION_REQUEST,
+)
 from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.store import WorkerCommit
 from tests.postgres import PostgresSchema
@@ -241,5 +247,6 @@ def test_the_statements_name_the_row_namespaces_of_the_documents() -> None:
         NS_OUTBOX,
         NS_SESSION,
         NS_SESSION_OPEN,
+        NS_SESSION_REQUEST,
     }
     assert f"LIMIT {postgres_sql.RESEAL_BATCH}" in text

@@ -124,6 +124,7 @@ def test_the_digest_is_per_scope_over_every_digested_namespace() -> None:
         "worker-session",
         "worker-session-open",
         "worker-outbox",
+        "worker-session-request",
     )
     assert rows_domain(SCOPE) == b"octo-worker-scope-rows-v1" + _lp(SCOPE.encode())
     assert digest_of(SCOPE, ROWS) == SetDigest.of(rows_domain(SCOPE), reversed(ROWS))
