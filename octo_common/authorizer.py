@@ -31,11 +31,18 @@ It has no cancellation methods (D9).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any, Generic, NoReturn, TypeVar
 
-import msgspec
-
+from octo_common.authorizer_state import (
+    AuthorizerCheckpoint,
+    AuthorizerState,
+    CompensationIdentity,
+    RetainedRequestId,
+    bad_state,
+    restore_counters,
+    restore_identities,
+    restore_request_ids,
+)
 from octo_common.digest import worker_input_fingerprint
 from octo_common.errors import (
     AuthorizationProvenanceMismatch,
@@ -50,13 +57,12 @@ from octo_common.errors import (
     OperationResultMismatch,
     OutputTooLarge,
     RequestMismatch,
-    SerializationError,
     SessionRequestLimitExceeded,
     UnknownSession,
     UnknownTool,
 )
 from octo_common.grants import CapabilityGrant, CapabilityManifest
-from octo_common.ids import is_fingerprint, is_token, validate_token
+from octo_common.ids import validate_token
 from octo_common.limits import MAX_SESSION_REQUEST_IDS
 from octo_common.messages import (
     CompensationReconcileRequest,
@@ -84,65 +90,6 @@ __all__ = [
     "RetainedRequestId",
     "SessionAuthorizer",
 ]
-
-_MAX_U32 = 2**32 - 1
-
-
-# Exported state -------------------------------------------------------------
-
-
-class CompensationIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, order=True):
-    """One admitted compensation identity (W§8.3 step 8).
-
-    Field order is the sort order of ``AuthorizerState.compensation_identities``.
-    """
-
-    tool: str
-    operation_key: str
-    compensation_key: str
-    tenant_scope: str
-    grant_fingerprint: str
-    input_fingerprint: str
-
-
-class RetainedRequestId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A retained request id and whether its result was validated."""
-
-    request_id: str
-    completed: bool
-
-
-class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a :class:`SessionAuthorizer` persists except provenance (D4).
-
-    ``calls_by_tool`` and ``compensations_by_tool`` hold only non-zero
-    counters, keys sorted; ``compensation_identities`` is sorted;
-    ``request_ids`` is in retention order. Every field is required, so a
-    strict decode of a persisted document never fills in a missing part.
-    """
-
-    calls_by_tool: dict[str, int]
-    compensations_by_tool: dict[str, int]
-    compensation_identities: tuple[CompensationIdentity, ...]
-    request_ids: tuple[RetainedRequestId, ...]
-
-
-class AuthorizerCheckpoint(msgspec.Struct, frozen=True):
-    """What a commit persists of a :class:`SessionAuthorizer` (D4, incremental form).
-
-    The counters and identities as in :class:`AuthorizerState`; the retained
-    request ids as their number (``retained``: they are the first
-    ``retained`` ids of retention order) and ``completed``, a bitmap whose
-    bit ``i`` is set when the ``i``-th retained id has a validated result.
-    Its size never depends on how many request ids are retained.
-    """
-
-    calls_by_tool: dict[str, int]
-    compensations_by_tool: dict[str, int]
-    compensation_identities: tuple[CompensationIdentity, ...]
-    retained: int
-    completed: int
-
 
 # Tokens ---------------------------------------------------------------------
 
@@ -705,23 +652,23 @@ class SessionAuthorizer:
         """
         authorizer = cls(manifest)
         if not isinstance(state, AuthorizerState):
-            _bad_state("not an AuthorizerState")
-        calls = _restore_counters(manifest, state.calls_by_tool, "calls_by_tool", "max_calls")
-        compensations = _restore_counters(
+            bad_state("not an AuthorizerState")
+        calls = restore_counters(manifest, state.calls_by_tool, "calls_by_tool", "max_calls")
+        compensations = restore_counters(
             manifest, state.compensations_by_tool, "compensations_by_tool", "max_compensations"
         )
-        identities = _restore_identities(manifest, state.compensation_identities)
+        identities = restore_identities(manifest, state.compensation_identities)
         per_tool: dict[str, int] = {}
         for identity in identities:
             per_tool[identity.tool] = per_tool.get(identity.tool, 0) + 1
         if per_tool != compensations:
             # Every admitted identity spent exactly one unit of its tool's budget.
-            _bad_state("compensation counters disagree with the identities")
-        request_ids = _restore_request_ids(state.request_ids)
+            bad_state("compensation counters disagree with the identities")
+        request_ids = restore_request_ids(state.request_ids)
         # Every spent call and every new identity retained its own request id,
         # and retained ids are never released.
         if sum(calls.values()) + sum(compensations.values()) > len(request_ids):
-            _bad_state("more budget spent than request ids retained")
+            bad_state("more budget spent than request ids retained")
         authorizer._calls = calls
         authorizer._compensations = compensations
         authorizer._identities = identities
@@ -732,80 +679,3 @@ class SessionAuthorizer:
             1 << i for i, entry in enumerate(request_ids.values()) if entry.completed
         )
         return authorizer
-
-
-# State validation helpers -----------------------------------------------------
-
-
-def _bad_state(detail: str) -> NoReturn:
-    raise SerializationError(f"authorizer state: {detail}")
-
-
-def _is_count(value: object) -> bool:
-    return type(value) is int and 0 <= value <= _MAX_U32
-
-
-def _restore_counters(
-    manifest: CapabilityManifest, counters: object, name: str, limit: str
-) -> dict[str, int]:
-    if not isinstance(counters, Mapping):
-        _bad_state(f"{name} is not a map")
-    restored: dict[str, int] = {}
-    for tool, count in counters.items():
-        if not isinstance(tool, str) or not _is_count(count):
-            _bad_state(f"{name} holds a malformed entry")
-        grant = manifest.grant(tool)
-        if grant is None:
-            _bad_state(f"{name} names a tool without a grant")
-        if count > getattr(grant, limit):
-            _bad_state(f"{name} exceeds the grant's {limit}")
-        if count:
-            restored[tool] = count
-    return restored
-
-
-def _restore_identities(
-    manifest: CapabilityManifest, identities: object
-) -> set[CompensationIdentity]:
-    if not isinstance(identities, Sequence) or isinstance(identities, str | bytes):
-        _bad_state("compensation_identities is not a list")
-    restored: set[CompensationIdentity] = set()
-    for identity in identities:
-        if not isinstance(identity, CompensationIdentity):
-            _bad_state("compensation identity is malformed")
-        tokens = (identity.tool, identity.operation_key, identity.tenant_scope)
-        if not all(isinstance(value, str) and is_token(value) for value in tokens):
-            _bad_state("compensation identity holds a malformed token")
-        key = identity.compensation_key
-        if not (isinstance(key, str) and is_token(key) and key.startswith("cmp-")):
-            _bad_state("compensation identity holds a malformed compensation key")
-        fingerprints = (identity.grant_fingerprint, identity.input_fingerprint)
-        if not all(isinstance(value, str) and is_fingerprint(value) for value in fingerprints):
-            _bad_state("compensation identity holds a malformed fingerprint")
-        if manifest.grant(identity.tool) is None:
-            _bad_state("compensation identity names a tool without a grant")
-        if identity in restored:
-            _bad_state("compensation identity repeated")
-        restored.add(identity)
-    return restored
-
-
-def _restore_request_ids(entries: object) -> dict[str, RetainedRequestId]:
-    if not isinstance(entries, Sequence) or isinstance(entries, str | bytes):
-        _bad_state("request_ids is not a list")
-    if len(entries) > MAX_SESSION_REQUEST_IDS:
-        _bad_state("more request ids than a session retains")
-    restored: dict[str, RetainedRequestId] = {}
-    for entry in entries:
-        if not isinstance(entry, RetainedRequestId):
-            _bad_state("retained request id is malformed")
-        request_id, completed = entry.request_id, entry.completed
-        if not (isinstance(request_id, str) and is_token(request_id)):
-            _bad_state("retained request id is not a token")
-        if type(completed) is not bool:
-            _bad_state("completed flag is not a boolean")
-        if request_id in restored:
-            _bad_state("request id retained twice")
-        # A fresh value of exactly this type, whatever the caller passed.
-        restored[request_id] = RetainedRequestId(request_id, completed)
-    return restored
