@@ -19,6 +19,8 @@ operation keys are unique only within a scope):
   compensation never repeats an effect it records.
 * ``.octo-publish/claim.<sha256 of scope and name>``: the claim on one
   scope's name, created with ``O_EXCL``, holding the owner's idempotency key.
+* ``.octo-publish/lock.<idempotency key>``: the operation's cross-process
+  lock (:func:`octo_worker.adapters_files_disk.operation_lock`).
 * ``<scope>/.octo-tmp.*``: a file being written; a publish removes its own,
   but one cut by a crash stays behind (never published: safe to delete).
 
@@ -49,9 +51,15 @@ effect a crash interrupted (the missing log line and record of a file that
 is already there or already gone), or settle for good one that never
 happened, exactly as a repeated call does.
 
-One process owns ``target_dir`` and ``effect_log``: the single file thread
-is what orders a lookup after the call it reports on, and what makes the
-line after a recorded offset this effect's own.
+Within one process the single file thread orders a lookup after the call
+it reports on. Several processes may share ``target_dir`` and ``effect_log``
+(workers that fail over, D13): each operation is worked on under its own
+lock, a lookup held off by another process's lock answers indeterminate,
+and a lookup that finds no record leaves a refused record behind, so a
+dispatch that reaches the adapter later (a superseded worker woken up)
+never publishes what the lookup reported as never published. The line
+after a recorded offset is this effect's own as long as one process
+appends at a time (a standby appends only once the owner is gone).
 """
 
 from __future__ import annotations
@@ -78,6 +86,18 @@ from octo_common.errors import AdapterFailed, AdapterIndeterminate, AdapterInval
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
 from octo_worker.adapters import AdapterContext, BaseWorkerAdapter, DurableOperationContract
+from octo_worker.adapters_files_disk import (
+    TMP_PREFIX,
+    append_line,
+    fsync_dir,
+    line_at,
+    log_size,
+    operation_lock,
+    read_effect_log,
+    replace_file,
+    sha256_of,
+    write_new_file,
+)
 
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
@@ -109,10 +129,7 @@ FAILED_UNSAFE_SCOPE: Final = "scope has no directory"
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _META_DIR: Final = ".octo-publish"
-_TMP_PREFIX: Final = ".octo-tmp."
 _RECORD_FORMAT: Final = 2
-# One effect line is well under this (names and keys are at most 128 bytes).
-_MAX_LINE: Final = 4096
 
 T = TypeVar("T")
 
@@ -153,6 +170,13 @@ class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 _RECORD_DECODER = msgspec.json.Decoder(_Record)
 _RECORD_ENCODER = msgspec.json.Encoder()
+
+
+def _never_published(scope: str, key: str, operation_key: str) -> _Record:
+    """What a lookup leaves for an operation it found no record of (no name)."""
+    return _Record(
+        _RECORD_FORMAT, key, scope, operation_key, "", "", 0, "refused", 0, FAILED_NOT_PUBLISHED
+    )
 
 
 def _valid_name(name: str) -> bool:
@@ -203,112 +227,6 @@ def _publish_payload(record: _Record) -> ToolPayload:
 
 def _undo_payload(record: _Record) -> ToolPayload:
     return ToolPayload.json({"name": record.name, "removed": bool(record.removed_file)})
-
-
-# Crash-safe file primitives --------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_new_file(path: Path, data: bytes, mode: int) -> None:
-    """Create ``path`` (it must not exist), write ``data`` and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    """Atomically replace ``path`` with ``data`` (temp, fsync, rename, fsync dir)."""
-    tmp = path.parent / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
-    try:
-        _write_new_file(tmp, data, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _sha256_of(path: Path) -> str | None:
-    try:
-        with open(path, "rb") as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
-    except FileNotFoundError:
-        return None
-
-
-def _append_line(path: Path, line: bytes) -> None:
-    """Append one line with ``O_APPEND`` and fsync (the directory too when created)."""
-    created = not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if created:
-        _fsync_dir(path.parent)
-
-
-def _log_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _line_at(path: Path, offset: int) -> dict[str, Any] | None:
-    """The complete JSON line starting at ``offset`` of the log, or None."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            chunk = handle.read(_MAX_LINE)
-    except FileNotFoundError:
-        return None
-    line, newline, _ = chunk.partition(b"\n")
-    if not newline:
-        return None
-    try:
-        entry = json.loads(line)
-    except ValueError:
-        return None
-    return entry if isinstance(entry, dict) else None
-
-
-def read_effect_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every effect line of an effect log, oldest first (a missing log is empty).
-
-    A line that is not a complete JSON object is a torn write of an effect
-    that was never reported as done (a power cut inside a write), and is
-    skipped: the adapter writes the line again when it meets the effect's
-    record.
-    """
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return []
-    entries = []
-    for line in data.split(b"\n")[:-1]:  # the part after the last newline is empty or torn
-        try:
-            entry = json.loads(line) if line else None
-        except ValueError:
-            continue
-        if isinstance(entry, dict):
-            entries.append(entry)
-    return entries
 
 
 # The adapter -----------------------------------------------------------------
@@ -465,7 +383,9 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     def _locked(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         with self._lock:
             try:
-                return fn(*args)
+                self._ensure_dirs()
+                with operation_lock(self._meta, args[0][1]):
+                    return fn(*args)
             except OSError:
                 raise AdapterIndeterminate(f"file system error during {what}") from None
 
@@ -482,6 +402,8 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         digest = hashlib.sha256(data).hexdigest()
         record = self._read_record(key, operation_key)
         if record is not None:
+            if record.state == "refused" and not record.name:
+                return Failed(record.reason or FAILED_NOT_PUBLISHED)  # a lookup's answer
             if record.name != name or record.sha256 != digest:
                 return Failed(FAILED_KEY_REUSED)
             return self._settle(record)
@@ -494,7 +416,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
             digest,
             len(data),
             "publishing",
-            _log_size(self._log),
+            log_size(self._log),
         )
         if not _valid_name(scope):
             return self._refuse(fresh, FAILED_UNSAFE_SCOPE)
@@ -506,14 +428,14 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         # Intent first: after a crash the record says what may have begun.
         self._write_record(fresh)
         try:
-            _write_new_file(claim, key.encode("ascii"), 0o600)
+            write_new_file(claim, key.encode("ascii"), 0o600)
         except FileExistsError:
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
-        _fsync_dir(self._meta)
-        tmp = directory / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+        fsync_dir(self._meta)
+        tmp = directory / f"{TMP_PREFIX}{secrets.token_hex(8)}"
         linked = False
         try:
-            _write_new_file(tmp, data, 0o644)
+            write_new_file(tmp, data, 0o644)
             # link (unlike rename) never replaces a file that appeared meanwhile.
             os.link(tmp, target)
             linked = True
@@ -522,7 +444,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         if not linked:
             self._release_claim(fresh)
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
@@ -582,13 +504,13 @@ class FilesPublishAdapter(BaseWorkerAdapter):
                 compensation_key=compensation_key,
                 compensation_idempotency_key=removal_key,
                 removed_file=present,
-                log_offset=_log_size(self._log),
+                log_offset=log_size(self._log),
             )
             self._write_record(record)
         if present:
             directory = self._scope_dir(record.scope)
             os.unlink(directory / record.name)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         return Succeeded(_undo_payload(self._finish_removal(record, owned, bool(present))))
 
     def _finish_removal(self, record: _Record, owned: bool, unlinked: bool) -> _Record:
@@ -608,20 +530,26 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     def _lookup(self, operation: tuple[str, str, str]) -> OperationStatus:
         with self._lock:
             try:
-                _, key, operation_key = operation
-                record = self._read_record(key, operation_key)
-                if record is None:
-                    return Failed(FAILED_NOT_PUBLISHED)
-                # A crash cut a publication short: finish its bookkeeping exactly
-                # as a repeated dispatch would. Neither writes the published file.
-                return self._settle(record)
+                scope, key, operation_key = operation
+                self._ensure_dirs()
+                with operation_lock(self._meta, key):
+                    record = self._read_record(key, operation_key)
+                    if record is None:
+                        # Never published, and now never will be: a dispatch that
+                        # reaches an adapter later (a superseded worker's) finds this.
+                        return self._refuse(_never_published(scope, key, operation_key), "")
+                    # A crash cut a publication short: finish its bookkeeping exactly
+                    # as a repeated dispatch would. Neither writes the published file.
+                    return self._settle(record)
             except OSError:
                 raise AdapterFailed("file system error during lookup") from None
 
     def _lookup_removal(self, operation: tuple[str, str, str], removal_key: str) -> OperationStatus:
         with self._lock:
             try:
-                return self._lookup_removal_locked(operation, removal_key)
+                self._ensure_dirs()
+                with operation_lock(self._meta, operation[1]):
+                    return self._lookup_removal_locked(operation, removal_key)
             except OSError:
                 raise AdapterFailed("file system error during lookup") from None
 
@@ -661,7 +589,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         self._dir.mkdir(parents=True, exist_ok=True)
         if not self._meta.exists():
             self._meta.mkdir(mode=0o700, exist_ok=True)
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         if not self._log_checked:
             self._end_torn_line()
             self._log_checked = True
@@ -681,13 +609,13 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         except (FileNotFoundError, OSError):
             return
         if last != b"\n":
-            _append_line(self._log, b"\n")
+            append_line(self._log, b"\n")
 
     def _scope_dir(self, scope: str) -> Path:
         directory = self._dir / scope
         if not directory.is_dir():
             directory.mkdir(exist_ok=True)
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         return directory
 
     def _record_path(self, key: str) -> Path:
@@ -724,10 +652,12 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         return record
 
     def _write_record(self, record: _Record) -> None:
-        _replace_file(self._record_path(record.idempotency_key), _RECORD_ENCODER.encode(record))
+        replace_file(self._record_path(record.idempotency_key), _RECORD_ENCODER.encode(record))
 
     def _refuse(self, record: _Record, reason: str) -> Failed:
-        """Record that ``record``'s operation will never publish, and answer so."""
+        """Record that ``record``'s operation will never publish, and answer so
+        (``reason`` empty: the record's own)."""
+        reason = reason or record.reason or FAILED_NOT_PUBLISHED
         self._write_record(msgspec.structs.replace(record, state="refused", reason=reason))
         return Failed(reason)
 
@@ -741,7 +671,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         if self._claim_owner(record) != record.idempotency_key:
             return
         os.unlink(self._claim_path(record.scope, record.name))
-        _fsync_dir(self._meta)
+        fsync_dir(self._meta)
 
     def _is_published(self, record: _Record) -> bool:
         owned, present = self._file_of(record)
@@ -752,7 +682,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         None when a file is there that is not the one published."""
         if self._claim_owner(record) != record.idempotency_key:
             return False, False
-        found = _sha256_of(self._dir / record.scope / record.name)
+        found = sha256_of(self._dir / record.scope / record.name)
         if found is None:
             return True, False
         return True, (True if found == record.sha256 else None)
@@ -774,11 +704,11 @@ class FilesPublishAdapter(BaseWorkerAdapter):
             },
             separators=(",", ":"),
         )
-        _append_line(self._log, line.encode("utf-8") + b"\n")
+        append_line(self._log, line.encode("utf-8") + b"\n")
 
     def _logged(self, effect: str, record: _Record, key: str | None) -> bool:
         """Whether the line of ``record``'s effect in progress was written (one read)."""
-        entry = _line_at(self._log, record.log_offset)
+        entry = line_at(self._log, record.log_offset)
         return (
             entry is not None
             and entry.get("effect") == effect

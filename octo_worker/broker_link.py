@@ -57,6 +57,7 @@ class BrokerLink:
     _stopping: asyncio.Event
     _ready: asyncio.Event
     _consuming_since_connect: bool
+    _shared: bool
 
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
@@ -73,6 +74,8 @@ class BrokerLink:
             self, scope: ServedScope, sessions: list[WorkerSession]
         ) -> None: ...
 
+        def _stand_by(self) -> None: ...
+
         async def _drain(self) -> None: ...
 
     async def _connection_loop(self) -> None:
@@ -82,7 +85,10 @@ class BrokerLink:
         while not self._stopping.is_set():
             try:
                 connection = await connect(
-                    url, timeout=broker.connect_timeout_seconds, name="octo-worker"
+                    url,
+                    timeout=broker.connect_timeout_seconds,
+                    name="octo-worker",
+                    heartbeat=broker.heartbeat_seconds,
                 )
             except OctoError as exc:
                 self._log.warning("broker_connect_failed", error=str(exc), retry_in=delay)
@@ -154,7 +160,8 @@ class BrokerLink:
             await declare_topology(publish, list(self._scopes), delivery_limit=None)
         self._connected.set()
         for scope in self._scopes.values():
-            if not scope.superseded:
+            # A standby scope republishes when the broker makes it active.
+            if not scope.superseded and not scope.standby:
                 self._release_outbox_later(scope, await self._republish_outbox(scope))
         for scope in self._scopes.values():
             if not scope.superseded:
@@ -175,6 +182,8 @@ class BrokerLink:
 
     async def _close_connection(self) -> None:
         self._connected.clear()
+        if self._shared:
+            self._stand_by()
         for scope in self._scopes.values():
             scope.queue = None
             scope.consumer_tag = None

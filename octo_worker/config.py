@@ -63,6 +63,10 @@ class BrokerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     reconnect_initial_seconds: float = 0.5
     reconnect_max_seconds: float = 15.0
     prefetch: int = 64
+    # The AMQP heartbeat the worker proposes (seconds): how long a paused or
+    # partitioned worker keeps its queues before the broker hands them to a
+    # standby (D13).
+    heartbeat_seconds: int = 60
     delivery_limit: int = 5
     # The dead-letter queue's bound (policy octo-v5-dead, set by `topology declare`).
     dead_letter_max_length: int = DEFAULT_DEAD_MAX_LENGTH
@@ -294,6 +298,8 @@ def _check(config: WorkerConfig) -> None:
     broker = config.broker
     if not 1 <= broker.prefetch <= 65535:
         raise InvalidConfiguration("broker.prefetch: must be in 1..65535")
+    if not 1 <= broker.heartbeat_seconds <= 3600:
+        raise InvalidConfiguration("broker.heartbeat_seconds: must be in 1..3600")
     if not 1 <= broker.delivery_limit <= 1000:
         raise InvalidConfiguration("broker.delivery_limit: must be in 1..1000")
     if not 1 <= broker.dead_letter_max_length <= 2**63 - 1:

@@ -17,7 +17,15 @@ commit failure poisons its session; the daemon then pauses the scope, lets
 its handlers finish, reserves a fresh fence, reloads the scope from the
 store and resumes (W§10.9 steps 3–5). A commit refused with
 ``FencingTokenRejected`` means another worker took the scope: this one stops
-serving it and never takes the fence back.
+serving it and never takes the fence back; once every scope is taken it
+stops (``superseded``), and a supervisor's restart comes back as a standby.
+
+With a shared journal (PostgreSQL, D13) several daemons serve the same
+scopes: each consumes the scope's single-active-consumer queue from the
+start but reserves nothing; the broker's first delivery to it makes it the
+owner (a fresh fence, sessions restored, outbox republished, see
+``ScopeLifecycle._activate_scope``), and a lost connection puts it back in
+standby, since another worker may serve the scope meanwhile.
 
 The daemon owns its reconnect loop (a plain connection, not aio-pika's robust
 one): a delivery is acked only on the channel it came from, and a lost channel
@@ -116,8 +124,14 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._consuming_since_connect = False
+        self._shared = config.shared_journal
         self._background: set[asyncio.Task[Any]] = set()
         self._log = _log.bind(worker=config.worker.state_dir)
+
+    @property
+    def superseded(self) -> bool:
+        """Whether another worker's fence took every scope (the daemon then stops)."""
+        return bool(self._scopes) and all(s.superseded for s in self._scopes.values())
 
     @property
     def store(self) -> JournalStoreBase:
@@ -181,7 +195,16 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
             )
             self._scopes[scope.name] = scope
             try:
-                await self._load_scope(scope)
+                if self._shared:
+                    # Standby until the broker makes this worker the queue's
+                    # single active consumer (D13); the scope's rows are
+                    # checked against its sealed head now, so a start fails
+                    # closed as the SQLite start does.
+                    await self.store.verify_scope(scope.name)
+                    scope.standby = True
+                    self.hooks.on_scope_role(scope.name, False)
+                else:
+                    await self._load_scope(scope)
             except OctoError as exc:
                 # A scope whose rows are not its sealed head's (rollback_detected)
                 # or that cannot be read stops the start: fail closed, say which.

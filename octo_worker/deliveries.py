@@ -92,7 +92,9 @@ class BrokerDelivery:
 
     async def reply(self, frame: bytes, correlation_id: str | None) -> None:
         session = self.session
-        if session is None:
+        if session is None or self._scope.standby or self._scope.superseded:
+            # A scope this worker may no longer own publishes nothing: the
+            # reply stays in the outbox, for the owner's republish (D13).
             raise PublishChannelClosed(self._scope.name)
         envelope = build_worker_reply(
             self._scope.name,
@@ -142,6 +144,8 @@ class DeliveryPath:
 
         async def _reload_scope(self, scope: ServedScope) -> None: ...
 
+        def _activate_later(self, scope: ServedScope) -> asyncio.Task[None]: ...
+
         async def _release_outbox(
             self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
         ) -> None: ...
@@ -165,15 +169,23 @@ class DeliveryPath:
         channel: AbstractChannel,
     ) -> None:
         async with scope.semaphore:
+            if scope.standby and not scope.superseded and not channel.is_closed:
+                # The broker delivers to the queue's single active consumer
+                # only: this worker owns the scope now (D13).
+                await asyncio.shield(self._activate_later(scope))
             while not scope.running.is_set():
                 await scope.running.wait()
             if self._stopping.is_set():
                 return  # stopping: never started, never acked; the broker redelivers it
-            if scope.superseded:
-                # Another worker owns the scope now: hand the delivery back.
-                if not channel.is_closed:
-                    with contextlib.suppress(Exception):
-                        await message.reject(requeue=True)
+            if channel.is_closed:
+                # Its channel is gone: the broker has put it back in the queue
+                # (and may have handed the queue to another worker meanwhile).
+                return
+            if scope.superseded or scope.standby:
+                # Another worker owns the scope now (or this one could not
+                # take it): hand the delivery back.
+                with contextlib.suppress(Exception):
+                    await message.reject(requeue=True)
                 return
             delivery = BrokerDelivery(self, scope, message, channel)
             current = asyncio.current_task()

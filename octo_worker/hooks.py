@@ -99,6 +99,10 @@ class WorkerHooks:
     def on_consumers_changed(self, active: int) -> None:
         """The number of scopes this worker consumes changed to ``active``."""
 
+    def on_scope_role(self, scope: str, active: bool) -> None:
+        """A scope of a shared journal (D13) became active here (a fence reserved,
+        its sessions restored) or went back to standby (a lost connection)."""
+
 
 NO_HOOKS: Final = WorkerHooks()
 

@@ -136,6 +136,12 @@ class WorkerMetrics(WorkerHooks):
         self.consumers_active = Gauge(
             "octo_consumers_active", "Scope consumers currently consuming", registry=r
         )
+        self.scope_active = Gauge(
+            "octo_scope_active",
+            "1 while this worker holds the scope's fence and serves it, 0 in standby",
+            ["scope"],
+            registry=r,
+        )
         self.outbox_pending = Gauge(
             "octo_outbox_pending",
             "Outbox rows found at the last start, reconnect or reload (each republished)",
@@ -310,6 +316,9 @@ class WorkerMetrics(WorkerHooks):
 
     def on_consumers_changed(self, active: int) -> None:
         self.consumers_active.set(active)
+
+    def on_scope_role(self, scope: str, active: bool) -> None:
+        self.scope_active.labels(scope).set(1 if active else 0)
 
     # Exposition.
 

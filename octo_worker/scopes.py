@@ -85,6 +85,12 @@ class ServedScope:
     running: asyncio.Event = field(default_factory=asyncio.Event)
     reloading: bool = False
     superseded: bool = False
+    # A shared journal (D13): the scope waits for the broker to make this
+    # worker its single active consumer; its first delivery then activates
+    # it (a fresh fence, the sessions restored, the outbox republished).
+    # Until then it reserves, commits and publishes nothing.
+    standby: bool = False
+    activation: asyncio.Task[None] | None = None
 
 
 # Which scopes another worker took ------------------------------------------------
@@ -121,6 +127,8 @@ class ScopeLifecycle:
     _supersession: Supersession
     _connected: asyncio.Event
     _stopping: asyncio.Event
+    # The journal is shared (PostgreSQL, D13): scopes start as standby.
+    _shared: bool
 
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
@@ -378,11 +386,73 @@ class ScopeLifecycle:
             )
             self.request_stop()
 
+    def _activate_later(self, scope: ServedScope) -> asyncio.Task[None]:
+        """The one activation of a standby scope (started by its first delivery)."""
+        if scope.activation is None or scope.activation.done():
+            scope.activation = self._spawn(self._activate_scope(scope))
+        return scope.activation
+
+    async def _activate_scope(self, scope: ServedScope) -> None:
+        """The broker made this worker the scope's active consumer (D13): W§10.10 under a
+        fresh fence.
+
+        The first delivery after a (re)connection of a shared journal proves it:
+        the queue's single active consumer is this one, so any worker that
+        served the scope before has lost its consumer. Handlers of an earlier
+        connection finish first (their commits meet the fence they hold), then
+        a fresh fence is reserved, the sessions are rebuilt from the shared
+        store, the outbox is republished and released, and the gate opens. A
+        scope whose commits another worker's fence refused is given up, never
+        activated (W§11.3); a failure stops the worker (fail closed).
+        """
+        scope.running.clear()
+        try:
+            while scope.active:
+                await asyncio.wait(list(scope.active))
+            if scope.superseded or self._superseded(scope):
+                await self._give_up_scope(scope)
+                return
+            await self._load_scope(scope, open_gate=False)
+            scope.standby = False
+            assert scope.lease is not None
+            self.hooks.on_scope_role(scope.name, True)
+            self._log.warning("scope_activated", scope=scope.name, fence=scope.lease.token)
+            await self._release_outbox(scope, await self._republish_outbox(scope))
+            if self._superseded(scope):
+                await self._give_up_scope(scope)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+            self._log.error("scope_activation_failed", scope=scope.name, error=code)
+            if self._superseded(scope):
+                await self._give_up_scope(scope)
+            else:
+                self.request_stop()  # fail closed: a supervisor restarts it as a standby
+        finally:
+            scope.running.set()
+
+    def _stand_by(self) -> None:
+        """A shared journal's scopes after a lost connection: standby until a delivery.
+
+        Another worker may serve them meanwhile; what this one holds in memory
+        is reloaded under a fresh fence when the broker makes it active again.
+        """
+        for scope in self._scopes.values():
+            if not scope.superseded and not scope.standby:
+                scope.standby = True
+                self.hooks.on_scope_role(scope.name, False)
+
     async def _reload_scope(self, scope: ServedScope) -> None:
-        """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume."""
+        """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume.
+
+        On a shared journal the consumer is paused by the gate alone: cancelling
+        it would hand the queue to a standby worker (single active consumer).
+        """
         try:
             scope.running.clear()
-            await self._stop_consuming(scope)
+            if not self._shared:
+                await self._stop_consuming(scope)
             # The handler that poisoned the session is done with it; wait for
             # every other running handler of the scope (their commits may fail too).
             while scope.active:
@@ -413,7 +483,8 @@ class ScopeLifecycle:
                 if self._superseded(scope):
                     await self._give_up_scope(scope)  # the release met another writer's fence
                     return
-                await self._start_consuming(scope)
+                if not self._shared:
+                    await self._start_consuming(scope)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -113,18 +113,24 @@ class QueueStatus:
 
 
 async def connect(
-    url: str, *, timeout: float = 10.0, name: str | None = None
+    url: str, *, timeout: float = 10.0, name: str | None = None, heartbeat: int | None = None
 ) -> AbstractConnection:
     """Open a plain (non-robust) aio-pika connection.
 
     A lost connection is final: ``connection.closed()`` resolves and every
     channel on it fails, so in-flight deliveries are never acked on a stale
     channel. The caller's own loop reconnects, re-declares, re-consumes and
-    lets the broker redeliver whatever was not acked (W§12.4).
+    lets the broker redeliver whatever was not acked (W§12.4). ``heartbeat``
+    (seconds) is what the client proposes: a peer silent that long is gone,
+    so a paused worker loses its queue to a standby after about that long.
     """
     properties: FieldTable | None = {"connection_name": name} if name else None
     try:
-        return await aio_pika.connect(url, timeout=timeout, client_properties=properties)
+        if heartbeat is None:
+            return await aio_pika.connect(url, timeout=timeout, client_properties=properties)
+        return await aio_pika.connect(
+            url, timeout=timeout, client_properties=properties, heartbeat=heartbeat
+        )
     except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as error:
         # The URL may carry a password: name only the failure's class.
         raise TopologyError(f"cannot connect to the broker ({type(error).__name__})") from None

@@ -44,6 +44,7 @@ __all__ = [
     "EXIT_CHECK_FAILED",
     "EXIT_OK",
     "EXIT_STORAGE",
+    "EXIT_SUPERSEDED",
     "EXIT_USAGE",
     "CliError",
     "Failure",
@@ -74,6 +75,7 @@ EXIT_CHECK_FAILED: Final = 1  # a check failed, refused, not found, an internal 
 EXIT_USAGE: Final = 2  # usage or configuration error
 EXIT_BROKER: Final = 3  # broker unreachable or a publish failed
 EXIT_STORAGE: Final = 4  # journal or ledger storage error
+EXIT_SUPERSEDED: Final = 5  # another worker's fence took every scope (D13)
 
 
 class CliError(Exception):

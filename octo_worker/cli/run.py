@@ -36,6 +36,7 @@ from octo_common.runtime.output import (
     EXIT_BROKER,
     EXIT_OK,
     EXIT_STORAGE,
+    EXIT_SUPERSEDED,
     EXIT_USAGE,
     CliError,
     Output,
@@ -175,6 +176,14 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
             f"start-up failed: {error.strerror or type(error).__name__}{where}",
             "storage_backend_error",
         ) from None
+    if daemon.superseded:
+        # Not a clean stop: a supervisor restarts it, and it comes back as a
+        # standby of the worker that holds the fences now (D13).
+        raise CliError(
+            EXIT_SUPERSEDED,
+            "stopped: another worker holds the fence of every scope",
+            "fencing_token_rejected",
+        )
     return EXIT_OK
 
 

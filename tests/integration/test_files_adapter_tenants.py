@@ -143,8 +143,9 @@ async def test_nothing_the_adapter_keeps_is_named_by_a_bare_key(
     await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
-    kept = [p.name for p in (target / ".octo-publish").iterdir()]
-    assert kept == [record_path(target, KEY).name]
+    kept = sorted(p.name for p in (target / ".octo-publish").iterdir())
+    idempotency_key = record_path(target, KEY).name.removeprefix("pub.").removesuffix(".json")
+    assert kept == [f"lock.{idempotency_key}", record_path(target, KEY).name]
     assert all(KEY not in name and "cmp-undo-1" not in name for name in kept)
 
 
@@ -230,7 +231,7 @@ async def test_a_removal_cut_between_unlink_and_log_line_is_finished_by_the_look
 ) -> None:
     doomed = restart(target, log_path)
     await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
-    crash_on(monkeypatch, "_append_line", when=lambda path, line: b'"remove"' in line)
+    crash_on(monkeypatch, "append_line", when=lambda path, line: b'"remove"' in line)
     with pytest.raises(Crash):
         await doomed.compensate_operation(*args_for(undo(KEY, "notes.txt")))
     doomed.close()
@@ -299,13 +300,13 @@ async def test_a_lookup_after_an_expired_deadline_sees_the_finished_removal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
-    real_replace = files_module._replace_file
+    real_replace = files_module.replace_file
 
     def slow_replace(path: Path, data: bytes) -> None:
         time.sleep(0.1)
         real_replace(path, data)
 
-    monkeypatch.setattr(files_module, "_replace_file", slow_replace)
+    monkeypatch.setattr(files_module, "replace_file", slow_replace)
     request = undo(KEY, "notes.txt")
     with pytest.raises(AdapterIndeterminate):
         await call_adapter_with_deadline(
@@ -348,7 +349,7 @@ async def test_the_repair_of_a_cut_publish_reads_one_line_not_the_log(
         await doomed.dispatch_operation(
             *args_for(dispatch(f"op-before-{index}", publish_payload(f"f-{index}.txt")))
         )
-    crash_on(monkeypatch, "_append_line")
+    crash_on(monkeypatch, "append_line")
     with pytest.raises(Crash):
         await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()

@@ -1,0 +1,285 @@
+"""Two worker processes serving one scope from one PostgreSQL journal (D13), and a host.
+
+Shared by ``tests/faults/test_failover.py`` and ``bench/failover.py``. Real
+processes, the real broker on 127.0.0.1:5672 and the real PostgreSQL test
+database:
+
+* :class:`FailoverEnv` writes one ``worker.toml`` per worker (its own state
+  directory; the same scope key, storage key, PostgreSQL schema, and the
+  same ``files.publish`` directory and effect log) and the host's ledger;
+* each worker is ``tests/faults/_worker_main.py`` (the daemon as ``run``
+  runs it) started through the crash matrix's :class:`Launcher`; the first
+  one to consume is the scope's single active consumer, the others stand by;
+* :func:`dispatch_all` sends N ``files.publish`` operations of one run at
+  once from a :class:`HostClient` in this process; :func:`recover` settles
+  what a failover left ambiguous; :func:`check_effects` asserts exactly one
+  effect per succeeded key and none for the others, with the journal in
+  PostgreSQL agreeing with the ledger key by key.
+
+Keys and the PostgreSQL password stay in files and on the runners' stdin,
+never on a command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from octo_common.frames import ScopeKey
+from octo_common.grants import CapabilityGrant, CapabilityManifest
+from octo_common.payload import ToolPayload
+from octo_common.records import StorageKeyring
+from octo_common.states import TERMINAL_KINDS, StateKind, WorkerOperationState
+from octo_common.transport import reply_queue, worker_queue
+from octo_host.client import HostClient, HostRun, RecoverySummary
+from octo_host.ledger import WorkflowOperationLedger
+from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.store import SqliteLedgerStore, ledger_record_key
+from octo_worker.adapters_files import read_effect_log
+from octo_worker.config import load_config
+from octo_worker.storage.configured import configured_store
+from tests.postgres import PostgresSchema
+
+from .conftest import URL, _write_private
+
+TOOL: Final = "files.publish"
+GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=1024)
+RUN_NAME: Final = "failover-run"
+
+
+def manifest() -> CapabilityManifest:
+    return CapabilityManifest("manifest", [GRANT])
+
+
+def steps(count: int) -> list[WorkflowStep]:
+    return [WorkflowStep(f"publish-{i}", f"publish file {i}") for i in range(count)]
+
+
+def payload(index: int, tag: str) -> ToolPayload:
+    return ToolPayload.json({"name": f"file-{index}.txt", "content": f"{tag}:{index}"})
+
+
+@dataclass
+class FailoverEnv:
+    """The files of N workers sharing one scope, journal and publish directory."""
+
+    root: Path
+    place: PostgresSchema
+    scope: str
+    scope_key_bytes: bytes
+    host_storage_key: bytes
+    configs: list[Path]
+    host_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls, root: Path, place: PostgresSchema, *, workers: int = 2, heartbeat: int = 2
+    ) -> FailoverEnv:
+        scope = f"t-failover-{uuid.uuid4().hex[:12]}"
+        scope_key = secrets.token_bytes(32)
+        keys = root / "keys"
+        _write_private(keys / "scope.key", scope_key)
+        _write_private(keys / "storage.key", secrets.token_bytes(32).hex().encode())
+        shared = root / "shared"
+        shared.mkdir(parents=True, exist_ok=True)
+        configs = []
+        for index in range(workers):
+            base = root / f"worker-{index}"
+            base.mkdir(parents=True, exist_ok=True, mode=0o700)
+            config = base / "worker.toml"
+            config.write_text(
+                f"""
+[worker]
+state_dir = "state"
+shutdown_grace_seconds = 2.0
+log_level = "warning"
+
+[broker]
+url = "{URL}"
+connect_timeout_seconds = 3.0
+publish_timeout_seconds = 5.0
+reconnect_initial_seconds = 0.1
+heartbeat_seconds = {heartbeat}
+
+[storage]
+url = "{place.url}"
+password_file = "{place.password_file}"
+schema = "{place.schema}"
+key = {{ id = "worker-k1", key_file = "{keys / "storage.key"}" }}
+
+[[scopes]]
+name = "{scope}"
+key_file = "{keys / "scope.key"}"
+max_concurrency = 64
+
+[adapters]
+enabled = ["{TOOL}"]
+
+[adapters.options."{TOOL}"]
+target_dir = "{shared / "published"}"
+effect_log = "{shared / "effects.log"}"
+""",
+                encoding="utf-8",
+            )
+            configs.append(config)
+        return cls(root, place, scope, scope_key, secrets.token_bytes(32), configs)
+
+    @property
+    def scope_key(self) -> ScopeKey:
+        return ScopeKey.from_bytes(self.scope_key_bytes)
+
+    @property
+    def effect_log(self) -> Path:
+        return self.root / "shared" / "effects.log"
+
+    @property
+    def published(self) -> Path:
+        return self.root / "shared" / "published" / self.scope
+
+    def host_store(self) -> SqliteLedgerStore:
+        return SqliteLedgerStore(
+            self.root / "host" / "ledger.sqlite3", StorageKeyring("host-k1", self.host_storage_key)
+        )
+
+    def client(self, *, reply_timeout: float = 3.0) -> HostClient:
+        host_id = f"t-failover-host-{uuid.uuid4().hex[:12]}"
+        self.host_ids.append(host_id)
+        return HostClient(
+            URL,
+            host_id=host_id,
+            scope_keys={self.scope: self.scope_key},
+            store=self.host_store(),
+            reply_timeout=reply_timeout,
+            publish_timeout=5.0,
+            max_attempts=6,
+            backoff_initial=0.05,
+            backoff_max=0.5,
+        )
+
+    def effects(self) -> int:
+        return len(read_effect_log(self.effect_log))
+
+    async def fence(self) -> int:
+        """The scope's fence in the shared journal (how many owners reserved it)."""
+        store = configured_store(load_config(self.configs[0]), read_only=True)
+        try:
+            return (await store.scope_metadata(self.scope)).fence
+        finally:
+            await store.close()
+
+    async def delete_queues(self) -> None:
+        from octo_host.amqp import connect
+
+        connection = await connect(URL, timeout=3.0, name="octo-test-failover-cleanup")
+        try:
+            channel = await connection.channel()
+            for name in [worker_queue(self.scope), *(reply_queue(h) for h in self.host_ids)]:
+                with contextlib.suppress(Exception):
+                    await channel.queue_delete(name)
+        finally:
+            await connection.close()
+
+
+async def queue_depth(name: str) -> int:
+    """Messages ready in queue ``name`` (a passive declare: it must exist)."""
+    from octo_host.amqp import connect
+
+    connection = await connect(URL, timeout=3.0, name="octo-test-failover-depth")
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True)
+        count = queue.declaration_result.message_count
+        return int(count or 0)
+    finally:
+        await connection.close()
+
+
+async def record_run(
+    client: HostClient, count: int, tag: str
+) -> tuple[WorkflowPlan, HostRun, list[str]]:
+    plan = client.engine.plan(steps(count))
+    run = await client.load_run(RUN_NAME, plan)
+    keys = [
+        await client.record_operation(
+            run, f"publish-{i}", TOOL, payload(i, tag), f"{tag}:{i}".encode()
+        )
+        for i in range(count)
+    ]
+    return plan, run, keys
+
+
+async def dispatch_all(
+    client: HostClient, env: FailoverEnv, run: HostRun, keys: list[str], tag: str
+) -> list[WorkerOperationState | BaseException]:
+    """Every key dispatched at once in one session; an exception is kept as the result."""
+    session = await client.open_session(env.scope, manifest())
+    results: list[Any] = await asyncio.gather(
+        *(client.dispatch(session, run, key, payload(i, tag)) for i, key in enumerate(keys)),
+        return_exceptions=True,
+    )
+    return results
+
+
+async def recover(
+    client: HostClient, env: FailoverEnv, plan: WorkflowPlan, keys: list[str], tag: str
+) -> RecoverySummary:
+    return await client.recover(
+        RUN_NAME,
+        plan,
+        env.scope,
+        manifest(),
+        inputs={key: payload(i, tag) for i, key in enumerate(keys)},
+    )
+
+
+async def read_ledger(env: FailoverEnv) -> WorkflowOperationLedger:
+    store = env.host_store()
+    try:
+        record = await store.load(ledger_record_key(RUN_NAME))
+    finally:
+        await store.close()
+    assert record is not None
+    return WorkflowOperationLedger.from_json(record.payload)
+
+
+async def check_effects(env: FailoverEnv, keys: list[str]) -> Counter[StateKind]:
+    """Every key terminal, exactly one effect per succeeded key, none otherwise;
+    the shared journal agrees with the ledger. Returns the states' counts."""
+    ledger = await read_ledger(env)
+    effects = read_effect_log(env.effect_log)
+    publishes = Counter(e["operation_key"] for e in effects if e["effect"] == "publish")
+    assert set(publishes) <= set(keys)
+    store = configured_store(load_config(env.configs[0]), read_only=True)
+    try:
+        journal = await store.load_records(env.scope, keys)
+    finally:
+        await store.close()
+    states: Counter[StateKind] = Counter()
+    for index, key in enumerate(keys):
+        operation = ledger.operation(key)
+        assert operation is not None
+        state = operation.state
+        states[state] += 1
+        assert state in TERMINAL_KINDS, (index, state)
+        expected = 1 if state == StateKind.SUCCEEDED else 0
+        assert publishes[key] == expected, (index, state, publishes[key])
+        assert (env.published / f"file-{index}.txt").exists() == (expected == 1), index
+        row = journal[key]
+        assert row is not None, (index, "the ledger settled a key the journal lacks")
+        assert row[0].state.kind == state, (index, row[0].state.kind, state)
+    return states
+
+
+async def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
