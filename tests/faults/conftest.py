@@ -71,7 +71,8 @@ from octo_host.store import SqliteLedgerStore, ledger_record_key
 from octo_worker.adapters_files import read_effect_log
 from octo_worker.config import load_config
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.store import SqliteJournalStore
+from octo_worker.storage.configured import configured_store
+from tests.postgres import PostgresSchema
 
 URL: Final = "amqp://guest:guest@127.0.0.1:5672/"
 TOOL: Final = "files.publish"
@@ -182,7 +183,10 @@ class CrashEnv:
     host_ids: list[str] = field(default_factory=list)
 
     @classmethod
-    def create(cls, root: Path, url: str = URL) -> CrashEnv:
+    def create(
+        cls, root: Path, url: str = URL, *, postgres: PostgresSchema | None = None
+    ) -> CrashEnv:
+        """The run's files; with ``postgres`` the journal is in that schema (D13)."""
         scope = f"t-crash-{uuid.uuid4().hex[:12]}"
         scope_key = secrets.token_bytes(32)
         base = root / "worker"
@@ -203,7 +207,7 @@ publish_timeout_seconds = 5.0
 reconnect_initial_seconds = 0.1
 
 [storage]
-journal = "journal.sqlite3"
+{_journal(postgres)}
 key = {{ id = "worker-k1", key_file = "keys/storage.key" }}
 
 [[scopes]]
@@ -256,6 +260,16 @@ effect_log = "./effects.log"
 
     def queues(self) -> list[str]:
         return [worker_queue(self.scope), *(reply_queue(h) for h in self.host_ids)]
+
+
+def _journal(postgres: PostgresSchema | None) -> str:
+    """The ``[storage]`` lines that place the journal: a SQLite file or a PostgreSQL schema."""
+    if postgres is None:
+        return 'journal = "journal.sqlite3"'
+    return (
+        f'url = "{postgres.url}"\npassword_file = "{postgres.password_file}"\n'
+        f'schema = "{postgres.schema}"'
+    )
 
 
 # Pre-started interpreters -------------------------------------------------------------
@@ -507,19 +521,25 @@ async def _recover_and_finish(
     return summary
 
 
-async def run_scenario(launcher: Launcher, root: Path, case: Case) -> Outcome:
+async def run_scenario(
+    launcher: Launcher, root: Path, case: Case, *, postgres: PostgresSchema | None = None
+) -> Outcome:
     """One crash run (:func:`play_scenario`), checked (:func:`check_outcome`), queues deleted."""
-    outcome = await play_scenario(launcher, root, case)
+    outcome = await play_scenario(launcher, root, case, postgres=postgres)
     assert outcome.env is not None and outcome.ledger is not None
     await check_outcome(outcome.env, outcome, outcome.ledger)
     await delete_queues(outcome.env)
     return outcome
 
 
-async def play_scenario(launcher: Launcher, root: Path, case: Case) -> Outcome:
-    """One crash run: arm, crash, restart clean, recover, finish; nothing checked but the kill."""
+async def play_scenario(
+    launcher: Launcher, root: Path, case: Case, *, postgres: PostgresSchema | None = None
+) -> Outcome:
+    """One crash run: arm, crash, restart clean, recover, finish; nothing checked but the kill.
+
+    With ``postgres`` the worker's journal is in that PostgreSQL schema."""
     started = time.perf_counter()
-    env = CrashEnv.create(root)
+    env = CrashEnv.create(root, postgres=postgres)
     tag = uuid.uuid4().hex[:8]
     flow_error: str | None = None
     host_fault = case.host_fault
@@ -644,8 +664,7 @@ async def read_ledger(env: CrashEnv) -> WorkflowOperationLedger:
 
 
 async def read_journal(env: CrashEnv, keys: list[str]) -> dict[str, WorkerOperationRecord | None]:
-    config = load_config(env.config_path)
-    store = SqliteJournalStore(config.journal_path, config.storage_keyring())
+    store = configured_store(load_config(env.config_path), read_only=True)
     try:
         rows = await store.load_records(env.scope, keys)
     finally:
