@@ -401,7 +401,9 @@ class SessionRegistry:
 
         Only the sessions closed for longer than that are looked at (the
         oldest closes first): the cost is the sessions let go of plus those
-        a caller still waits on, never every session held.
+        a caller still waits on, never every session held. A session closed
+        with no waiter left (every request answered) never waits for the
+        grace: ``_mark_closed`` lets it go at once.
         """
         now = asyncio.get_running_loop().time()
         settings = self._settings
@@ -415,16 +417,20 @@ class SessionRegistry:
                 continue
             due.append(session)
         for session in due:
-            session_id = session.session_id
-            del self._closing[session_id]
-            if self.by_id.get(session_id) is not session:
-                continue
-            del self.by_id[session_id]
-            self.retired[session_id] = session.authenticator
-            if len(self.retired) > _MAX_RETIRED_SESSIONS:
-                del self.retired[next(iter(self.retired))]
-            self._keep_unanswered(session_id, session._waiters)
-            self._log.info("session_retired", scope=session.scope, session_id=session_id)
+            self._retire(session)
+
+    def _retire(self, session: HostSession) -> None:
+        """Let go of a closed session: keep its authenticator and unanswered requests."""
+        session_id = session.session_id
+        self._closing.pop(session_id, None)
+        if self.by_id.get(session_id) is not session:
+            return
+        del self.by_id[session_id]
+        self.retired[session_id] = session.authenticator
+        if len(self.retired) > _MAX_RETIRED_SESSIONS:
+            del self.retired[next(iter(self.retired))]
+        self._keep_unanswered(session_id, session._waiters)
+        self._log.info("session_retired", scope=session.scope, session_id=session_id)
 
     def _keep_unanswered(self, session_id: str, waiters: Mapping[str, Waiter]) -> None:
         kept = self.retired_requests
@@ -450,6 +456,11 @@ class SessionRegistry:
         session.closed = True
         session.closed_at = asyncio.get_running_loop().time()
         if self.by_id.get(session.session_id) is session:
+            if not session._waiters:
+                # Nothing can still be answered on it but repeats: let it go now,
+                # so a busy client does not hold a grace period's worth of sessions.
+                self._retire(session)
+                return
             self._closing[session.session_id] = session
 
     async def close_idle(self) -> None:

@@ -868,8 +868,9 @@ async def test_a_session_whose_open_was_never_confirmed_is_not_closed_at_the_wor
     client = await hosts.start(extra_scope_keys={nowhere: ScopeKey(secrets.token_bytes(32))})
     with pytest.raises(PublishReturned):
         await client.open_session(nowhere, manifest())
-    (session,) = client._sessions.by_id.values()
-    assert session.closed
+    # Closed at once and, with nothing sent on it, let go of at once.
+    assert client._sessions.by_id == {}
+    assert len(client._sessions.retired) == 1
     await hosts.close(client)
     assert client.published["close_session"] == 0
 

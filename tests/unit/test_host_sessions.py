@@ -57,6 +57,10 @@ async def test_retiring_looks_only_at_sessions_closed_long_enough() -> None:
     old, waited, recent = session(), session(), session()
     for item in (old, waited, recent):
         sessions.by_id[item.session_id] = item
+        # Each closes with a request it sent still unanswered.
+        pending: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        item._waiters["d-0"] = Waiter(RequestKind.DISPATCH, None, None, pending)
+        item._waiters["d-0"].abandoned = True
         sessions._mark_closed(item)
     old.closed_at = waited.closed_at = now - grace - 1.0
     future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -87,3 +91,34 @@ async def test_a_handle_kept_across_replacements_reaches_the_newest_in_one_step(
     # Walked once: every session of the chain now points to the newest.
     assert all(item.replaced_by is chain[-1] for item in chain[:-1])
     assert chain[-1].replaced_by is None and chain[-1].current() is chain[-1]
+
+
+async def test_a_session_closed_with_every_request_answered_is_let_go_at_once() -> None:
+    sessions = registry()
+    answered, unanswered = session(), session()
+    for item in (answered, unanswered):
+        sessions.by_id[item.session_id] = item
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    unanswered._waiters["d-1"] = Waiter(RequestKind.DISPATCH, None, None, future)
+    unanswered._waiters["d-1"].abandoned = True
+
+    sessions._mark_closed(answered)
+    sessions._mark_closed(unanswered)
+    # No grace for a session nothing is waited on: only its authenticator is kept,
+    # so a repeated reply is still authenticated (and a forged one dead-lettered).
+    assert answered.session_id not in sessions.by_id
+    assert sessions.retired[answered.session_id] is answered.authenticator
+    # One with a request still unanswered waits for the grace, as before.
+    assert unanswered.session_id in sessions.by_id
+    assert list(sessions._closing) == [unanswered.session_id]
+
+
+async def test_closing_many_answered_sessions_holds_none_of_them() -> None:
+    sessions = registry()
+    for _ in range(5_000):
+        item = session()
+        sessions.by_id[item.session_id] = item
+        sessions._mark_closed(item)
+    assert sessions.by_id == {} and not sessions._closing
+    # The ids kept for late replies are bounded too.
+    assert 0 < len(sessions.retired) <= 4096
