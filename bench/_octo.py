@@ -3,8 +3,8 @@
 Shared by ``bench/e2e.py`` and ``bench/endurance.py``:
 
 * :class:`WorkerFiles` writes a ``worker.toml``, its keys and state
-  directory (optionally with the rollback anchor ``storage.anchor`` and the
-  metrics endpoint on);
+  directory (optionally with the rollback anchor ``storage.anchor``, the
+  metrics endpoint on, or the journal in PostgreSQL);
 * :class:`WorkerProcess` starts ``bench/_e2e_peer.py`` (the daemon exactly
   as ``octo-worker run`` runs it) in its own process and reads its CPU time
   and RSS from ``/proc`` (all threads of the process);
@@ -129,17 +129,20 @@ class WorkerFiles:
         *,
         anchor: bool = False,
         metrics_port: int | None = None,
+        storage: str | None = None,
     ) -> None:
+        """``storage``: the ``[storage]`` lines that place the journal elsewhere than
+        the default SQLite file (a PostgreSQL schema, ``bench/_pg.py``)."""
         self.root = root
         self.scope = f"bench-{uuid.uuid4().hex[:10]}"
         self.scope_key_bytes = secrets.token_bytes(32)
         self.metrics_port = metrics_port
         write_private(root / "keys" / "scope.key", self.scope_key_bytes)
         write_private(root / "keys" / "storage.key", secrets.token_bytes(32).hex().encode())
-        anchor_line = ""
+        journal = 'journal = "journal.sqlite3"\n' if storage is None else storage
         if anchor:
             write_private(root / "state" / "journal.anchor", EMPTY_ANCHOR)
-            anchor_line = 'anchor = "journal.anchor"\n'
+            journal += 'anchor = "journal.anchor"\n'
         metrics = ""
         if metrics_port is not None:
             metrics = f'\n[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n'
@@ -157,8 +160,7 @@ url = "{URL}"
 prefetch = {max(in_flight, 64)}
 
 [storage]
-journal = "journal.sqlite3"
-{anchor_line}key = {{ id = "bench-k1", key_file = "keys/storage.key" }}
+{journal}key = {{ id = "bench-k1", key_file = "keys/storage.key" }}
 
 [[scopes]]
 name = "{self.scope}"

@@ -32,6 +32,10 @@ Parts (``--parts``, all by default; each is measured in every one of the
 * ``octo``: Octo, ``--sessions`` sessions shared by the lanes;
 * ``lanes``: Octo, one session per lane (as concurrent workflow runs have),
   at more than 1 in flight;
+* ``pg``: Octo as ``octo`` does it, with a second worker whose journal is
+  in PostgreSQL (D13; the test database of ``deploy/ensure-postgres.sh``,
+  a schema of its own, dropped at the end), measured right after ``octo``
+  in every round;
 * ``quorum``: the aio-pika request/reply on quorum queues (Octo's own
   topology, every message replicated and fsynced by the broker, no
   persistence of our own): the durable ceiling;
@@ -59,7 +63,8 @@ with their thresholds, the same-run values and met / NOT met:
 3. 1 in flight: p50 <= quorum ceiling p50 + 4 x commit p50 + 1.0 ms;
 4. ops/s with 1,000 operations per session >= 0.9x ops/s with 10 per
    session (the journal-size half of goal 4 is ``bench/journal.py``);
-5. the moonshot: 1,000 durable ops/s (the best Octo row's median).
+5. the moonshot: 1,000 durable ops/s (the best Octo row's median);
+6. issue 17: 64 in flight on a PostgreSQL journal >= 0.8x SQLite's ops/s.
 
 ``--profile DIR`` adds one extra pass per concurrency with wall-clock stage
 timers on both sides and cProfile in both processes (not mixed into the
@@ -99,9 +104,10 @@ import _octo  # noqa: E402
 import baselines  # noqa: E402
 from _e2e_peer import StageTimers  # noqa: E402
 from _octo import GRANT, STEP, TOOL, URL, WorkerFiles, WorkerProcess  # noqa: E402
+from _pg import PgPlace  # noqa: E402
 
 OPS_PER_SESSION = 100
-PARTS = ("octo", "lanes", "quorum", "classic", "celery", "commit", "flat")
+PARTS = ("octo", "lanes", "pg", "quorum", "classic", "celery", "commit", "flat")
 FLAT_SMALL, FLAT_LARGE = 10, 1000  # operations per session compared by goal 4
 
 
@@ -324,6 +330,7 @@ Results = dict[str, list[dict[str, float]]]
 ROWS = (
     ("octo", "Octo, one session"),
     ("octo_lanes", "Octo, session per lane"),
+    ("octo_pg", "Octo, one session, PostgreSQL"),
     ("aiopika_quorum", "aio-pika, quorum (durable ceiling)"),
     ("aiopika_ceiling", "aio-pika, classic, transient"),
     ("celery", "Celery, acks late, rpc"),
@@ -371,7 +378,7 @@ def print_table(results: Results, in_flights: list[int], runs: int) -> None:
     print("\nCPU per operation, us, user + system of all threads of each process")
     print(f"{'system':<36}{'in flight':>9}  {'host':<22}{'worker':<22}{'host + worker':<22}")
     for in_flight in in_flights:
-        for system, label in ROWS[:2]:
+        for system, label in ROWS[:3]:
             rows = results.get(f"{system}@{in_flight}")
             if not rows:
                 continue
@@ -472,6 +479,8 @@ def goals(results: Results, flat_in_flight: int) -> list[dict[str, Any]]:
           f"octo_flat{FLAT_SMALL}@{flat_in_flight}", 0.9, "part flat")  # fmt: skip
     add("4b. admission cost, 1e6 vs 1e3 journal rows", "<= 1.50x",
         "see bench/journal.py --parts sizes", None)  # fmt: skip
+    ratio("6.  64 in flight, PostgreSQL journal vs SQLite (one session)", "octo_pg@64",
+          "octo@64", 0.8, "parts octo, pg at 64 in flight")  # fmt: skip
     best = [
         (_median(results, key, "ops_per_s") or 0.0, key)
         for key in results
@@ -491,7 +500,7 @@ def print_goals(found_ratios: dict[str, float], found_goals: list[dict[str, Any]
         print("\nsame-run ratios (medians)")
         for name, value in found_ratios.items():
             print(f"  {name:<32}{value:>8.3f}")
-    print("\nissue 18 goals (same run, medians)")
+    print("\nissue 18 and 17 goals (same run, medians)")
     for goal in found_goals:
         verdict = {True: "met", False: "NOT met", None: "-"}[goal["met"]]
         print(f"  {goal['goal']:<66}{goal['threshold']:<28}{verdict:<9}{goal['value']}")
@@ -602,12 +611,26 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         files = WorkerFiles(root / "worker", max(in_flights), anchor=args.anchor)
         worker = WorkerProcess(files)
+        place: PgPlace | None = None
+        pg: tuple[WorkerFiles, WorkerProcess] | None = None
+        if "pg" in parts:
+            place = PgPlace(root / "pg")
+            pg_files = WorkerFiles(
+                root / "worker-pg", max(in_flights), storage=place.storage_toml()
+            )
+            pg = (pg_files, WorkerProcess(pg_files))
 
-        def octo(in_flight: int, total: int, sessions: int, per_session: int) -> dict[str, float]:
+        def octo(
+            in_flight: int,
+            total: int,
+            sessions: int,
+            per_session: int,
+            on: tuple[WorkerFiles, WorkerProcess] = (files, worker),
+        ) -> dict[str, float]:
             return _loop.run(
                 measure_octo(
-                    files,
-                    worker,
+                    on[0],
+                    on[1],
                     in_flight,
                     total,
                     ledger_dir=root,
@@ -631,6 +654,11 @@ def main(argv: list[str] | None = None) -> int:
                     if "octo" in parts:
                         figures = octo(in_flight, args.total, args.sessions, args.ops_per_session)
                         record(f"octo@{in_flight}", figures, line)
+                    if pg is not None:
+                        figures = octo(
+                            in_flight, args.total, args.sessions, args.ops_per_session, pg
+                        )
+                        record(f"octo_pg@{in_flight}", figures, line)
                     if "lanes" in parts and in_flight > 1:
                         figures = octo(in_flight, args.total, in_flight, args.ops_per_session)
                         record(f"octo_lanes@{in_flight}", figures, line)
@@ -651,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             worker.stop()
             _loop.run(_octo.delete_queue(worker_queue(files.scope)))
+            if pg is not None:
+                pg[1].stop()
+                _loop.run(_octo.delete_queue(worker_queue(pg[0].scope)))
+            if place is not None:
+                _loop.run(place.drop())
         print_table(results, args.in_flight, args.runs)
         found = ratios(results)
         found_goals = goals(results, args.flat_in_flight)

@@ -1,6 +1,6 @@
 """Worker journal store benchmark (run by hand; prints figures, asserts nothing).
 
-    .venv/bin/python bench/journal.py [--parts rates backends sizes] [--seconds 2]
+    .venv/bin/python bench/journal.py [--parts rates backends sizes postgres] [--seconds 2]
                                       [--rounds 5] [--small 1000] [--big 1000000]
                                       [--admissions 2000] [--dir DIR] [--loop uvloop|asyncio]
 
@@ -38,6 +38,12 @@ Parts (all by default), every rate in interleaved rounds on the same disk:
   to load the scope (``reserve_fence``, which checks every row of the scope
   against its sealed head: O(rows), once per start or reload).
 
+* ``postgres``: admissions/s with group commit at 1 and 64 callers through
+  ``PostgresJournalStore`` (D13; the test database of
+  ``deploy/ensure-postgres.sh``, a schema of its own per measurement,
+  dropped at the end) beside ``SqliteJournalStore`` in the same rounds, and
+  the ratio PostgreSQL / SQLite per round.
+
 The machine may be shared, so rates run in interleaved rounds; the figures
 printed last are medians (a ratio is taken per round) and, for the rates
 goal, also the best round of each (the least disturbed measurement, as
@@ -64,10 +70,13 @@ from typing import Any
 import _commit
 import _loop
 import blake3
+from _pg import PgPlace
 
 from octo_common.records import StorageKeyring, StorageRecordKey, seal_record
 from octo_common.states import Pending
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.storage.sqlite_heads import read_head, update_head
 from octo_worker.store import (
     SessionDocuments,
@@ -105,7 +114,7 @@ def opening_document(session_id: str) -> bytes:
 class Admitter:
     """Admits new keys the way a session does, one session per caller."""
 
-    def __init__(self, store: SqliteJournalStore, prefix: str) -> None:
+    def __init__(self, store: JournalStoreBase, prefix: str) -> None:
         self.store = store
         self.prefix = prefix
         self.next_key = 0
@@ -134,10 +143,20 @@ class Admitter:
 
 
 async def admissions_per_second(
-    path: Path, callers: int, seconds: float, *, group_commit: bool
+    path: Path | PgPlace, callers: int, seconds: float, *, group_commit: bool
 ) -> tuple[float, float]:
-    """Returns (admissions/s, change sets per transaction)."""
-    store = SqliteJournalStore(path, keyring(), group_commit=group_commit)
+    """Returns (admissions/s, change sets per transaction); a ``PgPlace`` is PostgreSQL."""
+    store: JournalStoreBase
+    if isinstance(path, PgPlace):
+        store = PostgresJournalStore(
+            path.url,
+            keyring(),
+            password_file=path.password_file,
+            schema=path.schema,
+            group_commit=group_commit,
+        )
+    else:
+        store = SqliteJournalStore(path, keyring(), group_commit=group_commit)
     lease = await store.reserve_fence(SCOPE)
     admitter = Admitter(store, f"{callers}-{int(group_commit)}")
     deadline = time.perf_counter() + seconds
@@ -493,6 +512,16 @@ async def compare_backends(
         )
 
 
+def say_rate(
+    say: Callable[[str], None], label: str, callers: int, rates: list[float], per_tx: list[float]
+) -> None:
+    """One medians line: admissions/s and change sets per transaction."""
+    say(
+        f"admissions/s, {label}, {callers:>2} callers: {statistics.median(rates):10,.0f}"
+        f"   ({statistics.median(per_tx):5.1f} change sets per transaction)"
+    )
+
+
 async def rates(root: Path, rounds: int, seconds: float, say: Callable[[str], None]) -> None:
     configurations = [(True, 1), (True, 64), (False, 1), (False, 64)]
     raw_rates: list[float] = []
@@ -516,11 +545,8 @@ async def rates(root: Path, rounds: int, seconds: float, say: Callable[[str], No
     say(f"raw sqlite synchronous=FULL single-row commits/s: {raw:10,.0f}")
     for group_commit, callers in configurations:
         label = "group commit" if group_commit else "one tx each "
-        rate = statistics.median(found[(group_commit, callers)])
-        per_tx = statistics.median(batching[(group_commit, callers)])
-        say(
-            f"admissions/s, {label}, {callers:>2} callers: {rate:10,.0f}"
-            f"   ({per_tx:5.1f} change sets per transaction)"
+        say_rate(
+            say, label, callers, found[(group_commit, callers)], batching[(group_commit, callers)]
         )
     ratio = statistics.median(
         gc / floor for gc, floor in zip(found[(True, 64)], raw_rates, strict=True)
@@ -530,6 +556,46 @@ async def rates(root: Path, rounds: int, seconds: float, say: Callable[[str], No
         f"group commit @64 / raw single commits: median of rounds {ratio:5.2f}x, "
         f"best of rounds {best:5.2f}x   (goal >= 3x)"
     )
+
+
+async def postgres_rates(
+    root: Path, rounds: int, seconds: float, say: Callable[[str], None]
+) -> None:
+    """Group-commit admissions/s on PostgreSQL beside SQLite, interleaved, same run."""
+    callers = (1, 64)
+    backends = ("sqlite", "pg")
+    found: dict[tuple[str, int], list[float]] = {(b, c): [] for b in backends for c in callers}
+    batching: dict[tuple[str, int], list[float]] = {key: [] for key in found}
+    places: list[PgPlace] = []
+    try:
+        for round_number in range(rounds):
+            line = [f"round {round_number + 1}:"]
+            for count in callers:
+                place = PgPlace(root / "pg")
+                places.append(place)
+                for backend, where in (
+                    ("sqlite", root / f"pgcmp-{round_number}-{count}.db"),
+                    ("pg", place),
+                ):
+                    rate, per_tx = await admissions_per_second(
+                        where, count, seconds, group_commit=True
+                    )
+                    found[(backend, count)].append(rate)
+                    batching[(backend, count)].append(per_tx)
+                    line.append(f"{backend}@{count} {rate:7,.0f}/s")
+            say("  ".join(line))
+    finally:
+        for place in places:
+            await place.drop()
+    for count in callers:
+        for backend in backends:
+            label = f"group commit, {backend:>6}"
+            say_rate(say, label, count, found[(backend, count)], batching[(backend, count)])
+        ratio = statistics.median(
+            pg / lite
+            for pg, lite in zip(found[("pg", count)], found[("sqlite", count)], strict=True)
+        )
+        say(f"PostgreSQL / SQLite admissions at {count:>2} callers: median of rounds {ratio:5.2f}x")
 
 
 async def sizes(
@@ -563,7 +629,7 @@ async def sizes(
     )
 
 
-PARTS = ("rates", "backends", "sizes")
+PARTS = ("rates", "backends", "sizes", "postgres")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -585,6 +651,8 @@ async def main(args: argparse.Namespace) -> None:
             await compare_backends(root, args.rounds, args.seconds, say)
         if "sizes" in args.parts:
             await sizes(root, args.rounds, args.small, args.big, args.admissions, say)
+        if "postgres" in args.parts:
+            await postgres_rates(root, args.rounds, args.seconds, say)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -152,6 +152,12 @@ async def connect_pool(
     cannot hold its locks for long). The password file, if any, is read at
     each new connection, so a rotated password is picked up. With
     ``read_only`` every transaction is read-only (the server refuses a write).
+
+    A connection goes back to the pool without asyncpg's reset query (one
+    more round trip per read): the stores keep no session state (statements
+    name their schema, advisory locks are transaction-scoped, no cursor
+    outlives its transaction, no LISTEN), and a transaction left open is
+    still rolled back by the pool before the connection is reused.
     """
 
     def password() -> str:
@@ -173,8 +179,13 @@ async def connect_pool(
         timeout=connect_timeout,
         command_timeout=command_timeout,
         server_settings=settings,
+        reset=_keep_session,
     )
     return pool
+
+
+async def _keep_session(connection: asyncpg.Connection[Any]) -> None:
+    """The pool's reset: nothing beyond asyncpg's own rollback (see :func:`connect_pool`)."""
 
 
 def advisory_lock_key(name: str) -> int:
