@@ -8,6 +8,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PACKAGES := octo_common octo_worker octo_host
+EXAMPLE  := examples/octo-example-tickets
 
 .PHONY: test lint typecheck pytest venv rabbitmq postgres chromium demo bench clean
 
@@ -15,10 +16,12 @@ test: venv rabbitmq postgres chromium lint typecheck pytest
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(EXAMPLE)/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The example plug-in (its entry point): its tests run with the others.
+	$(PY) -m pip install --quiet --no-deps -e $(EXAMPLE)
 	touch $@
 
 rabbitmq:
@@ -31,11 +34,12 @@ chromium:
 	sh deploy/ensure-chromium.sh
 
 lint: venv
-	$(VENV)/bin/ruff check $(PACKAGES) tests bench
-	$(VENV)/bin/ruff format --check $(PACKAGES) tests bench
+	$(VENV)/bin/ruff check $(PACKAGES) tests bench examples
+	$(VENV)/bin/ruff format --check $(PACKAGES) tests bench examples
 
 typecheck: venv
 	$(VENV)/bin/mypy --strict $(PACKAGES)
+	$(VENV)/bin/mypy --strict $(EXAMPLE)/octo_example_tickets examples/host_service.py
 
 pytest: venv
 	$(PY) -m pytest -q

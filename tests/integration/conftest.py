@@ -257,15 +257,23 @@ class WorkerEnv:
         return self.state_dir / "effects.log"
 
 
-def write_worker_env(root: Path, scope: str, *, tools: tuple[str, ...] = (TOOL,)) -> WorkerEnv:
+def write_worker_env(
+    root: Path, scope: str, *, tools: tuple[str, ...] = (TOOL,), extra: str = ""
+) -> WorkerEnv:
     """Keys and ``worker.toml`` of a worker serving ``scope`` with ``tools`` (one of
-    them may be ``files.publish``, publishing under ``state/published``)."""
+    them may be ``files.publish``, publishing under ``state/published``); ``extra``
+    is appended to the file (other adapters' options)."""
     scope_key = secrets.token_bytes(32)
     base = root / "worker"
     write_private(base / "keys" / "scope.key", scope_key)
     write_private(base / "keys" / "storage.key", secrets.token_bytes(32).hex().encode() + b"\n")
     config_path = base / "worker.toml"
     enabled = ", ".join(f'"{tool}"' for tool in tools)
+    publish = f"""
+[adapters.options."{TOOL}"]
+target_dir = "./published"
+effect_log = "./effects.log"
+"""
     config_path.write_text(
         f"""
 [worker]
@@ -288,10 +296,8 @@ key_file = "keys/scope.key"
 
 [adapters]
 enabled = [{enabled}]
-
-[adapters.options."{TOOL}"]
-target_dir = "./published"
-effect_log = "./effects.log"
+{publish if TOOL in tools else ""}
+{extra}
 """,
         encoding="utf-8",
     )
@@ -307,6 +313,37 @@ effect_log = "./effects.log"
 @pytest.fixture
 def worker_env(tmp_path: Path, names: Names) -> WorkerEnv:
     return write_worker_env(tmp_path, names.scope)
+
+
+def write_host_toml(root: Path, host_id: str, worker: WorkerEnv, body: str) -> Path:
+    """``root/host.toml`` for a host of ``worker``'s scope (its key copied, a fresh ledger
+    key, the ledger in ``root``), followed by ``body`` (grants, actions, plans)."""
+    keys = root / "keys"
+    write_private(keys / "scope.key", (worker.root / "worker" / "keys" / "scope.key").read_bytes())
+    write_private(keys / "ledger.key", secrets.token_bytes(32))
+    path = root / "host.toml"
+    path.write_text(
+        f"""
+[host]
+host_id = "{host_id}"
+
+[broker]
+url = "{URL}"
+publish_timeout_seconds = 5.0
+reply_timeout_seconds = 5.0
+
+[ledger]
+database = "ledger.sqlite3"
+key = {{ id = "h1", key_file = "keys/ledger.key" }}
+
+[[scopes]]
+name = "{worker.scope}"
+key_file = "keys/scope.key"
+{body}
+""",
+        encoding="utf-8",
+    )
+    return path
 
 
 class WorkerRunner:

@@ -11,7 +11,6 @@ worker's request-id bound, and the worker refuses nothing.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from octo_host.client import HostClient
 from octo_host.client.shortcuts import OperationScopeUnbound
 from octo_worker.adapters_files import read_effect_log
 
-from .conftest import URL, Names, WorkerEnv, WorkerRunner, write_private, write_worker_env
+from .conftest import Names, WorkerEnv, WorkerRunner, write_host_toml, write_worker_env
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -36,29 +35,12 @@ STEPS = 40  # operations per run (a run holds at most 64)
 
 def write_host(root: Path, host_id: str, worker: WorkerEnv, *, max_calls: int) -> Path:
     """``host.toml`` for ``worker``'s scope: both tools granted, one plan of STEPS steps."""
-    keys = root / "host" / "keys"
-    write_private(keys / "scope.key", (worker.root / "worker" / "keys" / "scope.key").read_bytes())
-    write_private(keys / "ledger.key", secrets.token_bytes(32))
     steps = ", ".join(f'{{ id = "s{n}", source = "step {n}" }}' for n in range(STEPS))
-    path = root / "host" / "host.toml"
-    path.write_text(
+    return write_host_toml(
+        root / "host",
+        host_id,
+        worker,
         f"""
-[host]
-host_id = "{host_id}"
-
-[broker]
-url = "{URL}"
-publish_timeout_seconds = 5.0
-reply_timeout_seconds = 5.0
-
-[ledger]
-database = "ledger.sqlite3"
-key = {{ id = "h1", key_file = "keys/ledger.key" }}
-
-[[scopes]]
-name = "{worker.scope}"
-key_file = "keys/scope.key"
-
 [[grants]]
 scope = "{worker.scope}"
 tool = "{NOOP}"
@@ -82,9 +64,7 @@ match = ["name"]
 name = "batch"
 steps = [{steps}]
 """,
-        encoding="utf-8",
     )
-    return path
 
 
 @pytest.fixture
