@@ -109,6 +109,7 @@ class HostClient:
             session_pool_size=max(1, session_pool_size),
         )
         self._owned_store: SqliteLedgerStore | PostgresLedgerStore | None = None
+        self._connect_timeout: float | None = None  # from_config: [broker] connect_timeout
         self._plans: dict[str, WorkflowPlan] = {}
         log = _log.bind(host=host_id)
         self._log = log
@@ -174,6 +175,7 @@ class HostClient:
             session_pool_size=session_pool_size,
         )
         client._owned_store = store
+        client._connect_timeout = broker.connect_timeout_seconds
         client._plans = {
             plan.name: client.engine.plan(
                 [WorkflowStep(step.id, step.source) for step in plan.steps]
@@ -254,7 +256,14 @@ class HostClient:
         try:
             if self._owned_store is not None:
                 await self._owned_store.integrity_check()  # opens it, checks its rollback guard
-            await self._broker.start(self._replies.on_delivery, self._sessions.fail_waiting)
+            publish_timeout = self._settings.publish_timeout
+            if self._connect_timeout is not None:
+                # The connect timeout governs the start; the publish timeout publishes.
+                self._settings.publish_timeout = min(publish_timeout, self._connect_timeout)
+            try:
+                await self._broker.start(self._replies.on_delivery, self._sessions.fail_waiting)
+            finally:
+                self._settings.publish_timeout = publish_timeout
         except BaseException:
             await self.close()
             raise

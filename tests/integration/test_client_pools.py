@@ -189,3 +189,28 @@ async def test_undo_refuses_an_inverse_the_configured_verifier_does_not_allow(
             assert operation is not None and operation.compensation is None
     finally:
         await runner.stop_all()
+
+
+async def test_the_pool_rotates_before_a_grant_runs_out_of_calls(
+    tmp_path: Path, names: Names, noop_worker: WorkerEnv
+) -> None:
+    runner = WorkerRunner(noop_worker)
+    await runner.start()
+    config = write_host(tmp_path, names.host(), noop_worker, max_calls=3)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with HostClient.from_config(config) as client:
+                run = await client.load_run("small", "batch")
+                states = [
+                    (await client.execute(run, f"s{n}", NOOP, ToolPayload.json({}), b"n")).kind
+                    for n in range(10)
+                ]
+                stats = client.pool_stats
+        assert states == [StateKind.SUCCEEDED] * 10
+        # Three dispatches a session (max_calls = 3): four sessions, never a refusal.
+        assert stats.opened == 4 and stats.rotated == 3, stats
+        events = [entry["event"] for entry in logs]
+        assert "request_rejected" not in events
+        assert "session_replaced" not in events
+    finally:
+        await runner.stop_all()
