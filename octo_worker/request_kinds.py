@@ -31,7 +31,6 @@ from typing import Any, Final
 
 from octo_common import messages
 from octo_common.authorizer import SessionAuthorizer
-from octo_common.digest import worker_input_fingerprint
 from octo_common.errors import (
     IndeterminateCompensation,
     IndeterminateOperation,
@@ -185,7 +184,8 @@ DISPATCH: Final = KeyedKind(
         operation_key, cause
     ),
     grant_fingerprint=None,
-    input_fingerprint=lambda request, _auth: worker_input_fingerprint(request.payload),
+    # The token computes it once; the journal's admission and observation read it too.
+    input_fingerprint=lambda _request, auth: auth.input_fingerprint,
     existing_event="dispatch_existing",
     admitted_event="dispatch_admitted",
     observed_event="dispatch_observed",

@@ -321,7 +321,7 @@ class SessionAnswers:
         except CommitFailed as failed:
             return await self._poisoned_answer_locked(run, failed.error)
         journal.rebase(revision)
-        run.log.info(kind.admitted_event, revision=revision)
+        run.log.debug(kind.admitted_event, revision=revision)  # its observation logs at info
 
         async def after(status: Any, error: BaseException | None) -> FinalStep:
             return await self._after_effect_locked(kind, run, request, auth, journal, status, error)

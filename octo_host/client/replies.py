@@ -286,7 +286,8 @@ class ReplyRouter:
                 break
         forget()
         await self._broker.ack(message)
-        self._log.info(
+        # Per reply at debug: the verb logs the operation's outcome at info.
+        self._log.debug(
             "reply_applied",
             run=run.name,
             type=kind,

@@ -186,7 +186,8 @@ class HostVerbs:
                 if await self._persisted(run, candidate, routes, attempt):
                     break
             run._unsent.add(key)
-        self._log.info("operation_recorded", run=run.name, operation_key=key, tool=tool)
+        # Per operation at debug: its one info line is the verb's outcome.
+        self._log.debug("operation_recorded", run=run.name, operation_key=key, tool=tool)
         return key
 
     async def _persisted(
