@@ -83,14 +83,14 @@ class StageTimers:
 def instrument_worker(timers: StageTimers) -> None:
     """The worker pipeline's stages (see bench/e2e.py for how they nest)."""
     from octo_common import authorizer, frames
-    from octo_worker import daemon, deliveries, journal, request_kinds, session, store
+    from octo_worker import daemon, deliveries, journal, session, store
 
     timers.wrap(daemon.WorkerDaemon, "_on_message", "delivery_total")
     timers.wrap(session.WorkerSession, "handle", "session_handle")
     timers.wrap(frames.SessionAuthenticator, "open", "frame_open")
     timers.wrap(frames.SessionAuthenticator, "seal", "frame_seal")
     timers.wrap(authorizer.SessionAuthorizer, "authorize_operation", "authorize")
-    timers.wrap(request_kinds, "worker_input_fingerprint", "input_fingerprint")
+    timers.wrap(authorizer, "worker_input_fingerprint", "input_fingerprint")
     timers.wrap(journal.WorkerOperationJournal, "admit", "journal_admit")
     timers.wrap(journal.WorkerOperationJournal, "observe", "journal_observe")
     timers.wrap(session.WorkerSession, "_state_document", "state_document_encode")
