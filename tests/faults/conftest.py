@@ -205,6 +205,7 @@ url = "{url}"
 connect_timeout_seconds = 3.0
 publish_timeout_seconds = 5.0
 reconnect_initial_seconds = 0.1
+reconnect_max_seconds = 1.0
 
 [storage]
 {_journal(postgres)}
@@ -485,19 +486,23 @@ async def _compensate_first(
     )
 
 
-def _client(env: CrashEnv, host_id: str) -> HostClient:
+def host_client(env: CrashEnv, host_id: str, **settings: Any) -> HostClient:
+    """A client of ``env``'s scope and ledger; ``settings`` override the crash runs' timings."""
+    timings: dict[str, Any] = {
+        # The worker restarts within half a second; a request it acked before
+        # dying is never answered, and this is how long the host waits for it.
+        "reply_timeout": 1.0,
+        "publish_timeout": 5.0,
+        "max_attempts": 4,
+        "backoff_initial": 0.05,
+        "backoff_max": 0.5,
+    }
     return HostClient(
         env.url,
         host_id=host_id,
         scope_keys={env.scope: env.scope_key},
         store=env.host_store(),
-        # The worker restarts within half a second; a request it acked before
-        # dying is never answered, and this is how long the host waits for it.
-        reply_timeout=1.0,
-        publish_timeout=5.0,
-        max_attempts=4,
-        backoff_initial=0.05,
-        backoff_max=0.5,
+        **(timings | settings),
     )
 
 
@@ -550,11 +555,11 @@ async def play_scenario(
         await worker.expect("ready")
         if host_fault:
             keys = await _crash_host(launcher, env, case, tag)
-            client = _client(env, env.new_host_id())
+            client = host_client(env, env.new_host_id())
             await client.start()
             plan = client.engine.plan(STEPS)
         else:
-            client = _client(env, env.new_host_id())
+            client = host_client(env, env.new_host_id())
             await client.start()
             plan = client.engine.plan(STEPS)
             run, keys = await _record_operations(client, plan, tag)
@@ -586,7 +591,7 @@ async def play_scenario(
             if case.restart_host:
                 await client.close()
                 await client.store.close()
-                client = _client(env, env.new_host_id())
+                client = host_client(env, env.new_host_id())
                 await client.start()
                 plan = client.engine.plan(STEPS)
         summary = await asyncio.wait_for(
@@ -653,10 +658,10 @@ async def _crash_host(launcher: Launcher, env: CrashEnv, case: Case, tag: str) -
 # Checks ------------------------------------------------------------------------------------
 
 
-async def read_ledger(env: CrashEnv) -> WorkflowOperationLedger:
+async def read_ledger(env: CrashEnv, run_name: str = RUN_NAME) -> WorkflowOperationLedger:
     store = env.host_store()
     try:
-        record = await store.load(ledger_record_key(RUN_NAME))
+        record = await store.load(ledger_record_key(run_name))
     finally:
         await store.close()
     assert record is not None
