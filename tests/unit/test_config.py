@@ -18,7 +18,7 @@ import pytest
 from octo_common.frames import ScopeKey
 from octo_common.records import StorageKeyring
 from octo_worker.cli import run_event_loop
-from octo_worker.config import InvalidConfiguration, WorkerConfig, load_config
+from octo_worker.config import BrokerConfig, InvalidConfiguration, WorkerConfig, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "worker.toml.example"
 
@@ -352,10 +352,28 @@ def test_the_example_config_is_valid_and_documents_every_key(
     assert undocumented == set()
 
 
+def test_the_failover_example_is_one_shared_journal_with_a_short_heartbeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # deploy/failover/: the same file on two machines (D13).
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", "/run/credentials/octo-worker@release.service")
+    config = load_config(EXAMPLE.parent / "failover" / "worker.toml")
+    assert config.shared_journal
+    assert config.storage.anchor is None
+    assert config.broker.heartbeat_seconds < BrokerConfig().heartbeat_seconds
+    drop_in = (EXAMPLE.parent / "failover" / "octo-worker-failover.conf").read_text()
+    # Exit 5 (superseded) is restarted; only a configuration error (2) is not.
+    assert "Restart=on-failure" in drop_in
+    assert re.search(r"^RestartPreventExitStatus=2$", drop_in, re.MULTILINE)
+    assert "journal-db.password" in drop_in
+
+
 @pytest.mark.parametrize(
     ("section", "setting", "where"),
     [
         pytest.param("broker", "delivery_limit = 0", "broker.delivery_limit"),
+        pytest.param("broker", "heartbeat_seconds = 0", "broker.heartbeat_seconds"),
+        pytest.param("broker", "heartbeat_seconds = 3601", "broker.heartbeat_seconds"),
         pytest.param("broker", "dead_letter_max_length = 0", "broker.dead_letter_max_length"),
         # The bytes bound must hold at least one largest frame (1 MiB).
         pytest.param("broker", "dead_letter_max_bytes = 1048575", "broker.dead_letter_max_bytes"),
