@@ -248,11 +248,10 @@ class SessionCommits:
             if cancelled:
                 raise asyncio.CancelledError()
             raise CommitFailed(failure)
-        deletes, self.confirmed = self.confirmed, []
+        deletes = self.confirmed
         point = self._durable_point()
         start, rows = self._rows_built, point.authorizer.retained
         requests = tuple(enumerate(self._retained_ids(start)[: rows - start], start))
-        self._rows_built = rows
         if chains:
             link: int | None = next_commit_link()
             after = self._in_flight[-1].link if self._in_flight else None
@@ -281,6 +280,9 @@ class SessionCommits:
             settled=asyncio.get_running_loop().create_future(),
         )
         self._in_flight.append(commit)
+        # Only a commit now in flight carries these deletes and request rows.
+        self.confirmed = []
+        self._rows_built = rows
         commit.task.add_done_callback(self._settle)
         self._lock.release()
         try:

@@ -303,3 +303,40 @@ async def test_the_schema_migrates_forward_to_the_request_rows_index(
             "items_request_sessions",
         )
     assert len(found) == 1
+
+
+async def test_a_commit_that_fails_before_it_is_submitted_leaves_its_rows_to_the_next(
+    journal_db: JournalDatabase,
+) -> None:
+    store = journal_db.store(KEYRING)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        session, host = await serve(store, lease, 3)
+        commits = session._commits
+        build = commits._state_document
+        failing = [True]
+
+        def fails_once(point: Any) -> bytes:
+            if failing:
+                failing.clear()
+                raise RuntimeError("the state document could not be built")
+            return bytes(build(point))
+
+        commits._state_document = fails_once
+        answers: list[Any] = []
+        # The handling fails inside the session (logged as session_handle_failed).
+        await session.handle(dispatch(host, 3), store, Delivery(host, answers))
+        assert not failing, "the failing build was not reached"
+        # Whatever the session does next (a poisoned session's commit, or the
+        # next handling), the rows of every id its state counts are written:
+        # the session restores, no request row missing.
+        if session.status == "open":
+            await session.handle(dispatch(host, 4), store, Delivery(host, answers))
+        restored = await restore(store, lease)
+        counted = restored._authorizer.request_id_count()
+        rows = await journal_db.sql(
+            "SELECT item FROM items WHERE namespace = ?", NS_SESSION_REQUEST
+        )
+        assert len(rows) == counted >= 3
+    finally:
+        await store.close()
