@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar, Final
@@ -304,6 +304,21 @@ def _hashable_nonce(key_nonce: bytes) -> bytes:
     return key_nonce
 
 
+def _remembered(
+    route: Callable[[str, str, bytes, str], FrameRoute],
+    scope: str,
+    session_id: str,
+    key_nonce: bytes,
+    reply_to: str,
+) -> FrameRoute:
+    """The remembered route of exact strings; any other argument is checked uncached,
+    so it fails with the error its check names (never an unhashable-type error)."""
+    if type(scope) is str and type(session_id) is str and type(reply_to) is str:
+        return route(scope, session_id, key_nonce, reply_to)
+    unwrapped: Callable[[str, str, bytes, str], FrameRoute] = route.__wrapped__  # type: ignore[attr-defined]
+    return unwrapped(scope, session_id, key_nonce, reply_to)
+
+
 @functools.lru_cache(maxsize=_ROUTES_KEPT)
 def _host_route(scope: str, session_id: str, key_nonce: bytes, reply_to: str) -> FrameRoute:
     headers = _frame_headers(scope, session_id, key_nonce)
@@ -335,7 +350,7 @@ def build_host_publish(
     must be a host reply queue (:func:`reply_queue`); ``correlation_id`` is
     the request id, None for ``open_session`` and ``close_session``.
     """
-    route = _host_route(scope, session_id, _hashable_nonce(key_nonce), reply_to)
+    route = _remembered(_host_route, scope, session_id, _hashable_nonce(key_nonce), reply_to)
     return route.envelope(body, correlation_id)
 
 
@@ -354,7 +369,7 @@ def build_worker_reply(
     ``open_session`` delivery; it becomes the routing key. A reply carries no
     ``reply_to`` of its own.
     """
-    route = _reply_route(scope, session_id, _hashable_nonce(key_nonce), reply_to)
+    route = _remembered(_reply_route, scope, session_id, _hashable_nonce(key_nonce), reply_to)
     return route.envelope(body, correlation_id)
 
 

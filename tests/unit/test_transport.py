@@ -335,3 +335,21 @@ def test_nonce_header_must_be_64_lowercase_hex(nonce_value: object) -> None:
 def test_other_headers_are_ignored() -> None:
     headers = good_headers(**{"x-delivery-count": 3, HEADER_REASON: "whatever"})
     assert check_delivery(SCOPE, 10, headers).key_nonce == NONCE
+
+
+@pytest.mark.parametrize("bad", [["tenant-a"], {"tenant": "a"}, 5, b"tenant-a"])
+def test_a_route_argument_of_another_type_fails_with_its_check_not_a_cache_error(
+    bad: object,
+) -> None:
+    for field in ("scope", "session_id"):
+        arguments: dict[str, object] = {"scope": SCOPE, "session_id": "s-1"}
+        arguments[field] = bad
+        with pytest.raises(InvalidToken):
+            build_host_publish(
+                arguments["scope"],  # type: ignore[arg-type]
+                arguments["session_id"],  # type: ignore[arg-type]
+                NONCE,
+                b"{}",
+                reply_to="octo.v5.reply.h1",
+                correlation_id=None,
+            )
