@@ -169,9 +169,15 @@ class DeliveryPath:
         channel: AbstractChannel,
     ) -> None:
         async with scope.semaphore:
-            if scope.standby and not scope.superseded and not channel.is_closed:
+            while (
+                scope.standby
+                and not scope.superseded
+                and not channel.is_closed
+                and not self._stopping.is_set()
+            ):
                 # The broker delivers to the queue's single active consumer
-                # only: this worker owns the scope now (D13).
+                # only: this worker owns the scope now (D13). An activation
+                # begun on an earlier connection ends in standby: start anew.
                 await asyncio.shield(self._activate_later(scope))
             while not scope.running.is_set():
                 await scope.running.wait()

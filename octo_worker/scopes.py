@@ -129,6 +129,8 @@ class ScopeLifecycle:
     _stopping: asyncio.Event
     # The journal is shared (PostgreSQL, D13): scopes start as standby.
     _shared: bool
+    # Counts the broker connections closed so far (an activation belongs to one).
+    _connection_number: int
 
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
@@ -406,6 +408,7 @@ class ScopeLifecycle:
         activated (W§11.3); a failure stops the worker (fail closed).
         """
         scope.running.clear()
+        connection = self._connection_number
         try:
             while scope.active:
                 await asyncio.wait(list(scope.active))
@@ -413,6 +416,8 @@ class ScopeLifecycle:
                 await self._give_up_scope(scope)
                 return
             await self._load_scope(scope, open_gate=False)
+            if self._connection_number != connection:
+                return  # the connection it was made owner on is gone: standby again
             scope.standby = False
             assert scope.lease is not None
             self.hooks.on_scope_role(scope.name, True)
