@@ -43,6 +43,7 @@ import pytest
 
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.states import StateKind
+from octo_common.transport import worker_queue
 from octo_host.plan import WorkflowStep
 from octo_worker.adapters_files import read_effect_log
 
@@ -161,6 +162,14 @@ class PrivateRabbit:
         with contextlib.suppress(Exception):
             self.ctl("stop", timeout=60)
 
+    def consumers(self, queue: str) -> int:
+        """How many consumers ``queue`` has on this node (0 when it does not exist)."""
+        for line in self.ctl("list_queues", "name", "consumers").splitlines():
+            name, _, count = line.partition("\t")
+            if name == queue:
+                return int(count)
+        return 0
+
 
 @pytest.fixture(scope="module")
 def rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRabbit]:
@@ -256,8 +265,16 @@ async def _disrupted_load(
         lanes = (lane(number) for number in range(LANES))
         await asyncio.wait_for(asyncio.gather(disruptor(), *lanes), 60)
         await _until(lambda: client.reconnects >= 1, "the host client reconnected")
+        # The worker process that lost its connection consumes its scope again.
+        queue = worker_queue(env.scope)
+        deadline = time.monotonic() + WAIT
+        while await asyncio.to_thread(rabbit.consumers, queue) < 1:
+            assert time.monotonic() < deadline, (
+                f"the worker never consumed again: {worker.stderr()}"
+            )
         assert worker.process.poll() is None, worker.stderr()
-        assert "broker_connection_lost" in worker.stderr(), worker.stderr()
+        log = worker.err_path.read_text("utf-8", "replace")
+        assert "broker_connection_lost" in log, worker.stderr()
 
         # The same client and the same worker process, both reconnected by themselves.
         for number, run in enumerate(runs):
