@@ -89,6 +89,7 @@ async def test_sigkill_of_the_owner_mid_load_hands_the_scope_to_the_standby(
         await client.store.close()
         await standby.stop()
     states = await check_effects(env, keys)
+    print(f"SIGKILL failover: {dict(states)}, {env.effects()} effect lines")
     assert sum(states.values()) == OPERATIONS
     assert states[StateKind.SUCCEEDED] >= BEFORE_FAULT
     # The owner reserved fence 1 at its first delivery, the standby fence 2.
@@ -141,6 +142,7 @@ async def test_sigstop_of_the_owner_then_sigcont_publishes_nothing_and_commits_n
         await standby.stop()
         await owner.stop()
     states = await check_effects(env, keys)
+    print(f"SIGSTOP failover: {dict(states)}, {env.effects()} effect lines")
     assert sum(states.values()) == OPERATIONS
     assert await env.fence() == 2
     await env.delete_queues()
