@@ -4,8 +4,8 @@ For each run the armed process (the worker runner, or the host runner for
 ``host.*`` points) kills itself at the chosen point and count;
 the worker restarts without the fault on the same files; the host recovers
 the run; and :func:`check_outcome` (see ``conftest.py``) asserts that every
-key is known, every succeeded key has exactly one publish line in the effect
-log (none otherwise), every compensation is settled (a compensation lookup,
+key is terminal, every succeeded key has exactly one publish line in the effect
+log (none otherwise), every compensation is terminal (a compensation lookup,
 D11) and none happened twice, and the journal and the ledger agree. For the
 generic points counts 1-3 land on the dispatches, count 4 on the compensation
 of the first key; the compensation points (after the host recorded the
