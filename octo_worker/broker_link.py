@@ -58,7 +58,6 @@ class BrokerLink:
     _ready: asyncio.Event
     _consuming_since_connect: bool
     _shared: bool
-    _connection_number: int
 
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
@@ -183,7 +182,6 @@ class BrokerLink:
 
     async def _close_connection(self) -> None:
         self._connected.clear()
-        self._connection_number += 1
         if self._shared:
             self._stand_by()
         for scope in self._scopes.values():

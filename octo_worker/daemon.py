@@ -125,7 +125,6 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         self._ready = asyncio.Event()
         self._consuming_since_connect = False
         self._shared = config.shared_journal
-        self._connection_number = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._log = _log.bind(worker=config.worker.state_dir)
 

@@ -144,7 +144,9 @@ class DeliveryPath:
 
         async def _reload_scope(self, scope: ServedScope) -> None: ...
 
-        def _activate_later(self, scope: ServedScope) -> asyncio.Task[None]: ...
+        def _activate_later(
+            self, scope: ServedScope, channel: AbstractChannel
+        ) -> asyncio.Task[None]: ...
 
         async def _release_outbox(
             self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
@@ -169,16 +171,16 @@ class DeliveryPath:
         channel: AbstractChannel,
     ) -> None:
         async with scope.semaphore:
-            while (
-                scope.standby
-                and not scope.superseded
-                and not channel.is_closed
-                and not self._stopping.is_set()
-            ):
-                # The broker delivers to the queue's single active consumer
-                # only: this worker owns the scope now (D13). An activation
-                # begun on an earlier connection ends in standby: start anew.
-                await asyncio.shield(self._activate_later(scope))
+            # The broker delivers to the queue's single active consumer only:
+            # this worker owns the scope now (D13). An activation still running
+            # for an earlier connection's delivery leaves the scope in standby;
+            # this delivery then starts the one for its own connection.
+            for _ in range(2):
+                if not scope.standby or scope.superseded or channel.is_closed:
+                    break
+                if self._stopping.is_set():
+                    break
+                await asyncio.shield(self._activate_later(scope, channel))
             while not scope.running.is_set():
                 await scope.running.wait()
             if self._stopping.is_set():

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from aio_pika.abc import AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractQueue
 
 from octo_common.errors import FencingTokenRejected, OctoError
 from octo_common.frames import ScopeKey
@@ -91,6 +91,13 @@ class ServedScope:
     # Until then it reserves, commits and publishes nothing.
     standby: bool = False
     activation: asyncio.Task[None] | None = None
+    # Held by an activation and by a reload for their whole run: one at a
+    # time loads the scope (fence, sessions) and republishes its outbox.
+    lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def serving(self) -> bool:
+        """Neither in standby nor superseded: the scope may publish and release now."""
+        return not (self.standby or self.superseded)
 
 
 # Which scopes another worker took ------------------------------------------------
@@ -127,10 +134,10 @@ class ScopeLifecycle:
     _supersession: Supersession
     _connected: asyncio.Event
     _stopping: asyncio.Event
+    # The current connection's consume channel (None between connections).
+    _consume_channel: AbstractChannel | None
     # The journal is shared (PostgreSQL, D13): scopes start as standby.
     _shared: bool
-    # Counts the broker connections closed so far (an activation belongs to one).
-    _connection_number: int
 
     if TYPE_CHECKING:  # the other parts of WorkerDaemon
 
@@ -220,11 +227,18 @@ class ScopeLifecycle:
         to each session's next commit, which an idle, abandoned or closed
         session never makes.
         """
+        if not scope.serving():
+            return []  # another worker may own the scope: publish nothing
         entries = await self.store.load_outbox(scope.name)
         self.hooks.after_outbox_loaded(scope.name, len(entries))
         published = 0
         finished: dict[str, WorkerSession] = {}
         for entry in entries:
+            if not scope.serving():
+                # The connection was lost meanwhile: nothing more is published,
+                # and nothing is released under a fence another worker may have
+                # replaced (the owner republishes these rows).
+                return []
             session = scope.sessions.get(entry.session_id)
             if session is None:
                 continue
@@ -258,6 +272,8 @@ class ScopeLifecycle:
             finished[session.session_id] = session
         if published:
             self._log.info("outbox_republished", scope=scope.name, frames=published)
+        if not scope.serving():
+            return []
         return list(finished.values())
 
     def _release_outbox_later(self, scope: ServedScope, sessions: list[WorkerSession]) -> None:
@@ -285,11 +301,15 @@ class ScopeLifecycle:
         ever. Run only where the scope's lease cannot change underneath (a
         registered handler, or the reload itself). Not for a session whose
         commit failed: its scope is being reloaded, and the reload releases
-        the rows of the session it restores.
+        the rows of the session it restores. Nothing is released while the
+        scope is in standby or superseded: its lease may be another worker's
+        past, and a commit under it would only meet that worker's fence.
         """
         store = self.store
         for session in sessions:
-            if scope.superseded or scope.sessions.get(session.session_id) is not session:
+            if not scope.serving():
+                return
+            if scope.sessions.get(session.session_id) is not session:
                 continue  # a reloaded scope has its own copy of the session
             if session.commit_failed:
                 continue
@@ -388,54 +408,72 @@ class ScopeLifecycle:
             )
             self.request_stop()
 
-    def _activate_later(self, scope: ServedScope) -> asyncio.Task[None]:
-        """The one activation of a standby scope (started by its first delivery)."""
+    def _activate_later(self, scope: ServedScope, channel: AbstractChannel) -> asyncio.Task[None]:
+        """The one activation of a standby scope at a time, started by a delivery on
+        ``channel`` (a running one, maybe started on an earlier connection, is returned)."""
         if scope.activation is None or scope.activation.done():
-            scope.activation = self._spawn(self._activate_scope(scope))
+            scope.activation = self._spawn(self._activate_scope(scope, channel))
         return scope.activation
 
-    async def _activate_scope(self, scope: ServedScope) -> None:
+    def _on_current_channel(self, channel: AbstractChannel) -> bool:
+        """Whether ``channel`` is the open consume channel of the current connection."""
+        return channel is self._consume_channel and not channel.is_closed
+
+    async def _activate_scope(self, scope: ServedScope, channel: AbstractChannel) -> None:
         """The broker made this worker the scope's active consumer (D13): W§10.10 under a
         fresh fence.
 
-        The first delivery after a (re)connection of a shared journal proves it:
-        the queue's single active consumer is this one, so any worker that
-        served the scope before has lost its consumer. Handlers of an earlier
+        A delivery on ``channel`` proves it for that connection only: the
+        queue's single active consumer is this one, so any worker that served
+        the scope before has lost its consumer. Handlers of an earlier
         connection finish first (their commits meet the fence they hold), then
         a fresh fence is reserved, the sessions are rebuilt from the shared
-        store, the outbox is republished and released, and the gate opens. A
-        scope whose commits another worker's fence refused is given up, never
-        activated (W§11.3); a failure stops the worker (fail closed).
+        store, the outbox is republished and released, and the gate opens.
+        Exclusive with a reload (``scope.lifecycle``). The scope leaves
+        standby only if ``channel`` is still the current, open consume
+        channel once it is loaded: a connection lost meanwhile (another worker
+        may have taken the queue and reserved a fence since) leaves it in
+        standby, publishing and releasing nothing, until a delivery of a later
+        connection activates it again. A scope whose commits another worker's
+        fence refused is given up, never activated (W§11.3); a failure stops
+        the worker (fail closed).
         """
-        scope.running.clear()
-        connection = self._connection_number
-        try:
-            while scope.active:
-                await asyncio.wait(list(scope.active))
-            if scope.superseded or self._superseded(scope):
-                await self._give_up_scope(scope)
-                return
-            await self._load_scope(scope, open_gate=False)
-            if self._connection_number != connection:
-                return  # the connection it was made owner on is gone: standby again
-            scope.standby = False
-            assert scope.lease is not None
-            self.hooks.on_scope_role(scope.name, True)
-            self._log.warning("scope_activated", scope=scope.name, fence=scope.lease.token)
-            await self._release_outbox(scope, await self._republish_outbox(scope))
-            if self._superseded(scope):
-                await self._give_up_scope(scope)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
-            self._log.error("scope_activation_failed", scope=scope.name, error=code)
-            if self._superseded(scope):
-                await self._give_up_scope(scope)
-            else:
-                self.request_stop()  # fail closed: a supervisor restarts it as a standby
-        finally:
-            scope.running.set()
+        async with scope.lifecycle:
+            scope.running.clear()
+            try:
+                while scope.active:
+                    await asyncio.wait(list(scope.active))
+                if scope.superseded or self._superseded(scope):
+                    await self._give_up_scope(scope)
+                    return
+                if not scope.standby or not self._on_current_channel(channel):
+                    return  # already active, or that connection is gone
+                await self._load_scope(scope, open_gate=False)
+                if not self._on_current_channel(channel):
+                    self._log.warning(
+                        "scope_activation_abandoned",
+                        scope=scope.name,
+                        detail="the connection was lost while the scope loaded; standby",
+                    )
+                    return
+                scope.standby = False
+                assert scope.lease is not None
+                self.hooks.on_scope_role(scope.name, True)
+                self._log.warning("scope_activated", scope=scope.name, fence=scope.lease.token)
+                await self._release_outbox(scope, await self._republish_outbox(scope))
+                if self._superseded(scope):
+                    await self._give_up_scope(scope)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+                self._log.error("scope_activation_failed", scope=scope.name, error=code)
+                if self._superseded(scope):
+                    await self._give_up_scope(scope)
+                else:
+                    self.request_stop()  # fail closed: a supervisor restarts it as a standby
+            finally:
+                scope.running.set()
 
     def _stand_by(self) -> None:
         """A shared journal's scopes after a lost connection: standby until a delivery.
@@ -453,51 +491,65 @@ class ScopeLifecycle:
 
         On a shared journal the consumer is paused by the gate alone: cancelling
         it would hand the queue to a standby worker (single active consumer).
+        Exclusive with an activation (``scope.lifecycle``). A scope in standby
+        once its handlers are done reserves nothing (another worker may own it,
+        and a fence reserved now would fence that owner out): its sessions in
+        memory are dropped, and the activation that makes it active again
+        loads them from the store under its own fence, as a restart would.
         """
-        try:
-            scope.running.clear()
-            if not self._shared:
-                await self._stop_consuming(scope)
-            # The handler that poisoned the session is done with it; wait for
-            # every other running handler of the scope (their commits may fail too).
-            while scope.active:
-                await asyncio.wait(list(scope.active))
-            if scope.superseded or self._superseded(scope):
-                await self._give_up_scope(scope)
-                return
-            # Sessions poisoned in memory by a failed commit. Their refusals
-            # were committed before they were published (W§10.11 rule 2), which
-            # recorded most of them poisoned already; the others (a refusal's
-            # own commit failed, or there was none to send) are recorded so now.
-            poisoned = sorted(
-                sid
-                for sid, session in scope.sessions.items()
-                if session.status == "poisoned" and session.commit_failed
-            )
-            # The gate stays shut until every poisoned session is marked
-            # poisoned again (the finally opens it): a frame for one of them
-            # must not meet the reloaded session while it still reads "open".
-            await self._load_scope(scope, open_gate=False)
-            for session_id in poisoned:
-                restored = scope.sessions.get(session_id)
-                if restored is not None:
-                    await restored.persist_poisoned(self.store)
-            self._log.warning("scope_reloaded", scope=scope.name, poisoned=poisoned)
-            if self._connected.is_set():
-                await self._release_outbox(scope, await self._republish_outbox(scope))
-                if self._superseded(scope):
-                    await self._give_up_scope(scope)  # the release met another writer's fence
-                    return
+        async with scope.lifecycle:
+            try:
+                scope.running.clear()
                 if not self._shared:
-                    await self._start_consuming(scope)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._log.error("scope_reload_failed", scope=scope.name, error=type(exc).__name__)
+                    await self._stop_consuming(scope)
+                # The handler that poisoned the session is done with it; wait for
+                # every other running handler of the scope (their commits may fail too).
+                while scope.active:
+                    await asyncio.wait(list(scope.active))
+                if scope.superseded or self._superseded(scope):
+                    await self._give_up_scope(scope)
+                    return
+                if scope.standby:
+                    scope.sessions = {}
+                    self._log.warning("scope_reload_left_to_activation", scope=scope.name)
+                    return
+                await self._reload_under_fresh_fence(scope)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._log.error("scope_reload_failed", scope=scope.name, error=type(exc).__name__)
+                if self._superseded(scope):
+                    await self._give_up_scope(scope)
+                else:
+                    self.request_stop()  # fail closed: a supervisor restarts from durable state
+            finally:
+                scope.reloading = False
+                scope.running.set()
+
+    async def _reload_under_fresh_fence(self, scope: ServedScope) -> None:
+        """The reload's W§10.9 steps 3–4 for a scope this worker serves, then resume."""
+        # Sessions poisoned in memory by a failed commit. Their refusals
+        # were committed before they were published (W§10.11 rule 2), which
+        # recorded most of them poisoned already; the others (a refusal's
+        # own commit failed, or there was none to send) are recorded so now.
+        poisoned = sorted(
+            sid
+            for sid, session in scope.sessions.items()
+            if session.status == "poisoned" and session.commit_failed
+        )
+        # The gate stays shut until every poisoned session is marked
+        # poisoned again (the caller opens it): a frame for one of them
+        # must not meet the reloaded session while it still reads "open".
+        await self._load_scope(scope, open_gate=False)
+        for session_id in poisoned:
+            restored = scope.sessions.get(session_id)
+            if restored is not None:
+                await restored.persist_poisoned(self.store)
+        self._log.warning("scope_reloaded", scope=scope.name, poisoned=poisoned)
+        if self._connected.is_set():
+            await self._release_outbox(scope, await self._republish_outbox(scope))
             if self._superseded(scope):
-                await self._give_up_scope(scope)
-            else:
-                self.request_stop()  # fail closed: a supervisor restarts from durable state
-        finally:
-            scope.reloading = False
-            scope.running.set()
+                await self._give_up_scope(scope)  # the release met another writer's fence
+                return
+            if not self._shared:
+                await self._start_consuming(scope)
