@@ -111,9 +111,12 @@ class BrokerDelivery:
         self.outcome = "dead_lettered"
 
     async def requeue(self) -> None:
+        """Put back a delivery whose handling failed: ``reject``, which a quorum queue
+        counts toward its delivery limit (a frame that keeps failing is
+        dead-lettered by the broker). A delivery this worker only hands back
+        unhandled is nacked instead (``DeliveryPath._on_message``)."""
         if self._channel.is_closed:
             return
-        # reject, not nack: only reject counts toward a quorum queue's delivery limit.
         await self._message.reject(requeue=True)
         self.outcome = "requeued"
 
@@ -191,9 +194,12 @@ class DeliveryPath:
                 return
             if scope.superseded or scope.standby:
                 # Another worker owns the scope now (or this one could not
-                # take it): hand the delivery back.
+                # take it): hand the delivery back, unhandled. A nack, not a
+                # reject: no failure of this frame (RabbitMQ >= 4.3 does not
+                # count it toward the delivery limit; older ones count every
+                # return alike, a closed channel's too).
                 with contextlib.suppress(Exception):
-                    await message.reject(requeue=True)
+                    await message.nack(requeue=True)
                 return
             delivery = BrokerDelivery(self, scope, message, channel)
             current = asyncio.current_task()

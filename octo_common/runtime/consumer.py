@@ -2,7 +2,7 @@
 
 Owns :class:`Received` (one delivery as the broker sent it: body, the AMQP
 properties read from the frame on access, the delivery tag and a settle
-state, with ``ack`` and ``reject`` on the channel it came on),
+state, with ``ack``, ``reject`` and ``nack`` on the channel it came on),
 :class:`InboundMessage` (what the delivery paths and the dead-letter copy
 read of a delivery; an aio-pika message has the same shape) and
 :func:`consume_queue` (``basic.consume`` with manual acks on the queue's
@@ -59,6 +59,8 @@ class InboundMessage(Protocol):
 
     async def reject(self, requeue: bool = False) -> None: ...
 
+    async def nack(self, multiple: bool = False, requeue: bool = True) -> None: ...
+
 
 _NO_HEADERS: Mapping[str, Any] = {}
 
@@ -92,7 +94,7 @@ class Received:
         self.routing_key: str | None = deliver.routing_key
         self.redelivered: bool = bool(deliver.redelivered)
         self.settled = False
-        """Whether ``ack`` or ``reject`` was sent for this delivery."""
+        """Whether ``ack``, ``reject`` or ``nack`` was sent for this delivery."""
 
     @property
     def headers(self) -> Mapping[str, Any]:
@@ -132,9 +134,28 @@ class Received:
         self.settled = True
 
     async def reject(self, requeue: bool = False) -> None:
-        """``basic.reject`` on the delivery's channel, requeued or not; raises as ``ack``."""
+        """``basic.reject`` on the delivery's channel, requeued or not; raises as ``ack``.
+
+        Says the handling of this delivery failed: a quorum queue counts it
+        toward its delivery limit on every RabbitMQ version.
+        """
         self._check_unsettled()
         await self._channel.basic_reject(self.delivery_tag, requeue=requeue)
+        self.settled = True
+
+    async def nack(self, multiple: bool = False, requeue: bool = True) -> None:
+        """``basic.nack`` of this delivery alone on its channel; raises as ``ack``.
+
+        Hands a delivery back that was not handled (the consumer could not take
+        it), which is no failure of it: from RabbitMQ 4.3 on a quorum queue
+        does not count a requeueing nack toward its delivery limit (before 4.3
+        it counts every return, a nack, a reject or a closed channel alike).
+        ``multiple`` must stay False: one delivery settles only itself.
+        """
+        if multiple:
+            raise ValueError("a delivery nacks itself alone")
+        self._check_unsettled()
+        await self._channel.basic_nack(self.delivery_tag, multiple=False, requeue=requeue)
         self.settled = True
 
     def __repr__(self) -> str:

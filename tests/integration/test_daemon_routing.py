@@ -72,6 +72,10 @@ class FakeMessage:
     async def reject(self, requeue: bool = False) -> None:
         self.settled.append("requeue" if requeue else "reject")
 
+    async def nack(self, multiple: bool = False, requeue: bool = True) -> None:
+        assert not multiple and requeue
+        self.settled.append("handed_back")
+
 
 @dataclass
 class Session:
@@ -317,3 +321,29 @@ async def test_a_frame_of_a_session_nobody_opens_is_still_unknown(routing: Routi
 
     assert routing.dead == [(stray.session_id, "unknown_session")]
     assert routing.replies == []
+
+
+async def test_a_delivery_of_a_scope_another_worker_took_is_handed_back_with_a_nack(
+    routing: Routing,
+) -> None:
+    # A nack, not a reject: handing a frame back unhandled is no failure of
+    # it, so (RabbitMQ >= 4.3) it does not use up the frame's delivery limit.
+    routing.daemon._scopes[SCOPE].superseded = True
+    message = routing.open_message(routing.session(1))
+    await _settle([routing.deliver(message)])
+    assert message.settled == ["handed_back"]
+    assert routing.dead == [] and routing.replies == []
+
+
+async def test_a_delivery_whose_handling_failed_is_rejected_back_into_the_queue(
+    routing: Routing,
+) -> None:
+    # A real failure is a reject: the broker counts it toward the delivery
+    # limit, so a frame that keeps failing ends in the dead-letter queue.
+    async def failing(scope: Any, message: Any, channel: Any, reason: str) -> None:
+        raise RuntimeError("the dead-letter copy failed")
+
+    routing.daemon.dead_letter = failing  # type: ignore[method-assign]
+    message = routing.dispatch_message(routing.session(1), "req-1")  # unknown session
+    await _settle([routing.deliver(message)])
+    assert message.settled == ["requeue"]

@@ -2,8 +2,8 @@
 
 A delivery arrives as a ``Received`` with the body and properties the
 publisher sent (the same values an aio-pika message shows), is settled once
-on its own channel (ack removes it, reject with requeue redelivers it,
-reject without requeue dead-letters it), and a second settle raises.
+on its own channel (ack removes it, reject or nack with requeue redelivers
+it, reject without requeue dead-letters it), and a second settle raises.
 """
 
 from __future__ import annotations
@@ -134,3 +134,22 @@ async def test_a_delivery_on_a_closed_channel_cannot_be_settled(
     assert redelivered.body == b"frame-closed" and redelivered.redelivered
     await redelivered.ack()
     await queue.cancel(tag)
+
+
+async def test_nack_with_requeue_hands_the_delivery_back_once(
+    channel: AbstractChannel, consumed: Source
+) -> None:
+    queue, rejected = consumed.queue, consumed.rejected
+    got, tag, first = await _first(channel, queue, "back")
+    with pytest.raises(ValueError):
+        await first.nack(multiple=True)  # one delivery settles only itself
+    assert not first.settled
+    await first.nack(requeue=True)
+    assert first.settled
+    with pytest.raises(MessageProcessError):
+        await first.nack(requeue=True)
+    second = await asyncio.wait_for(got.get(), WAIT)
+    assert second.body == b"frame-back" and second.redelivered
+    await second.ack()
+    await queue.cancel(tag)
+    assert await rejected.get(no_ack=True, fail=False) is None
