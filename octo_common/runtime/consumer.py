@@ -128,9 +128,16 @@ class Received:
     async def ack(self) -> None:
         """``basic.ack`` on the delivery's channel; raises on a closed channel and on
         a second settle (the state is set only once the ack was handed to the
-        connection, so a failed ack can be followed by a reject)."""
+        connection, so a failed ack can be followed by a reject).
+
+        Returns once the ack is queued on the connection, ahead of every later
+        frame of this process (the connection's bounded write queue still
+        holds a caller back), without waiting for the socket to take it: the
+        broker confirms no ack, and one lost with the connection is a
+        redelivery either way.
+        """
         self._check_unsettled()
-        await self._channel.basic_ack(self.delivery_tag)
+        await self._channel.basic_ack(self.delivery_tag, wait=False)
         self.settled = True
 
     async def reject(self, requeue: bool = False) -> None:
