@@ -13,11 +13,12 @@ Rules this module keeps:
 
 * Every method is all-or-nothing: all checks run before the first mutation, so
   an error leaves the state (``export_state()``) unchanged.
-* A commit persists ``checkpoint()``: the counters, the identities and the
-  retained request ids as a count and a completion bitmap, never the ids
-  themselves, so it costs the same whatever the number of retained ids.
-  Retained ids are append-only (never released), so the first ``retained``
-  ids of retention order (``retained_ids``) are exactly the ids of a
+* A commit persists ``checkpoint()``: the counters and the retained request
+  ids as a count and a completion bitmap, never the ids themselves nor the
+  identities they admitted, so it costs the same whatever the number of
+  retained ids. Retained ids are append-only (never released), so the first
+  ``retained`` ids of retention order (``retained_rows``: each with the
+  compensation identity it admitted, if any) are exactly the ids of a
   checkpoint; ``export_state_at`` rebuilds the full state of one (O(ids)).
 * Tokens carry the provenance (object identity) of the issuing instance; a
   validator refuses a token of another instance first. A restored authorizer
@@ -31,6 +32,7 @@ It has no cancellation methods (D9).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Generic, NoReturn, TypeVar
 
 from octo_common.authorizer_state import (
@@ -39,6 +41,7 @@ from octo_common.authorizer_state import (
     CompensationIdentity,
     RetainedRequestId,
     bad_state,
+    restore_admitted,
     restore_counters,
     restore_identities,
     restore_request_ids,
@@ -287,6 +290,7 @@ class SessionAuthorizer:
     """Budgets and request identities of one session (W§8)."""
 
     __slots__ = (
+        "_admitted",
         "_calls",
         "_compensation_fingerprints",
         "_compensations",
@@ -296,7 +300,7 @@ class SessionAuthorizer:
         "_order",
         "_positions",
         "_provenance",
-        "_sorted_identities",
+        "_unplaced",
     )
 
     def __init__(self, manifest: CapabilityManifest) -> None:
@@ -307,8 +311,10 @@ class SessionAuthorizer:
         self._calls: dict[str, int] = {}
         self._compensations: dict[str, int] = {}
         self._identities: set[CompensationIdentity] = set()
-        # ``_identities`` sorted, dropped whenever an identity is added.
-        self._sorted_identities: tuple[CompensationIdentity, ...] | None = ()
+        # Each identity with the position of the request id that admitted it,
+        # except those restored without that link (sorted; never added to).
+        self._admitted: dict[int, CompensationIdentity] = {}
+        self._unplaced: tuple[CompensationIdentity, ...] = ()
         # Retained request ids in retention order (append-only), each id's
         # position in it, and the completed flags as a bitmap over positions.
         self._order: list[str] = []
@@ -358,6 +364,15 @@ class SessionAuthorizer:
     def retained_ids(self, start: int = 0) -> list[str]:
         """The retained request ids from position ``start`` on, in retention order."""
         return self._order[start:]
+
+    def retained_rows(self, start: int = 0) -> list[tuple[str, CompensationIdentity | None]]:
+        """The retained request ids from position ``start`` on, each with the
+        compensation identity it admitted (None: none, or not known)."""
+        admitted = self._admitted
+        return [
+            (request_id, admitted.get(position))
+            for position, request_id in enumerate(self._order[start:], start)
+        ]
 
     # -- request ids -----------------------------------------------------------
 
@@ -506,7 +521,7 @@ class SessionAuthorizer:
         self._retain(request.request_id)
         if is_new:
             self._identities.add(identity)
-            self._sorted_identities = None
+            self._admitted[self._positions[request.request_id]] = identity
             self._compensations[request.tool] = spent + 1
         token: AuthorizedOperationCompensation = AuthorizedOperationCompensation._issue(
             request, grant, self._provenance
@@ -605,17 +620,15 @@ class SessionAuthorizer:
     def checkpoint(self) -> AuthorizerCheckpoint:
         """What a commit persists now (see :class:`AuthorizerCheckpoint`).
 
-        O(tools + identities), never O(retained ids): the sorted identities
-        are kept until the next identity is added, and the counter maps are
-        copies (a caller that mutates them cannot alter this authorizer).
+        O(tools), never O(retained ids) nor O(identities): an identity goes
+        with the request id that admitted it (``retained_rows``); only those
+        restored without that link are here. The counter maps are copies (a
+        caller that mutates them cannot alter this authorizer).
         """
-        identities = self._sorted_identities
-        if identities is None:
-            identities = self._sorted_identities = tuple(sorted(self._identities))
         return AuthorizerCheckpoint(
             calls_by_tool={t: n for t, n in sorted(self._calls.items()) if n},
             compensations_by_tool={t: n for t, n in sorted(self._compensations.items()) if n},
-            compensation_identities=identities,
+            compensation_identities=self._unplaced,
             retained=len(self._order),
             completed=self._completed,
         )
@@ -627,14 +640,33 @@ class SessionAuthorizer:
         if not 0 <= retained <= len(self._order):
             raise ValueError("a checkpoint retains more request ids than this authorizer")
         bits = checkpoint.completed
+        identities = [*checkpoint.compensation_identities, *self.admitted_at(checkpoint).values()]
         return AuthorizerState(
             calls_by_tool=dict(checkpoint.calls_by_tool),
             compensations_by_tool=dict(checkpoint.compensations_by_tool),
-            compensation_identities=checkpoint.compensation_identities,
+            compensation_identities=tuple(sorted(identities)),
             request_ids=tuple(
                 RetainedRequestId(request_id, (bits >> position) & 1 == 1)
                 for position, request_id in enumerate(self._order[:retained])
             ),
+        )
+
+    def admitted_at(self, checkpoint: AuthorizerCheckpoint) -> dict[str, CompensationIdentity]:
+        """Request id -> the compensation identity it admitted, for the ids of
+        ``checkpoint`` (one this authorizer took earlier) whose link is known."""
+        order = self._order
+        return {
+            order[position]: identity
+            for position, identity in self._admitted.items()
+            if position < checkpoint.retained
+        }
+
+    def rewound(self, checkpoint: AuthorizerCheckpoint) -> SessionAuthorizer:
+        """A NEW authorizer as this one was at ``checkpoint`` (one it took earlier)."""
+        return SessionAuthorizer.restore(
+            self._manifest,
+            self.export_state_at(checkpoint),
+            admitted=self.admitted_at(checkpoint),
         )
 
     def export_state(self) -> AuthorizerState:
@@ -642,13 +674,22 @@ class SessionAuthorizer:
         return self.export_state_at(self.checkpoint())
 
     @classmethod
-    def restore(cls, manifest: CapabilityManifest, state: AuthorizerState) -> SessionAuthorizer:
+    def restore(
+        cls,
+        manifest: CapabilityManifest,
+        state: AuthorizerState,
+        *,
+        admitted: Mapping[str, CompensationIdentity] | None = None,
+    ) -> SessionAuthorizer:
         """Rebuild an authorizer from ``export_state()`` as a NEW instance.
 
         The manifest is validated as by the constructor; a state that no
         sequence of authorizations under this manifest can produce raises
         ``SerializationError`` and builds nothing. Tokens of the exported
-        instance are not accepted by the restored one.
+        instance are not accepted by the restored one. ``admitted`` links
+        identities of the state to the retained request ids that admitted
+        them (each a retained id, each identity one of the state's, linked
+        once); the others are kept as not linked.
         """
         authorizer = cls(manifest)
         if not isinstance(state, AuthorizerState):
@@ -671,10 +712,14 @@ class SessionAuthorizer:
             bad_state("more budget spent than request ids retained")
         authorizer._calls = calls
         authorizer._compensations = compensations
+        positions = {request_id: i for i, request_id in enumerate(request_ids)}
+        placed = restore_admitted(admitted or {}, positions, identities)
         authorizer._identities = identities
-        authorizer._sorted_identities = None
+        authorizer._admitted = placed
+        linked = set(placed.values())
+        authorizer._unplaced = tuple(sorted(i for i in identities if i not in linked))
         authorizer._order = list(request_ids)
-        authorizer._positions = {request_id: i for i, request_id in enumerate(request_ids)}
+        authorizer._positions = positions
         authorizer._completed = sum(
             1 << i for i, entry in enumerate(request_ids.values()) if entry.completed
         )

@@ -29,6 +29,7 @@ __all__ = [
     "CompensationIdentity",
     "RetainedRequestId",
     "bad_state",
+    "restore_admitted",
     "restore_counters",
     "restore_identities",
     "restore_request_ids",
@@ -165,3 +166,23 @@ def restore_request_ids(entries: object) -> dict[str, RetainedRequestId]:
         # A fresh value of exactly this type, whatever the caller passed.
         restored[request_id] = RetainedRequestId(request_id, completed)
     return restored
+
+
+def restore_admitted(
+    admitted: object, positions: Mapping[str, int], identities: set[CompensationIdentity]
+) -> dict[int, CompensationIdentity]:
+    """Request id -> identity it admitted, as position -> identity: each id retained,
+    each identity one of the state's, no identity linked twice."""
+    if not isinstance(admitted, Mapping):
+        bad_state("admitted is not a map")
+    placed: dict[int, CompensationIdentity] = {}
+    for request_id, identity in admitted.items():
+        position = positions.get(request_id) if isinstance(request_id, str) else None
+        if position is None:
+            bad_state("an identity admitted by a request id not retained")
+        if identity not in identities:
+            bad_state("an admitted identity the state does not hold")
+        placed[position] = identity
+    if len(set(placed.values())) != len(placed):
+        bad_state("an identity admitted twice")
+    return placed

@@ -51,7 +51,7 @@ from typing import Any
 
 import structlog
 
-from octo_common.authorizer import SessionAuthorizer
+from octo_common.authorizer import CompensationIdentity, SessionAuthorizer
 from octo_common.errors import (
     AdapterFailed,
     InvalidFrameHeaders,
@@ -156,7 +156,7 @@ class WorkerSession(SessionAnswers):
         self._commits = SessionCommits(
             durable_point=self._durable_point,
             state_document=self._state_document,
-            retained_ids=self._retained_ids,
+            retained_rows=self._retained_rows,
             go_back=self._go_back,
             mark_poisoned=self._mark_poisoned,
             scope=scope,
@@ -277,7 +277,9 @@ class WorkerSession(SessionAnswers):
         authenticator = SessionAuthenticator.restore(
             session_id, key, SessionRole.WORKER, stored.authenticator
         )
-        authorizer = SessionAuthorizer.restore(stored.manifest, stored.authorizer)
+        authorizer = SessionAuthorizer.restore(
+            stored.manifest, stored.authorizer, admitted=stored.admitted
+        )
         head = await store.head_revision(scope)
         session = cls(
             scope=scope,
@@ -543,12 +545,11 @@ class WorkerSession(SessionAnswers):
             point.by_tool,
         )
 
-    def _retained_ids(self, start: int) -> list[str]:
-        return self._authorizer.retained_ids(start)
+    def _retained_rows(self, start: int) -> list[tuple[str, CompensationIdentity | None]]:
+        return self._authorizer.retained_rows(start)
 
     def _go_back(self, point: DurablePoint) -> None:
-        state = self._authorizer.export_state_at(point.authorizer)
-        self._authorizer = SessionAuthorizer.restore(self._manifest, state)
+        self._authorizer = self._authorizer.rewound(point.authorizer)
         self._reconciliations_total = point.total
         self._reconciliations_by_tool = dict(point.by_tool)
         self._status = POISONED

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from octo_common.authorizer import AuthorizerCheckpoint
+from octo_common.authorizer import AuthorizerCheckpoint, CompensationIdentity
 from octo_common.errors import (
     FencingTokenRejected,
     InvalidJournalRevision,
@@ -42,6 +42,7 @@ from octo_worker.hooks import WorkerHooks
 from octo_worker.journal import JournalChangeset
 from octo_worker.storage.interface import (
     OutboxEntry,
+    RequestRow,
     SessionDocuments,
     WorkerCommit,
     WorkerJournalLease,
@@ -102,7 +103,7 @@ class SessionCommits:
         *,
         durable_point: Callable[[], DurablePoint],
         state_document: Callable[[DurablePoint], bytes],
-        retained_ids: Callable[[int], list[str]],
+        retained_rows: Callable[[int], list[tuple[str, CompensationIdentity | None]]],
         go_back: Callable[[DurablePoint], None],
         mark_poisoned: Callable[[], None],
         scope: str,
@@ -118,11 +119,12 @@ class SessionCommits:
     ) -> None:
         # The session's own: its budgets, request ids and counters now; the
         # state document a commit writes (status and window now, the rest
-        # from the point); its retained request ids from a position on; back
+        # from the point); its retained request ids from a position on (each
+        # with the compensation identity it admitted); back
         # to a point and poisoned; poisoned.
         self._durable_point = durable_point
         self._state_document = state_document
-        self._retained_ids = retained_ids
+        self._retained_rows = retained_rows
         self._go_back = go_back
         self._mark_poisoned = mark_poisoned
         self._scope = scope
@@ -251,7 +253,12 @@ class SessionCommits:
         deletes = self.confirmed
         point = self._durable_point()
         start, rows = self._rows_built, point.authorizer.retained
-        requests = tuple(enumerate(self._retained_ids(start)[: rows - start], start))
+        requests = tuple(
+            RequestRow(position, request_id, compensation)
+            for position, (request_id, compensation) in enumerate(
+                self._retained_rows(start)[: rows - start], start
+            )
+        )
         if chains:
             link: int | None = next_commit_link()
             after = self._in_flight[-1].link if self._in_flight else None

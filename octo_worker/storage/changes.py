@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
+from octo_common.authorizer_state import CompensationIdentity
 from octo_common.digest import message_id as frame_message_id
 from octo_common.errors import (
     FencingTokenRejected,
@@ -66,7 +67,7 @@ from octo_worker.storage.documents import (
     session_header,
     state_status,
 )
-from octo_worker.storage.interface import WorkerCommit
+from octo_worker.storage.interface import RequestRow, WorkerCommit
 from octo_worker.storage.scope_head import HEAD_NAMESPACE, DigestChanges, ScopeHead
 
 __all__ = [
@@ -212,21 +213,21 @@ def prepare(scope: str, changes: WorkerCommit) -> tuple[tuple[RowWrite, ...], tu
     return tuple(writes), tuple(new_sessions)
 
 
-def _request_writes(
-    scope: str, session_id: str, requests: Sequence[tuple[int, str]]
-) -> list[RowWrite]:
-    """One inserted request row per (position, request id): never written before
+def _request_writes(scope: str, session_id: str, requests: Sequence[RequestRow]) -> list[RowWrite]:
+    """One inserted request row per retained request id: never written before
     (absent base), so a row already there refuses the change set."""
     writes: list[RowWrite] = []
-    for position, request_id in requests:
+    for position, request_id, compensation in requests:
         if type(position) is not int or not 0 <= position < MAX_SESSION_REQUEST_IDS:
             raise ValueError("a request row's position is an int in [0, 1024)")
         validate_token("request id", request_id)
+        if compensation is not None and not isinstance(compensation, CompensationIdentity):
+            raise TypeError("a request row's compensation is a CompensationIdentity")
         writes.append(
             RowWrite(
                 NS_SESSION_REQUEST,
                 request_item(session_id, request_id),
-                request_document(scope, session_id, request_id, position),
+                request_document(scope, session_id, request_id, position, compensation),
                 None,
                 session=session_id,
             )

@@ -4,9 +4,10 @@ Owns the row namespaces of a scope, the session **opening** document
 (written once), the session **state** document (rewritten by every commit
 that touches the session; fixed size: its retained request ids are a count
 and a completion bitmap), the session **request** documents (one per
-retained request id, inserted once by the commit that first carries the id,
-never rewritten), the **outbox** document (a committed reply frame), and how
-each is written and read back:
+retained request id, with the compensation identity it admitted if any,
+inserted once by the commit that first carries the id, never rewritten),
+the **outbox** document (a committed reply frame), and how each is written
+and read back:
 
 * the session side builds documents with :func:`opening_document` and
   :func:`state_document`, and reads a persisted session back with
@@ -142,6 +143,8 @@ class StateDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class AuthorizerDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     calls_by_tool: dict[str, int]
     compensations_by_tool: dict[str, int]
+    # Only identities no request row links to (a session first written in
+    # format 1); every other identity is in the row of the id that admitted it.
     compensation_identities: tuple[CompensationIdentity, ...]
     retained: int  # request rows of the session: positions 0 .. retained - 1
     completed: str  # 256 lowercase hex: bit i set = position i completed, big-endian
@@ -160,14 +163,16 @@ class StateDocumentV2(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reconciliations: ReconciliationDocument
 
 
-class RequestDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One retained request id of a session, at its position in retention order."""
+class RequestDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One retained request id of a session, at its position in retention order,
+    with the compensation identity it admitted (absent: none)."""
 
     format_version: int
     scope: str
     session_id: str
     request_id: str
     position: int
+    compensation: CompensationIdentity | None = None
 
 
 def opening_document(
@@ -228,10 +233,18 @@ def request_item(session_id: str, request_id: str) -> str:
     return f"{session_id}/{request_id}"
 
 
-def request_document(scope: str, session_id: str, request_id: str, position: int) -> bytes:
+def request_document(
+    scope: str,
+    session_id: str,
+    request_id: str,
+    position: int,
+    compensation: CompensationIdentity | None = None,
+) -> bytes:
     """The request document of one retained request id, in its written form."""
     return encode_struct(
-        RequestDocument(WORKER_SESSION_FORMAT_VERSION, scope, session_id, request_id, position)
+        RequestDocument(
+            WORKER_SESSION_FORMAT_VERSION, scope, session_id, request_id, position, compensation
+        )
     )
 
 
@@ -259,7 +272,9 @@ class StoredSession:
     """A persisted session's documents, read back and checked (see :func:`read_session`).
 
     ``request_rows``: how many request rows the store holds for it (0 for a
-    state of format 1, whose ids are inline: the next commit writes them all).
+    state of format 1, whose ids are inline: the next commit writes them all);
+    ``admitted``: request id -> the compensation identity its row says it
+    admitted (the others in ``authorizer`` are not linked to an id).
     """
 
     manifest: CapabilityManifest
@@ -271,6 +286,7 @@ class StoredSession:
     reconciliations_total: int
     reconciliations_by_tool: dict[str, int]
     request_rows: int
+    admitted: dict[str, CompensationIdentity]
 
 
 def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
@@ -316,8 +332,9 @@ def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
         raise SerializationError("session state: invalid reconciliation counters")
     if sum(counters.by_tool.values()) != counters.total:
         raise SerializationError("session state: reconciliation counters disagree")
+    admitted: dict[str, CompensationIdentity] = {}
     if isinstance(state, StateDocumentV2):
-        authorizer = _read_requests(state, persisted, scope)
+        authorizer = _read_requests(state, persisted, scope, admitted)
         request_rows = len(authorizer.request_ids)
     else:
         if persisted.requests:
@@ -337,6 +354,7 @@ def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
         reconciliations_total=counters.total,
         reconciliations_by_tool=dict(counters.by_tool),
         request_rows=request_rows,
+        admitted=admitted,
     )
 
 
@@ -348,9 +366,13 @@ def _state_format(document: bytes) -> object:
 
 
 def _read_requests(
-    state: StateDocumentV2, persisted: PersistedSession, scope: str
+    state: StateDocumentV2,
+    persisted: PersistedSession,
+    scope: str,
+    admitted: dict[str, CompensationIdentity],
 ) -> AuthorizerState:
-    """The authorizer state a format 2 state and its request rows hold together."""
+    """The authorizer state a format 2 state and its request rows hold together;
+    fills ``admitted`` with the identities the rows link to their request ids."""
     document = state.authorizer
     retained = document.retained
     if not _count(retained) or retained > MAX_SESSION_REQUEST_IDS:
@@ -373,12 +395,16 @@ def _read_requests(
         if not _count(position) or position >= retained or ids[position] is not None:
             raise RollbackDetected(None, persisted.revision)
         ids[position] = request.request_id
+        if request.compensation is not None:
+            admitted[request.request_id] = request.compensation
     if any(request_id is None for request_id in ids):
         raise RollbackDetected(None, persisted.revision)
+    # A repeated identity stays repeated here: the authorizer's restore refuses it.
+    identities = [*document.compensation_identities, *admitted.values()]
     return AuthorizerState(
         calls_by_tool=document.calls_by_tool,
         compensations_by_tool=document.compensations_by_tool,
-        compensation_identities=document.compensation_identities,
+        compensation_identities=tuple(sorted(identities)),
         request_ids=tuple(
             RetainedRequestId(str(request_id), (completed >> position) & 1 == 1)
             for position, request_id in enumerate(ids)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 import msgspec
 
+from octo_common.authorizer_state import CompensationIdentity
 from octo_common.errors import InvalidJournalLease
 from octo_worker.journal import JournalChangeset, WorkerOperationRecord
 
@@ -29,6 +30,7 @@ __all__ = [
     "OutboxEntry",
     "PersistedSession",
     "PruneReport",
+    "RequestRow",
     "ResealReport",
     "ScopeCheck",
     "ScopeMetadata",
@@ -117,6 +119,15 @@ def issue_lease(scope: str, token: int) -> WorkerJournalLease:
     return WorkerJournalLease._issue(scope, token)
 
 
+class RequestRow(NamedTuple):
+    """One retained request id of a session: its position in retention order and
+    the compensation identity it admitted (None: none)."""
+
+    position: int
+    request_id: str
+    compensation: CompensationIdentity | None = None
+
+
 class SessionDocuments(msgspec.Struct, frozen=True):
     """A session's documents for one commit (W§10.3).
 
@@ -145,9 +156,9 @@ class SessionDocuments(msgspec.Struct, frozen=True):
     base_revision: int | None = None
     link: int | None = None
     after: int | None = None
-    # (position, request id) of each retained request id this commit is the
-    # first to persist: one request row each, inserted (never rewritten).
-    requests: tuple[tuple[int, str], ...] = ()
+    # Each retained request id this commit is the first to persist: one
+    # request row each, inserted (never rewritten).
+    requests: tuple[RequestRow, ...] = ()
 
     def __repr__(self) -> str:
         return (

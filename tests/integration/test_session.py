@@ -949,6 +949,14 @@ async def test_compensation_runs_once_only_after_success(tmp_path: Path) -> None
         changed_input = await w.send(w.compensate("op-c", "cmp-op-c-undo", changed, grant))
         assert rejection_code(w.answer(changed_input)) == "compensation_identity_mismatch"
         assert len(w.effects()) == 2
+        # Each identity went with the row of the request id that admitted it,
+        # not into the state document; read back, the state is the same.
+        persisted = (await w.real_store.load_sessions(SCOPE))[SESSION]
+        assert b"cmp-op-c-undo" not in persisted.state
+        stored = documents.read_session(persisted, SCOPE)
+        state = w.session._authorizer.export_state()
+        assert sorted(stored.admitted.values()) == list(state.compensation_identities)
+        assert stored.authorizer == state
     finally:
         w.files.close()
         await w.real_store.close()
@@ -1381,7 +1389,7 @@ async def test_each_committed_state_document_is_the_durable_point(world: World) 
     assert (admitted.authorizer.retained, int(admitted.authorizer.completed, 16)) == (1, 0)
     assert (observed.authorizer.retained, int(observed.authorizer.completed, 16)) == (1, 1)
     request_id = world.session._authorizer.retained_ids(0)[0]
-    assert [c.sessions[SESSION].requests for c in commits] == [((0, request_id),), ()]
+    assert [c.sessions[SESSION].requests for c in commits] == [((0, request_id, None),), ()]
     durable = world.session._commits._durable
     assert durable.authorizer.retained == observed.authorizer.retained
     assert durable.authorizer.completed == int(observed.authorizer.completed, 16)

@@ -21,7 +21,12 @@ from octo_common.errors import (
 )
 from octo_common.frames import AuthenticatorState
 from octo_common.grants import CapabilityGrant, CapabilityManifest
-from octo_common.messages import OperationDispatchRequest, OperationReconcileResult
+from octo_common.messages import (
+    OperationCompensationBinding,
+    OperationCompensationRequest,
+    OperationDispatchRequest,
+    OperationReconcileResult,
+)
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
 from octo_worker.storage.changes import prepare
@@ -36,7 +41,12 @@ from octo_worker.storage.documents import (
     request_location,
     state_document,
 )
-from octo_worker.storage.interface import PersistedSession, SessionDocuments, WorkerCommit
+from octo_worker.storage.interface import (
+    PersistedSession,
+    RequestRow,
+    SessionDocuments,
+    WorkerCommit,
+)
 
 SCOPE = "tenant-a"
 SESSION = "session-1"
@@ -202,11 +212,12 @@ def test_a_request_document_names_its_session_and_request_in_its_item() -> None:
 def test_a_commit_inserts_one_request_row_per_new_id_with_its_session() -> None:
     authorizer = served(3, 0)
     state = persisted(authorizer).state
+    rows = (RequestRow(1, "d-1"), RequestRow(2, "d-2"))
     for chained in (False, True):
         documents = (
-            SessionDocuments(state, link=2, after=1, requests=((1, "d-1"), (2, "d-2")))
+            SessionDocuments(state, link=2, after=1, requests=rows)
             if chained
-            else SessionDocuments(state, base_revision=4, requests=((1, "d-1"), (2, "d-2")))
+            else SessionDocuments(state, base_revision=4, requests=rows)
         )
         writes, _ = prepare(SCOPE, WorkerCommit(sessions={SESSION: documents}))
         requests = [w for w in writes if w.namespace == NS_SESSION_REQUEST]
@@ -223,17 +234,103 @@ def test_a_commit_inserts_one_request_row_per_new_id_with_its_session() -> None:
 @pytest.mark.parametrize(
     ("bad", "error"),
     [
-        (((-1, "d-1"),), ValueError),
-        (((1024, "d-1"),), ValueError),
-        (((True, "d-1"),), ValueError),
-        (((0, "D-1"),), InvalidToken),
-        (((0, "a/b"),), InvalidToken),
+        ((RequestRow(-1, "d-1"),), ValueError),
+        ((RequestRow(1024, "d-1"),), ValueError),
+        ((RequestRow(True, "d-1"),), ValueError),
+        ((RequestRow(0, "D-1"),), InvalidToken),
+        ((RequestRow(0, "a/b"),), InvalidToken),
     ],
 )
 def test_a_request_row_out_of_range_or_not_a_token_is_refused(
-    bad: tuple[tuple[int, str], ...], error: type[Exception]
+    bad: tuple[RequestRow, ...], error: type[Exception]
 ) -> None:
     state = persisted(served(1, 0)).state
     documents = SessionDocuments(state, base_revision=1, requests=bad)
     with pytest.raises(error):
         prepare(SCOPE, WorkerCommit(sessions={SESSION: documents}))
+
+
+# Compensation identities go with the request id that admitted them ---------------------
+
+CMP_MANIFEST = CapabilityManifest(
+    SESSION, [CapabilityGrant(TOOL, "json", max_calls=10).with_compensation_limit(10)]
+)
+
+
+def compensate(request_id: str, cmp_key: str) -> OperationCompensationRequest:
+    fingerprint = CMP_MANIFEST.grants[0].compensation_fingerprint()
+    binding = OperationCompensationBinding(TOOL, "op-1", cmp_key, SCOPE, fingerprint)
+    return OperationCompensationRequest(SESSION, request_id, binding, ToolPayload.json({}))
+
+
+def compensated() -> SessionAuthorizer:
+    """c-1 and c-3 admit two identities; c-2 is c-1 again (no new identity)."""
+    authorizer = SessionAuthorizer(CMP_MANIFEST)
+    authorizer.authorize_compensation(compensate("c-1", "cmp-a"))
+    authorizer.authorize_compensation(compensate("c-2", "cmp-a"))
+    authorizer.authorize_compensation(compensate("c-3", "cmp-b"))
+    return authorizer
+
+
+def test_an_identity_goes_with_the_request_id_that_admitted_it_not_with_the_state() -> None:
+    authorizer = compensated()
+    checkpoint = authorizer.checkpoint()
+    assert checkpoint.compensation_identities == ()
+    assert checkpoint.compensations_by_tool == {TOOL: 2}
+    rows = authorizer.retained_rows(0)
+    assert [(request_id, c is not None) for request_id, c in rows] == [
+        ("c-1", True),
+        ("c-2", False),
+        ("c-3", True),
+    ]
+    state = authorizer.export_state()
+    assert sorted(i.compensation_key for i in state.compensation_identities) == ["cmp-a", "cmp-b"]
+    assert authorizer.admitted_at(checkpoint) == {"c-1": rows[0][1], "c-3": rows[2][1]}
+    # Rewound to a checkpoint taken after c-1: one identity, still linked to it.
+    again = SessionAuthorizer(CMP_MANIFEST)
+    again.authorize_compensation(compensate("c-1", "cmp-a"))
+    after_first = again.checkpoint()
+    again.authorize_compensation(compensate("c-3", "cmp-b"))
+    rewound = again.rewound(after_first)
+    assert [i.compensation_key for i in rewound.export_state().compensation_identities] == ["cmp-a"]
+    assert rewound.admitted_at(rewound.checkpoint()) == {"c-1": rows[0][1]}
+    assert rewound.checkpoint() == after_first
+
+
+def test_read_session_links_the_identities_of_the_rows_and_restores_them_exactly() -> None:
+    authorizer = compensated()
+    state = state_document(SCOPE, SESSION, "open", WINDOW, authorizer.checkpoint(), 0, {})
+    requests = tuple(
+        request_document(SCOPE, SESSION, request_id, position, compensation)
+        for position, (request_id, compensation) in enumerate(authorizer.retained_rows(0))
+    )
+    opening = opening_document(SCOPE, SESSION, bytes(32), "reply-queue", CMP_MANIFEST)
+    stored = read_session(PersistedSession(SESSION, "open", opening, state, 7, requests), SCOPE)
+    assert stored.authorizer == authorizer.export_state()
+    assert sorted(stored.admitted) == ["c-1", "c-3"]
+    restored = SessionAuthorizer.restore(CMP_MANIFEST, stored.authorizer, admitted=stored.admitted)
+    assert restored.retained_rows(0) == authorizer.retained_rows(0)
+    assert restored.checkpoint() == authorizer.checkpoint()
+    # A row that claims c-1's identity for c-2 as well: the identity twice, refused.
+    twice = list(requests)
+    twice[1] = request_document(SCOPE, SESSION, "c-2", 1, authorizer.retained_rows(0)[0][1])
+    doubled = read_session(
+        PersistedSession(SESSION, "open", opening, state, 7, tuple(twice)), SCOPE
+    )
+    with pytest.raises(SerializationError):
+        SessionAuthorizer.restore(CMP_MANIFEST, doubled.authorizer, admitted=doubled.admitted)
+
+
+def test_restore_refuses_a_link_to_an_id_not_retained_or_an_identity_not_held() -> None:
+    authorizer = compensated()
+    state = authorizer.export_state()
+    identity = authorizer.retained_rows(0)[0][1]
+    assert identity is not None
+    other = msgspec.structs.replace(identity, compensation_key="cmp-z")
+    for admitted in ({"c-9": identity}, {"c-2": other}, {"c-1": identity, "c-2": identity}):
+        with pytest.raises(SerializationError):
+            SessionAuthorizer.restore(CMP_MANIFEST, state, admitted=admitted)
+    # Without links (a state written before them), every identity is kept unlinked.
+    unlinked = SessionAuthorizer.restore(CMP_MANIFEST, state)
+    assert len(unlinked.checkpoint().compensation_identities) == 2
+    assert unlinked.export_state() == state
