@@ -3,8 +3,8 @@
 :class:`SessionCommits` submits each commit of a session (its state
 document and the request rows of the request ids retained since the
 previous commit, with the journal rows and the outbox row of the handling
-that built it), settles them strictly in build order, and keeps what the session
-needs to know about them: the revision of its state row, the highest scope
+that built it), settles them strictly in build order, and keeps what the
+session needs to know about them: the revision of its state row, the highest scope
 revision seen (W§10.1), the outbox rows confirmed since (deleted inside the
 next commit, never in one of their own), and the first failure.
 
@@ -120,8 +120,8 @@ class SessionCommits:
         # The session's own: its budgets, request ids and counters now; the
         # state document a commit writes (status and window now, the rest
         # from the point); its retained request ids from a position on (each
-        # with the compensation identity it admitted); back
-        # to a point and poisoned; poisoned.
+        # with the compensation identity it admitted); back to a point and
+        # poisoned; poisoned.
         self._durable_point = durable_point
         self._state_document = state_document
         self._retained_rows = retained_rows
