@@ -7,7 +7,9 @@ and real SQLite files for the worker journal and the host ledger. Teardown
 stops the daemons and clients it started and deletes the worker and reply
 queues it declared. Dead letters are observed through a private, exclusive
 queue bound to the ``octo.v5.dead`` fanout exchange, so the shared
-``octo.v5.dead`` queue is never consumed from here.
+``octo.v5.dead`` queue is never consumed from here; a test sees only the dead
+letters routed to its own queues, never those of tests running beside it
+(other pytest-xdist workers, other checkouts on the same broker).
 """
 
 from __future__ import annotations
@@ -155,6 +157,12 @@ class Names:
         self.queues.append(reply_queue(host_id))
         return host_id
 
+    def queue(self, prefix: str) -> str:
+        """A queue name (routing key) of this test, registered for cleanup."""
+        name = unique(prefix)
+        self.queues.append(name)
+        return name
+
 
 @pytest.fixture
 async def names(broker: AbstractConnection) -> AsyncIterator[Names]:
@@ -170,14 +178,20 @@ async def names(broker: AbstractConnection) -> AsyncIterator[Names]:
 
 
 class Inbox:
-    """Deliveries of one queue, collected by a consumer (acked on arrival)."""
+    """Deliveries of one queue, collected by a consumer (acked on arrival).
 
-    def __init__(self) -> None:
+    With ``keep``, only the deliveries it accepts are collected (all are acked).
+    """
+
+    def __init__(self, keep: Callable[[AbstractIncomingMessage], bool] | None = None) -> None:
         self.items: list[AbstractIncomingMessage] = []
+        self._keep = keep
         self._arrived = asyncio.Event()
 
     async def put(self, message: AbstractIncomingMessage) -> None:
         await message.ack()
+        if self._keep is not None and not self._keep(message):
+            return
         self.items.append(message)
         self._arrived.set()
 
@@ -209,15 +223,17 @@ def header(message: AbstractIncomingMessage, name: str) -> str | None:
 
 
 @pytest.fixture
-async def dead_letters(broker: AbstractConnection) -> AsyncIterator[Inbox]:
-    """Copies of everything dead-lettered to ``octo.v5.dead`` during the test."""
+async def dead_letters(broker: AbstractConnection, names: Names) -> AsyncIterator[Inbox]:
+    """Copies of what is dead-lettered to ``octo.v5.dead`` during the test from
+    this test's queues (a dead letter keeps its delivery's routing key, which
+    is the queue name: ``names.queues``)."""
     channel = await broker.channel()
     exchange = await channel.declare_exchange(
         DEAD_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True
     )
     queue = await channel.declare_queue(exclusive=True, auto_delete=True)
     await queue.bind(exchange, routing_key="")
-    inbox = Inbox()
+    inbox = Inbox(lambda message: message.routing_key in names.queues)
     tag = await queue.consume(inbox.put)
     yield inbox
     with contextlib.suppress(Exception):

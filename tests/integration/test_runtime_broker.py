@@ -26,7 +26,7 @@ from octo_common.runtime.broker import (
 )
 from octo_common.transport import HEADER_REASON
 
-from .conftest import Inbox, RawLongString, marker_of, reason_of, unique
+from .conftest import Inbox, Names, RawLongString, marker_of, reason_of, unique
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -43,7 +43,7 @@ class Source:
 
 
 @pytest.fixture
-async def source(broker: AbstractConnection) -> AsyncIterator[Source]:
+async def source(broker: AbstractConnection, names: Names) -> AsyncIterator[Source]:
     channel = await broker.channel()
     rejects = await channel.declare_exchange(
         unique("octo.t.rejects"), aio_pika.ExchangeType.FANOUT, auto_delete=True
@@ -51,7 +51,7 @@ async def source(broker: AbstractConnection) -> AsyncIterator[Source]:
     rejected = await channel.declare_queue(exclusive=True)
     await rejected.bind(rejects)
     queue = await channel.declare_queue(
-        unique("octo.t.source"),
+        names.queue("octo.t.source"),
         exclusive=True,
         arguments={"x-dead-letter-exchange": rejects.name},
     )
@@ -223,8 +223,9 @@ async def test_a_closed_consume_channel_leaves_the_delivery_to_the_broker(
 
 
 async def test_copy_to_dead_letter_uses_the_fallback_routing_key_only_without_one(
-    channel: AbstractChannel, dead_letters: Inbox
+    channel: AbstractChannel, names: Names, dead_letters: Inbox
 ) -> None:
+    fallback = names.queue("octo.v5.worker.fallback")
     delivery = _StubDelivery(headers={"x-test-marker": "fallback"}, routing_key=None)
     assert await copy_to_dead_letter(
         channel,
@@ -232,10 +233,10 @@ async def test_copy_to_dead_letter_uses_the_fallback_routing_key_only_without_on
         "wire_frame_too_large",
         timeout=WAIT,
         log=structlog.get_logger(),
-        routing_key="octo.v5.worker.fallback",
+        routing_key=fallback,
     )
     dead = await dead_letters.wait_for(marker_of("fallback"))
-    assert dead.routing_key == "octo.v5.worker.fallback"
+    assert dead.routing_key == fallback
     assert delivery.settled == []  # copying never settles
 
 

@@ -109,9 +109,17 @@ async def test_a_running_daemon_reports_its_consumer_and_the_dead_letter_depth(
     await until(lambda: (gauge(daemon.metrics, "octo_queue_consumers", queue=queue) or 0) >= 1)
     refreshed = gauge(daemon.metrics, "octo_queue_refresh_timestamp_seconds")
     assert refreshed is not None and refreshed > 0
-    # The dead-letter depth is the broker's own count (other tests share the queue).
-    depth = await ready_count(channel, DEAD_QUEUE)
-    await until(lambda: gauge(daemon.metrics, "octo_queue_messages", queue=DEAD_QUEUE) == depth)
+    # The dead-letter depth is the broker's own count. Other tests share the
+    # queue and may change it at any moment (pytest-xdist workers, other
+    # checkouts), so the count is read afresh for each comparison.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT
+    while gauge(daemon.metrics, "octo_queue_messages", queue=DEAD_QUEUE) != await ready_count(
+        channel, DEAD_QUEUE
+    ):
+        if loop.time() > deadline:
+            raise AssertionError("the dead-letter depth gauge never matched the broker's count")
+        await asyncio.sleep(0.05)
     assert gauge(daemon.metrics, "octo_queue_messages", queue=queue) == 0
 
 

@@ -115,6 +115,28 @@ async def next_delivery(
         await queue.cancel(tag)
 
 
+async def dead_letter_from(
+    watch: aio_pika.abc.AbstractQueue, routing_key: str, timeout: float
+) -> AbstractIncomingMessage:
+    """The first dead letter on ``watch`` routed from ``routing_key``.
+
+    ``watch`` sees every dead letter on the broker, also those of tests running
+    beside this one: those are acked and passed over.
+    """
+    got: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+    tag = await watch.consume(got.put)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            message = await asyncio.wait_for(got.get(), max(0.0, deadline - loop.time()))
+            await message.ack()
+            if message.routing_key == routing_key:
+                return message
+    finally:
+        await watch.cancel(tag)
+
+
 async def test_declare_is_idempotent_and_worker_queue_is_quorum_with_sac(
     channel: AbstractChannel, cleanup: list[str]
 ) -> None:
@@ -180,8 +202,7 @@ async def test_a_frame_rejected_past_the_delivery_limit_lands_in_octo_v5_dead(
         deliveries += 1
         await message.reject(requeue=True)
 
-    dead = await next_delivery(watch, timeout=5.0)
-    await dead.ack()
+    dead = await dead_letter_from(watch, worker_queue(scope), timeout=5.0)
     assert deliveries == 6
     assert dead.body == envelope.body
     assert dead.message_id == envelope.message_id
