@@ -2,13 +2,18 @@
 #   make test   create .venv, install Octo with its test extra, make sure RabbitMQ
 #               answers on 127.0.0.1:5672 and PostgreSQL on 127.0.0.1:5432 (with
 #               the test role and database), install Debian's Chromium (the
-#               console's browser tests), then ruff, mypy --strict and pytest.
+#               console's browser tests), then ruff, mypy --strict and pytest
+#               (pytest-xdist: PYTEST_WORKERS processes, one test file each at a
+#               time; PYTEST_WORKERS=0 runs the suite in this process).
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PACKAGES := octo_common octo_worker octo_host
 EXAMPLE  := examples/octo-example-tickets
+# The suite mostly waits on the broker, PostgreSQL and subprocesses, so more
+# workers than the 2 cores of the project's machines still shorten it.
+PYTEST_WORKERS ?= 4
 
 .PHONY: test lint typecheck pytest venv rabbitmq postgres chromium demo bench clean
 
@@ -42,7 +47,7 @@ typecheck: venv
 	$(VENV)/bin/mypy --strict $(EXAMPLE)/octo_example_tickets examples/host_service.py
 
 pytest: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 demo: venv rabbitmq
 	$(PY) demo/demo.py
