@@ -162,8 +162,7 @@ def test_a_garbage_frame_moves_frames_rejected_by_reason(
     )
     after = scrape(port)
     assert (
-        value(after, "octo_deliveries_total", scope=SCOPE, outcome="dead_lettered")
-        == base_dead + 2
+        value(after, "octo_deliveries_total", scope=SCOPE, outcome="dead_lettered") == base_dead + 2
     )
     text = "\n".join(f"{name}{sorted(labels)}" for name, labels in after)
     assert "garbage" not in text and "Not A Token" not in text  # labels carry codes only
