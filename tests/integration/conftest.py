@@ -331,9 +331,12 @@ def worker_env(tmp_path: Path, names: Names) -> WorkerEnv:
     return write_worker_env(tmp_path, names.scope)
 
 
-def write_host_toml(root: Path, host_id: str, worker: WorkerEnv, body: str) -> Path:
+def write_host_toml(
+    root: Path, host_id: str, worker: WorkerEnv, body: str, *, broker: str = ""
+) -> Path:
     """``root/host.toml`` for a host of ``worker``'s scope (its key copied, a fresh ledger
-    key, the ledger in ``root``), followed by ``body`` (grants, actions, plans)."""
+    key, the ledger in ``root``), followed by ``body`` (grants, actions, plans);
+    ``broker`` adds keys to ``[broker]``."""
     keys = root / "keys"
     write_private(keys / "scope.key", (worker.root / "worker" / "keys" / "scope.key").read_bytes())
     write_private(keys / "ledger.key", secrets.token_bytes(32))
@@ -347,6 +350,7 @@ host_id = "{host_id}"
 url = "{URL}"
 publish_timeout_seconds = 5.0
 reply_timeout_seconds = 5.0
+{broker}
 
 [ledger]
 database = "ledger.sqlite3"

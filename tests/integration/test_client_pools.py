@@ -16,13 +16,21 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
-from octo_common.errors import CompensationAlreadyRecorded, DuplicateOperationKey, OctoError
+from octo_common.errors import (
+    AdapterIndeterminate,
+    CompensationAlreadyRecorded,
+    DuplicateOperationKey,
+    OctoError,
+)
 from octo_common.limits import MAX_SESSION_REQUEST_IDS
 from octo_common.payload import ToolPayload
 from octo_common.states import StateKind
 from octo_host.client import HostClient
 from octo_host.client.shortcuts import OperationScopeUnbound
+from octo_worker.adapter_functions import AdapterCall, FunctionAdapter
+from octo_worker.adapters import DurableOperationContract, WorkerAdapterRegistry
 from octo_worker.adapters_files import read_effect_log
+from octo_worker.testing import CountingAdapter
 
 from .conftest import Names, WorkerEnv, WorkerRunner, write_host_toml, write_worker_env
 
@@ -212,5 +220,58 @@ async def test_the_pool_rotates_before_a_grant_runs_out_of_calls(
         events = [entry["event"] for entry in logs]
         assert "request_rejected" not in events
         assert "session_replaced" not in events
+    finally:
+        await runner.stop_all()
+
+
+async def test_execute_returns_an_ambiguous_outcome_unresolved_and_never_dispatches_again(
+    tmp_path: Path, names: Names, noop_worker: WorkerEnv
+) -> None:
+    adapter = FunctionAdapter(
+        "test.flaky", contract=DurableOperationContract.RECONCILIATION, input=dict
+    )
+
+    @adapter.dispatch
+    async def cut(value: dict[str, object], call: AdapterCall[None]) -> None:
+        raise AdapterIndeterminate("the provider did not answer")
+
+    @adapter.lookup
+    async def not_seen(call: AdapterCall[None]) -> None:
+        return None  # proves nothing: the key stays unresolved
+
+    counting = CountingAdapter(adapter())
+    registry = WorkerAdapterRegistry()
+    registry.register("test.flaky", counting)
+    runner = WorkerRunner(noop_worker)
+    await runner.start(adapters=registry)
+    config = write_host_toml(
+        tmp_path / "host",
+        names.host(),
+        noop_worker,
+        f"""
+[[grants]]
+scope = "{noop_worker.scope}"
+tool = "test.flaky"
+format = "json"
+max_calls = 4
+
+[[plans]]
+name = "one"
+steps = [{{ id = "go", source = "go" }}]
+""",
+        broker="max_attempts = 3\nbackoff_initial_seconds = 0.05",
+    )
+    unresolved = (StateKind.PENDING, StateKind.RUNNING)
+    try:
+        async with HostClient.from_config(config) as client:
+            run = await client.load_run("flaky", "one")
+            state = await client.execute(run, "go", "test.flaky", ToolPayload.json({}), b"n")
+            assert state.kind in unresolved
+            # Run again, as a retried job would: reconciled, never dispatched again.
+            again = await client.execute(run, "go", "test.flaky", ToolPayload.json({}), b"n")
+            assert again.kind in unresolved
+            assert run.state(run.ledger.operations[0].operation_key) in unresolved
+        assert counting.calls["dispatch_operation"] == 1
+        assert counting.calls["reconcile_operation"] >= 2
     finally:
         await runner.stop_all()
