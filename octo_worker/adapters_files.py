@@ -14,7 +14,7 @@ operation keys are unique only within a scope):
   named by the operation's ``context.idempotency_key`` (never the bare
   operation key): name, sha256, size, state (``publishing``, ``published``,
   ``refused``, ``removing``, ``removed``), the compensation that removed it,
-  and the effect log's length when the effect in progress began. It is the
+  and where the line of the effect in progress stands in the log. It is the
   adapter's memory: both lookups answer from it, and a repeated dispatch or
   compensation never repeats an effect it records.
 * ``.octo-publish/claim.<sha256 of scope and name>``: the claim on one
@@ -33,11 +33,15 @@ records and the log are written crash-safely: temp file, fsync, link or
 rename, fsync the directory.
 
 A crash between an effect (the link, the unlink) and its log line is
-repaired, never left as a gap: the record written before the effect notes
-the log's length, and only this effect's line can follow at that offset, so
-whoever meets the interrupted record next (a repeated call or a lookup)
-reads that one line, and writes it once if it is missing. No path reads the
-whole log.
+repaired, never left as a gap: before the record of the effect is written,
+the line's place is reserved at the end of the log (a line of the same
+length that is not JSON and names this effect alone; readers skip it), and
+the record notes its offset. The effect's line is then written over that
+reservation, wherever other processes appended meanwhile, so whoever meets
+the interrupted record next (a repeated call or a lookup) reads that one
+place, and writes the line there if it is still the reservation. No path
+reads the whole log; a publication that never happens (refused after its
+intent, cut before its effect) leaves its reservation, a skipped line.
 
 All file work runs on one private thread, one call at a time and in
 submission order, so a lookup submitted after a dispatch or a compensation
@@ -57,9 +61,8 @@ it reports on. Several processes may share ``target_dir`` and ``effect_log``
 lock, a lookup held off by another process's lock answers indeterminate,
 and a lookup that finds no record leaves a refused record behind, so a
 dispatch that reaches the adapter later (a superseded worker woken up)
-never publishes what the lookup reported as never published. The line
-after a recorded offset is this effect's own as long as one process
-appends at a time (a standby appends only once the owner is gone).
+never publishes what the lookup reported as never published. Effect lines
+never wait for one another: each has its reserved place in the log.
 """
 
 from __future__ import annotations
@@ -89,12 +92,13 @@ from octo_worker.adapters import AdapterContext, BaseWorkerAdapter, DurableOpera
 from octo_worker.adapters_files_disk import (
     TMP_PREFIX,
     append_line,
+    fill_line,
     fsync_dir,
     line_at,
-    log_size,
     operation_lock,
     read_effect_log,
     replace_file,
+    reserve_line,
     sha256_of,
     write_new_file,
 )
@@ -157,8 +161,9 @@ class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sha256: str
     size: int
     state: _RecordState
-    # The effect log's length when the effect in progress (publish, then
-    # removal) began: its line, if written, starts exactly there.
+    # Where the line of the effect in progress (publish, then removal)
+    # stands: its reservation (log_reserved), or, in a record written before
+    # reservations, the log's length when the effect began.
     log_offset: int
     reason: str | None = None
     compensation_key: str | None = None
@@ -166,6 +171,7 @@ class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     removed_file: bool | None = None
     # A compensation found never to have removed anything; it never will.
     refused_compensation: str | None = None
+    log_reserved: bool = False
 
 
 _RECORD_DECODER = msgspec.json.Decoder(_Record)
@@ -416,7 +422,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
             digest,
             len(data),
             "publishing",
-            log_size(self._log),
+            0,
         )
         if not _valid_name(scope):
             return self._refuse(fresh, FAILED_UNSAFE_SCOPE)
@@ -425,6 +431,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         claim = self._claim_path(scope, name)
         if target.exists() or claim.exists():
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
+        fresh = self._reserve_effect("publish", fresh, key, None)
         # Intent first: after a crash the record says what may have begun.
         self._write_record(fresh)
         try:
@@ -448,7 +455,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         if not linked:
             self._release_claim(fresh)
             return self._refuse(fresh, FAILED_TARGET_EXISTS)
-        self._append_effect("publish", fresh, key, None)
+        self._write_effect("publish", fresh, key, None)
         published = msgspec.structs.replace(fresh, state="published")
         self._write_record(published)
         return Succeeded(_publish_payload(published))
@@ -464,8 +471,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     def _resolve_publishing(self, record: _Record) -> _Record:
         """Finish a publication a crash interrupted: its file either appeared or never will."""
         if self._is_published(record):
-            if not self._logged("publish", record, record.idempotency_key):
-                self._append_effect("publish", record, record.idempotency_key, None)
+            self._write_effect("publish", record, record.idempotency_key, None)
             settled = msgspec.structs.replace(record, state="published")
             self._write_record(settled)
             return settled
@@ -504,8 +510,9 @@ class FilesPublishAdapter(BaseWorkerAdapter):
                 compensation_key=compensation_key,
                 compensation_idempotency_key=removal_key,
                 removed_file=present,
-                log_offset=log_size(self._log),
             )
+            if present:
+                record = self._reserve_effect("remove", record, removal_key, compensation_key)
             self._write_record(record)
         if present:
             directory = self._scope_dir(record.scope)
@@ -521,8 +528,8 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         removal_key = record.compensation_idempotency_key
         # A crash between the unlink and the log line leaves `removing` with
         # the file gone: the removal happened, so it is logged on the way out.
-        if record.removed_file and (unlinked or not self._logged("remove", record, removal_key)):
-            self._append_effect("remove", record, removal_key, record.compensation_key)
+        if record.removed_file:
+            self._write_effect("remove", record, removal_key, record.compensation_key)
         removed = msgspec.structs.replace(record, state="removed")
         self._write_record(removed)
         return removed
@@ -687,12 +694,10 @@ class FilesPublishAdapter(BaseWorkerAdapter):
             return True, False
         return True, (True if found == record.sha256 else None)
 
-    def _append_effect(
+    def _effect_line(
         self, effect: str, record: _Record, key: str | None, compensation_key: str | None
-    ) -> None:
-        if not self._log_checked:
-            self._end_torn_line()
-            self._log_checked = True
+    ) -> tuple[bytes, bytes]:
+        """The log line of ``record``'s effect and its reservation (as long, not JSON)."""
         line = json.dumps(
             {
                 "effect": effect,
@@ -703,17 +708,35 @@ class FilesPublishAdapter(BaseWorkerAdapter):
                 "name": record.name,
             },
             separators=(",", ":"),
-        )
-        append_line(self._log, line.encode("utf-8") + b"\n")
+        ).encode("utf-8")
+        mark = f"#{effect} {key}".encode("ascii")
+        placeholder = mark + b" " * (len(line) - len(mark)) + b"\n"
+        return line + b"\n", placeholder
 
-    def _logged(self, effect: str, record: _Record, key: str | None) -> bool:
-        """Whether the line of ``record``'s effect in progress was written (one read)."""
+    def _reserve_effect(
+        self, effect: str, record: _Record, key: str | None, compensation_key: str | None
+    ) -> _Record:
+        """``record`` with the place of its effect's line reserved in the log."""
+        if not self._log_checked:
+            self._end_torn_line()
+            self._log_checked = True
+        _, placeholder = self._effect_line(effect, record, key, compensation_key)
+        offset = reserve_line(self._log, placeholder)
+        return msgspec.structs.replace(record, log_offset=offset, log_reserved=True)
+
+    def _write_effect(
+        self, effect: str, record: _Record, key: str | None, compensation_key: str | None
+    ) -> None:
+        """Make the line of ``record``'s effect stand in the log exactly once."""
+        line, placeholder = self._effect_line(effect, record, key, compensation_key)
+        if record.log_reserved:
+            fill_line(self._log, record.log_offset, line, placeholder)
+            return
+        # A record written before reservations: its line, if written, starts
+        # at its offset (one process appended at a time then).
         entry = line_at(self._log, record.log_offset)
-        return (
-            entry is not None
-            and entry.get("effect") == effect
-            and entry.get("idempotency_key") == key
-        )
+        if entry is None or entry.get("effect") != effect or entry.get("idempotency_key") != key:
+            append_line(self._log, line)
 
 
 def _operation_of(context: AdapterContext, operation_key: str) -> tuple[str, str, str]:

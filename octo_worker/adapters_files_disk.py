@@ -3,10 +3,11 @@
 Owns the primitives :mod:`octo_worker.adapters_files` builds on: a new file
 written and fsynced (:func:`write_new_file`), an atomic replacement
 (:func:`replace_file`), one fsynced ``O_APPEND`` line of the effect log
-(:func:`append_line`) and the reading of one line at an offset
-(:func:`line_at`) or of the whole log for tests and operators
-(:func:`read_effect_log`), and the cross-process lock of one operation
-(:func:`operation_lock`).
+(:func:`append_line`), an effect line's place reserved at the end of the log
+(:func:`reserve_line`) and the line written over its reservation
+(:func:`fill_line`), the reading of one line at an offset (:func:`line_at`)
+or of the whole log for tests and operators (:func:`read_effect_log`), and
+the cross-process lock of one operation (:func:`operation_lock`).
 
 Two worker processes may share the adapter's ``target_dir`` (D13: the owner
 of a scope and the standby that takes it over, and for a while the
@@ -27,6 +28,7 @@ nobody else sees) or read the whole log on an adapter path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -42,12 +44,13 @@ __all__ = [
     "MAX_LINE",
     "TMP_PREFIX",
     "append_line",
+    "fill_line",
     "fsync_dir",
     "line_at",
-    "log_size",
     "operation_lock",
     "read_effect_log",
     "replace_file",
+    "reserve_line",
     "sha256_of",
     "write_new_file",
 ]
@@ -133,11 +136,54 @@ def append_line(path: Path, line: bytes) -> None:
         fsync_dir(path.parent)
 
 
-def log_size(path: Path) -> int:
+def reserve_line(path: Path, placeholder: bytes) -> int:
+    """Append ``placeholder`` (one line, not JSON) with ``O_APPEND``; return its offset.
+
+    The place of an effect's line, taken before the effect: whoever appends
+    meanwhile (another process sharing the log) appends after it, and the
+    line is later written over it (:func:`fill_line`). Not fsynced: a
+    reservation a power cut loses is found missing by :func:`fill_line`.
+    """
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        return path.stat().st_size
+        written = os.write(fd, placeholder)
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+    finally:
+        os.close(fd)
+    if written != len(placeholder):
+        raise OSError(errno.EIO, "short write to the effect log")
+    if created:
+        fsync_dir(path.parent)
+    return end - written
+
+
+def fill_line(path: Path, offset: int, line: bytes, placeholder: bytes) -> None:
+    """Make ``line`` (as long as ``placeholder``) stand once in the log, at ``offset``.
+
+    Already there: nothing is written. Its reservation ``placeholder`` there
+    (it names one effect only): the line is written over it and fsynced.
+    Anything else there (a power cut lost the reservation, and the log grew
+    again over its place): the line is appended, since it was written
+    nowhere else.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        return 0
+        append_line(path, line)
+        return
+    try:
+        found = os.pread(fd, len(line), offset)
+        if found == line:
+            return
+        if found == placeholder:
+            if os.pwrite(fd, line, offset) != len(line):
+                raise OSError(errno.EIO, "short write to the effect log")
+            os.fsync(fd)
+            return
+    finally:
+        os.close(fd)
+    append_line(path, line)
 
 
 def line_at(path: Path, offset: int) -> dict[str, Any] | None:
@@ -161,10 +207,11 @@ def line_at(path: Path, offset: int) -> dict[str, Any] | None:
 def read_effect_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every effect line of an effect log, oldest first (a missing log is empty).
 
-    A line that is not a complete JSON object is a torn write of an effect
-    that was never reported as done (a power cut inside a write), and is
-    skipped: the adapter writes the line again when it meets the effect's
-    record.
+    A line that is not a complete JSON object is skipped: the reservation of
+    an effect's line (``#<effect> <key>`` and spaces) not written yet, or
+    never (the effect did not happen), or a torn write of an effect that was
+    never reported as done (a power cut inside a write); the adapter writes
+    the line when it meets the effect's record.
     """
     try:
         data = Path(path).read_bytes()

@@ -526,7 +526,7 @@ async def test_a_crash_after_the_file_appeared_is_recovered_as_published(
     target: Path, log_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     doomed = restart(target, log_path)
-    crash_on(monkeypatch, "append_line")
+    crash_on(monkeypatch, "fill_line")
     with pytest.raises(Crash):
         await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
@@ -574,7 +574,7 @@ async def crash_between_link_and_log_line(
 ) -> None:
     """The SIGKILL cut: the file is linked, its effect line and record are not written."""
     doomed = restart(target, log_path)
-    crash_on(monkeypatch, "append_line")
+    crash_on(monkeypatch, "fill_line")
     with pytest.raises(Crash):
         await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
@@ -692,7 +692,7 @@ async def test_a_crash_during_removal_is_finished_by_the_repeated_compensation(
 ) -> None:
     doomed = restart(target, log_path)
     await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
-    crash_on(monkeypatch, "append_line", when=lambda path, line: b'"remove"' in line)
+    crash_on(monkeypatch, "fill_line", when=lambda path, at, line, _: b'"remove"' in line)
     with pytest.raises(Crash):
         await doomed.compensate_operation(*args_for(undo(KEY, "notes.txt")))
     doomed.close()

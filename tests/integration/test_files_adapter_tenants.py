@@ -231,7 +231,7 @@ async def test_a_removal_cut_between_unlink_and_log_line_is_finished_by_the_look
 ) -> None:
     doomed = restart(target, log_path)
     await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
-    crash_on(monkeypatch, "append_line", when=lambda path, line: b'"remove"' in line)
+    crash_on(monkeypatch, "fill_line", when=lambda path, at, line, _: b'"remove"' in line)
     with pytest.raises(Crash):
         await doomed.compensate_operation(*args_for(undo(KEY, "notes.txt")))
     doomed.close()
@@ -249,7 +249,8 @@ async def test_a_removal_cut_between_unlink_and_log_line_is_finished_by_the_look
         for _ in range(2):
             assert await recovered.reconcile_compensation(*args_for(lookup(KEY))) == REMOVED
         assert record_state(target, KEY) == "removed"
-        assert effects(log_path) == [("publish", KEY), ("publish", OTHER_KEY), ("remove", KEY)]
+        # The removal's line stands where it was reserved, before the later effect.
+        assert effects(log_path) == [("publish", KEY), ("remove", KEY), ("publish", OTHER_KEY)]
         assert await recovered.compensate_operation(*args_for(undo(KEY, "notes.txt"))) == REMOVED
         assert len(effects(log_path)) == 3
     finally:
@@ -349,7 +350,7 @@ async def test_the_repair_of_a_cut_publish_reads_one_line_not_the_log(
         await doomed.dispatch_operation(
             *args_for(dispatch(f"op-before-{index}", publish_payload(f"f-{index}.txt")))
         )
-    crash_on(monkeypatch, "append_line")
+    crash_on(monkeypatch, "fill_line")
     with pytest.raises(Crash):
         await doomed.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
     doomed.close()
