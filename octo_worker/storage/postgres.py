@@ -31,6 +31,10 @@ fence decides between an owner and the one it superseded.
   allows, runs inside a savepoint), then the heads advance, resealed with
   their moved digests (``scope_head``). A superseded owner's commit meets
   the new fence under the lock: ``FencingTokenRejected``, nothing written.
+  A batch of several change sets of one scope that all commit is written
+  by one statement for the whole batch instead (``postgres_batch``: each
+  row once, at its last revision); whatever that path cannot decide
+  exactly rolls the transaction back and runs it change set by change set.
 * **Reads**: one statement each, the head read beside the rows in that
   statement's snapshot (the floor rule); no read sets a baseline.
 
@@ -99,6 +103,7 @@ from octo_worker.storage.documents import (
     NS_SESSION_REQUEST,
 )
 from octo_worker.storage.interface import ScopeMetadata
+from octo_worker.storage.postgres_batch import SlowPath, write_batch
 from octo_worker.storage.postgres_sql import (
     DEFAULT_SCHEMA,
     MIGRATIONS,
@@ -451,20 +456,39 @@ class PostgresJournalStore(JournalStoreBase):
         task.add_done_callback(finished)
 
     async def _commit_batch(self, batch: list[PendingCommit]) -> list[int | OctoError]:
-        """One transaction for ``batch`` (retried whole on a deadlock); every outcome."""
-        decisions: list[CommitBatch] = []
+        """One transaction for ``batch`` (retried whole on a deadlock); every outcome.
 
-        async def body(connection: Connection) -> list[int | OctoError]:
-            # A fresh decision record per attempt: a failed attempt left nothing.
-            decision = CommitBatch(
+        A batch of several change sets first tries the one-statement path
+        (:mod:`~octo_worker.storage.postgres_batch`); when that path cannot
+        decide it exactly, the transaction is rolled back and runs again one
+        change set at a time.
+        """
+        decisions: list[CommitBatch] = []
+        batched = [len(batch) > 1]
+
+        def decision_record(baselines: dict[str, int]) -> CommitBatch:
+            return CommitBatch(
                 batch,
-                self._baselines,
+                baselines,
                 self._session_tails,
                 POSTGRES_MAX_BIGINT,
                 verify_head=self._sealer.verify_head,
             )
+
+        async def body(connection: Connection) -> list[int | OctoError]:
+            # A fresh decision record per attempt: a failed attempt left nothing.
+            decision = decision_record(self._baselines)
             decisions.append(decision)
-            await self._apply(connection, decision)
+            if batched[0]:
+                try:
+                    await self._apply(
+                        connection, decision, dry=decision_record(dict(self._baselines))
+                    )
+                except SlowPath:
+                    batched[0] = False
+                    raise _Again() from None
+            else:
+                await self._apply(connection, decision)
             return decision.outcomes
 
         try:
@@ -475,17 +499,27 @@ class PostgresJournalStore(JournalStoreBase):
             return decisions[-1].fail_all(exc)
         return decisions[-1].finish()
 
-    async def _apply(self, connection: Connection, decisions: CommitBatch) -> None:
-        """W§11.2 steps 1-4 for every change set of the batch, inside its transaction."""
+    async def _apply(
+        self, connection: Connection, decisions: CommitBatch, *, dry: CommitBatch | None = None
+    ) -> None:
+        """W§11.2 steps 1-4 for every change set of the batch, inside its transaction
+        (with ``dry``, the batch's copy of the decisions: in one statement, or ``SlowPath``)."""
         scopes = sorted({pending.scope for pending in decisions.batch})
         for row in await connection.fetch(self._sql["lock_heads"], scopes):
             name = str(row[0])
-            decisions.see_head(name, ScopeHead.from_row(name, tuple(row)[1:]))
+            for record in (decisions, dry):
+                if record is not None:
+                    record.see_head(name, ScopeHead.from_row(name, tuple(row)[1:]))
         for scope in scopes:
-            if decisions.needs_head(scope):
-                decisions.see_head(scope, None)
+            for record in (decisions, dry):
+                if record is not None and record.needs_head(scope):
+                    record.see_head(scope, None)
         now = time.time()
-        for pending in decisions.batch:
+        if dry is not None:
+            await write_batch(
+                connection, self._sql["write_change_set"], decisions, dry, self._sealer, now
+            )
+        for pending in () if dry is not None else decisions.batch:
             try:
                 revision, digest = await self._apply_one(connection, pending, decisions, now)
             except OctoError as exc:
@@ -556,11 +590,11 @@ class PostgresJournalStore(JournalStoreBase):
         row = await connection.fetchrow(
             self._sql["write_change_set"],
             scope,
-            revision,
             now,
             [write.namespace for write in writes],
             [write.item for write in writes],
             [write.base_revision for write in writes],
+            [revision] * len(writes),
             [sealer.seal(scope, write, revision) for write in writes],
             [write.closed for write in writes],
             [write.session for write in writes],

@@ -119,21 +119,23 @@ _LOCK_HEADS = """
        FOR UPDATE
 """
 
-# One change set's row writes, all or nothing, in ONE statement: the current
+# One change set's row writes (or a whole batch's, each row once:
+# ``postgres_batch``), all or nothing, in ONE statement: the current
 # revision of every row is compared with its base (absent for NULL) in SQL;
 # the first one that differs is returned (by its position, with what the row
-# holds) and nothing is written; otherwise every row is written at $2, the
-# opening rows of the sessions it closes are marked, the outbox rows it
-# releases deleted (returned, with their revisions, for the scope's digest),
-# and the rows written counted. The data-modifying parts
-# run on one snapshot, so they never see each other's rows: the rows they
-# touch are disjoint by construction (a row is written once per change set;
-# an opening row is inserted, never updated; only outbox rows are deleted).
+# holds) and nothing is written; otherwise every row is written at its
+# revision ($6, the change set's for each of its rows), the opening rows of
+# the sessions it closes are marked, the outbox rows it releases deleted
+# (returned, with their revisions, for the scope's digest), and the rows
+# written counted. The data-modifying parts run on one snapshot, so they
+# never see each other's rows: the rows they touch are disjoint by
+# construction (a row is written once per statement; an opening row is
+# inserted, never updated; only outbox rows are deleted).
 _WRITE_CHANGE_SET = """
     WITH w AS (
-        SELECT * FROM unnest($4::text[], $5::text[], $6::bigint[], $7::bytea[], $8::boolean[],
-                             $9::text[])
-          WITH ORDINALITY AS w(namespace, item, base, envelope, closed, session, n)
+        SELECT * FROM unnest($3::text[], $4::text[], $5::bigint[], $6::bigint[], $7::bytea[],
+                             $8::boolean[], $9::text[])
+          WITH ORDINALITY AS w(namespace, item, base, revision, envelope, closed, session, n)
     ),
     bad AS (
         SELECT w.n, i.revision AS actual
@@ -145,7 +147,7 @@ _WRITE_CHANGE_SET = """
     ),
     upd AS (
         UPDATE {s}.items AS i
-           SET revision = $2, envelope = w.envelope, written_at = $3, closed = w.closed
+           SET revision = w.revision, envelope = w.envelope, written_at = $2, closed = w.closed
           FROM w
          WHERE NOT EXISTS (SELECT 1 FROM bad) AND w.base IS NOT NULL
            AND i.name = $1 AND i.namespace = w.namespace AND i.item = w.item
@@ -155,7 +157,7 @@ _WRITE_CHANGE_SET = """
     ins AS (
         INSERT INTO {s}.items (namespace, name, item, revision, envelope, written_at, closed,
                                  session)
-        SELECT w.namespace, $1, w.item, $2, w.envelope, $3, w.closed, w.session
+        SELECT w.namespace, $1, w.item, w.revision, w.envelope, $2, w.closed, w.session
           FROM w
          WHERE NOT EXISTS (SELECT 1 FROM bad) AND w.base IS NULL
         ON CONFLICT DO NOTHING

@@ -18,11 +18,12 @@ from typing import Any
 import asyncpg
 import pytest
 
-from octo_common.errors import FencingTokenRejected, StorageBackendError
+from octo_common.errors import FencingTokenRejected, StorageBackendError, WriteConflict
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
-from octo_worker.storage import postgres_sql
+from octo_worker.storage import postgres as postgres_module
+from octo_worker.storage import postgres_batch, postgres_sql
 from octo_worker.storage.documents import (
     NS_JOURNAL,
     NS_OUTBOX,
@@ -54,6 +55,49 @@ def store_in(place: PostgresSchema, **options: Any) -> PostgresJournalStore:
 def admission(key: str) -> WorkerCommit:
     record = WorkerOperationRecord("files.publish", key, "ab" * 32, Pending())
     return WorkerCommit(JournalChangeset(SCOPE, {key: JournalRowChange(record, None)}))
+
+
+# One statement per group commit ----------------------------------------------------------
+
+
+async def test_a_batch_that_all_commits_is_one_statement_and_a_refusal_runs_it_one_by_one(
+    postgres_schema: PostgresSchema, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths: list[str] = []
+
+    async def watched(*args: Any) -> None:
+        try:
+            await postgres_batch.write_batch(*args)
+        except postgres_batch.SlowPath:
+            paths.append("one by one")
+            raise
+        paths.append("one statement")
+
+    monkeypatch.setattr(postgres_module, "write_batch", watched)
+    store = store_in(postgres_schema)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        first = await asyncio.gather(
+            *(store.commit(SCOPE, lease, admission(f"op-{i}")) for i in range(8))
+        )
+        assert first == list(range(1, 9))  # submission order, every one committed
+        assert paths and set(paths) == {"one statement"}
+        paths.clear()
+
+        later = [admission(f"op-{i}") for i in range(8, 15)]
+        later.insert(3, admission("op-0"))  # already there: this one is refused
+        outcomes = await asyncio.gather(
+            *(store.commit(SCOPE, lease, change) for change in later), return_exceptions=True
+        )
+        assert isinstance(outcomes[3], WriteConflict)
+        assert outcomes[:3] + outcomes[4:] == list(range(9, 16))
+        assert "one by one" in paths
+        loaded = await store.load_records(SCOPE, [f"op-{i}" for i in range(15)])
+        assert [row[1] for row in map(loaded.__getitem__, (f"op-{i}" for i in range(15)))] == [
+            *range(1, 16)
+        ]
+    finally:
+        await store.close()
 
 
 # Several workers on one database (D13) --------------------------------------------------

@@ -1,0 +1,139 @@
+"""A whole group-commit batch of the PostgreSQL journal in one statement (its fast path).
+
+The per-change-set path of :class:`~octo_worker.storage.postgres.PostgresJournalStore`
+runs one compare-and-swap statement per change set inside the batch's one
+transaction; on a loaded server each is a round trip of a millisecond or
+more, one after the other. :func:`write_batch` does the same work with one
+statement for the batch, for the batches where that is exactly equivalent:
+every change set of one scope succeeds. It decides twice, with the same
+:class:`~octo_worker.storage.changes.CommitBatch` rules: first on a copy
+(``dry``: each change set's writes and revision, as if every earlier one
+committed), then, once the statement ran, on the transaction's own record
+(``decisions``), with the outbox rows the statement deleted.
+
+Each row the batch writes is written once, at its last write (its last
+revision and sealed envelope; writes before it in the batch are overwritten
+within the same transaction anyway), and checked against its FIRST write's
+base. Anything the per-change-set path would decide differently raises
+:class:`SlowPath` before the transaction commits: a refusal of any kind (a
+fence, a conflict, a broken chain, the revision ceiling), a digest that
+cannot move, a session closed (its opening row is marked by the other
+path), an outbox row both written and deleted, several scopes, or a count
+that is not the expected one. The caller then rolls back and runs the
+batch again on the per-change-set path, so every outcome stays the one the
+rules give.
+
+It must never commit a batch in which any change set would have been
+refused, write a row at a revision its change set did not get, or decide a
+digest it did not move through ``CommitBatch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from octo_common.errors import OctoError, RollbackDetected
+from octo_worker.storage.changes import CommitBatch, PendingCommit, RowWrite, closed_sessions
+from octo_worker.storage.documents import NS_OUTBOX
+from octo_worker.storage.scope_head import DigestChanges
+from octo_worker.storage.sealing import RowSealer
+
+__all__ = ["SlowPath", "write_batch"]
+
+
+class SlowPath(Exception):
+    """This batch needs the per-change-set path (nothing it wrote may stay)."""
+
+
+_Plan = tuple[PendingCommit, tuple[RowWrite, ...], int]
+
+
+def _decide(
+    decisions: CommitBatch, plans: list[_Plan] | None, deleted: dict[str, int]
+) -> list[_Plan]:
+    """Steps 1-4 for every change set on ``decisions``, as if each commits; the
+    outbox rows in ``deleted`` (item -> revision) move the digest of the first
+    change set that names them. ``plans``: what the first pass decided (the
+    second must decide the same)."""
+    decided: list[_Plan] = []
+    for index, pending in enumerate(decisions.batch):
+        try:
+            writes, revision = decisions.check(pending)
+        except OctoError:
+            raise SlowPath() from None
+        if revision is None or any(write.after is not None for write in writes):
+            raise SlowPath()
+        if plans is not None and (plans[index][1], plans[index][2]) != (writes, revision):
+            raise SlowPath()
+        moves = DigestChanges()
+        for write in writes:
+            moves.wrote(write.namespace, write.item, write.base_revision, revision)
+        for item in pending.outbox_delete:
+            old = deleted.pop(item, None)
+            if old is not None:
+                moves.wrote(NS_OUTBOX, item, old, None)
+        try:
+            digest = decisions.moved_digest(pending, moves)
+        except RollbackDetected:
+            raise SlowPath() from None
+        decisions.committed_one(pending, revision, digest)
+        decided.append((pending, writes, revision))
+    return decided
+
+
+async def write_batch(
+    connection: Any,
+    statement: str,  # postgres_sql's write_change_set
+    decisions: CommitBatch,
+    dry: CommitBatch,
+    sealer: RowSealer,
+    now: float,
+) -> None:
+    """Every change set of ``decisions.batch`` committed by one statement, or
+    :class:`SlowPath` (see the module docstring). ``dry`` has seen the same heads."""
+    scopes = {pending.scope for pending in decisions.batch}
+    if len(scopes) != 1:
+        raise SlowPath()
+    (scope,) = scopes
+    plans = _decide(dry, None, {})
+    # Each row: its first base, then its last write and that write's revision.
+    rows: dict[tuple[str, str], tuple[int | None, RowWrite, int]] = {}
+    deletes: dict[str, None] = {}
+    for pending, writes, revision in plans:
+        if closed_sessions(writes):
+            raise SlowPath()
+        for write in writes:
+            key = (write.namespace, write.item)
+            first = rows[key][0] if key in rows else write.base_revision
+            rows[key] = (first, write, revision)
+        deletes.update(dict.fromkeys(pending.outbox_delete))
+    if any((NS_OUTBOX, item) in rows for item in deletes):
+        raise SlowPath()
+    keys = list(rows)
+    values = [
+        (first, revision, sealer.seal(scope, write, revision), write.closed, write.session)
+        for first, write, revision in (rows[key] for key in keys)
+    ]
+    found = await connection.fetchrow(
+        statement,
+        scope,
+        now,
+        [namespace for namespace, _ in keys],
+        [item for _, item in keys],
+        [value[0] for value in values],
+        [value[1] for value in values],
+        [value[2] for value in values],
+        [value[3] for value in values],
+        [value[4] for value in values],
+        [],  # no session closes (refused above)
+        list(deletes),
+    )
+    assert found is not None
+    refused_at, _, written, _, deleted_items, deleted_revisions = found
+    if refused_at is not None or written != len(keys):
+        raise SlowPath()
+    deleted = {
+        str(item): int(old)
+        for item, old in zip(deleted_items or (), deleted_revisions or (), strict=True)
+    }
+    _decide(decisions, plans, deleted)
