@@ -937,13 +937,13 @@ def test_dlq_list_show_drop_after_the_daemon_dead_letters_garbage(
             b'{"no":"frame"}',
         )
     )
-    entries = wait_until(
-        lambda: (
-            [e for e in dlq_entries(config) if e["message_id"] in (wrong_scope, junk_body)]
-            if len(dlq_entries(config)) >= 2
-            else None
-        )
-    )
+
+    def both_listed() -> list[dict[str, Any]] | None:
+        """Our two dead letters in one listing (one ``dlq list`` process a look)."""
+        ours = [e for e in dlq_entries(config) if e["message_id"] in (wrong_scope, junk_body)]
+        return ours if len(ours) == 2 else None
+
+    entries = wait_until(both_listed)
     assert entries, worker.log()[-2000:]
     by_id = {entry["message_id"]: entry for entry in entries}
     assert by_id[wrong_scope]["reason"] == "scope_mismatch"
