@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,3 +82,19 @@ def test_every_host_stage_bench_e2e_times_is_a_method_of_the_client() -> None:
     assert len(stages) >= 10
     for owner, name, _ in stages:
         assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
+
+
+def test_every_worker_stage_the_e2e_peer_times_is_there() -> None:
+    # bench/_e2e_peer.py --stages wraps these by name in the worker's process; a
+    # moved or removed one would stop the profiled pass of bench/e2e.py.
+    from bench._e2e_peer import StageTimers, instrument_worker
+
+    wrapped: list[str] = []
+
+    class Checking(StageTimers):
+        def wrap(self, owner: Any, name: str, label: str) -> None:
+            assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
+            wrapped.append(label)
+
+    instrument_worker(Checking())
+    assert len(wrapped) >= 10 and "input_fingerprint" in wrapped
