@@ -26,7 +26,7 @@ from octo_worker.adapters_files import read_effect_log
 
 from .conftest import TOOL, Names, WorkerEnv, WorkerRunner, write_private
 
-pytestmark = pytest.mark.rabbitmq
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 
 PYTHON = sys.executable
 RUN = "release-7"

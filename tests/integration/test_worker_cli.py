@@ -68,7 +68,7 @@ from octo_worker.store import SqliteJournalStore
 from .test_worker_store_prune import _record as prune_record
 from .test_worker_store_prune import _write as write_rows
 
-pytestmark = pytest.mark.rabbitmq
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python")
