@@ -103,7 +103,13 @@ from octo_worker.storage.documents import (
     NS_SESSION_REQUEST,
 )
 from octo_worker.storage.interface import ScopeMetadata
-from octo_worker.storage.postgres_batch import SlowPath, write_batch
+from octo_worker.storage.postgres_batch import (
+    SlowPath,
+    advance_heads,
+    see_locked_heads,
+    write_batch,
+    write_rows,
+)
 from octo_worker.storage.postgres_sql import (
     DEFAULT_SCHEMA,
     MIGRATIONS,
@@ -457,12 +463,8 @@ class PostgresJournalStore(JournalStoreBase):
 
     async def _commit_batch(self, batch: list[PendingCommit]) -> list[int | OctoError]:
         """One transaction for ``batch`` (retried whole on a deadlock); every outcome.
-
-        A batch of several change sets first tries the one-statement path
-        (:mod:`~octo_worker.storage.postgres_batch`); when that path cannot
-        decide it exactly, the transaction is rolled back and runs again one
-        change set at a time.
-        """
+        Several change sets try one statement first (``postgres_batch``), else
+        the transaction runs again one change set at a time."""
         decisions: list[CommitBatch] = []
         batched = [len(batch) > 1]
 
@@ -505,15 +507,7 @@ class PostgresJournalStore(JournalStoreBase):
         """W§11.2 steps 1-4 for every change set of the batch, inside its transaction
         (with ``dry``, the batch's copy of the decisions: in one statement, or ``SlowPath``)."""
         scopes = sorted({pending.scope for pending in decisions.batch})
-        for row in await connection.fetch(self._sql["lock_heads"], scopes):
-            name = str(row[0])
-            for record in (decisions, dry):
-                if record is not None:
-                    record.see_head(name, ScopeHead.from_row(name, tuple(row)[1:]))
-        for scope in scopes:
-            for record in (decisions, dry):
-                if record is not None and record.needs_head(scope):
-                    record.see_head(scope, None)
+        await see_locked_heads(connection, self._sql["lock_heads"], scopes, decisions, dry)
         now = time.time()
         if dry is not None:
             await write_batch(
@@ -526,15 +520,8 @@ class PostgresJournalStore(JournalStoreBase):
                 decisions.refused(pending, exc)
                 continue
             decisions.committed_one(pending, revision, digest)
-        heads = [self._sealer.seal_head(head).row() for head in decisions.advanced_heads()]
-        if heads:
-            moved = await connection.fetch(
-                self._sql["advance_heads"],
-                [head.scope for head in decisions.advanced_heads()],
-                *(list(column) for column in zip(*heads, strict=True)),
-            )
-            if len(moved) != len(heads):
-                raise _GuardRefused()
+        if not await advance_heads(connection, self._sql["advance_heads"], decisions, self._sealer):
+            raise _GuardRefused()
 
     async def _apply_one(
         self, connection: Connection, pending: PendingCommit, decisions: CommitBatch, now: float
@@ -586,23 +573,18 @@ class PostgresJournalStore(JournalStoreBase):
     ) -> SetDigest:
         """Step 3 and the writes, in one statement; the digest moved by them."""
         scope = pending.scope
-        sealer = self._sealer
-        row = await connection.fetchrow(
+        rows = [
+            (w, w.base_revision, revision, self._sealer.seal(scope, w, revision)) for w in writes
+        ]
+        refused_at, actual, written, _, deleted_items, deleted_revisions = await write_rows(
+            connection,
             self._sql["write_change_set"],
             scope,
             now,
-            [write.namespace for write in writes],
-            [write.item for write in writes],
-            [write.base_revision for write in writes],
-            [revision] * len(writes),
-            [sealer.seal(scope, write, revision) for write in writes],
-            [write.closed for write in writes],
-            [write.session for write in writes],
+            rows,
             closed_sessions(writes),
             list(pending.outbox_delete),
         )
-        assert row is not None
-        refused_at, actual, written, _marked, deleted_items, deleted_revisions = row
         if refused_at is not None:  # step 3: nothing of this change set was written
             write = writes[int(refused_at) - 1]
             raise decisions.conflict(pending, write, None if actual is None else int(actual))

@@ -1,4 +1,8 @@
-"""A whole group-commit batch of the PostgreSQL journal in one statement (its fast path).
+"""The PostgreSQL journal's batch writes: a whole group commit in one statement (its fast path).
+
+Also the statements both write paths share: the heads locked and shown to
+the decisions (:func:`see_locked_heads`), the rows written
+(:func:`write_rows`) and the heads advanced (:func:`advance_heads`).
 
 The per-change-set path of :class:`~octo_worker.storage.postgres.PostgresJournalStore`
 runs one compare-and-swap statement per change set inside the batch's one
@@ -35,10 +39,70 @@ from typing import Any
 from octo_common.errors import OctoError, RollbackDetected
 from octo_worker.storage.changes import CommitBatch, PendingCommit, RowWrite, closed_sessions
 from octo_worker.storage.documents import NS_OUTBOX
-from octo_worker.storage.scope_head import DigestChanges
+from octo_worker.storage.scope_head import DigestChanges, ScopeHead
 from octo_worker.storage.sealing import RowSealer
 
-__all__ = ["SlowPath", "write_batch"]
+__all__ = ["SlowPath", "advance_heads", "see_locked_heads", "write_batch", "write_rows"]
+
+
+async def see_locked_heads(
+    connection: Any, statement: str, scopes: list[str], *records: CommitBatch | None
+) -> None:
+    """Lock the heads of ``scopes`` (``lock_heads``) and show each to every record."""
+    for row in await connection.fetch(statement, scopes):
+        name = str(row[0])
+        for record in records:
+            if record is not None:
+                record.see_head(name, ScopeHead.from_row(name, tuple(row)[1:]))
+    for scope in scopes:
+        for record in records:
+            if record is not None and record.needs_head(scope):
+                record.see_head(scope, None)
+
+
+async def advance_heads(
+    connection: Any, statement: str, decisions: CommitBatch, sealer: RowSealer
+) -> bool:
+    """The heads the batch moved, resealed (``advance_heads``); False when the
+    statement's fence and revision guard refused one of them."""
+    heads = [sealer.seal_head(head).row() for head in decisions.advanced_heads()]
+    if not heads:
+        return True
+    moved = await connection.fetch(
+        statement,
+        [head.scope for head in decisions.advanced_heads()],
+        *(list(column) for column in zip(*heads, strict=True)),
+    )
+    return len(moved) == len(heads)
+
+
+async def write_rows(
+    connection: Any,
+    statement: str,
+    scope: str,
+    now: float,
+    rows: list[tuple[RowWrite, int | None, int, bytes]],
+    closes: list[str],
+    deletes: list[str],
+) -> tuple[Any, ...]:
+    """``write_change_set`` for ``rows`` (each: the write, the base it is checked
+    against, its revision, its sealed envelope); the statement's result row."""
+    found = await connection.fetchrow(
+        statement,
+        scope,
+        now,
+        [write.namespace for write, _, _, _ in rows],
+        [write.item for write, _, _, _ in rows],
+        [base for _, base, _, _ in rows],
+        [revision for _, _, revision, _ in rows],
+        [envelope for _, _, _, envelope in rows],
+        [write.closed for write, _, _, _ in rows],
+        [write.session for write, _, _, _ in rows],
+        closes,
+        deletes,
+    )
+    assert found is not None
+    return tuple(found)
 
 
 class SlowPath(Exception):
@@ -109,28 +173,20 @@ async def write_batch(
         deletes.update(dict.fromkeys(pending.outbox_delete))
     if any((NS_OUTBOX, item) in rows for item in deletes):
         raise SlowPath()
-    keys = list(rows)
-    values = [
-        (first, revision, sealer.seal(scope, write, revision), write.closed, write.session)
-        for first, write, revision in (rows[key] for key in keys)
-    ]
-    found = await connection.fetchrow(
+    found = await write_rows(
+        connection,
         statement,
         scope,
         now,
-        [namespace for namespace, _ in keys],
-        [item for _, item in keys],
-        [value[0] for value in values],
-        [value[1] for value in values],
-        [value[2] for value in values],
-        [value[3] for value in values],
-        [value[4] for value in values],
+        [
+            (write, first, revision, sealer.seal(scope, write, revision))
+            for first, write, revision in rows.values()
+        ],
         [],  # no session closes (refused above)
         list(deletes),
     )
-    assert found is not None
     refused_at, _, written, _, deleted_items, deleted_revisions = found
-    if refused_at is not None or written != len(keys):
+    if refused_at is not None or written != len(rows):
         raise SlowPath()
     deleted = {
         str(item): int(old)
