@@ -106,6 +106,7 @@ from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.postgres_batch import (
     SlowPath,
     advance_heads,
+    lock_head,
     see_locked_heads,
     write_batch,
     write_rows,
@@ -165,9 +166,9 @@ class PostgresJournalStore(JournalStoreBase):
     ``reserve_fence`` raise); each maintenance write holds its scope's head
     lock, so it never lands between a commit's reads and writes.
 
-    Sessions commit with ``synchronous_commit = on`` and the server ends a
-    transaction idle for ``idle_transaction_timeout`` seconds, so a paused
-    worker holds a scope's head lock no longer than that. One event loop:
+    Sessions commit with ``synchronous_commit = on``; a transaction idle (or
+    stuck, ``postgres_batch.lock_head``) for ``idle_transaction_timeout``
+    seconds is ended, so a paused worker holds a head lock no longer. One event loop:
     the first call binds the store to its loop. Revisions and fences stop
     at 2^63 - 1. No rollback anchor (see the module docstring).
     """
@@ -208,7 +209,7 @@ class PostgresJournalStore(JournalStoreBase):
         self._max_connections = max_connections
         self._connect_timeout = connect_timeout
         self._command_timeout = command_timeout
-        self._idle_timeout = idle_transaction_timeout
+        self._idle_timeout = self._idle = idle_transaction_timeout
         self._sql = statements(self._schema)
         self._pool: asyncpg.Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -366,7 +367,9 @@ class PostgresJournalStore(JournalStoreBase):
         sealer = self._sealer
 
         async def body(connection: Connection) -> tuple[int, int]:
-            row = await connection.fetchrow(self._sql["lock_head"], scope)
+            row = await lock_head(connection, self._ready_pool(), self._sql, scope, self._idle)
+            if row is False:  # a stale holder was ended: run the reservation again
+                raise _Again()
             if row is None:
                 head = sealer.seal_head(ScopeHead.empty(scope).with_fence(1))
                 created = await connection.fetchval(

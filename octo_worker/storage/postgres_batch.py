@@ -2,7 +2,9 @@
 
 Also the statements both write paths share: the heads locked and shown to
 the decisions (:func:`see_locked_heads`), the rows written
-(:func:`write_rows`) and the heads advanced (:func:`advance_heads`).
+(:func:`write_rows`) and the heads advanced (:func:`advance_heads`), and a
+reservation's head lock (:func:`lock_head`), which ends a replaced owner's
+stuck transaction rather than wait for it.
 
 The per-change-set path of :class:`~octo_worker.storage.postgres.PostgresJournalStore`
 runs one compare-and-swap statement per change set inside the batch's one
@@ -36,13 +38,41 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
+
 from octo_common.errors import OctoError, RollbackDetected
 from octo_worker.storage.changes import CommitBatch, PendingCommit, RowWrite, closed_sessions
 from octo_worker.storage.documents import NS_OUTBOX
 from octo_worker.storage.scope_head import DigestChanges, ScopeHead
 from octo_worker.storage.sealing import RowSealer
 
-__all__ = ["SlowPath", "advance_heads", "see_locked_heads", "write_batch", "write_rows"]
+__all__ = [
+    "SlowPath",
+    "advance_heads",
+    "lock_head",
+    "see_locked_heads",
+    "write_batch",
+    "write_rows",
+]
+
+
+async def lock_head(
+    connection: Any, pool: Any, sql: dict[str, str], scope: str, seconds: float
+) -> Any:
+    """A reservation's head row, locked (None: no head), waiting at most ``seconds``.
+
+    False when the wait ran out: the sessions holding a write lock on the
+    heads for longer than that (a replaced owner's stuck transaction, see
+    ``postgres_sql``'s ``end_stale_holders``) were ended, and the caller's
+    transaction (aborted by the timeout) must run again.
+    """
+    await connection.execute(f"SET LOCAL lock_timeout = {int(seconds * 1000)}")
+    try:
+        return await connection.fetchrow(sql["lock_head"], scope)
+    except asyncpg.exceptions.LockNotAvailableError:
+        async with pool.acquire() as other:
+            await other.fetchval(sql["end_stale_holders"], seconds)
+        return False
 
 
 async def see_locked_heads(

@@ -98,6 +98,22 @@ _LOCK_HEAD = """
      WHERE namespace = 'worker-journal' AND name = $1
        FOR UPDATE
 """
+# A reservation that waited its lock timeout on a head: end the sessions of
+# the journal's workers whose transaction has held a write lock on the heads
+# for longer than the idle-transaction timeout ($1 seconds). An owner's commit
+# holds it for milliseconds; one held that long belongs to a worker paused or
+# cut off in the middle of a transaction (a paused client is not "idle" to the
+# server while it owes the rest of a message or has not read a result), which
+# the broker has already replaced. Reads take no such lock and are spared.
+_END_STALE_HOLDERS = """
+    SELECT count(pg_terminate_backend(a.pid)) FROM pg_stat_activity AS a
+     WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+       AND a.application_name = 'octo-worker-journal'
+       AND a.xact_start < now() - make_interval(secs => $1)
+       AND EXISTS (SELECT 1 FROM pg_locks AS l
+                    WHERE l.pid = a.pid AND l.granted AND l.relation = '{s}.heads'::regclass
+                      AND l.mode IN ('RowShareLock', 'RowExclusiveLock'))
+"""
 _SELECT_HEAD_ROW = """
     SELECT revision, fence, row_count, digest, key_id, auth_tag FROM {s}.heads
      WHERE namespace = 'worker-journal' AND name = $1
@@ -303,6 +319,7 @@ def statements(schema: str) -> dict[str, str]:
             ("create_head", _CREATE_HEAD),
             ("raise_fence", _RAISE_FENCE),
             ("lock_head", _LOCK_HEAD),
+            ("end_stale_holders", _END_STALE_HOLDERS),
             ("select_head_row", _SELECT_HEAD_ROW),
             ("reseal_head", _RESEAL_HEAD),
             ("lock_heads", _LOCK_HEADS),

@@ -130,22 +130,30 @@ async def test_a_new_owner_fences_out_every_later_commit_of_the_old_one(
         await new.close()
 
 
-async def test_a_paused_owners_head_lock_ends_with_its_idle_transaction(
-    postgres_schema: PostgresSchema,
-) -> None:
-    owner = store_in(postgres_schema)
+async def holding_the_head(place: PostgresSchema, setting: str) -> asyncpg.Connection[Any]:
+    """A connection (``setting`` applied) in a transaction holding the head row of
+    SCOPE, which an owner reserved once (fence 1)."""
+    owner = store_in(place)
     try:
         await owner.reserve_fence(SCOPE)
     finally:
         await owner.close()
-    # A worker stopped inside its commit transaction holds the scope's head row.
-    paused = await postgres_schema.connect()
-    await paused.execute("SET idle_in_transaction_session_timeout = '500ms'")
-    transaction = paused.transaction()
-    await transaction.start()
-    await paused.fetch(
+    holder = await place.connect()
+    await holder.execute(setting)
+    await holder.transaction().start()
+    await holder.fetch(
         "SELECT revision FROM heads WHERE namespace = 'worker-journal' AND name = $1 FOR UPDATE",
         SCOPE,
+    )
+    return holder
+
+
+async def test_a_paused_owners_head_lock_ends_with_its_idle_transaction(
+    postgres_schema: PostgresSchema,
+) -> None:
+    # A worker stopped inside its commit transaction holds the scope's head row.
+    paused = await holding_the_head(
+        postgres_schema, "SET idle_in_transaction_session_timeout = '500ms'"
     )
     standby = store_in(postgres_schema)
     try:
@@ -158,6 +166,27 @@ async def test_a_paused_owners_head_lock_ends_with_its_idle_transaction(
     finally:
         await standby.close()
         paused.terminate()
+
+
+async def test_a_replaced_owners_stuck_transaction_is_ended_by_the_new_owners_reservation(
+    postgres_schema: PostgresSchema,
+) -> None:
+    # A worker stopped while its commit transaction is not idle to the server
+    # (here: busy in a statement; a paused client that owes the rest of a
+    # message or has not read a result looks alike): no idle timeout ends it.
+    stuck = await holding_the_head(postgres_schema, "SET application_name = 'octo-worker-journal'")
+    busy = asyncio.ensure_future(stuck.fetch("SELECT pg_sleep(120)"))
+    standby = store_in(postgres_schema, idle_transaction_timeout=1.0)
+    try:
+        # The reservation waits out its lock timeout, ends the holder, reserves.
+        lease = await asyncio.wait_for(standby.reserve_fence(SCOPE), timeout=30)
+        assert lease.token == 2
+        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError)):
+            await asyncio.wait_for(busy, timeout=10)
+    finally:
+        busy.cancel()
+        await standby.close()
+        stuck.terminate()
 
 
 async def test_openers_racing_on_a_fresh_schema_migrate_it_once(
