@@ -84,9 +84,11 @@ def test_every_host_stage_bench_e2e_times_is_a_method_of_the_client() -> None:
         assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
 
 
-def test_every_worker_stage_the_e2e_peer_times_is_there() -> None:
+def test_every_worker_stage_the_e2e_peer_times_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     # bench/_e2e_peer.py --stages wraps these by name in the worker's process; a
-    # moved or removed one would stop the profiled pass of bench/e2e.py.
+    # moved or removed one would stop the profiled pass of bench/e2e.py. The
+    # script imports its siblings (``_loop``) from its own folder, as when run.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     from bench._e2e_peer import StageTimers, instrument_worker
 
     wrapped: list[str] = []
