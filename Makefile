@@ -4,8 +4,8 @@
 #               the test role and database), install Debian's Chromium (the
 #               console's browser tests), then ruff, mypy --strict and pytest
 #               (pytest-xdist: PYTEST_WORKERS processes, one test file each at a
-#               time, but the tests of a file marked spread go to any of them;
-#               PYTEST_WORKERS=0 runs the suite in this process).
+#               time, files with a slow test first; PYTEST_WORKERS=0 runs the
+#               suite in this process).
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -48,7 +48,7 @@ typecheck: venv
 	$(VENV)/bin/mypy --strict $(EXAMPLE)/octo_example_tickets examples/host_service.py
 
 pytest: venv
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: venv rabbitmq
 	$(PY) demo/demo.py

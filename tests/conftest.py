@@ -19,31 +19,18 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for ``postgres_schema`` needs PostgreSQL: mark it ``postgres``.
 
-    Files with a ``slow`` test run first, so the longest work starts first:
-    those run by one worker, then the ``spread`` ones (each file's tests keep
-    their order). Under ``--dist loadgroup`` (``make test``) every file is one
-    group, run in order by one worker with its module fixtures made once,
-    except a file marked ``spread``: its tests depend on no other test and go
-    to whichever worker is free.
+    Files with a ``slow`` test run first, so that under pytest-xdist (``make
+    test``: one file to a worker at a time, in this order) the longest files
+    start first. Each file's tests keep their order.
     """
     slow = {_module(item) for item in items if item.get_closest_marker("slow") is not None}
-    spread = {_module(item) for item in items if item.get_closest_marker("spread") is not None}
-
-    def rank(item: pytest.Item) -> int:
-        module = _module(item)
-        return 2 if module not in slow else 1 if module in spread else 0
-
-    items.sort(key=rank)
-    grouped = bool(getattr(config.option, "loadgroup", False))
+    items.sort(key=lambda item: _module(item) not in slow)
     for item in items:
         if "postgres_schema" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)
-        if grouped and item.get_closest_marker("spread") is None:
-            item.add_marker(pytest.mark.xdist_group(_module(item)))
 
 
 def run_apart(make: Callable[[], Coroutine[Any, Any, T]]) -> T:

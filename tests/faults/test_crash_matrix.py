@@ -32,7 +32,7 @@ from tests.postgres import PostgresSchema
 
 from .conftest import ALL_POINTS, Case, Launcher, Outcome, reaches_per_run, run_scenario
 
-pytestmark = [pytest.mark.slow, pytest.mark.spread, pytest.mark.rabbitmq]
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 
 COUNTS = (1, 2, 3, 4, 2)
 # The PostgreSQL variant runs two of the five per point, to keep the suite's
