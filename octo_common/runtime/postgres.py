@@ -32,6 +32,7 @@ from octo_common.errors import OctoError, StorageBackendError
 from octo_common.keyfile import KeyFileRefused, read_private_file
 
 __all__ = [
+    "PoolSettings",
     "PostgresError",
     "advisory_lock_key",
     "check_schema",
@@ -255,3 +256,59 @@ async def wait_for_close(pool: asyncpg.Pool, timeout: float) -> None:
         await asyncio.wait_for(pool.close(), timeout=timeout)
     except (Exception, asyncio.CancelledError):
         pool.terminate()
+
+
+class PoolSettings:
+    """Where and how a store connects, checked once when the store is built.
+
+    The URL is checked by :func:`check_url` (never a password in it); the
+    password, if any, stays in its file and is read at each new connection.
+    """
+
+    __slots__ = (
+        "command_timeout",
+        "connect_timeout",
+        "idle_transaction_timeout",
+        "max_connections",
+        "password_file",
+        "url",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        password_file: str | os.PathLike[str] | None,
+        *,
+        min_connections: int,
+        max_connections: int,
+        connect_timeout: float,
+        command_timeout: float,
+        idle_transaction_timeout: float,
+    ) -> None:
+        self.url = check_url(url)
+        self.password_file = None if password_file is None else os.fspath(password_file)
+        if type(max_connections) is not int or not min_connections <= max_connections <= 100:
+            raise ValueError(f"max_connections must be in {min_connections}..100")
+        for value in (connect_timeout, command_timeout, idle_transaction_timeout):
+            if not value > 0:
+                raise ValueError("timeouts must be positive")
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.command_timeout = command_timeout
+        self.idle_transaction_timeout = idle_transaction_timeout
+
+    def __repr__(self) -> str:
+        return f"PoolSettings(url={redacted_url(self.url)!r})"
+
+    async def connect(self, application_name: str, *, read_only: bool = False) -> asyncpg.Pool:
+        """A new pool with these settings (see :func:`connect_pool`)."""
+        return await connect_pool(
+            self.url,
+            self.password_file,
+            application_name=application_name,
+            max_size=self.max_connections,
+            connect_timeout=self.connect_timeout,
+            command_timeout=self.command_timeout,
+            idle_transaction_timeout=self.idle_transaction_timeout,
+            read_only=read_only,
+        )

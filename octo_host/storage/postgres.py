@@ -64,9 +64,8 @@ from octo_common.records import (
 )
 from octo_common.runtime.postgres import (
     Connection,
+    PoolSettings,
     check_schema,
-    check_url,
-    connect_pool,
     migrate_schema,
     postgres_error,
     read_password_file,
@@ -208,18 +207,18 @@ class PostgresRecordBackend(SwapBackend):
         command_timeout: float = 30.0,
         idle_transaction_timeout: float = 10.0,
     ) -> None:
-        self._url = check_url(url)
+        self._connecting = PoolSettings(
+            url,
+            password_file,
+            min_connections=1,
+            max_connections=max_connections,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+            idle_transaction_timeout=idle_transaction_timeout,
+        )
+        self._url = self._connecting.url
         self._schema = check_schema(schema)
-        self._password_file = None if password_file is None else os.fspath(password_file)
-        if type(max_connections) is not int or not 1 <= max_connections <= 100:
-            raise ValueError("max_connections must be in 1..100")
-        for value in (connect_timeout, command_timeout, idle_transaction_timeout):
-            if not value > 0:
-                raise ValueError("timeouts must be positive")
-        self._max_connections = max_connections
-        self._connect_timeout = connect_timeout
         self._command_timeout = command_timeout
-        self._idle_timeout = idle_transaction_timeout
         self._sql = statements(self._schema)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: asyncpg.Pool | None = None
@@ -283,15 +282,7 @@ class PostgresRecordBackend(SwapBackend):
             return self._pool
 
     async def _open(self) -> asyncpg.Pool:
-        pool = await connect_pool(
-            self._url,
-            self._password_file,
-            application_name="octo-host-ledger",
-            max_size=self._max_connections,
-            connect_timeout=self._connect_timeout,
-            command_timeout=self._command_timeout,
-            idle_transaction_timeout=self._idle_timeout,
-        )
+        pool = await self._connecting.connect("octo-host-ledger")
         try:
             async with pool.acquire() as connection:
                 # One opener at a time per schema, across every host of the database.

@@ -74,9 +74,8 @@ from octo_common.errors import (
 from octo_common.records import StorageKeyring
 from octo_common.runtime.postgres import (
     Connection,
+    PoolSettings,
     check_schema,
-    check_url,
-    connect_pool,
     migrate_schema,
     postgres_error,
     redacted_url,
@@ -198,18 +197,19 @@ class PostgresJournalStore(JournalStoreBase):
             read_only=read_only,
             maintenance=maintenance,
         )
-        self._url = check_url(url)
+        self._connecting = PoolSettings(
+            url,
+            password_file,
+            min_connections=2,
+            max_connections=max_connections,
+            connect_timeout=connect_timeout,
+            command_timeout=command_timeout,
+            idle_transaction_timeout=idle_transaction_timeout,
+        )
+        self._url = self._connecting.url
         self._schema = check_schema(schema)
-        self._password_file = None if password_file is None else os.fspath(password_file)
-        if type(max_connections) is not int or not 2 <= max_connections <= 100:
-            raise ValueError("max_connections must be in 2..100")
-        for value in (connect_timeout, command_timeout, idle_transaction_timeout):
-            if not value > 0:
-                raise ValueError("timeouts must be positive")
-        self._max_connections = max_connections
-        self._connect_timeout = connect_timeout
         self._command_timeout = command_timeout
-        self._idle_timeout = self._idle = idle_transaction_timeout
+        self._idle = idle_transaction_timeout
         self._sql = statements(self._schema)
         self._pool: asyncpg.Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -259,16 +259,7 @@ class PostgresJournalStore(JournalStoreBase):
             self._opened = True
 
     async def _open(self) -> asyncpg.Pool:
-        pool = await connect_pool(
-            self._url,
-            self._password_file,
-            application_name="octo-worker-journal",
-            max_size=self._max_connections,
-            connect_timeout=self._connect_timeout,
-            command_timeout=self._command_timeout,
-            idle_transaction_timeout=self._idle_timeout,
-            read_only=self._read_only,
-        )
+        pool = await self._connecting.connect("octo-worker-journal", read_only=self._read_only)
         try:
             async with pool.acquire() as connection:
                 if self._read_only:

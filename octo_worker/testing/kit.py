@@ -41,27 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from octo_common import messages
 from octo_common.errors import WorkerRequestRejected
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityGrant, CapabilityManifest
-from octo_common.messages import (
-    CompensateOperation,
-    CompensationReconcileRequest,
-    CompensationResult,
-    DispatchOperation,
-    OpenSession,
-    OperationCompensationBinding,
-    OperationCompensationRequest,
-    OperationDispatchRequest,
-    OperationReconcileRequest,
-    OperationResult,
-    ReconcileCompensation,
-    ReconciledCompensation,
-    ReconciledOperation,
-    ReconcileOperation,
-    RequestRejected,
-    WorkerMessage,
-)
 from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.runtime.faults import FAULT_POINTS
@@ -167,7 +150,7 @@ class KitDelivery:
 
     events: list[str] = field(default_factory=list)
     frames: list[bytes] = field(default_factory=list)
-    replies: list[WorkerMessage] = field(default_factory=list)
+    replies: list[messages.WorkerMessage] = field(default_factory=list)
 
     async def ack(self) -> None:
         self.events.append("ack")
@@ -264,7 +247,9 @@ class AdapterKit:
         key = SessionKey.derive(self._scope_key, self.scope, session_id, nonce)
         self._host = SessionAuthenticator(session_id, key, SessionRole.HOST)
         worker = SessionAuthenticator(session_id, key, SessionRole.WORKER)
-        opening = self._host.seal(OpenSession(CapabilityManifest(session_id, [self.grant])))
+        opening = self._host.seal(
+            messages.OpenSession(CapabilityManifest(session_id, [self.grant]))
+        )
         self._session = await WorkerSession.open(
             worker,
             opening,
@@ -322,8 +307,8 @@ class AdapterKit:
             raise RuntimeError("the kit is not started (async with AdapterKit(...))")
         return self._session
 
-    def _binding(self, operation_key: str) -> OperationCompensationBinding:
-        return OperationCompensationBinding(
+    def _binding(self, operation_key: str) -> messages.OperationCompensationBinding:
+        return messages.OperationCompensationBinding(
             self.tool,
             operation_key,
             self.compensation_key(operation_key),
@@ -333,29 +318,29 @@ class AdapterKit:
 
     def dispatch_frame(self, operation_key: str, payload: ToolPayload) -> bytes:
         session = self._live()
-        request = OperationDispatchRequest(
+        request = messages.OperationDispatchRequest(
             session.session_id, self._request_id("d"), self.tool, operation_key, payload
         )
-        return self._seal(DispatchOperation(request))
+        return self._seal(messages.DispatchOperation(request))
 
     def compensate_frame(self, operation_key: str, inverse: ToolPayload) -> bytes:
         session = self._live()
-        request = OperationCompensationRequest(
+        request = messages.OperationCompensationRequest(
             session.session_id, self._request_id("c"), self._binding(operation_key), inverse
         )
-        return self._seal(CompensateOperation(request))
+        return self._seal(messages.CompensateOperation(request))
 
     def reconcile_frame(self, operation_key: str) -> bytes:
         session = self._live()
-        request = OperationReconcileRequest(
+        request = messages.OperationReconcileRequest(
             session.session_id, self._request_id("r"), self.tool, operation_key
         )
-        return self._seal(ReconcileOperation(request))
+        return self._seal(messages.ReconcileOperation(request))
 
     def reconcile_compensation_frame(self, operation_key: str) -> bytes:
         session = self._live()
         binding = self._binding(operation_key)
-        request = CompensationReconcileRequest(
+        request = messages.CompensationReconcileRequest(
             session.session_id,
             self._request_id("k"),
             binding.tool,
@@ -364,9 +349,9 @@ class AdapterKit:
             binding.tenant_scope,
             binding.grant_fingerprint,
         )
-        return self._seal(ReconcileCompensation(request))
+        return self._seal(messages.ReconcileCompensation(request))
 
-    def _seal(self, message: WorkerMessage) -> bytes:
+    def _seal(self, message: messages.WorkerMessage) -> bytes:
         assert self._host is not None
         return self._host.seal(message)
 
@@ -467,12 +452,16 @@ class CrashReport:
     redelivered: KitDelivery | None
 
 
-def status_of(reply: WorkerMessage) -> OperationStatus:
+def status_of(reply: messages.WorkerMessage) -> OperationStatus:
     """The status a reply carries; a ``request_rejected`` raises ``WorkerRequestRejected``."""
-    if isinstance(reply, RequestRejected):
+    if isinstance(reply, messages.RequestRejected):
         raise WorkerRequestRejected(reply)
     if isinstance(
-        reply, OperationResult | CompensationResult | ReconciledOperation | ReconciledCompensation
+        reply,
+        messages.OperationResult
+        | messages.CompensationResult
+        | messages.ReconciledOperation
+        | messages.ReconciledCompensation,
     ):
         status: OperationStatus = reply.result.status
         return status
