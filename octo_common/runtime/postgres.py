@@ -22,7 +22,7 @@ import hashlib
 import os
 import re
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias
 
 import asyncpg
@@ -32,6 +32,7 @@ from octo_common.errors import OctoError, StorageBackendError
 from octo_common.keyfile import KeyFileRefused, read_private_file
 
 __all__ = [
+    "bound_loop",
     "PoolSettings",
     "PostgresError",
     "advisory_lock_key",
@@ -278,13 +279,13 @@ class PoolSettings:
         self,
         url: str,
         password_file: str | os.PathLike[str] | None,
+        max_connections: int,
+        timeouts: tuple[float, float, float],
         *,
         min_connections: int,
-        max_connections: int,
-        connect_timeout: float,
-        command_timeout: float,
-        idle_transaction_timeout: float,
     ) -> None:
+        """``timeouts``: connect, command and idle-in-transaction, in seconds."""
+        connect_timeout, command_timeout, idle_transaction_timeout = timeouts
         self.url = check_url(url)
         self.password_file = None if password_file is None else os.fspath(password_file)
         if type(max_connections) is not int or not min_connections <= max_connections <= 100:
@@ -300,6 +301,24 @@ class PoolSettings:
     def __repr__(self) -> str:
         return f"PoolSettings(url={redacted_url(self.url)!r})"
 
+    async def open(
+        self,
+        application_name: str,
+        prepare: Callable[[Connection], Awaitable[None]],
+        *,
+        read_only: bool = False,
+    ) -> asyncpg.Pool:
+        """A new pool whose first connection has run ``prepare`` (the schema's
+        migration or check); the pool is terminated if anything fails."""
+        pool = await self.connect(application_name, read_only=read_only)
+        try:
+            async with pool.acquire() as connection:
+                await prepare(connection)
+        except BaseException:
+            pool.terminate()
+            raise
+        return pool
+
     async def connect(self, application_name: str, *, read_only: bool = False) -> asyncpg.Pool:
         """A new pool with these settings (see :func:`connect_pool`)."""
         return await connect_pool(
@@ -312,3 +331,12 @@ class PoolSettings:
             idle_transaction_timeout=self.idle_transaction_timeout,
             read_only=read_only,
         )
+
+
+def bound_loop(bound: asyncio.AbstractEventLoop | None, what: str) -> asyncio.AbstractEventLoop:
+    """The running event loop, which must be ``bound`` once a store is bound to one
+    (a pool's connections belong to the loop that opened them)."""
+    loop = asyncio.get_running_loop()
+    if bound is not None and bound is not loop:
+        raise StorageBackendError(f"the {what} is bound to another event loop")
+    return loop

@@ -65,6 +65,7 @@ from octo_common.records import (
 from octo_common.runtime.postgres import (
     Connection,
     PoolSettings,
+    bound_loop,
     check_schema,
     migrate_schema,
     postgres_error,
@@ -207,14 +208,9 @@ class PostgresRecordBackend(SwapBackend):
         command_timeout: float = 30.0,
         idle_transaction_timeout: float = 10.0,
     ) -> None:
+        timeouts = (connect_timeout, command_timeout, idle_transaction_timeout)
         self._connecting = PoolSettings(
-            url,
-            password_file,
-            min_connections=1,
-            max_connections=max_connections,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-            idle_transaction_timeout=idle_transaction_timeout,
+            url, password_file, max_connections, timeouts, min_connections=1
         )
         self._url = self._connecting.url
         self._schema = check_schema(schema)
@@ -249,13 +245,9 @@ class PostgresRecordBackend(SwapBackend):
     # Connecting ------------------------------------------------------------------
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_running_loop()
+        loop = bound_loop(self._loop, "backend")
         if self._loop is None:
-            self._loop = loop
-            self._open_lock = asyncio.Lock()
-            self._progress = asyncio.Event()
-        elif self._loop is not loop:
-            raise StorageBackendError("the backend is bound to another event loop")
+            self._loop, self._open_lock, self._progress = loop, asyncio.Lock(), asyncio.Event()
         return loop
 
     async def _ready(self, operation: str, *, writer: bool = False) -> asyncpg.Pool:
@@ -282,17 +274,13 @@ class PostgresRecordBackend(SwapBackend):
             return self._pool
 
     async def _open(self) -> asyncpg.Pool:
-        pool = await self._connecting.connect("octo-host-ledger")
-        try:
-            async with pool.acquire() as connection:
-                # One opener at a time per schema, across every host of the database.
-                await migrate_schema(
-                    connection, self._schema, MIGRATIONS, f"octo-ledger:{self._schema}"
-                )
-        except BaseException:
-            pool.terminate()
-            raise
-        return pool
+        async def migrate(connection: Connection) -> None:
+            # One opener at a time per schema, across every host of the database.
+            await migrate_schema(
+                connection, self._schema, MIGRATIONS, f"octo-ledger:{self._schema}"
+            )
+
+        return await self._connecting.open("octo-host-ledger", migrate)
 
     # Reads ---------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ from octo_common.records import StorageKeyring
 from octo_common.runtime.postgres import (
     Connection,
     PoolSettings,
+    bound_loop,
     check_schema,
     migrate_schema,
     postgres_error,
@@ -197,20 +198,16 @@ class PostgresJournalStore(JournalStoreBase):
             read_only=read_only,
             maintenance=maintenance,
         )
+        self._schema = check_schema(schema)
+        self._sql = statements(self._schema)
+        # A journal's pool has two connections at least: the writer and a reader.
+        timeouts = (connect_timeout, command_timeout, idle_transaction_timeout)
         self._connecting = PoolSettings(
-            url,
-            password_file,
-            min_connections=2,
-            max_connections=max_connections,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-            idle_transaction_timeout=idle_transaction_timeout,
+            url, password_file, max_connections, timeouts, min_connections=2
         )
         self._url = self._connecting.url
-        self._schema = check_schema(schema)
-        self._command_timeout = command_timeout
         self._idle = idle_transaction_timeout
-        self._sql = statements(self._schema)
+        self._command_timeout = command_timeout
         self._pool: asyncpg.Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
@@ -233,13 +230,9 @@ class PostgresJournalStore(JournalStoreBase):
     # Opening and closing --------------------------------------------------------------------
 
     def _bind_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = bound_loop(self._loop, "store")
         if self._loop is None:
-            self._loop = loop
-            self._open_lock = asyncio.Lock()
-            self._write_lock = asyncio.Lock()
-        elif self._loop is not loop:
-            raise StorageBackendError("the store is bound to another event loop")
+            self._loop, self._open_lock, self._write_lock = loop, asyncio.Lock(), asyncio.Lock()
 
     async def _ensure_open(self) -> None:
         self._bind_loop()
@@ -259,25 +252,20 @@ class PostgresJournalStore(JournalStoreBase):
             self._opened = True
 
     async def _open(self) -> asyncpg.Pool:
-        pool = await self._connecting.connect("octo-worker-journal", read_only=self._read_only)
-        try:
-            async with pool.acquire() as connection:
-                if self._read_only:
-                    version = await schema_version(connection, self._schema)
-                    if version is None:
-                        raise StorageBackendError("open: the journal schema does not exist")
-                    if version != SCHEMA_VERSION:
-                        raise StorageBackendError(
-                            f"open: schema version {version} is not {SCHEMA_VERSION}"
-                        )
-                else:
-                    await migrate_schema(
-                        connection, self._schema, MIGRATIONS, f"octo-journal:{self._schema}"
-                    )
-        except BaseException:
-            pool.terminate()
-            raise
-        return pool
+        async def prepare(connection: Connection) -> None:
+            if not self._read_only:
+                lock = f"octo-journal:{self._schema}"
+                await migrate_schema(connection, self._schema, MIGRATIONS, lock)
+                return
+            version = await schema_version(connection, self._schema)
+            if version is None:
+                raise StorageBackendError("open: the journal schema does not exist")
+            if version != SCHEMA_VERSION:
+                raise StorageBackendError(f"open: schema version {version} is not {SCHEMA_VERSION}")
+
+        return await self._connecting.open(
+            "octo-worker-journal", prepare, read_only=self._read_only
+        )
 
     async def close(self) -> None:
         """Finish queued commits, then close the pool. Idempotent."""

@@ -97,4 +97,3 @@ def check_case(point: str, outcome: Outcome) -> None:
     if point in COMPENSATION_ENDS:
         assert set(outcome.states.values()) == {StateKind.SUCCEEDED}, outcome.states
         assert outcome.compensation == COMPENSATION_ENDS[point], outcome.compensation
-    assert outcome.seconds < 20.0, outcome.seconds
