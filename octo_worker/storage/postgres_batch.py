@@ -198,7 +198,15 @@ async def write_batch(
             raise SlowPath()
         for write in writes:
             key = (write.namespace, write.item)
-            first = rows[key][0] if key in rows else write.base_revision
+            if key in rows:
+                if write.base_revision != rows[key][2]:
+                    # Not built on what an earlier change set of this batch wrote
+                    # (a second insert of one key, say): the per-change-set
+                    # path refuses it by its own compare-and-swap.
+                    raise SlowPath()
+                first = rows[key][0]
+            else:
+                first = write.base_revision
             rows[key] = (first, write, revision)
         deletes.update(dict.fromkeys(pending.outbox_delete))
     if any((NS_OUTBOX, item) in rows for item in deletes):
