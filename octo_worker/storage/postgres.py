@@ -111,6 +111,7 @@ from octo_worker.storage.postgres_batch import (
     write_batch,
     write_rows,
 )
+from octo_worker.storage.postgres_reads import RowReads
 from octo_worker.storage.postgres_sql import (
     DEFAULT_SCHEMA,
     MIGRATIONS,
@@ -218,6 +219,7 @@ class PostgresJournalStore(JournalStoreBase):
         # Commit baselines per scope (W§11.2 step 2): set by reserve and commits.
         self._baselines: dict[str, int] = {}
         self._session_tails = SessionTails()
+        self._reads = RowReads(self._fetch_items, self._writes)
 
     @property
     def schema(self) -> str:
@@ -587,13 +589,18 @@ class PostgresJournalStore(JournalStoreBase):
     # Reads -----------------------------------------------------------------------------------
 
     async def _rows(self, scope: str, namespace: str, items: Sequence[str] | None) -> list[Row]:
+        if items is not None:
+            return await self._reads.rows(scope, namespace, set(items))
+
         async def body(connection: Connection) -> list[Row]:
-            if items is None:
-                found = await connection.fetch(self._sql["select_namespace"], scope, namespace)
-            else:
-                found = await connection.fetch(
-                    self._sql["select_items"], scope, namespace, list(items)
-                )
+            found = await connection.fetch(self._sql["select_namespace"], scope, namespace)
+            return _floor_checked([tuple(row) for row in found])
+
+        return await self._read("load", body)
+
+    async def _fetch_items(self, scope: str, namespace: str, items: list[str]) -> list[Row]:
+        async def body(connection: Connection) -> list[Row]:
+            found = await connection.fetch(self._sql["select_items"], scope, namespace, items)
             return _floor_checked([tuple(row) for row in found])
 
         return await self._read("load", body)

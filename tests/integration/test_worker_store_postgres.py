@@ -100,6 +100,67 @@ async def test_a_batch_that_all_commits_is_one_statement_and_a_refusal_runs_it_o
         await store.close()
 
 
+async def test_two_inserts_of_one_key_in_one_batch_commit_once(
+    postgres_schema: PostgresSchema,
+) -> None:
+    store = store_in(postgres_schema)
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        # Submitted together, so they share a group commit: the second insert of
+        # op-1 is not built on the first and must be refused, never merged.
+        outcomes = await asyncio.gather(
+            *(store.commit(SCOPE, lease, admission(key)) for key in ("op-1", "op-2", "op-1")),
+            return_exceptions=True,
+        )
+        assert [type(outcome) for outcome in outcomes] == [int, int, WriteConflict], outcomes
+        assert len(await store.list_records(SCOPE)) == 2
+    finally:
+        await store.close()
+
+
+# Reads of concurrent admissions share a statement ---------------------------------------
+
+
+async def test_concurrent_row_reads_share_one_statement_and_each_gets_its_own_rows(
+    postgres_schema: PostgresSchema, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = store_in(postgres_schema)
+    statements: list[list[str]] = []
+    fetch = store._fetch_items
+
+    async def counted(scope: str, namespace: str, items: list[str]) -> Any:
+        statements.append(items)
+        return await fetch(scope, namespace, items)
+
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        await asyncio.gather(*(store.commit(SCOPE, lease, admission(f"op-{i}")) for i in range(6)))
+        monkeypatch.setattr(store._reads, "_fetch", counted)
+        asked = [[f"op-{i}"] for i in range(12)] + [["op-1", "op-2", "op-absent"]]
+        answers = await asyncio.gather(*(store.load_records(SCOPE, keys) for keys in asked))
+        # One statement for all 13 callers, each answered for exactly its keys.
+        assert len(statements) == 1 and set(statements[0]) >= {"op-0", "op-11", "op-absent"}
+        for keys, answer in zip(asked, answers, strict=True):
+            assert list(answer) == keys
+            for key in keys:
+                found = answer[key]
+                present = key in {f"op-{i}" for i in range(6)}
+                assert (found is not None) == present, key
+                assert found is None or found[0].operation_key == key
+
+        async def failing(scope: str, namespace: str, items: list[str]) -> Any:
+            raise StorageBackendError("load: refused")
+
+        monkeypatch.setattr(store._reads, "_fetch", failing)
+        outcomes = await asyncio.gather(
+            *(store.load_records(SCOPE, [f"op-{i}"]) for i in range(3)), return_exceptions=True
+        )
+        # A failed statement fails every caller of its batch, with the store's error.
+        assert all(isinstance(outcome, StorageBackendError) for outcome in outcomes), outcomes
+    finally:
+        await store.close()
+
+
 # Several workers on one database (D13) --------------------------------------------------
 
 
