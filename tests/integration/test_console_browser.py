@@ -505,9 +505,9 @@ def test_live_view_served_by_the_daemon_counts_deliveries_by_outcome(
     tab.goto(world.daemon_console_url + "live")
     assert "in process" in tab.locator("#live-source").inner_text()
     # The script replaces the server-rendered rows with its first reading.
-    tab.wait_for_function(
-        "document.getElementById('live-status').textContent.includes('every')", timeout=10_000
-    )
+    # A locator wait: the page's CSP (script-src 'self') refuses the eval a
+    # string predicate of wait_for_function needs.
+    tab.locator("#live-status", has_text="every").wait_for(timeout=10_000)
     deliveries = _live_rows(tab, "live-deliveries")
     # Since the restart: at least two opens and two dispatches (one succeeded,
     # one refused by the failed commit) acked (a host's publish retried under
@@ -544,9 +544,9 @@ def test_live_view_of_the_standalone_console_polls_the_metrics_endpoint(
     tab = page.page
     tab.goto(world.console_url + "live")
     assert "metrics endpoint" in tab.locator("#live-source").inner_text()
-    tab.wait_for_function(
-        "document.getElementById('live-status').textContent.includes('every')", timeout=10_000
-    )
+    # A locator wait: the page's CSP (script-src 'self') refuses the eval a
+    # string predicate of wait_for_function needs.
+    tab.locator("#live-status", has_text="every").wait_for(timeout=10_000)
     deliveries = _live_rows(tab, "live-deliveries")
     assert deliveries[(SCOPE, "dead_lettered")] == 1
     tab.screenshot(path=str(tmp_path / "live-standalone.png"), full_page=True)
