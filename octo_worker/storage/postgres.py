@@ -72,12 +72,10 @@ from octo_common.errors import (
     StorageBackendError,
 )
 from octo_common.records import StorageKeyring
+from octo_common.runtime import postgres as runtime_postgres
 from octo_common.runtime.postgres import (
     Connection,
     PoolSettings,
-    bound_loop,
-    check_schema,
-    migrate_schema,
     postgres_error,
     redacted_url,
     schema_version,
@@ -179,9 +177,9 @@ class PostgresJournalStore(JournalStoreBase):
         url: str,
         keyring: StorageKeyring,
         *,
-        password_file: str | os.PathLike[str] | None = None,
         schema: str = DEFAULT_SCHEMA,
         data_keyring: StorageKeyring | None = None,
+        password_file: str | os.PathLike[str] | None = None,
         group_commit: bool = True,
         on_batch: Callable[[int], None] | None = None,
         read_only: bool = False,
@@ -199,7 +197,7 @@ class PostgresJournalStore(JournalStoreBase):
             read_only=read_only,
             maintenance=maintenance,
         )
-        self._schema = check_schema(schema)
+        self._schema = runtime_postgres.check_schema(schema)
         self._sql = statements(self._schema)
         # A journal's pool has two connections at least: the writer and a reader.
         timeouts = (connect_timeout, command_timeout, idle_transaction_timeout)
@@ -232,7 +230,7 @@ class PostgresJournalStore(JournalStoreBase):
     # Opening and closing --------------------------------------------------------------------
 
     def _bind_loop(self) -> None:
-        loop = bound_loop(self._loop, "store")
+        loop = runtime_postgres.bound_loop(self._loop, "store")
         if self._loop is None:
             self._loop, self._open_lock, self._write_lock = loop, asyncio.Lock(), asyncio.Lock()
 
@@ -257,7 +255,7 @@ class PostgresJournalStore(JournalStoreBase):
         async def prepare(connection: Connection) -> None:
             if not self._read_only:
                 lock = f"octo-journal:{self._schema}"
-                await migrate_schema(connection, self._schema, MIGRATIONS, lock)
+                await runtime_postgres.migrate_schema(connection, self._schema, MIGRATIONS, lock)
                 return
             version = await schema_version(connection, self._schema)
             if version is None:
