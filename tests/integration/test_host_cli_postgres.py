@@ -39,6 +39,9 @@ async def hosts(
     await first.provision()
     first.write_config(extra=storage_section(postgres_schema))
     second = HostCli(tmp_path / "host-b", names, worker_env)
+    # Its own host id, so its own reply queue: two processes consuming one
+    # reply queue would each be handed the other's replies.
+    second.host_id = names.host("-b")
     shutil.copytree(first.keys, second.keys)
     second.write_config(extra=storage_section(postgres_schema))
     return first, second
