@@ -135,9 +135,10 @@ def _escape(match: re.Match[str]) -> str:
 def printable(value: object, limit: int = 200) -> str:
     """Untrusted text, safe for a terminal: printable ASCII, escaped, bounded.
 
-    Bytes are read as UTF-8 (an undecodable byte becomes ``\\xNN``); every
-    character outside printable ASCII becomes ``\\uXXXX`` (``\\UXXXXXXXX``
-    beyond the Basic Multilingual Plane), so distinct characters never
+    Bytes are read as UTF-8 (an undecodable byte becomes ``\\x`` and two
+    hex digits); every character outside printable ASCII becomes ``\\u`` and
+    four hex digits (``\\U`` and eight beyond the Basic Multilingual
+    Plane), so distinct characters never
     print alike. Longer results are cut at ``limit`` characters and end in
     ``...``.
     """
