@@ -8,8 +8,11 @@ at another server; the defaults are the public test values of the script.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,3 +66,19 @@ class PostgresSchema:
             await connection.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
         finally:
             await connection.close()
+
+
+def errors_in_another_loop(call: Callable[[], Coroutine[Any, Any, Any]]) -> list[BaseException]:
+    """What ``call`` raises when awaited on a new event loop in another thread."""
+    caught: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            asyncio.run(call())
+        except BaseException as error:
+            caught.append(error)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join(10)
+    return caught

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from octo_host.storage.postgres import (
     redacted_url,
 )
 from octo_host.store import ledger_record_key
-from tests.postgres import PostgresSchema
+from tests.postgres import PostgresSchema, errors_in_another_loop
 
 RUN = ledger_record_key("release-42")
 
@@ -349,17 +348,7 @@ async def test_the_backend_is_bound_to_the_loop_of_its_first_call(
     backend = backend_in(postgres_schema)
     try:
         await backend.load(RUN)
-        caught: list[BaseException] = []
-
-        def elsewhere() -> None:
-            try:
-                asyncio.run(backend.load(RUN))
-            except BaseException as error:
-                caught.append(error)
-
-        thread = threading.Thread(target=elsewhere)
-        thread.start()
-        thread.join(10)
+        caught = errors_in_another_loop(lambda: backend.load(RUN))
         assert len(caught) == 1 and isinstance(caught[0], StorageBackendError)
         assert "event loop" in str(caught[0])
     finally:

@@ -12,7 +12,6 @@ schema of its own (``postgres_schema``), dropped afterwards.
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 import asyncpg
@@ -33,7 +32,7 @@ from octo_worker.storage.documents import (
 )
 from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.store import WorkerCommit
-from tests.postgres import PostgresSchema
+from tests.postgres import PostgresSchema, errors_in_another_loop
 
 SCOPE = "tenant-failover"
 
@@ -323,17 +322,7 @@ async def test_the_store_is_bound_to_the_loop_of_its_first_call(
     store = store_in(postgres_schema)
     try:
         await store.head_revision(SCOPE)
-        caught: list[BaseException] = []
-
-        def elsewhere() -> None:
-            try:
-                asyncio.run(store.head_revision(SCOPE))
-            except BaseException as error:
-                caught.append(error)
-
-        thread = threading.Thread(target=elsewhere)
-        thread.start()
-        thread.join(10)
+        caught = errors_in_another_loop(lambda: store.head_revision(SCOPE))
         assert len(caught) == 1 and isinstance(caught[0], StorageBackendError)
         assert "event loop" in str(caught[0])
     finally:
