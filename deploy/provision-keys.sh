@@ -6,12 +6,12 @@
 # Writes, in DIR (default /etc/octo/keys/INSTANCE), one 32-byte random key
 # per tenant scope (SCOPE.key) and one storage key (storage-ID.key, default
 # ID k1), each mode 0600 in a 0700 directory. An existing key file is never
-# overwritten: rotating a key is a deliberate step (deploy/OPERATIONS.md).
+# overwritten: rotating a key is a deliberate step (docs/operations.md).
 # Prints the LoadCredential= lines of these keys; never prints a key.
 #
 # It does not create DIR/broker.password, which the unit's
 # LoadCredential=broker.password line also needs: create that file yourself,
-# mode 0600, without the password on a command line (deploy/OPERATIONS.md,
+# mode 0600, without the password on a command line (docs/operations.md,
 # Install, step 4).
 #
 # The same scope key must reach the host that opens sessions for SCOPE: copy

@@ -378,7 +378,7 @@ def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_journal_reseal(args: argparse.Namespace, out: Output) -> int:
-    """Re-seal every row an old key sealed (key rotation, step 4 in OPERATIONS.md).
+    """Re-seal every row an old key sealed (key rotation, step 4 in docs/operations.md).
 
     Revisions do not move: safe while the daemon runs.
     """

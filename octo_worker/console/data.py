@@ -223,7 +223,7 @@ class KeyView:
 
 
 def _key_commands(detail: dict[str, Any], config_path: str) -> list[tuple[str, str]]:
-    """(what it does, command) for the row's situation, as OPERATIONS.md's recovery table."""
+    """(what it does, command) for the row's situation, as docs/operations.md's recovery table."""
     scope = detail["scope"]
     key = detail["operation_key"]
     state = detail["state"]

@@ -283,7 +283,7 @@ class JournalStoreBase(abc.ABC):
         not move; its digest moves by the rows removed, in the same transaction.
 
         A pruned key is forgotten: a later request for it is admitted as new.
-        Prune only keys whose host runs are finished (see OPERATIONS.md).
+        Prune only keys whose host runs are finished (see docs/operations.md).
         """
         check_scope(scope)
         if not older_than_seconds >= 0:

@@ -1559,7 +1559,7 @@ def test_output_into_a_closed_pipe_stops_quietly(
 def test_journal_reseal_lets_an_old_storage_key_be_retired(
     worker: RunningWorker, dispatched: list[str], tmp_path: Path
 ) -> None:
-    """OPERATIONS.md, rotating the storage key: new key active, old as a read key,
+    """docs/operations.md, rotating the storage key: new key active, old as a read key,
     reseal, then verify without the old key (closed sessions included)."""
     state = tmp_path / "state"
     state.mkdir()

@@ -129,14 +129,14 @@ def test_the_four_stuck_signals_each_have_an_alert() -> None:
 
 
 def test_every_runbook_names_a_section_of_the_operations_guide() -> None:
-    guide = (REPO / "deploy" / "OPERATIONS.md").read_text(encoding="utf-8")
+    guide = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
     anchors = {
         re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-")
         for heading in re.findall(r"^#+ (.+)$", guide, flags=re.MULTILINE)
     }
     for rule in alert_rules():
         path, _, anchor = rule["annotations"]["runbook"].partition("#")
-        assert path == "deploy/OPERATIONS.md"
+        assert path == "docs/operations.md"
         assert anchor in anchors, rule["alert"]
 
 
