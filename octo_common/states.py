@@ -9,6 +9,7 @@ wire; their reprs never show a payload or a failure message.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, ClassVar, Protocol
 
 import msgspec
@@ -22,8 +23,10 @@ from octo_common.limits import MAX_OPERATION_ERROR_BYTES
 from octo_common.payload import ToolPayload
 
 __all__ = [
+    "DID_NOT_ACT_CODES",
     "Cancelled",
     "Failed",
+    "FailureCode",
     "OperationStatus",
     "Pending",
     "Running",
@@ -32,6 +35,8 @@ __all__ = [
     "TERMINAL_KINDS",
     "WorkerOperationState",
     "accepts",
+    "did_not_act",
+    "is_failure_code",
     "kind_of",
     "state_for_kind",
     "validate_operation_status_for_grant",
@@ -89,8 +94,55 @@ class Succeeded(_State, frozen=True, tag="succeeded"):
         return f"Succeeded(payload=[redacted {self.payload.format}])"
 
 
-class Failed(_State, frozen=True, tag="failed"):
+class FailureCode(enum.StrEnum):
+    """Why a ``failed`` state is definite, when Octo knows it (``Failed.code``).
+
+    A ``Failed`` without a code is the adapter's own report that its effect
+    failed: whether something was done before it failed is the adapter's
+    business, so nothing may be retried on its strength. With a code:
+
+    * ``INPUT_REFUSED``: the adapter refused the request's input (its JSON
+      contract, a name, a bound) before any effect. It did not act, and it
+      is never called again under this key: the journal answers the key
+      from the row.
+    * ``OPTIONS_REFUSED``: the adapter's own configuration refused the call
+      before any effect. Did not act, as above.
+    * ``NOT_HAPPENED``: a status lookup proved that the effect did not
+      happen and fenced the key at the adapter, so that a late call under
+      the key does nothing. Did not act, and never will under this key.
+    * ``RESOLVED_BY_OPERATOR``: an operator decided the key ``failed`` after
+      checking the target system. Octo does not know whether an effect ran:
+      it is not a "did not act" outcome.
+    """
+
+    INPUT_REFUSED = "input_refused"
+    OPTIONS_REFUSED = "options_refused"
+    NOT_HAPPENED = "not_happened"
+    RESOLVED_BY_OPERATOR = "resolved_by_operator"
+
+    def __repr__(self) -> str:
+        return f"FailureCode.{self.name}"
+
+
+DID_NOT_ACT_CODES = frozenset(
+    {FailureCode.INPUT_REFUSED, FailureCode.OPTIONS_REFUSED, FailureCode.NOT_HAPPENED}
+)
+"""The codes of a ``failed`` state that prove no effect ran under its key."""
+
+# A failure code's syntax: snake_case, as error codes are (unknown codes decode).
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+class Failed(_State, frozen=True, tag="failed", omit_defaults=True):
+    """A definite failure: ``message`` is adapter text (1..4096 bytes, never shown
+    by default); ``code``, when set, says why it is definite (:class:`FailureCode`).
+
+    ``code`` is omitted from the encoding when None, so a failure without one
+    is ``{"state":"failed","message":...}`` exactly.
+    """
+
     message: str
+    code: str | None = None
     kind: ClassVar[StateKind] = StateKind.FAILED
 
     def validate(self) -> None:
@@ -99,9 +151,13 @@ class Failed(_State, frozen=True, tag="failed"):
             raise InvalidOperationFailure()
         if size > MAX_OPERATION_ERROR_BYTES:
             raise OperationFailureTooLarge(size, MAX_OPERATION_ERROR_BYTES)
+        if self.code is not None and not is_failure_code(self.code):
+            raise InvalidOperationFailure()
 
     def __repr__(self) -> str:
-        return "Failed(message=[redacted])"
+        if self.code is None:
+            return "Failed(message=[redacted])"
+        return f"Failed(message=[redacted], code={self.code!r})"
 
 
 class Cancelled(_State, frozen=True, tag="cancelled"):
@@ -127,6 +183,16 @@ def state_for_kind(kind: StateKind | str) -> Pending | Running | Cancelled:
     if state is None:
         raise ValueError(f"{kind} needs a payload or message")
     return state  # type: ignore[return-value]
+
+
+def is_failure_code(value: object) -> bool:
+    """``value`` has the syntax of a failure code (snake_case, at most 64 characters)."""
+    return isinstance(value, str) and _CODE.fullmatch(value) is not None
+
+
+def did_not_act(state: Any) -> bool:
+    """A ``failed`` state whose code proves that no effect ran (``DID_NOT_ACT_CODES``)."""
+    return isinstance(state, Failed) and state.code in DID_NOT_ACT_CODES
 
 
 def kind_of(state: Any) -> StateKind:

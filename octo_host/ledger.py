@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Annotated
-
-import msgspec
 
 from octo_common.codec import decode_struct, encode_struct
 from octo_common.digest import ledger_input_fingerprint
@@ -71,7 +68,24 @@ from octo_common.messages import (
     OperationReconcileResult,
 )
 from octo_common.payload import canonical_operation_input_bytes
-from octo_common.states import TERMINAL_KINDS, OperationStatus, StateKind, accepts
+from octo_common.states import (
+    TERMINAL_KINDS,
+    Failed,
+    FailureCode,
+    OperationStatus,
+    StateKind,
+    accepts,
+    is_failure_code,
+)
+from octo_host.ledger_json import (
+    CompensationOut,
+    CompensationOutFailed,
+    LedgerDoc,
+    LedgerOut,
+    OperationDoc,
+    OperationOut,
+    OperationOutFailed,
+)
 from octo_host.plan import WorkflowPlan, is_step_id
 from octo_host.policy import WorkflowCompensationPolicy
 
@@ -118,6 +132,29 @@ def _decided_state(value: StateKind | str) -> StateKind | None:
         return None
 
 
+def _failure_of(status: OperationStatus) -> str | None:
+    """The failure code a status carries into the ledger (a ``failed`` one's ``code``)."""
+    return status.code if isinstance(status, Failed) else None
+
+
+def _operator_failure(target: StateKind) -> str | None:
+    """The failure code an operator's ``failed`` decision leaves in the ledger."""
+    return FailureCode.RESOLVED_BY_OPERATOR.value if target == StateKind.FAILED else None
+
+
+def _failure_bound(failure: str | None) -> int:
+    """What a failure code adds to a record's encoding: ``,"failure":"CODE"``."""
+    return 0 if failure is None else 16 + _utf8_len(failure)
+
+
+def _check_failure(key: str, state: StateKind, failure: str | None) -> None:
+    """A failure code only on a ``failed`` record, in the code syntax."""
+    if failure is None:
+        return
+    if state != StateKind.FAILED or not is_failure_code(failure):
+        raise InvalidLedgerEncoding(f"{key}: a failure code belongs to a failed state")
+
+
 def _next_revision(revision: int) -> int:
     if revision >= MAX_U64:
         raise RevisionExhausted()
@@ -136,6 +173,8 @@ class WorkflowCompensation:
     tenant_scope: str
     grant_fingerprint: str
     state: StateKind
+    # Why a ``failed`` compensation is definite (a ``FailureCode`` value), when known.
+    failure: str | None = None
 
     def matches_input(self, data: bytes) -> bool:
         """At most 256 KiB and the same ledger input fingerprint."""
@@ -168,6 +207,9 @@ class WorkflowOperation:
     input_fingerprint: str
     state: StateKind
     compensation: WorkflowCompensation | None = None
+    # Why a ``failed`` operation is definite (a ``FailureCode`` value), when known:
+    # ``input_refused`` (the worker's adapter did not act), ``resolved_by_operator``, ...
+    failure: str | None = None
     # Set once validate_syntax passed: the record is immutable, so it stays
     # valid, and a ledger re-validated several times per request checks each
     # record once. A changed record (dataclasses.replace) starts unchecked.
@@ -202,6 +244,7 @@ class WorkflowOperation:
             raise InvalidOperationKey(self.operation_key)
         if not _fingerprint(self.input_fingerprint):
             raise InvalidInputFingerprint()
+        _check_failure(self.operation_key, self.state, self.failure)
         compensation = self.compensation
         if compensation is None:
             return
@@ -215,63 +258,53 @@ class WorkflowOperation:
             raise InvalidCompensationTenantScope(compensation.tenant_scope)
         if not _fingerprint(compensation.grant_fingerprint):
             raise InvalidCompensationGrantFingerprint()
+        _check_failure(compensation.compensation_key, compensation.state, compensation.failure)
 
 
 # Strict JSON documents (private) ------------------------------------------------
 
 
-class _CompensationDoc(msgspec.Struct, forbid_unknown_fields=True):
-    compensation_key: str
-    input_fingerprint: str
-    tenant_scope: str
-    grant_fingerprint: str
-    state: StateKind
-
-
-class _OperationDoc(msgspec.Struct, forbid_unknown_fields=True):
-    step_id: str
-    tool: str
-    operation_key: str
-    input_fingerprint: str
-    state: StateKind
-    compensation: _CompensationDoc | None = None
-
-
-class _LedgerDoc(msgspec.Struct, forbid_unknown_fields=True):
-    format_version: Annotated[int, msgspec.Meta(ge=0, le=255)]
-    # msgspec bounds stop at int64; the u64 ceiling is checked after decoding.
-    revision: Annotated[int, msgspec.Meta(ge=0)]
-    plan_fingerprint: str
-    operations: list[_OperationDoc]
-
-
-def _operation_from_doc(doc: _OperationDoc) -> WorkflowOperation:
+def _operation_from_doc(doc: OperationDoc) -> WorkflowOperation:
     compensation = None
     if doc.compensation is not None:
         c = doc.compensation
         compensation = WorkflowCompensation(
-            c.compensation_key, c.input_fingerprint, c.tenant_scope, c.grant_fingerprint, c.state
+            c.compensation_key,
+            c.input_fingerprint,
+            c.tenant_scope,
+            c.grant_fingerprint,
+            c.state,
+            c.failure,
         )
     return WorkflowOperation(
-        doc.step_id, doc.tool, doc.operation_key, doc.input_fingerprint, doc.state, compensation
+        doc.step_id,
+        doc.tool,
+        doc.operation_key,
+        doc.input_fingerprint,
+        doc.state,
+        compensation,
+        doc.failure,
     )
 
 
-def _operation_to_doc(operation: WorkflowOperation) -> _OperationDoc:
-    compensation = None
-    if operation.compensation is not None:
-        c = operation.compensation
-        compensation = _CompensationDoc(
-            c.compensation_key, c.input_fingerprint, c.tenant_scope, c.grant_fingerprint, c.state
-        )
-    return _OperationDoc(
+def _operation_to_doc(operation: WorkflowOperation) -> OperationOut:
+    compensation: CompensationOut | None = None
+    c = operation.compensation
+    if c is not None:
+        fields = (c.compensation_key, c.input_fingerprint, c.tenant_scope, c.grant_fingerprint)
+        if c.failure is None:
+            compensation = CompensationOut(*fields, c.state)
+        else:
+            compensation = CompensationOutFailed(*fields, c.state, failure=c.failure)
+    fields2 = (
         operation.step_id,
         operation.tool,
         operation.operation_key,
         operation.input_fingerprint,
-        operation.state,
-        compensation,
     )
+    if operation.failure is None:
+        return OperationOut(*fields2, operation.state, compensation)
+    return OperationOutFailed(*fields2, operation.state, compensation, failure=operation.failure)
 
 
 # The ledger ---------------------------------------------------------------------
@@ -405,6 +438,7 @@ class WorkflowOperationLedger:
                 + _utf8_len(op.tool)
                 + _utf8_len(op.operation_key)
                 + _utf8_len(op.input_fingerprint)
+                + _failure_bound(op.failure)
             )
             c = op.compensation
             if c is not None:
@@ -414,6 +448,7 @@ class WorkflowOperationLedger:
                     + _utf8_len(c.input_fingerprint)
                     + _utf8_len(c.tenant_scope)
                     + _utf8_len(c.grant_fingerprint)
+                    + _failure_bound(c.failure)
                 )
         return bound
 
@@ -422,7 +457,7 @@ class WorkflowOperationLedger:
         self.validate_syntax()
         if self._size_bound() > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
             raise LedgerTooLarge()
-        doc = _LedgerDoc(
+        doc = LedgerOut(
             self._format_version,
             self._revision,
             self._plan_fingerprint,
@@ -444,7 +479,7 @@ class WorkflowOperationLedger:
         if size > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
             raise LedgerTooLarge()
         try:
-            doc = decode_struct(text, _LedgerDoc, error=InvalidLedgerEncoding)
+            doc = decode_struct(text, LedgerDoc, error=InvalidLedgerEncoding)
         except InvalidLedgerEncoding:
             raise
         except Exception as exc:
@@ -556,7 +591,9 @@ class WorkflowOperationLedger:
             raise InvalidStateTransition(operation.state, observed)
         if observed != operation.state:
             revision = _next_revision(self._revision)
-            self._operations[index] = replace(operation, state=observed)
+            self._operations[index] = replace(
+                operation, state=observed, failure=_failure_of(status)
+            )
             self._revision = revision
         return status
 
@@ -585,7 +622,9 @@ class WorkflowOperationLedger:
         if operation.state in TERMINAL_KINDS or not accepts(operation.state, target):
             raise InvalidStateTransition(operation.state, target)
         revision = _next_revision(self._revision)
-        self._operations[index] = replace(operation, state=target)
+        self._operations[index] = replace(
+            operation, state=target, failure=_operator_failure(target)
+        )
         self._revision = revision
         return target
 
@@ -627,7 +666,8 @@ class WorkflowOperationLedger:
         assert index is not None  # found above
         revision = _next_revision(self._revision)
         self._operations[index] = replace(
-            operation, compensation=replace(compensation, state=target)
+            operation,
+            compensation=replace(compensation, state=target, failure=_operator_failure(target)),
         )
         self._revision = revision
         return target
@@ -743,7 +783,8 @@ class WorkflowOperationLedger:
             revision = _next_revision(self._revision)
             operation = self._operations[index]
             self._operations[index] = replace(
-                operation, compensation=replace(compensation, state=observed)
+                operation,
+                compensation=replace(compensation, state=observed, failure=_failure_of(status)),
             )
             self._revision = revision
         return status

@@ -34,6 +34,14 @@ be looked up after a crash is not one. Plain (non-async) functions run in a
 worker thread, so a blocking client neither stalls the daemon nor escapes
 its deadline.
 
+A dispatch or compensation input that does not convert, or an adapter
+registered without its options, is refused before any function runs
+(``AdapterInvalidJsonInput`` with msgspec's message, "Expected `str`, got
+`int` - at `$.name"``; ``AdapterInvalidOptions``): the worker ends the key
+``failed`` with the code ``input_refused`` / ``options_refused``, definite,
+since nothing ran. Options refused at load name the field
+(``AdapterInvalidOptions``, shown by ``load_adapters``).
+
 What a function returns becomes the status: an ``OperationStatus``
 (``Succeeded``, ``Failed``, ``Running``, ``Cancelled``) as it is; any other
 value the JSON output of ``Succeeded`` (an object or an array); None from
@@ -55,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 
-from octo_common.errors import AdapterInvalidJsonInput, OctoError
+from octo_common.errors import AdapterInvalidJsonInput, AdapterInvalidOptions, OctoError
 from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, Running, Succeeded
 from octo_worker.adapters import (
@@ -64,6 +72,7 @@ from octo_worker.adapters import (
     DurableOperationContract,
     json_output_payload,
     run_handler,
+    validation_text,
 )
 
 if TYPE_CHECKING:
@@ -144,6 +153,7 @@ class FunctionAdapter(BaseWorkerAdapter, Generic[OptionsT]):
         self._inverse = inverse
         self._options_type = options
         self._options: Any = None
+        self._configured = options is None
         if deadline_seconds is not None:
             self.deadline_seconds = deadline_seconds
         self._dispatch: Callable[..., Any] | None = None
@@ -191,12 +201,16 @@ class FunctionAdapter(BaseWorkerAdapter, Generic[OptionsT]):
         configured = copy.copy(self)
         if self._options_type is None:
             if options:
-                raise TypeError(f"{self.tool} takes no options")
+                raise AdapterInvalidOptions(
+                    f"{self.tool} takes no options (given: {', '.join(sorted(options))})"
+                )
         else:
             try:
                 configured._options = msgspec.convert(options, self._options_type, strict=True)
             except msgspec.ValidationError as exc:
-                raise ValueError(str(exc)) from None
+                # msgspec names the field and the expected type, never a value.
+                raise AdapterInvalidOptions(validation_text(exc)) from None
+            configured._configured = True
         return configured
 
     # -- the contract ------------------------------------------------------------------
@@ -251,6 +265,10 @@ class FunctionAdapter(BaseWorkerAdapter, Generic[OptionsT]):
     def _call(
         self, context: AdapterContext, operation_key: str, original: str
     ) -> AdapterCall[OptionsT]:
+        if not self._configured:
+            # Registered as declared, never called with its options: a function
+            # would get None for a typed value. Refused before it runs.
+            raise AdapterInvalidOptions(f"{self.tool} was registered without its options")
         return AdapterCall(context, operation_key, original, self._options)
 
 
@@ -268,8 +286,14 @@ def _converted(payload: ToolPayload, kind: type[Any]) -> Any:
         raise AdapterInvalidJsonInput("payload is not JSON")
     try:
         return msgspec.convert(payload.value, kind, strict=True)
-    except (msgspec.ValidationError, TypeError, ValueError) as exc:
-        raise AdapterInvalidJsonInput(type(exc).__name__) from None
+    except msgspec.ValidationError as exc:
+        # msgspec's message names the field and the expected type ("Expected
+        # `str`, got `int` - at `$.name`"), never the value: the failure text.
+        raise AdapterInvalidJsonInput(validation_text(exc)) from None
+    except (TypeError, ValueError) as exc:
+        raise AdapterInvalidJsonInput(
+            f"the input does not convert ({type(exc).__name__})"
+        ) from None
 
 
 def _original_key(

@@ -14,6 +14,11 @@ This module owns:
 * ``call_adapter`` / ``call_adapter_with_deadline``, the only way the worker
   calls an adapter method: one deadline, and every failure mapped to an
   adapter error without its text;
+* ``refusal_status``, the one rule telling "did not act" from "may have
+  acted": an effect method that refuses its input or its options before any
+  effect (``AdapterInvalidJsonInput``, ``AdapterInvalidOptions``) ends the key
+  ``failed`` with a :class:`~octo_common.states.FailureCode`; every other
+  error leaves it ``pending`` for a status lookup;
 * ``load_adapters``, which loads *only* the configured names of the
   entry-point group ``octo.adapters``.
 
@@ -28,6 +33,7 @@ import enum
 import importlib.metadata
 import inspect
 import math
+import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -41,6 +47,7 @@ from octo_common.errors import (
     AdapterIndeterminate,
     AdapterInvalidJsonInput,
     AdapterInvalidJsonOutput,
+    AdapterInvalidOptions,
     AdapterUnsupported,
     DuplicateTool,
     InvalidTool,
@@ -49,7 +56,9 @@ from octo_common.errors import (
     WorkerAdapterError,
 )
 from octo_common.ids import is_fingerprint, is_token, validate_token
+from octo_common.limits import MAX_OPERATION_ERROR_BYTES
 from octo_common.payload import ToolPayload
+from octo_common.states import Failed, FailureCode
 
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
@@ -79,6 +88,8 @@ __all__ = [
     "call_adapter",
     "call_adapter_with_deadline",
     "load_adapters",
+    "refusal_status",
+    "validation_text",
     "run_handler",
 ]
 
@@ -93,8 +104,13 @@ class AdapterLoadFailed(OctoError):
     """An enabled adapter is installed but could not be loaded: its module (or a
     module it imports) raised, or its factory refused its options or raised.
 
-    ``reason`` names only the exception class (and a missing module's name),
-    never its text, which could carry an option's value.
+    ``reason`` names the exception class (and a missing module's name); for
+    options it shows what names the field and never a value: the options that
+    do not bind to the factory's parameters (a missing or unknown option's
+    name), or the detail of an ``AdapterInvalidOptions`` the factory raised
+    (a ``FunctionAdapter``'s validation message, "Object missing required
+    field `bucket`"). Any other exception's text is never shown: it could
+    carry an option's value.
     """
 
     _fields = ("adapter", "reason")
@@ -295,11 +311,24 @@ class BaseWorkerAdapter:
         Performs the effect at most once and returns its status (``Running``,
         ``Succeeded``, ``Failed``, ``Cancelled``). Names the effect (and
         deduplicates it at a provider) by ``context.idempotency_key``, never
-        by the bare operation key, which another tenant may share. Raise
-        ``AdapterIndeterminate`` when the outcome is unknown: the row stays
-        ``pending`` and only ``reconcile_operation`` can resolve it. Must
-        never retry the effect by itself or keep it running unaccounted for
-        after returning.
+        by the bare operation key, which another tenant may share.
+
+        What it raises tells "did not act" from "may have acted":
+
+        * ``AdapterInvalidJsonInput`` (the input does not meet the adapter's
+          contract) or ``AdapterInvalidOptions`` (its configuration refuses
+          the call), raised before anything is touched: the worker records
+          the key ``failed`` with the code ``input_refused`` /
+          ``options_refused`` and the error's detail as the failure text
+          (a validation message: never a value of the input or a secret).
+          The key is definite; the adapter is never called for it again.
+          Raise them only when nothing was done.
+        * ``AdapterIndeterminate`` when the outcome is unknown, any other
+          error, or the deadline: the row stays ``pending`` and only
+          ``reconcile_operation`` (or an operator) can resolve it.
+
+        Must never retry the effect by itself or keep it running
+        unaccounted for after returning.
         """
         raise AdapterUnsupported("dispatch_operation")
 
@@ -598,6 +627,45 @@ async def call_adapter_with_deadline(
     return result
 
 
+def refusal_status(error: BaseException) -> Failed | None:
+    """The definite status of an effect method's refusal before any effect, or None.
+
+    ``AdapterInvalidJsonInput`` → ``Failed(detail, code="input_refused")``;
+    ``AdapterInvalidOptions`` → ``Failed(detail, code="options_refused")``;
+    the failure text is the error's detail (cut to the 4096-byte bound at a
+    character boundary), or its generic text when it has none. Any other
+    error (indeterminate, failed, a deadline) is None: the adapter may have
+    acted, and the key stays ``pending``.
+    """
+    if isinstance(error, AdapterInvalidJsonInput):
+        code = FailureCode.INPUT_REFUSED
+    elif isinstance(error, AdapterInvalidOptions):
+        code = FailureCode.OPTIONS_REFUSED
+    else:
+        return None
+    detail = error.detail if isinstance(error.detail, str) and error.detail else str(error)
+    return Failed(_bounded_text(detail), code.value)
+
+
+# msgspec's only message that quotes the value it refused (an enum or a literal).
+_ENUM_VALUE = re.compile(r"^Invalid enum value .*?(?= - at `|$)", re.DOTALL)
+
+
+def validation_text(error: msgspec.ValidationError) -> str:
+    """msgspec's message for a value that does not convert, without any value:
+    the expected type and the field ("Expected `str`, got `int` - at `$.name`",
+    "Object missing required field `bucket`"); an enum or literal mismatch,
+    which msgspec quotes, becomes "Invalid enum value - at `$.undo`"."""
+    return _ENUM_VALUE.sub("Invalid enum value", str(error))
+
+
+def _bounded_text(text: str) -> str:
+    data = text.encode("utf-8", "replace")
+    if len(data) <= MAX_OPERATION_ERROR_BYTES:
+        return data.decode("utf-8")
+    return data[:MAX_OPERATION_ERROR_BYTES].decode("utf-8", "ignore")
+
+
 # Entry-point discovery ------------------------------------------------------
 
 
@@ -650,8 +718,16 @@ def load_adapters(
             raise MissingAdapter(name) from None  # the module lacks the named object
         except Exception as exc:  # SyntaxError included: a module that raises on import
             raise AdapterLoadFailed(name, f"its module raised {type(exc).__name__}") from None
+        given = dict(options.get(name, {}))
+        unbound = _unbound_options(factory, given)
+        if unbound is not None:
+            raise AdapterLoadFailed(name, f"its options were refused: {unbound}") from None
         try:
-            adapter = factory(**dict(options.get(name, {})))
+            adapter = factory(**given)
+        except AdapterInvalidOptions as exc:
+            raise AdapterLoadFailed(
+                name, f"its options were refused: {exc.detail or exc}"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise AdapterLoadFailed(
                 name, f"it refused its options ({type(exc).__name__}): see adapters.options"
@@ -666,6 +742,23 @@ def load_adapters(
         _check_context_argument(name, adapter)
         registry.register(name, adapter)
     return registry
+
+
+def _unbound_options(factory: Callable[..., Any], options: Mapping[str, Any]) -> str | None:
+    """Why ``options`` cannot be passed to ``factory`` as keywords, naming only the
+    parameters (a missing one, an unknown one), or None when they bind or the
+    factory's signature cannot be read."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(**options)
+    except TypeError as exc:
+        # inspect's own text: parameter names only ("missing a required
+        # argument: 'effect_log'", "got an unexpected keyword argument 'x'").
+        return str(exc)
+    return None
 
 
 # The five methods the worker calls as ``method(request, grant, context)`` (D12).

@@ -88,7 +88,12 @@ from octo_common.digest import adapter_idempotency_key
 from octo_common.errors import AdapterFailed, AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
-from octo_worker.adapters import AdapterContext, BaseWorkerAdapter, DurableOperationContract
+from octo_worker.adapters import (
+    AdapterContext,
+    BaseWorkerAdapter,
+    DurableOperationContract,
+    validation_text,
+)
 from octo_worker.adapters_files_disk import (
     TMP_PREFIX,
     append_line,
@@ -200,8 +205,8 @@ def _parse_publish(payload: ToolPayload, grant: CapabilityGrant) -> tuple[str, b
     value = _json_object(payload, "publish input")
     try:
         parsed = msgspec.convert(value, _PublishInput, strict=True)
-    except msgspec.ValidationError:
-        raise AdapterInvalidJsonInput("publish input does not match its contract") from None
+    except msgspec.ValidationError as exc:
+        raise AdapterInvalidJsonInput(f"publish input: {validation_text(exc)}") from None
     if not _valid_name(parsed.name):
         raise AdapterInvalidJsonInput("unsafe file name")
     try:
@@ -218,8 +223,8 @@ def _parse_undo(payload: ToolPayload) -> str:
     value = _json_object(payload, "inverse input")
     try:
         parsed = msgspec.convert(value, _UndoInput, strict=True)
-    except msgspec.ValidationError:
-        raise AdapterInvalidJsonInput("inverse input does not match its contract") from None
+    except msgspec.ValidationError as exc:
+        raise AdapterInvalidJsonInput(f"inverse input: {validation_text(exc)}") from None
     if parsed.undo != "publish":
         raise AdapterInvalidJsonInput("inverse input names another action")
     if not _valid_name(parsed.name):

@@ -78,12 +78,22 @@ from octo_common.messages import (
     message_type,
 )
 from octo_common.payload import ToolPayload
-from octo_common.states import TERMINAL_KINDS, Cancelled, Failed, Pending, Running, Succeeded
+from octo_common.states import (
+    TERMINAL_KINDS,
+    Cancelled,
+    Failed,
+    FailureCode,
+    Pending,
+    Running,
+    Succeeded,
+    did_not_act,
+)
 from octo_worker.adapters import (
     AdapterContext,
     DurableOperationContract,
     InvocationSafety,
     WorkerAdapterRegistry,
+    refusal_status,
 )
 from octo_worker.handling import (
     Ack,
@@ -341,9 +351,16 @@ class SessionAnswers:
         assert kind.indeterminate is not None and run.operation_key is not None
         keys = (run.operation_key, run.compensation_key)
         if error is not None:
-            if isinstance(error, AdapterIndeterminate):
-                return await self._refuse_locked(run, kind.indeterminate(*keys, "adapter"))
-            return await self._refuse_locked(run, AdapterError(request.tool, _adapter_code(error)))
+            # Refused before any effect (its input or options): the adapter did
+            # not act, so the key ends failed, definite, with the refusal's code.
+            refused = refusal_status(error)
+            if refused is None:
+                if isinstance(error, AdapterIndeterminate):
+                    return await self._refuse_locked(run, kind.indeterminate(*keys, "adapter"))
+                return await self._refuse_locked(
+                    run, AdapterError(request.tool, _adapter_code(error))
+                )
+            status = refused
         # Built only when refused: this is the hot path of every dispatch.
         if not isinstance(status, STATUS_TYPES):
             return await self._refuse_locked(run, kind.indeterminate(*keys, "protocol"))
@@ -379,8 +396,14 @@ class SessionAnswers:
             return await self._refuse_load_error(run)
         try:
             kind.admit(journal, auth)
+            settled = kind.lookup(journal, request, auth.grant).state
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        if settled_without_adapter(settled):
+            # The adapter never acted under this key (or an operator settled it):
+            # it has nothing to look up, and the row is terminal. Answered from
+            # the journal; no budget is spent and no adapter is asked.
+            return await self._settled_answer_locked(kind, run, request, auth, settled)
         # Session total first, then per tool (W§10.6 reconcile step 3). Both
         # lookup kinds spend these same counters (D11).
         if self._reconciliations_total >= self._limits.per_session:
@@ -426,6 +449,17 @@ class SessionAnswers:
             return await self._refuse_locked(run, exc)
         run.log.info(kind.observed_event, state=str(status.kind))
         return await self._respond_locked(run, kind.answer(result), journal.changeset())
+
+    async def _settled_answer_locked(
+        self, kind: KeyedKind, run: Handling, request: Any, auth: Any, state: Any
+    ) -> FinalStep:
+        try:
+            result = kind.result(self._session_id, request, state)
+            kind.validate_result(self._issuer(run), auth, result)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        run.log.info(kind.observed_event, state=str(state.kind), settled=True)
+        return await self._respond_locked(run, kind.answer(result))
 
     def _adapter_step(
         self,
@@ -617,6 +651,14 @@ def _poison_refusal(run: Handling, failure: OctoError) -> OctoError:
     if revision:
         return failure
     return JournalPersistenceFailed(failure.code)
+
+
+def settled_without_adapter(state: Any) -> bool:
+    """A row a status lookup answers from the journal: ``failed`` because the
+    adapter did not act (``DID_NOT_ACT_CODES``) or because an operator decided."""
+    return did_not_act(state) or (
+        isinstance(state, Failed) and state.code == FailureCode.RESOLVED_BY_OPERATOR
+    )
 
 
 def _declaration(method: Callable[[], object], kind: type[enum.Enum]) -> object | None:

@@ -234,10 +234,26 @@ class AdapterUnsupported(WorkerAdapterError):
 
 
 class AdapterInvalidJsonInput(WorkerAdapterError):
+    """The adapter refused the request's input before any effect: raised from an
+    effect method, it ends the key ``failed`` (``input_refused``) with ``detail``
+    as the failure text (a validation message, never the input's values)."""
+
     _fields = ("detail",)
     _defaults = {"detail": ""}
     _hidden = frozenset({"detail"})
     _text = "adapter refused its JSON input"
+    detail: str
+
+
+class AdapterInvalidOptions(WorkerAdapterError):
+    """The adapter's own options (its configuration) refuse this call, before any
+    effect: raised from an effect method, it ends the key ``failed``
+    (``options_refused``); ``detail`` names the option, never its value."""
+
+    _fields = ("detail",)
+    _defaults = {"detail": ""}
+    _hidden = frozenset({"detail"})
+    _text = "adapter refused the call: its options do not allow it"
     detail: str
 
 

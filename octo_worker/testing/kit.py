@@ -13,11 +13,16 @@ adapter runs, a duplicate answered from the journal, a compensation
 authorized against the grant and the journal, both lookups (D11). Every
 call the worker makes to the plug-in goes through :class:`CountingAdapter`,
 so a test can say how many real calls a scenario cost (``kit.calls``).
-A lookup is always asked (the worker never answers one from its journal
-alone) and must agree with what the journal holds: a lookup that reports
-another output than the dispatch returned is refused
-(``invalid_worker_operation_transition``), which the kit shows as the
-daemon would.
+A lookup is asked (and must agree with what the journal holds: a lookup
+that reports another output than the dispatch returned is refused,
+``invalid_worker_operation_transition``, which the kit shows as the daemon
+would), except for a key the plug-in never acted on: an input or options
+refusal before any effect ends the key ``failed`` with the code
+``input_refused`` / ``options_refused`` and the refusal's text (msgspec's
+"Expected `int`, got `str` - at `$.cents`" for a ``FunctionAdapter``), and a
+lookup of it is answered from the journal. The plug-in's own exception of
+any other refusal is the cause of the ``WorkerRequestRejected`` the kit
+raises, and ``kit.last_error``.
 
 A simulated crash (:meth:`AdapterKit.dispatch_crashing`,
 :meth:`AdapterKit.compensate_crashing`) stops the handling at one of the
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -107,15 +112,27 @@ class CountingAdapter:
 
     ``calls["dispatch_operation"]`` is the number of times the worker asked
     the plug-in to perform the effect; the declarations are passed through.
+    ``raised`` keeps each exception a call raised, with the method's name, as
+    the plug-in raised it (the worker sends only its code): a test reads the
+    real message there, "Expected `int`, got `str` - at `$.cents`".
     """
 
     def __init__(self, inner: WorkerAdapter) -> None:
         self.inner = inner
         self.calls: Counter[str] = Counter()
+        self.raised: list[tuple[str, BaseException]] = []
         self.tool = getattr(inner, "tool", None)
         deadline = getattr(inner, "deadline_seconds", None)
         if deadline is not None:
             self.deadline_seconds = deadline
+
+    async def _called(self, method: str, call: Awaitable[Any]) -> Any:
+        self.calls[method] += 1
+        try:
+            return await call
+        except Exception as exc:
+            self.raised.append((method, exc))
+            raise
 
     def invocation_safety(self) -> Any:
         return self.inner.invocation_safety()
@@ -124,24 +141,27 @@ class CountingAdapter:
         return self.inner.durable_operation_contract()
 
     async def invoke(self, request: Any, grant: Any, context: Any) -> Any:
-        self.calls["invoke"] += 1
-        return await self.inner.invoke(request, grant, context)
+        return await self._called("invoke", self.inner.invoke(request, grant, context))
 
     async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        self.calls["dispatch_operation"] += 1
-        return await self.inner.dispatch_operation(request, grant, context)
+        return await self._called(
+            "dispatch_operation", self.inner.dispatch_operation(request, grant, context)
+        )
 
     async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        self.calls["compensate_operation"] += 1
-        return await self.inner.compensate_operation(request, grant, context)
+        return await self._called(
+            "compensate_operation", self.inner.compensate_operation(request, grant, context)
+        )
 
     async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        self.calls["reconcile_operation"] += 1
-        return await self.inner.reconcile_operation(request, grant, context)
+        return await self._called(
+            "reconcile_operation", self.inner.reconcile_operation(request, grant, context)
+        )
 
     async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
-        self.calls["reconcile_compensation"] += 1
-        return await self.inner.reconcile_compensation(request, grant, context)
+        return await self._called(
+            "reconcile_compensation", self.inner.reconcile_compensation(request, grant, context)
+        )
 
 
 @dataclass
@@ -369,10 +389,23 @@ class AdapterKit:
         return delivery
 
     async def _answer(self, frame: bytes) -> OperationStatus:
+        before = len(self.adapter.raised)
         delivery = await self.deliver(frame)
         if len(delivery.replies) != 1:
             raise AssertionError(f"expected one reply, the worker did: {delivery.events}")
-        return status_of(delivery.replies[0])
+        try:
+            return status_of(delivery.replies[0])
+        except WorkerRequestRejected as refused:
+            raised = self.adapter.raised[before:]
+            if raised:
+                # The plug-in's own exception, with its text, as the cause.
+                raise refused from raised[-1][1]
+            raise
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The last exception the plug-in raised (its own text), or None."""
+        return self.adapter.raised[-1][1] if self.adapter.raised else None
 
     async def dispatch(self, payload: ToolPayload, key: str | None = None) -> OperationStatus:
         """``dispatch_operation`` of ``key`` (a fresh one by default); the reply's status.

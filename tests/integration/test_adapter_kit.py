@@ -16,9 +16,9 @@ from typing import Literal
 import msgspec
 import pytest
 
-from octo_common.errors import WorkerRequestRejected
+from octo_common.errors import AdapterInvalidJsonInput, AdapterInvalidOptions, WorkerRequestRejected
 from octo_common.payload import ToolPayload
-from octo_common.states import StateKind, Succeeded
+from octo_common.states import Failed, StateKind, Succeeded
 from octo_worker.adapter_functions import AdapterCall, FunctionAdapter, FunctionAdapterIncomplete
 from octo_worker.adapters import AdapterContext, DurableOperationContract, WorkerAdapter
 from octo_worker.testing import KILL_POINTS, AdapterKit, counts
@@ -125,11 +125,56 @@ async def test_an_input_that_does_not_convert_never_reaches_the_function(
     configured: WorkerAdapter, provider: Provider, tmp_path: Path
 ) -> None:
     async with AdapterKit(configured, tmp_path) as kit:
-        with pytest.raises(WorkerRequestRejected) as refused:
-            await kit.dispatch(ToolPayload.json({"account": "acc-1", "cents": "250"}))
-        assert refused.value.rejection_code == "adapter_error"
+        key = kit.new_key()
+        bad = ToolPayload.json({"account": "acc-1", "cents": "250"})
+        state = await kit.dispatch(bad, key)
+        # Did not act: failed, definite, with msgspec's own message and the field.
+        assert isinstance(state, Failed)
+        assert state.code == "input_refused"
+        assert state.message == "Expected `int`, got `str` - at `$.cents`"
+        assert isinstance(kit.last_error, AdapterInvalidJsonInput)
+        assert counts(kit.calls) == {"dispatch_operation": 1}
+        # A duplicate and a lookup are answered from the journal: nothing is asked.
+        assert await kit.dispatch(bad, key) == state
+        assert await kit.reconcile(key) == state
         assert counts(kit.calls) == {"dispatch_operation": 1}
         assert provider.effects == 0
+
+
+async def test_a_function_adapter_registered_without_its_options_refuses_before_running(
+    provider: Provider, tmp_path: Path
+) -> None:
+    declared = transfer_adapter(provider)  # never called with its options
+    async with AdapterKit(declared, tmp_path) as kit:
+        state = await kit.dispatch(PAYLOAD)
+        assert isinstance(state, Failed) and state.code == "options_refused"
+        assert "without its options" in state.message
+        assert provider.effects == 0
+
+
+async def test_an_adapter_failure_is_the_cause_of_the_kits_refusal(
+    provider: Provider, tmp_path: Path
+) -> None:
+    adapter = FunctionAdapter(
+        TOOL, contract=DurableOperationContract.RECONCILIATION, input=Transfer
+    )
+
+    @adapter.dispatch
+    async def send(value: Transfer, call: AdapterCall[None]) -> None:
+        raise ConnectionError("provider unreachable at 10.0.0.7")
+
+    @adapter.lookup
+    async def look(call: AdapterCall[None]) -> None:
+        return None
+
+    async with AdapterKit(adapter(), tmp_path) as kit:
+        with pytest.raises(WorkerRequestRejected) as refused:
+            await kit.dispatch(PAYLOAD)
+        # May have acted: the key stays pending, the code goes to the host, and
+        # the test sees the plug-in's own exception.
+        assert refused.value.rejection_code == "adapter_error"
+        assert isinstance(refused.value.__cause__, ConnectionError)
+        assert str(kit.last_error) == "provider unreachable at 10.0.0.7"
 
 
 async def test_compensation_checks_the_inverse_contract_then_runs_once(
@@ -157,9 +202,10 @@ async def test_a_wrong_inverse_is_refused_before_any_effect(
     async with AdapterKit(configured, tmp_path) as kit:
         key = kit.new_key()
         await kit.dispatch(PAYLOAD, key)
-        with pytest.raises(WorkerRequestRejected) as refused:
-            await kit.compensate(key, ToolPayload.json({"undo": "everything"}))
-        assert refused.value.rejection_code == "adapter_error"
+        undone = await kit.compensate(key, ToolPayload.json({"undo": "everything"}))
+        assert isinstance(undone, Failed) and undone.code == "input_refused"
+        # msgspec quotes a refused enum value: the failure text never does.
+        assert undone.message == "Invalid enum value - at `$.undo`"
         assert provider.refunded == {}
 
 
@@ -231,10 +277,15 @@ async def test_a_function_adapter_needs_dispatch_and_its_lookup_and_typed_option
         return None
 
     assert bare() is not bare  # a configured copy
-    with pytest.raises(TypeError):
+    with pytest.raises(AdapterInvalidOptions) as none_taken:
         bare(currency="EUR")  # no options type: none accepted
-    with pytest.raises(ValueError):
+    assert none_taken.value.detail == f"{TOOL} takes no options (given: currency)"
+    with pytest.raises(AdapterInvalidOptions) as strict:
         transfer_adapter(provider)(currency=978)  # options are converted strictly
+    assert strict.value.detail == "Expected `str`, got `int` - at `$.currency`"
+    with pytest.raises(AdapterInvalidOptions) as missing_option:
+        transfer_adapter(provider)()
+    assert missing_option.value.detail == "Object missing required field `currency`"
 
 
 async def test_the_fixture_loads_a_plugin_by_its_entry_point(adapter_kit: object) -> None:

@@ -761,7 +761,11 @@ def test_entry_points_that_do_not_yield_the_named_adapter(
     ("name", "options", "reason"),
     [
         ("token.tool", {}, "its factory raised KeyError"),
-        ("echo.tool", {"colour": "red"}, "it refused its options (TypeError)"),
+        (
+            "echo.tool",
+            {"colour": "red"},
+            "its options were refused: got an unexpected keyword argument 'colour'",
+        ),
         ("dependent.tool", {}, "'octo_dependency_that_is_not_installed', which is missing"),
         ("raising.tool", {}, "its module raised RuntimeError"),
     ],

@@ -149,6 +149,7 @@ HOST_PURE = (
     "octo_host.plan",
     "octo_host.policy",
     "octo_host.ledger",
+    "octo_host.ledger_json",
     "octo_host.compensation",
     "octo_host.engine",
     "octo_host.kinds",
