@@ -56,6 +56,9 @@ MAX_WORKFLOW_OPERATION_INPUT_BYTES: Final = 262_144
 MAX_WORKFLOW_OPERATION_NONCE_BYTES: Final = 128
 MAX_ERROR_PREVIEW_BYTES: Final = 96
 
+# The payload codec of a session's frames (named in open_session).
+PAYLOAD_CODEC: Final = "chacha20-poly1305"
+
 # Storage (H§2, H§17).
 STORAGE_KEY_BYTES: Final = 32
 MAX_STORAGE_KEY_ID_BYTES: Final = 64

@@ -19,11 +19,12 @@ from octo_common.errors import (
 )
 from octo_common.grants import CapabilityManifest
 from octo_common.ids import (
+    is_token,
     validate_compensation_key,
     validate_rejection_code,
     validate_token,
 )
-from octo_common.limits import MAX_WIRE_FRAME_BYTES, PROTOCOL_VERSION
+from octo_common.limits import MAX_WIRE_FRAME_BYTES, PAYLOAD_CODEC, PROTOCOL_VERSION
 from octo_common.requests import (
     U16,
     CompensationReconcileRequest,
@@ -78,6 +79,11 @@ __all__ = [
 ]
 
 
+def _is_reply_queue(name: str) -> bool:
+    prefix = "octo.v5.reply."
+    return isinstance(name, str) and name.startswith(prefix) and is_token(name[len(prefix) :])
+
+
 # Messages (W§4.2) -------------------------------------------------------------
 
 
@@ -85,11 +91,27 @@ class _Message(ProtocolStruct, frozen=True, tag_field="type"):
     pass
 
 
-class OpenSession(_Message, frozen=True, tag="open_session"):
+class OpenSession(_Message, frozen=True, tag="open_session", omit_defaults=True):
+    """A session's grants, and what its opener binds into the sealed frame.
+
+    ``reply_to``: the one reply queue of the session; a worker refuses a
+    delivery of this frame that names any other (a copy republished with a
+    foreign ``reply_to`` gets no reply). ``payload_codec``: every later frame
+    of the session travels encrypted (:mod:`octo_common.payload_codec`). Both
+    are left out of the encoding when absent, so a frame without them is
+    byte for byte the frame of the protocol's base form.
+    """
+
     manifest: CapabilityManifest
+    reply_to: str | None = None
+    payload_codec: str | None = None
 
     def validate(self) -> None:
         self.manifest.validate()
+        if self.reply_to is not None and not _is_reply_queue(self.reply_to):
+            raise SerializationError("open_session reply_to must be a host reply queue")
+        if self.payload_codec is not None and self.payload_codec != PAYLOAD_CODEC:
+            raise SerializationError("open_session names an unknown payload codec")
 
 
 class Invoke(_Message, frozen=True, tag="invoke"):

@@ -37,7 +37,11 @@ from octo_common.runtime.keyfiles import (
     load_storage_key,
 )
 from octo_common.runtime.postgres import check_schema, check_url, redacted_url
-from octo_common.transport import DEFAULT_DEAD_MAX_BYTES, DEFAULT_DEAD_MAX_LENGTH
+from octo_common.transport import (
+    DEFAULT_DEAD_MAX_BYTES,
+    DEFAULT_DEAD_MAX_LENGTH,
+    host_id_of_reply_queue,
+)
 
 __all__ = [
     "BrokerConfig",
@@ -105,6 +109,10 @@ class ScopeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     key_file: str
     max_concurrency: int = 32
+    # Reply queues a session of this scope may use without having sealed its
+    # reply queue into its open_session (a host of the protocol's base form).
+    # A session that sealed one replies there only.
+    reply_queues: tuple[str, ...] = ()
 
 
 class AdaptersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -295,6 +303,12 @@ def _check(config: WorkerConfig) -> None:
         seen.add(scope.name)
         if scope.max_concurrency < 1:
             raise InvalidConfiguration(f"scopes[{index}].max_concurrency: must be at least 1")
+        for queue in scope.reply_queues:
+            if host_id_of_reply_queue(queue) is None:
+                raise InvalidConfiguration(
+                    f"scopes[{index}].reply_queues: {queue!r} is not a host reply queue"
+                    " (octo.v5.reply.<host-id>)"
+                )
     broker = config.broker
     if not 1 <= broker.prefetch <= 65535:
         raise InvalidConfiguration("broker.prefetch: must be in 1..65535")

@@ -192,6 +192,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                 scope_config.name,
                 keys[scope_config.name],
                 asyncio.Semaphore(scope_config.max_concurrency),
+                frozenset(scope_config.reply_queues),
             )
             self._scopes[scope.name] = scope
             try:

@@ -319,6 +319,7 @@ class DeliveryPath:
                 scope=scope.name,
                 key_nonce=key_nonce,
                 reply_to=str(message.reply_to),
+                allowed_reply_queues=scope.reply_queues,
                 store=self.store,
                 lease=lease,
                 adapters=self._adapters,

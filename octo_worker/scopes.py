@@ -64,6 +64,8 @@ class ServedScope:
     name: str
     key: ScopeKey
     semaphore: asyncio.Semaphore
+    # Reply queues the configuration allows for sessions that sealed none.
+    reply_queues: frozenset[str] = frozenset()
     lease: WorkerJournalLease | None = None
     reserving: bool = False
     reload: asyncio.Task[Any] | None = None

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import structlog
@@ -60,6 +61,7 @@ from octo_common.errors import (
     InvalidKeyNonce,
     MissingAdapter,
     OctoError,
+    ReplyQueueNotAllowed,
     RequiresWorkerAuthenticator,
     SessionPoisoned,
     StorageBackendError,
@@ -193,11 +195,16 @@ class WorkerSession(SessionAnswers):
         adapters: WorkerAdapterRegistry,
         limits: WorkerSessionLimits,
         hooks: WorkerHooks = NO_HOOKS,
+        allowed_reply_queues: AbstractSet[str] = frozenset(),
     ) -> WorkerSession:
         """Open a session from its authenticated ``open_session`` frame (W§10.4).
 
         Runs steps 1–8 in order and raises the failing step's error; the
-        daemon dead-letters with its code. No reply is ever sent.
+        daemon dead-letters with its code. No reply is ever sent. The
+        delivery's ``reply_to`` becomes the session's one reply queue only
+        when it is the queue sealed into the frame, or (for a frame that
+        seals none) one of ``allowed_reply_queues``: a copy of the frame
+        republished with a queue of someone else's is ``ReplyQueueNotAllowed``.
         """
         if authenticator.role != SessionRole.WORKER:
             raise RequiresWorkerAuthenticator()
@@ -216,6 +223,9 @@ class WorkerSession(SessionAnswers):
         if not isinstance(reply_to, str) or not reply_to:
             # Every reply of the session goes to this queue (W§12.1).
             raise InvalidFrameHeaders()
+        bound = message.reply_to
+        if reply_to != bound and (bound is not None or reply_to not in allowed_reply_queues):
+            raise ReplyQueueNotAllowed()
         session = cls(
             scope=scope,
             session_id=authenticator.session_id,

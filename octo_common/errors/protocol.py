@@ -151,6 +151,10 @@ class CancellationIdMatchesRequest(ProtocolError):
     _text = "cancellation id must differ from the request id"
 
 
+class ReplyCorrelationMismatch(ProtocolError):
+    _text = "an authentic reply answers another request than its correlation id names"
+
+
 class OperationResultMismatch(ProtocolError):
     _text = "operation result does not match its request"
 

@@ -224,6 +224,13 @@ class InvalidFrameHeaders(WorkerError):
     _text = "frame headers are missing or malformed"
 
 
+class ReplyQueueNotAllowed(WorkerError):
+    _text = (
+        "the delivery's reply queue is neither the one sealed into open_session "
+        "nor one the scope's configuration allows"
+    )
+
+
 # Adapter (W§10.2) -----------------------------------------------------------
 
 

@@ -38,12 +38,13 @@ from octo_common.errors import (
     InvalidCompensationStateTransition,
     InvalidStateTransition,
     OctoError,
+    ReplyCorrelationMismatch,
     UnexpectedMessage,
     WriteConflict,
 )
 from octo_common.frames import SessionAuthenticator
 from octo_common.inbound import Refused, Unrouted, gate
-from octo_common.messages import WorkerMessage, message_type
+from octo_common.messages import WorkerMessage, message_type, request_id_of
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.states import Running
 from octo_host.client.broker import HostBroker
@@ -230,6 +231,17 @@ class ReplyRouter:
     ) -> None:
         opened = await self._open_or_settle(session.authenticator, message)
         if opened is None:
+            return
+        if request_id_of(opened) != correlation_id:
+            # The correlation id is not authenticated: a reply whose sealed
+            # request id is another's never reaches this waiter.
+            self._log.warning(
+                "reply_correlation_mismatch",
+                session_id=session.session_id,
+                type=message_type(opened),
+                request_id=correlation_id,
+            )
+            await self._broker.dead_letter(message, ReplyCorrelationMismatch.code)
             return
         session._waiters.pop(correlation_id, None)
         await self._broker.ack(message)

@@ -342,7 +342,9 @@ class SessionRegistry:
         authenticator = SessionAuthenticator(session_id, key, SessionRole.HOST)
         opening = CapabilityManifest(session_id, manifest.grants)
         session = HostSession(scope, opening, key_nonce, authenticator)
-        frame = authenticator.seal(OpenSession(opening))
+        # The reply queue is sealed in: a copy of this frame republished with
+        # another queue's name gets no reply there.
+        frame = authenticator.seal(OpenSession(opening, reply_to=self._broker.reply_queue))
         self.retire_closed()
         self.by_id[session_id] = session
         try:

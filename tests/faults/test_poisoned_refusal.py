@@ -131,7 +131,9 @@ async def test_a_sigkill_while_the_reload_waits_never_lets_a_refusal_sequence_be
         host = RawHost(await open_confirm_channel(connection), env.scope, host_id, env.scope_key)
         await host.start(connection)
         session = host.session()
-        opening = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+        opening = session.auth.seal(
+            OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=host.reply_queue)
+        )
         await host.publish(opening, headers=host.headers(session, "open"))
 
         # An effect that keeps running: the reload after the poisoning waits for it.

@@ -578,7 +578,9 @@ class RawHost:
         )
 
     async def open(self, session: RawSession, marker: str = "open") -> None:
-        frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+        frame = session.auth.seal(
+            OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=self.reply_queue)
+        )
         await self.publish(frame, headers=self.headers(session, marker))
 
 

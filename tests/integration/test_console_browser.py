@@ -148,7 +148,9 @@ async def _poison(url: str, files: WorkerFiles) -> str:
         exchange = await channel.get_exchange(EXCHANGE, ensure=False)
         await replies.bind(exchange, routing_key=reply_queue(peer.host_id))
         grant = CapabilityGrant(PUBLISH, "json", max_calls=4)
-        opening = OpenSession(CapabilityManifest(peer.session_id, [grant]))
+        opening = OpenSession(
+            CapabilityManifest(peer.session_id, [grant]), reply_to=reply_queue(peer.host_id)
+        )
         await peer.publish(channel, peer.host.seal(opening), None)
         await asyncio.to_thread(_wait_status, files, peer.session_id, "open")
         # Waits for a commit of the daemon in flight, then keeps every other writer out.

@@ -363,7 +363,9 @@ async def test_a_closed_session_is_held_by_its_id_only_and_still_refuses_every_f
         assert session.session_id not in scope.sessions
     finally:
         await runner.stop_all()
-    open_frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    open_frame = session.auth.seal(
+        OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=raw_host.reply_queue)
+    )
 
     second = await runner.start()
     try:

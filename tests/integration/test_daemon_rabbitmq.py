@@ -351,7 +351,9 @@ async def test_open_session_without_reply_to_is_dead_lettered(
 ) -> None:
     head = await daemon.store.head_revision(raw_host.scope)
     session = raw_host.session()
-    frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    frame = session.auth.seal(
+        OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=raw_host.reply_queue)
+    )
     await raw_host.publish(frame, headers=raw_host.headers(session, "no-reply-to"), reply_to="")
     await assert_refused(
         dead_letters, raw_host, daemon, "no-reply-to", "invalid_frame_headers", head
@@ -363,14 +365,18 @@ async def test_reopening_a_session_id_is_session_replay_and_a_redelivered_open_i
     daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
 ) -> None:
     session = raw_host.session()
-    opening = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    opening = session.auth.seal(
+        OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=raw_host.reply_queue)
+    )
     await raw_host.publish(opening, headers=raw_host.headers(session, "open"))
     await wait_session(daemon, raw_host.scope, session.session_id)
 
     # The same opening frame again (a redelivery): a duplicate, acked and dropped.
     await raw_host.publish(opening, headers=raw_host.headers(session, "open-again"))
     # A new authentic opening of the same id, same nonce: SessionReplay.
-    reopen = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    reopen = session.auth.seal(
+        OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=raw_host.reply_queue)
+    )
     await raw_host.publish(reopen, headers=raw_host.headers(session, "reopen"))
     # The same id under another nonce: SessionReplay before any authentication.
     other = raw_host.session()
@@ -383,7 +389,9 @@ async def test_reopening_a_session_id_is_session_replay_and_a_redelivered_open_i
             SessionRole.HOST,
         ),
     )
-    hijack = other.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    hijack = other.auth.seal(
+        OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=raw_host.reply_queue)
+    )
     await raw_host.publish(hijack, headers=raw_host.headers(other, "other-nonce"))
 
     for marker in ("reopen", "other-nonce"):
@@ -432,6 +440,58 @@ async def test_replies_go_to_the_queue_recorded_at_open(
     assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
     await asyncio.sleep(QUIET)
     assert elsewhere.replies.items == []
+
+
+async def test_a_forged_open_with_a_foreign_reply_to_gets_nothing_and_the_genuine_open_works(
+    daemon: WorkerDaemon,
+    raw_host: RawHost,
+    names: Names,
+    broker: AbstractConnection,
+    dead_letters: Inbox,
+) -> None:
+    """Someone who saw an open_session republishes it first with a reply queue
+    of their own: the reply queue sealed into the frame is not theirs, so the
+    copy is refused, nothing reaches their queue, and the genuine open (not a
+    duplicate of anything accepted) opens the session."""
+    thief = RawHost(raw_host.channel, raw_host.scope, names.host("-thief"), raw_host.key)
+    await thief.start(broker)
+    session = raw_host.session()
+    opening = session.auth.seal(
+        OpenSession(CapabilityManifest(session.session_id, [GRANT]), reply_to=raw_host.reply_queue)
+    )
+    await raw_host.publish(
+        opening, headers=raw_host.headers(session, "forged"), reply_to=thief.reply_queue
+    )
+    dead = await dead_letters.wait_for(marker_of("forged"))
+    assert reason_of(dead) == "reply_queue_not_allowed"
+    assert session.session_id not in await daemon.store.load_sessions(raw_host.scope)
+
+    await raw_host.publish(opening, headers=raw_host.headers(session, "genuine"))
+    await wait_session(daemon, raw_host.scope, session.session_id)
+    # The thief republishes a request of the session too: its answer goes
+    # to the queue sealed at open, never to the delivery's reply_to.
+    await raw_host.publish(
+        dispatch_frame(session, "d-1", operation_key()),
+        headers=raw_host.headers(session, "d-1"),
+        correlation_id="d-1",
+        reply_to=thief.reply_queue,
+    )
+    assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
+    await asyncio.sleep(QUIET)
+    assert thief.replies.items == []
+
+
+async def test_an_open_that_seals_no_reply_queue_needs_one_the_configuration_allows(
+    daemon: WorkerDaemon, raw_host: RawHost, dead_letters: Inbox
+) -> None:
+    """A frame of the protocol's base form (no reply queue sealed in) opens
+    nothing unless the scope's configuration lists the delivery's queue."""
+    session = raw_host.session()
+    frame = session.auth.seal(OpenSession(CapabilityManifest(session.session_id, [GRANT])))
+    head = await daemon.store.head_revision(raw_host.scope)
+    await raw_host.publish(frame, headers=raw_host.headers(session, "unbound"))
+    await assert_refused(dead_letters, raw_host, daemon, "unbound", "reply_queue_not_allowed", head)
+    assert session.session_id not in await daemon.store.load_sessions(raw_host.scope)
 
 
 class _SlowFiles(FilesPublishAdapter):

@@ -119,7 +119,9 @@ class Routing:
 
     def open_message(self, session: Session) -> FakeMessage:
         manifest = CapabilityManifest(session.session_id, [GRANT])
-        return self.message(session, session.auth.seal(OpenSession(manifest)), None)
+        return self.message(
+            session, session.auth.seal(OpenSession(manifest, reply_to=reply_queue(HOST_ID))), None
+        )
 
     def dispatch_message(self, session: Session, request_id: str) -> FakeMessage:
         payload = ToolPayload.json({"name": f"{session.session_id}.txt", "content": "hello"})

@@ -401,7 +401,7 @@ async def open_world(
     host = SessionAuthenticator(SESSION, key, SessionRole.HOST)
     worker = SessionAuthenticator(SESSION, key, SessionRole.WORKER)
     manifest = CapabilityManifest(SESSION, grants or [publish_grant(), scripted_grant()])
-    opening_frame = host.seal(OpenSession(manifest))
+    opening_frame = host.seal(OpenSession(manifest, reply_to=REPLY_TO))
     session = await WorkerSession.open(
         worker,
         opening_frame,
@@ -498,7 +498,7 @@ async def test_open_refusals_in_step_order(tmp_path: Path) -> None:
     key = session_key()
     host = SessionAuthenticator(SESSION, key, SessionRole.HOST)
     manifest = CapabilityManifest(SESSION, [scripted_grant()])
-    frame = host.seal(OpenSession(manifest))
+    frame = host.seal(OpenSession(manifest, reply_to=REPLY_TO))
 
     async def attempt(authenticator: SessionAuthenticator, data: bytes, **kw: Any) -> None:
         args: dict[str, Any] = {
@@ -523,7 +523,8 @@ async def test_open_refusals_in_step_order(tmp_path: Path) -> None:
     missing = CapabilityManifest(SESSION, [scripted_grant(), publish_grant()])
     with pytest.raises(MissingAdapter) as excinfo:
         await attempt(
-            SessionAuthenticator(SESSION, key, SessionRole.WORKER), host.seal(OpenSession(missing))
+            SessionAuthenticator(SESSION, key, SessionRole.WORKER),
+            host.seal(OpenSession(missing, reply_to=REPLY_TO)),
         )
     assert excinfo.value.tool == PUBLISH
     with pytest.raises(InvalidJournalLease):
@@ -540,7 +541,7 @@ async def test_open_refusals_in_step_order(tmp_path: Path) -> None:
     with pytest.raises(SessionReplay):
         await attempt(
             SessionAuthenticator(SESSION, fresh_key, SessionRole.WORKER),
-            fresh_host.seal(OpenSession(manifest)),
+            fresh_host.seal(OpenSession(manifest, reply_to=REPLY_TO)),
             key_nonce=fresh,
         )
     assert list(await store.load_sessions(SCOPE)) == [SESSION]
@@ -1090,7 +1091,7 @@ async def test_example_24_opening_frames_in_an_open_session(world: World) -> Non
 
     start = len(world.store.commits)
     manifest = CapabilityManifest(SESSION, [publish_grant()])
-    replay = await world.send(OpenSession(manifest))
+    replay = await world.send(OpenSession(manifest, reply_to=REPLY_TO))
     assert replay.events == [("dead_letter", "session_replay")]
     assert len(commits_since(world, start)) == 1  # the window bit is durable first
 

@@ -194,7 +194,9 @@ async def open_session(
     host = SessionAuthenticator(session_id, key, SessionRole.HOST)
     worker = SessionAuthenticator(session_id, key, SessionRole.WORKER)
     grant = CapabilityGrant(TOOL, "json", max_calls=calls)
-    opening = host.seal(OpenSession(CapabilityManifest(session_id, [grant])))
+    opening = host.seal(
+        OpenSession(CapabilityManifest(session_id, [grant]), reply_to="octo.v5.reply.host-1")
+    )
     session = await WorkerSession.open(
         worker,
         opening,

@@ -347,7 +347,7 @@ async def test_two_sessions_of_a_scope_share_the_key_lock(
         manifest = CapabilityManifest(other_id, [publish_grant(), scripted_grant()])
         session2 = await WorkerSession.open(
             SessionAuthenticator(other_id, key, SessionRole.WORKER),
-            host2.seal(OpenSession(manifest)),
+            host2.seal(OpenSession(manifest, reply_to=REPLY_TO)),
             scope=SCOPE,
             key_nonce=NONCE,
             reply_to=REPLY_TO,

@@ -453,7 +453,11 @@ class HostPeer:
                 tool, "json", max_calls=16, max_input_bytes=1024, max_output_bytes=1024
             )
             manifest = CapabilityManifest(self.session_id, [grant])
-            await self.publish(channel, self.host.seal(OpenSession(manifest)), None)
+            await self.publish(
+                channel,
+                self.host.seal(OpenSession(manifest, reply_to=reply_queue(self.host_id))),
+                None,
+            )
             keys: dict[str, str] = {}
             for payload in payloads:
                 self.counter += 1
@@ -518,7 +522,11 @@ class HostPeer:
             exchange = await channel.get_exchange(EXCHANGE, ensure=False)
             await replies.bind(exchange, routing_key=reply_queue(self.host_id))
             manifest = CapabilityManifest(self.session_id, [grant])
-            await self.publish(channel, self.host.seal(OpenSession(manifest)), None)
+            await self.publish(
+                channel,
+                self.host.seal(OpenSession(manifest, reply_to=reply_queue(self.host_id))),
+                None,
+            )
             answers: list[Any] = []
             async with asyncio.timeout(timeout), replies.iterator() as messages:
                 # One request at a time: the compensation needs the success first.
@@ -547,7 +555,11 @@ class HostPeer:
             await replies.bind(exchange, routing_key=reply_queue(self.host_id))
             grant = CapabilityGrant(tool, "json", max_calls=4)
             manifest = CapabilityManifest(self.session_id, [grant])
-            await self.publish(channel, self.host.seal(OpenSession(manifest)), None)
+            await self.publish(
+                channel,
+                self.host.seal(OpenSession(manifest, reply_to=reply_queue(self.host_id))),
+                None,
+            )
             key = f"op-{uuid.uuid4().hex}"
             request = OperationDispatchRequest(self.session_id, "dispatch-1", tool, key, payload)
             await self.publish(channel, self.host.seal(DispatchOperation(request)), "dispatch-1")
