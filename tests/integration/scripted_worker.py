@@ -130,7 +130,10 @@ class ScriptedWorker:
         """From now on answer every request at once with ``answer`` (None: queue them)."""
         self._auto = answer
 
-    async def reply(self, received: Received, answer: WorkerMessage) -> None:
+    async def reply(
+        self, received: Received, answer: WorkerMessage, correlation_id: str | None = None
+    ) -> None:
+        """Seal and publish ``answer``; under ``correlation_id`` when given (a forgery)."""
         body = received.auth.seal(answer)
         envelope = build_worker_reply(
             self.scope,
@@ -138,7 +141,7 @@ class ScriptedWorker:
             received.nonce,
             body,
             reply_to=received.reply_to,
-            correlation_id=received.request.request_id,
+            correlation_id=correlation_id or received.request.request_id,
         )
         await publish_envelope(self.channel, envelope, timeout=WAIT)
 

@@ -12,29 +12,13 @@ import asyncio
 
 import pytest
 
-from octo_common.runtime.broker import publish_envelope
-from octo_common.transport import build_worker_reply
 from octo_host.client import ReplyTimedOut
 
-from .conftest import WAIT, HostFactory, Inbox, WorkerEnv, manifest, reason_of
-from .scripted_worker import Received, ScriptedWorker, succeeded
+from .conftest import HostFactory, Inbox, WorkerEnv, manifest, reason_of
+from .scripted_worker import ScriptedWorker, succeeded
 from .test_client import publish_payload, recorded
 
 pytestmark = pytest.mark.rabbitmq
-
-
-async def _reply_as(scripted: ScriptedWorker, received: Received, correlation_id: str) -> None:
-    """A genuine reply to ``received``, published under another correlation id."""
-    body = received.auth.seal(succeeded(received))
-    envelope = build_worker_reply(
-        scripted.scope,
-        received.session_id,
-        received.nonce,
-        body,
-        reply_to=received.reply_to,
-        correlation_id=correlation_id,
-    )
-    await publish_envelope(scripted.channel, envelope, timeout=WAIT)
 
 
 async def test_swapped_correlation_ids_are_refused_on_the_raw_send_path(
@@ -57,8 +41,8 @@ async def test_swapped_correlation_ids_are_refused_on_the_raw_send_path(
     for _ in range(2):
         request = await scripted.next("dispatch_operation")
         received[request.request.request_id] = request
-    await _reply_as(scripted, received["d-first"], "d-second")
-    await _reply_as(scripted, received["d-second"], "d-first")
+    await scripted.reply(received["d-first"], succeeded(received["d-first"]), "d-second")
+    await scripted.reply(received["d-second"], succeeded(received["d-second"]), "d-first")
 
     for correlation_id in ("d-first", "d-second"):
         dead = await dead_letters.wait_for(lambda m, c=correlation_id: m.correlation_id == c)
