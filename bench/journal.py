@@ -36,7 +36,10 @@ Parts (all by default), every rate in interleaved rounds on the same disk:
   rows (and the scope head's digest over them, sealed as the store keeps
   it). Goal: latency(big) / latency(small) <= 1.5. Also printed: the time
   to load the scope (``reserve_fence``, which checks every row of the scope
-  against its sealed head: O(rows), once per start or reload).
+  against its sealed head: O(rows), once per start or reload), the bytes per
+  loaded row of the scope's live index (goal <= 32 at 1e6 rows), and the
+  admission latency with the live checks against the same run's baseline (the
+  same store with the live index dropped after the load; goal <= 1.1x).
 
 * ``postgres``: admissions/s with group commit at 1 and 64 callers through
   ``PostgresJournalStore`` (D13; the test database of
@@ -246,21 +249,32 @@ async def build_database(path: Path, records: int, progress: Callable[[str], Non
     connection.close()
 
 
-async def admission_latency(path: Path, admissions: int, run: int) -> tuple[float, float, float]:
-    """(median, p99) seconds of one caller's admissions against ``path``, and the
-    seconds ``reserve_fence`` took (the scope checked against its sealed head)."""
+async def admission_latency(
+    path: Path, admissions: int, run: str, *, live: bool = True
+) -> tuple[float, float, float, float]:
+    """(median, p99) seconds of one caller's admissions against ``path``, the
+    seconds ``reserve_fence`` took (the scope checked against its sealed head,
+    its live index built) and the live index's bytes per loaded row.
+
+    ``live=False``: the baseline, the same store with the scope's live index
+    dropped after the load, so no read or commit is checked against it.
+    """
     store = SqliteJournalStore(path, keyring())
     await store.scopes()  # open (and migrate) first: not part of the load
     started = time.perf_counter()
     lease = await store.reserve_fence(SCOPE)
     load = time.perf_counter() - started
+    index = store._live[SCOPE]
+    per_row = index.nbytes() / max(len(index), 1)
+    if not live:
+        store._live.clear()
     admitter = Admitter(store, f"latency-{run}")
     revision: int | None = None
     for _ in range(admissions):
         revision = await admitter.admit(lease, f"{SESSION}-latency-{run}", revision)
     await store.close()
     latencies = sorted(admitter.latencies[admissions // 10 :])  # drop warm-up
-    return statistics.median(latencies), latencies[int(len(latencies) * 0.99) - 1], load
+    return statistics.median(latencies), latencies[int(len(latencies) * 0.99) - 1], load, per_row
 
 
 # stdlib sqlite3 on its own thread vs aiosqlite ------------------------------------------------
@@ -612,16 +626,32 @@ async def sizes(
             f"({path.stat().st_size / 1e6:,.0f} MB)"
         )
     medians: dict[str, list[float]] = {label: [] for label, _ in databases}
+    ratios: dict[str, list[float]] = {label: [] for label, _ in databases}
     for round_number in range(rounds):
         for label, size in databases:
-            median, p99, load = await admission_latency(
-                root / f"size-{label}.db", admissions, round_number
-            )
+            path = root / f"size-{label}.db"
+            # The same run's baseline (the live index dropped after the load),
+            # before or after the live run in turn.
+            runs = {}
+            for live in (False, True) if round_number % 2 == 0 else (True, False):
+                runs[live] = await admission_latency(
+                    path, admissions, f"{round_number}-{int(live)}", live=live
+                )
+            base = runs[False][0]
+            median, p99, load, per_row = runs[True]
             medians[label].append(median)
+            ratios[label].append(median / base)
             say(
-                f"admission latency with {size:>9,} records: median {median * 1e6:7.0f} us, "
-                f"p99 {p99 * 1e6:7.0f} us; scope load (reserve_fence) {load:6.2f} s"
+                f"admission latency with {size:>9,} records: median {median * 1e6:7.0f} us "
+                f"(baseline without live checks {base * 1e6:7.0f} us, {median / base:4.2f}x), "
+                f"p99 {p99 * 1e6:7.0f} us; scope load (reserve_fence) {load:6.2f} s; "
+                f"live index {per_row:4.1f} bytes per loaded row"
             )
+    for label, size in databases:
+        say(
+            f"live checks / baseline at {size:,} records: median of rounds "
+            f"{statistics.median(ratios[label]):4.2f}x   (goal <= 1.1)"
+        )
     low, high = statistics.median(medians["small"]), statistics.median(medians["big"])
     say(
         f"latency ratio {big:,} / {small:,} records: {high / low:4.2f} "

@@ -68,6 +68,7 @@ from octo_worker.storage.interface import (
     WorkerJournalLease,
     issue_lease,
 )
+from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import ScopeSnapshot, check_snapshot
 from octo_worker.storage.sealing import RowSealer
 
@@ -77,6 +78,10 @@ _log = structlog.get_logger("octo_worker.store")
 
 Resealed = tuple[int, int, bytes, bytes]
 """(row id, revision, envelope read, envelope sealed again) of one row ``reseal`` rewrites."""
+
+
+def _items(rows: Sequence[Row] | None) -> list[str] | None:
+    return None if rows is None else [row.item for row in rows]
 
 
 class JournalStoreBase(abc.ABC):
@@ -112,6 +117,10 @@ class JournalStoreBase(abc.ABC):
         self._read_only = read_only
         self._maintenance = maintenance
         self._commits = CommitQueue(self._run_batch, group_commit=group_commit, on_batch=on_batch)
+        # The live index of each scope this instance loaded under a fence
+        # (``row_index``): every row a decision reads is checked against it,
+        # and every commit against and into it (through ``CommitBatch``).
+        self._live: dict[str, RowIndex] = {}
         self._opened = False
         self._closed = False
 
@@ -210,8 +219,11 @@ class JournalStoreBase(abc.ABC):
         """
         check_scope(scope)
         self._check_committing()
+        self._live.pop(scope, None)
         token = await self._reserve(scope)
-        await self.verify_scope(scope)
+        snapshot = await self._checked_snapshot(scope)
+        if snapshot.live is not None:
+            self._live[scope] = snapshot.live
         return issue_lease(scope, token)
 
     async def verify_scope(self, scope: str) -> ScopeCheck:
@@ -224,9 +236,22 @@ class JournalStoreBase(abc.ABC):
         rows are not opened here (``journal verify`` opens each one besides).
         """
         check_scope(scope)
+        snapshot = await self._checked_snapshot(scope)
+        return ScopeCheck(snapshot.revision, snapshot.rows, snapshot.computed is not None)
+
+    async def _checked_snapshot(self, scope: str) -> ScopeSnapshot:
         snapshot = await self._scope_snapshot(scope)
         check_snapshot(snapshot, self._keyring)
-        return ScopeCheck(snapshot.revision, snapshot.rows, snapshot.computed is not None)
+        return snapshot
+
+    def _check_live(
+        self, scope: str, namespace: str, items: Sequence[str] | None, rows: Sequence[Row]
+    ) -> None:
+        """Rows a decision reads against the scope's live index, when this instance
+        loaded the scope: ``RollbackDetected`` when they are not the head's rows."""
+        index = self._live.get(scope)
+        if index is not None:
+            index.check_rows(namespace, items, rows, deletable=namespace == NS_OUTBOX)
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         """Commit one change set (W§11.2); returns the new scope revision.
@@ -261,6 +286,7 @@ class JournalStoreBase(abc.ABC):
         result: dict[str, tuple[WorkerOperationRecord, int] | None] = dict.fromkeys(wanted)
         for row in rows:
             result[row.item] = (self._record(scope, row), row.revision)
+        self._check_live(scope, NS_JOURNAL, wanted, rows)
         return result
 
     async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
@@ -398,6 +424,13 @@ class JournalStoreBase(abc.ABC):
             )
         if opened:  # an opening document whose state row is gone
             raise RollbackDetected(None, next(iter(opened.values()))[1])
+        for namespace, found in (
+            (NS_SESSION, states),
+            (NS_SESSION_OPEN, openings),
+            (NS_SESSION_REQUEST, request_rows),
+        ):
+            named = None if keep is None and namespace != NS_SESSION_REQUEST else found
+            self._check_live(scope, namespace, _items(named), found)
         if requests:  # request rows of a session whose state row was not read
             raise RollbackDetected(None, request_floor)
         return sessions
@@ -423,9 +456,12 @@ class JournalStoreBase(abc.ABC):
         validate_token("session id", session_id)
         rows = await self._rows(scope, NS_SESSION, [session_id])
         if not rows:
+            self._check_live(scope, NS_SESSION, [session_id], rows)
             return None
         document = self._sealer.open(scope, NS_SESSION, rows[0])
-        return state_status(document, scope, rows[0].item)
+        status = state_status(document, scope, rows[0].item)
+        self._check_live(scope, NS_SESSION, [session_id], rows)
+        return status
 
     async def load_outbox(self, scope: str, *, session_id: str | None = None) -> list[OutboxEntry]:
         """Every outbox row of ``scope``, oldest revision first (W§11.4).
@@ -452,6 +488,7 @@ class JournalStoreBase(abc.ABC):
                     raise RecordLocationMismatch(session_id, entry.session_id)
                 continue
             entries.append(entry)
+        self._check_live(scope, NS_OUTBOX, None, rows)
         return entries
 
     async def head_revision(self, scope: str) -> int:

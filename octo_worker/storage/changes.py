@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -46,6 +46,7 @@ from octo_common.errors import (
     OctoError,
     OperationJournalScopeMismatch,
     RecordLocationMismatch,
+    RollbackDetected,
     SessionReplay,
     WriteConflict,
 )
@@ -68,6 +69,7 @@ from octo_worker.storage.documents import (
     state_status,
 )
 from octo_worker.storage.interface import RequestRow, WorkerCommit
+from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import HEAD_NAMESPACE, DigestChanges, ScopeHead
 
 __all__ = [
@@ -301,7 +303,8 @@ class CommitBatch:
        the revision would pass ``ceiling`` (the backend then reports the
        first refused write, if any, else :meth:`exhausted`);
     3. its rows written, each told to a :class:`DigestChanges` (old and new
-       revision, None for absent), then :meth:`moved_digest` (still inside
+       revision, None for absent), then :meth:`check_live` once the database
+       confirmed the old revisions, and :meth:`moved_digest` (still inside
        the change set: a digest that cannot move refuses it), then
        :meth:`committed_one` or :meth:`refused` (with the error from
        :meth:`conflict`), then the next change set;
@@ -319,8 +322,15 @@ class CommitBatch:
         ceiling: int,
         *,
         verify_head: Callable[[ScopeHead], None],
+        live: Mapping[str, RowIndex] | None = None,
     ) -> None:
         self.batch = batch
+        # The live index of each loaded scope: what a change set replaces must
+        # be what the index holds (rows written by earlier change sets of this
+        # batch first), and the index moves once the transaction committed.
+        self._live = {} if live is None else live
+        self._moved: dict[tuple[str, str, str], int | None] = {}
+        self._last: tuple[PendingCommit, DigestChanges] | None = None
         self._baselines = baselines
         self._tails = tails
         self._ceiling = ceiling
@@ -388,12 +398,40 @@ class CommitBatch:
             return SessionReplay(write.item)
         return WriteConflict(write.base_revision, actual, self._heads[pending.scope].revision)
 
+    def check_live(self, pending: PendingCommit, changes: DigestChanges) -> None:
+        """What ``pending`` replaced and deleted, as the database confirmed it (its
+        compare-and-swap passed), against the scope's live index (rows written by
+        earlier change sets of this batch first): ``RollbackDetected`` when a row
+        is not at the revision the index holds (deleted, put back or copied in
+        since the scope was loaded)."""
+        scope = pending.scope
+        index = self._live.get(scope)
+        if index is None:
+            return
+        moved = self._moved
+        for namespace, key, old, _ in changes:
+            name = (scope, namespace, key)
+            if name in moved:
+                if moved[name] != old:
+                    raise RollbackDetected(old, self._heads[scope].revision)
+            elif not index.expect(namespace, key, old):
+                raise RollbackDetected(old, self._heads[scope].revision)
+
     def moved_digest(self, pending: PendingCommit, changes: DigestChanges) -> SetDigest:
         """The scope's digest moved by what ``pending`` wrote and deleted (O(rows it
-        changed)); ``RollbackDetected`` when the rows are not the head's."""
-        return changes.applied_to(self._heads[pending.scope])
+        changed)); ``RollbackDetected`` when the rows are not the head's. The
+        changes are what :meth:`committed_one` moves the live index by."""
+        digest = changes.applied_to(self._heads[pending.scope])
+        self._last = (pending, changes)
+        return digest
 
     def committed_one(self, pending: PendingCommit, revision: int, digest: SetDigest) -> None:
+        last = self._last
+        if last is not None and last[0] is pending:
+            scope = pending.scope
+            for namespace, key, _, new in last[1]:
+                self._moved[(scope, namespace, key)] = new
+        self._last = None
         self._note_tails(pending, revision)
         scope = pending.scope
         before = self._heads[scope]
@@ -402,6 +440,7 @@ class CommitBatch:
         self.outcomes.append(revision)
 
     def refused(self, pending: PendingCommit, error: OctoError) -> None:
+        self._last = None
         self._note_tails(pending, None)
         self.outcomes.append(error)
 
@@ -420,7 +459,18 @@ class CommitBatch:
         """The transaction committed: baselines and tails move; every caller's outcome."""
         self._baselines.update(self.advanced)
         self._tails.fold(self._written)
+        self._move_live()
         return self.outcomes
+
+    def _move_live(self) -> None:
+        """The live indexes moved by the committed change sets."""
+        by_scope: dict[str, list[tuple[str, str, int | None]]] = {}
+        for (scope, namespace, key), new in self._moved.items():
+            by_scope.setdefault(scope, []).append((namespace, key, new))
+        for scope, moves in by_scope.items():
+            index = self._live.get(scope)
+            if index is not None:
+                index.apply(moves, self.advanced.get(scope, 0))
 
     def fail_all(self, failure: OctoError, *, committed: bool = False) -> list[int | OctoError]:
         """The transaction (or what follows its COMMIT) failed: every change set fails.
@@ -430,6 +480,7 @@ class CommitBatch:
         """
         if committed:
             self._baselines.update(self.advanced)
+            self._move_live()
         self._tails.forget(self._written)
         failed: list[int | OctoError] = [
             o if isinstance(o, OctoError) else copy_error(failure) for o in self.outcomes

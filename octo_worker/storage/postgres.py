@@ -116,7 +116,12 @@ from octo_worker.storage.postgres_sql import (
     SCHEMA_VERSION,
     statements,
 )
-from octo_worker.storage.scope_head import DigestChanges, ScopeHead, ScopeSnapshot, digest_of
+from octo_worker.storage.scope_head import (
+    DigestChanges,
+    ScopeHead,
+    ScopeSnapshot,
+    digest_and_index,
+)
 from octo_worker.storage.sealing import checked_rows
 
 __all__ = ["DEFAULT_SCHEMA", "POSTGRES_MAX_BIGINT", "PostgresJournalStore"]
@@ -142,6 +147,14 @@ class _Refused(Exception):
     """A change set refused after its statement wrote rows: its savepoint undoes them."""
 
     def __init__(self, error: OctoError) -> None:
+        super().__init__(error.code)
+        self.error = error
+
+
+class _Tampered(Exception):
+    """A row a change set replaced was not the loaded scope's: the transaction fails."""
+
+    def __init__(self, error: RollbackDetected) -> None:
         super().__init__(error.code)
         self.error = error
 
@@ -332,6 +345,8 @@ class PostgresJournalStore(JournalStoreBase):
                         raise postgres_error(operation, exc) from None
                 except (OctoError, asyncio.CancelledError):
                     raise
+                except _Tampered as tampered:
+                    raise tampered.error from None
                 except _GuardRefused:
                     raise StorageBackendError(
                         f"{operation}: a row changed under its lock"
@@ -417,9 +432,10 @@ class PostgresJournalStore(JournalStoreBase):
             return head, [tuple(found) for found in rows]
 
         head, rows = await self._read("verify_scope", body)
-        computed = await asyncio.to_thread(digest_of, scope, rows)
+        computed, index = await asyncio.to_thread(digest_and_index, scope, rows, len(rows))
         revision = 0 if head is None else head.revision
-        return ScopeSnapshot(head, computed, revision, computed.count, 0)
+        index.revision = revision
+        return ScopeSnapshot(head, computed, revision, computed.count, 0, index)
 
     def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
         assert self._loop is not None
@@ -457,6 +473,7 @@ class PostgresJournalStore(JournalStoreBase):
                 self._session_tails,
                 POSTGRES_MAX_BIGINT,
                 verify_head=self._sealer.verify_head,
+                live=self._live,
             )
 
         async def body(connection: Connection) -> list[int | OctoError]:
@@ -574,6 +591,11 @@ class PostgresJournalStore(JournalStoreBase):
             raise _GuardRefused()
         for item, old in zip(deleted_items or (), deleted_revisions or (), strict=True):
             moves.wrote(NS_OUTBOX, str(item), int(old), None)
+        try:
+            decisions.check_live(pending, moves)
+        except RollbackDetected as error:
+            # Rows not the loaded scope's: the whole transaction is undone.
+            raise _Tampered(error) from None
         try:
             return decisions.moved_digest(pending, moves)
         except RollbackDetected as error:

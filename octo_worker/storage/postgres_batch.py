@@ -167,6 +167,8 @@ def _decide(
             if old is not None:
                 moves.wrote(NS_OUTBOX, item, old, None)
         try:
+            if plans is not None:  # the statement confirmed every base
+                decisions.check_live(pending, moves)
             digest = decisions.moved_digest(pending, moves)
         except RollbackDetected:
             raise SlowPath() from None

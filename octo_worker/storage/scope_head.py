@@ -33,6 +33,9 @@ reseal the head in their own transaction. Loading a scope (every fence
 reservation, so every start and every reload) and ``journal verify`` / ``check``
 recompute the digest over the scope's rows (O(rows of the scope), once per
 load) and compare (:func:`check_rows`): a mismatch is ``rollback_detected``.
+The same pass builds the scope's live index (``row_index``), which carries
+that check forward between loads: every row a decision reads, and every
+row a commit replaces, must be the one the index holds.
 
 The rollback anchor (H§17.10) keeps each scope's head revision and, once a
 journal's heads carry digests, :data:`DIGEST_ANCHOR_KEY`: a journal that
@@ -49,7 +52,7 @@ set, or put a key or a document in an error.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Final, NamedTuple
 
 from octo_common import headseal
@@ -69,6 +72,7 @@ from octo_worker.storage.documents import (
     NS_SESSION_OPEN,
     NS_SESSION_REQUEST,
 )
+from octo_worker.storage.row_index import RowIndex
 
 __all__ = [
     "DIGESTED_NAMESPACES",
@@ -85,6 +89,7 @@ __all__ = [
     "check_loaded_scope",
     "check_rows",
     "check_snapshot",
+    "digest_and_index",
     "digest_of",
     "rows_domain",
 ]
@@ -116,6 +121,14 @@ def rows_domain(scope: str) -> bytes:
 def digest_of(scope: str, rows: Iterable[tuple[str, str, int]]) -> SetDigest:
     """The digest of ``scope``'s rows, as (namespace, key, revision), from scratch."""
     return SetDigest.of(rows_domain(scope), rows)
+
+
+def digest_and_index(
+    scope: str, rows: Iterable[tuple[str, str, int]], rows_hint: int = 0
+) -> tuple[SetDigest, RowIndex]:
+    """The digest of ``scope``'s rows and the live index of the same rows, in one pass."""
+    index, passing = RowIndex.building(rows, rows_hint)
+    return digest_of(scope, passing), index
 
 
 def _fields(scope: str, revision: int, fence: int, digest: SetDigest) -> bytes:
@@ -241,6 +254,10 @@ class DigestChanges:
     def __len__(self) -> int:
         return len(self._moves)
 
+    def __iter__(self) -> Iterator[tuple[str, str, int | None, int | None]]:
+        """Every move as (namespace, key, old revision, new revision), in order."""
+        return iter(self._moves)
+
     def applied_to(self, head: ScopeHead) -> SetDigest:
         """``head``'s digest moved by these changes (``head`` itself is left as it is).
 
@@ -293,7 +310,9 @@ class ScopeSnapshot(NamedTuple):
     digest recomputed over every row of the scope (None: the journal has no
     digests yet, an older schema read as it is); ``revision``: the head
     revision (0 without a head); ``rows``: how many rows the scope holds;
-    ``anchored``: the head revision the rollback anchor holds (0: none).
+    ``anchored``: the head revision the rollback anchor holds (0: none);
+    ``live``: the live index of the same rows (None without digests), which
+    a store serving the scope keeps once the snapshot passed its check.
     """
 
     head: ScopeHead | None
@@ -301,6 +320,7 @@ class ScopeSnapshot(NamedTuple):
     revision: int
     rows: int
     anchored: int
+    live: RowIndex | None = None
 
 
 def check_snapshot(snapshot: ScopeSnapshot, keyring: StorageKeyring) -> None:

@@ -138,6 +138,7 @@ class SqliteJournalStore(JournalStoreBase):
             data_keyring,
             read_only=read_only,
             maintenance=maintenance,
+            live=self._live,
         )
         self._reader = JournalReader(
             self._path, self._anchor_path, self._writer, read_only=read_only

@@ -26,6 +26,7 @@ from octo_worker.storage.scope_head import (
     HEAD_NAMESPACE,
     ScopeHead,
     ScopeSnapshot,
+    digest_and_index,
     digest_of,
 )
 
@@ -134,6 +135,8 @@ def read_scope_snapshot(
         rows = sum(1 for _ in scope_rows(connection, scope))
         return ScopeSnapshot(None, None, revision, rows, anchored)
     head = read_head(connection, scope)
-    computed = digest_of(scope, scope_rows(connection, scope))
+    hint = 0 if head is None else head.digest.count
+    computed, index = digest_and_index(scope, scope_rows(connection, scope), hint)
     revision = 0 if head is None else head.revision
-    return ScopeSnapshot(head, computed, revision, computed.count, anchored)
+    index.revision = revision
+    return ScopeSnapshot(head, computed, revision, computed.count, anchored, index)

@@ -58,6 +58,7 @@ from octo_worker.storage.documents import (
     NS_SESSION_OPEN,
     read_outbox,
 )
+from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import DigestChanges, ScopeHead, anchored_with_digests
 from octo_worker.storage.scope_head import check_anchor as compare_with_anchor
 from octo_worker.storage.sealing import RowSealer
@@ -88,8 +89,12 @@ class JournalWriter:
         *,
         read_only: bool,
         maintenance: bool,
+        live: Mapping[str, RowIndex] | None = None,
     ) -> None:
         self._path = path
+        # The store's live index of each loaded scope (``row_index``): every
+        # batch checks what it replaces against it and moves it.
+        self._live: Mapping[str, RowIndex] = {} if live is None else live
         self._anchor_path = anchor_path
         self._sealer = RowSealer(keyring, data_keyring)
         self._read_only = read_only
@@ -275,6 +280,7 @@ class JournalWriter:
             self._session_tails,
             SQLITE_MAX_INTEGER,
             verify_head=self._sealer.verify_head,
+            live=self._live,
         )
         # Alone in its transaction, a change set needs no savepoint: a refusal
         # rolls the whole (otherwise empty) transaction back.
@@ -403,6 +409,7 @@ class JournalWriter:
                 (NS_OUTBOX, scope, message),
             ).fetchall():
                 moves.wrote(NS_OUTBOX, message, int(deleted), None)
+        decisions.check_live(pending, moves)
         return revision, decisions.moved_digest(pending, moves)
 
     @staticmethod
