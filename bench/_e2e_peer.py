@@ -35,8 +35,8 @@ import _loop
 import structlog
 
 from octo_worker.config import load_config
-from octo_worker.daemon import WorkerDaemon
-from octo_worker.metrics import WorkerMetrics
+from octo_worker.daemon.daemon import WorkerDaemon
+from octo_worker.daemon.metrics import WorkerMetrics
 
 
 class StageTimers:
@@ -83,7 +83,9 @@ class StageTimers:
 def instrument_worker(timers: StageTimers) -> None:
     """The worker pipeline's stages (see bench/e2e.py for how they nest)."""
     from octo_common import authorizer, frames
-    from octo_worker import daemon, deliveries, journal, session, store
+    from octo_worker import journal, store
+    from octo_worker.daemon import daemon, deliveries
+    from octo_worker.session import session
 
     timers.wrap(daemon.WorkerDaemon, "_on_message", "delivery_total")
     timers.wrap(session.WorkerSession, "handle", "session_handle")

@@ -80,7 +80,7 @@ from octo_host.engine import OutboundFrame
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowStep
 from octo_host.store import SqliteLedgerStore, ledger_record_key, load_storage_key
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.files import read_effect_log
 from octo_worker.config import load_config, load_scope_key
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.store import SqliteJournalStore

@@ -2,8 +2,8 @@
 
 The session and the daemon call these hooks at fixed points of a
 delivery's handling, with typed arguments (scope, message type, keys,
-outcomes), never frame bytes. Metrics (:class:`octo_worker.metrics.WorkerMetrics`)
-and fault injection (:class:`octo_worker.faults.FaultHooks`) are two
+outcomes), never frame bytes. Metrics (:class:`octo_worker.daemon.metrics.WorkerMetrics`)
+and fault injection (:class:`octo_worker.daemon.faults.FaultHooks`) are two
 implementations; :func:`combine_hooks` runs several in order.
 
 ``kind`` is the request's message type as spelled on the wire

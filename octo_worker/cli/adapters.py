@@ -21,7 +21,7 @@ from octo_common.runtime.output import (
     Output,
     print_table,
 )
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     ADAPTER_ENTRY_POINT_GROUP,
     effective_adapter_deadline,
     load_adapters,

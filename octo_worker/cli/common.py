@@ -1,10 +1,10 @@
 """What every verb of ``octo-worker`` works with: configuration, the broker, the journal.
 
-Owns the command's name and default configuration path, loading the
-configuration, the event loop a long-running verb runs on, a broker
-connection for one verb (bounded connect, closed after), the journal opened
-read-only or for maintenance beside a running daemon, and the argument
-types several verbs take. It must never print (the verbs do) or leave a
+Owns the default configuration path, loading the configuration, the event
+loop a long-running verb runs on, and the argument types several verbs
+take; the command's name, a verb's broker connection and the journal opened
+beside a running daemon are :mod:`octo_worker.inspection`'s (the console
+shares them), re-exported here for the verbs. It must never print (the verbs do) or leave a
 connection or a store open.
 """
 
@@ -12,30 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import re
 import urllib.parse
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any, Final, TypeVar
-
-from aio_pika.abc import AbstractConnection
 
 from octo_common.errors import OctoError
 from octo_common.ids import is_token
 from octo_common.runtime.output import (
-    EXIT_CHECK_FAILED,
     EXIT_STORAGE,
     EXIT_USAGE,
     CliError,
     OneLineParser,
-    broker_unreachable,
     printable,
 )
 from octo_worker.config import WorkerConfig, load_config
-from octo_worker.storage.base import JournalStoreBase
-from octo_worker.storage.configured import configured_store
-from octo_worker.topology import TopologyError, connect
+from octo_worker.inspection import PROG, broker_connection, journal_store
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -58,12 +51,7 @@ __all__ = [
 
 DEFAULT_CONFIG: Final = "/etc/octo/worker.toml"
 Verbs = Any  # argparse's sub-parsers action, which each verb module's ``register`` adds to
-PROG: Final = "octo-worker"
 T = TypeVar("T")
-
-# A broker probe from the command line should answer fast even when the
-# configured connect timeout is generous.
-_PROBE_TIMEOUT_SECONDS: Final = 5.0
 
 
 def config_of(args: argparse.Namespace) -> WorkerConfig:
@@ -145,55 +133,6 @@ def parse_duration(text: str) -> int:
 def vhost(url: str) -> str:
     path = urllib.parse.urlsplit(url).path
     return urllib.parse.unquote(path[1:]) if len(path) > 1 else "/"
-
-
-@contextlib.asynccontextmanager
-async def broker_connection(config: WorkerConfig) -> AsyncIterator[AbstractConnection]:
-    url = config.broker_url()
-    timeout = min(config.broker.connect_timeout_seconds, _PROBE_TIMEOUT_SECONDS)
-    try:
-        connection = await connect(url, timeout=timeout, name="octo-worker-cli")
-    except TopologyError as error:
-        raise broker_unreachable(config.redacted_broker_url(), error.reason, error.code) from None
-    try:
-        yield connection
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(connection.close(), timeout=5.0)
-
-
-@contextlib.asynccontextmanager
-async def journal_store(
-    config: WorkerConfig, *, maintenance: bool = False
-) -> AsyncIterator[JournalStoreBase]:
-    """The journal, read-only, or for maintenance (rows only, never a revision):
-    beside a running daemon neither may migrate the schema or rewrite the
-    anchor file the daemon replaces after each commit. SQLite or PostgreSQL,
-    as ``[storage]`` says."""
-    path = config.journal_location()
-    if not config.shared_journal and not config.journal_path.exists():
-        raise CliError(
-            EXIT_CHECK_FAILED,
-            f"journal database {path} does not exist (the daemon creates it when it starts)",
-            "not_found",
-        )
-    store = configured_store(config, read_only=not maintenance, maintenance=maintenance)
-    try:
-        try:
-            await store.scopes()  # opens the database (and checks the anchor)
-        except OctoError as error:
-            hint = ""
-            if error.code == "rollback_anchor_missing":
-                hint = f" (create it with: {PROG} journal init-anchor)"
-            raise CliError(
-                EXIT_STORAGE,
-                f"journal {path}: cannot open: {error.code}: {error}{hint}",
-                error.code,
-            ) from None
-        yield store
-    finally:
-        with contextlib.suppress(Exception):
-            await store.close()
 
 
 def check_tokens(option: str, values: Iterable[str]) -> None:

@@ -1,10 +1,9 @@
 """``octo-worker dlq list|show|drop``: the dead-letter queue, read without the management plugin.
 
-Owns holding the whole queue (bounded) unacknowledged on one channel and
-requeuing it in delivery order, so positions stay as they were
-(:func:`holding`, which the console uses too), each frame's entry (reason,
-scope, session, ids, size; the body only with ``--body``,
-:func:`dead_letter_entry`), and dropping one frame by message id.
+Owns listing and showing the frames of the queue held whole (holding it
+and each frame's entry are :mod:`octo_worker.inspection`'s, which the
+console uses too; the body only with ``--body``), and dropping one frame by
+message id.
 
 It must never print a frame body unless ``--body`` asks, or remove a
 message it was not told to.
@@ -14,14 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import contextlib
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import Any
 
-import aiormq
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractIncomingMessage
 
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
@@ -31,31 +26,27 @@ from octo_common.runtime.output import (
     Output,
     printable,
 )
-from octo_common.transport import (
-    DEAD_QUEUE,
-    HEADER_KEY_NONCE,
-    HEADER_REASON,
-    HEADER_SCOPE,
-    HEADER_SESSION,
-)
+from octo_common.transport import DEAD_QUEUE
 from octo_worker.cli.common import (
-    PROG,
     Verbs,
     broker_connection,
     config_of,
     positive_int,
     verb_group,
 )
-from octo_worker.config import WorkerConfig
+from octo_worker.inspection import (
+    MAX_HELD_BYTES,
+    MAX_HELD_MESSAGES,
+    HeldMessages,
+    dead_letter_entry,
+    dead_queue,
+    holding,
+)
 
 __all__ = [
-    "HeldMessages",
     "cmd_dlq_drop",
     "cmd_dlq_list",
     "cmd_dlq_show",
-    "dead_letter_entry",
-    "dead_queue",
-    "holding",
     "register",
 ]
 
@@ -83,124 +74,11 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     ddrop.set_defaults(handler=cmd_dlq_drop)
 
 
-def _header(headers: Mapping[str, Any], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        return None
-    return printable(value, 128)
-
-
-def _death_reason(headers: Mapping[str, Any]) -> str | None:
-    """Why the broker itself dead-lettered a frame (delivery limit, rejection)."""
-    first = headers.get("x-first-death-reason")
-    if first is not None:
-        return printable(first, 64)
-    deaths = headers.get("x-death")
-    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
-        reason = deaths[0].get("reason")
-        if reason is not None:
-            return printable(reason, 64)
-    return None
-
-
-def dead_letter_entry(
-    position: int, message: AbstractIncomingMessage, body: bool
-) -> dict[str, Any]:
-    headers: Mapping[str, Any] = message.headers or {}
-    reason = _header(headers, HEADER_REASON)
-    broker_reason = _death_reason(headers)
-    entry: dict[str, Any] = {
-        "position": position,
-        "reason": reason or (f"broker:{broker_reason}" if broker_reason else None),
-        "scope": _header(headers, HEADER_SCOPE),
-        "session": _header(headers, HEADER_SESSION),
-        "key_nonce_present": HEADER_KEY_NONCE in headers,
-        "message_id": None if message.message_id is None else printable(message.message_id, 128),
-        "correlation_id": None
-        if message.correlation_id is None
-        else printable(message.correlation_id, 128),
-        "routing_key": None if message.routing_key is None else printable(message.routing_key),
-        "size": len(message.body),
-        "delivery_count": headers.get("x-delivery-count")
-        if isinstance(headers.get("x-delivery-count"), int)
-        else None,
-    }
-    if body:
-        entry["body_base64"] = base64.b64encode(message.body).decode("ascii")
-        entry["body_text"] = message.body.decode("utf-8", "backslashreplace")
-    return entry
-
-
-async def dead_queue(connection: AbstractConnection) -> AbstractQueue:
-    channel = await connection.channel(publisher_confirms=False)
-    try:
-        return await channel.declare_queue(DEAD_QUEUE, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        raise CliError(
-            EXIT_CHECK_FAILED,
-            f"queue {DEAD_QUEUE} does not exist (run: {PROG} topology declare)",
-            "not_found",
-        ) from None
-
-
-_MAX_HELD_MESSAGES: Final = 10_000
-
-_MAX_HELD_BYTES: Final = 256 * 1024 * 1024
-
-
-@dataclass
-class HeldMessages:
-    """Messages of the dead-letter queue, held unacknowledged on one channel."""
-
-    messages: list[AbstractIncomingMessage]
-    complete: bool  # False: the queue is larger than one inspection may hold
-    total: int
-
-    def entries(self, count: int, body: bool) -> list[dict[str, Any]]:
-        return [dead_letter_entry(i + 1, m, body) for i, m in enumerate(self.messages[:count])]
-
-
-@contextlib.asynccontextmanager
-async def holding(config: WorkerConfig) -> AsyncIterator[HeldMessages]:
-    """Hold the whole queue (bounded), then requeue every message not acked.
-
-    A quorum queue puts a requeued message at its tail, so inspecting only
-    the first N would rotate the queue and change every position. Holding
-    everything and requeuing it in delivery order keeps the order (and the
-    positions) as they were; only a queue beyond the bounds is rotated, and
-    the listing says so. Nothing is lost: a message is only removed by an
-    explicit ack (``drop``).
-    """
-    async with broker_connection(config) as connection:
-        queue = await dead_queue(connection)
-        total = int(queue.declaration_result.message_count or 0)
-        held = HeldMessages([], True, total)
-        size = 0
-        try:
-            while True:
-                if len(held.messages) >= _MAX_HELD_MESSAGES or size >= _MAX_HELD_BYTES:
-                    held.complete = False
-                    break
-                message = await queue.get(no_ack=False, fail=False, timeout=10)
-                if message is None:
-                    break
-                held.messages.append(message)
-                size += len(message.body)
-            yield held
-        finally:
-            try:
-                for message in held.messages:
-                    await message.reject(requeue=True)
-            except (aiormq.exceptions.AMQPError, ConnectionError):
-                # The channel is gone: the broker requeues every unacked message itself.
-                pass
-
-
 def _rotation_note(held: HeldMessages, out: Output) -> None:
     if not held.complete:
         out.line(
             f"note: {DEAD_QUEUE} is larger than one inspection holds "
-            f"({_MAX_HELD_MESSAGES} messages / {_MAX_HELD_BYTES // (1024 * 1024)} MiB); "
+            f"({MAX_HELD_MESSAGES} messages / {MAX_HELD_BYTES // (1024 * 1024)} MiB); "
             "the inspected messages moved to its tail"
         )
 

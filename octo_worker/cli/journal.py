@@ -4,8 +4,8 @@ Every verb but ``init-anchor`` opens the journal read-only, or for
 maintenance (``prune``, ``reseal``: rows only, never a head or the anchor
 file the daemon replaces after each commit). Rows are shown as keys, tools,
 states, fingerprints and revisions; payloads and failure messages as their
-sizes (:func:`record_summary`, :func:`record_detail`, which the console
-uses too).
+sizes (``record_summary``, ``record_detail`` of :mod:`octo_worker.inspection`,
+which the console uses too).
 
 It must never print a payload, a failure message or a key, or move a
 revision.
@@ -29,7 +29,6 @@ from octo_common.runtime.output import (
     anchor_to_write,
     print_table,
     printable,
-    state_detail,
     state_line,
 )
 from octo_worker.cli.common import (
@@ -42,7 +41,7 @@ from octo_worker.cli.common import (
     verb_group,
 )
 from octo_worker.config import WorkerConfig
-from octo_worker.journal import WorkerOperationRecord
+from octo_worker.inspection import record_detail, record_summary
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
 
@@ -53,8 +52,6 @@ __all__ = [
     "cmd_journal_reseal",
     "cmd_journal_show",
     "cmd_journal_verify",
-    "record_detail",
-    "record_summary",
     "register",
 ]
 
@@ -107,22 +104,6 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
         help="replace an existing anchor (after restoring a backup on purpose)",
     )
     anchor.set_defaults(handler=cmd_journal_init_anchor)
-
-
-def _state_text(state: Any) -> str:
-    return str(getattr(state, "kind", "?"))
-
-
-def record_summary(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
-    compensation = record.compensation
-    return {
-        "scope": scope,
-        "operation_key": record.operation_key,
-        "tool": record.tool,
-        "state": _state_text(record.state),
-        "compensation_state": None if compensation is None else _state_text(compensation.state),
-        "revision": revision,
-    }
 
 
 async def _scopes_of(store: JournalStoreBase, wanted: str | None) -> list[str]:
@@ -229,26 +210,6 @@ def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
             out.line(line)
     out.document({"ok": True, "records": found})
     return EXIT_OK
-
-
-def record_detail(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
-    compensation = record.compensation
-    return {
-        "scope": scope,
-        "operation_key": record.operation_key,
-        "tool": record.tool,
-        "input_fingerprint": record.input_fingerprint,
-        "revision": revision,
-        **state_detail(record.state),
-        "compensation": None
-        if compensation is None
-        else {
-            "compensation_key": compensation.compensation_key,
-            "input_fingerprint": compensation.input_fingerprint,
-            "grant_fingerprint": compensation.grant_fingerprint,
-            **state_detail(compensation.state),
-        },
-    }
 
 
 def _detail_lines(item: Mapping[str, Any]) -> list[str]:

@@ -5,7 +5,7 @@ exception text), serves the metrics endpoint when configured, and runs the
 daemon (with the console beside it when ``[console] listen`` is set) until
 SIGTERM. ``check`` reports, one line each, what ``run`` would refuse
 before it reaches the broker, in the order ``run`` meets it
-(:mod:`octo_worker.startup` holds the rules both apply): the configuration
+(:mod:`octo_worker.daemon.startup` holds the rules both apply): the configuration
 and its event loop, the metrics and console listen addresses, each key
 file, the adapters, the state directory and the journal (read-only:
 schema, anchor, every configured scope against its sealed head, its
@@ -57,7 +57,7 @@ from octo_worker.cli.common import (
     uvloop_installed,
 )
 from octo_worker.config import InvalidConfiguration, WorkerConfig, load_scope_key
-from octo_worker.startup import (
+from octo_worker.daemon.startup import (
     bind_refusal,
     creatable,
     listen_address,
@@ -141,8 +141,8 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
     # Only `run` needs the daemon (sessions, adapters' runtime); the operator
     # verbs stay quick to start without it.
-    from octo_worker.daemon import WorkerDaemon
-    from octo_worker.metrics import WorkerMetrics
+    from octo_worker.daemon.daemon import WorkerDaemon
+    from octo_worker.daemon.metrics import WorkerMetrics
 
     config = config_of(args)
     configure_logging(config.worker.log_level, config.worker.log_format)

@@ -32,7 +32,7 @@ from octo_worker.cli.common import (
     vhost,
 )
 from octo_worker.config import WorkerConfig
-from octo_worker.topology import (
+from octo_worker.daemon.topology import (
     TopologyError,
     TopologyReport,
     declare_topology,

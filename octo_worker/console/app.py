@@ -32,12 +32,11 @@ from aiohttp import web
 
 from octo_common.runtime.output import CliError
 from octo_common.transport import DEAD_QUEUE
-from octo_worker.cli.common import broker_connection
-from octo_worker.cli.dlq import dead_queue
 from octo_worker.config import WorkerConfig
 from octo_worker.console import data
 from octo_worker.console.live import LiveSource
 from octo_worker.console.security import COOKIE, AccessToken, host_of, is_loopback_host
+from octo_worker.inspection import broker_connection, dead_queue
 
 __all__ = ["ConsoleSettings", "build_app"]
 

@@ -28,10 +28,15 @@ from octo_common.ids import is_token
 from octo_common.runtime.output import CliError
 from octo_common.states import TERMINAL_KINDS
 from octo_common.transport import DEAD_QUEUE
-from octo_worker.cli.common import PROG, journal_store
-from octo_worker.cli.dlq import dead_letter_entry, holding
-from octo_worker.cli.journal import record_detail, record_summary
 from octo_worker.config import WorkerConfig
+from octo_worker.inspection import (
+    PROG,
+    dead_letter_entry,
+    holding,
+    journal_store,
+    record_detail,
+    record_summary,
+)
 from octo_worker.storage.base import JournalStoreBase
 
 __all__ = [

@@ -6,7 +6,7 @@ own ``WorkerMetrics`` registry in process. Standalone (``octo-worker
 console``), it scrapes the daemon's ``[metrics] listen`` endpoint, or says
 that no source is configured. Only metric labels and numbers pass through:
 the labels are scopes, outcomes, reasons and error codes (never keys,
-payloads or adapter text, see ``octo_worker.metrics``). This module never
+payloads or adapter text, see ``octo_worker.daemon.metrics``). This module never
 changes a metric and never starts a scrape of anything but that endpoint.
 """
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the web stack loads only when a console is served
 
     from octo_worker.console.app import ConsoleSettings
     from octo_worker.console.live import LiveSource
-    from octo_worker.daemon import WorkerDaemon
+    from octo_worker.daemon.daemon import WorkerDaemon
 
 __all__ = ["DEFAULT_LISTEN", "metrics_source", "run_with_console", "start_site", "token_of"]
 

@@ -54,9 +54,9 @@ from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.runtime.faults import FAULT_POINTS
 from octo_common.states import OperationStatus
-from octo_worker.adapters import WorkerAdapter, WorkerAdapterRegistry, load_adapters
-from octo_worker.faults import FaultHooks
-from octo_worker.session import WorkerSession, WorkerSessionLimits
+from octo_worker.adapters.contract import WorkerAdapter, WorkerAdapterRegistry, load_adapters
+from octo_worker.daemon.faults import FaultHooks
+from octo_worker.session.session import WorkerSession, WorkerSessionLimits
 from octo_worker.store import SqliteJournalStore
 
 __all__ = [
@@ -74,7 +74,7 @@ KILL_POINTS: Final = (
     "worker.before_reply",
     "worker.after_reply",
 )
-"""The worker's kill points (``octo_worker.faults``), in the order a dispatch or a
+"""The worker's kill points (``octo_worker.daemon.faults``), in the order a dispatch or a
 compensation reaches them (the compensation-only points of ``FAULT_POINTS`` are
 accepted too)."""
 

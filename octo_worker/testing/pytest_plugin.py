@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from octo_worker.adapters import WorkerAdapter
+from octo_worker.adapters.contract import WorkerAdapter
 from octo_worker.testing.kit import AdapterKit
 
 __all__ = ["adapter_kit"]

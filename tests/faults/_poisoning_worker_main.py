@@ -27,9 +27,13 @@ import structlog
 from octo_common.errors import StorageBackendError
 from octo_common.payload import ToolPayload
 from octo_common.states import OperationStatus, Running, Succeeded
-from octo_worker.adapters import BaseWorkerAdapter, DurableOperationContract, WorkerAdapterRegistry
+from octo_worker.adapters.contract import (
+    BaseWorkerAdapter,
+    DurableOperationContract,
+    WorkerAdapterRegistry,
+)
 from octo_worker.config import load_config
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.daemon.daemon import WorkerDaemon
 
 TOOL: Final = "test.hold"
 FAILING_PREFIX: Final = "op-fail-"

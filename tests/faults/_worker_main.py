@@ -24,7 +24,7 @@ import sys
 import structlog
 
 from octo_worker.config import load_config
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.daemon.daemon import WorkerDaemon
 
 
 async def _serve(config_path: str) -> None:

@@ -68,7 +68,7 @@ from octo_host.compensation import (
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
 from octo_host.store import SqliteLedgerStore, ledger_record_key
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.files import read_effect_log
 from octo_worker.config import load_config
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.storage.configured import configured_store

@@ -45,7 +45,7 @@ from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.states import StateKind
 from octo_common.transport import worker_queue
 from octo_host.plan import WorkflowStep
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.files import read_effect_log
 
 from .conftest import (
     TOOL,

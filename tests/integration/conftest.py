@@ -51,9 +51,9 @@ from octo_host.client import HostClient
 from octo_host.compensation import WorkflowCompensationPolicy, WorkflowCompensationTarget
 from octo_host.engine import WorkflowEngine
 from octo_host.store import SqliteLedgerStore
-from octo_worker.adapters import WorkerAdapterRegistry
+from octo_worker.adapters.contract import WorkerAdapterRegistry
 from octo_worker.config import WorkerConfig, load_config
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.daemon.daemon import WorkerDaemon
 from tests.postgres import PostgresSchema
 
 from .journal_backends import BACKENDS, JournalDatabase

@@ -1,5 +1,5 @@
 """The adapter test kit (``octo_worker.testing``) and function adapters
-(``octo_worker.adapter_functions``), on a real WorkerSession and SQLite journal.
+(``octo_worker.adapters.functions``), on a real WorkerSession and SQLite journal.
 
 The plug-in here is a ``FunctionAdapter`` over an in-memory provider that
 records each effect by the idempotency key it is given (a real part: the
@@ -19,8 +19,8 @@ import pytest
 from octo_common.errors import AdapterInvalidJsonInput, AdapterInvalidOptions, WorkerRequestRejected
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, StateKind, Succeeded
-from octo_worker.adapter_functions import AdapterCall, FunctionAdapter, FunctionAdapterIncomplete
-from octo_worker.adapters import AdapterContext, DurableOperationContract, WorkerAdapter
+from octo_worker.adapters.contract import AdapterContext, DurableOperationContract, WorkerAdapter
+from octo_worker.adapters.functions import AdapterCall, FunctionAdapter, FunctionAdapterIncomplete
 from octo_worker.testing import KILL_POINTS, AdapterKit, counts
 
 TOOL = "test.transfer"

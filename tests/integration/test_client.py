@@ -63,9 +63,9 @@ from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
 from octo_host.store import ledger_record_key
-from octo_worker.adapters import WorkerAdapterRegistry
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.contract import WorkerAdapterRegistry
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 
 from .conftest import (
     TOOL,

@@ -27,9 +27,9 @@ from octo_common.payload import ToolPayload
 from octo_common.states import StateKind
 from octo_host.client import HostClient
 from octo_host.client.shortcuts import OperationScopeUnbound
-from octo_worker.adapter_functions import AdapterCall, FunctionAdapter
-from octo_worker.adapters import DurableOperationContract, WorkerAdapterRegistry
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.contract import DurableOperationContract, WorkerAdapterRegistry
+from octo_worker.adapters.files import read_effect_log
+from octo_worker.adapters.functions import AdapterCall, FunctionAdapter
 from octo_worker.testing import CountingAdapter
 
 from .conftest import Names, WorkerEnv, WorkerRunner, write_host_toml, write_worker_env

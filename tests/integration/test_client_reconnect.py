@@ -19,7 +19,7 @@ import pytest
 
 from octo_common.states import StateKind, Succeeded
 from octo_host.client import HostClient
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 
 from .conftest import TOOL, WAIT, HostEnv, HostFactory, WorkerEnv, WorkerRunner, manifest
 from .test_client import (

@@ -21,8 +21,8 @@ from octo_host.compensation import WorkflowCompensationPolicy, WorkflowCompensat
 from octo_host.engine import WorkflowEngine
 from octo_host.plan import WorkflowStep
 from octo_host.store import ledger_record_key
-from octo_worker.adapters_files import read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.files import read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 
 from .conftest import (
     GRANT,

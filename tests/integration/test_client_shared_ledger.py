@@ -28,8 +28,8 @@ from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowStep
 from octo_host.storage.postgres import PostgresLedgerStore
 from octo_host.store import ledger_record_key
-from octo_worker.adapters_files import read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.files import read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 from tests.postgres import PostgresSchema
 
 from .conftest import TOOL, URL, WAIT, Names, WorkerEnv, compensation_target, manifest

@@ -22,7 +22,7 @@ from octo_common.states import Failed, StateKind, Succeeded
 from octo_host.client import HostClient
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.engine import WorkflowEngine
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 
 from .conftest import (
     HostEnv,

@@ -27,9 +27,9 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, Succeeded
-from octo_worker.adapters import WorkerAdapterRegistry
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.contract import WorkerAdapterRegistry
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 
 from .conftest import GRANT, TOOL, WAIT, RawHost, RawSession, WorkerEnv, WorkerRunner
 from .test_daemon_rabbitmq import answer, dispatch_frame, opened, operation_key

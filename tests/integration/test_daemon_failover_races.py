@@ -21,8 +21,8 @@ import pytest
 from octo_common.errors import StorageBackendError
 from octo_common.messages import RequestRejected
 from octo_worker.config import load_config
-from octo_worker.daemon import WorkerDaemon
-from octo_worker.scopes import ServedScope
+from octo_worker.daemon.daemon import WorkerDaemon
+from octo_worker.daemon.scopes import ServedScope
 from octo_worker.storage.configured import configured_store
 from tests.postgres import PostgresSchema
 

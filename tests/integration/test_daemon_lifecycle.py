@@ -28,10 +28,10 @@ from octo_common.messages import (
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
 from octo_common.transport import FrameEnvelope, PublishChannelClosed, worker_queue
-from octo_worker.adapters import WorkerAdapterRegistry
-from octo_worker.adapters_files import read_effect_log
-from octo_worker.daemon import WorkerDaemon
-from octo_worker.topology import TopologyError
+from octo_worker.adapters.contract import WorkerAdapterRegistry
+from octo_worker.adapters.files import read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
+from octo_worker.daemon.topology import TopologyError
 
 from .conftest import (
     GRANT,

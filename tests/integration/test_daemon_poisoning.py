@@ -21,8 +21,8 @@ from octo_common.errors import OctoError, StorageBackendError
 from octo_common.messages import DispatchOperation, OperationDispatchRequest, RequestRejected
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
-from octo_worker.adapters_files import read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.files import read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 
 from .conftest import TOOL, WAIT, RawHost, RawSession, WorkerEnv, unique, wait_session
 

@@ -41,9 +41,9 @@ from octo_common.transport import (
     HEADER_SESSION,
     worker_queue,
 )
-from octo_worker.adapters import AdapterIndeterminate, WorkerAdapterRegistry
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.contract import AdapterIndeterminate, WorkerAdapterRegistry
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 
 from .conftest import (
     GRANT,

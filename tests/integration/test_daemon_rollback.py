@@ -29,8 +29,8 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
-from octo_worker.adapters import WorkerAdapterRegistry
-from octo_worker.adapters_files import FilesPublishAdapter
+from octo_worker.adapters.contract import WorkerAdapterRegistry
+from octo_worker.adapters.files import FilesPublishAdapter
 
 from .conftest import GRANT, TOOL, RawHost, RawSession, WorkerEnv, WorkerRunner
 from .test_daemon_rabbitmq import answer, dispatch_frame, opened, operation_key

@@ -31,7 +31,7 @@ from octo_common.transport import (
     worker_queue,
 )
 from octo_worker.config import load_config
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.daemon.daemon import WorkerDaemon
 
 TOOL = "files.publish"
 GRANT = CapabilityGrant(TOOL, "json", max_calls=8, max_compensations=1)

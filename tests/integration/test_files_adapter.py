@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-import octo_worker.adapters_files as files_module
+import octo_worker.adapters.files as files_module
 from octo_common.digest import adapter_idempotency_key
 from octo_common.errors import AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.grants import CapabilityGrant
@@ -33,13 +33,13 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     AdapterContext,
     DurableOperationContract,
     call_adapter_with_deadline,
     load_adapters,
 )
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 
 SESSION = "session-1"
 TOOL = "files.publish"

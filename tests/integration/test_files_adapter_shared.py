@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-import octo_worker.adapters_files as files_module
+import octo_worker.adapters.files as files_module
 from octo_common.errors import AdapterIndeterminate
 from octo_common.states import Failed
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
-from octo_worker.adapters_files_disk import append_line, fill_line, reserve_line
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
+from octo_worker.adapters.files_disk import append_line, fill_line, reserve_line
 
 from . import test_files_adapter as single
 from .test_files_adapter import (

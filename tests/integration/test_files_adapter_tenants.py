@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-import octo_worker.adapters_files as files_module
+import octo_worker.adapters.files as files_module
 from octo_common.errors import AdapterIndeterminate
 from octo_common.messages import (
     CompensationReconcileRequest,
@@ -25,8 +25,8 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, Succeeded
-from octo_worker.adapters import call_adapter_with_deadline
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
+from octo_worker.adapters.contract import call_adapter_with_deadline
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 
 from .test_files_adapter import (
     GRANT,

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.files import read_effect_log
 
 from .conftest import TOOL, Names, WorkerEnv, WorkerRunner, write_private
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.files import read_effect_log
 from tests.postgres import PostgresSchema
 
 from .conftest import Names, WorkerEnv

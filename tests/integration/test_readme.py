@@ -21,9 +21,9 @@ import pytest
 from octo_common.payload import ToolPayload
 from octo_common.states import StateKind
 from octo_host.client import HostClient
-from octo_worker.adapters import WorkerAdapterRegistry
-from octo_worker.adapters_files import read_effect_log
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.adapters.contract import WorkerAdapterRegistry
+from octo_worker.adapters.files import read_effect_log
+from octo_worker.daemon.daemon import WorkerDaemon
 
 from .conftest import URL, Names, WorkerEnv, WorkerRunner, write_host_toml, write_private
 

@@ -66,8 +66,7 @@ from octo_common.payload import ToolPayload
 from octo_common.peek import peek_operation_key
 from octo_common.records import StorageKeyring
 from octo_common.states import Failed, Pending, Running, StateKind, Succeeded
-from octo_worker import handling
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     AdapterContext,
     BaseWorkerAdapter,
     DurableOperationContract,
@@ -75,9 +74,9 @@ from octo_worker.adapters import (
     WorkerAdapterRegistry,
     adapter_deadline,
 )
-from octo_worker.adapters_files import FilesPublishAdapter, read_effect_log
+from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.session import WorkerSession, WorkerSessionLimits
+from octo_worker.session import WorkerSession, WorkerSessionLimits, handling
 from octo_worker.storage import documents
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import SqliteJournalStore, WorkerCommit, WorkerJournalLease

@@ -32,9 +32,9 @@ from octo_common.grants import CapabilityGrant
 from octo_common.messages import ReconciledCompensation, RequestRejected
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, Pending, Running, Succeeded
-from octo_worker.adapters import BaseWorkerAdapter, DurableOperationContract
+from octo_worker.adapters.contract import BaseWorkerAdapter, DurableOperationContract
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.session import WorkerSessionLimits
+from octo_worker.session.session import WorkerSessionLimits
 
 from .test_session import (
     SCOPE,

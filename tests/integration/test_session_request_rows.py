@@ -24,7 +24,7 @@ from octo_common.codec import encode_struct
 from octo_common.errors import RecordLocationMismatch, RollbackDetected
 from octo_common.messages import OperationResult
 from octo_common.records import StorageKeyring
-from octo_worker.session import WorkerSession
+from octo_worker.session.session import WorkerSession
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.documents import (
     NS_SESSION,

@@ -36,7 +36,7 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Pending, Succeeded
-from octo_worker.session import WorkerSession, WorkerSessionLimits
+from octo_worker.session.session import WorkerSession, WorkerSessionLimits
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import SessionDocuments, WorkerCommit
 

@@ -40,13 +40,13 @@ from octo_common.payload import ToolPayload
 from octo_common.runtime.broker import publish_envelope
 from octo_common.states import Failed, Running
 from octo_common.transport import DEAD_QUEUE, build_host_publish, reply_queue, worker_queue
-from octo_worker.adapters import AdapterIndeterminate, WorkerAdapterRegistry
-from octo_worker.adapters_files import FilesPublishAdapter
+from octo_worker.adapters.contract import AdapterIndeterminate, WorkerAdapterRegistry
+from octo_worker.adapters.files import FilesPublishAdapter
 from octo_worker.config import MetricsConfig
-from octo_worker.daemon import WorkerDaemon
-from octo_worker.metrics import WorkerMetrics
-from octo_worker.queue_watch import refresh_queue_gauges
-from octo_worker.topology import declare_topology
+from octo_worker.daemon.daemon import WorkerDaemon
+from octo_worker.daemon.metrics import WorkerMetrics
+from octo_worker.daemon.queue_watch import refresh_queue_gauges
+from octo_worker.daemon.topology import declare_topology
 
 from .conftest import GRANT, TOOL, WAIT, RawHost, RawSession, WorkerEnv, unique, wait_session
 

@@ -25,8 +25,8 @@ from octo_host.client import HostClient
 from octo_host.compensation import WorkflowCompensationDispatch
 from octo_host.plan import WorkflowStep
 from octo_host.store import SqliteLedgerStore
-from octo_worker.adapters import AdapterContext
-from octo_worker.adapters_files import read_effect_log
+from octo_worker.adapters.contract import AdapterContext
+from octo_worker.adapters.files import read_effect_log
 from octo_worker.config import load_config
 
 from .conftest import (

@@ -36,7 +36,7 @@ from octo_common.transport import (
     reply_queue,
     worker_queue,
 )
-from octo_worker.topology import (
+from octo_worker.daemon.topology import (
     TopologyError,
     apply_dead_letter_policy,
     apply_policy,

@@ -917,7 +917,7 @@ def test_adapters_list_marks_enabled_and_reports_the_contract(worker: RunningWor
     rows = {item["name"]: item for item in json_out(result)["adapters"]}
     publish = rows[PUBLISH]
     assert publish["enabled"] is True and publish["installed"] is True
-    assert publish["entry_point"] == "octo_worker.adapters_files:FilesPublishAdapter"
+    assert publish["entry_point"] == "octo_worker.adapters.files:FilesPublishAdapter"
     assert publish["durable_operation_contract"] == "reconciliation"
     assert publish["invocation_safety"] is None
     assert publish["deadline_seconds"] > 0
@@ -1157,7 +1157,7 @@ def test_rabbitmq_definitions_import_and_agree_with_topology_declare(tmp_path: P
         DEFAULT_DELIVERY_LIMIT,
         WORKER_POLICY_PATTERN,
     )
-    from octo_worker.topology import POLICY_PRIORITY, dead_letter_policy_definition
+    from octo_worker.daemon.topology import POLICY_PRIORITY, dead_letter_policy_definition
 
     definitions = json.loads((REPO / "deploy" / "rabbitmq-definitions.json").read_text())
     policy, dead_policy = definitions["policies"]
@@ -1249,7 +1249,7 @@ import asyncio
 from octo_common.errors import AdapterUnsupported
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
-from octo_worker.adapters import DurableOperationContract
+from octo_worker.adapters.contract import DurableOperationContract
 
 
 class SlowAdapter:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from octo_worker.config import load_config
-from octo_worker.startup import create_state_directories, state_directories
+from octo_worker.daemon.startup import create_state_directories, state_directories
 from tests.integration.test_worker_cli import (
     PYTHON,
     REPO,

@@ -30,7 +30,7 @@ from octo_common.errors import RollbackDetected
 from octo_common.payload import ToolPayload
 from octo_common.states import Pending, Succeeded
 from octo_worker.config import WorkerConfig, load_config
-from octo_worker.daemon import WorkerDaemon
+from octo_worker.daemon.daemon import WorkerDaemon
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
 from octo_worker.store import SqliteJournalStore, WorkerCommit
 

@@ -41,7 +41,7 @@ from octo_common.messages import (
     ToolInvocation,
 )
 from octo_common.payload import ToolPayload
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     ADAPTER_ENTRY_POINT_GROUP,
     CONTEXT_METHODS,
     DEFAULT_ADAPTER_DEADLINE_SECONDS,
@@ -59,7 +59,7 @@ from octo_worker.adapters import (
     effective_adapter_deadline,
     load_adapters,
 )
-from octo_worker.adapters_files import FilesPublishAdapter
+from octo_worker.adapters.files import FilesPublishAdapter
 
 SESSION = "session-1"
 TOOL = "math.add"
@@ -597,7 +597,7 @@ def test_adapter_deadline_reads_the_adapters_declaration() -> None:
 PLUGIN_MODULE = "octo_test_plugins_for_loading"
 
 PLUGIN_SOURCE = """
-from octo_worker.adapters import BaseWorkerAdapter, InvocationSafety
+from octo_worker.adapters.contract import BaseWorkerAdapter, InvocationSafety
 
 
 class EchoAdapter(BaseWorkerAdapter):

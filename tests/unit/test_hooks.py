@@ -9,9 +9,9 @@ import pytest
 
 from octo_common.errors import FencingTokenRejected, SessionReplay, StorageBackendError
 from octo_common.runtime.faults import FAULT_POINTS, FaultInjector
-from octo_worker.faults import FaultHooks
+from octo_worker.daemon.faults import FaultHooks
+from octo_worker.daemon.metrics import WorkerMetrics
 from octo_worker.hooks import HOOK_NAMES, NO_HOOKS, WorkerHooks, combine_hooks
-from octo_worker.metrics import WorkerMetrics
 
 
 class Recorder(WorkerHooks):

@@ -22,10 +22,10 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, Running, Succeeded
-from octo_worker import metrics as metrics_module
-from octo_worker.handling import AdapterStep
-from octo_worker.metrics import WorkerMetrics
-from octo_worker.session import call_adapter_reporting, reply_unresolved
+from octo_worker.daemon import metrics as metrics_module
+from octo_worker.daemon.metrics import WorkerMetrics
+from octo_worker.session.handling import AdapterStep
+from octo_worker.session.session import call_adapter_reporting, reply_unresolved
 
 
 def sample(metrics: WorkerMetrics, name: str, labels: dict[str, str]) -> float | None:

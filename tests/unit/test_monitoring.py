@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from octo_worker.metrics import WorkerMetrics
+from octo_worker.daemon.metrics import WorkerMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "deploy" / "prometheus-alerts.yml"

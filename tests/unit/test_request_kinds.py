@@ -1,4 +1,4 @@
-"""The keyed request kinds (octo_worker.request_kinds): what each row builds, row by row."""
+"""The keyed request kinds (octo_worker.session.request_kinds): what each row builds, row by row."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Running, Succeeded
-from octo_worker.adapters import AdapterContext
-from octo_worker.request_kinds import (
+from octo_worker.adapters.contract import AdapterContext
+from octo_worker.session.request_kinds import (
     COMPENSATE,
     DISPATCH,
     KEYED_KINDS,

@@ -1,4 +1,4 @@
-"""sd_notify(3) against real AF_UNIX datagram sockets (octo_worker.sdnotify).
+"""sd_notify(3) against real AF_UNIX datagram sockets (octo_worker.daemon.sdnotify).
 
 Each test binds the socket systemd would own (a path in a temporary
 directory, or an abstract ``@name``), points the ``Notifier`` at it and reads
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from octo_worker.sdnotify import Notifier, watchdog_interval
+from octo_worker.daemon.sdnotify import Notifier, watchdog_interval
 
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
 

@@ -1,12 +1,12 @@
-"""The worker's session-status rules (octo_worker.session_rules), row by row."""
+"""The worker's session-status rules (octo_worker.session.rules), row by row."""
 
 from __future__ import annotations
 
 import pytest
 
 from octo_common.messages import _MESSAGE_TYPES
-from octo_worker.request_kinds import KEYED_KINDS, KEYED_MESSAGES
-from octo_worker.session_rules import (
+from octo_worker.session.request_kinds import KEYED_KINDS, KEYED_MESSAGES
+from octo_worker.session.rules import (
     CLOSED_REASON,
     HOST_REQUESTS,
     KEYED_REQUESTS,

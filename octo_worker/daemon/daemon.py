@@ -54,21 +54,21 @@ from octo_common.errors import (
     OctoError,
 )
 from octo_common.runtime.faults import FaultInjector
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     WorkerAdapterRegistry,
     load_adapters,
 )
-from octo_worker.broker_link import BrokerLink
 from octo_worker.config import InvalidConfiguration, WorkerConfig
-from octo_worker.deliveries import DeliveryPath
-from octo_worker.faults import FaultHooks
+from octo_worker.daemon.broker_link import BrokerLink
+from octo_worker.daemon.deliveries import DeliveryPath
+from octo_worker.daemon.faults import FaultHooks
+from octo_worker.daemon.metrics import WorkerMetrics
+from octo_worker.daemon.queue_watch import watch_queues
+from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, Supersession
+from octo_worker.daemon.sdnotify import Notifier, watchdog_interval
+from octo_worker.daemon.startup import create_state_directories
 from octo_worker.hooks import combine_hooks
-from octo_worker.metrics import WorkerMetrics
-from octo_worker.queue_watch import watch_queues
-from octo_worker.scopes import ScopeLifecycle, ServedScope, Supersession
-from octo_worker.sdnotify import Notifier, watchdog_interval
-from octo_worker.session import WorkerSessionLimits
-from octo_worker.startup import create_state_directories
+from octo_worker.session.session import WorkerSessionLimits
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.configured import configured_store
 
@@ -84,8 +84,8 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
     """Serves the configured scopes until stopped (``run``).
 
     The delivery path, the scopes' lifecycle and the broker link are its
-    parts (:mod:`octo_worker.deliveries`, :mod:`octo_worker.scopes`,
-    :mod:`octo_worker.broker_link`); this class builds and owns their state,
+    parts (:mod:`octo_worker.daemon.deliveries`, :mod:`octo_worker.daemon.scopes`,
+    :mod:`octo_worker.daemon.broker_link`); this class builds and owns their state,
     starts, stops and watches the process.
     """
 

@@ -2,7 +2,7 @@
 
 A keyed request names an operation key; the session holds that key's lock,
 loads its journal row and answers from the journal. Two paths serve every
-kind (``octo_worker.session_answers``):
+kind (``octo_worker.session.answers``):
 
 * an **effect** kind (``dispatch_operation``, ``compensate_operation``,
   W§10.6): authorize, check the adapter's contract, admit into the journal,
@@ -40,7 +40,7 @@ from octo_common.errors import (
 )
 from octo_common.grants import CapabilityGrant
 from octo_common.states import OperationStatus
-from octo_worker.adapters import AdapterContext, WorkerAdapter
+from octo_worker.adapters.contract import AdapterContext, WorkerAdapter
 from octo_worker.journal import Dispatch, Existing, WorkerOperationJournal
 
 __all__ = [

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from octo_common.errors import InvalidAuthenticationTag, InvalidFrameHeaders, SessionReplay
-from octo_worker.request_kinds import KEYED_KINDS
+from octo_worker.session.request_kinds import KEYED_KINDS
 from octo_worker.storage.documents import SessionStatus
 
 __all__ = [

@@ -31,7 +31,7 @@ from octo_worker.storage.interface import WorkerSessionStore
 
 if TYPE_CHECKING:
     from octo_common.authorizer import SessionAuthorizer
-    from octo_worker.request_kinds import KeyedKind
+    from octo_worker.session.request_kinds import KeyedKind
 
 __all__ = [
     "Ack",

@@ -25,14 +25,14 @@ from octo_common.errors import OctoError
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
 from octo_common.runtime.consumer import InboundMessage, Received, consume_queue
 from octo_common.transport import PublishChannelClosed, worker_queue
-from octo_worker.scopes import ServedScope
-from octo_worker.topology import connect, declare_topology, open_confirm_channel
+from octo_worker.daemon.scopes import ServedScope
+from octo_worker.daemon.topology import connect, declare_topology, open_confirm_channel
 
 if TYPE_CHECKING:
     from octo_worker.config import WorkerConfig
+    from octo_worker.daemon.sdnotify import Notifier
     from octo_worker.hooks import WorkerHooks
-    from octo_worker.sdnotify import Notifier
-    from octo_worker.session import WorkerSession
+    from octo_worker.session.session import WorkerSession
 
 __all__ = ["BrokerLink"]
 

@@ -10,7 +10,7 @@ sessions go, and gives the scope up when another worker's fence refused a
 commit (W§11.3: it never takes the fence back).
 
 What the status of a session makes the daemon do is decided by
-:mod:`octo_worker.session_rules`. It must never decide what a frame gets,
+:mod:`octo_worker.session.rules`. It must never decide what a frame gets,
 reserve a fence after a fence rejection, or log keys or frames.
 """
 
@@ -27,14 +27,14 @@ from octo_common.errors import FencingTokenRejected, OctoError
 from octo_common.frames import ScopeKey
 from octo_common.transport import PublishChannelClosed, PublishFailed, build_worker_reply
 from octo_worker.hooks import WorkerHooks
-from octo_worker.session import WorkerSession
+from octo_worker.session.session import WorkerSession
 from octo_worker.storage.interface import WorkerJournalLease
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-    from octo_worker.adapters import WorkerAdapterRegistry
-    from octo_worker.session import WorkerSessionLimits
+    from octo_worker.adapters.contract import WorkerAdapterRegistry
+    from octo_worker.session.session import WorkerSessionLimits
     from octo_worker.storage.base import JournalStoreBase
 
 __all__ = [

@@ -30,9 +30,9 @@ adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
   after a crash could seal again (W§10.11 rule 2); the daemon runs steps
   3–5.
 
-The decisions per frame live in :mod:`octo_worker.session_answers` (this
-class's base), the commit pipeline in :mod:`octo_worker.session_commits`,
-the status rules in :mod:`octo_worker.session_rules`. This module builds
+The decisions per frame live in :mod:`octo_worker.session.answers` (this
+class's base), the commit pipeline in :mod:`octo_worker.session.commits`,
+the status rules in :mod:`octo_worker.session.rules`. This module builds
 sessions (``open``, ``restore``) and drives one handling: key lock, load,
 decisions under the session lock, the adapter call outside it, the reply.
 
@@ -73,8 +73,11 @@ from octo_common.ids import validate_token
 from octo_common.limits import KEY_NONCE_BYTES
 from octo_common.messages import OpenSession
 from octo_common.peek import peek_operation_key
-from octo_worker.adapters import WorkerAdapterRegistry, call_adapter_with_deadline
-from octo_worker.handling import (
+from octo_worker.adapters.contract import WorkerAdapterRegistry, call_adapter_with_deadline
+from octo_worker.hooks import NO_HOOKS, WorkerHooks
+from octo_worker.session.answers import SessionAnswers, WorkerSessionLimits, reply_unresolved
+from octo_worker.session.commits import CommitFailed, DurablePoint, SessionCommits
+from octo_worker.session.handling import (
     Ack,
     AdapterStep,
     DeadLetter,
@@ -84,10 +87,7 @@ from octo_worker.handling import (
     Reply,
     key_lock,
 )
-from octo_worker.hooks import NO_HOOKS, WorkerHooks
-from octo_worker.session_answers import SessionAnswers, WorkerSessionLimits, reply_unresolved
-from octo_worker.session_commits import CommitFailed, DurablePoint, SessionCommits
-from octo_worker.session_rules import CLOSED, CLOSED_REASON, OPEN, POISONED
+from octo_worker.session.rules import CLOSED, CLOSED_REASON, OPEN, POISONED
 from octo_worker.storage.documents import (
     SessionStatus,
     opening_document,

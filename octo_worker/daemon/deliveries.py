@@ -7,7 +7,7 @@ publish, dead-letter, requeue) and :class:`DeliveryPath`, the part of
 
 1. the scope's concurrency bound and pause gate;
 2. the inbound gate (``octo_common.inbound.gate``): size, headers, session;
-3. the status route (``octo_worker.session_rules``): hand it to the
+3. the status route (``octo_worker.session.rules``): hand it to the
    session, open a session from an ``open_session``, or dead-letter it;
 4. ``WorkerSession.handle`` (or ``WorkerSession.open``);
 5. after the handling: release a closed session, reload a poisoned
@@ -31,22 +31,22 @@ from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
-from octo_worker.scopes import ServedScope, remember_closed
-from octo_worker.session import WorkerSession
-from octo_worker.session_rules import (
+from octo_worker.daemon.scopes import ServedScope, remember_closed
+from octo_worker.session.rules import (
     AfterHandling,
     Route,
     after_handling,
     route_known,
     route_unknown,
 )
+from octo_worker.session.session import WorkerSession
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-    from octo_worker.adapters import WorkerAdapterRegistry
+    from octo_worker.adapters.contract import WorkerAdapterRegistry
     from octo_worker.hooks import WorkerHooks
-    from octo_worker.session import WorkerSessionLimits
+    from octo_worker.session.session import WorkerSessionLimits
     from octo_worker.storage.base import JournalStoreBase
 
 __all__ = ["BrokerDelivery", "DeliveryPath"]

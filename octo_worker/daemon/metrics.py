@@ -7,7 +7,7 @@ daemon tell it what happened, with typed arguments, at the points the hooks
 name. Labels carry outcomes, codes, tools, scopes and queue names only:
 never keys, payloads, operation keys or adapter text. Nothing here does I/O
 but the HTTP endpoint; the broker queue gauges are set by
-:mod:`octo_worker.queue_watch`, off the delivery path.
+:mod:`octo_worker.daemon.queue_watch`, off the delivery path.
 
 The ``*_for`` methods return a metric's labelled child, remembered per label
 tuple: ``labels()`` checks and copies its arguments and takes a lock on
@@ -33,7 +33,7 @@ from prometheus_client import (
 
 from octo_common.errors import OctoError, SessionReplay
 from octo_worker.hooks import WorkerHooks
-from octo_worker.request_kinds import KEYED_KINDS
+from octo_worker.session.request_kinds import KEYED_KINDS
 
 __all__ = ["WorkerMetrics"]
 

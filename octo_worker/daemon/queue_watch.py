@@ -3,7 +3,7 @@
 Owns: the loop that, every ``[metrics] queue_refresh_seconds`` while the
 daemon is connected, asks the broker for the ready-message and consumer
 counts of each configured scope's worker queue and of ``octo.v5.dead``
-(passive declares, :func:`octo_worker.topology.describe_topology`) and sets
+(passive declares, :func:`octo_worker.daemon.topology.describe_topology`) and sets
 ``octo_queue_messages{queue}``, ``octo_queue_consumers{queue}`` and
 ``octo_queue_refresh_timestamp_seconds``. The consumer count is the broker's,
 so it covers every worker of a scope, not only this one: it is what tells an
@@ -28,8 +28,8 @@ import structlog
 from aio_pika.abc import AbstractConnection
 
 from octo_common.errors import OctoError
-from octo_worker.metrics import WorkerMetrics
-from octo_worker.topology import describe_topology
+from octo_worker.daemon.metrics import WorkerMetrics
+from octo_worker.daemon.topology import describe_topology
 
 __all__ = ["refresh_queue_gauges", "watch_queues"]
 

@@ -21,7 +21,7 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import OperationStatus, Succeeded
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     AdapterContext,
     BaseWorkerAdapter,
     DurableOperationContract,

@@ -1,6 +1,6 @@
 """The files of ``files.publish`` on disk: crash-safe writes, effect-log lines, operation locks.
 
-Owns the primitives :mod:`octo_worker.adapters_files` builds on: a new file
+Owns the primitives :mod:`octo_worker.adapters.files` builds on: a new file
 written and fsynced (:func:`write_new_file`), an atomic replacement
 (:func:`replace_file`), one fsynced ``O_APPEND`` line of the effect log
 (:func:`append_line`), an effect line's place reserved at the end of the log

@@ -2,9 +2,9 @@
 
 :class:`SessionAnswers` is the part of ``WorkerSession`` that decides, under
 the session lock, what one frame gets: the status rules of
-:mod:`octo_worker.session_rules` pick the answer; ``invoke`` has its own
+:mod:`octo_worker.session.rules` pick the answer; ``invoke`` has its own
 handler; every keyed request goes through one of two paths driven by its
-row of :mod:`octo_worker.request_kinds` (an effect, or a status lookup); a
+row of :mod:`octo_worker.session.request_kinds` (an effect, or a status lookup); a
 duplicate is answered from the journal. Each handler ends in a step for
 the driver (a reply, an ack, a dead-letter, a requeue, or an adapter call
 followed by more decisions), after the commits W§10.6 prescribes:
@@ -88,14 +88,16 @@ from octo_common.states import (
     Succeeded,
     did_not_act,
 )
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     AdapterContext,
     DurableOperationContract,
     InvocationSafety,
     WorkerAdapterRegistry,
     refusal_status,
 )
-from octo_worker.handling import (
+from octo_worker.journal import Existing, JournalChangeset, WorkerOperationJournal
+from octo_worker.session.commits import CommitFailed, SessionCommits
+from octo_worker.session.handling import (
     Ack,
     AdapterStep,
     DeadLetter,
@@ -105,10 +107,8 @@ from octo_worker.handling import (
     Requeue,
     Step,
 )
-from octo_worker.journal import Existing, JournalChangeset, WorkerOperationJournal
-from octo_worker.request_kinds import KEYED_MESSAGES, KeyedKind
-from octo_worker.session_commits import CommitFailed, SessionCommits
-from octo_worker.session_rules import CLOSED, CLOSED_REASON, Answer, answer
+from octo_worker.session.request_kinds import KEYED_MESSAGES, KeyedKind
+from octo_worker.session.rules import CLOSED, CLOSED_REASON, Answer, answer
 from octo_worker.storage.documents import SessionStatus
 from octo_worker.storage.interface import OutboxEntry
 

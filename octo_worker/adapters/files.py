@@ -20,7 +20,7 @@ operation keys are unique only within a scope):
 * ``.octo-publish/claim.<sha256 of scope and name>``: the claim on one
   scope's name, created with ``O_EXCL``, holding the owner's idempotency key.
 * ``.octo-publish/lock.<idempotency key>``: the operation's cross-process
-  lock (:func:`octo_worker.adapters_files_disk.operation_lock`).
+  lock (:func:`octo_worker.adapters.files_disk.operation_lock`).
 * ``<scope>/.octo-tmp.*``: a file being written; a publish removes its own,
   but one cut by a crash stays behind (never published: safe to delete).
 
@@ -88,13 +88,13 @@ from octo_common.digest import adapter_idempotency_key
 from octo_common.errors import AdapterFailed, AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, OperationStatus, Succeeded
-from octo_worker.adapters import (
+from octo_worker.adapters.contract import (
     AdapterContext,
     BaseWorkerAdapter,
     DurableOperationContract,
     validation_text,
 )
-from octo_worker.adapters_files_disk import (
+from octo_worker.adapters.files_disk import (
     TMP_PREFIX,
     append_line,
     fill_line,

@@ -1,0 +1,265 @@
+"""What both operator tools read: the journal and the dead-letter queue.
+
+The ``octo-worker`` verbs (:mod:`octo_worker.cli`) and the console
+(:mod:`octo_worker.console`) share these helpers, so neither package imports
+the other: the command's name, a broker connection for one verb (bounded
+connect, closed after), the journal opened read-only or for maintenance
+beside a running daemon, holding the whole dead-letter queue (bounded)
+unacknowledged on one channel and requeuing it in delivery order, each
+dead-lettered frame's entry, and a journal row's summary and detail.
+
+It must never print (the verbs and pages do), leave a connection or a store
+open, show a payload, a failure message or a key, or remove a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiormq
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+
+from octo_common.errors import OctoError
+from octo_common.runtime.output import (
+    EXIT_CHECK_FAILED,
+    EXIT_STORAGE,
+    CliError,
+    broker_unreachable,
+    printable,
+    state_detail,
+)
+from octo_common.transport import (
+    DEAD_QUEUE,
+    HEADER_KEY_NONCE,
+    HEADER_REASON,
+    HEADER_SCOPE,
+    HEADER_SESSION,
+)
+from octo_worker.config import WorkerConfig
+from octo_worker.daemon.topology import TopologyError, connect
+from octo_worker.journal import WorkerOperationRecord
+from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.configured import configured_store
+
+__all__ = [
+    "MAX_HELD_BYTES",
+    "MAX_HELD_MESSAGES",
+    "PROG",
+    "HeldMessages",
+    "broker_connection",
+    "dead_letter_entry",
+    "dead_queue",
+    "holding",
+    "journal_store",
+    "record_detail",
+    "record_summary",
+]
+
+PROG: Final = "octo-worker"
+
+# A broker probe from the command line should answer fast even when the
+# configured connect timeout is generous.
+_PROBE_TIMEOUT_SECONDS: Final = 5.0
+
+
+@contextlib.asynccontextmanager
+async def broker_connection(config: WorkerConfig) -> AsyncIterator[AbstractConnection]:
+    url = config.broker_url()
+    timeout = min(config.broker.connect_timeout_seconds, _PROBE_TIMEOUT_SECONDS)
+    try:
+        connection = await connect(url, timeout=timeout, name="octo-worker-cli")
+    except TopologyError as error:
+        raise broker_unreachable(config.redacted_broker_url(), error.reason, error.code) from None
+    try:
+        yield connection
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(connection.close(), timeout=5.0)
+
+
+@contextlib.asynccontextmanager
+async def journal_store(
+    config: WorkerConfig, *, maintenance: bool = False
+) -> AsyncIterator[JournalStoreBase]:
+    """The journal, read-only, or for maintenance (rows only, never a revision):
+    beside a running daemon neither may migrate the schema or rewrite the
+    anchor file the daemon replaces after each commit. SQLite or PostgreSQL,
+    as ``[storage]`` says."""
+    path = config.journal_location()
+    if not config.shared_journal and not config.journal_path.exists():
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"journal database {path} does not exist (the daemon creates it when it starts)",
+            "not_found",
+        )
+    store = configured_store(config, read_only=not maintenance, maintenance=maintenance)
+    try:
+        try:
+            await store.scopes()  # opens the database (and checks the anchor)
+        except OctoError as error:
+            hint = ""
+            if error.code == "rollback_anchor_missing":
+                hint = f" (create it with: {PROG} journal init-anchor)"
+            raise CliError(
+                EXIT_STORAGE,
+                f"journal {path}: cannot open: {error.code}: {error}{hint}",
+                error.code,
+            ) from None
+        yield store
+    finally:
+        with contextlib.suppress(Exception):
+            await store.close()
+
+
+def _header(headers: Mapping[str, Any], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    return printable(value, 128)
+
+
+def _death_reason(headers: Mapping[str, Any]) -> str | None:
+    """Why the broker itself dead-lettered a frame (delivery limit, rejection)."""
+    first = headers.get("x-first-death-reason")
+    if first is not None:
+        return printable(first, 64)
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        reason = deaths[0].get("reason")
+        if reason is not None:
+            return printable(reason, 64)
+    return None
+
+
+def dead_letter_entry(
+    position: int, message: AbstractIncomingMessage, body: bool
+) -> dict[str, Any]:
+    headers: Mapping[str, Any] = message.headers or {}
+    reason = _header(headers, HEADER_REASON)
+    broker_reason = _death_reason(headers)
+    entry: dict[str, Any] = {
+        "position": position,
+        "reason": reason or (f"broker:{broker_reason}" if broker_reason else None),
+        "scope": _header(headers, HEADER_SCOPE),
+        "session": _header(headers, HEADER_SESSION),
+        "key_nonce_present": HEADER_KEY_NONCE in headers,
+        "message_id": None if message.message_id is None else printable(message.message_id, 128),
+        "correlation_id": None
+        if message.correlation_id is None
+        else printable(message.correlation_id, 128),
+        "routing_key": None if message.routing_key is None else printable(message.routing_key),
+        "size": len(message.body),
+        "delivery_count": headers.get("x-delivery-count")
+        if isinstance(headers.get("x-delivery-count"), int)
+        else None,
+    }
+    if body:
+        entry["body_base64"] = base64.b64encode(message.body).decode("ascii")
+        entry["body_text"] = message.body.decode("utf-8", "backslashreplace")
+    return entry
+
+
+async def dead_queue(connection: AbstractConnection) -> AbstractQueue:
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        return await channel.declare_queue(DEAD_QUEUE, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"queue {DEAD_QUEUE} does not exist (run: {PROG} topology declare)",
+            "not_found",
+        ) from None
+
+
+MAX_HELD_MESSAGES: Final = 10_000
+
+MAX_HELD_BYTES: Final = 256 * 1024 * 1024
+
+
+@dataclass
+class HeldMessages:
+    """Messages of the dead-letter queue, held unacknowledged on one channel."""
+
+    messages: list[AbstractIncomingMessage]
+    complete: bool  # False: the queue is larger than one inspection may hold
+    total: int
+
+    def entries(self, count: int, body: bool) -> list[dict[str, Any]]:
+        return [dead_letter_entry(i + 1, m, body) for i, m in enumerate(self.messages[:count])]
+
+
+@contextlib.asynccontextmanager
+async def holding(config: WorkerConfig) -> AsyncIterator[HeldMessages]:
+    """Hold the whole queue (bounded), then requeue every message not acked.
+
+    A quorum queue puts a requeued message at its tail, so inspecting only
+    the first N would rotate the queue and change every position. Holding
+    everything and requeuing it in delivery order keeps the order (and the
+    positions) as they were; only a queue beyond the bounds is rotated, and
+    the listing says so. Nothing is lost: a message is only removed by an
+    explicit ack (``drop``).
+    """
+    async with broker_connection(config) as connection:
+        queue = await dead_queue(connection)
+        total = int(queue.declaration_result.message_count or 0)
+        held = HeldMessages([], True, total)
+        size = 0
+        try:
+            while True:
+                if len(held.messages) >= MAX_HELD_MESSAGES or size >= MAX_HELD_BYTES:
+                    held.complete = False
+                    break
+                message = await queue.get(no_ack=False, fail=False, timeout=10)
+                if message is None:
+                    break
+                held.messages.append(message)
+                size += len(message.body)
+            yield held
+        finally:
+            try:
+                for message in held.messages:
+                    await message.reject(requeue=True)
+            except (aiormq.exceptions.AMQPError, ConnectionError):
+                # The channel is gone: the broker requeues every unacked message itself.
+                pass
+
+
+def _state_text(state: Any) -> str:
+    return str(getattr(state, "kind", "?"))
+
+
+def record_summary(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
+    compensation = record.compensation
+    return {
+        "scope": scope,
+        "operation_key": record.operation_key,
+        "tool": record.tool,
+        "state": _state_text(record.state),
+        "compensation_state": None if compensation is None else _state_text(compensation.state),
+        "revision": revision,
+    }
+
+
+def record_detail(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
+    compensation = record.compensation
+    return {
+        "scope": scope,
+        "operation_key": record.operation_key,
+        "tool": record.tool,
+        "input_fingerprint": record.input_fingerprint,
+        "revision": revision,
+        **state_detail(record.state),
+        "compensation": None
+        if compensation is None
+        else {
+            "compensation_key": compensation.compensation_key,
+            "input_fingerprint": compensation.input_fingerprint,
+            "grant_fingerprint": compensation.grant_fingerprint,
+            **state_detail(compensation.state),
+        },
+    }
