@@ -35,13 +35,11 @@ import inspect
 import math
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
 from octo_common.codec import compact_json
-from octo_common.digest import AdapterIdempotencyKind, adapter_idempotency_key
 from octo_common.errors import (
     AdapterFailed,
     AdapterIndeterminate,
@@ -55,10 +53,11 @@ from octo_common.errors import (
     OctoError,
     WorkerAdapterError,
 )
-from octo_common.ids import is_fingerprint, is_token, validate_token
+from octo_common.ids import is_token
 from octo_common.limits import MAX_OPERATION_ERROR_BYTES
 from octo_common.payload import ToolPayload
 from octo_common.states import Failed, FailureCode
+from octo_worker.adapters.context import AdapterContext
 
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
@@ -139,78 +138,6 @@ class DurableOperationContract(enum.StrEnum):
 
     RECONCILIATION = "reconciliation"
     PROVIDER_IDEMPOTENCY_AND_RECONCILIATION = "provider_idempotency_and_reconciliation"
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterContext:
-    """What an adapter knows besides the request and the grant (D12).
-
-    * ``scope``: the tenant scope whose journal admitted the request. One
-      adapter instance serves every scope, and operation and compensation
-      keys are unique only within a scope.
-    * ``session_id``: the session the request arrived in.
-    * ``idempotency_key``: 64 lowercase hex, unique across scopes
-      (``octo_common.digest.adapter_idempotency_key``). It is the key an
-      adapter hands to an external provider or names its own effect by;
-      an adapter MUST NOT use the bare operation or compensation key for
-      that. Since it is always 64 hex, it is safe in a file name.
-    * ``deadline``: event-loop time (``asyncio.get_running_loop().time()``)
-      at which the worker stops waiting and the call counts as
-      indeterminate. An adapter may bound its own I/O by it.
-
-    A frozen value compared field by field; none of its fields is secret,
-    so its repr may be logged. The worker builds it with ``for_operation``,
-    ``for_compensation`` or ``for_invoke``, which derive the key.
-    """
-
-    scope: str
-    session_id: str
-    idempotency_key: str
-    deadline: float
-
-    def __post_init__(self) -> None:
-        validate_token("tenant scope", self.scope)
-        validate_token("session id", self.session_id)
-        if not is_fingerprint(self.idempotency_key):
-            raise ValueError("an adapter idempotency key is 64 lowercase hex")
-        deadline = self.deadline
-        if isinstance(deadline, bool) or not isinstance(deadline, int | float):
-            raise TypeError("an adapter deadline is event-loop time, a number")
-        if not math.isfinite(deadline):
-            raise ValueError("an adapter deadline is finite")
-        object.__setattr__(self, "deadline", float(deadline))
-
-    @classmethod
-    def _derived(
-        cls,
-        scope: str,
-        session_id: str,
-        kind: AdapterIdempotencyKind,
-        key: str,
-        deadline: float,
-    ) -> AdapterContext:
-        return cls(scope, session_id, adapter_idempotency_key(scope, kind, key), deadline)
-
-    @classmethod
-    def for_operation(
-        cls, scope: str, session_id: str, operation_key: str, deadline: float
-    ) -> AdapterContext:
-        """For ``dispatch_operation`` and ``reconcile_operation``: kind ``operation``."""
-        return cls._derived(scope, session_id, "operation", operation_key, deadline)
-
-    @classmethod
-    def for_compensation(
-        cls, scope: str, session_id: str, compensation_key: str, deadline: float
-    ) -> AdapterContext:
-        """For ``compensate_operation`` and ``reconcile_compensation``: kind ``compensation``."""
-        return cls._derived(scope, session_id, "compensation", compensation_key, deadline)
-
-    @classmethod
-    def for_invoke(
-        cls, scope: str, session_id: str, request_id: str, deadline: float
-    ) -> AdapterContext:
-        """For ``invoke``: kind ``invoke`` over the request id."""
-        return cls._derived(scope, session_id, "invoke", request_id, deadline)
 
 
 @runtime_checkable

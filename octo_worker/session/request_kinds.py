@@ -40,7 +40,7 @@ from octo_common.errors import (
 )
 from octo_common.grants import CapabilityGrant
 from octo_common.states import OperationStatus
-from octo_worker.adapters.contract import AdapterContext, WorkerAdapter
+from octo_worker.adapters.context import AdapterContext
 from octo_worker.journal import Dispatch, Existing, WorkerOperationJournal
 
 __all__ = [
@@ -82,7 +82,8 @@ class KeyedKind:
     validate_result: Callable[[SessionAuthorizer, Authorized, Result], None]
     answer: Callable[[Result], messages.WorkerMessage]
     # (adapter, request, grant, context) -> the adapter's coroutine.
-    call: Callable[[WorkerAdapter, Request, CapabilityGrant, AdapterContext], Awaitable[Any]]
+    # The adapter (a ``WorkerAdapter``; this table imports no adapter I/O), request, grant, context.
+    call: Callable[[Any, Request, CapabilityGrant, AdapterContext], Awaitable[Any]]
     adapter_method: str
     # (scope, session id, request, deadline) -> the adapter's context (D12).
     context: Callable[[str, str, Request, float], AdapterContext]

@@ -281,3 +281,72 @@ def test_the_worker_modules_import_each_other_without_a_cycle() -> None:
         graph[name] = {target for target in targets if target is not None and target != name}
     assert graph["octo_worker.session.session"] >= {"octo_worker.session.answers"}
     assert cycles(graph) == []
+
+
+# The worker's pure rules and values (STYLE.md, h11): no I/O, and nothing from the worker's
+# I/O modules. The session's decisions read these; the daemon and the session drive the I/O.
+WORKER_PURE = (
+    "octo_worker.journal",
+    "octo_worker.hooks",
+    "octo_worker.session.rules",
+    "octo_worker.session.request_kinds",
+    "octo_worker.adapters.context",
+    "octo_worker.storage.interface",
+    "octo_worker.storage.documents",
+)
+
+
+def worker_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in modules("octo_worker")}
+
+
+@pytest.mark.parametrize("name", WORKER_PURE)
+def test_a_pure_worker_module_imports_no_io_and_no_worker_io_module(name: str) -> None:
+    known = worker_modules()
+    bad = sorted(
+        {
+            imported_name
+            for imported_name in imported(known[name])
+            if top(imported_name) in IO_MODULES
+            or within(imported_name, RUNTIME)
+            or (
+                top(imported_name) == "octo_worker"
+                and host_module_of(imported_name, known) not in WORKER_PURE
+            )
+        }
+    )
+    assert bad == [], f"{name} imports {bad}"
+
+
+def folder_of(name: str) -> str:
+    """The folder of an octo_worker module: its package below octo_worker (``daemon``,
+    ``session``...), or the module itself when it sits at the top (``journal``)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def worker_folder_graph() -> dict[str, set[str]]:
+    known = worker_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        source = folder_of(name)
+        targets = {host_module_of(imported_name, known) for imported_name in imported(path)}
+        graph.setdefault(source, set()).update(
+            folder_of(target)
+            for target in targets
+            if target is not None and folder_of(target) != source
+        )
+    return graph
+
+
+def test_the_worker_folders_import_each_other_without_a_cycle() -> None:
+    # A package's __init__ re-exporting its own modules stays inside its folder.
+    graph = worker_folder_graph()
+    assert {"daemon", "session", "adapters", "storage", "cli", "console"} <= set(graph)
+    assert "session" in graph["daemon"] and "adapters" in graph["session"]
+    assert cycles(graph) == []
+
+
+def test_at_most_eight_modules_sit_at_the_top_of_the_worker() -> None:
+    top_level = sorted(path.name for path in (ROOT / "octo_worker").glob("*.py"))
+    assert len(top_level) <= 8, top_level
