@@ -44,7 +44,7 @@ from octo_host.plan import WorkflowStep
 from octo_host.store import SqliteLedgerStore
 
 HERE = Path(__file__).resolve().parent
-URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/")
+URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://127.0.0.1:5672/")
 PEER = HERE / "_e2e_peer.py"
 TOOL = "octo.noop"
 GRANT = CapabilityGrant(TOOL, "json", max_calls=1024)

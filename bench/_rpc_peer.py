@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    url = os.environ.get("OCTO_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/")
+    url = os.environ.get("OCTO_BENCH_BROKER", "amqp://127.0.0.1:5672/")
     _loop.run(serve(url, argv[1], int(argv[2])))
     return 0
 

@@ -50,7 +50,7 @@ import _loop
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
-BROKER_URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/")
+BROKER_URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://127.0.0.1:5672/")
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PEER = HERE / "_rpc_peer.py"

@@ -4,7 +4,7 @@ Started by bench/baselines.py as ``celery -A bench.celery_app worker ...``
 from the repository root. Configuration comes from the environment so the
 benchmark can give every run its own queue:
 
-* ``OCTO_BENCH_BROKER``: AMQP URL (default ``amqp://guest:guest@127.0.0.1:5672//``);
+* ``OCTO_BENCH_BROKER``: AMQP URL (default ``amqp://127.0.0.1:5672//``);
 * ``OCTO_BENCH_CELERY_QUEUE``: the task queue (default ``octo.bench.celery``).
 
 Settings that matter for a fair comparison: ``task_acks_late=True`` (the
@@ -21,7 +21,7 @@ import os
 
 from celery import Celery
 
-BROKER_URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
+BROKER_URL = os.environ.get("OCTO_BENCH_BROKER", "amqp://127.0.0.1:5672//")
 TASK_QUEUE = os.environ.get("OCTO_BENCH_CELERY_QUEUE", "octo.bench.celery")
 
 app = Celery("octo_bench", broker=BROKER_URL, backend="rpc://")

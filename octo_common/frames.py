@@ -67,6 +67,8 @@ _SCOPE_KEY_REASONS: Final[dict[str, str]] = {
     "unreadable": "unreadable",
     "not_regular": "permissions",
     "permissions": "permissions",
+    "owner": "permissions",
+    "directory": "permissions",
     "format": "format",
 }
 

@@ -6,7 +6,10 @@ device) with no permission bit for group or others, read with a bound. A
 key file then holds exactly 32 raw bytes, or exactly 64 lowercase hex
 characters and at most one trailing ``\\n``.
 
-The file is judged where it really is: the directories above it are
+The file must be owned by the user the process runs as, and no directory
+on its path may be writable (or owned) by anyone but that user or root, so
+that nobody else can swap the file for one of theirs. The file is judged
+where it really is: the directories above it are
 resolved first (a key inside a symlinked directory, such as a systemd
 credentials directory, is read), but the file itself must not be a link.
 
@@ -43,7 +46,16 @@ KEY_BYTES: Final = SCOPE_KEY_BYTES  # scope and storage keys are both 32 bytes
 _KEY_READ_LIMIT: Final = 2 * KEY_BYTES + 2
 _LOWER_HEX64: Final = re.compile(rb"[0-9a-f]{64}\n?")
 
-Refusal = Literal["missing", "unopenable", "not_regular", "permissions", "unreadable", "format"]
+Refusal = Literal[
+    "missing",
+    "unopenable",
+    "not_regular",
+    "permissions",
+    "owner",
+    "directory",
+    "unreadable",
+    "format",
+]
 
 
 class KeyFileRefused(Exception):
@@ -74,6 +86,13 @@ class KeyFileRefused(Exception):
                 f"{path} grants permissions to group or others "
                 f"(mode {self.detail}); run chmod 600 {path}"
             )
+        if self.reason == "owner":
+            return (
+                f"{path} is owned by uid {self.detail}, not by the user this process runs as"
+                f" (uid {os.geteuid()}); run chown to that user"
+            )
+        if self.reason == "directory":
+            return f"{path}: {self.detail}"
         if self.reason == "unreadable":
             return f"cannot read {path} ({self.detail})"
         return f"{path} must hold 32 raw bytes or 64 lowercase hex characters"
@@ -94,17 +113,50 @@ def _resolved(path: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.realpath(directory or os.curdir), name)
 
 
+def _directory_problem(directory: str) -> str | None:
+    """Why someone other than this user (or root) could replace a file in ``directory``.
+
+    The directory itself must be owned by this user or root and writable by
+    neither group nor others; each directory above it likewise, except that
+    one with the sticky bit (``/tmp``) may be writable by others, who cannot
+    then rename what they do not own.
+    """
+    allowed = {0, os.geteuid()}
+    current = directory
+    first = True
+    while True:
+        try:
+            info = os.stat(current)
+        except OSError as exc:
+            return f"cannot inspect directory {current} ({_strerror(exc)})"
+        if info.st_uid not in allowed:
+            return f"directory {current} is owned by uid {info.st_uid}, not by this user or root"
+        writable = info.st_mode & 0o022
+        if writable and (first or not info.st_mode & stat.S_ISVTX):
+            return (
+                f"directory {current} is writable by group or others"
+                f" (mode {info.st_mode & 0o7777:o}); run chmod go-w {current}"
+            )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current, first = parent, False
+
+
 def read_private_file(path: str | os.PathLike[str], limit: int) -> bytes:
     """At most ``limit`` bytes of a regular, private file that is not a link.
 
     Raises :class:`KeyFileRefused` with reason ``missing``, ``unopenable``
     (a symbolic link, no permission to read, ...), ``not_regular``,
-    ``permissions`` (any bit of ``0o077``) or ``unreadable``.
+    ``permissions`` (any bit of ``0o077``), ``owner`` (not owned by the
+    user this process runs as), ``directory`` (a directory on its path that
+    someone else may write or owns) or ``unreadable``.
     """
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    resolved = _resolved(path)
     try:
         # O_NONBLOCK: a FIFO must not block the open; it is then refused below.
-        fd = os.open(_resolved(path), flags | os.O_NONBLOCK)
+        fd = os.open(resolved, flags | os.O_NONBLOCK)
     except FileNotFoundError:
         raise KeyFileRefused("missing", path) from None
     except OSError as exc:
@@ -115,6 +167,11 @@ def read_private_file(path: str | os.PathLike[str], limit: int) -> bytes:
             raise KeyFileRefused("not_regular", path)
         if info.st_mode & 0o077:
             raise KeyFileRefused("permissions", path, f"{info.st_mode & 0o777:o}")
+        if info.st_uid != os.geteuid():
+            raise KeyFileRefused("owner", path, str(info.st_uid))
+        problem = _directory_problem(os.path.dirname(resolved))
+        if problem is not None:
+            raise KeyFileRefused("directory", path, problem)
         chunks: list[bytes] = []
         remaining = limit
         while remaining > 0:

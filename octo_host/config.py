@@ -112,12 +112,18 @@ from octo_common.runtime.configfile import (
     BrokerConnectionConfig,
     ConfigFile,
     StorageKeyConfig,
+    check_broker_password,
     convert_config,
     read_toml,
     redacted_broker_url,
     resolve_path,
 )
-from octo_common.runtime.keyfiles import load_key_file, load_scope_key, load_storage_key
+from octo_common.runtime.keyfiles import (
+    KeyRoles,
+    load_key_file,
+    load_scope_key,
+    load_storage_key,
+)
 from octo_host.compensation import WorkflowCompensationAction
 from octo_host.storage.postgres import PostgresLedgerStore
 from octo_host.storage.sqlite import SqliteLedgerStore
@@ -279,6 +285,19 @@ class HostConfig(ConfigFile, forbid_unknown_fields=True, frozen=True):
                     f"scopes[{index}].key_file",
                 )
         raise InvalidConfiguration(f"scopes: scope {scope!r} is not configured")
+
+    def check_key_roles(self) -> None:
+        """Every configured key file read once, each key serving one role only
+        (each scope's key, the ledger keys): ``KeySharedBetweenRoles`` otherwise."""
+        roles = KeyRoles()
+        for index, scope in enumerate(self.scopes):
+            where = f"scopes[{index}].key_file"
+            roles.add(f"scope {scope.name}", where, self.path(scope.key_file, where))
+        ledger = self.ledger
+        roles.add("ledger", "ledger.key.key_file", self.path(ledger.key.key_file, "ledger.key"))
+        for index, extra in enumerate(ledger.read_keys):
+            where = f"ledger.read_keys[{index}].key_file"
+            roles.add("ledger", where, self.path(extra.key_file, where))
 
     def storage_keyring(self) -> StorageKeyring:
         """The ledger keyring: ``ledger.key`` active, ``ledger.read_keys`` for verification."""
@@ -461,8 +480,7 @@ def _check(config: HostConfig) -> None:
 def _check_broker(broker: BrokerConfig) -> None:
     if not broker.url.startswith(("amqp://", "amqps://")):
         raise InvalidConfiguration("broker.url: must start with amqp:// or amqps://")
-    if urllib.parse.urlsplit(broker.url).password and broker.password_file:
-        raise InvalidConfiguration("broker.url: give the password in password_file only")
+    check_broker_password(broker)
     for name in (
         "connect_timeout_seconds",
         "publish_timeout_seconds",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -25,13 +24,16 @@ from octo_common.ids import is_token
 from octo_common.limits import MAX_WIRE_FRAME_BYTES
 from octo_common.records import StorageKeyId, StorageKeyring
 from octo_common.runtime.configfile import (
+    BrokerConnectionConfig,
     broker_url_with_password,
+    check_broker_password,
     read_toml,
     redacted_broker_url,
     resolve_path,
     validation_error,
 )
 from octo_common.runtime.keyfiles import (
+    KeyRoles,
     load_key_file,
     load_scope_key,
     load_storage_key,
@@ -57,13 +59,9 @@ __all__ = [
 ]
 
 
-class BrokerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class BrokerConfig(BrokerConnectionConfig, forbid_unknown_fields=True, frozen=True):
     """Where RabbitMQ is. Put the password in ``password_file``, not in ``url``."""
 
-    url: str = "amqp://guest:guest@127.0.0.1:5672/"
-    password_file: str | None = None
-    connect_timeout_seconds: float = 10.0
-    publish_timeout_seconds: float = 10.0
     reconnect_initial_seconds: float = 0.5
     reconnect_max_seconds: float = 15.0
     prefetch: int = 64
@@ -226,6 +224,32 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             )
         return keys
 
+    def check_key_roles(self) -> None:
+        """Every configured key file read once, each key serving one role only.
+
+        Roles: each scope's key, the storage keys (active and read), the data
+        keys. ``KeySharedBetweenRoles`` when one file or one key's bytes is
+        configured for two; every other key-file refusal as when it is loaded.
+        """
+        roles = KeyRoles()
+        for index, scope in enumerate(self.scopes):
+            where = f"scopes[{index}].key_file"
+            roles.add(f"scope {scope.name}", where, self.path(scope.key_file, where))
+        storage = self.storage
+        for role, entries in (
+            ("storage", ((storage.key, "storage.key"),)),
+            ("data", ((storage.data_key, "storage.data_key"),)),
+            ("storage", ((k, f"storage.read_keys[{i}]") for i, k in enumerate(storage.read_keys))),
+            (
+                "data",
+                ((k, f"storage.data_read_keys[{i}]") for i, k in enumerate(storage.data_read_keys)),
+            ),
+        ):
+            for entry, name in entries:
+                if entry is not None:
+                    where = f"{name}.key_file"
+                    roles.add(role, where, self.path(entry.key_file, where))
+
     def storage_keyring(self) -> StorageKeyring:
         storage = self.storage
         if storage.key is None:
@@ -336,8 +360,7 @@ def _check(config: WorkerConfig) -> None:
         )
     if not broker.url.startswith(("amqp://", "amqps://")):
         raise InvalidConfiguration("broker.url: must start with amqp:// or amqps://")
-    if urllib.parse.urlsplit(broker.url).password and broker.password_file:
-        raise InvalidConfiguration("broker.url: give the password in password_file only")
+    check_broker_password(broker)
     for name in config.adapters.enabled:
         if not is_token(name):
             raise InvalidConfiguration(f"adapters.enabled: {name!r} is not a tool name")

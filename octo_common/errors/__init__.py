@@ -119,6 +119,7 @@ from octo_common.errors.protocol import (
 )
 from octo_common.errors.storage import (
     ActiveKeyCannotBeRetired,
+    BrokerPasswordInline,
     DuplicateKeyId,
     EnvelopeEncodingError,
     FencingRequired,
@@ -134,6 +135,9 @@ from octo_common.errors.storage import (
     InvalidReplacementRevision,
     InvalidRevision,
     InvalidStorageKey,
+    KeyDirectoryWritable,
+    KeyFileNotOwned,
+    KeySharedBetweenRoles,
     PayloadTooLarge,
     RecordTooLarge,
     RevisionFloorMismatch,
@@ -144,6 +148,7 @@ from octo_common.errors.storage import (
     StorageBackendError,
     UnknownKeyId,
     UnsupportedRecordFormat,
+    WeakKey,
     WriteConflict,
 )
 from octo_common.errors.worker import (
@@ -268,6 +273,11 @@ __all__ = [
     "InvalidCompensationStateTransition",
     "InvalidCompensationTenantScope",
     "InvalidConfiguration",
+    "BrokerPasswordInline",
+    "KeyDirectoryWritable",
+    "KeyFileNotOwned",
+    "KeySharedBetweenRoles",
+    "WeakKey",
     "InvalidEnvelope",
     "InvalidFencingToken",
     "InvalidFrameHeaders",

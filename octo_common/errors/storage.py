@@ -163,3 +163,33 @@ class InvalidConfiguration(OctoError):
 
     def __str__(self) -> str:
         return f"invalid configuration: {self.detail}"
+
+
+# Key and secret hygiene: each refusal of a configured key or secret has its
+# own code; every one is an ``InvalidConfiguration`` whose detail names the
+# configuration key and the file, never its content.
+
+
+class _SecretRefused(InvalidConfiguration):
+    def __str__(self) -> str:
+        return f"{self.code}: {self.detail}"
+
+
+class KeyFileNotOwned(_SecretRefused):
+    """A key or secret file not owned by the user the process runs as."""
+
+
+class KeyDirectoryWritable(_SecretRefused):
+    """A key or secret file in a directory someone else may write (or own)."""
+
+
+class KeySharedBetweenRoles(_SecretRefused):
+    """One key file, or one key's bytes, configured for two roles."""
+
+
+class WeakKey(_SecretRefused):
+    """A configured key with a visible pattern (all zero, one repeated byte, a run)."""
+
+
+class BrokerPasswordInline(_SecretRefused):
+    """A password inside ``broker.url`` without ``broker.allow_inline_password``."""

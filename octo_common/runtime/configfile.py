@@ -30,7 +30,7 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
-from octo_common.errors import InvalidConfiguration
+from octo_common.errors import BrokerPasswordInline, InvalidConfiguration
 from octo_common.runtime.keyfiles import read_secret_text
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "ConfigFile",
     "StorageKeyConfig",
     "broker_url_with_password",
+    "check_broker_password",
     "convert_config",
     "read_toml",
     "redacted_broker_url",
@@ -120,13 +121,32 @@ def redacted_broker_url(url: str) -> str:
 class BrokerConnectionConfig(msgspec.Struct, frozen=True):
     """How a ``[broker]`` section reaches RabbitMQ; each side adds its own fields.
 
-    The password is never here: ``password_file`` names the 0600 file that holds it.
+    The password is never here: ``password_file`` names the 0600 file that
+    holds it (a systemd credential: ``${CREDENTIALS_DIRECTORY}/...``). A
+    password inside ``url`` is refused unless ``allow_inline_password`` is
+    set (a throwaway broker: a test, a laptop). Without a user and password
+    the client logs in as RabbitMQ's ``guest``, which the broker accepts
+    from loopback only.
     """
 
-    url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    url: str = "amqp://127.0.0.1:5672/"
     password_file: str | None = None
+    allow_inline_password: bool = False
     connect_timeout_seconds: float = 10.0
     publish_timeout_seconds: float = 10.0
+
+
+def check_broker_password(broker: BrokerConnectionConfig) -> None:
+    """Where the broker password may come from: ``password_file``, or ``url`` with the flag."""
+    if not urllib.parse.urlsplit(broker.url).password:
+        return
+    if broker.password_file:
+        raise InvalidConfiguration("broker.url: give the password in password_file only")
+    if not broker.allow_inline_password:
+        raise BrokerPasswordInline(
+            "broker.url holds a password: put it in broker.password_file (or a systemd"
+            " credential), or set broker.allow_inline_password = true for a throwaway broker"
+        )
 
 
 class StorageKeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

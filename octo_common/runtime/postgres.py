@@ -92,6 +92,8 @@ _PASSWORD_REFUSALS: dict[str, str] = {
     "unopenable": "cannot be opened (a link, or no permission)",
     "not_regular": "is not a regular file",
     "permissions": "is open to group or others (chmod 600)",
+    "owner": "is not owned by the user this process runs as",
+    "directory": "is in a directory someone else may write",
     "unreadable": "cannot be read",
     "format": "must hold one line",
 }

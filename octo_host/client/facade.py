@@ -146,6 +146,7 @@ class HostClient:
         file raises ``InvalidConfiguration`` naming the key.
         """
         config = load_config(path)
+        config.check_key_roles()
         scopes = [entry.name for entry in config.scopes]
         broker = config.broker
 

@@ -249,6 +249,7 @@ def cmd_check(args: argparse.Namespace, out: Output) -> int:
                 functools.partial(_probe_scope_key, config, index, scope.key_file),
             )
         storage_ok = record("storage keys", EXIT_USAGE, lambda: _probe_storage_keys(config))
+        record("key roles", EXIT_USAGE, lambda: _probe_key_roles(config))
         if config.broker.password_file is not None:
             record("broker password file", EXIT_USAGE, lambda: _probe_password(config))
         record("adapters", EXIT_USAGE, lambda: _probe_adapters(config))
@@ -281,6 +282,11 @@ def _probe_scope_key(config: WorkerConfig, index: int, key_file: str) -> str:
     path = config.path(key_file, where)
     load_scope_key(path, where)
     return str(path)
+
+
+def _probe_key_roles(config: WorkerConfig) -> str:
+    config.check_key_roles()
+    return "each key serves one role"
 
 
 def _probe_storage_keys(config: WorkerConfig) -> str:

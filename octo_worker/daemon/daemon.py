@@ -176,8 +176,9 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
 
     async def _start(self) -> None:
         config = self.config
+        config.check_key_roles()  # the key files' problems before anything else
         keys = config.scope_keys()
-        config.storage_keyring()  # the key files' problems before anything else
+        config.storage_keyring()
         config.data_keyring()
         self._adapters = self._load_adapters().with_default_deadline(
             config.adapters.deadline_seconds

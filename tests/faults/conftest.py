@@ -74,7 +74,7 @@ from octo_worker.journal import WorkerOperationRecord
 from octo_worker.storage.configured import configured_store
 from tests.postgres import PostgresSchema
 
-URL: Final = "amqp://guest:guest@127.0.0.1:5672/"
+URL: Final = "amqp://127.0.0.1:5672/"
 TOOL: Final = "files.publish"
 GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=16, max_compensations=1)
 KEYS_PER_RUN: Final = 3

@@ -94,7 +94,7 @@ class PrivateRabbit:
 
     @property
     def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+        return f"amqp://127.0.0.1:{self.port}/"
 
     @classmethod
     def prepare(cls, root: Path) -> PrivateRabbit:

@@ -58,7 +58,7 @@ from tests.postgres import PostgresSchema
 
 from .journal_backends import BACKENDS, JournalDatabase
 
-URL = "amqp://guest:guest@127.0.0.1:5672/"
+URL = "amqp://127.0.0.1:5672/"
 TOOL = "files.publish"
 # Enough calls for a dispatch, its re-dispatches and a few test frames per session.
 GRANT = CapabilityGrant(TOOL, "json", max_calls=8, max_compensations=1)

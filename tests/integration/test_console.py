@@ -47,7 +47,7 @@ HOSTILE = '<script>alert(1)</script><img src=x onerror="alert(2)">'
 @pytest.fixture
 def files(tmp_path: Path) -> WorkerFiles:
     # Port 1 on loopback: the broker "is unreachable" at once, without a timeout.
-    return WorkerFiles(tmp_path / "worker", "amqp://guest:guest@127.0.0.1:1/", "tenant-c")
+    return WorkerFiles(tmp_path / "worker", "amqp://127.0.0.1:1/", "tenant-c")
 
 
 def _token_file(directory: Path, text: str = TOKEN, mode: int = 0o600) -> Path:
@@ -273,7 +273,7 @@ def test_every_template_escapes_what_it_shows() -> None:
 async def test_the_scope_and_key_views_of_a_journal_with_a_compensation_under_way(
     tmp_path: Path,
 ) -> None:
-    files = WorkerFiles(tmp_path / "w", "amqp://guest:guest@127.0.0.1:1/", SCOPE_P)
+    files = WorkerFiles(tmp_path / "w", "amqp://127.0.0.1:1/", SCOPE_P)
     config = load_config(files.config)
     files.journal.parent.mkdir(parents=True)
     store = SqliteJournalStore(files.journal, config.storage_keyring())

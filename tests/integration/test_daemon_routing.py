@@ -166,7 +166,7 @@ state_dir = "state"
 log_level = "warning"
 
 [broker]
-url = "amqp://guest:guest@127.0.0.1:5672/"
+url = "amqp://127.0.0.1:5672/"
 
 [storage]
 journal = "journal.sqlite3"

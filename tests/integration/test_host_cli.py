@@ -59,7 +59,7 @@ class HostCli:
         self.ledger_key = self.keys / "storage-h1.key"
 
     def write_config(
-        self, *, url: str = "amqp://guest:guest@127.0.0.1:5672/", extra: str = ""
+        self, *, url: str = "amqp://127.0.0.1:5672/", extra: str = "", extra_broker: str = ""
     ) -> None:
         self.config.write_text(
             f"""
@@ -73,6 +73,7 @@ publish_timeout_seconds = 5.0
 reply_timeout_seconds = 5.0
 max_attempts = 4
 backoff_initial_seconds = 0.05
+{extra_broker}
 
 [ledger]
 database = "state/ledger.sqlite3"
@@ -622,8 +623,20 @@ async def test_a_world_readable_key_exits_2_naming_the_file(cli: HostCli, which:
 
 
 async def test_an_unreachable_broker_exits_3(cli: HostCli) -> None:
-    cli.write_config(url="amqp://guest:guest@127.0.0.1:1/")
+    cli.write_config(
+        url="amqp://guest:guest@127.0.0.1:1/", extra_broker="allow_inline_password = true"
+    )
     result = await cli.dispatch()
     assert result.status == 3
     assert_one_line_error(result, "unreachable", "127.0.0.1:1")
+    assert "guest:guest" not in result.stderr
+
+
+async def test_a_password_inline_in_the_broker_url_is_refused_without_the_flag(
+    cli: HostCli,
+) -> None:
+    cli.write_config(url="amqp://guest:guest@127.0.0.1:1/")
+    result = await cli.dispatch()
+    assert result.status == 2
+    assert_one_line_error(result, "broker_password_inline", "password_file")
     assert "guest:guest" not in result.stderr

@@ -206,7 +206,7 @@ def test_a_metrics_port_in_use_is_a_configuration_error(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         files = WorkerFiles(
-            tmp_path, "amqp://guest:guest@127.0.0.1:1/", SCOPE, metrics_listen=f"127.0.0.1:{port}"
+            tmp_path, "amqp://127.0.0.1:1/", SCOPE, metrics_listen=f"127.0.0.1:{port}"
         )
         run = octo_worker("run", config=files.config)
     assert run.returncode == 2

@@ -48,7 +48,7 @@ from octo_worker.daemon.topology import (
 
 pytestmark = pytest.mark.rabbitmq
 
-URL = "amqp://guest:guest@127.0.0.1:5672/"
+URL = "amqp://127.0.0.1:5672/"
 NONCE = bytes(range(32))
 
 

@@ -100,7 +100,7 @@ class Broker:
 
     @property
     def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:5672/{self.vhost}"
+        return f"amqp://127.0.0.1:5672/{self.vhost}"
 
 
 @contextlib.contextmanager
@@ -709,7 +709,7 @@ def test_unknown_adapter_is_a_clear_configuration_error(tmp_path: Path, vhost: B
 
 
 def test_unreachable_broker_is_exit_3_in_one_line(tmp_path: Path) -> None:
-    files = WorkerFiles(tmp_path, "amqp://guest:guest@127.0.0.1:1/", "tenant-down")
+    files = WorkerFiles(tmp_path, "amqp://127.0.0.1:1/", "tenant-down")
     result = octo_worker("check", config=files.config)
     assert result.returncode == 3, result.stderr
     line = one_line(result.stderr)

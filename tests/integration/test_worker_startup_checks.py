@@ -29,7 +29,7 @@ from tests.integration.test_worker_cli import (
 )
 
 SCOPE = "tenant-startup"
-NOWHERE = "amqp://guest:guest@127.0.0.1:1/"
+NOWHERE = "amqp://127.0.0.1:1/"
 
 
 def check_line(result: subprocess.CompletedProcess[str], name: str) -> dict[str, Any]:

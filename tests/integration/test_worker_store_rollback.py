@@ -104,7 +104,7 @@ def make_journal(root: Path, anchored: bool) -> Journal:
 state_dir = "state"
 
 [broker]
-url = "amqp://guest:guest@127.0.0.1:5672/"
+url = "amqp://127.0.0.1:5672/"
 connect_timeout_seconds = 3.0
 
 [storage]

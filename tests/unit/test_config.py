@@ -20,6 +20,14 @@ from octo_common.records import StorageKeyring
 from octo_worker.cli import run_event_loop
 from octo_worker.config import BrokerConfig, InvalidConfiguration, WorkerConfig, load_config
 
+# Random keys (a configured key with a pattern is refused as weak).
+SCOPE_KEY = bytes.fromhex("dc53e5cd3b3c6b06a3b03a7fd6f1e99ff7f124152fbe80d3c43eb4f8c3baf3c7")
+STORAGE_KEY = bytes.fromhex("86f604a1a68a400937cd95ab7fb9c715c9982cb6e0130c24bad4349b7d6714a9")
+OLD_STORAGE_KEY = bytes.fromhex("fc492733d159e27092b9ba7d19a177bd69dc22afb3da68619b0f645237ae0bce")
+DATA_KEY = bytes.fromhex("7e1af515da4143aff594e99cde2c1acc884ac383bc24544d4eb07e25311da5a4")
+OLD_DATA_KEY = bytes.fromhex("0222a72ce4f78f50e728865ac7c9f6a493bafe3b1d9ce66dd1cf6d102b1eb78e")
+CREDENTIAL_KEY = bytes.fromhex("7f2bff7ec5307aac475c03b67889cc6f7efcc7d2ca6f6f0532b5bd112d6325d3")
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "worker.toml.example"
 
 GOOD = """
@@ -65,9 +73,9 @@ def private(path: Path, data: bytes | str, mode: int = 0o600) -> Path:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    private(tmp_path / "scope.key", bytes(range(1, 33)))
-    private(tmp_path / "storage.key", (bytes([7]) * 32).hex() + "\n")  # hex form
-    private(tmp_path / "storage-old.key", bytes([9]) * 32)
+    private(tmp_path / "scope.key", SCOPE_KEY)
+    private(tmp_path / "storage.key", STORAGE_KEY.hex() + "\n")  # hex form
+    private(tmp_path / "storage-old.key", OLD_STORAGE_KEY)
     private(tmp_path / "broker.password", "s3cret-pass\n")
     (tmp_path / "worker.toml").write_text(GOOD)
     return tmp_path
@@ -109,7 +117,7 @@ def test_good_config_resolves_paths_keys_and_the_broker_password(tree: Path) -> 
 
 def test_defaults_need_only_a_scope(tree: Path) -> None:
     config = load(tree, '[[scopes]]\nname = "a"\nkey_file = "scope.key"\n')
-    assert config.broker.url == "amqp://guest:guest@127.0.0.1:5672/"
+    assert config.broker.url == "amqp://127.0.0.1:5672/"  # RabbitMQ's guest, from loopback
     assert config.worker.log_format == "json"
     assert config.worker.event_loop == "auto"
     assert config.metrics.listen is None
@@ -208,7 +216,7 @@ def test_missing_and_malformed_key_files(tree: Path) -> None:
             load(tree, GOOD).scope_keys()
 
     private(tree / "scope.key", bytes(32))  # the all-zero key
-    with pytest.raises(InvalidConfiguration, match=r"scopes\[0\]\.key_file: .*scope key is weak"):
+    with pytest.raises(InvalidConfiguration, match=r"weak_key: scopes\[0\]\.key_file: .*all zero"):
         load(tree, GOOD).scope_keys()
 
     private(tree / "storage.key", b"\x01" * 31)
@@ -228,13 +236,13 @@ def test_data_key_errors_name_the_exact_key(tree: Path) -> None:
         InvalidConfiguration, match=r"configuration: storage\.data_key\.key_file: .*does not exist"
     ):
         config.data_keyring()
-    private(tree / "data.key", b"\x05" * 32)
+    private(tree / "data.key", DATA_KEY)
     with pytest.raises(
         InvalidConfiguration,
         match=r"configuration: storage\.data_read_keys\[0\]\.key_file: .*does not exist",
     ):
         config.data_keyring()
-    private(tree / "data-old.key", b"\x06" * 32)
+    private(tree / "data-old.key", OLD_DATA_KEY)
     assert isinstance(config.data_keyring(), StorageKeyring)
 
 
@@ -286,8 +294,8 @@ def test_toml_syntax_error_and_missing_file(tree: Path) -> None:
 def test_credentials_directory_expansion(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     credentials = tree / "credentials"
     credentials.mkdir(mode=0o700)
-    private(credentials / "tenant-release.key", bytes(range(40, 72)))
-    private(credentials / "storage.key", bytes([3]) * 32)
+    private(credentials / "tenant-release.key", OLD_DATA_KEY[::-1])
+    private(credentials / "storage.key", CREDENTIAL_KEY)
     text = GOOD.replace(
         'key_file = "scope.key"', 'key_file = "${CREDENTIALS_DIRECTORY}/tenant-release.key"'
     ).replace('key_file = "storage.key"', 'key_file = "${CREDENTIALS_DIRECTORY}/storage.key"')
@@ -295,7 +303,7 @@ def test_credentials_directory_expansion(tree: Path, monkeypatch: pytest.MonkeyP
     config = load(tree, text)
     assert config.path(config.scopes[0].key_file) == credentials / "tenant-release.key"
     key = config.scope_keys()["tenant-release"]
-    assert key == ScopeKey.from_bytes(bytes(range(40, 72)))
+    assert key == ScopeKey.from_bytes(OLD_DATA_KEY[::-1])
     config.storage_keyring()
 
     monkeypatch.delenv("CREDENTIALS_DIRECTORY")
