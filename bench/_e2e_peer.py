@@ -13,6 +13,8 @@ when ``[metrics] listen`` is set, logs at warning on stderr) and prints
   resets them, so the benchmark brackets exactly its measured phase.
 * ``--profile PREFIX``: runs cProfile; each SIGUSR1 also writes
   ``PREFIX-<n>.prof`` and restarts the profiler.
+* ``--counters PATH``: each SIGUSR1 appends the daemon's socket writes to
+  the broker so far (its current connection) to PATH as one JSON line.
 
 SIGTERM stops the daemon cleanly.
 """
@@ -104,12 +106,19 @@ def instrument_worker(timers: StageTimers) -> None:
     timers.wrap(session, "call_adapter_reporting", "adapter")
 
 
-async def _serve(config_path: str, on_usr1: Callable[[], None]) -> None:
+def socket_writes(daemon: WorkerDaemon | None) -> int:
+    """The socket writes of the daemon's current broker connection (0 without one)."""
+    connection = None if daemon is None else daemon._connection
+    return 0 if connection is None else connection.writes
+
+
+async def _serve(config_path: str, on_usr1: Callable[[], None], held: list[WorkerDaemon]) -> None:
     config = load_config(config_path)
     metrics = WorkerMetrics()
     if config.metrics.listen is not None:  # as ``octo-worker run`` does
         metrics.serve(config.metrics.listen)
     daemon = WorkerDaemon(config, metrics=metrics)
+    held.append(daemon)
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
     running = asyncio.ensure_future(daemon.run(install_signal_handlers=True))
     ready = asyncio.ensure_future(daemon.wait_ready())
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config")
     parser.add_argument("--stages")
     parser.add_argument("--profile")
+    parser.add_argument("--counters")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)
     structlog.configure(
@@ -140,10 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         instrument_worker(timers)
     profiler = cProfile.Profile() if args.profile else None
     dumps = 0
+    held: list[WorkerDaemon] = []
 
     def on_usr1() -> None:
         nonlocal dumps
         dumps += 1
+        if args.counters:
+            with open(args.counters, "a", encoding="utf-8") as out:
+                daemon = held[0] if held else None
+                out.write(json.dumps({"socket_writes": socket_writes(daemon)}) + "\n")
         if args.stages:
             with open(args.stages, "a", encoding="utf-8") as out:
                 out.write(json.dumps(timers.totals) + "\n")
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if profiler is not None:
         profiler.enable()
-    _loop.run(_serve(args.config, on_usr1))
+    _loop.run(_serve(args.config, on_usr1, held))
     return 0
 
 

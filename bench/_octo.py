@@ -106,6 +106,34 @@ def reset_peak_rss(pid: int) -> bool:
     return True
 
 
+def broker_pid(port: int = 5672) -> int | None:
+    """The process listening on ``port`` on this machine (the broker), or None
+    when it cannot be found (another user's process, no /proc)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{inode}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
 def host_cpu_seconds() -> float:
     """CPU time of this process, all threads (the ledger's SQLite thread included)."""
     return time.process_time()
@@ -184,7 +212,8 @@ class WorkerProcess:
     def __init__(
         self, files: WorkerFiles, stages: Path | None = None, profile: Path | None = None
     ) -> None:
-        argv = [sys.executable, str(PEER), str(files.config)]
+        self.counters = files.root / f"counters-{uuid.uuid4().hex[:8]}.jsonl"
+        argv = [sys.executable, str(PEER), str(files.config), "--counters", str(self.counters)]
         if stages is not None:
             argv += ["--stages", str(stages)]
         if profile is not None:
@@ -217,6 +246,11 @@ class WorkerProcess:
         self.process.send_signal(signal.SIGUSR1)
         self.dumps += 1
         time.sleep(0.2)
+
+    def socket_writes(self) -> int:
+        """The worker's socket writes to the broker as of the last :meth:`checkpoint`."""
+        lines = self.counters.read_text("utf-8").splitlines() if self.counters.exists() else []
+        return int(json.loads(lines[-1])["socket_writes"]) if lines else 0
 
     def last_stages(self) -> dict[str, list[float]]:
         if self.stages is None:

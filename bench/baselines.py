@@ -80,10 +80,12 @@ def _warmup_count(total: int, in_flight: int) -> int:
 # Plain aio-pika ------------------------------------------------------------------------
 
 
-async def _start_peer(url: str, request_queue: str, prefetch: int) -> asyncio.subprocess.Process:
+async def _start_peer(
+    url: str, request_queue: str, prefetch: int, peer: Path = PEER
+) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(PEER),
+        str(peer),
         request_queue,
         str(prefetch),
         stdout=asyncio.subprocess.PIPE,
@@ -94,7 +96,7 @@ async def _start_peer(url: str, request_queue: str, prefetch: int) -> asyncio.su
     if line.strip() != b"ready":
         process.kill()
         await process.wait()
-        raise RuntimeError("the aio-pika peer did not start")
+        raise RuntimeError(f"the peer {peer.name} did not start")
     return process
 
 

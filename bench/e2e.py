@@ -1,7 +1,7 @@
 """End-to-end durable dispatch round trips, host and worker in separate processes.
 
     .venv/bin/python bench/e2e.py [--total 2000] [--runs 5] [--in-flight 1 64]
-                                  [--parts octo lanes quorum classic celery commit flat]
+                                  [--parts octo lanes pg lean quorum classic celery commit flat]
                                   [--loop uvloop|asyncio] [--anchor] [--profile DIR] [--json]
 
     smoke run (seconds, no figures): --runs 1 --total 200 --parts octo commit
@@ -36,9 +36,12 @@ Parts (``--parts``, all by default; each is measured in every one of the
   in PostgreSQL (D13; the test database of ``deploy/ensure-postgres.sh``,
   a schema of its own, dropped at the end), measured right after ``octo``
   in every round;
-* ``quorum``: the aio-pika request/reply on quorum queues (Octo's own
-  topology, every message replicated and fsynced by the broker, no
-  persistence of our own): the durable ceiling;
+* ``lean``: the durable ceiling: request/reply on quorum queues (Octo's own
+  topology, persistent messages, every one replicated and fsynced by the
+  broker, no persistence of our own) on the lean AMQP client Octo itself
+  runs on (``octo_common.runtime.amqp``; the peer is ``bench/_lean_peer.py``);
+* ``quorum``: the same request/reply on aio-pika (a reference row: the
+  durable ceiling as that client reaches it);
 * ``classic``: the same aio-pika request/reply on classic queues with
   transient messages (``bench/baselines.py``): the plain ceiling;
 * ``celery``: Celery, acks late, rpc backend (``bench/baselines.py``);
@@ -54,17 +57,22 @@ peers. ``--anchor`` turns the rollback anchor on for the host ledger and the
 worker journal (off by default, as before). Each figure is the median of
 ``--runs`` measurements with min-max. CPU per operation is user + system
 time of all threads of each process over the measured phase; the host's
-includes its SQLite thread. At the end the goals of issue 18 are printed
-with their thresholds, the same-run values and met / NOT met:
+includes its SQLite thread. Per Octo and lean-ceiling operation the tables
+also give the socket writes to the broker of the host (the client side)
+and of the worker (the peer), and the broker's CPU: the user + system time
+of the process listening on the broker's port, from /proc, over the
+measured phase (on a broker shared with other work, that work is in it).
+At the end the goals are printed with their thresholds, the same-run
+values and met / NOT met:
 
-1. 64 in flight, session per lane: >= 1.3x Celery's ops/s and >= 0.65x the
-   quorum ceiling's;
-2. CPU per operation at 64 in flight, host plus worker: <= 1.6 ms;
-3. 1 in flight: p50 <= quorum ceiling p50 + 4 x commit p50 + 1.0 ms;
+1. 64 in flight, session per lane: >= 1.3x Celery's ops/s;
+2. CPU per operation at 64 in flight, host plus worker: <= 1.3 ms;
+3. 1 in flight: Octo's p50 <= 3.5 ms;
 4. ops/s with 1,000 operations per session >= 0.9x ops/s with 10 per
-   session (the journal-size half of goal 4 is ``bench/journal.py``);
-5. the moonshot: 1,000 durable ops/s (the best Octo row's median);
-6. issue 17: 64 in flight on a PostgreSQL journal >= 0.8x SQLite's ops/s.
+   session (the journal-size half is ``bench/journal.py``);
+5. the moonshot: 1,000 durable ops/s (the best Octo row's median), and
+   that row >= 0.5x the lean durable ceiling at the same concurrency;
+6. 64 in flight on a PostgreSQL journal >= 0.8x SQLite's ops/s.
 
 ``--profile DIR`` adds one extra pass per concurrency with wall-clock stage
 timers on both sides and cProfile in both processes (not mixed into the
@@ -107,7 +115,8 @@ from _octo import GRANT, STEP, TOOL, URL, WorkerFiles, WorkerProcess  # noqa: E4
 from _pg import PgPlace  # noqa: E402
 
 OPS_PER_SESSION = 100
-PARTS = ("octo", "lanes", "pg", "quorum", "classic", "celery", "commit", "flat")
+PARTS = ("octo", "lanes", "pg", "lean", "quorum", "classic", "celery", "commit", "flat")
+LEAN_PEER = HERE / "_lean_peer.py"
 FLAT_SMALL, FLAT_LARGE = 10, 1000  # operations per session compared by goal 4
 
 
@@ -246,16 +255,27 @@ async def measure_octo(
         latencies: list[float] = []
         if profiler is not None:
             profiler.enable()
+        worker_writes = worker.socket_writes()
+        host_writes = client._broker.socket_writes
+        broker = _octo.broker_pid()
+        broker_cpu = _octo.cpu_seconds(broker) if broker is not None else 0.0
         host_cpu, worker_cpu = _octo.host_cpu_seconds(), worker.cpu_seconds()
         elapsed = await phase(measured_runs, latencies)
         host_cpu = _octo.host_cpu_seconds() - host_cpu
         worker_cpu = worker.cpu_seconds() - worker_cpu
+        broker_cpu = _octo.cpu_seconds(broker) - broker_cpu if broker is not None else -1.0
+        host_writes = client._broker.socket_writes - host_writes
         if profiler is not None:
             profiler.disable()
             assert host_profile is not None
             profiler.dump_stats(host_profile)
         worker.checkpoint()
+        worker_writes = worker.socket_writes() - worker_writes
         figures = baselines.summarize(latencies, elapsed)
+        figures["host_writes"] = round(host_writes / total, 3)
+        figures["worker_writes"] = round(worker_writes / total, 3)
+        if broker_cpu >= 0:
+            figures["broker_cpu_us"] = round(broker_cpu / total * 1e6, 1)
         figures["run_create_ms"] = round(statistics.median(creation) * 1000, 3)
         # CPU per operation, all threads (the host's includes its SQLite thread).
         figures["host_cpu_us"] = round(host_cpu / total * 1e6, 1)
@@ -311,6 +331,96 @@ async def durable_ceiling(in_flight: int, total: int) -> dict[str, float]:
         await connection.close()
 
 
+async def lean_ceiling(in_flight: int, total: int) -> dict[str, float]:
+    """The durable ceiling on the lean client Octo runs on.
+
+    Request/reply between this process and ``bench/_lean_peer.py`` on two
+    quorum queues, persistent messages, every publish mandatory and
+    confirmed, every delivery acked (the peer acks a request once its reply
+    is confirmed): Octo's round trip without journal, ledger or frames.
+    """
+    from pamqp import commands
+
+    from octo_common.runtime import amqp
+
+    request_queue = f"octo.bench.lean.{uuid.uuid4().hex[:12]}"
+    reply_name = f"{request_queue}.reply"
+    connection = await amqp.connect(URL, name="octo-bench-lean")
+    try:
+        publish = await connection.channel(publisher_confirms=True)
+        quorum: dict[str, Any] = {"x-queue-type": "quorum"}
+        await publish.declare_queue(request_queue, durable=True, arguments=quorum)
+        await publish.declare_queue(reply_name, durable=True, arguments=quorum)
+        consume = await connection.channel()
+        await consume.set_qos(prefetch_count=max(in_flight * 2, 16))
+        loop = asyncio.get_running_loop()
+        waiting: dict[str, asyncio.Future[None]] = {}
+
+        def on_reply(delivery: amqp.AmqpDelivery) -> None:
+            consume.ack(delivery.delivery_tag)
+            future = waiting.pop(delivery.correlation_id or "", None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+        await consume.consume(reply_name, on_reply)
+        peer = await baselines._start_peer(URL, request_queue, in_flight, LEAN_PEER)
+        body = b"x" * baselines.BODY_BYTES
+        ids = itertools.count()
+        latencies: list[float] = []
+
+        async def round_trip(record: bool) -> None:
+            correlation_id = str(next(ids))
+            answered: asyncio.Future[None] = loop.create_future()
+            waiting[correlation_id] = answered
+            started = time.perf_counter()
+            properties = amqp.Properties(
+                delivery_mode=2, correlation_id=correlation_id, reply_to=reply_name
+            )
+            if await publish.publish("", request_queue, body, properties) != amqp.ACKED:
+                raise RuntimeError("a request was not confirmed")
+            await asyncio.wait_for(answered, 30)
+            if record:
+                latencies.append(time.perf_counter() - started)
+
+        async def run(count: int, record: bool) -> float:
+            counter = iter(range(count))
+
+            async def lane() -> None:
+                for _ in counter:
+                    await round_trip(record)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(lane() for _ in range(in_flight)))
+            return time.perf_counter() - started
+
+        try:
+            await run(baselines._warmup_count(total, in_flight), record=False)
+            broker = _octo.broker_pid()
+            broker_cpu = _octo.cpu_seconds(broker) if broker is not None else 0.0
+            client_cpu, peer_cpu = _octo.host_cpu_seconds(), _octo.cpu_seconds(peer.pid)
+            writes = connection.writes
+            elapsed = await run(total, record=True)
+            writes = connection.writes - writes
+            client_cpu = _octo.host_cpu_seconds() - client_cpu
+            peer_cpu = _octo.cpu_seconds(peer.pid) - peer_cpu
+            figures = baselines.summarize(latencies, elapsed)
+            figures["host_writes"] = round(writes / total, 3)
+            figures["host_cpu_us"] = round(client_cpu / total * 1e6, 1)
+            figures["worker_cpu_us"] = round(peer_cpu / total * 1e6, 1)
+            figures["total_cpu_us"] = round((client_cpu + peer_cpu) / total * 1e6, 1)
+            if broker is not None:
+                broker_cpu = _octo.cpu_seconds(broker) - broker_cpu
+                figures["broker_cpu_us"] = round(broker_cpu / total * 1e6, 1)
+            return figures
+        finally:
+            await baselines._stop_peer(peer)
+            await consume.close()
+            for name in (request_queue, reply_name):
+                await publish.rpc(commands.Queue.Delete(queue=name), (commands.Queue.DeleteOk,))
+    finally:
+        await connection.close()
+
+
 def commit_probe(directory: Path, samples: int) -> dict[str, float]:
     """p50 / p99 of single-row fsynced commits in ``directory`` (see ``bench/_commit.py``)."""
     latencies = sorted(
@@ -331,7 +441,8 @@ ROWS = (
     ("octo", "Octo, one session"),
     ("octo_lanes", "Octo, session per lane"),
     ("octo_pg", "Octo, one session, PostgreSQL"),
-    ("aiopika_quorum", "aio-pika, quorum (durable ceiling)"),
+    ("lean_quorum", "lean client, quorum (durable ceiling)"),
+    ("aiopika_quorum", "aio-pika, quorum (reference)"),
     ("aiopika_ceiling", "aio-pika, classic, transient"),
     ("celery", "Celery, acks late, rpc"),
 )
@@ -346,6 +457,21 @@ def _spread(values: list[float], digits: int = 1) -> str:
     return (
         f"{statistics.median(values):,.{digits}f} "
         f"({min(values):,.{digits}f}-{max(values):,.{digits}f})"
+    )
+
+
+def _optional(rows: list[dict[str, float]], field: str, digits: int = 0) -> str:
+    values = [r[field] for r in rows if field in r]
+    return _spread(values, digits) if values else "-"
+
+
+def _writes(rows: list[dict[str, float]]) -> str:
+    host = [r["host_writes"] for r in rows if "host_writes" in r]
+    worker = [r["worker_writes"] for r in rows if "worker_writes" in r]
+    return (
+        (f"{statistics.median(host):.2f}" if host else "-")
+        + "/"
+        + (f"{statistics.median(worker):.2f}" if worker else "-")
     )
 
 
@@ -375,10 +501,17 @@ def print_table(results: Results, in_flights: list[int], runs: int) -> None:
             "one fsynced single-row SQLite commit (WAL, synchronous=FULL), p50 ms: "
             f"{_spread([r['p50_ms'] for r in commits], 3)}"
         )
-    print("\nCPU per operation, us, user + system of all threads of each process")
-    print(f"{'system':<36}{'in flight':>9}  {'host':<22}{'worker':<22}{'host + worker':<22}")
+    print(
+        "\nper operation: CPU us (user + system, all threads of each process; for the lean "
+        "ceiling its client and peer), socket writes to the broker (host / worker), and the "
+        "broker's CPU us"
+    )
+    print(
+        f"{'system':<36}{'in flight':>9}  {'host':<22}{'worker':<22}{'host + worker':<22}"
+        f"{'writes h/w':<12}{'broker':<18}"
+    )
     for in_flight in in_flights:
-        for system, label in ROWS[:3]:
+        for system, label in ROWS[:4]:
             rows = results.get(f"{system}@{in_flight}")
             if not rows:
                 continue
@@ -387,6 +520,7 @@ def print_table(results: Results, in_flights: list[int], runs: int) -> None:
                 f"{_spread([r['host_cpu_us'] for r in rows], 0):<22}"
                 f"{_spread([r['worker_cpu_us'] for r in rows], 0):<22}"
                 f"{_spread([r['total_cpu_us'] for r in rows], 0):<22}"
+                f"{_writes(rows):<12}{_optional(rows, 'broker_cpu_us'):<18}"
             )
     flat = [key for key in results if key.startswith("octo_flat")]
     if flat:
@@ -419,6 +553,9 @@ def ratios(results: Results) -> dict[str, float]:
     pairs = {
         "octo_vs_ceiling_ops@64": ("octo@64", "aiopika_ceiling@64", "ops_per_s"),
         "octo_vs_quorum_ops@64": ("octo@64", "aiopika_quorum@64", "ops_per_s"),
+        "octo_vs_lean_ops@64": ("octo@64", "lean_quorum@64", "ops_per_s"),
+        "octo_lanes_vs_lean_ops@64": ("octo_lanes@64", "lean_quorum@64", "ops_per_s"),
+        "lean_vs_aiopika_quorum_ops@64": ("lean_quorum@64", "aiopika_quorum@64", "ops_per_s"),
         "octo_vs_celery_ops@64": ("octo@64", "celery@64", "ops_per_s"),
         "octo_lanes_vs_ceiling_ops@64": ("octo_lanes@64", "aiopika_ceiling@64", "ops_per_s"),
         "octo_lanes_vs_quorum_ops@64": ("octo_lanes@64", "aiopika_quorum@64", "ops_per_s"),
@@ -434,7 +571,7 @@ def ratios(results: Results) -> dict[str, float]:
 
 
 def goals(results: Results, flat_in_flight: int) -> list[dict[str, Any]]:
-    """Issue 18's goals: name, threshold, measured value (text) and met (None: not measured)."""
+    """The goals: name, threshold, measured value (text) and met (None: not measured)."""
     out: list[dict[str, Any]] = []
 
     def add(name: str, threshold: str, value: str, met: bool | None) -> None:
@@ -448,39 +585,27 @@ def goals(results: Results, flat_in_flight: int) -> list[dict[str, Any]]:
         else:
             add(name, f">= {minimum:.2f}x", f"not measured ({missing})", None)
 
-    ratio("1a. 64 in flight, session per lane vs Celery", "octo_lanes@64", "celery@64",
+    ratio("1.  64 in flight, session per lane vs Celery", "octo_lanes@64", "celery@64",
           1.3, "parts lanes, celery at 64 in flight")  # fmt: skip
-    ratio("1b. 64 in flight, session per lane vs quorum ceiling", "octo_lanes@64",
-          "aiopika_quorum@64", 0.65, "parts lanes, quorum at 64 in flight")  # fmt: skip
     for system, label in (("octo_lanes", "session per lane"), ("octo", "one session")):
         name = f"2.  CPU/op at 64 in flight, host + worker ({label})"
         cpu = _median(results, f"{system}@64", "total_cpu_us")
         host = _median(results, f"{system}@64", "host_cpu_us")
         work = _median(results, f"{system}@64", "worker_cpu_us")
         if cpu is None or host is None or work is None:
-            add(name, "<= 1.60 ms", f"not measured (part {system.replace('octo_', '')})", None)
+            add(name, "<= 1.30 ms", f"not measured (part {system.replace('octo_', '')})", None)
         else:
-            add(name, "<= 1.60 ms",
+            add(name, "<= 1.30 ms",
                 f"{cpu / 1000:.2f} ms (host {host / 1000:.2f} + worker {work / 1000:.2f})",
-                cpu <= 1600.0)  # fmt: skip
+                cpu <= 1300.0)  # fmt: skip
     octo1 = _median(results, "octo@1", "p50_ms")
-    quorum1 = _median(results, "aiopika_quorum@1", "p50_ms")
-    commit = _median(results, "commit", "p50_ms")
-    name = "3.  1 in flight: Octo p50 vs quorum p50 + 4 x commit p50 + 1.0 ms"
-    if octo1 and quorum1 and commit:
-        bound = quorum1 + 4 * commit + 1.0
-        add(name, f"<= {bound:.2f} ms",
-            f"{octo1:.2f} ms (bound {quorum1:.2f} + 4 x {commit:.3f} + 1.0)",
-            octo1 <= bound)  # fmt: skip
+    if octo1:
+        add("3.  1 in flight: Octo p50", "<= 3.50 ms", f"{octo1:.2f} ms", octo1 <= 3.5)
     else:
-        add(name, "<= bound", "not measured (parts octo, quorum, commit at 1 in flight)", None)
-    ratio(f"4a. ops/s, {FLAT_LARGE:,} vs {FLAT_SMALL} operations per session "
+        add("3.  1 in flight: Octo p50", "<= 3.50 ms", "not measured (part octo at 1)", None)
+    ratio(f"4.  ops/s, {FLAT_LARGE:,} vs {FLAT_SMALL} operations per session "
           f"({flat_in_flight} in flight)", f"octo_flat{FLAT_LARGE}@{flat_in_flight}",
           f"octo_flat{FLAT_SMALL}@{flat_in_flight}", 0.9, "part flat")  # fmt: skip
-    add("4b. admission cost, 1e6 vs 1e3 journal rows", "<= 1.50x",
-        "see bench/journal.py --parts sizes", None)  # fmt: skip
-    ratio("6.  64 in flight, PostgreSQL journal vs SQLite (one session)", "octo_pg@64",
-          "octo@64", 0.8, "parts octo, pg at 64 in flight")  # fmt: skip
     best = [
         (_median(results, key, "ops_per_s") or 0.0, key)
         for key in results
@@ -488,10 +613,15 @@ def goals(results: Results, flat_in_flight: int) -> list[dict[str, Any]]:
     ]
     if best:
         value, key = max(best)
-        add("5.  moonshot: durable ops/s (best Octo row)", ">= 1,000",
+        add("5a. moonshot: durable ops/s (best Octo row)", ">= 1,000",
             f"{value:,.0f} ops/s ({key})", value >= 1000.0)  # fmt: skip
+        in_flight = key.split("@")[1]
+        ratio(f"5b. moonshot: that row vs the lean durable ceiling at {in_flight} in flight",
+              key, f"lean_quorum@{in_flight}", 0.5, "part lean")  # fmt: skip
     else:
-        add("5.  moonshot: durable ops/s (best Octo row)", ">= 1,000", "not measured", None)
+        add("5a. moonshot: durable ops/s (best Octo row)", ">= 1,000", "not measured", None)
+    ratio("6.  64 in flight, PostgreSQL journal vs SQLite (one session)", "octo_pg@64",
+          "octo@64", 0.8, "parts octo, pg at 64 in flight")  # fmt: skip
     return out
 
 
@@ -500,7 +630,7 @@ def print_goals(found_ratios: dict[str, float], found_goals: list[dict[str, Any]
         print("\nsame-run ratios (medians)")
         for name, value in found_ratios.items():
             print(f"  {name:<32}{value:>8.3f}")
-    print("\nissue 18 and 17 goals (same run, medians)")
+    print("\ngoals (same run, medians)")
     for goal in found_goals:
         verdict = {True: "met", False: "NOT met", None: "-"}[goal["met"]]
         print(f"  {goal['goal']:<66}{goal['threshold']:<28}{verdict:<9}{goal['value']}")
@@ -569,7 +699,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--durable-ceiling",
         action="store_true",
-        help="kept for old command lines: the quorum ceiling is part of the default parts",
+        help="kept for old command lines: both ceilings are part of the default parts",
     )
     parser.add_argument("--profile", type=Path, help="directory for the profiling pass")
     parser.add_argument("--json", action="store_true", help="also print one JSON document")
@@ -586,7 +716,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.no_lane_sessions:
         parts.discard("lanes")
     if args.durable_ceiling:
-        parts.add("quorum")
+        parts |= {"lean", "quorum"}
     args.parts = parts
     if args.total < max(args.in_flight) or args.flat_total < args.flat_in_flight:
         parser.error("each total must be at least its number in flight")
@@ -668,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
                     if "celery" in parts:
                         figures = baselines.run_celery(in_flight, args.total, url=URL)
                         record(f"celery@{in_flight}", figures, line)
+                    if "lean" in parts:
+                        figures = _loop.run(lean_ceiling(in_flight, args.total))
+                        record(f"lean_quorum@{in_flight}", figures, line)
                     if "quorum" in parts:
                         figures = _loop.run(durable_ceiling(in_flight, args.total))
                         record(f"aiopika_quorum@{in_flight}", figures, line)

@@ -1,12 +1,13 @@
 """The host's own RabbitMQ helpers: connect, declare its reply queue, consume it.
 
 Owns the few broker operations the host client needs (W§12.5, H§16.2): a
-plain (non-robust) aio-pika connection, a channel in confirm mode whose
-mandatory publishes raise when returned, the idempotent declaration of the
-``octo.v5`` exchange and of this host's quorum reply queue
-``octo.v5.reply.<host-id>``, and its consumer. The confirmed publish and the
+plain (non-robust) connection, a channel in confirm mode, the idempotent
+declaration of the ``octo.v5`` exchange and of this host's quorum reply
+queue ``octo.v5.reply.<host-id>``, and its consumer. The confirmed publish and the
 dead-letter copy are :mod:`octo_common.runtime.broker`, shared with the
-worker.
+worker. The host client's own link runs on the lean AMQP client
+(:func:`connect_link`, :func:`declare_replies`, :func:`consume_replies`);
+the aio-pika helpers serve the command-line tools and tests.
 
 It must never: use ``connect_robust`` (a silently restored channel would hide
 the lost confirms the client must see), import :mod:`octo_worker`, decide
@@ -29,7 +30,7 @@ from aio_pika.abc import (
 from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
-from octo_common.runtime.consumer import Received, consume_queue
+from octo_common.runtime import amqp
 from octo_common.transport import (
     EXCHANGE,
     reply_queue,
@@ -38,7 +39,9 @@ from octo_common.transport import (
 __all__ = [
     "BrokerUnavailable",
     "connect",
-    "consume_reply_queue",
+    "connect_link",
+    "consume_replies",
+    "declare_replies",
     "declare_reply_queue",
     "open_confirm_channel",
 ]
@@ -82,30 +85,6 @@ async def open_confirm_channel(connection: AbstractConnection) -> AbstractChanne
         raise BrokerUnavailable(f"cannot open a channel ({type(error).__name__})") from None
 
 
-async def consume_reply_queue(
-    connection: AbstractConnection,
-    host_id: str,
-    callback: Callable[[Received], None],
-    *,
-    prefetch_count: int,
-) -> tuple[AbstractChannel, AbstractQueue, str]:
-    """Consume this host's (declared) reply queue on a channel of its own, with
-    manual acks; returns the channel, the queue and the consumer tag.
-
-    ``callback`` gets each delivery and must only start its handling
-    (:func:`octo_common.runtime.consumer.consume_queue`)."""
-    try:
-        channel = await connection.channel(publisher_confirms=False)
-        await channel.set_qos(prefetch_count=prefetch_count)
-        queue = await channel.get_queue(reply_queue(host_id), ensure=False)
-        tag = await consume_queue(queue, callback)
-    except _BROKER_ERRORS as error:
-        raise BrokerUnavailable(
-            f"cannot consume the reply queue ({type(error).__name__})"
-        ) from None
-    return channel, queue, tag
-
-
 async def declare_reply_queue(channel: AbstractChannel, host_id: str) -> str:
     """Declare ``octo.v5`` (durable, direct) and this host's quorum reply queue,
     bound to it under its own name (W§12.5). Idempotent; returns the queue name."""
@@ -123,3 +102,53 @@ async def declare_reply_queue(channel: AbstractChannel, host_id: str) -> str:
             f"reply queue declaration failed ({type(error).__name__})"
         ) from None
     return name
+
+
+# The lean client (the host client's hot path) -------------------------------------
+
+
+async def connect_link(
+    url: str, *, timeout: float = 10.0, name: str | None = None
+) -> amqp.Connection:
+    """The host client's connection on the lean client; its loss is final and visible."""
+    try:
+        return await amqp.connect(url, timeout=timeout, name=name)
+    except (ValueError, TimeoutError, OSError, amqp.AmqpError) as error:
+        raise BrokerUnavailable(f"cannot connect ({type(error).__name__})") from None
+
+
+async def declare_replies(connection: amqp.Connection, host_id: str) -> amqp.Channel:
+    """A confirm channel with ``octo.v5`` and this host's reply queue declared and
+    bound on it (as :func:`declare_reply_queue`); returns the channel."""
+    name = reply_queue(host_id)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.declare_exchange(EXCHANGE, "direct", durable=True)
+        await channel.declare_queue(name, durable=True, arguments=_QUORUM)
+        await channel.bind_queue(name, EXCHANGE, name)
+    except (TimeoutError, OSError, amqp.AmqpError) as error:
+        raise BrokerUnavailable(
+            f"reply queue declaration failed ({type(error).__name__})"
+        ) from None
+    return channel
+
+
+async def consume_replies(
+    connection: amqp.Connection,
+    host_id: str,
+    callback: Callable[[amqp.AmqpDelivery], None],
+    *,
+    prefetch_count: int,
+) -> tuple[amqp.Channel, str]:
+    """Consume this host's (declared) reply queue on a channel of its own with
+    manual acks; returns the channel and the consumer tag. ``callback`` gets
+    each delivery in the callback that read it and must only start its handling."""
+    try:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=prefetch_count)
+        tag = await channel.consume(reply_queue(host_id), callback)
+    except (TimeoutError, OSError, amqp.AmqpError) as error:
+        raise BrokerUnavailable(
+            f"cannot consume the reply queue ({type(error).__name__})"
+        ) from None
+    return channel, tag

@@ -26,6 +26,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 from pamqp.commands import Basic
 
+from octo_common.runtime import amqp
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import (
     CONTENT_TYPE,
@@ -41,6 +42,7 @@ from octo_common.transport import (
 )
 
 __all__ = [
+    "Channel",
     "copy_to_dead_letter",
     "dead_letter_delivery",
     "frame_properties",
@@ -48,11 +50,15 @@ __all__ = [
     "publish_envelope",
 ]
 
-# Returns are matched to publishes by message_id inside aiormq; two in-flight
+# Returns are matched to publishes by message_id (inside aiormq, and by the
+# lean client's channel); two in-flight
 # publishes with the same id (the same frame bytes) on one channel could let a
 # return fail the wrong one and report the returned one as confirmed. Same-id
 # publishes on a channel therefore go one at a time.
-_IN_FLIGHT: weakref.WeakKeyDictionary[AbstractChannel, dict[str, asyncio.Future[None]]] = (
+Channel = AbstractChannel | amqp.Channel
+"""A confirm channel of either client: aio-pika's, or the lean client's (the hot path)."""
+
+_IN_FLIGHT: weakref.WeakKeyDictionary[Channel, dict[str, asyncio.Future[None]]] = (
     weakref.WeakKeyDictionary()
 )
 _NO_ROUTE = 312  # AMQP reply code of a returned mandatory publish
@@ -82,7 +88,7 @@ def frame_properties(
 
 
 async def publish_confirmed(
-    channel: AbstractChannel,
+    channel: Channel,
     exchange: str,
     routing_key: str,
     body: bytes,
@@ -103,9 +109,8 @@ async def publish_confirmed(
     is a failed publish (W§12.1) that the caller may retry with the same
     bytes. The channel must be in confirm mode with ``on_return_raises``.
     """
-    if not getattr(channel, "publisher_confirms", False):
+    if not channel.publisher_confirms:
         raise ValueError("publish_confirmed needs a channel with publisher confirms")
-    properties = frame_properties(message_id, correlation_id, reply_to, headers)
     in_flight = _IN_FLIGHT.setdefault(channel, {})
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -117,18 +122,66 @@ async def publish_confirmed(
     done: asyncio.Future[None] = loop.create_future()
     in_flight[message_id] = done
     try:
-        await _publish_once(
-            channel,
-            exchange,
-            routing_key,
-            body,
-            properties,
-            remaining=deadline - loop.time(),
-            timeout=timeout,
-        )
+        remaining = deadline - loop.time()
+        if isinstance(channel, amqp.Channel):
+            await _publish_lean(
+                channel,
+                exchange,
+                routing_key,
+                body,
+                amqp.Properties(
+                    content_type=CONTENT_TYPE,
+                    delivery_mode=DELIVERY_MODE_PERSISTENT,
+                    headers=dict(headers),
+                    message_id=message_id,
+                    correlation_id=correlation_id,
+                    reply_to=reply_to,
+                ),
+                remaining=remaining,
+                timeout=timeout,
+            )
+        else:
+            await _publish_once(
+                channel,
+                exchange,
+                routing_key,
+                body,
+                frame_properties(message_id, correlation_id, reply_to, headers),
+                remaining=remaining,
+                timeout=timeout,
+            )
     finally:
         del in_flight[message_id]
         done.set_result(None)
+
+
+async def _publish_lean(
+    channel: amqp.Channel,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    properties: amqp.Properties,
+    *,
+    remaining: float,
+    timeout: float,
+) -> None:
+    if remaining <= 0:
+        raise PublishTimedOut(routing_key, timeout)
+    try:
+        confirm = channel.publish(exchange, routing_key, body, properties, mandatory=True)
+    except amqp.AmqpError:
+        raise PublishChannelClosed(routing_key) from None
+    try:
+        outcome = await asyncio.wait_for(confirm, remaining)
+    except TimeoutError:
+        raise PublishTimedOut(routing_key, timeout) from None
+    if outcome == amqp.ACKED:
+        return
+    if outcome == amqp.NACKED:
+        raise PublishNacked(routing_key)
+    if outcome == amqp.CLOSED:
+        raise PublishChannelClosed(routing_key)
+    raise PublishReturned(routing_key, outcome)
 
 
 async def _publish_once(
@@ -169,9 +222,7 @@ async def _publish_once(
         raise PublishReturned(routing_key)
 
 
-async def publish_envelope(
-    channel: AbstractChannel, envelope: FrameEnvelope, *, timeout: float
-) -> None:
+async def publish_envelope(channel: Channel, envelope: FrameEnvelope, *, timeout: float) -> None:
     """:func:`publish_confirmed` for an envelope built by :mod:`octo_common.transport`."""
     await publish_confirmed(
         channel,
@@ -190,7 +241,7 @@ async def publish_envelope(
 
 
 async def copy_to_dead_letter(
-    channel: AbstractChannel | None,
+    channel: Channel | None,
     message: InboundMessage,
     reason: str,
     *,
@@ -233,12 +284,12 @@ async def copy_to_dead_letter(
 
 async def dead_letter_delivery(
     message: InboundMessage,
-    publish_channel: AbstractChannel | None,
+    publish_channel: Channel | None,
     reason: str,
     *,
     timeout: float,
     log: Any,
-    consume_channel: AbstractChannel | None = None,
+    consume_channel: Channel | None = None,
     routing_key: str = "",
 ) -> bool:
     """W§12.3: the confirmed copy, then ack; without a confirmed copy, reject (no requeue).

@@ -8,7 +8,8 @@ watch that reports when no reply can arrive any more, the reconnection after
 a loss (with backoff, the same reply queue consumed again, as the worker
 daemon's connection loop does), and the settling of a reply delivery (ack,
 or a confirmed dead-letter copy with ``octo-reason``).
-The topology helpers are :mod:`octo_host.amqp`; the confirmed publish and
+The connection is Octo's lean AMQP client (:mod:`octo_common.runtime.amqp`);
+the topology helpers are :mod:`octo_host.amqp`; the confirmed publish and
 the dead-letter copy are :mod:`octo_common.runtime.broker`.
 
 It must never decide anything about a frame (the reply router and the verbs
@@ -23,13 +24,13 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue
 from structlog.typing import FilteringBoundLogger
 
+from octo_common.runtime import amqp
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
-from octo_common.runtime.consumer import InboundMessage, Received
+from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import (
     PublishChannelClosed,
     PublishFailed,
@@ -37,13 +38,7 @@ from octo_common.transport import (
     build_host_publish,
     reply_queue,
 )
-from octo_host.amqp import (
-    BrokerUnavailable,
-    connect,
-    consume_reply_queue,
-    declare_reply_queue,
-    open_confirm_channel,
-)
+from octo_host.amqp import BrokerUnavailable, connect_link, consume_replies, declare_replies
 from octo_host.client.settings import ClientSettings
 
 __all__ = ["HostBroker", "SessionAddress"]
@@ -75,12 +70,11 @@ class HostBroker:
         """The ``connection_name`` client property of every connection this broker opens."""
         self._settings = settings
         self._log = log
-        self._connection: AbstractConnection | None = None
-        self._publish_channel: AbstractChannel | None = None
-        self._consume_channel: AbstractChannel | None = None
-        self._queue: AbstractQueue | None = None
+        self._connection: amqp.Connection | None = None
+        self._publish_channel: amqp.Channel | None = None
+        self._consume_channel: amqp.Channel | None = None
         self._consumer_tag: str | None = None
-        self._on_delivery: Callable[[Received], None] | None = None
+        self._on_delivery: Callable[[amqp.AmqpDelivery], None] | None = None
         self._on_lost: Callable[[str, bool], None] | None = None
         # Each connection's callbacks act only while it is the current one.
         self._generation = 0
@@ -95,13 +89,19 @@ class HostBroker:
         """Frames published, by message type."""
 
     @property
+    def socket_writes(self) -> int:
+        """Socket writes of the current connection so far (0 without one): what a
+        benchmark divides by its operations."""
+        return 0 if self._connection is None else self._connection.writes
+
+    @property
     def can_publish(self) -> bool:
         """Whether a publish channel is open (connected, between ``start`` and ``disconnect``)."""
         return self._publish_channel is not None
 
     async def start(
         self,
-        on_delivery: Callable[[Received], None],
+        on_delivery: Callable[[amqp.AmqpDelivery], None],
         on_lost: Callable[[str, bool], None],
     ) -> None:
         """Connect, declare the reply queue and consume it with ``on_delivery``
@@ -123,22 +123,21 @@ class HostBroker:
         assert self._on_delivery is not None
         self._generation += 1
         generation = self._generation
-        connection = await connect(
+        connection = await connect_link(
             self._url, timeout=self._settings.publish_timeout, name=self.connection_name
         )
         self._connection = connection
         try:
-            publish = await open_confirm_channel(connection)
-            await declare_reply_queue(publish, self.host_id)
-            consumer = await consume_reply_queue(
+            publish = await declare_replies(connection, self.host_id)
+            consumer = await consume_replies(
                 connection, self.host_id, self._on_delivery, prefetch_count=64
             )
-            self._consume_channel, self._queue, self._consumer_tag = consumer
-            await self._watch(generation, connection, self._consume_channel)
+            self._consume_channel, self._consumer_tag = consumer
+            self._watch(generation, connection, self._consume_channel)
         except BaseException:
             self._generation += 1  # this connection's own close is no loss to report
             self._connection = self._consume_channel = None
-            self._queue, self._consumer_tag = None, None
+            self._consumer_tag = None
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), timeout=5.0)
             raise
@@ -146,9 +145,7 @@ class HostBroker:
         self.replies_lost = None
         self._connected.set()
 
-    async def _watch(
-        self, generation: int, connection: AbstractConnection, channel: AbstractChannel
-    ) -> None:
+    def _watch(self, generation: int, connection: amqp.Connection, channel: amqp.Channel) -> None:
         """Report at once when no reply can arrive on this connection any more.
 
         The connection or the consume channel closed, or the broker cancelled
@@ -172,14 +169,13 @@ class HostBroker:
         connection.close_callbacks.add(lambda *_: lost("the connection closed"))
         channel.close_callbacks.add(lambda *_: lost("the reply channel closed"))
 
-        def cancelled(frame: Any) -> None:
-            if getattr(frame, "consumer_tag", None) == self._consumer_tag:
+        def cancelled(tag: str) -> None:
+            if tag == self._consumer_tag:
                 lost("the broker cancelled the reply consumer")
 
-        underlay = await channel.get_underlay_channel()
-        underlay.on_consumer_cancel_callbacks.add(cancelled)
+        channel.on_consumer_cancel_callbacks.add(cancelled)
 
-    async def _reconnect(self, lost: AbstractConnection) -> None:
+    async def _reconnect(self, lost: amqp.Connection) -> None:
         """Connect again with backoff (``backoff_initial`` doubling to ``backoff_max``)
         until connected or stopped; the reply queue is declared and consumed again.
 
@@ -187,7 +183,7 @@ class HostBroker:
         acked, arrive on the new consumer (a copy already opened is a
         ``DuplicateFrame``, dropped).
         """
-        self._queue, self._consumer_tag = None, None
+        self._consumer_tag = None
         with contextlib.suppress(Exception):
             await asyncio.wait_for(lost.close(), timeout=5.0)
         settings = self._settings
@@ -225,11 +221,11 @@ class HostBroker:
         """Cancel the reply consumer (best effort, at most 5 s) and stop reconnecting;
         idempotent."""
         self._stopping = True
-        queue, tag = self._queue, self._consumer_tag
-        self._queue, self._consumer_tag = None, None
-        if queue is not None and tag is not None:
+        channel, tag = self._consume_channel, self._consumer_tag
+        self._consumer_tag = None
+        if channel is not None and tag is not None and not channel.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(queue.cancel(tag), timeout=5.0)
+                await asyncio.wait_for(channel.cancel(tag), timeout=5.0)
 
     async def disconnect(self) -> None:
         """Stop reconnecting and close the connection (best effort, at most 5 s); idempotent."""

@@ -1,5 +1,9 @@
 """The daemon's link to RabbitMQ: connect, set up, consume, publish with confirms, dead-letter.
 
+The link runs on Octo's lean AMQP client (:mod:`octo_common.runtime.amqp`):
+deliveries reach the delivery path in the callback that read them, and
+every frame of one loop pass goes out in one socket write.
+
 :class:`BrokerLink` is the part of ``WorkerDaemon`` that owns the broker
 connection (W§12): its reconnect loop (a plain connection, not aio-pika's
 robust one: a delivery is acked only on the channel it came from, and a lost
@@ -19,14 +23,13 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from aio_pika.abc import AbstractChannel, AbstractConnection
-
 from octo_common.errors import OctoError
+from octo_common.runtime import amqp
 from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
-from octo_common.runtime.consumer import InboundMessage, Received, consume_queue
+from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import PublishChannelClosed, worker_queue
 from octo_worker.daemon.scopes import ServedScope
-from octo_worker.daemon.topology import connect, declare_topology, open_confirm_channel
+from octo_worker.daemon.topology import connect_link, declare_queues
 
 if TYPE_CHECKING:
     from octo_worker.config import WorkerConfig
@@ -50,9 +53,9 @@ class BrokerLink:
     _log: Any
     _scopes: dict[str, ServedScope]
     _notifier: Notifier
-    _connection: AbstractConnection | None
-    _consume_channel: AbstractChannel | None
-    _publish_channel: AbstractChannel | None
+    _connection: amqp.Connection | None
+    _consume_channel: amqp.Channel | None
+    _publish_channel: amqp.Channel | None
     _connected: asyncio.Event
     _stopping: asyncio.Event
     _ready: asyncio.Event
@@ -65,7 +68,7 @@ class BrokerLink:
             self,
             scope: ServedScope,
             message: InboundMessage,
-            channel: AbstractChannel,
+            channel: amqp.Channel,
         ) -> None: ...
 
         async def _republish_outbox(self, scope: ServedScope) -> list[WorkerSession]: ...
@@ -84,7 +87,7 @@ class BrokerLink:
         url = self.config.broker_url()
         while not self._stopping.is_set():
             try:
-                connection = await connect(
+                connection = await connect_link(
                     url,
                     timeout=broker.connect_timeout_seconds,
                     name="octo-worker",
@@ -120,7 +123,7 @@ class BrokerLink:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
-    async def _serve(self, connection: AbstractConnection) -> None:
+    async def _serve(self, connection: amqp.Connection) -> None:
         self._connection = connection
         closed = asyncio.get_running_loop().create_future()
 
@@ -133,31 +136,29 @@ class BrokerLink:
         # but never answers (a queue without quorum) must not hang the loop.
         bound = self.config.broker.connect_timeout_seconds
         async with asyncio.timeout(bound):
-            consume = await connection.channel(publisher_confirms=False)
+            consume = await connection.channel()
             await consume.set_qos(prefetch_count=self.config.broker.prefetch)
-            publish = await open_confirm_channel(connection)
+            publish = await connection.channel(publisher_confirms=True)
         consume.close_callbacks.add(on_close)
         publish.close_callbacks.add(on_close)
 
-        def on_consumer_cancelled(frame: Any) -> None:
+        def on_consumer_cancelled(tag: str) -> None:
             # The broker cancelled a consumer (its queue was deleted, or the
             # queue's leader moved away): serve again from a fresh connection,
             # which re-declares the queues and consumes them.
-            tag = getattr(frame, "consumer_tag", None)
             for scope in self._scopes.values():
                 if scope.consumer_tag is not None and scope.consumer_tag == tag:
                     self._log.warning("consumer_cancelled_by_broker", scope=scope.name)
                     scope.consumer_tag = None
                     on_close()
 
-        underlay = await consume.get_underlay_channel()
-        underlay.on_consumer_cancel_callbacks.add(on_consumer_cancelled)
+        consume.on_consumer_cancel_callbacks.add(on_consumer_cancelled)
         self._consume_channel = consume
         self._publish_channel = publish
         # Queues only: the delivery-limit policy belongs to `octo-worker topology
         # declare` (a sandboxed daemon may not be able to run rabbitmqctl).
         async with asyncio.timeout(bound * (1 + len(self._scopes))):
-            await declare_topology(publish, list(self._scopes), delivery_limit=None)
+            await declare_queues(publish, list(self._scopes))
         self._connected.set()
         for scope in self._scopes.values():
             # A standby scope republishes when the broker makes it active.
@@ -185,7 +186,7 @@ class BrokerLink:
         if self._shared:
             self._stand_by()
         for scope in self._scopes.values():
-            scope.queue = None
+            scope.consumer_channel = None
             scope.consumer_tag = None
         self._set_consumers_gauge()
         connection, self._connection = self._connection, None
@@ -204,29 +205,27 @@ class BrokerLink:
             or self._stopping.is_set()
         ):
             return
-        queue = await channel.get_queue(worker_queue(scope.name), ensure=False)
-
         tasks = scope.tasks
         loop = asyncio.get_running_loop()
 
-        def on_message(message: Received) -> None:
-            # Its own task: the one the client runs this callback in ends with the channel.
+        def on_message(message: amqp.AmqpDelivery) -> None:
+            # Called in the callback that read the delivery: start its handling, return.
             task = loop.create_task(self._on_message(scope, message, channel))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-        scope.queue = queue
-        scope.consumer_tag = await consume_queue(queue, on_message)
+        scope.consumer_channel = channel
+        scope.consumer_tag = await channel.consume(worker_queue(scope.name), on_message)
         self._set_consumers_gauge()
 
     async def _stop_consuming(self, scope: ServedScope | None = None) -> None:
         scopes = [scope] if scope is not None else list(self._scopes.values())
         for item in scopes:
-            queue, tag = item.queue, item.consumer_tag
+            channel, tag = item.consumer_channel, item.consumer_tag
             item.consumer_tag = None
-            if queue is not None and tag is not None:
+            if channel is not None and tag is not None and not channel.is_closed:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(queue.cancel(tag), timeout=5.0)
+                    await asyncio.wait_for(channel.cancel(tag), timeout=5.0)
         self._set_consumers_gauge()
 
     def _set_consumers_gauge(self) -> None:
@@ -273,7 +272,7 @@ class BrokerLink:
         self,
         scope: ServedScope,
         message: InboundMessage,
-        channel: AbstractChannel,
+        channel: amqp.Channel,
         reason: str,
     ) -> None:
         """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""

@@ -45,14 +45,11 @@ from collections.abc import Awaitable
 from typing import Any
 
 import structlog
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractConnection,
-)
 
 from octo_common.errors import (
     OctoError,
 )
+from octo_common.runtime import amqp
 from octo_common.runtime.faults import FaultInjector
 from octo_worker.adapters.contract import (
     WorkerAdapterRegistry,
@@ -117,9 +114,9 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         )
         self._store: JournalStoreBase | None = None
         self._scopes: dict[str, ServedScope] = {}
-        self._connection: AbstractConnection | None = None
-        self._consume_channel: AbstractChannel | None = None
-        self._publish_channel: AbstractChannel | None = None
+        self._connection: amqp.Connection | None = None
+        self._consume_channel: amqp.Channel | None = None
+        self._publish_channel: amqp.Channel | None = None
         self._connected = asyncio.Event()
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()

@@ -23,12 +23,11 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aio_pika.abc import AbstractChannel
-
 from octo_common.errors import OctoError, SessionReplay
 from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole, decode_frame
 from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession
+from octo_common.runtime import amqp
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
 from octo_worker.daemon.scopes import ServedScope, remember_closed
@@ -61,7 +60,7 @@ class _Broker(Protocol):
         self,
         scope: ServedScope,
         message: InboundMessage,
-        channel: AbstractChannel,
+        channel: amqp.Channel,
         reason: str,
     ) -> None: ...
 
@@ -74,7 +73,7 @@ class BrokerDelivery:
         daemon: _Broker,
         scope: ServedScope,
         message: InboundMessage,
-        channel: AbstractChannel,
+        channel: amqp.Channel,
     ) -> None:
         self._daemon = daemon
         self._scope = scope
@@ -148,7 +147,7 @@ class DeliveryPath:
         async def _reload_scope(self, scope: ServedScope) -> None: ...
 
         def _activate_later(
-            self, scope: ServedScope, channel: AbstractChannel
+            self, scope: ServedScope, channel: amqp.Channel
         ) -> asyncio.Task[None]: ...
 
         async def _release_outbox(
@@ -163,7 +162,7 @@ class DeliveryPath:
             self,
             scope: ServedScope,
             message: InboundMessage,
-            channel: AbstractChannel,
+            channel: amqp.Channel,
             reason: str,
         ) -> None: ...
 
@@ -171,7 +170,7 @@ class DeliveryPath:
         self,
         scope: ServedScope,
         message: InboundMessage,
-        channel: AbstractChannel,
+        channel: amqp.Channel,
     ) -> None:
         async with scope.semaphore:
             # The broker delivers to the queue's single active consumer only:

@@ -28,8 +28,9 @@ import structlog
 from aio_pika.abc import AbstractConnection
 
 from octo_common.errors import OctoError
+from octo_common.runtime import amqp
 from octo_worker.daemon.metrics import WorkerMetrics
-from octo_worker.daemon.topology import describe_topology
+from octo_worker.daemon.topology import describe_queues, describe_topology
 
 __all__ = ["refresh_queue_gauges", "watch_queues"]
 
@@ -37,15 +38,20 @@ _log = structlog.get_logger("octo.worker")
 
 
 async def refresh_queue_gauges(
-    connection: AbstractConnection, scopes: Sequence[str], metrics: WorkerMetrics
+    connection: AbstractConnection | amqp.Connection,
+    scopes: Sequence[str],
+    metrics: WorkerMetrics,
 ) -> None:
     """One refresh: passive declares on a fresh channel, then the gauges."""
-    channel = await connection.channel(publisher_confirms=False)
-    try:
-        statuses = await describe_topology(channel, scopes)
-    finally:
-        with contextlib.suppress(Exception):
-            await channel.close()
+    if isinstance(connection, amqp.Connection):
+        statuses = await describe_queues(connection, scopes)
+    else:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            statuses = await describe_topology(channel, scopes)
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
     for status in statuses:
         metrics.note_queue(status.name, status.messages, status.consumers)
     metrics.note_queues_refreshed()
@@ -57,7 +63,7 @@ async def watch_queues(
     *,
     interval: float,
     timeout: float,
-    connection: Callable[[], AbstractConnection | None],
+    connection: Callable[[], amqp.Connection | None],
     stopping: asyncio.Event,
 ) -> None:
     """Refresh every ``interval`` seconds until ``stopping`` is set.
@@ -73,7 +79,13 @@ async def watch_queues(
             try:
                 async with asyncio.timeout(timeout):
                     await refresh_queue_gauges(current, scopes, metrics)
-            except (TimeoutError, OctoError, aiormq.exceptions.AMQPError, OSError) as exc:
+            except (
+                TimeoutError,
+                OctoError,
+                amqp.AmqpError,
+                aiormq.exceptions.AMQPError,
+                OSError,
+            ) as exc:
                 if not failing:
                     _log.warning("queue_gauges_refresh_failed", error=type(exc).__name__)
                 failing = True

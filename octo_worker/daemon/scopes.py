@@ -21,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from aio_pika.abc import AbstractChannel, AbstractQueue
-
 from octo_common.errors import FencingTokenRejected, OctoError
 from octo_common.frames import ScopeKey
+from octo_common.runtime import amqp
 from octo_common.transport import PublishChannelClosed, PublishFailed, build_worker_reply
 from octo_worker.hooks import WorkerHooks
 from octo_worker.session.session import WorkerSession
@@ -82,7 +81,7 @@ class ServedScope:
     # Sessions whose open_session is being handled: a frame for one of them
     # waits for the open's outcome (the session, or None if it failed).
     opening: dict[str, asyncio.Future[WorkerSession | None]] = field(default_factory=dict)
-    queue: AbstractQueue | None = None
+    consumer_channel: amqp.Channel | None = None
     consumer_tag: str | None = None
     running: asyncio.Event = field(default_factory=asyncio.Event)
     reloading: bool = False
@@ -137,7 +136,7 @@ class ScopeLifecycle:
     _connected: asyncio.Event
     _stopping: asyncio.Event
     # The current connection's consume channel (None between connections).
-    _consume_channel: AbstractChannel | None
+    _consume_channel: amqp.Channel | None
     # The journal is shared (PostgreSQL, D13): scopes start as standby.
     _shared: bool
 
@@ -410,18 +409,18 @@ class ScopeLifecycle:
             )
             self.request_stop()
 
-    def _activate_later(self, scope: ServedScope, channel: AbstractChannel) -> asyncio.Task[None]:
+    def _activate_later(self, scope: ServedScope, channel: amqp.Channel) -> asyncio.Task[None]:
         """The one activation of a standby scope at a time, started by a delivery on
         ``channel`` (a running one, maybe started on an earlier connection, is returned)."""
         if scope.activation is None or scope.activation.done():
             scope.activation = self._spawn(self._activate_scope(scope, channel))
         return scope.activation
 
-    def _on_current_channel(self, channel: AbstractChannel) -> bool:
+    def _on_current_channel(self, channel: amqp.Channel) -> bool:
         """Whether ``channel`` is the open consume channel of the current connection."""
         return channel is self._consume_channel and not channel.is_closed
 
-    async def _activate_scope(self, scope: ServedScope, channel: AbstractChannel) -> None:
+    async def _activate_scope(self, scope: ServedScope, channel: amqp.Channel) -> None:
         """The broker made this worker the scope's active consumer (D13): W§10.10 under a
         fresh fence.
 

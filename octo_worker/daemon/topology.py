@@ -37,6 +37,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
+from octo_common.runtime import amqp
 from octo_common.transport import (
     DEAD_EXCHANGE,
     DEAD_OVERFLOW,
@@ -60,7 +61,10 @@ __all__ = [
     "apply_dead_letter_policy",
     "apply_policy",
     "connect",
+    "connect_link",
+    "declare_queues",
     "declare_topology",
+    "describe_queues",
     "dead_letter_policy_definition",
     "describe_topology",
     "open_confirm_channel",
@@ -146,6 +150,19 @@ async def open_confirm_channel(
     return channel
 
 
+async def connect_link(
+    url: str, *, timeout: float = 10.0, name: str | None = None, heartbeat: int | None = None
+) -> amqp.Connection:
+    """The daemon's connection on the lean client (the hot path): plain, its loss
+    final, as :func:`connect`. A URL the lean client does not take (query
+    parameters) or a failure raises ``TopologyError`` naming the failure's
+    class only."""
+    try:
+        return await amqp.connect(url, timeout=timeout, name=name, heartbeat=heartbeat)
+    except (ValueError, TimeoutError, OSError, amqp.AmqpError) as error:
+        raise TopologyError(f"cannot connect to the broker ({type(error).__name__})") from None
+
+
 # Declaration ------------------------------------------------------------------------
 
 
@@ -225,6 +242,61 @@ async def declare_topology(
         policy_applied_via=applied_via,
         dead_letter_policy_applied_via=dead_applied_via,
     )
+
+
+async def declare_queues(channel: amqp.Channel, scopes: Iterable[str]) -> tuple[str, ...]:
+    """:func:`declare_topology` with ``delivery_limit=None`` on the lean client
+    (the daemon's own set-up): the exchanges, ``octo.v5.dead`` and each
+    scope's worker queue, bound; no policy. Returns the queue names."""
+    names = [worker_queue(scope) for scope in scopes]
+    try:
+        await channel.declare_exchange(EXCHANGE, "direct", durable=True)
+        await channel.declare_exchange(DEAD_EXCHANGE, "fanout", durable=True)
+        await channel.declare_queue(DEAD_QUEUE, durable=True, arguments=_QUORUM)
+        await channel.bind_queue(DEAD_QUEUE, DEAD_EXCHANGE, "")
+        for name in names:
+            await channel.declare_queue(name, durable=True, arguments=_WORKER_QUEUE_ARGUMENTS)
+            await channel.bind_queue(name, EXCHANGE, name)
+    except amqp.ChannelClosed as error:
+        if error.reply_code == 406:  # PRECONDITION_FAILED
+            raise TopologyError(
+                f"an existing queue or exchange differs: {error.reply_text[:300]}"
+            ) from None
+        raise TopologyError(f"declaration failed ({type(error).__name__})") from None
+    except amqp.AmqpError as error:
+        raise TopologyError(f"declaration failed ({type(error).__name__})") from None
+    return (DEAD_QUEUE, *names)
+
+
+async def describe_queues(connection: amqp.Connection, scopes: Iterable[str]) -> list[QueueStatus]:
+    """:func:`describe_topology` of the scopes' worker queues and ``octo.v5.dead``
+    on the lean client: passive declares on channels of their own (the broker
+    closes the channel of a missing queue), closed after."""
+    statuses: list[QueueStatus] = []
+    channel: amqp.Channel | None = None
+    try:
+        for name in [*(worker_queue(s) for s in scopes), DEAD_QUEUE]:
+            if channel is None or channel.is_closed:
+                channel = await connection.channel()
+            try:
+                result = await channel.declare_queue(name, passive=True)
+            except amqp.ChannelClosed as error:
+                if error.reply_code != 404:  # NOT_FOUND
+                    raise
+                statuses.append(QueueStatus(name, exists=False, messages=None, consumers=None))
+                continue
+            statuses.append(
+                QueueStatus(
+                    name,
+                    exists=True,
+                    messages=int(result.message_count or 0),
+                    consumers=int(result.consumer_count or 0),
+                )
+            )
+    finally:
+        if channel is not None and not channel.is_closed:
+            await channel.close()
+    return statuses
 
 
 def _reply_text(error: BaseException) -> str:

@@ -33,6 +33,7 @@ from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, Sessi
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.messages import OperationReconcileResult, OperationResult
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
+from octo_common.runtime import amqp
 from octo_common.runtime.broker import publish_confirmed
 from octo_common.states import StateKind, Succeeded
 from octo_common.transport import (
@@ -42,12 +43,13 @@ from octo_common.transport import (
     HEADER_SESSION,
     PublishReturned,
     PublishTimedOut,
+    reply_queue,
     worker_queue,
 )
 from octo_host.amqp import (
     BrokerUnavailable,
     connect,
-    declare_reply_queue,
+    declare_replies,
     open_confirm_channel,
 )
 from octo_host.client import (
@@ -1096,20 +1098,21 @@ async def test_a_reply_consumer_that_cannot_start_is_broker_unavailable(
 ) -> None:
     """The reply queue vanishes between its declaration and the consume (real broker)."""
 
-    async def declare_then_lose(channel: AbstractChannel, host_id: str) -> str:
-        name = await declare_reply_queue(channel, host_id)
+    async def declare_then_lose(connection: amqp.Connection, host_id: str) -> amqp.Channel:
+        channel = await declare_replies(connection, host_id)
         other = await broker.channel()
-        await other.queue_delete(name)
+        await other.queue_delete(reply_queue(host_id))
         await other.close()
-        return name
+        return channel
 
-    monkeypatch.setattr(broker_module, "declare_reply_queue", declare_then_lose)
+    monkeypatch.setattr(broker_module, "declare_replies", declare_then_lose)
     host_id = names.host("-lost")
 
     with pytest.raises(BrokerUnavailable) as refused:
         await hosts.start(host_id=host_id)
 
-    assert "ChannelNotFoundEntity" in refused.value.reason
+    # The broker closed the consume channel: 404, no such queue.
+    assert "ChannelClosed" in refused.value.reason
 
 
 async def test_a_lost_reply_consumer_releases_waiting_calls_at_once_and_is_restored(

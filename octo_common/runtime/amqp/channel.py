@@ -21,6 +21,8 @@ callback.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -57,6 +59,10 @@ _ACK: Final = b"\x00\x3c\x00\x50"
 _NACK: Final = b"\x00\x3c\x00\x78"
 _RETURN: Final = b"\x00\x3c\x00\x32"
 _NO_HEADERS: Final[Mapping[str, Any]] = {}
+# Consumer tags unique in this process and across processes (a broker
+# reports a cancel by tag; a fresh connection's consumer must not reuse one).
+_PROCESS_TAG: Final = secrets.token_hex(6)
+_CONSUMERS: Final = itertools.count(1)
 
 
 class AmqpDelivery:
@@ -192,7 +198,6 @@ class Channel:
         self._by_message_id: dict[str, int] = {}
         self._returned: dict[int, int] = {}
         self._consumers: dict[str, Callable[[AmqpDelivery], None]] = {}
-        self._consumer_count = 0
         self._incoming: _Incoming | None = None
         # Deliveries in tag order (settled ones skipped when reached) and the
         # state of each unsettled one: True once its ack waits for the write.
@@ -255,8 +260,7 @@ class Channel:
     async def consume(self, queue: str, callback: Callable[[AmqpDelivery], None]) -> str:
         """``basic.consume`` with manual acks; ``callback`` gets each delivery and
         must only start its handling. Returns the consumer tag."""
-        self._consumer_count += 1
-        tag = f"ctag.octo.{self.number}.{self._consumer_count}"
+        tag = f"octo.{_PROCESS_TAG}.{next(_CONSUMERS)}"
         self._consumers[tag] = callback
         try:
             await self.rpc(
