@@ -213,3 +213,16 @@ async def test_frames_of_one_pass_go_out_in_one_write() -> None:
     await asyncio.sleep(0)
     assert connection.writes == before + 1
     assert transport.written[-1] == b"x" * 10
+
+
+async def test_a_delivery_held_long_does_not_grow_the_channel_without_bound() -> None:
+    fake, channel, got = await consuming(1)
+    for tag in range(2, 2002):
+        deliver(channel, tag, "c")
+        await got[-1].ack()
+        fake.flush()
+    assert len(got) == 2001
+    assert len(channel._order) < 200  # the held one and what piled up since the last pass
+    await got[0].ack()
+    assert acks(fake.flush()) == [(1, False)]
+    assert not channel._unsettled

@@ -423,6 +423,9 @@ class Channel:
                 del unsettled[tag]
                 out.append(codec.encode_ack(self.number, tag))
         self._finished.clear()
+        if len(order) > 2 * len(unsettled) + 64:
+            # Behind a delivery held long, settled tags pile up: keep the unsettled only.
+            self._order = deque(unsettled)
 
     # Receiving ----------------------------------------------------------------------
 

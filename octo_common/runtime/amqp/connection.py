@@ -358,6 +358,8 @@ class Connection(asyncio.Protocol):
         if self.close_reason is None:
             self.close_reason = reason
         if self._transport is not None:
+            if self._out and not self._transport.is_closing():
+                self._flush()  # a close-ok or the last acks, ahead of the close
             self._transport.close()
         self._finish(reason)
 
