@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 WORKER_INPUT_DOMAIN: Final = b"octo-worker-operation-input-v1"
 GRANT_DOMAIN: Final = b"octo-compensation-grant-v1"
 PLAN_DOMAIN: Final = b"octo-workflow-plan-v1"
+PLAN_RETRY_DOMAIN: Final = b"octo-workflow-plan-retry-v1"
 LEDGER_INPUT_DOMAIN: Final = b"octo-workflow-operation-input-v1"
 OPERATION_KEY_DOMAIN: Final = b"octo-workflow-operation-key-v1"
 COMPENSATION_KEY_DOMAIN: Final = b"octo-workflow-compensation-key-v1"
+RETRY_KEY_DOMAIN: Final = b"octo-workflow-retry-key-v1"
 STORAGE_RECORD_DOMAIN: Final = b"octo-storage-record-v1"
 FRAME_AUTH_DOMAIN: Final = "octo-worker-auth-v5"
 SESSION_KEY_CONTEXT: Final = "octo 2026-12 worker session key v1"
@@ -94,6 +96,37 @@ def plan_fingerprint(steps: Iterable[_Step]) -> str:
         parts.append(lp(step.id.encode("utf-8")))
         parts.append(lp(step.source.encode("utf-8")))
     return blake3_hex(b"".join(parts))
+
+
+def plan_fingerprint_with_retries(steps: Iterable[tuple[_Step, bytes | None]]) -> str:
+    """The fingerprint of a plan where some step has a retry policy (its canonical
+    encoding, None for a step without one):
+    ``BLAKE3(retry domain ‖ BE64(count) ‖ for each step: LP(id) ‖ LP(source) ‖
+    (0x00 | 0x01 ‖ LP(policy)))``. A plan without any policy keeps the H§4
+    fingerprint (:func:`plan_fingerprint`); the two domains never meet."""
+    steps = list(steps)
+    parts = [PLAN_RETRY_DOMAIN, be64(len(steps))]
+    for step, policy in steps:
+        parts.append(lp(step.id.encode("utf-8")))
+        parts.append(lp(step.source.encode("utf-8")))
+        parts.append(b"\x00" if policy is None else b"\x01" + lp(policy))
+    return blake3_hex(b"".join(parts))
+
+
+def retry_key_for(plan_fingerprint_hex: str, first_operation_key: str, attempt: int) -> str:
+    """The key of attempt ``attempt`` (2 and up) of a logical operation:
+    ``"op-"`` + hex ``BLAKE3(retry domain ‖ LP(plan fp) ‖ LP(first attempt's key) ‖
+    BE64(attempt))``. Its own domain: never the key of a first attempt, and
+    the same on every host that retries the same attempt."""
+    data = b"".join(
+        (
+            RETRY_KEY_DOMAIN,
+            lp(plan_fingerprint_hex.encode("ascii")),
+            lp(first_operation_key.encode("utf-8")),
+            be64(attempt),
+        )
+    )
+    return "op-" + blake3_hex(data)
 
 
 def operation_key_for(

@@ -37,6 +37,7 @@ __all__ = [
     "accepts",
     "did_not_act",
     "is_failure_code",
+    "is_proven_not_happened",
     "kind_of",
     "state_for_kind",
     "validate_operation_status_for_grant",
@@ -193,6 +194,12 @@ def is_failure_code(value: object) -> bool:
 def did_not_act(state: Any) -> bool:
     """A ``failed`` state whose code proves that no effect ran (``DID_NOT_ACT_CODES``)."""
     return isinstance(state, Failed) and state.code in DID_NOT_ACT_CODES
+
+
+def is_proven_not_happened(state: Any) -> bool:
+    """A ``failed`` state coded ``not_happened``: proven not to have happened, and the
+    key fenced at the adapter (the one outcome a retry policy answers by default)."""
+    return isinstance(state, Failed) and state.code == FailureCode.NOT_HAPPENED
 
 
 def kind_of(state: Any) -> StateKind:

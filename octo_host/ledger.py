@@ -15,34 +15,27 @@ mutates last.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from octo_common.codec import decode_struct, encode_struct
 from octo_common.digest import ledger_input_fingerprint
 from octo_common.errors import (
     CompensationAlreadyRecorded,
-    CompensationInputFingerprintMismatch,
     CompensationPolicyMismatch,
     CompensationRequestMismatch,
     CompensationRequiresSucceededOperation,
     DuplicateOperationKey,
-    InputFingerprintMismatch,
-    InputTooLarge,
-    InvalidCompensationGrantFingerprint,
     InvalidCompensationKey,
     InvalidCompensationStateTransition,
-    InvalidCompensationTenantScope,
-    InvalidInputFingerprint,
     InvalidLedgerEncoding,
     InvalidOperationKey,
     InvalidPlanFingerprint,
     InvalidStateTransition,
-    InvalidStepId,
-    InvalidTool,
     LedgerEncodingError,
     LedgerTooLarge,
     PlanMismatch,
     ReconciliationMismatch,
+    RetryNotAllowed,
     RevisionExhausted,
     StaleRevision,
     TooManyOperations,
@@ -51,10 +44,8 @@ from octo_common.errors import (
     UnknownStep,
     UnsupportedLedgerVersion,
 )
-from octo_common.ids import is_fingerprint, is_token
 from octo_common.limits import (
     MAX_U64,
-    MAX_WORKFLOW_OPERATION_INPUT_BYTES,
     MAX_WORKFLOW_OPERATION_LEDGER_BYTES,
     MAX_WORKFLOW_OPERATIONS,
     WORKFLOW_OPERATION_LEDGER_FORMAT_VERSION,
@@ -75,53 +66,32 @@ from octo_common.states import (
     OperationStatus,
     StateKind,
     accepts,
-    is_failure_code,
 )
-from octo_host.ledger_json import (
-    CompensationOut,
-    CompensationOutFailed,
-    LedgerDoc,
-    LedgerOut,
-    OperationDoc,
-    OperationOut,
-    OperationOutFailed,
+from octo_host.ledger_json import LedgerDoc, LedgerOut
+from octo_host.ledger_records import (
+    WorkflowCompensation,
+    WorkflowOperation,
+    _check_input_size,
+    _check_retry,
+    _failure_bound,
+    _fingerprint,
+    _is_compensation_key,
+    _operation_from_doc,
+    _operation_to_doc,
+    _token,
+    _utf8_len,
 )
-from octo_host.plan import WorkflowPlan, is_step_id
+from octo_host.plan import WorkflowPlan
 from octo_host.policy import WorkflowCompensationPolicy
 
 __all__ = ["WorkflowCompensation", "WorkflowOperation", "WorkflowOperationLedger"]
-
-_COMPENSATION_PREFIX = "cmp-"
 
 # H§9 step 2: the conservative bound, fixed per record plus the variable fields.
 _BOUND_BASE = 224
 _BOUND_PER_OPERATION = 256
 _BOUND_PER_COMPENSATION = 320
-
-
-def _token(value: object) -> bool:
-    return isinstance(value, str) and is_token(value)
-
-
-def _fingerprint(value: object) -> bool:
-    return isinstance(value, str) and is_fingerprint(value)
-
-
-def _is_workflow_operation_key(value: object) -> bool:
-    return _token(value) and not str(value).startswith(_COMPENSATION_PREFIX)
-
-
-def _is_compensation_key(value: object) -> bool:
-    return _token(value) and str(value).startswith(_COMPENSATION_PREFIX)
-
-
-def _utf8_len(value: str) -> int:
-    return len(value.encode("utf-8", "surrogatepass"))
-
-
-def _check_input_size(data: bytes) -> None:
-    if len(data) > MAX_WORKFLOW_OPERATION_INPUT_BYTES:
-        raise InputTooLarge(len(data), MAX_WORKFLOW_OPERATION_INPUT_BYTES)
+# A retry's link and number (written only for a retry): ``,"retry_of":KEY,"attempt":N``.
+_BOUND_PER_RETRY = 64
 
 
 def _decided_state(value: StateKind | str) -> StateKind | None:
@@ -142,169 +112,10 @@ def _operator_failure(target: StateKind) -> str | None:
     return FailureCode.RESOLVED_BY_OPERATOR.value if target == StateKind.FAILED else None
 
 
-def _failure_bound(failure: str | None) -> int:
-    """What a failure code adds to a record's encoding: ``,"failure":"CODE"``."""
-    return 0 if failure is None else 16 + _utf8_len(failure)
-
-
-def _check_failure(key: str, state: StateKind, failure: str | None) -> None:
-    """A failure code only on a ``failed`` record, in the code syntax."""
-    if failure is None:
-        return
-    if state != StateKind.FAILED or not is_failure_code(failure):
-        raise InvalidLedgerEncoding(f"{key}: a failure code belongs to a failed state")
-
-
 def _next_revision(revision: int) -> int:
     if revision >= MAX_U64:
         raise RevisionExhausted()
     return revision + 1
-
-
-# Records ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WorkflowCompensation:
-    """The one compensation intent of a succeeded operation: fingerprints and a state."""
-
-    compensation_key: str
-    input_fingerprint: str
-    tenant_scope: str
-    grant_fingerprint: str
-    state: StateKind
-    # Why a ``failed`` compensation is definite (a ``FailureCode`` value), when known.
-    failure: str | None = None
-
-    def matches_input(self, data: bytes) -> bool:
-        """At most 256 KiB and the same ledger input fingerprint."""
-        return (
-            len(data) <= MAX_WORKFLOW_OPERATION_INPUT_BYTES
-            and ledger_input_fingerprint(data) == self.input_fingerprint
-        )
-
-    def verify_input(self, data: bytes) -> None:
-        """``InputTooLarge``, then ``CompensationInputFingerprintMismatch(key)``."""
-        _check_input_size(data)
-        if ledger_input_fingerprint(data) != self.input_fingerprint:
-            raise CompensationInputFingerprintMismatch(self.compensation_key)
-
-    def matches_policy(self, policy: WorkflowCompensationPolicy) -> bool:
-        """Same tenant scope and grant fingerprint as ``policy``."""
-        return (
-            self.tenant_scope == policy.tenant_scope
-            and self.grant_fingerprint == policy.grant_fingerprint
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class WorkflowOperation:
-    """One recorded operation: identity, input fingerprint, state kind, compensation."""
-
-    step_id: str
-    tool: str
-    operation_key: str
-    input_fingerprint: str
-    state: StateKind
-    compensation: WorkflowCompensation | None = None
-    # Why a ``failed`` operation is definite (a ``FailureCode`` value), when known:
-    # ``input_refused`` (the worker's adapter did not act), ``resolved_by_operator``, ...
-    failure: str | None = None
-    # Set once validate_syntax passed: the record is immutable, so it stays
-    # valid, and a ledger re-validated several times per request checks each
-    # record once. A changed record (dataclasses.replace) starts unchecked.
-    _syntax_valid: bool = field(default=False, init=False, repr=False, compare=False)
-
-    def matches_input(self, data: bytes) -> bool:
-        """At most 256 KiB and the same ledger input fingerprint."""
-        return (
-            len(data) <= MAX_WORKFLOW_OPERATION_INPUT_BYTES
-            and ledger_input_fingerprint(data) == self.input_fingerprint
-        )
-
-    def verify_input(self, data: bytes) -> None:
-        """``InputTooLarge``, then ``InputFingerprintMismatch(operation_key)``."""
-        _check_input_size(data)
-        if ledger_input_fingerprint(data) != self.input_fingerprint:
-            raise InputFingerprintMismatch(self.operation_key)
-
-    def validate_syntax(self) -> None:
-        """H§9 operation syntax, first error wins."""
-        if self._syntax_valid:
-            return
-        self._check_syntax()
-        object.__setattr__(self, "_syntax_valid", True)
-
-    def _check_syntax(self) -> None:
-        if not is_step_id(self.step_id):
-            raise InvalidStepId(self.step_id)
-        if not _token(self.tool):
-            raise InvalidTool(self.tool)
-        if not _is_workflow_operation_key(self.operation_key):
-            raise InvalidOperationKey(self.operation_key)
-        if not _fingerprint(self.input_fingerprint):
-            raise InvalidInputFingerprint()
-        _check_failure(self.operation_key, self.state, self.failure)
-        compensation = self.compensation
-        if compensation is None:
-            return
-        if self.state != StateKind.SUCCEEDED:
-            raise CompensationRequiresSucceededOperation(self.operation_key, self.state)
-        if not _is_compensation_key(compensation.compensation_key):
-            raise InvalidCompensationKey(compensation.compensation_key)
-        if not _fingerprint(compensation.input_fingerprint):
-            raise InvalidInputFingerprint()
-        if not _token(compensation.tenant_scope):
-            raise InvalidCompensationTenantScope(compensation.tenant_scope)
-        if not _fingerprint(compensation.grant_fingerprint):
-            raise InvalidCompensationGrantFingerprint()
-        _check_failure(compensation.compensation_key, compensation.state, compensation.failure)
-
-
-# Strict JSON documents (private) ------------------------------------------------
-
-
-def _operation_from_doc(doc: OperationDoc) -> WorkflowOperation:
-    compensation = None
-    if doc.compensation is not None:
-        c = doc.compensation
-        compensation = WorkflowCompensation(
-            c.compensation_key,
-            c.input_fingerprint,
-            c.tenant_scope,
-            c.grant_fingerprint,
-            c.state,
-            c.failure,
-        )
-    return WorkflowOperation(
-        doc.step_id,
-        doc.tool,
-        doc.operation_key,
-        doc.input_fingerprint,
-        doc.state,
-        compensation,
-        doc.failure,
-    )
-
-
-def _operation_to_doc(operation: WorkflowOperation) -> OperationOut:
-    compensation: CompensationOut | None = None
-    c = operation.compensation
-    if c is not None:
-        fields = (c.compensation_key, c.input_fingerprint, c.tenant_scope, c.grant_fingerprint)
-        if c.failure is None:
-            compensation = CompensationOut(*fields, c.state)
-        else:
-            compensation = CompensationOutFailed(*fields, c.state, failure=c.failure)
-    fields2 = (
-        operation.step_id,
-        operation.tool,
-        operation.operation_key,
-        operation.input_fingerprint,
-    )
-    if operation.failure is None:
-        return OperationOut(*fields2, operation.state, compensation)
-    return OperationOutFailed(*fields2, operation.state, compensation, failure=operation.failure)
 
 
 # The ledger ---------------------------------------------------------------------
@@ -405,12 +216,16 @@ class WorkflowOperationLedger:
             raise InvalidPlanFingerprint()
         if len(self._operations) > MAX_WORKFLOW_OPERATIONS:
             raise TooManyOperations(MAX_WORKFLOW_OPERATIONS)
-        seen: set[str] = set()
+        seen: dict[str, WorkflowOperation] = {}
+        replaced: set[str] = set()
         for operation in self._operations:
             operation.validate_syntax()
             if operation.operation_key in seen:
                 raise DuplicateOperationKey(operation.operation_key)
-            seen.add(operation.operation_key)
+            if operation.retry_of is not None:
+                _check_retry(operation, seen.get(operation.retry_of), replaced)
+                replaced.add(operation.retry_of)
+            seen[operation.operation_key] = operation
 
     def validate_minimum_revision(self, minimum: int) -> None:
         """Syntax, then ``StaleRevision(actual, minimum)`` below the watermark."""
@@ -440,6 +255,8 @@ class WorkflowOperationLedger:
                 + _utf8_len(op.input_fingerprint)
                 + _failure_bound(op.failure)
             )
+            if op.retry_of is not None:
+                bound += _BOUND_PER_RETRY + _utf8_len(op.retry_of)
             c = op.compensation
             if c is not None:
                 bound += (
@@ -513,6 +330,68 @@ class WorkflowOperationLedger:
             raise DuplicateOperationKey(operation_key)
         self._operations.append(operation)
         self._revision = revision
+
+    def record_retry(self, operation_key: str, retry_key: str) -> WorkflowOperation:
+        """Append the next attempt of a ``failed`` operation under ``retry_key``,
+        ``pending``, chained to it (``retry_of``, ``attempt`` + 1); returns it.
+
+        Pure chain bookkeeping: whether the step's retry policy allows it,
+        and the derivation of ``retry_key``, are the engine's
+        (``WorkflowEngine.record_retry``). Errors: ``UnknownOperation``;
+        ``RetryNotAllowed`` for an operation that is not ``failed`` or is
+        already replaced; ``InvalidOperationKey``, ``DuplicateOperationKey``,
+        ``TooManyOperations`` as for :meth:`record`.
+        """
+        self.validate_syntax()
+        index = self._index(operation_key)
+        if index is None:
+            raise UnknownOperation(operation_key)
+        operation = self._operations[index]
+        if operation.state != StateKind.FAILED:
+            raise RetryNotAllowed(operation_key, f"the attempt is {operation.state.value}")
+        if self.replacement(operation_key) is not None:
+            raise RetryNotAllowed(operation_key, "the attempt is already replaced")
+        if len(self._operations) >= MAX_WORKFLOW_OPERATIONS:
+            raise TooManyOperations(MAX_WORKFLOW_OPERATIONS)
+        revision = _next_revision(self._revision)
+        retry = WorkflowOperation(
+            operation.step_id,
+            operation.tool,
+            retry_key,
+            operation.input_fingerprint,
+            StateKind.PENDING,
+            retry_of=operation_key,
+            attempt=operation.attempt + 1,
+        )
+        retry.validate_syntax()
+        if self._index(retry_key) is not None:
+            raise DuplicateOperationKey(retry_key)
+        self._operations.append(retry)
+        self._revision = revision
+        return retry
+
+    def replacement(self, operation_key: str) -> WorkflowOperation | None:
+        """The retry that replaces ``operation_key``, or None."""
+        for operation in self._operations:
+            if operation.retry_of == operation_key:
+                return operation
+        return None
+
+    def attempts(self, operation_key: str) -> tuple[WorkflowOperation, ...]:
+        """Every attempt of the logical operation ``operation_key`` belongs to, first
+        to latest (empty for an unknown key). At most one of them is ``succeeded``:
+        only a ``failed`` attempt is ever replaced."""
+        by_key = {operation.operation_key: operation for operation in self._operations}
+        current = by_key.get(operation_key)
+        if current is None:
+            return ()
+        while current.retry_of is not None and current.retry_of in by_key:
+            current = by_key[current.retry_of]
+        chain = [current]
+        replaced_by = {op.retry_of: op for op in self._operations if op.retry_of is not None}
+        while chain[-1].operation_key in replaced_by:
+            chain.append(replaced_by[chain[-1].operation_key])
+        return tuple(chain)
 
     def record_compensation(
         self,

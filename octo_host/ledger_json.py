@@ -1,10 +1,12 @@
 """The host ledger's strict JSON documents (H§9): what is read and what is written.
 
 Read: ``LedgerDoc`` (unknown fields refused; a record's ``failure`` code
-optional). Written: a record without a failure code is encoded exactly as
-before the field existed; one with a code adds ``"failure"`` last (the
-``...Failed`` subclasses). Pure structs; the ledger (``octo_host.ledger``)
-converts them to and from its records and checks their syntax.
+and a retry's ``retry_of`` and ``attempt`` optional). Written: a record
+without a failure code is encoded exactly as before the field existed; one
+with a code adds ``"failure"`` last (the ``...Failed`` subclasses); a retry
+adds ``"retry_of"`` and ``"attempt"`` after its compensation. Pure structs;
+the ledger (``octo_host.ledger``) converts them to and from its records and
+checks their syntax.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class OperationOut(msgspec.Struct):
     input_fingerprint: str
     state: StateKind
     compensation: CompensationOut | None = None
+    # A retry's link to the attempt it replaces, and its number: written only
+    # for a retry, so a first attempt is encoded as before they existed.
+    retry_of: str | msgspec.UnsetType = msgspec.UNSET
+    attempt: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class OperationOutFailed(OperationOut, kw_only=True):
@@ -64,6 +70,8 @@ class OperationDoc(msgspec.Struct, forbid_unknown_fields=True):
     state: StateKind
     compensation: CompensationDoc | None = None
     failure: str | None = None
+    retry_of: str | None = None
+    attempt: Annotated[int, msgspec.Meta(ge=2)] | None = None
 
 
 class LedgerOut(msgspec.Struct):

@@ -154,6 +154,15 @@ class UnknownStep(LedgerError):
     step_id: str
 
 
+class InvalidRetryChain(LedgerError):
+    """A retry record does not continue the attempt it names (same step, tool and
+    input, the next attempt number, a ``failed`` attempt replaced once)."""
+
+    _fields = ("key", "detail")
+    key: str
+    detail: str
+
+
 class ReconciliationMismatch(LedgerError):
     _text = "reconciliation result does not match its request"
 
@@ -231,3 +240,19 @@ class PlanSourceTooLarge(WorkflowError):
 class DuplicateStepId(WorkflowError):
     _fields = ("step_id",)
     step_id: str
+
+
+class InvalidRetryPolicy(WorkflowError):
+    """A step's retry policy is out of its bounds (attempts, backoff, outcomes)."""
+
+    _fields = ("step_id", "detail")
+    step_id: str
+    detail: str
+
+
+class RetryNotAllowed(WorkflowError):
+    """The step's retry policy does not let this attempt be replaced by a new one."""
+
+    _fields = ("key", "reason")
+    key: str
+    reason: str

@@ -56,15 +56,20 @@ def cmd_ledger_show(args: argparse.Namespace, out: Output) -> int:
     out.line(f"plan fingerprint: {ledger.plan_fingerprint}")
     out.line(f"plan:             {named_plan or '(not among [[plans]])'}")
     if operations:
-        rows = [["STEP", "TOOL", "KEY", "STATE", "COMPENSATION", "COMP. STATE"]]
+        rows = [["STEP", "TOOL", "KEY", "STATE", "ATTEMPT", "COMPENSATION", "COMP. STATE"]]
         for op in operations:
             compensation = op["compensation"]
+            failure = op["failure"]
+            retry_of = op["retry_of"]
             rows.append(
                 [
                     op["step"],
                     op["tool"],
                     op["operation_key"],
-                    op["state"],
+                    op["state"] if failure is None else f"{op['state']} [{failure}]",
+                    str(op["attempt"])
+                    if retry_of is None
+                    else f"{op['attempt']} (after {retry_of})",
                     "-" if compensation is None else compensation["compensation_key"],
                     "-" if compensation is None else compensation["state"],
                 ]

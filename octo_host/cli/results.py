@@ -44,6 +44,9 @@ def operation_doc(operation: WorkflowOperation) -> dict[str, Any]:
         "operation_key": operation.operation_key,
         "input_fingerprint": operation.input_fingerprint,
         "state": operation.state.value,
+        "failure": operation.failure,
+        "attempt": operation.attempt,
+        "retry_of": operation.retry_of,
         "compensation": None
         if compensation is None
         else {

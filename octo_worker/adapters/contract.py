@@ -87,6 +87,7 @@ __all__ = [
     "call_adapter",
     "call_adapter_with_deadline",
     "load_adapters",
+    "lookup_miss_fences_key",
     "refusal_status",
     "validation_text",
     "run_handler",
@@ -303,6 +304,18 @@ class BaseWorkerAdapter:
         crash stays for an operator.
         """
         raise AdapterUnsupported("reconcile_compensation")
+
+
+def lookup_miss_fences_key(adapter: object) -> bool:
+    """The adapter's declaration (:meth:`BaseWorkerAdapter.lookup_miss_fences_key`):
+    exactly True, else False (absent, raising, or any other value declares nothing)."""
+    method = getattr(adapter, "lookup_miss_fences_key", None)
+    if method is None:
+        return False
+    try:
+        return method() is True
+    except Exception:
+        return False
 
 
 # Registry -------------------------------------------------------------------

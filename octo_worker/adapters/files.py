@@ -87,7 +87,7 @@ import msgspec
 from octo_common.digest import adapter_idempotency_key
 from octo_common.errors import AdapterFailed, AdapterIndeterminate, AdapterInvalidJsonInput
 from octo_common.payload import ToolPayload
-from octo_common.states import Failed, OperationStatus, Succeeded
+from octo_common.states import Failed, FailureCode, OperationStatus, Succeeded
 from octo_worker.adapters.contract import (
     AdapterContext,
     BaseWorkerAdapter,
@@ -188,6 +188,16 @@ def _never_published(scope: str, key: str, operation_key: str) -> _Record:
     return _Record(
         _RECORD_FORMAT, key, scope, operation_key, "", "", 0, "refused", 0, FAILED_NOT_PUBLISHED
     )
+
+
+def _refused(reason: str) -> Failed:
+    """The answer of a refused publication: "not published" (a lookup miss, or a
+    publication cut before its file appeared, settled for good) is proven not
+    to have happened under this key, which the refused record fences; any other
+    reason is the publication's own failure."""
+    if reason == FAILED_NOT_PUBLISHED:
+        return Failed(reason, FailureCode.NOT_HAPPENED)
+    return Failed(reason)
 
 
 def _valid_name(name: str) -> bool:
@@ -299,6 +309,11 @@ class FilesPublishAdapter(BaseWorkerAdapter):
     def durable_operation_contract(self) -> DurableOperationContract | None:
         return DurableOperationContract.RECONCILIATION
 
+    def lookup_miss_fences_key(self) -> bool:
+        """True: a lookup miss leaves a refused record, which a later dispatch
+        under the key finds and answers from (it never publishes)."""
+        return True
+
     # Hooks -------------------------------------------------------------------
 
     async def dispatch_operation(
@@ -345,7 +360,8 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         Published (even if compensated since) → the dispatch's own success
         payload. Refused → the same ``Failed`` the dispatch answered. No
         record, or a publication interrupted before its file appeared →
-        ``Failed("not published")``. That answer is final, not a guess:
+        ``Failed("not published", code=FailureCode.NOT_HAPPENED)``. That
+        answer is final, not a guess:
         dispatch runs once per operation and synchronously on this adapter's
         single file thread, so a lookup queued behind it sees its outcome;
         after a crash nothing resumes an interrupted publication (a repeated
@@ -414,7 +430,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         record = self._read_record(key, operation_key)
         if record is not None:
             if record.state == "refused" and not record.name:
-                return Failed(record.reason or FAILED_NOT_PUBLISHED)  # a lookup's answer
+                return _refused(record.reason or FAILED_NOT_PUBLISHED)  # a lookup's answer
             if record.name != name or record.sha256 != digest:
                 return Failed(FAILED_KEY_REUSED)
             return self._settle(record)
@@ -470,7 +486,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         if record.state == "publishing":
             record = self._resolve_publishing(record)
         if record.state == "refused":
-            return Failed(record.reason or FAILED_NOT_PUBLISHED)
+            return _refused(record.reason or FAILED_NOT_PUBLISHED)
         return Succeeded(_publish_payload(record))
 
     def _resolve_publishing(self, record: _Record) -> _Record:
@@ -671,7 +687,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         (``reason`` empty: the record's own)."""
         reason = reason or record.reason or FAILED_NOT_PUBLISHED
         self._write_record(msgspec.structs.replace(record, state="refused", reason=reason))
-        return Failed(reason)
+        return _refused(reason)
 
     def _claim_owner(self, record: _Record) -> str | None:
         try:

@@ -87,12 +87,14 @@ from octo_common.states import (
     Running,
     Succeeded,
     did_not_act,
+    is_proven_not_happened,
 )
 from octo_worker.adapters.contract import (
     AdapterContext,
     DurableOperationContract,
     InvocationSafety,
     WorkerAdapterRegistry,
+    lookup_miss_fences_key,
     refusal_status,
 )
 from octo_worker.journal import Existing, JournalChangeset, WorkerOperationJournal
@@ -334,6 +336,8 @@ class SessionAnswers:
         run.log.debug(kind.admitted_event, revision=revision)  # its observation logs at info
 
         async def after(status: Any, error: BaseException | None) -> FinalStep:
+            if _unfenced_miss(adapter, status):
+                status, error = None, AdapterIndeterminate("unfenced lookup miss")
             return await self._after_effect_locked(kind, run, request, auth, journal, status, error)
 
         return self._adapter_step(kind, adapter, request, auth.grant, after)
@@ -421,6 +425,10 @@ class SessionAnswers:
             return await self._refuse_locked(run, MissingAdapter(tool))
 
         async def after(status: Any, error: BaseException | None) -> FinalStep:
+            if _unfenced_miss(adapter, status):
+                # "Proven not happened" from an adapter that does not fence the
+                # key proves nothing: refused, the row stays as it is.
+                status, error = None, AdapterFailed("unfenced lookup miss")
             return await self._after_lookup_locked(kind, run, request, auth, journal, status, error)
 
         # A status lookup has no effect: it may run before anything is committed
@@ -669,6 +677,12 @@ def _declaration(method: Callable[[], object], kind: type[enum.Enum]) -> object 
     except Exception:
         return None
     return value if isinstance(value, kind) else None
+
+
+def _unfenced_miss(adapter: object, status: object) -> bool:
+    """A ``not_happened`` failure from an adapter that does not declare that its
+    lookup miss fences the key (see ``BaseWorkerAdapter.lookup_miss_fences_key``)."""
+    return is_proven_not_happened(status) and not lookup_miss_fences_key(adapter)
 
 
 def _adapter_code(error: BaseException) -> str:

@@ -54,7 +54,12 @@ from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.runtime.faults import FAULT_POINTS
 from octo_common.states import OperationStatus
-from octo_worker.adapters.contract import WorkerAdapter, WorkerAdapterRegistry, load_adapters
+from octo_worker.adapters.contract import (
+    WorkerAdapter,
+    WorkerAdapterRegistry,
+    load_adapters,
+    lookup_miss_fences_key,
+)
 from octo_worker.daemon.faults import FaultHooks
 from octo_worker.session.session import WorkerSession, WorkerSessionLimits
 from octo_worker.store import SqliteJournalStore
@@ -139,6 +144,9 @@ class CountingAdapter:
 
     def durable_operation_contract(self) -> Any:
         return self.inner.durable_operation_contract()
+
+    def lookup_miss_fences_key(self) -> bool:
+        return lookup_miss_fences_key(self.inner)
 
     async def invoke(self, request: Any, grant: Any, context: Any) -> Any:
         return await self._called("invoke", self.inner.invoke(request, grant, context))

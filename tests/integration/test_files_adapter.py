@@ -32,7 +32,7 @@ from octo_common.messages import (
     OperationReconcileRequest,
 )
 from octo_common.payload import ToolPayload
-from octo_common.states import Failed, OperationStatus, Succeeded
+from octo_common.states import Failed, FailureCode, OperationStatus, Succeeded
 from octo_worker.adapters.contract import (
     AdapterContext,
     DurableOperationContract,
@@ -45,6 +45,8 @@ SESSION = "session-1"
 TOOL = "files.publish"
 TENANT = "tenant-release"
 GRANT = CapabilityGrant(TOOL, "json", max_input_bytes=256).with_compensation_limit(1)
+# A lookup miss, settled for good: proven not to have happened, the key fenced.
+NOT_HAPPENED = Failed("not published", FailureCode.NOT_HAPPENED)
 KEY = "op-release-42"
 OTHER_KEY = "op-release-43"
 # Event-loop time the adapter may bound its work by; these calls never wait for it.
@@ -281,7 +283,7 @@ async def test_invalid_publish_input_is_refused_before_anything_is_touched(
 
     assert not target.exists()
     assert effects(log_path) == []
-    assert await adapter.reconcile_operation(*args_for(reconcile(KEY))) == Failed("not published")
+    assert await adapter.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
 
 
 async def test_a_text_payload_is_refused(adapter: FilesPublishAdapter, target: Path) -> None:
@@ -404,7 +406,8 @@ async def test_the_inverse_payload_must_match_its_own_contract(
 async def test_compensating_something_never_published(adapter: FilesPublishAdapter) -> None:
     status = await adapter.compensate_operation(*args_for(undo(KEY, "notes.txt")))
 
-    assert status == Failed("not published")
+    assert status == Failed("not published")  # a compensation's: no code
+    assert status.code is None
 
 
 # Reconciliation ---------------------------------------------------------------------------
@@ -503,14 +506,12 @@ async def test_a_crash_before_the_file_appears_is_final_not_published(
     try:
         assert leftovers(target) == []
         assert visible_files(shelf(target)) == []
-        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
-            "not published"
-        )
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
         # Nothing resumes an interrupted publication, so the answer stays true.
         again = await recovered.dispatch_operation(
             *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
-        assert again == Failed("not published")
+        assert again == NOT_HAPPENED
         assert visible_files(shelf(target)) == []
         # The name is free again for another key.
         other = await recovered.dispatch_operation(
@@ -668,19 +669,15 @@ async def test_reconciliation_after_a_cut_before_the_link_refuses_the_key_for_go
 
     recovered = restart(target, log_path)
     try:
-        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
-            "not published"
-        )
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
         # Settled on disk: the record is final and the name's claim is released.
         assert record_state(target, KEY) == "refused"
         assert not claim_path(target, "notes.txt").exists()
-        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == Failed(
-            "not published"
-        )
+        assert await recovered.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
         again = await recovered.dispatch_operation(
             *args_for(dispatch(KEY, publish_payload("notes.txt")))
         )
-        assert again == Failed("not published")
+        assert again == NOT_HAPPENED
         assert effects(log_path) == []
         assert visible_files(shelf(target)) == []
     finally:

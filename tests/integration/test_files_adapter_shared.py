@@ -25,13 +25,13 @@ import pytest
 
 import octo_worker.adapters.files as files_module
 from octo_common.errors import AdapterIndeterminate
-from octo_common.states import Failed
 from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 from octo_worker.adapters.files_disk import append_line, fill_line, reserve_line
 
 from . import test_files_adapter as single
 from .test_files_adapter import (
     KEY,
+    NOT_HAPPENED,
     OTHER_KEY,
     Crash,
     args_for,
@@ -98,14 +98,14 @@ async def test_a_lookup_of_an_operation_never_published_settles_it_for_every_pro
     owner = adapter
     # The standby looks up an operation the superseded owner admitted but had
     # not run; the owner, woken up, then reaches its adapter call.
-    assert await standby.reconcile_operation(*args_for(reconcile(KEY))) == Failed("not published")
+    assert await standby.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
     late = await owner.dispatch_operation(*args_for(dispatch(KEY, publish_payload("notes.txt"))))
 
-    assert late == Failed("not published")
+    assert late == NOT_HAPPENED
     assert not (shelf(target) / "notes.txt").exists()
     assert read_effect_log(log_path) == []
     assert record_state(target, KEY) == "refused"
-    assert await owner.reconcile_operation(*args_for(reconcile(KEY))) == Failed("not published")
+    assert await owner.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
 
 
 async def test_while_another_process_holds_an_operation_both_calls_are_indeterminate(
@@ -134,7 +134,7 @@ async def test_a_holder_killed_by_sigkill_leaves_no_lock_behind(
     os.kill(holder.pid, signal.SIGKILL)
     assert holder.wait(5.0) == -signal.SIGKILL
 
-    assert await standby.reconcile_operation(*args_for(reconcile(KEY))) == Failed("not published")
+    assert await standby.reconcile_operation(*args_for(reconcile(KEY))) == NOT_HAPPENED
     assert lock_file(target).exists()
 
 

@@ -150,6 +150,8 @@ HOST_PURE = (
     "octo_host.policy",
     "octo_host.ledger",
     "octo_host.ledger_json",
+    "octo_host.ledger_records",
+    "octo_host.retries",
     "octo_host.compensation",
     "octo_host.engine",
     "octo_host.kinds",
