@@ -17,7 +17,7 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from typing import Any
 
 from octo_common.errors import OctoError
 from octo_common.runtime.output import (
@@ -234,15 +234,6 @@ def _detail_lines(item: Mapping[str, Any]) -> list[str]:
     return [f"{label:<20}{value}" for label, value in fields]
 
 
-_VERIFY_STEPS: Final = (
-    "head",
-    "rows against the sealed head",
-    "journal rows",
-    "sessions",
-    "outbox rows",
-)
-
-
 def cmd_journal_verify(args: argparse.Namespace, out: Output) -> int:
     config = config_of(args)
 
@@ -254,22 +245,31 @@ def cmd_journal_verify(args: argparse.Namespace, out: Output) -> int:
             first: str | None = None
             if problems != ["ok"]:
                 first = "integrity_check: " + "; ".join(problems[:3])
-            for scope in await store.scopes():
+            # Every scope the store holds, with a head or not (a deleted head
+            # row leaves rows without it, which a load refuses).
+            for scope in await store.stored_scopes():
                 scope_counts = counts.setdefault(scope, {})
+                step = "head"
                 try:
                     scope_counts["revision"] = await store.head_revision(scope)
-                    # The set of rows: none deleted, put back or copied in.
+                    # What a load checks, by the same calls: the set of rows
+                    # against the sealed head (none deleted, put back or
+                    # copied in), then the outbox and every session read back
+                    # as a restore reads it.
+                    step = "rows against the sealed head"
                     check = await store.verify_scope(scope)
                     scope_counts["rows"] = check.rows
                     if not check.digests:
                         without_digests.append(scope)
+                    step = "sessions and outbox rows"
+                    loaded = await store.load_scope(scope, every_session=True)
+                    step = "journal rows"
                     scope_counts["journal_rows"] = len(await store.list_records(scope))
-                    scope_counts["sessions"] = len(await store.load_sessions(scope))
-                    scope_counts["outbox_rows"] = len(await store.load_outbox(scope))
+                    scope_counts["sessions"] = len(loaded.sessions)
+                    scope_counts["outbox_rows"] = len(loaded.outbox)
                 except OctoError as error:
                     # Each reader opens (authenticates) every row it returns;
                     # the first bad row stops this scope, not the others.
-                    step = _VERIFY_STEPS[len(scope_counts)]
                     if first is None:
                         first = f"scope {scope}: {step}: {error.code}: {error}"
             return problems, counts, without_digests, first

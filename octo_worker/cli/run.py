@@ -66,7 +66,6 @@ from octo_worker.daemon.startup import (
 )
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.configured import configured_store
-from octo_worker.storage.documents import read_session
 
 __all__ = ["cmd_check", "cmd_run", "configure_logging", "register"]
 
@@ -346,10 +345,7 @@ async def _probe_scopes(config: WorkerConfig, store: JournalStoreBase) -> tuple[
         try:
             # What reserving the scope's fence checks, then what loading it reads.
             checked = await store.verify_scope(scope.name)
-            in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
-            persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
-            for record in persisted.values():
-                read_session(record, scope.name)
+            persisted = (await store.load_scope(scope.name)).sessions
         except OctoError as error:
             raise CliError(
                 EXIT_STORAGE, f"scope {scope.name}: {error.code}: {error}", error.code

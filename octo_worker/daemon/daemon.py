@@ -119,6 +119,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         self._publish_channel: amqp.Channel | None = None
         self._connected = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._failure: OctoError | None = None
         self._ready = asyncio.Event()
         self._consuming_since_connect = False
         self._shared = config.shared_journal
@@ -140,8 +141,12 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         """Returns once every scope is loaded and consuming."""
         await self._ready.wait()
 
-    def request_stop(self) -> None:
-        """Begin a graceful stop (what SIGTERM does)."""
+    def request_stop(self, failure: OctoError | None = None) -> None:
+        """Begin a graceful stop (what SIGTERM does); with ``failure``, :meth:`run`
+        raises it once stopped (the first one given), so the command exits with
+        its status (storage: 4) and a supervisor restarts the worker."""
+        if failure is not None and self._failure is None:
+            self._failure = failure
         self._stopping.set()
 
     async def run(self, *, install_signal_handlers: bool = False) -> None:
@@ -170,6 +175,8 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                 queues.cancel()
         finally:
             await self._shutdown()
+        if self._failure is not None:
+            raise self._failure
 
     async def _start(self) -> None:
         config = self.config
@@ -200,6 +207,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                     # checked against its sealed head now, so a start fails
                     # closed as the SQLite start does.
                     await self.store.verify_scope(scope.name)
+                    await self.store.load_scope(scope.name)  # what an activation reads
                     scope.standby = True
                     self.hooks.on_scope_role(scope.name, False)
                 else:

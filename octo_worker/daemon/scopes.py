@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from octo_common.errors import FencingTokenRejected, OctoError
+from octo_common.errors import FencingTokenRejected, OctoError, StorageBackendError, StorageError
 from octo_common.frames import ScopeKey
 from octo_common.runtime import amqp
 from octo_common.transport import PublishChannelClosed, PublishFailed, build_worker_reply
@@ -145,7 +145,7 @@ class ScopeLifecycle:
         @property
         def store(self) -> JournalStoreBase: ...
 
-        def request_stop(self) -> None: ...
+        def request_stop(self, failure: OctoError | None = None) -> None: ...
 
         def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
 
@@ -172,8 +172,8 @@ class ScopeLifecycle:
             scope.lease = await store.reserve_fence(scope.name)
         finally:
             scope.reserving = False
-        in_outbox = {entry.session_id for entry in await store.load_outbox(scope.name)}
-        persisted = await store.load_sessions(scope.name, skip_closed_except=in_outbox)
+        # What ``check`` and ``journal verify`` run too (one path).
+        _, in_outbox, persisted = await store.load_scope(scope.name)
         sessions: dict[str, WorkerSession] = {}
         closed: dict[str, None] = {}
         for session_id, record in persisted.items():
@@ -472,7 +472,9 @@ class ScopeLifecycle:
                 if self._superseded(scope):
                     await self._give_up_scope(scope)
                 else:
-                    self.request_stop()  # fail closed: a supervisor restarts it as a standby
+                    # Fail closed: the worker exits with the storage status, and
+                    # a supervisor restarts it as a standby.
+                    self.request_stop(_load_failure("activation", scope, exc))
             finally:
                 scope.running.set()
 
@@ -518,11 +520,14 @@ class ScopeLifecycle:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._log.error("scope_reload_failed", scope=scope.name, error=type(exc).__name__)
+                code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+                self._log.error("scope_reload_failed", scope=scope.name, error=code)
                 if self._superseded(scope):
                     await self._give_up_scope(scope)
                 else:
-                    self.request_stop()  # fail closed: a supervisor restarts from durable state
+                    # Fail closed: the worker exits with the storage status, and
+                    # a supervisor restarts it from durable state.
+                    self.request_stop(_load_failure("reload", scope, exc))
             finally:
                 scope.reloading = False
                 scope.running.set()
@@ -554,3 +559,12 @@ class ScopeLifecycle:
                 return
             if not self._shared:
                 await self._start_consuming(scope)
+
+
+def _load_failure(what: str, scope: ServedScope, exc: Exception) -> StorageError:
+    """Why a scope's activation or reload stops the worker: its storage error, or one
+    naming the failure (never its text)."""
+    if isinstance(exc, StorageError):
+        return exc
+    code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
+    return StorageBackendError(f"scope {scope.name} {what} failed: {code}")

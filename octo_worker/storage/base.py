@@ -53,11 +53,13 @@ from octo_worker.storage.documents import (
     NS_SESSION_OPEN,
     NS_SESSION_REQUEST,
     read_outbox,
+    read_session,
     request_location,
     session_header,
     state_status,
 )
 from octo_worker.storage.interface import (
+    LoadedScope,
     OutboxEntry,
     PersistedSession,
     PruneReport,
@@ -78,10 +80,6 @@ _log = structlog.get_logger("octo_worker.store")
 
 Resealed = tuple[int, int, bytes, bytes]
 """(row id, revision, envelope read, envelope sealed again) of one row ``reseal`` rewrites."""
-
-
-def _items(rows: Sequence[Row] | None) -> list[str] | None:
-    return None if rows is None else [row.item for row in rows]
 
 
 class JournalStoreBase(abc.ABC):
@@ -178,7 +176,8 @@ class JournalStoreBase(abc.ABC):
         """The scope's committed revision (0 without a head)."""
 
     @abc.abstractmethod
-    async def _scope_names(self) -> list[str]: ...
+    async def _scope_names(self, *, stored: bool = False) -> list[str]:
+        """Every scope with a head; ``stored``: every scope with a head or a row."""
 
     @abc.abstractmethod
     async def _metadata(self, scope: str) -> ScopeMetadata: ...
@@ -424,13 +423,15 @@ class JournalStoreBase(abc.ABC):
             )
         if opened:  # an opening document whose state row is gone
             raise RollbackDetected(None, next(iter(opened.values()))[1])
-        for namespace, found in (
-            (NS_SESSION, states),
-            (NS_SESSION_OPEN, openings),
-            (NS_SESSION_REQUEST, request_rows),
-        ):
-            named = None if keep is None and namespace != NS_SESSION_REQUEST else found
-            self._check_live(scope, namespace, _items(named), found)
+        if keep is not None:
+            # A load's read (no commit of the scope runs beside it); an
+            # operator's read of every session may overlap the daemon's commits.
+            for namespace, found in (
+                (NS_SESSION, states),
+                (NS_SESSION_OPEN, openings),
+                (NS_SESSION_REQUEST, request_rows),
+            ):
+                self._check_live(scope, namespace, [row.item for row in found], found)
         if requests:  # request rows of a session whose state row was not read
             raise RollbackDetected(None, request_floor)
         return sessions
@@ -499,6 +500,33 @@ class JournalStoreBase(abc.ABC):
     async def scopes(self) -> list[str]:
         """Every scope with a head, sorted (operator helper)."""
         return await self._scope_names()
+
+    async def stored_scopes(self) -> list[str]:
+        """Every scope the store holds a head or a row of, sorted (O(rows): ``journal
+        verify``, which must see a scope whose head row was deleted)."""
+        return await self._scope_names(stored=True)
+
+    async def load_scope(self, scope: str, *, every_session: bool = False) -> LoadedScope:
+        """What loading ``scope`` reads after its rows were checked against its sealed
+        head: the outbox, then every session not closed (and those with replies in
+        the outbox), each read back as a restore reads it (``read_session``).
+
+        The daemon's load (after ``reserve_fence``), ``check`` and ``journal
+        verify`` (after ``verify_scope``) run this one path, so a scope they
+        pass is one the daemon loads; ``every_session`` (verify) then reads
+        every session, closed ones too, the same way (and returns those).
+        """
+        check_scope(scope)
+        outbox = await self.load_outbox(scope)
+        in_outbox = {entry.session_id for entry in outbox}
+        persisted = await self.load_sessions(scope, skip_closed_except=in_outbox)
+        for record in persisted.values():
+            read_session(record, scope)
+        if every_session:
+            persisted = await self.load_sessions(scope)
+            for record in persisted.values():
+                read_session(record, scope)
+        return LoadedScope(outbox, in_outbox, persisted)
 
     async def scope_metadata(self, scope: str) -> ScopeMetadata:
         """The scope's fence and row metadata (operator helper; reads no envelope)."""

@@ -27,6 +27,7 @@ from octo_common.errors import InvalidJournalLease
 from octo_worker.journal import JournalChangeset, WorkerOperationRecord
 
 __all__ = [
+    "LoadedScope",
     "OutboxEntry",
     "PersistedSession",
     "PruneReport",
@@ -244,6 +245,15 @@ class PruneReport(NamedTuple):
     kept: int
 
 
+class LoadedScope(NamedTuple):
+    """What loading a scope reads (``load_scope``): its outbox rows, the sessions
+    those rows belong to, and the sessions to restore (each already read back)."""
+
+    outbox: list[OutboxEntry]
+    in_outbox: set[str]
+    sessions: dict[str, PersistedSession]
+
+
 class ScopeCheck(NamedTuple):
     """What loading a whole scope against its sealed head found (``verify_scope``).
 
@@ -299,6 +309,11 @@ class WorkerJournalStore(WorkerSessionStore, Protocol):
         ...
 
     async def verify_scope(self, scope: str) -> ScopeCheck: ...
+
+    async def load_scope(self, scope: str, *, every_session: bool = False) -> LoadedScope:
+        """The outbox and the sessions to restore, each read back as a restore reads it:
+        the one path of a load, ``check`` and ``journal verify``."""
+        ...
 
     async def load_sessions(
         self, scope: str, *, skip_closed_except: Iterable[str] | None = None

@@ -669,9 +669,10 @@ class PostgresJournalStore(JournalStoreBase):
 
         return await self._read("head_revision", body)
 
-    async def _scope_names(self) -> list[str]:
+    async def _scope_names(self, *, stored: bool = False) -> list[str]:
         async def body(connection: Connection) -> list[str]:
-            return [str(row[0]) for row in await connection.fetch(self._sql["select_scopes"])]
+            statement = self._sql["select_stored_scopes" if stored else "select_scopes"]
+            return [str(row[0]) for row in await connection.fetch(statement)]
 
         return await self._read("scopes", body)
 

@@ -277,6 +277,11 @@ _SELECT_SCOPE_ROWS = """
                          'worker-session-request')
 """
 _SELECT_SCOPES = "SELECT name FROM {s}.heads WHERE namespace = 'worker-journal' ORDER BY name"
+# Every scope with a head or a row (through the (name, id) index).
+_SELECT_STORED_SCOPES = """
+    SELECT name FROM {s}.heads WHERE namespace = 'worker-journal'
+    UNION SELECT DISTINCT name FROM {s}.items ORDER BY name
+"""
 _SELECT_WRITTEN = """
     SELECT item, written_at FROM {s}.items WHERE name = $1 AND namespace = 'worker-journal'
 """
@@ -335,6 +340,7 @@ def statements(schema: str) -> dict[str, str]:
             ("select_batch", _SELECT_BATCH),
             ("select_head", _SELECT_HEAD),
             ("select_scopes", _SELECT_SCOPES),
+            ("select_stored_scopes", _SELECT_STORED_SCOPES),
             ("select_written", _SELECT_WRITTEN),
             ("count_closed", _COUNT_CLOSED),
             ("select_scope_rows", _SELECT_SCOPE_ROWS),

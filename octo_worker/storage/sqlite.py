@@ -242,8 +242,8 @@ class SqliteJournalStore(JournalStoreBase):
     async def _head(self, scope: str) -> int:
         return await self._read_call(lambda: self._reader.read_head(scope))
 
-    async def _scope_names(self) -> list[str]:
-        return await self._read_call(self._reader.read_scopes)
+    async def _scope_names(self, *, stored: bool = False) -> list[str]:
+        return await self._read_call(lambda: self._reader.read_scopes(stored=stored))
 
     async def _metadata(self, scope: str) -> ScopeMetadata:
         return await self._read_call(lambda: self._reader.read_metadata(scope))

@@ -252,12 +252,12 @@ class JournalReader:
             sessions,
         )
 
-    def read_scopes(self) -> list[str]:
-        rows = (
-            self._reading()
-            .execute("SELECT name FROM heads WHERE namespace = ? ORDER BY name", (HEAD_NAMESPACE,))
-            .fetchall()
-        )
+    def read_scopes(self, *, stored: bool = False) -> list[str]:
+        """Every scope with a head; ``stored``: with a head or a row (O(rows))."""
+        statement = "SELECT name FROM heads WHERE namespace = ?"
+        if stored:
+            statement += " UNION SELECT name FROM items"
+        rows = self._reading().execute(statement + " ORDER BY name", (HEAD_NAMESPACE,)).fetchall()
         return [str(row[0]) for row in rows]
 
     def read_metadata(self, scope: str) -> ScopeMetadata:

@@ -13,8 +13,6 @@ anchor) or PostgreSQL schema.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from octo_common.messages import CompensationResult, OperationResult, RequestRejected
@@ -35,25 +33,33 @@ pytestmark = pytest.mark.rabbitmq
 @pytest.fixture(params=BACKENDS)
 async def served_journal(request: pytest.FixtureRequest, worker_env: WorkerEnv) -> JournalDatabase:
     """The daemon's journal: its SQLite file with an anchor, or a PostgreSQL schema."""
+    return await configure_journal(request, worker_env, anchor=True)
+
+
+async def configure_journal(
+    request: pytest.FixtureRequest, worker_env: WorkerEnv, *, anchor: bool
+) -> JournalDatabase:
+    """``worker_env``'s journal on the backend ``request.param`` names: SQLite (with
+    a rollback anchor, initialised, or without) or a PostgreSQL schema of its own."""
     text = worker_env.config_path.read_text(encoding="utf-8")
     if request.param == "sqlite":
-        text = text.replace(
-            'journal = "journal.sqlite3"',
-            'journal = "journal.sqlite3"\nanchor = "journal.anchor"',
-        )
+        if anchor:
+            text = text.replace(
+                'journal = "journal.sqlite3"',
+                'journal = "journal.sqlite3"\nanchor = "journal.anchor"',
+            )
         database = JournalDatabase("sqlite", worker_env.state_dir / "journal.sqlite3", None)
     else:
         place: PostgresSchema = request.getfixturevalue("postgres_schema")
-        text = re.sub(
-            r'journal = "journal.sqlite3"',
+        text = text.replace(
+            'journal = "journal.sqlite3"',
             f'url = "{place.url}"\npassword_file = "{place.password_file}"\n'
             f'schema = "{place.schema}"',
-            text,
         )
         database = JournalDatabase("postgres", worker_env.root / "unused", place)
     worker_env.config_path.write_text(text, encoding="utf-8")
     worker_env.config = load_config(worker_env.config_path)
-    if not database.postgres:
+    if anchor and not database.postgres:
         worker_env.state_dir.mkdir(parents=True, exist_ok=True)
         store = configured_store(worker_env.config)
         assert isinstance(store, SqliteJournalStore)

@@ -1,0 +1,170 @@
+"""The shared PostgreSQL journal lost while the workers run: both exit 4, saying why.
+
+Two ``octo-worker run`` processes (an owner and its standby) share one
+journal through a TCP relay in this process; the relay is cut (PostgreSQL
+unreachable, as when its server stops). The owner's next commit fails, its
+session is poisoned and the reload under a fresh fence cannot reach the
+journal; the standby, handed the queue, cannot load the scope. Each exits
+with the storage status 4 and one ``octo-worker:`` line naming the storage
+error, so systemd's ``Restart=on-failure`` restarts it (before, each
+stopped with status 0 after an info line, and the scope stayed unserved).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.postgres import PostgresSchema
+
+from .failover import FailoverEnv, manifest, payload, record_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = str(REPO / ".venv" / "bin" / "python")
+
+
+class Relay:
+    """A TCP relay to PostgreSQL that can be cut: listener and every connection closed."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.cut.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            self.sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.cut.set()
+        self.listener.close()
+        for end in self.sockets:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+
+def through(config: Path, port: int) -> None:
+    """``config``'s journal reached through the relay, and its log at info."""
+    text = config.read_text(encoding="utf-8")
+    text = text.replace("@127.0.0.1:5432/", f"@127.0.0.1:{port}/")
+    text = text.replace('log_level = "warning"', 'log_level = "info"')
+    config.write_text(text, encoding="utf-8")
+
+
+class Worker:
+    def __init__(self, config: Path) -> None:
+        self.err = config.parent / "stderr.log"
+        self.process = subprocess.Popen(
+            [PYTHON, "-m", "octo_worker", "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=self.err.open("wb"),
+            cwd=REPO,
+        )
+
+    def stderr(self) -> str:
+        return self.err.read_text(encoding="utf-8", errors="replace")
+
+    async def wait_for(self, word: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while word not in self.stderr():
+            assert self.process.poll() is None, self.stderr()
+            assert time.monotonic() < deadline, f"no {word!r}: {self.stderr()}"
+            await asyncio.sleep(0.1)
+
+    async def exit_status(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (status := self.process.poll()) is None:
+            assert time.monotonic() < deadline, self.stderr()
+            await asyncio.sleep(0.1)
+        return status
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def one_storage_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("octo-worker: ")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    assert "journal storage" in lines[0], lines[0]
+    return lines[0]
+
+
+async def test_the_journal_lost_stops_the_owner_and_the_standby_with_status_4(
+    tmp_path: Path, postgres_schema: PostgresSchema
+) -> None:
+    relay = Relay(("127.0.0.1", 5432))
+    env = FailoverEnv.create(tmp_path, postgres_schema)
+    for config in env.configs:
+        through(config, relay.port)
+    owner = Worker(env.configs[0])
+    standby: Worker | None = None
+    client = env.client(reply_timeout=3.0)
+    try:
+        await owner.wait_for("worker_started")
+        standby = Worker(env.configs[1])
+        await standby.wait_for("worker_started")
+        await client.start()
+        tag = uuid.uuid4().hex[:8]
+        _, run, keys = await record_run(client, 3, tag)
+
+        session = await client.open_session(env.scope, manifest())
+        await client.dispatch(session, run, keys[0], payload(0, tag))
+        await owner.wait_for("scope_activated")
+
+        relay.close()
+        with contextlib.suppress(Exception):
+            await client.dispatch(session, run, keys[1], payload(1, tag))
+        assert await owner.exit_status() == 4
+        one_storage_line(owner.stderr())
+
+        # The queue goes to the standby: a delivery activates it, and the load fails.
+        with contextlib.suppress(Exception):
+            again = await client.open_session(env.scope, manifest())
+            await client.dispatch(again, run, keys[2], payload(2, tag))
+        assert await standby.exit_status() == 4
+        one_storage_line(standby.stderr())
+    finally:
+        relay.close()
+        owner.kill()
+        if standby is not None:
+            standby.kill()
+        with contextlib.suppress(Exception):
+            await client.close()
+        await env.delete_queues()
