@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
-import structlog
 
 from octo_common.codec import decode_struct, encode_struct
 from octo_common.errors import OctoError, UnknownOperation
 from octo_common.limits import MAX_WORKFLOW_OPERATIONS
 from octo_common.records import StorageRecordKey
+from octo_common.runtime.logs import library_logger
 from octo_common.states import TERMINAL_KINDS, StateKind
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan
@@ -64,8 +64,6 @@ MAX_REASON_BYTES = 1024
 MAX_OPERATOR_CHARS = 128
 # Each operation can be resolved at most once (the state is terminal afterwards).
 MAX_AUDIT_ENTRIES = MAX_WORKFLOW_OPERATIONS
-
-_log = structlog.get_logger("octo.host.audit")
 
 
 class ResolutionRefused(OctoError):
@@ -285,7 +283,7 @@ async def resolve_operation(
         audit_key, None if audit is None else audit.revision, _encode(run, [*entries, entry])
     )
     await store.compare_and_swap(ledger_key, record.revision, ledger_payload)
-    _log.info(
+    library_logger("octo.host.audit").info(
         f"{what}_resolved_by_operator",
         run=run,
         operation_key=operation_key,

@@ -146,7 +146,8 @@ class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_dir: str = "."
     shutdown_grace_seconds: float = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["json", "console"] = "json"
+    # "auto": human-readable lines on a terminal, JSON lines otherwise (journald, files).
+    log_format: Literal["auto", "json", "console"] = "auto"
     watchdog_stall_seconds: float = 60.0
     # "auto": uvloop when it is installed (it is a dependency on Linux), else asyncio.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"

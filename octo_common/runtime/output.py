@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -235,11 +236,20 @@ def common_options(default_config: str, what: str) -> OneLineParser:
     return common
 
 
+def installed_version() -> str:
+    """The installed Octo distribution's version (``unknown`` when it is not installed)."""
+    try:
+        return importlib.metadata.version("octo")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def verb_parser(
     prog: str, description: str, epilog: str
 ) -> tuple[OneLineParser, argparse._SubParsersAction[OneLineParser]]:
     """A command's parser and the sub-parsers its verbs are added to (one is required)."""
     parser = OneLineParser(prog=prog, description=description, epilog=epilog)
+    parser.add_argument("--version", action="version", version=f"{prog} {installed_version()}")
     verbs = parser.add_subparsers(
         dest="verb", metavar="VERB", required=True, parser_class=OneLineParser
     )

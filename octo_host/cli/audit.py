@@ -38,16 +38,32 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
         parents=[common],
         help="an operator's audited decision for a stuck operation or compensation",
     )
-    resolve.add_argument("run", type=token_arg, metavar="RUN")
+    resolve.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
     resolve.add_argument(
         "key", type=token_arg, metavar="KEY", help="an operation key, or a compensation's cmp- key"
     )
     resolve.add_argument(
-        "--state", required=True, choices=["succeeded", "failed", "cancelled"], metavar="STATE"
+        "--state",
+        required=True,
+        choices=["succeeded", "failed", "cancelled"],
+        metavar="STATE",
+        help="what the operator found in the target system: succeeded, failed or cancelled",
     )
-    resolve.add_argument("--reason", required=True, metavar="TEXT")
+    resolve.add_argument(
+        "--reason", required=True, metavar="TEXT", help="why, kept in the run's audit record"
+    )
     resolve.add_argument("--operator", metavar="NAME", help="default: $USER")
-    resolve.add_argument("--plan", type=token_arg, metavar="NAME")
+    resolve.add_argument(
+        "--plan",
+        type=token_arg,
+        metavar="NAME",
+        help="the [[plans]] entry of the run (default: the one whose fingerprint the ledger holds)",
+    )
     resolve.set_defaults(handler=cmd_resolve)
 
     audit = verbs.add_parser("audit", help="operator decisions")
@@ -55,7 +71,12 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
         dest="audit_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     ashow = audit_verbs.add_parser("show", parents=[common], help="a run's audit entries")
-    ashow.add_argument("run", type=token_arg, metavar="RUN")
+    ashow.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
     ashow.set_defaults(handler=cmd_audit_show)
 
 

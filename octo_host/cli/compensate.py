@@ -40,19 +40,36 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     compensate = verbs.add_parser(
         "compensate", parents=[common], help="record and send the one compensation"
     )
-    compensate.add_argument("run", type=token_arg, metavar="RUN")
-    compensate.add_argument("key", type=token_arg, metavar="KEY")
+    compensate.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
+    compensate.add_argument(
+        "key", type=token_arg, metavar="KEY", help="the succeeded operation's key (op-...)"
+    )
     compensate.add_argument("--scope", type=token_arg, metavar="S", help=SCOPE_HELP)
     compensate.add_argument(
         "--payload", required=True, metavar="JSON|@FILE", help="the inverse input"
     )
-    compensate.add_argument("--nonce", required=True, metavar="TEXT")
+    compensate.add_argument(
+        "--nonce",
+        required=True,
+        metavar="TEXT",
+        help="part of the cmp- key: the same nonce and inverse give the same key again",
+    )
     compensate.add_argument(
         "--original",
         metavar="JSON|@FILE",
         help="the original operation's input (needed when [[actions]] match fields)",
     )
-    compensate.add_argument("--plan", type=token_arg, metavar="NAME")
+    compensate.add_argument(
+        "--plan",
+        type=token_arg,
+        metavar="NAME",
+        help="the [[plans]] entry of the run (default: the one whose fingerprint the ledger holds)",
+    )
     compensate.set_defaults(handler=cmd_compensate)
 
 

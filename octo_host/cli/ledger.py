@@ -27,7 +27,12 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
         dest="ledger_verb", metavar="VERB", required=True, parser_class=OneLineParser
     )
     show = ledger_verbs.add_parser("show", parents=[common], help="one run's ledger (no inputs)")
-    show.add_argument("run", type=token_arg, metavar="RUN")
+    show.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
     show.add_argument("--plan", type=token_arg, metavar="NAME", help="check against this plan")
     show.set_defaults(handler=cmd_ledger_show)
     anchor = ledger_verbs.add_parser(

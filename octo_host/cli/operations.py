@@ -48,12 +48,39 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     dispatch = verbs.add_parser(
         "dispatch", parents=[common], help="record an operation and dispatch it"
     )
-    dispatch.add_argument("run", type=token_arg, metavar="RUN")
-    dispatch.add_argument("--plan", type=token_arg, required=True, metavar="NAME")
-    dispatch.add_argument("--step", required=True, metavar="STEP")
-    dispatch.add_argument("--tool", type=token_arg, required=True, metavar="TOOL")
+    dispatch.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
+    dispatch.add_argument(
+        "--plan",
+        type=token_arg,
+        required=True,
+        metavar="NAME",
+        help="the [[plans]] entry the run follows (a new run is created with it)",
+    )
+    dispatch.add_argument(
+        "--step",
+        required=True,
+        metavar="STEP",
+        help="the id of the plan's step this operation performs",
+    )
+    dispatch.add_argument(
+        "--tool",
+        type=token_arg,
+        required=True,
+        metavar="TOOL",
+        help="the adapter's tool name, e.g. files.publish (a [[grants]] entry must allow it)",
+    )
     dispatch.add_argument("--scope", type=token_arg, metavar="S", help=SCOPE_HELP)
-    dispatch.add_argument("--payload", required=True, metavar="JSON|@FILE")
+    dispatch.add_argument(
+        "--payload",
+        required=True,
+        metavar="JSON|@FILE",
+        help="the operation's input: JSON text, or @FILE to read it from a file",
+    )
     dispatch.add_argument(
         "--nonce", metavar="TEXT", help="key nonce (default RUN/STEP: the same command, same key)"
     )
@@ -64,7 +91,12 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
         parents=[common],
         help="ask the worker for a recorded operation's or compensation's state",
     )
-    reconcile.add_argument("run", type=token_arg, metavar="RUN")
+    reconcile.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
     reconcile.add_argument(
         "key",
         type=token_arg,
@@ -77,7 +109,12 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
         metavar="JSON|@FILE",
         help="the operation's input (required for an operation key)",
     )
-    reconcile.add_argument("--plan", type=token_arg, metavar="NAME")
+    reconcile.add_argument(
+        "--plan",
+        type=token_arg,
+        metavar="NAME",
+        help="the [[plans]] entry of the run (default: the one whose fingerprint the ledger holds)",
+    )
     reconcile.set_defaults(handler=cmd_reconcile)
 
 

@@ -51,7 +51,12 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     recover = verbs.add_parser(
         "recover", parents=[common], help="reconcile every unfinished key of a run"
     )
-    recover.add_argument("run", type=token_arg, metavar="RUN")
+    recover.add_argument(
+        "run",
+        type=token_arg,
+        metavar="RUN",
+        help="the workflow run's id (one ledger record per run)",
+    )
     recover.add_argument("--scope", type=token_arg, metavar="S", help=SCOPE_HELP)
     recover.add_argument(
         "--inputs",
@@ -59,7 +64,12 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
         help='JSON: {"operations": {KEY: input}, "compensations": {KEY: '
         '{"inverse": input, "original": input}}}',
     )
-    recover.add_argument("--plan", type=token_arg, metavar="NAME")
+    recover.add_argument(
+        "--plan",
+        type=token_arg,
+        metavar="NAME",
+        help="the [[plans]] entry of the run (default: the one whose fingerprint the ledger holds)",
+    )
     recover.set_defaults(handler=cmd_recover)
 
 

@@ -31,13 +31,12 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, overload
 
-import structlog
-
 from octo_common.errors import InvalidConfiguration
 from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityManifest
 from octo_common.messages import WorkerMessage
 from octo_common.payload import ToolPayload
+from octo_common.runtime.logs import library_logger
 from octo_common.states import WorkerOperationState
 from octo_host.client.broker import HostBroker
 from octo_host.client.pools import PoolStats, SessionPools
@@ -57,8 +56,6 @@ from octo_host.storage.postgres import PostgresLedgerStore
 from octo_host.store import AuthenticatedStore, SqliteLedgerStore
 
 __all__ = ["HostClient"]
-
-_log = structlog.get_logger("octo.host.client")
 
 
 class HostClient:
@@ -111,7 +108,7 @@ class HostClient:
         self._owned_store: SqliteLedgerStore | PostgresLedgerStore | None = None
         self._connect_timeout: float | None = None  # from_config: [broker] connect_timeout
         self._plans: dict[str, WorkflowPlan] = {}
-        log = _log.bind(host=host_id)
+        log = library_logger("octo.host.client").bind(host=host_id)
         self._log = log
         self._broker = HostBroker(url, host_id, self._settings, log)
         self._sessions = SessionRegistry(scope_keys, self._broker, self._settings, log)

@@ -22,8 +22,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import structlog
-
 from octo_common.errors import (
     FencingRequired,
     FencingTokenExhausted,
@@ -39,6 +37,7 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
+from octo_common.runtime.logs import library_logger
 from octo_common.runtime.sqlite import (
     DatabaseThread,
     Outcome,
@@ -66,7 +65,6 @@ __all__ = ["SqliteLedgerStore", "SqliteRecordBackend"]
 
 _SINGLE_ITEM = ""  # a single record is its head plus the item "" (H§17.7)
 
-_log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 _MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -126,7 +124,7 @@ def _prepare_files(database: Path) -> None:
     """Directory 0o700 when created (warn if group/other-readable), db files 0o600."""
     loose = prepare_database_files(database)
     if loose is not None:
-        _log.warning(
+        library_logger(__name__).warning(
             "storage_directory_not_private", directory=str(database.parent), mode=oct(loose)
         )
 

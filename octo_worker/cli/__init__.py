@@ -1,6 +1,6 @@
 """The ``octo-worker`` command: run the daemon and operate what it keeps.
 
-Verbs: ``run``, ``check``, ``topology declare|show``, ``journal
+Verbs: ``dev``, ``run``, ``check``, ``topology declare|show``, ``journal
 list|show|verify|init-anchor|prune|reseal``, ``adapters list``, ``dlq
 list|show|drop`` and ``console`` (``octo_worker.console``). Every
 verb takes ``--config PATH`` (default ``/etc/octo/worker.toml``) and ``--json``
@@ -9,10 +9,11 @@ verb takes ``--config PATH`` (default ``/etc/octo/worker.toml``) and ``--json``
 Exit codes (``octo_common.runtime.output``): 0 ok, 1 a check failed or a
 thing was not found, 2 usage or configuration error, 3 the broker is
 unreachable (or refused a topology change), 4 the journal database is
-unusable.
+unusable, 5 ``run`` stopped because another worker holds the fence of every
+scope (a superseded failover worker).
 
-One module per verb group: ``run`` (run, check), ``topology`` (declare,
-show), ``journal`` (list, show, verify, prune, reseal, init-anchor),
+One module per verb group: ``dev`` (a first local worker), ``run`` (run,
+check), ``topology`` (declare, show), ``journal`` (list, show, verify, prune, reseal, init-anchor),
 ``adapters`` (list), ``dlq`` (list, show, drop) and ``console`` (the web
 console, served by ``octo_worker.console``); beside them ``common`` (configuration, the
 broker, the journal store, argument types) and ``main`` (the parser and the

@@ -55,11 +55,15 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add ``dlq list``, ``dlq show`` and ``dlq drop`` to the verbs."""
     dlq_verbs = verb_group(verbs, "dlq", f"inspect and drain {DEAD_QUEUE}")
     dlist = dlq_verbs.add_parser("list", parents=[common], help="list dead-lettered frames")
-    dlist.add_argument("--limit", type=positive_int, default=50, metavar="N")
+    dlist.add_argument(
+        "--limit", type=positive_int, default=50, metavar="N", help="at most N frames (default 50)"
+    )
     dlist.add_argument("--body", action="store_true", help="also print each frame body")
     dlist.set_defaults(handler=cmd_dlq_list)
     dshow = dlq_verbs.add_parser("show", parents=[common], help="show the frame at position N")
-    dshow.add_argument("position", type=positive_int, metavar="N")
+    dshow.add_argument(
+        "position", type=positive_int, metavar="N", help="the position `dlq list` printed"
+    )
     dshow.add_argument("--body", action="store_true", help="also print the frame body")
     dshow.add_argument("--message-id", metavar="ID", help="refuse unless N has this message id")
     dshow.set_defaults(handler=cmd_dlq_show)

@@ -60,13 +60,15 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     """Add the ``journal`` verbs."""
     journal_verbs = verb_group(verbs, "journal", "inspect the journal database")
     jlist = journal_verbs.add_parser("list", parents=[common], help="list journal rows")
-    jlist.add_argument("--scope", metavar="S")
+    jlist.add_argument("--scope", metavar="S", help="only this tenant scope (default: every one)")
     jlist.set_defaults(handler=cmd_journal_list)
     jshow = journal_verbs.add_parser("show", parents=[common], help="show one journal row")
     jshow.add_argument(
         "key", metavar="KEY", help="operation key (op-...) or compensation key (cmp-...)"
     )
-    jshow.add_argument("--scope", metavar="S")
+    jshow.add_argument(
+        "--scope", metavar="S", help="the key's tenant scope (default: every configured one)"
+    )
     jshow.set_defaults(handler=cmd_journal_show)
     verify = journal_verbs.add_parser(
         "verify", parents=[common], help="integrity check and authenticate every row"

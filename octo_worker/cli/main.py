@@ -22,6 +22,7 @@ from octo_common.runtime.output import (
 from octo_worker.cli.adapters import register as add_adapters_verbs
 from octo_worker.cli.common import DEFAULT_CONFIG, PROG
 from octo_worker.cli.console import register as add_console_verb
+from octo_worker.cli.dev import register as add_dev_verb
 from octo_worker.cli.dlq import register as add_dlq_verbs
 from octo_worker.cli.journal import register as add_journal_verbs
 from octo_worker.cli.run import cmd_run
@@ -38,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         PROG,
         "Run and operate the Octo worker daemon.",
         "Exit status: 0 ok, 1 check failed or not found, 2 usage or configuration "
-        "error, 3 broker unreachable, 4 storage error.",
+        "error, 3 broker unreachable, 4 storage error, 5 run stopped because another "
+        "worker took over every scope (a standby; a supervisor restarts it).",
     )
     for add in (
+        add_dev_verb,
         add_run_verbs,
         add_topology_verbs,
         add_journal_verbs,

@@ -67,7 +67,7 @@ from octo_worker.daemon.startup import (
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.configured import configured_store
 
-__all__ = ["cmd_check", "cmd_run", "configure_logging", "register"]
+__all__ = ["cmd_check", "cmd_run", "configure_logging", "register", "serve"]
 
 
 _LEVELS: Final = {
@@ -93,14 +93,17 @@ class _LibraryLogFormatter(logging.Formatter):
         return json.dumps(document, separators=(",", ":"))
 
 
-def configure_logging(level: str = "info", log_format: str = "json") -> None:
-    """Configure structlog once for this process: JSON (or console) lines on stderr.
+def configure_logging(level: str = "info", log_format: str = "auto") -> None:
+    """Configure structlog once for this process: JSON or human-readable lines on stderr.
 
-    Timestamps are ISO 8601 UTC; every line has a level. Library loggers
+    ``log_format`` ``"auto"`` is human-readable when stderr is a terminal,
+    JSON otherwise. Timestamps are ISO 8601 UTC; every line has a level. Library loggers
     (aio-pika, aiormq) go through the stdlib at WARNING and above, rendered
     the same way, without tracebacks.
     """
     renderer: Any
+    if log_format == "auto":
+        log_format = "console" if sys.stderr.isatty() else "json"
     if log_format == "console":
         renderer = structlog.dev.ConsoleRenderer(colors=False)
     else:
@@ -138,13 +141,22 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
-    # Only `run` needs the daemon (sessions, adapters' runtime); the operator
-    # verbs stay quick to start without it.
+    config = config_of(args)
+    configure_logging(config.worker.log_level, config.worker.log_format)
+    return serve(config, args.config)
+
+
+def serve(config: WorkerConfig, config_path: str) -> int:
+    """Run the daemon of ``config`` (logging already configured) until it stops.
+
+    Serves the metrics endpoint and the console when configured; every way
+    the start can fail becomes a :class:`CliError`.
+    """
+    # Only `run` and `dev` need the daemon (sessions, adapters' runtime); the
+    # operator verbs stay quick to start without it.
     from octo_worker.daemon.daemon import WorkerDaemon
     from octo_worker.daemon.metrics import WorkerMetrics
 
-    config = config_of(args)
-    configure_logging(config.worker.log_level, config.worker.log_format)
     log = structlog.get_logger("octo.worker.cli")
     metrics = WorkerMetrics()
     listen = config.metrics.listen
@@ -158,7 +170,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     from octo_worker.console.serve import run_with_console  # [console] listen: off by default
 
     try:
-        run_event_loop(run_with_console(daemon, config, args.config), config.worker.event_loop)
+        run_event_loop(run_with_console(daemon, config, config_path), config.worker.event_loop)
     except InvalidConfiguration as error:
         raise CliError(EXIT_USAGE, str(error), error.code) from None
     except StorageError as error:

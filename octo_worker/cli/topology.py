@@ -72,7 +72,13 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     show = topology_verbs.add_parser(
         "show", parents=[common], help="message and consumer counts of the queues"
     )
-    show.add_argument("--host-id", action="append", default=[], metavar="ID")
+    show.add_argument(
+        "--host-id",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="also show the reply queue octo.v5.reply.ID (repeatable)",
+    )
     show.set_defaults(handler=cmd_topology_show)
 
 

@@ -118,7 +118,7 @@ def test_good_config_resolves_paths_keys_and_the_broker_password(tree: Path) -> 
 def test_defaults_need_only_a_scope(tree: Path) -> None:
     config = load(tree, '[[scopes]]\nname = "a"\nkey_file = "scope.key"\n')
     assert config.broker.url == "amqp://127.0.0.1:5672/"  # RabbitMQ's guest, from loopback
-    assert config.worker.log_format == "json"
+    assert config.worker.log_format == "auto"  # human-readable on a terminal, else JSON
     assert config.worker.event_loop == "auto"
     assert config.metrics.listen is None
     with pytest.raises(InvalidConfiguration, match=r"storage\.key: a storage key"):
