@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,10 @@ def test_the_dashboard_is_grafana_json_with_unique_panel_ids() -> None:
         assert panel["targets"]
 
 
-PROMTOOL = shutil.which("promtool")
+# On the PATH, or where `make test` puts it: beside this environment's python.
+PROMTOOL = shutil.which("promtool") or shutil.which(
+    "promtool", path=str(Path(sys.executable).parent)
+)
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
