@@ -37,7 +37,7 @@ def user_facing() -> list[Path]:
     files += sorted(path for path in (REPO / "deploy").rglob("*") if path.is_file())
     files += sorted((REPO / "examples").rglob("*.md"))
     files += sorted((REPO / "octo_worker" / "console" / "templates").glob("*"))
-    return [path for path in files if path.name != "architecture.md"]
+    return files
 
 
 @pytest.mark.parametrize("path", user_facing(), ids=lambda path: str(path.relative_to(REPO)))
