@@ -21,7 +21,9 @@ host client each hold one :class:`FaultInjector` and call
 * ``host.after_ledger_commit``: the host's ledger write is durable, the
   frame is not yet published;
 * ``host.after_compensation_intent``: the ledger write that records a
-  compensation intent is durable; nothing of it is sealed or sent.
+  compensation intent is durable; nothing of it is sealed or sent;
+* ``host.after_reply_applied``: a reply is opened and applied to a copy of
+  the ledger; the change is not durable and the reply is not acked.
 
 Nothing happens when the variable is absent; a malformed value is ignored
 with a warning on stderr (never fatal: production never sets it). It must
@@ -30,6 +32,7 @@ never do anything but kill this process at the chosen point.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -48,6 +51,7 @@ FAULT_POINTS = frozenset(
         "worker.after_compensation_effect",
         "host.after_ledger_commit",
         "host.after_compensation_intent",
+        "host.after_reply_applied",
     }
 )
 
@@ -74,14 +78,29 @@ class FaultInjector:
 
     def reach(self, point: str, *, settle: float = 0.0) -> None:
         """Mark that ``point`` was reached; die there when it is the chosen one."""
-        if point != self._point:
-            return
-        self._remaining -= 1
-        if self._remaining > 0:
+        if not self._due(point):
             return
         if settle:
             # Let the kernel flush what was just written to the broker socket.
             time.sleep(settle)
+        self._die(point)
+
+    async def reach_flushed(self, point: str, *, settle: float = 0.2) -> None:
+        """As :meth:`reach`, but first let the event loop run for ``settle`` seconds,
+        so frames this process queued (an ack) are written before it dies."""
+        if not self._due(point):
+            return
+        await asyncio.sleep(settle)
+        self._die(point)
+
+    def _due(self, point: str) -> bool:
+        if point != self._point:
+            return False
+        self._remaining -= 1
+        return self._remaining <= 0
+
+    @staticmethod
+    def _die(point: str) -> None:
         sys.stderr.write(f"octo: fault injection: SIGKILL at {point}\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)

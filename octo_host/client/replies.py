@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from structlog.typing import FilteringBoundLogger
 
@@ -46,6 +46,7 @@ from octo_common.frames import SessionAuthenticator
 from octo_common.inbound import Refused, Unrouted, gate
 from octo_common.messages import WorkerMessage, message_type, request_id_of
 from octo_common.runtime.consumer import InboundMessage
+from octo_common.runtime.faults import FaultInjector
 from octo_common.states import Running
 from octo_host.client.broker import HostBroker
 from octo_host.client.runs import MAX_WRITE_ATTEMPTS, HostRun, RunCache
@@ -55,6 +56,10 @@ from octo_host.kinds import RequestKind
 from octo_host.reactions import ReplyReaction, reply_reaction
 
 __all__ = ["ReplyRouter"]
+
+# The crash tests' kill point between applying a reply and persisting it
+# (OCTO_FAULT, see octo_common.runtime.faults).
+_APPLIED_FAULT_POINT: Final = "host.after_reply_applied"
 
 
 class ReplyRouter:
@@ -74,6 +79,7 @@ class ReplyRouter:
         self._broker = broker
         self._log = log
         self._tasks: set[asyncio.Task[None]] = set()
+        self._faults = FaultInjector()
 
     def on_delivery(self, message: InboundMessage) -> None:
         """The reply consumer's callback: each delivery is handled in a task of its own."""
@@ -282,6 +288,7 @@ class ReplyRouter:
                 except OctoError as exc:
                     await self._not_applied(message, waiter, kind, correlation_id, run, exc, forget)
                     return
+                await self._faults.reach_flushed(_APPLIED_FAULT_POINT)
                 try:
                     await self._runs.persist_locked(run, candidate)
                 except WriteConflict as exc:

@@ -1,6 +1,7 @@
 """A host process for the crash matrix: records, persists, dispatches, and (armed
-with ``OCTO_FAULT=host.after_ledger_commit@n``) dies by its own SIGKILL right
-after the ledger write that precedes its n-th publish.
+with ``OCTO_FAULT=host.<point>@n``) dies by its own SIGKILL at the n-th time it
+reaches that point (the ledger write before a publish, a reply applied but not
+persisted, a compensation intent).
 
     python tests/faults/_host_main.py --stdin
 

@@ -13,7 +13,8 @@ One scenario (:func:`run_scenario`): three publish operations with distinct
 file names, dispatched one after another or all at once, then the
 compensation of the first one. The armed process dies by its own SIGKILL at
 the chosen point and count (:data:`ALL_POINTS`: the generic worker points and
-the host's ledger commit, reached once per request, and the compensation
+the host's ledger commit and its reply applied but not yet persisted, each
+reached once per request, and the compensation
 points, reached once per run: the host's compensation intent, the worker's
 compensation admission commit and its inverse effect); the worker is
 restarted without the fault on the same files; ``recover`` reconciles the
@@ -22,7 +23,9 @@ run; the compensation is finished if the crash came before it.
 operation and every compensation is terminal (none left pending or
 running), the effect log holds at most one publish and one removal per
 key (exactly one where the ledger says ``succeeded``), and the worker
-journal and the host ledger agree key by key.
+journal and the host ledger agree key by key; after a host killed with a
+reply applied but not persisted, that reply is still in its queue (never
+acked).
 
 Interpreters are started ahead of time (:class:`Launcher`): a runner imports
 everything, prints ``loaded`` and waits for its arguments on stdin, so a
@@ -97,10 +100,12 @@ COMPENSATION_POINTS: Final = (
     "host.after_compensation_intent",
 )
 HOST_POINT: Final = "host.after_ledger_commit"
-HOST_POINTS: Final = (HOST_POINT, "host.after_compensation_intent")
-ALL_POINTS: Final = (*WORKER_POINTS, HOST_POINT, *COMPENSATION_POINTS)
+# Reached once per reply the host applies (3 dispatches + 1 compensation).
+REPLY_POINT: Final = "host.after_reply_applied"
+HOST_POINTS: Final = (HOST_POINT, REPLY_POINT, "host.after_compensation_intent")
+ALL_POINTS: Final = (*WORKER_POINTS, HOST_POINT, REPLY_POINT, *COMPENSATION_POINTS)
 # Keyed requests of one undisturbed scenario (3 dispatches + 1 compensation):
-# every generic worker point and the host point is reached once per request.
+# every generic worker point and the host points are reached once per request.
 REQUESTS_PER_RUN: Final = KEYS_PER_RUN + 1
 
 
@@ -532,8 +537,16 @@ async def run_scenario(
     """One crash run (:func:`play_scenario`), checked (:func:`check_outcome`), queues deleted."""
     outcome = await play_scenario(launcher, root, case, postgres=postgres)
     assert outcome.env is not None and outcome.ledger is not None
-    await check_outcome(outcome.env, outcome, outcome.ledger)
-    await delete_queues(outcome.env)
+    try:
+        await check_outcome(outcome.env, outcome, outcome.ledger)
+        if case.point == REPLY_POINT:
+            # The host died between applying a reply and persisting it: the
+            # reply was never acked, so its queue still holds it (a copy for
+            # the operator; a host restarted under the same id is handed it).
+            dead = reply_queue(outcome.env.host_ids[0])
+            assert await queue_depth(dead, outcome.env.url) >= 1, (case, "the reply was acked")
+    finally:
+        await delete_queues(outcome.env)
     return outcome
 
 
@@ -749,6 +762,20 @@ def _adapter_record(env: CrashEnv, key: str) -> str | None:
     except FileNotFoundError:
         return None
     return str(document.get("state"))
+
+
+async def queue_depth(name: str, url: str = URL) -> int:
+    """Messages ready in queue ``name`` (a passive declare: it must exist)."""
+    from octo_host.amqp import connect
+
+    connection = await connect(url, timeout=3.0, name="octo-test-depth")
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(name, passive=True)
+        count = queue.declaration_result.message_count
+        return int(count or 0)
+    finally:
+        await connection.close()
 
 
 async def delete_queues(env: CrashEnv) -> None:

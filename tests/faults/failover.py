@@ -186,20 +186,6 @@ effect_log = "{shared / "effects.log"}"
             await connection.close()
 
 
-async def queue_depth(name: str) -> int:
-    """Messages ready in queue ``name`` (a passive declare: it must exist)."""
-    from octo_host.amqp import connect
-
-    connection = await connect(URL, timeout=3.0, name="octo-test-failover-depth")
-    try:
-        channel = await connection.channel()
-        queue = await channel.declare_queue(name, passive=True)
-        count = queue.declaration_result.message_count
-        return int(count or 0)
-    finally:
-        await connection.close()
-
-
 async def record_run(
     client: HostClient, count: int, tag: str
 ) -> tuple[WorkflowPlan, HostRun, list[str]]:

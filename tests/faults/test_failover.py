@@ -32,12 +32,11 @@ from octo_common.states import StateKind
 from octo_common.transport import reply_queue
 from tests.postgres import PostgresSchema
 
-from .conftest import Launcher, Runner
+from .conftest import Launcher, Runner, queue_depth
 from .failover import (
     FailoverEnv,
     check_effects,
     dispatch_all,
-    queue_depth,
     record_run,
     recover,
     steps,

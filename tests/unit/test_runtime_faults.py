@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from octo_common.runtime.faults import FAULT_POINTS, FaultInjector
@@ -38,3 +44,28 @@ def test_an_armed_point_ignores_every_other_point(monkeypatch: pytest.MonkeyPatc
         faults.reach(point)
     faults.reach("worker.after_reply")  # 1 of 3
     faults.reach("worker.after_reply")  # 2 of 3: still alive
+
+
+def test_reach_flushed_lets_the_loop_run_then_kills(tmp_path: Path) -> None:
+    # An armed reach_flushed lets callbacks already scheduled run (a queued ack
+    # is written), then dies by SIGKILL; any other point returns at once.
+    script = tmp_path / "flushed.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from octo_common.runtime.faults import FaultInjector\n"
+        "async def main():\n"
+        "    faults = FaultInjector()\n"
+        "    await faults.reach_flushed('host.after_ledger_commit')\n"
+        "    asyncio.get_running_loop().call_soon(lambda: print('flushed', flush=True))\n"
+        "    await faults.reach_flushed('host.after_reply_applied', settle=0.05)\n"
+        "    print('survived', flush=True)\n"
+        "asyncio.run(main())\n",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "OCTO_FAULT": "host.after_reply_applied"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert done.stdout.split() == ["flushed"]
+    assert "SIGKILL at host.after_reply_applied" in done.stderr
