@@ -8,6 +8,8 @@
 #               (pytest-xdist: PYTEST_WORKERS processes, one test file each at a
 #               time, files with a slow test first; PYTEST_WORKERS=0 runs the
 #               suite in this process).
+#   make model  TLC on the model of the worker's and host's promises (docs/model.md);
+#               make test runs it too (tests/model), with Java from deploy/ensure-java.sh.
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,9 +20,9 @@ EXAMPLE  := examples/octo-example-tickets
 # workers than the 2 cores of the project's machines still shorten it.
 PYTEST_WORKERS ?= 4
 
-.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium promtool demo bench clean
+.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium promtool java model demo bench clean
 
-test: venv rabbitmq postgres chromium promtool lint typecheck pytest
+test: venv rabbitmq postgres chromium promtool java lint typecheck pytest
 
 venv: $(VENV)/.installed
 
@@ -43,6 +45,12 @@ chromium:
 
 promtool: venv
 	sh deploy/ensure-promtool.sh $(VENV)/bin
+
+java:
+	sh deploy/ensure-java.sh
+
+model: venv java
+	$(PY) -m tests.model.tlc --deep
 
 lint: venv
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench examples
