@@ -32,9 +32,20 @@ from octo_common.errors import StorageBackendError
 from octo_common.records import StorageKey, StorageKeyring
 from octo_common.setdigest import SET_DIGEST_BYTES, SetDigest
 
-__all__ = ["HEAD_DOMAIN", "LEDGER_ROWS_DOMAIN", "StoreHead", "head_tag"]
+__all__ = [
+    "HEAD_DOMAIN",
+    "LEDGER_ROWS_DOMAIN",
+    "UNBUILT_DOMAIN",
+    "StoreHead",
+    "head_tag",
+    "seal_unbuilt",
+    "verify_unbuilt",
+]
 
 HEAD_DOMAIN: Final = b"octo-storage-head-v1"
+# The seal of the migration record "this head is still to be built from the
+# rows" (a head row without a digest): without it, a missing digest is tampering.
+UNBUILT_DOMAIN: Final = b"octo-storage-head-unbuilt-v1"
 LEDGER_ROWS_DOMAIN: Final = b"octo-host-ledger-records-v1"
 
 
@@ -45,6 +56,18 @@ def head_tag(key: StorageKey, key_id: str, revision: int, digest: SetDigest) -> 
 
 def _fields(revision: int, digest: SetDigest) -> bytes:
     return be64(revision) + headseal.digest_fields(digest)
+
+
+def seal_unbuilt(keyring: StorageKeyring) -> tuple[str, str]:
+    """``(key_id, tag)`` of the migration record that leaves the head to be built
+    (revision 0, no digest), sealed with the keyring's active key."""
+    return headseal.seal_head(keyring, UNBUILT_DOMAIN, be64(0))
+
+
+def verify_unbuilt(keyring: StorageKeyring, key_id: str | None, tag: str | None) -> None:
+    """Check a head row without a digest carries the migration's seal (errors as
+    :meth:`StoreHead.verify`)."""
+    headseal.verify_head_seal(keyring, UNBUILT_DOMAIN, key_id, tag, be64(0))
 
 
 class StoreHead:

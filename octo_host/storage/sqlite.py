@@ -326,7 +326,11 @@ class SqliteRecordBackend(SwapBackend):
                 raise StorageBackendError("open: WAL journal mode unavailable")
             connection.execute("PRAGMA synchronous = FULL")
             connection.execute("PRAGMA foreign_keys = ON")
-            migrate_schema(connection, _MIGRATIONS)
+            # The head migration's row is sealed "to be built" in its own
+            # transaction (``RollbackGuard.seal_unbuilt``).
+            migrate_schema(
+                connection, (_MIGRATIONS[0], (*_MIGRATIONS[1], self._guard.seal_unbuilt))
+            )
             check_database_files(self._path)
             self._guard.open(connection, anchor)
         except BaseException:

@@ -8,8 +8,11 @@ commits what it wrote:
   created), authenticate the store head, compare it with the anchor (a
   version 1 anchor: every record it names), recompute the digest over every
   record row and compare it with the head. A head still to be built (the
-  schema migration that created the table leaves one) is built here from
-  the rows, after the version 1 anchor check if there is one.
+  schema migration that created the table leaves one, sealed as such with
+  the storage key in the migration's transaction) is built here from the
+  rows, after the version 1 anchor check if there is one; a head row
+  without a digest and without that seal (a digest set to NULL) is
+  ``RollbackDetected``.
 * **load** (O(1)): the head revision read with the record must not be below
   the highest one seen; with an anchor, a record this process saw recently
   (the last :data:`RECENT_RECORDS` it loaded or wrote) must not be below the
@@ -39,7 +42,12 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from octo_common.errors import RevisionExhausted, RollbackDetected, StorageBackendError
+from octo_common.errors import (
+    OctoError,
+    RevisionExhausted,
+    RollbackDetected,
+    StorageBackendError,
+)
 from octo_common.limits import SQLITE_MAX_INTEGER
 from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.anchorfile import read_anchor_file, write_anchor_file
@@ -53,7 +61,7 @@ from octo_host.storage.anchor import (
     encode_head_anchor,
 )
 from octo_host.storage.contract import Head
-from octo_host.storage.head import LEDGER_ROWS_DOMAIN, StoreHead
+from octo_host.storage.head import LEDGER_ROWS_DOMAIN, StoreHead, seal_unbuilt, verify_unbuilt
 
 __all__ = ["HEAD_MIGRATION", "RECENT_RECORDS", "AnchorDocument", "RollbackGuard"]
 
@@ -88,10 +96,13 @@ _SINGLE_ITEM = ""
 
 
 class _Unbuilt:
-    """The head row the migration leaves: built at the next open."""
+    """The head row the migration leaves: built at the next open, if its seal holds."""
 
+    __slots__ = ("key_id", "tag")
 
-_UNBUILT = _Unbuilt()
+    def __init__(self, key_id: object, tag: object) -> None:
+        self.key_id = key_id if isinstance(key_id, str) else None
+        self.tag = tag if isinstance(tag, str) else None
 
 
 def _read_store_head(connection: sqlite3.Connection) -> StoreHead | _Unbuilt | None:
@@ -102,7 +113,7 @@ def _read_store_head(connection: sqlite3.Connection) -> StoreHead | _Unbuilt | N
         raise StorageBackendError("malformed store head row")
     row = tuple(rows[0])
     if row[2] is None:
-        return _UNBUILT
+        return _Unbuilt(row[3], row[4])
     return StoreHead.from_row(row)
 
 
@@ -155,6 +166,16 @@ class RollbackGuard:
             raise ValueError("this backend already seals its head with another keyring")
         self.keyring = keyring
 
+    def seal_unbuilt(self, connection: sqlite3.Connection) -> None:
+        """The migration step after ``HEAD_MIGRATION``: its head row left to be built,
+        sealed as such (with the keyring bound; unsealed without one)."""
+        if self.keyring is not None:
+            key_id, tag = seal_unbuilt(self.keyring)
+            connection.execute(
+                "UPDATE store_head SET key_id = ?, auth_tag = ? WHERE id = 1 AND digest IS NULL",
+                (key_id, tag),
+            )
+
     # Open --------------------------------------------------------------------
 
     def read_anchor(self) -> AnchorDocument | None:
@@ -188,6 +209,13 @@ class RollbackGuard:
             _check_records_against_v1(connection, anchor)
         computed = SetDigest.of(LEDGER_ROWS_DOMAIN, _record_rows(connection))
         if isinstance(stored, _Unbuilt):
+            if self.keyring is not None:
+                # Only the migration's own sealed record says "to be built": a
+                # digest set to NULL, or a head row without one, is tampering.
+                try:
+                    verify_unbuilt(self.keyring, stored.key_id, stored.tag)
+                except OctoError:
+                    raise RollbackDetected(None, anchored_revision) from None
             head = StoreHead(0, computed).sealed_with(self.keyring)
             connection.execute(_UPDATE_STORE_HEAD, head.row())
         else:

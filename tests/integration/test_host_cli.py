@@ -640,3 +640,31 @@ async def test_a_password_inline_in_the_broker_url_is_refused_without_the_flag(
     assert result.status == 2
     assert_one_line_error(result, "broker_password_inline", "password_file")
     assert "guest:guest" not in result.stderr
+
+
+async def test_a_head_digest_set_to_null_hides_no_deleted_record(
+    daemon: object, cli: HostCli, worker_env: WorkerEnv
+) -> None:
+    """Without an anchor: the store head's digest set to NULL (as if the migration had
+    left it to be built) with a record deleted beside it. Only the migration's sealed
+    record may say "to be built"; this is refused, and nothing is dispatched again."""
+    dispatched = await cli.dispatch()
+    assert dispatched.status == 0, dispatched.stderr
+    database = cli.root / "state" / "ledger.sqlite3"
+    with sqlite3.connect(database) as connection:
+        # The run's record deleted whole (its row and its head row), as if never written.
+        for table in ("items", "heads"):
+            deleted = connection.execute(
+                f"DELETE FROM {table} WHERE namespace = 'workflow-ledger' AND name = ? "
+                "RETURNING name",
+                (RUN,),
+            ).fetchall()
+            assert deleted
+        connection.execute("UPDATE store_head SET digest = NULL WHERE id = 1")
+    shown = await cli.run("ledger", "show", RUN)
+    assert shown.status == 4, shown.stderr
+    assert_one_line_error(shown, "cannot open", "rollback_detected")
+    again = await cli.dispatch()
+    assert again.status == 4, again.stderr
+    assert_one_line_error(again, "rollback_detected")
+    assert len(read_effect_log(worker_env.effect_log)) == 1
