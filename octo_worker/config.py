@@ -39,6 +39,7 @@ from octo_common.runtime.keyfiles import (
     load_storage_key,
 )
 from octo_common.runtime.postgres import check_schema, check_url, redacted_url
+from octo_common.runtime.tls import TlsConfig, TlsSettings
 from octo_common.transport import (
     DEFAULT_DEAD_MAX_BYTES,
     DEFAULT_DEAD_MAX_LENGTH,
@@ -135,11 +136,16 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class ConsoleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The read-only web console (``octo-worker console``; the daemon serves it
     beside its metrics when ``listen`` is set). Loopback only unless
-    ``allow_remote`` is true and ``token_file`` names an access-token file."""
+    ``allow_remote`` is true, ``token_file`` names an access-token file, and
+    either ``tls`` (cert_file, key_file) makes it serve HTTPS or
+    ``behind_proxy`` says a reverse proxy on the way serves it over HTTPS."""
 
     listen: str | None = None  # "127.0.0.1:9465"
     allow_remote: bool = False
     token_file: str | None = None
+    tls: TlsConfig | None = None
+    behind_proxy: bool = False
+    session_minutes: int = 480
 
 
 class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -224,6 +230,22 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 self.path(scope.key_file, f"scopes[{index}].key_file"), f"scopes[{index}].key_file"
             )
         return keys
+
+    def tls_settings(self, table: TlsConfig | None, where: str) -> TlsSettings | None:
+        """A ``tls`` table's files resolved against this file's directory (None: no TLS)."""
+        if table is None:
+            return None
+
+        def resolved(value: str | None, name: str) -> Path | None:
+            return None if value is None else self.path(value, f"{where}.{name}")
+
+        return TlsSettings(
+            where=where,
+            ca_file=resolved(table.ca_file, "ca_file"),
+            cert_file=resolved(table.cert_file, "cert_file"),
+            key_file=resolved(table.key_file, "key_file"),
+            server_name=table.server_name,
+        )
 
     def check_key_roles(self) -> None:
         """Every configured key file read once, each key serving one role only.
@@ -396,6 +418,8 @@ def _check(config: WorkerConfig) -> None:
         host, _, port = console.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidConfiguration("console.listen: expected HOST:PORT")
+    if not 1 <= config.console.session_minutes <= 7 * 24 * 60:
+        raise InvalidConfiguration("console.session_minutes: must be in 1..10080")
 
 
 def _check_storage(storage: StorageConfig) -> None:

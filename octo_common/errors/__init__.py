@@ -123,6 +123,7 @@ from octo_common.errors.protocol import (
 from octo_common.errors.storage import (
     ActiveKeyCannotBeRetired,
     BrokerPasswordInline,
+    ConsoleTlsRequired,
     DuplicateKeyId,
     EnvelopeEncodingError,
     FencingRequired,
@@ -151,6 +152,7 @@ from octo_common.errors.storage import (
     StorageBackendError,
     UnknownKeyId,
     UnsupportedRecordFormat,
+    WeakAccessToken,
     WeakKey,
     WriteConflict,
 )
@@ -276,6 +278,8 @@ __all__ = [
     "InvalidCompensationStateTransition",
     "InvalidCompensationTenantScope",
     "InvalidConfiguration",
+    "ConsoleTlsRequired",
+    "WeakAccessToken",
     "BrokerPasswordInline",
     "KeyDirectoryWritable",
     "KeyFileNotOwned",

@@ -193,3 +193,11 @@ class WeakKey(_SecretRefused):
 
 class BrokerPasswordInline(_SecretRefused):
     """A password inside ``broker.url`` without ``broker.allow_inline_password``."""
+
+
+class WeakAccessToken(_SecretRefused):
+    """An access token with a pattern (fewer than 128 bits of randomness)."""
+
+
+class ConsoleTlsRequired(_SecretRefused):
+    """A console reachable from elsewhere without TLS (here or at a reverse proxy)."""

@@ -41,6 +41,7 @@ __all__ = [
     "load_storage_key",
     "read_secret_text",
     "read_storage_key",
+    "refused_file",
 ]
 
 _SECRET_TEXT_LIMIT: Final = 4096
@@ -49,7 +50,7 @@ _SECRET_TEXT_LIMIT: Final = 4096
 _MIN_DISTINCT_BYTES: Final = 16
 
 
-def _refused(refused: KeyFileRefused, where: str) -> InvalidConfiguration:
+def refused_file(refused: KeyFileRefused, where: str) -> InvalidConfiguration:
     """The configuration error of a refused file, with the code of its reason."""
     detail = f"{where}: {refused}"
     if refused.reason == "owner":
@@ -84,7 +85,7 @@ def load_key_file(path: Path, where: str) -> bytes:
     try:
         key = read_key_file(path)
     except KeyFileRefused as refused:
-        raise _refused(refused, where) from None
+        raise refused_file(refused, where) from None
     weakness = key_weakness(key)
     if weakness is not None:
         raise WeakKey(f"{where}: {path} holds a guessable key ({weakness}); generate a random one")
@@ -148,7 +149,7 @@ def read_secret_text(path: Path, where: str) -> str:
     try:
         content = read_private_file(path, _SECRET_TEXT_LIMIT)
     except KeyFileRefused as refused:
-        raise _refused(refused, where) from None
+        raise refused_file(refused, where) from None
     try:
         return content.decode("utf-8").strip()
     except UnicodeDecodeError:

@@ -407,15 +407,22 @@ def _probe_metrics(config: WorkerConfig) -> str:
 
 def _probe_console(config: WorkerConfig) -> str:
     from octo_worker.console.security import check_bind, parse_listen
-    from octo_worker.console.serve import token_of
+    from octo_worker.console.serve import tls_of, token_of
 
     listen = config.console.listen
     assert listen is not None
     address = parse_listen(listen, "console.listen")
     token = token_of(config, None)
+    tls = tls_of(config, None, None)
     check_bind(
-        address, allow_remote=config.console.allow_remote, token_configured=token is not None
+        address,
+        allow_remote=config.console.allow_remote,
+        token_configured=token is not None,
+        tls=tls is not None,
+        behind_proxy=config.console.behind_proxy,
     )
+    if tls is not None:
+        tls.server_context()  # the certificate and key load, the key file is private
 
     def refusal(error: OSError) -> CliError:
         return CliError(

@@ -23,7 +23,7 @@ import importlib.resources
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 import aiormq
@@ -35,7 +35,13 @@ from octo_common.transport import DEAD_QUEUE
 from octo_worker.config import WorkerConfig
 from octo_worker.console import data
 from octo_worker.console.live import LiveSource
-from octo_worker.console.security import COOKIE, AccessToken, host_of, is_loopback_host
+from octo_worker.console.security import (
+    COOKIE,
+    AccessToken,
+    ConsoleSessions,
+    host_of,
+    is_loopback_host,
+)
 from octo_worker.inspection import broker_connection, dead_queue
 
 __all__ = ["ConsoleSettings", "build_app"]
@@ -70,6 +76,8 @@ class ConsoleSettings:
     live: LiveSource
     token: AccessToken | None = None
     served_by_daemon: bool = False
+    # The session cookies handed out for a ?token= visit (see security.py).
+    sessions: ConsoleSessions = field(default_factory=lambda: ConsoleSessions(8 * 3600.0))
 
 
 _SETTINGS: Final = web.AppKey("settings", ConsoleSettings)
@@ -143,12 +151,12 @@ def _plain(status: int, text: str, headers: dict[str, str] | None = None) -> web
 # Access ----------------------------------------------------------------------------------
 
 
-def _authorized(request: web.Request, token: AccessToken) -> bool:
+def _authorized(request: web.Request, settings: ConsoleSettings, token: AccessToken) -> bool:
     header = request.headers.get("Authorization", "")
     scheme, _, presented = header.partition(" ")
     if scheme.lower() == "bearer" and token.matches(presented.strip()):
         return True
-    return token.cookie_matches(request.cookies.get(COOKIE))
+    return settings.sessions.valid(request.cookies.get(COOKIE))
 
 
 @web.middleware
@@ -157,9 +165,10 @@ async def _guard(
 ) -> web.StreamResponse:
     if request.method not in _ALLOWED_METHODS:
         return _plain(405, "method not allowed: the console is read-only", {"Allow": "GET, HEAD"})
-    token = request.app[_SETTINGS].token
+    settings = request.app[_SETTINGS]
+    token = settings.token
     if token is not None:
-        if not _authorized(request, token):
+        if not _authorized(request, settings, token):
             presented = request.query.get("token")
             if presented is not None and token.matches(presented):
                 # Trade the token in the URL for a cookie, and drop it from the URL.
@@ -169,8 +178,16 @@ async def _guard(
                 if query:
                     target += "?" + urllib.parse.urlencode(query)
                 response = web.Response(status=303, headers={"Location": target})
+                # A random session id, not anything derived from the token;
+                # Secure: sent over HTTPS only (browsers count loopback as such).
                 response.set_cookie(
-                    COOKIE, token.cookie_value, httponly=True, samesite="Strict", path="/"
+                    COOKIE,
+                    settings.sessions.issue(),
+                    max_age=int(settings.sessions.lifetime_seconds),
+                    httponly=True,
+                    secure=True,
+                    samesite="Strict",
+                    path="/",
                 )
                 return response
             return _plain(401, "access token required", {"WWW-Authenticate": "Bearer"})

@@ -2,14 +2,22 @@
 
 Rules (fail closed):
 
-* The console binds a loopback address unless ``allow_remote`` is set AND an
-  access-token file is configured; anything else is refused before a socket
-  is opened (``InvalidConfiguration``).
+* The console binds a loopback address unless ``allow_remote`` is set, an
+  access-token file is configured, and the console serves HTTPS itself
+  (``[console.tls]`` cert and key) or stands behind a reverse proxy that
+  does (``behind_proxy``); anything else is refused before a socket is
+  opened (``InvalidConfiguration``; without TLS, ``console_tls_required``).
 * The token file follows the key-file rules (regular file, no symlink, no
-  group or other permission bits, see ``octo_worker.config``) and holds at
-  least 32 printable ASCII characters. When it is configured every request
-  must carry the token (``Authorization: Bearer``, or the cookie that a
-  ``?token=`` visit sets); it is compared in constant time.
+  group or other permission bits, this user's, see ``octo_common.keyfile``)
+  and holds one token of at least 128 bits of randomness, as
+  ``octo-worker console-token`` writes (a token with a pattern, such as 32
+  "A"s, is ``weak_access_token``). When it is configured every request
+  must carry the token (``Authorization: Bearer``) or a session cookie; it
+  is compared in constant time.
+* A ``?token=`` visit is traded for a session cookie: a random id (256
+  bits) known to this process only, ``Secure``, ``HttpOnly``,
+  ``SameSite=Strict``, expiring after ``session_minutes``; it says nothing
+  about the token, and a restart forgets every session.
 * Without a token (loopback only), a request must name a loopback host in
   its ``Host`` header, so that a web page elsewhere cannot reach the console
   through a DNS name rebound to 127.0.0.1.
@@ -20,13 +28,18 @@ builds.
 
 from __future__ import annotations
 
-import hashlib
+import collections
 import hmac
 import ipaddress
+import itertools
+import math
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from octo_common.errors import ConsoleTlsRequired, WeakAccessToken
 from octo_common.runtime.keyfiles import read_secret_text
 from octo_worker.config import InvalidConfiguration
 
@@ -34,6 +47,9 @@ __all__ = [
     "COOKIE",
     "AccessToken",
     "BindAddress",
+    "ConsoleSessions",
+    "generate_token",
+    "token_bits",
     "check_bind",
     "is_loopback_host",
     "load_token",
@@ -42,7 +58,10 @@ __all__ = [
 
 COOKIE: Final = "octo_console"
 _MIN_TOKEN_LENGTH: Final = 32
-_COOKIE_CONTEXT: Final = b"octo-console cookie v1"
+# What a token must carry, estimated from its own characters (see token_bits).
+MIN_TOKEN_BITS: Final = 128
+# Sessions a console holds at once; the oldest goes first beyond this.
+_MAX_SESSIONS: Final = 1024
 
 
 @dataclass(frozen=True)
@@ -50,9 +69,9 @@ class BindAddress:
     host: str
     port: int
 
-    def url(self) -> str:
+    def url(self, scheme: str = "http") -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/"
+        return f"{scheme}://{host}:{self.port}/"
 
 
 def parse_listen(text: str, where: str) -> BindAddress:
@@ -76,8 +95,16 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_bind(address: BindAddress, *, allow_remote: bool, token_configured: bool) -> None:
-    """Refuse a non-loopback bind unless remote access is allowed and a token is configured."""
+def check_bind(
+    address: BindAddress,
+    *,
+    allow_remote: bool,
+    token_configured: bool,
+    tls: bool = False,
+    behind_proxy: bool = False,
+) -> None:
+    """Refuse a non-loopback bind unless remote access is allowed, a token is
+    configured, and the traffic is encrypted (HTTPS here, or at a reverse proxy)."""
     if is_loopback_host(address.host):
         return
     if not allow_remote:
@@ -90,6 +117,75 @@ def check_bind(address: BindAddress, *, allow_remote: bool, token_configured: bo
             f"console: listening on {address.host} needs an access token "
             "(console.token_file / --token-file)"
         )
+    if not (tls or behind_proxy):
+        raise ConsoleTlsRequired(
+            f"console: listening on {address.host} needs TLS: [console.tls] cert_file and"
+            " key_file (--tls-cert/--tls-key), or behind_proxy (--behind-proxy) when a"
+            " reverse proxy serves it over HTTPS"
+        )
+
+
+def token_bits(token: str) -> float:
+    """A lower estimate of the randomness in ``token``, in bits.
+
+    The empirical entropy of its characters times its length; a token whose
+    neighbours differ by at most two distinct steps (``AAAA...``,
+    ``ABCD...``, ``ABAB...``) carries none.
+    """
+    if not token:
+        return 0.0
+    steps = {ord(b) - ord(a) for a, b in itertools.pairwise(token)}
+    if len(steps) <= 2:
+        return 0.0
+    counts = collections.Counter(token)
+    size = len(token)
+    per_char = -sum(n / size * math.log2(n / size) for n in counts.values())
+    return per_char * size
+
+
+def generate_token() -> str:
+    """A fresh access token: 256 random bits, URL-safe (43 characters)."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if token_bits(token) >= MIN_TOKEN_BITS:
+            return token
+
+
+class ConsoleSessions:
+    """The session cookies a console handed out: random ids, each with its expiry.
+
+    Held in this process only (a restart logs everyone out); at most
+    ``_MAX_SESSIONS``, the oldest dropped first; an expired id is refused
+    and forgotten.
+    """
+
+    def __init__(self, lifetime_seconds: float) -> None:
+        self.lifetime_seconds = lifetime_seconds
+        self._expiry: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"ConsoleSessions({len(self._expiry)} held)"
+
+    def issue(self) -> str:
+        now = time.monotonic()
+        while self._expiry and (
+            len(self._expiry) >= _MAX_SESSIONS or next(iter(self._expiry.values())) <= now
+        ):
+            self._expiry.popitem(last=False)
+        session = secrets.token_urlsafe(32)
+        self._expiry[session] = now + self.lifetime_seconds
+        return session
+
+    def valid(self, presented: str | None) -> bool:
+        if not presented:
+            return False
+        expiry = self._expiry.get(presented)
+        if expiry is None:
+            return False
+        if expiry <= time.monotonic():
+            del self._expiry[presented]
+            return False
+        return True
 
 
 class AccessToken:
@@ -97,7 +193,6 @@ class AccessToken:
 
     def __init__(self, token: str) -> None:
         self._token = token.encode("ascii")
-        self._cookie = hmac.new(self._token, _COOKIE_CONTEXT, hashlib.sha256).hexdigest()
 
     def __repr__(self) -> str:
         return "AccessToken(<redacted>)"
@@ -111,28 +206,20 @@ class AccessToken:
             return False
         return hmac.compare_digest(candidate, self._token)
 
-    @property
-    def cookie_value(self) -> str:
-        """What the cookie holds: derived from the token, never the token itself."""
-        return self._cookie
-
-    def cookie_matches(self, presented: str | None) -> bool:
-        if presented is None:
-            return False
-        try:
-            candidate = presented.encode("ascii")
-        except UnicodeEncodeError:
-            return False
-        return hmac.compare_digest(candidate, self._cookie.encode("ascii"))
-
 
 def load_token(path: Path, where: str) -> AccessToken:
-    """The token file, under the key-file rules; at least 32 printable ASCII characters."""
+    """The token file, under the key-file rules: one token of at least 32 printable
+    ASCII characters carrying at least 128 bits (``weak_access_token`` otherwise)."""
     text = read_secret_text(path, where)
     if len(text) < _MIN_TOKEN_LENGTH or not all(0x21 <= ord(c) <= 0x7E for c in text):
         raise InvalidConfiguration(
             f"{where}: {path} must hold one token of at least {_MIN_TOKEN_LENGTH} printable "
-            "ASCII characters (for example: head -c 32 /dev/urandom | base64)"
+            "ASCII characters (octo-worker console-token writes one)"
+        )
+    if token_bits(text) < MIN_TOKEN_BITS:
+        raise WeakAccessToken(
+            f"{where}: {path} holds a token with a pattern (under {MIN_TOKEN_BITS} bits of"
+            " randomness); octo-worker console-token writes a random one"
         )
     return AccessToken(text)
 

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Final
 
 import structlog
 
+from octo_common.runtime.tls import TlsSettings
 from octo_worker.config import InvalidConfiguration, WorkerConfig
 from octo_worker.console.security import (
     AccessToken,
     BindAddress,
+    ConsoleSessions,
     check_bind,
     load_token,
     parse_listen,
@@ -36,7 +38,14 @@ if TYPE_CHECKING:  # the web stack loads only when a console is served
     from octo_worker.console.live import LiveSource
     from octo_worker.daemon.daemon import WorkerDaemon
 
-__all__ = ["DEFAULT_LISTEN", "metrics_source", "run_with_console", "start_site", "token_of"]
+__all__ = [
+    "DEFAULT_LISTEN",
+    "metrics_source",
+    "run_with_console",
+    "start_site",
+    "tls_of",
+    "token_of",
+]
 
 DEFAULT_LISTEN: Final = "127.0.0.1:9465"
 
@@ -63,7 +72,20 @@ def metrics_source(config: WorkerConfig) -> LiveSource:
     return ScrapeSource(listen)
 
 
-async def start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[web.AppRunner, str]:
+def tls_of(config: WorkerConfig, cert: str | None, key: str | None) -> TlsSettings | None:
+    """The console's TLS: ``--tls-cert``/``--tls-key`` over ``[console.tls]`` (None: plain HTTP)."""
+    if cert is not None or key is not None:
+        return TlsSettings(
+            where="--tls-cert/--tls-key",
+            cert_file=None if cert is None else Path(cert),
+            key_file=None if key is None else Path(key),
+        )
+    return config.tls_settings(config.console.tls, "console.tls")
+
+
+async def start_site(
+    settings: ConsoleSettings, address: BindAddress, tls: TlsSettings | None = None
+) -> tuple[web.AppRunner, str]:
     from aiohttp import web
 
     from octo_worker.console.app import build_app
@@ -73,7 +95,12 @@ async def start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[w
         build_app(settings), access_log=None, handle_signals=False, shutdown_timeout=3.0
     )
     await runner.setup()
-    site = web.TCPSite(runner, address.host, address.port, reuse_address=True)
+    try:
+        context = None if tls is None else tls.server_context()
+    except InvalidConfiguration:
+        await runner.cleanup()
+        raise
+    site = web.TCPSite(runner, address.host, address.port, reuse_address=True, ssl_context=context)
     try:
         await site.start()
     except OSError as error:
@@ -88,7 +115,7 @@ async def start_site(settings: ConsoleSettings, address: BindAddress) -> tuple[w
     # Port 0 asks the kernel for a free port: report the one it chose.
     port = int(runner.addresses[0][1]) if runner.addresses else address.port
     bound = BindAddress(address.host, port)
-    return runner, bound.url()
+    return runner, bound.url("http" if tls is None else "https")
 
 
 async def run_with_console(daemon: WorkerDaemon, config: WorkerConfig, config_path: str) -> None:
@@ -100,8 +127,13 @@ async def run_with_console(daemon: WorkerDaemon, config: WorkerConfig, config_pa
         return
     address = parse_listen(listen, "console.listen")
     token = token_of(config, None)
+    tls = tls_of(config, None, None)
     check_bind(
-        address, allow_remote=config.console.allow_remote, token_configured=token is not None
+        address,
+        allow_remote=config.console.allow_remote,
+        token_configured=token is not None,
+        tls=tls is not None,
+        behind_proxy=config.console.behind_proxy,
     )
     from octo_worker.console.app import ConsoleSettings
     from octo_worker.console.live import RegistrySource
@@ -112,8 +144,9 @@ async def run_with_console(daemon: WorkerDaemon, config: WorkerConfig, config_pa
         RegistrySource(daemon.metrics.registry),
         token,
         served_by_daemon=True,
+        sessions=ConsoleSessions(config.console.session_minutes * 60.0),
     )
-    runner, url = await start_site(settings, address)
+    runner, url = await start_site(settings, address, tls)
     structlog.get_logger("octo.worker.console").info("console_listening", url=url)
     try:
         await daemon.run(install_signal_handlers=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sqlite3
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -38,9 +39,10 @@ from tests.integration.test_worker_cli import (
 from tests.integration.test_worker_store_prune import FP, _write
 from tests.integration.test_worker_store_prune import SCOPE as SCOPE_P
 from tests.integration.test_worker_store_prune import _record as prune_record
+from tests.tlsfiles import make_tls_files
 
 SECRET = "payload-and-failure-text-never-shown"
-TOKEN = "console-token-" + "0123456789abcdef" * 2
+TOKEN = "ESUK5XZa4koC3cbtCkXUD62B1MY_GYIPGUesxMsp4g4"  # as octo-worker console-token writes
 HOSTILE = '<script>alert(1)</script><img src=x onerror="alert(2)">'
 
 
@@ -92,7 +94,7 @@ def _serve(files: WorkerFiles, *extra: str) -> Iterator[Console]:
     )
     assert process.stdout is not None and process.stderr is not None
     line = process.stdout.readline()
-    match = re.search(r"http://127\.0\.0\.1:\d+/", line)
+    match = re.search(r"https?://127\.0\.0\.1:\d+/", line)
     try:
         assert match is not None, (line, process.stderr.read())
         yield Console(process, match.group(0).rstrip("/"))
@@ -117,6 +119,12 @@ def test_a_non_loopback_address_is_refused_without_the_flag_and_a_private_token(
     short = _token_file(short_dir, text="short")
     link = tmp_path / "link.token"
     link.symlink_to(_token_file(tmp_path / "worker"))
+    weak_dir = tmp_path / "weak"
+    weak_dir.mkdir()
+    weak = _token_file(weak_dir, text="A" * 32)
+    good_dir = tmp_path / "good"
+    good_dir.mkdir()
+    good = _token_file(good_dir)
     base = ["console", "--listen", "0.0.0.0:0"]
     results = octo_worker_each(
         base,
@@ -124,16 +132,60 @@ def test_a_non_loopback_address_is_refused_without_the_flag_and_a_private_token(
         [*base, "--allow-remote", "--token-file", str(loose)],
         [*base, "--allow-remote", "--token-file", str(short)],
         [*base, "--allow-remote", "--token-file", str(link)],
+        [*base, "--allow-remote", "--token-file", str(weak)],
+        [*base, "--allow-remote", "--token-file", str(good)],
         config=files.config,
     )
-    assert [result.returncode for result in results] == [2] * 5
+    assert [result.returncode for result in results] == [2] * 7
     lines = [one_line(result.stderr) for result in results]
     assert "not a loopback address" in lines[0]
     assert "needs an access token" in lines[1]
     assert "grants permissions to group or others" in lines[2] and "chmod 600" in lines[2]
     assert "at least 32 printable ASCII characters" in lines[3]
     assert "cannot open" in lines[4]  # a symlink is not followed
+    assert "weak_access_token" in lines[5]
+    # A good token, but the traffic would be plain HTTP: no TLS, no proxy.
+    assert "console_tls_required" in lines[6] and "--behind-proxy" in lines[6]
     assert all(TOKEN not in line for line in lines)
+
+
+def test_console_token_writes_a_random_private_token_once(
+    files: WorkerFiles, tmp_path: Path
+) -> None:
+    first, second = tmp_path / "a.token", tmp_path / "b.token"
+    results = octo_worker_each(
+        ["console-token", str(first)],
+        ["console-token", str(second)],
+        ["console-token", str(first)],
+        config=files.config,
+    )
+    assert [result.returncode for result in results] == [0, 0, 2]
+    assert "never replaced" in one_line(results[2].stderr)
+    tokens = [path.read_text().strip() for path in (first, second)]
+    assert tokens[0] != tokens[1] and all(len(token) >= 43 for token in tokens)
+    assert all(path.stat().st_mode & 0o777 == 0o600 for path in (first, second))
+    assert all(token not in result.stdout for token in tokens for result in results)
+
+
+def test_a_remote_console_serves_https_with_its_certificate(
+    files: WorkerFiles, tmp_path: Path
+) -> None:
+    tls = make_tls_files(tmp_path / "tls")
+    token_file = _token_file(tmp_path)
+    with _serve(
+        files,
+        *("--token-file", str(token_file)),
+        *("--tls-cert", str(tls.server_cert), "--tls-key", str(tls.server_key)),
+    ) as console:
+        assert console.url.startswith("https://")
+        context = ssl.create_default_context(cafile=str(tls.ca))
+        request = urllib.request.Request(
+            console.url + "/live", headers={"Authorization": "Bearer " + TOKEN}
+        )
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            assert response.status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain HTTP
+            urllib.request.urlopen(console.url.replace("https://", "http://") + "/live", timeout=10)
 
 
 def test_the_daemon_refuses_a_non_loopback_console_at_start(files: WorkerFiles) -> None:
@@ -218,7 +270,12 @@ def test_with_a_token_every_request_must_present_it(files: WorkerFiles, tmp_path
         assert status == 303 and headers["Location"] == "/dlq?x=1"
         cookie = headers["Set-Cookie"]
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN not in cookie
+        assert "Secure" in cookie and "Max-Age=28800" in cookie  # 8 hours by default
         value = cookie.split(";", 1)[0]
+        # Each visit gets a random session of its own; a made-up one is refused.
+        again = console.get("/live?token=" + TOKEN)[1]["Set-Cookie"].split(";", 1)[0]
+        assert again != value and console.get("/live", {"Cookie": again})[0] == 200
+        assert console.get("/live", {"Cookie": "octo_console=" + "x" * 43})[0] == 401
         # The redirect never leaves the console ("//host/" would).
         status, headers, _ = console.get("//elsewhere.example/x?token=" + TOKEN)
         assert status == 303 and headers["Location"] == "/elsewhere.example/x"

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import secrets
 import shlex
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
+from octo_common.errors import ConsoleTlsRequired
 from octo_worker.config import InvalidConfiguration
+from octo_worker.console import security
 from octo_worker.console.app import _age, _utc
 from octo_worker.console.data import FILE, RUN, command
 from octo_worker.console.live import LiveSnapshot, _fold, scrape_url
 from octo_worker.console.security import (
+    MIN_TOKEN_BITS,
     AccessToken,
     BindAddress,
+    ConsoleSessions,
     check_bind,
+    generate_token,
     host_of,
     is_loopback_host,
     parse_listen,
+    token_bits,
 )
 
 TOKEN = "t" * 40
@@ -62,19 +69,48 @@ def test_a_remote_bind_needs_the_flag_and_a_token() -> None:
         check_bind(remote, allow_remote=False, token_configured=True)
     with pytest.raises(InvalidConfiguration, match="needs an access token"):
         check_bind(remote, allow_remote=True, token_configured=False)
-    check_bind(remote, allow_remote=True, token_configured=True)
+    with pytest.raises(ConsoleTlsRequired, match="needs TLS"):
+        check_bind(remote, allow_remote=True, token_configured=True)
+    check_bind(remote, allow_remote=True, token_configured=True, tls=True)
+    check_bind(remote, allow_remote=True, token_configured=True, behind_proxy=True)
 
 
-def test_the_token_compares_exactly_and_its_cookie_is_not_the_token() -> None:
+@pytest.mark.parametrize(
+    "token",
+    ["A" * 32, "AB" * 20, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefgh", "0" * 64, "0123" * 10],
+)
+def test_a_token_with_a_pattern_carries_under_128_bits(token: str) -> None:
+    assert token_bits(token) < MIN_TOKEN_BITS
+
+
+def test_generated_and_random_tokens_carry_128_bits_or_more() -> None:
+    for _ in range(500):
+        assert token_bits(generate_token()) >= MIN_TOKEN_BITS
+        assert token_bits(secrets.token_hex(32)) >= MIN_TOKEN_BITS
+    assert len({generate_token() for _ in range(100)}) == 100
+
+
+def test_sessions_are_random_expire_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(security.time, "monotonic", lambda: clock[0])
+    sessions = ConsoleSessions(60.0)
+    first, second = sessions.issue(), sessions.issue()
+    assert first != second and len(first) >= 43
+    assert sessions.valid(first) and not sessions.valid("made-up") and not sessions.valid(None)
+    clock[0] += 61.0
+    assert not sessions.valid(first) and not sessions.valid(second)
+    held = [sessions.issue() for _ in range(1100)]
+    assert not sessions.valid(held[0]) and sessions.valid(held[-1])
+    assert "1024" in repr(sessions) and held[-1] not in repr(sessions)
+
+
+def test_the_token_compares_exactly() -> None:
     token = AccessToken(TOKEN)
     assert token.matches(TOKEN)
     assert not token.matches(TOKEN[:-1])
     assert not token.matches(TOKEN + "t")
     assert not token.matches(None)
     assert not token.matches("é" * 40)
-    assert token.cookie_value != TOKEN and TOKEN not in token.cookie_value
-    assert token.cookie_matches(token.cookie_value)
-    assert not token.cookie_matches(TOKEN)
     assert TOKEN not in repr(token)
 
 

@@ -1,0 +1,147 @@
+"""TLS settings both sides share: what a configuration names, and the ``ssl.SSLContext``.
+
+Owns :class:`TlsSettings` (the CA file, the client or server certificate
+and its private key, the server name a client checks) and the two ways it
+becomes a context: :meth:`TlsSettings.client_context` (a broker client:
+the worker, the host, their commands; whatever carries their AMQP) and
+:meth:`TlsSettings.server_context` (the worker's console). The private key
+file obeys the one private-file rule (:mod:`octo_common.keyfile`: this
+user's, mode 0600, in a directory nobody else may write) before OpenSSL
+reads it; certificates and CA files are public and only need to exist.
+
+Errors are ``InvalidConfiguration`` naming the configuration key, in one
+line; a failed handshake is described by :func:`describe_tls_failure`.
+It must never weaken verification: a client context always checks the
+server's chain and name (TLS 1.2 at least), and no option turns that off.
+"""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import msgspec
+
+from octo_common.errors import InvalidConfiguration
+from octo_common.keyfile import KeyFileRefused, read_private_file
+from octo_common.runtime.keyfiles import refused_file
+
+__all__ = ["TlsConfig", "TlsSettings", "describe_tls_failure"]
+
+# A PEM private key is a few kilobytes; read at most this much to check it.
+_KEY_READ_LIMIT = 1 << 20
+
+
+class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A ``[broker.tls]`` (or ``[console.tls]``) table: paths as written in the file."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+
+class TlsSettings:
+    """Resolved TLS files; ``where`` (``broker.tls``) prefixes every error."""
+
+    def __init__(
+        self,
+        *,
+        where: str,
+        ca_file: Path | None = None,
+        cert_file: Path | None = None,
+        key_file: Path | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        if (cert_file is None) != (key_file is None):
+            raise InvalidConfiguration(f"{where}: cert_file and key_file go together")
+        self.where = where
+        self.ca_file = ca_file
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.server_name = server_name
+
+    def __repr__(self) -> str:
+        return (
+            f"TlsSettings(ca_file={self.ca_file}, cert_file={self.cert_file}, "
+            f"server_name={self.server_name!r})"
+        )
+
+    def _check_key(self) -> None:
+        if self.key_file is None:
+            return
+        try:
+            read_private_file(self.key_file, _KEY_READ_LIMIT)
+        except KeyFileRefused as refused:
+            raise refused_file(refused, f"{self.where}.key_file") from None
+
+    def _load_chain(self, context: ssl.SSLContext) -> None:
+        if self.cert_file is None or self.key_file is None:
+            return
+        self._check_key()
+        try:
+            context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        except FileNotFoundError:
+            raise InvalidConfiguration(
+                f"{self.where}.cert_file: {self.cert_file} does not exist"
+            ) from None
+        except (ssl.SSLError, OSError) as exc:
+            raise InvalidConfiguration(
+                f"{self.where}: {self.cert_file} and {self.key_file} are not a certificate"
+                f" and its private key ({type(exc).__name__})"
+            ) from None
+
+    def client_context(self) -> ssl.SSLContext:
+        """A context that verifies the server (the CA file, else the system's CAs)."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.ca_file is not None:
+            try:
+                context.load_verify_locations(cafile=str(self.ca_file))
+            except FileNotFoundError:
+                raise InvalidConfiguration(
+                    f"{self.where}.ca_file: {self.ca_file} does not exist"
+                ) from None
+            except (ssl.SSLError, OSError) as exc:
+                raise InvalidConfiguration(
+                    f"{self.where}.ca_file: {self.ca_file} holds no usable CA certificate"
+                    f" ({type(exc).__name__})"
+                ) from None
+        self._load_chain(context)
+        return context
+
+    def server_context(self) -> ssl.SSLContext:
+        """A server context with this certificate (the console serving HTTPS)."""
+        if self.cert_file is None:
+            raise InvalidConfiguration(f"{self.where}: a server needs cert_file and key_file")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._load_chain(context)
+        return context
+
+
+def describe_tls_failure(exc: BaseException) -> str | None:
+    """One line for a failed TLS handshake found in ``exc``'s chain, or None if none is.
+
+    A server certificate that does not verify (a wrong CA file, a wrong
+    server name) is named as such, so an operator sees which setting to fix.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLCertVerificationError):
+            reason = current.verify_message or current.reason or "verification failed"
+            return (
+                f"TLS: the broker's certificate was not accepted ({reason}); check"
+                " broker.tls.ca_file and broker.tls.server_name"
+            )
+        if isinstance(current, ssl.SSLError):
+            return f"TLS: handshake with the broker failed ({current.reason or 'ssl error'})"
+        for arg in getattr(current, "args", ()):
+            if isinstance(arg, BaseException) and id(arg) not in seen:
+                found = describe_tls_failure(arg)
+                if found is not None:
+                    return found
+        current = current.__cause__ or current.__context__
+    return None
