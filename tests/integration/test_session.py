@@ -25,6 +25,7 @@ from octo_common.codec import decode_struct
 from octo_common.errors import (
     AdapterFailed,
     AdapterIndeterminate,
+    FencingTokenRejected,
     InvalidFrameHeaders,
     InvalidJournalLease,
     MissingAdapter,
@@ -132,7 +133,8 @@ class FaultyStore:
     """The real store behind a fault-injecting boundary (W§10.9 faults).
 
     ``fail_commits`` holds 1-based commit numbers that raise
-    ``StorageBackendError`` instead of committing; ``stale_commits`` commit
+    ``StorageBackendError`` instead of committing; ``fence_commits`` raise
+    ``FencingTokenRejected`` (another worker's fence); ``stale_commits`` commit
     for real but report a non-advancing revision; ``fail_loads`` makes
     ``load_records`` fail.
     """
@@ -141,6 +143,7 @@ class FaultyStore:
         self.inner = inner
         self.commits: list[WorkerCommit] = []
         self.fail_commits: set[int] = set()
+        self.fence_commits: set[int] = set()
         self.stale_commits: set[int] = set()
         self.fail_loads = False
 
@@ -159,6 +162,8 @@ class FaultyStore:
         number = len(self.commits)
         if number in self.fail_commits:
             raise StorageBackendError("injected commit failure")
+        if number in self.fence_commits:
+            raise FencingTokenRejected(lease.token + 1, lease.token)
         revision = await self.inner.commit(scope, lease, changes)
         if number in self.stale_commits:
             return 1
@@ -1132,6 +1137,26 @@ async def test_example_15_admission_commit_fails(world: World) -> None:
     refusal = world.store.commits[-1]
     assert refusal.journal is None and len(refusal.outbox_insert) == 1
     assert (await world.real_store.load_sessions(SCOPE))[SESSION].status == "poisoned"
+
+
+async def test_a_commit_refused_by_another_workers_fence_publishes_and_commits_nothing(
+    world: World,
+) -> None:
+    # The admission commit meets another worker's fence. The session
+    # is superseded: no refusal is committed or published (the new owner
+    # answers), the delivery goes back to the broker, and it stays silent.
+    start = len(world.store.commits)
+    world.store.fence_commits = {start + 1}
+    delivery = await world.send(world.dispatch("op-fenced", publish_payload("x.txt")))
+    assert delivery.kinds == ["requeue"] and delivery.frames == []
+    assert len(commits_since(world, start)) == 1  # the refused one, nothing after it
+    assert world.session.status == "poisoned" and world.session.commit_failed
+    assert await world.record("op-fenced") is None
+    assert world.effects() == []
+    # Every later frame of the session is given back unanswered as well.
+    later = await world.send(world.dispatch("op-later", publish_payload("y.txt")))
+    assert later.kinds == ["requeue"] and later.frames == []
+    assert len(commits_since(world, start)) == 1
 
 
 async def test_example_16_observation_commit_fails(world: World) -> None:
