@@ -357,6 +357,20 @@ class RunCache:
         run._lock.on_release = None
         self._lru[name] = run  # most recently used: it just was
 
+    @staticmethod
+    def require_durable(run: HostRun) -> None:
+        """Raise unless the ledger ``run`` holds is the one last written or read.
+
+        Every change is persisted on a copy before the run adopts it, so this
+        never fires; a request must never be sealed from a ledger that is not
+        durable, and this says so where it is sealed.
+        """
+        if run._ledger.revision != run._durable_ledger_revision:
+            raise RuntimeError(
+                f"run {run.name!r} holds ledger revision {run._ledger.revision}, "
+                f"durable {run._durable_ledger_revision}: nothing is sealed from it"
+            )
+
     async def persist_locked(
         self,
         run: HostRun,

@@ -245,10 +245,13 @@ class HostVerbs:
         kind: RequestKind,
         build: Any,
     ) -> OperationStatus:
-        """Persist, seal (``build``), register, fault point, publish, await the reply.
+        """Check the ledger is durable, seal (``build``), register, fault point, publish,
+        await the reply.
 
-        ``build(auth) -> OutboundFrame`` runs under the run lock after the
-        ledger is durable, so an approval and its sealing see one revision,
+        ``build(auth) -> OutboundFrame`` runs under the run lock on the durable
+        ledger (every change is persisted before the run adopts it;
+        :meth:`RunCache.require_durable` refuses any other), so an approval and
+        its sealing see one revision,
         and a decision to send sees the ledger it is made from. While the
         broker reconnects, it first waits for the connection (at most one
         publish timeout, else ``BrokerUnavailable``). A publish cut by a lost
@@ -259,7 +262,7 @@ class HostVerbs:
             raise SessionClosed(session.session_id)
         await self._broker.wait_connected()
         async with run._lock:
-            await self._runs.persist_locked(run, run._ledger)
+            self._runs.require_durable(run)
             outbound = build(session.authenticator)
             request = outbound.request
             row = _KINDS[kind]

@@ -219,3 +219,59 @@ async def test_a_run_dropped_lately_still_refuses_a_rolled_back_ledger() -> None
     world.backend.floors[key] = older.revision
     with pytest.raises(StaleRevision):
         await world.load("run-a")
+
+
+# A request is sealed only from a durable ledger -----------------------------------------
+
+
+class _Broker:
+    """The broker side of HostVerbs._send_prepared: connected, publishing nothing."""
+
+    def __init__(self) -> None:
+        self.published: list[str] = []
+
+    async def wait_connected(self) -> None:
+        return None
+
+    async def publish(self, session: Any, frame: bytes, request_id: str, *, kind: str) -> None:
+        self.published.append(request_id)
+
+
+class _Session:
+    closed = False
+    authenticator = None
+    session_id = "s-1"
+
+
+async def test_nothing_is_sealed_from_a_ledger_that_is_not_durable() -> None:
+    from octo_host.client.sessions import SessionRegistry
+    from octo_host.client.verbs import HostVerbs
+
+    world = World(4)
+    run = await world.load("run-a")
+    await world.record(run, b"n1")
+    RunCache.require_durable(run)  # persisted: durable
+    # A change the run adopted without persisting it (what no verb does).
+    changed = run.ledger
+    world.engine.record_derived_operation(
+        world.plan,
+        changed,
+        "publish",
+        TOOL,
+        canonical_operation_input_bytes(ToolPayload.json({"n": "n2"})),
+        b"n2",
+    )
+    run._ledger = changed
+    broker = _Broker()
+    built: list[Any] = []
+    verbs = HostVerbs(
+        world.engine,
+        SessionRegistry({}, broker, settings(4), QUIET),  # type: ignore[arg-type]
+        world.cache,
+        broker,  # type: ignore[arg-type]
+        settings(4),
+        QUIET,
+    )
+    with pytest.raises(RuntimeError, match="nothing is sealed"):
+        await verbs._send_prepared(_Session(), run, RequestKind.DISPATCH, built.append)  # type: ignore[arg-type]
+    assert built == [] and broker.published == []
