@@ -101,6 +101,10 @@ def instrument_worker(timers: StageTimers) -> None:
     timers.wrap(session.WorkerSession, "confirm_published", "outbox_mark")
     timers.wrap(store.SqliteJournalStore, "commit", "journal_commit")
     timers.wrap(store.SqliteJournalStore, "load_records", "journal_load")
+    from octo_worker.storage.postgres import PostgresJournalStore
+
+    timers.wrap(PostgresJournalStore, "commit", "journal_commit")
+    timers.wrap(PostgresJournalStore, "load_records", "journal_load")
     timers.wrap(deliveries.BrokerDelivery, "ack", "ack")
     timers.wrap(deliveries.BrokerDelivery, "reply", "reply_publish_confirmed")
     timers.wrap(session, "call_adapter_reporting", "adapter")

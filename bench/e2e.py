@@ -830,42 +830,72 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def profile_pass(args: argparse.Namespace, root: Path) -> None:
-    """One extra measurement per concurrency with timers and profilers on both sides."""
+    """One extra measurement per concurrency with timers and profilers on both sides;
+    with the part ``pg``, one more with the worker's journal in PostgreSQL."""
     out: Path = args.profile
     out.mkdir(parents=True, exist_ok=True)
     host_timers = StageTimers()
     instrument_host(host_timers)
-    for in_flight in args.in_flight:
-        files = WorkerFiles(root / f"profiled-{in_flight}", in_flight, anchor=args.anchor)
-        worker = WorkerProcess(
-            files, out / f"worker-stages-{in_flight}.jsonl", out / f"worker-{in_flight}"
-        )
-        host_profile = out / f"host-{in_flight}.prof"
-        try:
-            figures = _loop.run(
-                measure_octo(
-                    files,
-                    worker,
-                    in_flight,
-                    args.total,
-                    ledger_dir=root,
-                    sessions_count=args.sessions,
-                    per_session=args.ops_per_session,
-                    anchor=args.anchor,
-                    host_timers=host_timers,
-                    host_profile=host_profile,
-                )
+    journals: list[str | None] = [None]
+    place: PgPlace | None = None
+    if "pg" in args.parts:
+        place = PgPlace(root / "pg-profiled")
+        journals.append(place.storage_toml())
+    try:
+        for storage in journals:
+            for in_flight in args.in_flight:
+                _profile_one(args, root, out, host_timers, in_flight, storage)
+    finally:
+        if place is not None:
+            _loop.run(place.drop())
+
+
+def _profile_one(
+    args: argparse.Namespace,
+    root: Path,
+    out: Path,
+    host_timers: StageTimers,
+    in_flight: int,
+    storage: str | None,
+) -> None:
+    journal = "sqlite" if storage is None else "pg"
+    files = WorkerFiles(
+        root / f"profiled-{journal}-{in_flight}", in_flight, anchor=args.anchor, storage=storage
+    )
+    worker = WorkerProcess(
+        files,
+        out / f"worker-stages-{journal}-{in_flight}.jsonl",
+        out / f"worker-{journal}-{in_flight}",
+    )
+    host_profile = out / f"host-{journal}-{in_flight}.prof"
+    try:
+        figures = _loop.run(
+            measure_octo(
+                files,
+                worker,
+                in_flight,
+                args.total,
+                ledger_dir=root,
+                sessions_count=args.sessions,
+                per_session=args.ops_per_session,
+                anchor=args.anchor,
+                host_timers=host_timers,
+                host_profile=host_profile,
             )
-        finally:
-            worker.stop()
-            _loop.run(_octo.delete_queue(worker_queue(files.scope)))
-        print(f"\n=== profiled pass, {in_flight} in flight (profilers slow it): {figures}")
-        print_stages("host stages", host_timers.totals, args.total)
-        print_stages("worker stages", worker.last_stages(), args.total)
-        print_profile("host cProfile", host_profile, args.total)
-        worker_profile = worker.last_profile()
-        if worker_profile is not None and worker_profile.exists():
-            print_profile("worker cProfile", worker_profile, args.total)
+        )
+    finally:
+        worker.stop()
+        _loop.run(_octo.delete_queue(worker_queue(files.scope)))
+    print(
+        f"\n=== profiled pass, {journal} journal, {in_flight} in flight "
+        f"(profilers slow it): {figures}"
+    )
+    print_stages("host stages", host_timers.totals, args.total)
+    print_stages("worker stages", worker.last_stages(), args.total)
+    print_profile("host cProfile", host_profile, args.total)
+    worker_profile = worker.last_profile()
+    if worker_profile is not None and worker_profile.exists():
+        print_profile("worker cProfile", worker_profile, args.total)
 
 
 if __name__ == "__main__":
