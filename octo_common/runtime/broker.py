@@ -171,10 +171,14 @@ async def _publish_lean(
         confirm = channel.publish(exchange, routing_key, body, properties, mandatory=True)
     except amqp.AmqpError:
         raise PublishChannelClosed(routing_key) from None
+    # The confirm's own future ends at the deadline (no wait_for task per publish).
+    expiry = asyncio.get_running_loop().call_later(remaining, _expire, confirm)
     try:
-        outcome = await asyncio.wait_for(confirm, remaining)
-    except TimeoutError:
-        raise PublishTimedOut(routing_key, timeout) from None
+        outcome = await confirm
+    finally:
+        expiry.cancel()
+    if outcome == _EXPIRED:
+        raise PublishTimedOut(routing_key, timeout)
     if outcome == amqp.ACKED:
         return
     if outcome == amqp.NACKED:
@@ -182,6 +186,14 @@ async def _publish_lean(
     if outcome == amqp.CLOSED:
         raise PublishChannelClosed(routing_key)
     raise PublishReturned(routing_key, outcome)
+
+
+_EXPIRED = -100  # a confirm outcome of this module's own: the deadline passed first
+
+
+def _expire(confirm: asyncio.Future[int]) -> None:
+    if not confirm.done():
+        confirm.set_result(_EXPIRED)
 
 
 async def _publish_once(

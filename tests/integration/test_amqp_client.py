@@ -181,3 +181,41 @@ async def test_bad_credentials_and_urls_fail_without_naming_them() -> None:
     with pytest.raises(ValueError) as bad:
         await amqp.connect("amqp://guest:secret@127.0.0.1:5672/?heartbeat=5")
     assert "secret" not in str(bad.value)
+
+
+async def test_publish_confirmed_on_the_lean_client_raises_each_failure(
+    connection: amqp.Connection, queue: str
+) -> None:
+    from octo_common.runtime.broker import publish_confirmed
+    from octo_common.transport import PublishChannelClosed, PublishReturned, PublishTimedOut
+
+    channel = await connection.channel(publisher_confirms=True)
+
+    async def publish(exchange: str, key: str, message_id: str, timeout: float = WAIT) -> None:
+        await publish_confirmed(
+            channel,
+            exchange,
+            key,
+            b"{}",
+            message_id=message_id,
+            correlation_id="c",
+            reply_to=None,
+            headers={"octo-scope": "s"},
+            timeout=timeout,
+        )
+
+    await publish("", queue, "m-ok")
+    with pytest.raises(PublishReturned) as returned:
+        await publish("", f"{queue}.nobody", "m-returned")
+    assert returned.value.reply_code == 312
+    with pytest.raises(PublishTimedOut):
+        await publish("", queue, "m-late", timeout=1e-4)  # no quorum confirm within 100 us
+    await publish("", queue, "m-after")  # the late confirm ends nothing it should not
+    with pytest.raises(PublishChannelClosed):
+        await publish(f"octo.test.none.{uuid.uuid4().hex[:8]}", "k", "m-closed")
+    with pytest.raises(PublishChannelClosed):
+        await publish("", queue, "m-dead")
+    check = await connection.channel()
+    state = await check.declare_queue(queue, passive=True)
+    # ok and after; late too when it went out before its deadline (it may not have).
+    assert state.message_count in (2, 3)
