@@ -187,7 +187,7 @@ async def test_publish_confirmed_on_the_lean_client_raises_each_failure(
     connection: amqp.Connection, queue: str
 ) -> None:
     from octo_common.runtime.broker import publish_confirmed
-    from octo_common.transport import PublishChannelClosed, PublishReturned, PublishTimedOut
+    from octo_common.transport import PublishChannelClosed, PublishReturned
 
     channel = await connection.channel(publisher_confirms=True)
 
@@ -208,14 +208,11 @@ async def test_publish_confirmed_on_the_lean_client_raises_each_failure(
     with pytest.raises(PublishReturned) as returned:
         await publish("", f"{queue}.nobody", "m-returned")
     assert returned.value.reply_code == 312
-    with pytest.raises(PublishTimedOut):
-        await publish("", queue, "m-late", timeout=1e-4)  # no quorum confirm within 100 us
-    await publish("", queue, "m-after")  # the late confirm ends nothing it should not
+    await publish("", queue, "m-after")
     with pytest.raises(PublishChannelClosed):
         await publish(f"octo.test.none.{uuid.uuid4().hex[:8]}", "k", "m-closed")
     with pytest.raises(PublishChannelClosed):
         await publish("", queue, "m-dead")
     check = await connection.channel()
     state = await check.declare_queue(queue, passive=True)
-    # ok and after; late too when it went out before its deadline (it may not have).
-    assert state.message_count in (2, 3)
+    assert state.message_count == 2  # ok and after

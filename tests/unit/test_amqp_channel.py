@@ -226,3 +226,27 @@ async def test_a_delivery_held_long_does_not_grow_the_channel_without_bound() ->
     await got[0].ack()
     assert acks(fake.flush()) == [(1, False)]
     assert not channel._unsettled
+
+
+async def test_a_confirm_past_its_deadline_is_a_timeout_and_ends_nothing_when_it_comes() -> None:
+    from octo_common.runtime.broker import publish_confirmed
+    from octo_common.transport import PublishTimedOut
+
+    fake = FakeConnection()
+    channel = Channel(fake, 3)  # type: ignore[arg-type]
+    channel.publisher_confirms = True
+    with pytest.raises(PublishTimedOut):
+        await publish_confirmed(
+            channel,
+            "",
+            "q",
+            b"{}",
+            message_id="m-late",
+            correlation_id=None,
+            reply_to=None,
+            headers={},
+            timeout=0.05,
+        )
+    assert [type(f).__name__ for f in fake.flush()] == ["Publish", "ContentHeader", "ContentBody"]
+    feed(channel, commands.Basic.Ack(delivery_tag=1, multiple=False))  # the late confirm
+    assert not channel._unconfirmed and not channel.is_closed
