@@ -86,10 +86,10 @@ def instrument_worker(timers: StageTimers) -> None:
     """The worker pipeline's stages (see bench/e2e.py for how they nest)."""
     from octo_common import authorizer, frames
     from octo_worker import journal, store
-    from octo_worker.daemon import daemon, deliveries
+    from octo_worker.daemon import deliveries
     from octo_worker.session import session
 
-    timers.wrap(daemon.WorkerDaemon, "_on_message", "delivery_total")
+    timers.wrap(deliveries.DeliveryPath, "on_message", "delivery_total")
     timers.wrap(session.WorkerSession, "handle", "session_handle")
     timers.wrap(frames.SessionAuthenticator, "open", "frame_open")
     timers.wrap(frames.SessionAuthenticator, "seal", "frame_seal")
@@ -112,7 +112,7 @@ def instrument_worker(timers: StageTimers) -> None:
 
 def socket_writes(daemon: WorkerDaemon | None) -> int:
     """The socket writes of the daemon's current broker connection (0 without one)."""
-    connection = None if daemon is None else daemon._connection
+    connection = None if daemon is None else daemon._broker.connection()
     return 0 if connection is None else connection.writes
 
 

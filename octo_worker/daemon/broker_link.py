@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
@@ -37,49 +38,84 @@ if TYPE_CHECKING:
     from octo_worker.hooks import WorkerHooks
     from octo_worker.session.session import WorkerSession
 
-__all__ = ["BrokerLink"]
+__all__ = ["BrokerLink", "Deliver", "OutboxOwner"]
+
+
+Deliver = Callable[[ServedScope, InboundMessage, amqp.Channel], Coroutine[Any, Any, None]]
+
+
+class OutboxOwner(Protocol):
+    """What a fresh or lost connection asks of the scopes' lifecycle."""
+
+    async def republish_outbox(self, scope: ServedScope) -> list[WorkerSession]: ...
+
+    def release_outbox_later(self, scope: ServedScope, sessions: list[WorkerSession]) -> None: ...
+
+    def stand_by(self) -> None: ...
 
 
 class BrokerLink:
     """RabbitMQ for ``WorkerDaemon`` (see the module docstring).
 
-    Owns the connection state below; the daemon creates it. Reads the
-    configuration, the scopes and the stop event; hands each delivery to
-    the delivery path and each fresh connection's outbox to the scopes.
+    Owns the connection, its channels and whether it is connected; reads the
+    configuration and the served scopes. ``serve`` runs the reconnect loop
+    and hands each delivery to ``deliver`` and each fresh connection's
+    outbox to ``outbox``.
     """
 
-    config: WorkerConfig
-    hooks: WorkerHooks
-    _log: Any
-    _scopes: dict[str, ServedScope]
-    _notifier: Notifier
-    _connection: amqp.Connection | None
-    _consume_channel: amqp.Channel | None
-    _publish_channel: amqp.Channel | None
-    _connected: asyncio.Event
-    _stopping: asyncio.Event
-    _ready: asyncio.Event
-    _consuming_since_connect: bool
-    _shared: bool
+    def __init__(
+        self,
+        config: WorkerConfig,
+        scopes: Mapping[str, ServedScope],
+        *,
+        hooks: WorkerHooks,
+        notifier: Notifier,
+        stopping: asyncio.Event,
+        shared: bool,
+        log: Any,
+    ) -> None:
+        self.config = config
+        self._scopes = scopes
+        self._hooks = hooks
+        self._notifier = notifier
+        self._stopping = stopping
+        self._shared = shared
+        self._log = log
+        self._connection: amqp.Connection | None = None
+        self._consume_channel: amqp.Channel | None = None
+        self._publish_channel: amqp.Channel | None = None
+        self._connected = asyncio.Event()
+        self.ready = asyncio.Event()
+        self._consuming_since_connect = False
+        self._outbox: OutboxOwner | None = None
+        self._deliver: Deliver | None = None
+        self._drain: Callable[[], Awaitable[None]] | None = None
 
-    if TYPE_CHECKING:  # the other parts of WorkerDaemon
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
 
-        async def _on_message(
-            self,
-            scope: ServedScope,
-            message: InboundMessage,
-            channel: amqp.Channel,
-        ) -> None: ...
+    @property
+    def consume_channel(self) -> amqp.Channel | None:
+        """The current connection's consume channel (None between connections)."""
+        return self._consume_channel
 
-        async def _republish_outbox(self, scope: ServedScope) -> list[WorkerSession]: ...
+    def connection(self) -> amqp.Connection | None:
+        """The connection while connected (the queue gauges read through it)."""
+        return self._connection if self._connected.is_set() else None
 
-        def _release_outbox_later(
-            self, scope: ServedScope, sessions: list[WorkerSession]
-        ) -> None: ...
-
-        def _stand_by(self) -> None: ...
-
-        async def _drain(self) -> None: ...
+    async def serve(
+        self,
+        *,
+        deliver: Deliver,
+        outbox: OutboxOwner,
+        drain: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Connect, serve and reconnect until stopped; ``drain`` runs once stopping."""
+        self._deliver = deliver
+        self._outbox = outbox
+        self._drain = drain
+        await self._connection_loop()
 
     async def _connection_loop(self) -> None:
         broker = self.config.broker
@@ -95,7 +131,7 @@ class BrokerLink:
                 )
             except OctoError as exc:
                 self._log.warning("broker_connect_failed", error=str(exc), retry_in=delay)
-                await self._sleep_or_stop(delay)
+                await self.sleep_or_stop(delay)
                 delay = min(delay * 2, broker.reconnect_max_seconds)
                 continue
             self._consuming_since_connect = False
@@ -109,17 +145,17 @@ class BrokerLink:
             except Exception as exc:
                 self._log.warning("broker_session_ended", error=type(exc).__name__)
             finally:
-                await self._close_connection()
+                await self.close()
             if not self._stopping.is_set():
                 if self._consuming_since_connect:
                     # It served: a fresh loss, retried from the initial delay.
                     delay = broker.reconnect_initial_seconds
                 self._log.warning("broker_connection_lost", retry_in=delay)
-                await self._sleep_or_stop(delay)
+                await self.sleep_or_stop(delay)
                 # A set-up that keeps failing after connecting backs off too.
                 delay = min(delay * 2, broker.reconnect_max_seconds)
 
-    async def _sleep_or_stop(self, seconds: float) -> None:
+    async def sleep_or_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
@@ -163,28 +199,31 @@ class BrokerLink:
         for scope in self._scopes.values():
             # A standby scope republishes when the broker makes it active.
             if not scope.superseded and not scope.standby:
-                self._release_outbox_later(scope, await self._republish_outbox(scope))
+                self._outbox_owner().release_outbox_later(
+                    scope, await self._outbox_owner().republish_outbox(scope)
+                )
         for scope in self._scopes.values():
             if not scope.superseded:
                 async with asyncio.timeout(bound):
-                    await self._start_consuming(scope)
+                    await self.start_consuming(scope)
         self._consuming_since_connect = True
-        self._ready.set()
+        self.ready.set()
         self._notifier.ready(f"serving {len(self._scopes)} scope(s)")
         self._log.info("worker_consuming", scopes=len(self._scopes))
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait([closed, stop], return_when=asyncio.FIRST_COMPLETED)
-            if self._stopping.is_set() and not closed.done():
+            if self._stopping.is_set() and not closed.done() and self._drain is not None:
                 await self._drain()
         finally:
             stop.cancel()
             self._connected.clear()
 
-    async def _close_connection(self) -> None:
+    async def close(self) -> None:
+        """Close the connection (if any); a shared journal's scopes stand by."""
         self._connected.clear()
-        if self._shared:
-            self._stand_by()
+        if self._shared and self._outbox is not None:
+            self._outbox.stand_by()
         for scope in self._scopes.values():
             scope.consumer_channel = None
             scope.consumer_tag = None
@@ -196,7 +235,7 @@ class BrokerLink:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), timeout=5.0)
 
-    async def _start_consuming(self, scope: ServedScope) -> None:
+    async def start_consuming(self, scope: ServedScope) -> None:
         channel = self._consume_channel
         if (
             channel is None
@@ -207,10 +246,12 @@ class BrokerLink:
             return
         tasks = scope.tasks
         loop = asyncio.get_running_loop()
+        deliver = self._deliver
+        assert deliver is not None, "serve() sets the delivery path"
 
         def on_message(message: amqp.AmqpDelivery) -> None:
             # Called in the callback that read the delivery: start its handling, return.
-            task = loop.create_task(self._on_message(scope, message, channel))
+            task = loop.create_task(deliver(scope, message, channel))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
@@ -218,7 +259,7 @@ class BrokerLink:
         scope.consumer_tag = await channel.consume(worker_queue(scope.name), on_message)
         self._set_consumers_gauge()
 
-    async def _stop_consuming(self, scope: ServedScope | None = None) -> None:
+    async def stop_consuming(self, scope: ServedScope | None = None) -> None:
         scopes = [scope] if scope is not None else list(self._scopes.values())
         for item in scopes:
             channel, tag = item.consumer_channel, item.consumer_tag
@@ -228,9 +269,13 @@ class BrokerLink:
                     await asyncio.wait_for(channel.cancel(tag), timeout=5.0)
         self._set_consumers_gauge()
 
+    def _outbox_owner(self) -> OutboxOwner:
+        assert self._outbox is not None, "serve() sets the outbox owner"
+        return self._outbox
+
     def _set_consumers_gauge(self) -> None:
         active = sum(1 for s in self._scopes.values() if s.consumer_tag is not None)
-        self.hooks.on_consumers_changed(active)
+        self._hooks.on_consumers_changed(active)
 
     async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None:
         """A confirmed publish that survives a reconnect (same bytes, current channel).
@@ -276,7 +321,7 @@ class BrokerLink:
         reason: str,
     ) -> None:
         """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
-        self.hooks.on_dead_letter(scope.name, reason)
+        self._hooks.on_dead_letter(scope.name, reason)
         self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
         await dead_letter_delivery(
             message,

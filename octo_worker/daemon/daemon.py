@@ -49,7 +49,6 @@ import structlog
 from octo_common.errors import (
     OctoError,
 )
-from octo_common.runtime import amqp
 from octo_common.runtime.faults import FaultInjector
 from octo_worker.adapters.contract import (
     WorkerAdapterRegistry,
@@ -77,13 +76,16 @@ _log = structlog.get_logger("octo.worker.daemon")
 # The daemon ----------------------------------------------------------------------------
 
 
-class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
+class WorkerDaemon:
     """Serves the configured scopes until stopped (``run``).
 
-    The delivery path, the scopes' lifecycle and the broker link are its
-    parts (:mod:`octo_worker.daemon.deliveries`, :mod:`octo_worker.daemon.scopes`,
-    :mod:`octo_worker.daemon.broker_link`); this class builds and owns their state,
-    starts, stops and watches the process.
+    Owns its parts, each built with what it needs and called through its
+    own methods: the broker link (:mod:`octo_worker.daemon.broker_link`:
+    connection, consumers, confirmed publish, dead-letter), the scopes'
+    lifecycle (:mod:`octo_worker.daemon.scopes`) and the delivery path
+    (:mod:`octo_worker.daemon.deliveries`), the last two built once the
+    store and the adapters are ready. It starts, stops and watches the
+    process.
     """
 
     def __init__(
@@ -98,7 +100,8 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         self.config = config
         self.metrics = metrics or WorkerMetrics()
         self.faults = faults or FaultInjector()
-        self._supersession = Supersession(self._own_fence)
+        self._scopes: dict[str, ServedScope] = {}
+        self._supersession = Supersession(self._scopes)
         # Metrics first: at a point both use, a fault kills after counting.
         self.hooks = combine_hooks(
             self.metrics,
@@ -113,18 +116,22 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
             per_session=config.limits.reconciliations_per_session,
         )
         self._store: JournalStoreBase | None = None
-        self._scopes: dict[str, ServedScope] = {}
-        self._connection: amqp.Connection | None = None
-        self._consume_channel: amqp.Channel | None = None
-        self._publish_channel: amqp.Channel | None = None
-        self._connected = asyncio.Event()
         self._stopping = asyncio.Event()
         self._failure: OctoError | None = None
-        self._ready = asyncio.Event()
-        self._consuming_since_connect = False
         self._shared = config.shared_journal
         self._background: set[asyncio.Task[Any]] = set()
         self._log = _log.bind(worker=config.worker.state_dir)
+        self._broker = BrokerLink(
+            config,
+            self._scopes,
+            hooks=self.hooks,
+            notifier=self._notifier,
+            stopping=self._stopping,
+            shared=self._shared,
+            log=self._log,
+        )
+        self._lifecycle: ScopeLifecycle | None = None
+        self._deliveries: DeliveryPath | None = None
 
     @property
     def superseded(self) -> bool:
@@ -139,7 +146,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
 
     async def wait_ready(self) -> None:
         """Returns once every scope is loaded and consuming."""
-        await self._ready.wait()
+        await self._broker.ready.wait()
 
     def request_stop(self, failure: OctoError | None = None) -> None:
         """Begin a graceful stop (what SIGTERM does); with ``failure``, :meth:`run`
@@ -164,12 +171,16 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                     list(self._scopes),
                     interval=self.config.metrics.queue_refresh_seconds,
                     timeout=self.config.broker.connect_timeout_seconds,
-                    connection=lambda: self._connection if self._connected.is_set() else None,
+                    connection=self._broker.connection,
                     stopping=self._stopping,
                 )
             )
             try:
-                await self._connection_loop()
+                await self._broker.serve(
+                    deliver=self._path().on_message,
+                    outbox=self._scopes_lifecycle(),
+                    drain=self._drain,
+                )
             finally:
                 watchdog.cancel()
                 queues.cancel()
@@ -192,6 +203,29 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
             # (InvalidConfiguration): a mistyped path, not a fresh journal.
             create_state_directories(config)
         self._store = configured_store(config, on_batch=self.hooks.after_transaction)
+        lifecycle = self._lifecycle = ScopeLifecycle(
+            self._scopes,
+            store=self._store,
+            adapters=self._adapters,
+            limits=self._limits,
+            hooks=self.hooks,
+            supersession=self._supersession,
+            broker=self._broker,
+            spawn=self._spawn,
+            request_stop=self.request_stop,
+            shared=self._shared,
+            log=self._log,
+        )
+        self._deliveries = DeliveryPath(
+            store=self._store,
+            adapters=self._adapters,
+            limits=self._limits,
+            hooks=self.hooks,
+            scopes=lifecycle,
+            broker=self._broker,
+            stopping=self._stopping,
+            log=self._log,
+        )
         for scope_config in config.scopes:
             scope = ServedScope(
                 scope_config.name,
@@ -211,7 +245,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                     scope.standby = True
                     self.hooks.on_scope_role(scope.name, False)
                 else:
-                    await self._load_scope(scope)
+                    await lifecycle.load(scope)
             except OctoError as exc:
                 # A scope whose rows are not its sealed head's (rollback_detected)
                 # or that cannot be read stops the start: fail closed, say which.
@@ -223,6 +257,16 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
             adapters=self._adapters.tools(),
             broker=config.redacted_broker_url(),
         )
+
+    def _scopes_lifecycle(self) -> ScopeLifecycle:
+        if self._lifecycle is None:
+            raise RuntimeError("the daemon has not started")
+        return self._lifecycle
+
+    def _path(self) -> DeliveryPath:
+        if self._deliveries is None:
+            raise RuntimeError("the daemon has not started")
+        return self._deliveries
 
     def _load_adapters(self) -> WorkerAdapterRegistry:
         if self._given_adapters is not None:
@@ -253,7 +297,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         """
         self._notifier.stopping()
         self._stopping.set()
-        await self._stop_consuming()
+        await self._broker.stop_consuming()
         tasks = [t for scope in self._scopes.values() for t in scope.tasks]
         if tasks:
             grace = self.config.worker.shutdown_grace_seconds
@@ -281,7 +325,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                 self._log.warning("worker_reload_cut", scopes=len(pending))
         for task in list(self._background):
             task.cancel()
-        await self._close_connection()
+        await self._broker.close()
         if self._store is not None:
             await self._store.close()
         self._log.info("worker_stopped")
@@ -297,7 +341,7 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
         if self._stopping.is_set():
             return True
         live = [s for s in self._scopes.values() if not s.superseded]
-        if not self._connected.is_set():
+        if not self._broker.connected:
             return False
         return all(s.consumer_tag is not None or s.reloading for s in live)
 
@@ -315,4 +359,4 @@ class WorkerDaemon(DeliveryPath, ScopeLifecycle, BrokerLink):
                 unhealthy_since = now
             if unhealthy_since is None or now - unhealthy_since < stall:
                 self._notifier.watchdog()
-            await self._sleep_or_stop(interval)
+            await self._broker.sleep_or_stop(interval)

@@ -30,7 +30,7 @@ from octo_common.messages import OpenSession
 from octo_common.runtime import amqp
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
-from octo_worker.daemon.scopes import ServedScope, remember_closed
+from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
 from octo_worker.session.rules import (
     AfterHandling,
     Route,
@@ -41,8 +41,6 @@ from octo_worker.session.rules import (
 from octo_worker.session.session import WorkerSession
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
     from octo_worker.adapters.contract import WorkerAdapterRegistry
     from octo_worker.hooks import WorkerHooks
     from octo_worker.session.session import WorkerSessionLimits
@@ -52,7 +50,7 @@ __all__ = ["BrokerDelivery", "DeliveryPath"]
 
 
 class _Broker(Protocol):
-    """What a delivery settles through: the daemon's confirmed publish and dead-letter."""
+    """What a delivery settles through: the broker link's confirmed publish and dead-letter."""
 
     async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
 
@@ -70,12 +68,12 @@ class BrokerDelivery:
 
     def __init__(
         self,
-        daemon: _Broker,
+        broker: _Broker,
         scope: ServedScope,
         message: InboundMessage,
         channel: amqp.Channel,
     ) -> None:
-        self._daemon = daemon
+        self._broker = broker
         self._scope = scope
         self._message = message
         self._channel = channel
@@ -103,17 +101,17 @@ class BrokerDelivery:
             reply_to=session.reply_to,
             correlation_id=correlation_id,
         )
-        await self._daemon.publish(envelope)
+        await self._broker.publish(envelope)
 
     async def dead_letter(self, reason: str) -> None:
-        await self._daemon.dead_letter(self._scope, self._message, self._channel, reason)
+        await self._broker.dead_letter(self._scope, self._message, self._channel, reason)
         self.outcome = "dead_lettered"
 
     async def requeue(self) -> None:
         """Put back a delivery whose handling failed: ``reject``, which a quorum queue
         counts toward its delivery limit (a frame that keeps failing is
         dead-lettered by the broker). A delivery this worker only hands back
-        unhandled is nacked instead (``DeliveryPath._on_message``)."""
+        unhandled is nacked instead (``DeliveryPath.on_message``)."""
         if self._channel.is_closed:
             return
         await self._message.reject(requeue=True)
@@ -123,50 +121,33 @@ class BrokerDelivery:
 class DeliveryPath:
     """One delivery's path for ``WorkerDaemon`` (see the module docstring).
 
-    Reads the daemon's store, adapters, limits, hooks and stop event; leaves
-    what happens to a scope after a handling to the scopes' lifecycle.
+    Built by the daemon once its store and adapters are ready; what happens
+    to a scope after a handling is the scopes' lifecycle's, and every
+    publish and dead-letter goes through the broker link.
     """
 
-    hooks: WorkerHooks
-    _log: Any
-    _adapters: WorkerAdapterRegistry
-    _limits: WorkerSessionLimits
-    _stopping: asyncio.Event
+    def __init__(
+        self,
+        *,
+        store: JournalStoreBase,
+        adapters: WorkerAdapterRegistry,
+        limits: WorkerSessionLimits,
+        hooks: WorkerHooks,
+        scopes: ScopeLifecycle,
+        broker: _Broker,
+        stopping: asyncio.Event,
+        log: Any,
+    ) -> None:
+        self._store = store
+        self._adapters = adapters
+        self._limits = limits
+        self._hooks = hooks
+        self._scopes = scopes
+        self._broker = broker
+        self._stopping = stopping
+        self._log = log
 
-    if TYPE_CHECKING:  # the other parts of WorkerDaemon
-
-        @property
-        def store(self) -> JournalStoreBase: ...
-
-        def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
-
-        def _superseded(self, scope: ServedScope) -> bool: ...
-
-        async def _give_up_scope(self, scope: ServedScope) -> None: ...
-
-        async def _reload_scope(self, scope: ServedScope) -> None: ...
-
-        def _activate_later(
-            self, scope: ServedScope, channel: amqp.Channel
-        ) -> asyncio.Task[None]: ...
-
-        async def _release_outbox(
-            self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
-        ) -> None: ...
-
-        async def _unknown_session_reason(self, scope: ServedScope, session_id: str) -> str: ...
-
-        async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
-
-        async def dead_letter(
-            self,
-            scope: ServedScope,
-            message: InboundMessage,
-            channel: amqp.Channel,
-            reason: str,
-        ) -> None: ...
-
-    async def _on_message(
+    async def on_message(
         self,
         scope: ServedScope,
         message: InboundMessage,
@@ -182,7 +163,7 @@ class DeliveryPath:
                     break
                 if self._stopping.is_set():
                     break
-                await asyncio.shield(self._activate_later(scope, channel))
+                await asyncio.shield(self._scopes.activate_later(scope, channel))
             while not scope.running.is_set():
                 await scope.running.wait()
             if self._stopping.is_set():
@@ -200,7 +181,7 @@ class DeliveryPath:
                 with contextlib.suppress(Exception):
                     await message.nack(requeue=True)
                 return
-            delivery = BrokerDelivery(self, scope, message, channel)
+            delivery = BrokerDelivery(self._broker, scope, message, channel)
             current = asyncio.current_task()
             if current is not None:
                 scope.active.add(current)
@@ -218,7 +199,7 @@ class DeliveryPath:
                     # The last handler of a closed session: a reply confirmed
                     # after the close commit has no later commit to be deleted
                     # in, and nothing more of the session is needed in memory.
-                    await self._release_outbox(scope, [handled], handlers=1)
+                    await self._scopes.release_outbox(scope, [handled], handlers=1)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -229,7 +210,7 @@ class DeliveryPath:
                 if current is not None:
                     scope.active.discard(current)
                 self._detach(scope, delivery)
-            self.hooks.after_delivery(scope.name, delivery.outcome)
+            self._hooks.after_delivery(scope.name, delivery.outcome)
         await self._after_delivery(scope, delivery)
 
     async def _deliver(
@@ -275,14 +256,16 @@ class DeliveryPath:
             if route is Route.OPEN:
                 await self._open_session(scope, message, delivery, session_id, key_nonce)
             elif route is Route.LOOK_UP:
-                await delivery.dead_letter(await self._unknown_session_reason(scope, session_id))
+                await delivery.dead_letter(
+                    await self._scopes.unknown_session_reason(scope, session_id)
+                )
             else:
                 await delivery.dead_letter(route.value)
             return
         self._attach(scope, delivery, session)
         route = route_known(session.status, opening, key_nonce == session.key_nonce)
         if route is Route.HANDLE:
-            await session.handle(body, self.store, delivery)
+            await session.handle(body, self._store, delivery)
         else:
             await delivery.dead_letter(route.value)
 
@@ -319,11 +302,11 @@ class DeliveryPath:
                 key_nonce=key_nonce,
                 reply_to=str(message.reply_to),
                 allowed_reply_queues=scope.reply_queues,
-                store=self.store,
+                store=self._store,
                 lease=lease,
                 adapters=self._adapters,
                 limits=self._limits,
-                hooks=self.hooks,
+                hooks=self._hooks,
             )
             scope.sessions[session_id] = session
         except OctoError as exc:
@@ -365,15 +348,13 @@ class DeliveryPath:
             scope.handling.pop(sid, None)
 
     async def _after_delivery(self, scope: ServedScope, delivery: BrokerDelivery) -> None:
-        if self._superseded(scope):
-            await self._give_up_scope(scope)
+        if self._scopes.superseded(scope):
+            await self._scopes.give_up(scope)
             return
         session = delivery.session
         if session is None:
             return
         rule = after_handling(session.status, session.commit_failed, last_handler=False)
         if rule is AfterHandling.RELOAD:
-            self.hooks.on_poisoned(scope.name, session.session_id)
-            if not scope.reloading:
-                scope.reloading = True
-                scope.reload = self._spawn(self._reload_scope(scope))
+            self._hooks.on_poisoned(scope.name, session.session_id)
+            self._scopes.reload_later(scope)

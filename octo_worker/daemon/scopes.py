@@ -17,9 +17,9 @@ reserve a fence after a fence rejection, or log keys or frames.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from octo_common.errors import FencingTokenRejected, OctoError, StorageBackendError, StorageError
 from octo_common.frames import ScopeKey
@@ -30,14 +30,13 @@ from octo_worker.session.session import WorkerSession
 from octo_worker.storage.interface import WorkerJournalLease
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
     from octo_worker.adapters.contract import WorkerAdapterRegistry
     from octo_worker.session.session import WorkerSessionLimits
     from octo_worker.storage.base import JournalStoreBase
 
 __all__ = [
     "CLOSED_REMEMBERED",
+    "ScopeBroker",
     "ScopeLifecycle",
     "ServedScope",
     "Supersession",
@@ -111,51 +110,77 @@ class Supersession(WorkerHooks):
     overtook it) is not a supersession.
     """
 
-    def __init__(self, own_fence: Callable[[str, int], bool]) -> None:
-        self._own_fence = own_fence
+    def __init__(self, scopes: Mapping[str, ServedScope]) -> None:
+        self._served = scopes
         self.scopes: set[str] = set()
 
     def on_commit_failed(self, scope: str, error: OctoError) -> None:
         if isinstance(error, FencingTokenRejected) and not self._own_fence(scope, error.current):
             self.scopes.add(scope)
 
+    def _own_fence(self, scope_name: str, fence: int) -> bool:
+        scope = self._served.get(scope_name)
+        if scope is None:
+            return False
+        # While a reservation is under way its token is not known yet; if
+        # another worker took the scope meanwhile, the next commit under the
+        # new lease meets that worker's fence and gives the scope up.
+        return scope.reserving or (scope.lease is not None and scope.lease.token == fence)
+
+
+class ScopeBroker(Protocol):
+    """What a scope's lifecycle asks of the broker link."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def consume_channel(self) -> amqp.Channel | None: ...
+
+    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
+
+    async def start_consuming(self, scope: ServedScope) -> None: ...
+
+    async def stop_consuming(self, scope: ServedScope | None = None) -> None: ...
+
 
 class ScopeLifecycle:
     """Each served scope's lifecycle for ``WorkerDaemon`` (see the module docstring).
 
-    Reads the daemon's store, adapters, limits, hooks and events; publishes
-    and starts or stops consuming through the broker link.
+    Built by the daemon once its store and adapters are ready, with the
+    scopes it serves, the broker link (publish, consume) and the daemon's
+    ``spawn`` and ``request_stop``.
     """
 
-    hooks: WorkerHooks
-    _log: Any
-    _scopes: dict[str, ServedScope]
-    _adapters: WorkerAdapterRegistry
-    _limits: WorkerSessionLimits
-    _supersession: Supersession
-    _connected: asyncio.Event
-    _stopping: asyncio.Event
-    # The current connection's consume channel (None between connections).
-    _consume_channel: amqp.Channel | None
-    # The journal is shared (PostgreSQL, D13): scopes start as standby.
-    _shared: bool
+    def __init__(
+        self,
+        scopes: dict[str, ServedScope],
+        *,
+        store: JournalStoreBase,
+        adapters: WorkerAdapterRegistry,
+        limits: WorkerSessionLimits,
+        hooks: WorkerHooks,
+        supersession: Supersession,
+        broker: ScopeBroker,
+        spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
+        request_stop: Callable[[OctoError | None], None],
+        shared: bool,
+        log: Any,
+    ) -> None:
+        self._scopes = scopes
+        self._store = store
+        self._adapters = adapters
+        self._limits = limits
+        self._hooks = hooks
+        self._supersession = supersession
+        self._broker = broker
+        self._spawn = spawn
+        self._request_stop = request_stop
+        # The journal is shared (PostgreSQL, D13): scopes start as standby.
+        self._shared = shared
+        self._log = log
 
-    if TYPE_CHECKING:  # the other parts of WorkerDaemon
-
-        @property
-        def store(self) -> JournalStoreBase: ...
-
-        def request_stop(self, failure: OctoError | None = None) -> None: ...
-
-        def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]: ...
-
-        async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
-
-        async def _start_consuming(self, scope: ServedScope) -> None: ...
-
-        async def _stop_consuming(self, scope: ServedScope | None = None) -> None: ...
-
-    async def _load_scope(self, scope: ServedScope, *, open_gate: bool = True) -> None:
+    async def load(self, scope: ServedScope, *, open_gate: bool = True) -> None:
         """Reserve a fence, then rebuild the sessions from the store (W§10.10).
 
         Closed sessions are not read at all (the store skips the ones its
@@ -166,7 +191,7 @@ class ScopeLifecycle:
         looks its status up in the store (``_unknown_session_reason``), and
         the ids found closed are remembered (``scope.closed``, bounded).
         """
-        store = self.store
+        store = self._store
         scope.reserving = True
         try:
             scope.lease = await store.reserve_fence(scope.name)
@@ -189,7 +214,7 @@ class ScopeLifecycle:
                 lease=scope.lease,
                 adapters=self._adapters,
                 limits=self._limits,
-                hooks=self.hooks,
+                hooks=self._hooks,
             )
             sessions[session_id] = session
         if closed:
@@ -207,20 +232,11 @@ class ScopeLifecycle:
             scope.running.set()
         self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions), closed=len(closed))
 
-    def _superseded(self, scope: ServedScope) -> bool:
+    def superseded(self, scope: ServedScope) -> bool:
         """Whether a commit of ``scope`` met another worker's fence (see ``Supersession``)."""
         return scope.name in self._supersession.scopes
 
-    def _own_fence(self, scope_name: str, fence: int) -> bool:
-        scope = self._scopes.get(scope_name)
-        if scope is None:
-            return False
-        # While a reservation is under way its token is not known yet; if
-        # another worker took the scope meanwhile, the next commit under the
-        # new lease meets that worker's fence and gives the scope up.
-        return scope.reserving or (scope.lease is not None and scope.lease.token == fence)
-
-    async def _republish_outbox(self, scope: ServedScope) -> list[WorkerSession]:
+    async def republish_outbox(self, scope: ServedScope) -> list[WorkerSession]:
         """W§11.4: every committed reply not yet confirmed, oldest first.
 
         Returns the sessions whose rows the broker confirmed: the caller
@@ -230,8 +246,8 @@ class ScopeLifecycle:
         """
         if not scope.serving():
             return []  # another worker may own the scope: publish nothing
-        entries = await self.store.load_outbox(scope.name)
-        self.hooks.after_outbox_loaded(scope.name, len(entries))
+        entries = await self._store.load_outbox(scope.name)
+        self._hooks.after_outbox_loaded(scope.name, len(entries))
         published = 0
         finished: dict[str, WorkerSession] = {}
         for entry in entries:
@@ -252,7 +268,7 @@ class ScopeLifecycle:
                 correlation_id=entry.correlation_id,
             )
             try:
-                await self.publish(envelope, await_reconnect=False)
+                await self._broker.publish(envelope, await_reconnect=False)
             except PublishChannelClosed:
                 self._log.warning(
                     "outbox_republish_failed", scope=scope.name, error=PublishChannelClosed.code
@@ -277,7 +293,7 @@ class ScopeLifecycle:
             return []
         return list(finished.values())
 
-    def _release_outbox_later(self, scope: ServedScope, sessions: list[WorkerSession]) -> None:
+    def release_outbox_later(self, scope: ServedScope, sessions: list[WorkerSession]) -> None:
         """Run :meth:`_release_outbox` as a handler of the scope.
 
         Registered in ``scope.active`` from its creation, so a reload (which
@@ -287,11 +303,11 @@ class ScopeLifecycle:
         """
         if not sessions or scope.reloading or scope.superseded:
             return
-        task = self._spawn(self._release_outbox(scope, sessions))
+        task = self._spawn(self.release_outbox(scope, sessions))
         scope.active.add(task)
         task.add_done_callback(scope.active.discard)
 
-    async def _release_outbox(
+    async def release_outbox(
         self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
     ) -> None:
         """Delete the confirmed outbox rows of ``sessions`` now (W§11.4).
@@ -306,7 +322,7 @@ class ScopeLifecycle:
         scope is in standby or superseded: its lease may be another worker's
         past, and a commit under it would only meet that worker's fence.
         """
-        store = self.store
+        store = self._store
         for session in sessions:
             if not scope.serving():
                 return
@@ -325,8 +341,8 @@ class ScopeLifecycle:
                     session=session.session_id,
                     error=code,
                 )
-                if self._superseded(scope):
-                    await self._give_up_scope(scope)  # another worker holds the fence
+                if self.superseded(scope):
+                    await self.give_up(scope)  # another worker holds the fence
                     return
                 continue
             if released:
@@ -354,7 +370,7 @@ class ScopeLifecycle:
         try:
             # This session's rows alone (indexed): a close costs what the
             # session left in the outbox, not the scope's whole outbox.
-            entries = await self.store.load_outbox(scope.name, session_id=sid)
+            entries = await self._store.load_outbox(scope.name, session_id=sid)
         except Exception:
             return  # kept; a later delivery or start tries again
         if entries:
@@ -369,7 +385,7 @@ class ScopeLifecycle:
             del scope.sessions[session.session_id]
             remember_closed(scope, session.session_id)
 
-    async def _unknown_session_reason(self, scope: ServedScope, session_id: str) -> str:
+    async def unknown_session_reason(self, scope: ServedScope, session_id: str) -> str:
         """Why a frame of a session not in memory is dead-lettered: closed, or unknown.
 
         Looked up in the store (one authenticated row): closed sessions are
@@ -378,7 +394,7 @@ class ScopeLifecycle:
         mark was edited) is logged and refused as unknown.
         """
         try:
-            status = await self.store.session_status(scope.name, session_id)
+            status = await self._store.session_status(scope.name, session_id)
         except OctoError as exc:
             self._log.error(
                 "session_lookup_failed", scope=scope.name, session=session_id, error=exc.code
@@ -393,7 +409,7 @@ class ScopeLifecycle:
             )
         return "unknown_session"
 
-    async def _give_up_scope(self, scope: ServedScope) -> None:
+    async def give_up(self, scope: ServedScope) -> None:
         if scope.superseded:
             return
         scope.superseded = True
@@ -402,14 +418,14 @@ class ScopeLifecycle:
             scope=scope.name,
             detail="another worker holds the scope's fence; this worker stops serving it",
         )
-        await self._stop_consuming(scope)
+        await self._broker.stop_consuming(scope)
         if all(item.superseded for item in self._scopes.values()):
             self._log.error(
                 "worker_superseded", detail="every scope is served by another worker; stopping"
             )
-            self.request_stop()
+            self._request_stop(None)
 
-    def _activate_later(self, scope: ServedScope, channel: amqp.Channel) -> asyncio.Task[None]:
+    def activate_later(self, scope: ServedScope, channel: amqp.Channel) -> asyncio.Task[None]:
         """The one activation of a standby scope at a time, started by a delivery on
         ``channel`` (a running one, maybe started on an earlier connection, is returned)."""
         if scope.activation is None or scope.activation.done():
@@ -418,7 +434,7 @@ class ScopeLifecycle:
 
     def _on_current_channel(self, channel: amqp.Channel) -> bool:
         """Whether ``channel`` is the open consume channel of the current connection."""
-        return channel is self._consume_channel and not channel.is_closed
+        return channel is self._broker.consume_channel and not channel.is_closed
 
     async def _activate_scope(self, scope: ServedScope, channel: amqp.Channel) -> None:
         """The broker made this worker the scope's active consumer (D13): W§10.10 under a
@@ -444,12 +460,12 @@ class ScopeLifecycle:
             try:
                 while scope.active:
                     await asyncio.wait(list(scope.active))
-                if scope.superseded or self._superseded(scope):
-                    await self._give_up_scope(scope)
+                if scope.superseded or self.superseded(scope):
+                    await self.give_up(scope)
                     return
                 if not scope.standby or not self._on_current_channel(channel):
                     return  # already active, or that connection is gone
-                await self._load_scope(scope, open_gate=False)
+                await self.load(scope, open_gate=False)
                 if not self._on_current_channel(channel):
                     self._log.warning(
                         "scope_activation_abandoned",
@@ -459,26 +475,26 @@ class ScopeLifecycle:
                     return
                 scope.standby = False
                 assert scope.lease is not None
-                self.hooks.on_scope_role(scope.name, True)
+                self._hooks.on_scope_role(scope.name, True)
                 self._log.warning("scope_activated", scope=scope.name, fence=scope.lease.token)
-                await self._release_outbox(scope, await self._republish_outbox(scope))
-                if self._superseded(scope):
-                    await self._give_up_scope(scope)
+                await self.release_outbox(scope, await self.republish_outbox(scope))
+                if self.superseded(scope):
+                    await self.give_up(scope)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
                 self._log.error("scope_activation_failed", scope=scope.name, error=code)
-                if self._superseded(scope):
-                    await self._give_up_scope(scope)
+                if self.superseded(scope):
+                    await self.give_up(scope)
                 else:
                     # Fail closed: the worker exits with the storage status, and
                     # a supervisor restarts it as a standby.
-                    self.request_stop(_load_failure("activation", scope, exc))
+                    self._request_stop(_load_failure("activation", scope, exc))
             finally:
                 scope.running.set()
 
-    def _stand_by(self) -> None:
+    def stand_by(self) -> None:
         """A shared journal's scopes after a lost connection: standby until a delivery.
 
         Another worker may serve them meanwhile; what this one holds in memory
@@ -487,9 +503,15 @@ class ScopeLifecycle:
         for scope in self._scopes.values():
             if not scope.superseded and not scope.standby:
                 scope.standby = True
-                self.hooks.on_scope_role(scope.name, False)
+                self._hooks.on_scope_role(scope.name, False)
 
-    async def _reload_scope(self, scope: ServedScope) -> None:
+    def reload_later(self, scope: ServedScope) -> None:
+        """Start the scope's reload (W§10.9 steps 3–5) unless one is under way."""
+        if not scope.reloading:
+            scope.reloading = True
+            scope.reload = self._spawn(self.reload(scope))
+
+    async def reload(self, scope: ServedScope) -> None:
         """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume.
 
         On a shared journal the consumer is paused by the gate alone: cancelling
@@ -504,13 +526,13 @@ class ScopeLifecycle:
             try:
                 scope.running.clear()
                 if not self._shared:
-                    await self._stop_consuming(scope)
+                    await self._broker.stop_consuming(scope)
                 # The handler that poisoned the session is done with it; wait for
                 # every other running handler of the scope (their commits may fail too).
                 while scope.active:
                     await asyncio.wait(list(scope.active))
-                if scope.superseded or self._superseded(scope):
-                    await self._give_up_scope(scope)
+                if scope.superseded or self.superseded(scope):
+                    await self.give_up(scope)
                     return
                 if scope.standby:
                     scope.sessions = {}
@@ -522,12 +544,12 @@ class ScopeLifecycle:
             except Exception as exc:
                 code = exc.code if isinstance(exc, OctoError) else type(exc).__name__
                 self._log.error("scope_reload_failed", scope=scope.name, error=code)
-                if self._superseded(scope):
-                    await self._give_up_scope(scope)
+                if self.superseded(scope):
+                    await self.give_up(scope)
                 else:
                     # Fail closed: the worker exits with the storage status, and
                     # a supervisor restarts it from durable state.
-                    self.request_stop(_load_failure("reload", scope, exc))
+                    self._request_stop(_load_failure("reload", scope, exc))
             finally:
                 scope.reloading = False
                 scope.running.set()
@@ -546,19 +568,19 @@ class ScopeLifecycle:
         # The gate stays shut until every poisoned session is marked
         # poisoned again (the caller opens it): a frame for one of them
         # must not meet the reloaded session while it still reads "open".
-        await self._load_scope(scope, open_gate=False)
+        await self.load(scope, open_gate=False)
         for session_id in poisoned:
             restored = scope.sessions.get(session_id)
             if restored is not None:
-                await restored.persist_poisoned(self.store)
+                await restored.persist_poisoned(self._store)
         self._log.warning("scope_reloaded", scope=scope.name, poisoned=poisoned)
-        if self._connected.is_set():
-            await self._release_outbox(scope, await self._republish_outbox(scope))
-            if self._superseded(scope):
-                await self._give_up_scope(scope)  # the release met another writer's fence
+        if self._broker.connected:
+            await self.release_outbox(scope, await self.republish_outbox(scope))
+            if self.superseded(scope):
+                await self.give_up(scope)  # the release met another writer's fence
                 return
             if not self._shared:
-                await self._start_consuming(scope)
+                await self._broker.start_consuming(scope)
 
 
 def _load_failure(what: str, scope: ServedScope, exc: Exception) -> StorageError:

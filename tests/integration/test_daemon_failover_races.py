@@ -55,14 +55,14 @@ def worker_env(tmp_path: Path, names: Names, postgres_schema: PostgresSchema) ->
 
 async def _lose_connection(daemon: WorkerDaemon) -> None:
     """Close the daemon's own connection; return once it has reconnected and consumes."""
-    before = daemon._consume_channel
-    connection = daemon._connection
+    before = daemon._broker.consume_channel
+    connection = daemon._broker._connection
     assert connection is not None and before is not None
     await connection.close()
     await _until(
         lambda: (
-            daemon._consume_channel is not None
-            and daemon._consume_channel is not before
+            daemon._broker.consume_channel is not None
+            and daemon._broker.consume_channel is not before
             and all(s.consumer_tag is not None for s in daemon._scopes.values())
         ),
         "the daemon's reconnection",
@@ -206,9 +206,10 @@ class _WatchedLock(asyncio.Lock):
 def _watch_loads(
     daemon: WorkerDaemon, scope: ServedScope
 ) -> tuple[asyncio.Event, asyncio.Event, asyncio.Event]:
-    """The next ``_load_scope`` of ``scope`` waits for ``release``; a second one started
+    """The next ``ScopeLifecycle.load`` of ``scope`` waits for ``release``; a second one started
     meanwhile sets ``overlapped``. Returns (first entered, overlapped, release)."""
-    real = daemon._load_scope
+    lifecycle = daemon._scopes_lifecycle()
+    real = lifecycle.load
     entered, overlapped, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
     calls = [0]
 
@@ -221,7 +222,7 @@ def _watch_loads(
             overlapped.set()
         await real(target, open_gate=open_gate)
 
-    daemon._load_scope = load  # type: ignore[method-assign]
+    lifecycle.load = load  # type: ignore[method-assign]
     return entered, overlapped, release
 
 

@@ -246,19 +246,19 @@ async def test_a_publish_on_a_dead_channel_waits_without_spinning(
     dead = await broker.channel()
     await dead.close()
     # The channel died and the connection loop has not noticed yet.
-    daemon._publish_channel = dead
-    daemon._connected.set()
+    daemon._broker._publish_channel = dead
+    daemon._broker._connected.set()
     envelope = FrameEnvelope(b"{}", "m-1", None, None, {}, "octo.v5.reply.nobody")
 
     # The outbox republish fails at once: it runs on the connection being set up.
     with pytest.raises(PublishChannelClosed):
-        await asyncio.wait_for(daemon.publish(envelope, await_reconnect=False), 1.0)
+        await asyncio.wait_for(daemon._broker.publish(envelope, await_reconnect=False), 1.0)
 
     # A live reply waits for a reconnect up to 3 publish timeouts, sleeping.
     cpu = time.process_time()
     wall = time.monotonic()
     with pytest.raises(PublishChannelClosed):
-        await asyncio.wait_for(daemon.publish(envelope), 5.0)
+        await asyncio.wait_for(daemon._broker.publish(envelope), 5.0)
     assert time.monotonic() - wall >= 1.0
     assert time.process_time() - cpu < 0.5  # it slept; it did not spin for 1.2 s
 
@@ -278,10 +278,10 @@ async def test_a_set_up_that_keeps_failing_after_connecting_backs_off(
     async def failing_set_up(connection: Any) -> None:
         nonlocal attempts
         attempts += 1
-        daemon._connection = connection
+        daemon._broker._connection = connection
         raise TopologyError("queue declared with other arguments")
 
-    daemon._serve = failing_set_up  # type: ignore[method-assign]
+    daemon._broker._serve = failing_set_up  # type: ignore[method-assign]
     task = asyncio.create_task(daemon.run())
     await asyncio.sleep(2.0)
     daemon.request_stop()
@@ -495,7 +495,7 @@ async def test_an_outbox_release_meeting_a_newer_fence_gives_the_scope_up(
         # A second worker on the same journal reserves a newer fence; the old
         # one then releases its confirmed row (as after a reconnect's republish).
         await workers.start()
-        await old._release_outbox(scope, [held])
+        await old._scopes_lifecycle().release_outbox(scope, [held])
         # The commit met the newer fence: the old worker gives the scope up and,
         # with no other scope, stops by itself.
         assert scope.superseded
