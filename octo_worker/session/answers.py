@@ -62,8 +62,6 @@ from octo_common.errors import (
     ZeroPerToolReconciliationLimit,
     ZeroSessionReconciliationLimit,
 )
-from octo_common.frames import SessionAuthenticator
-from octo_common.grants import CapabilityManifest
 from octo_common.messages import (
     Cancel,
     CompensationResult,
@@ -111,7 +109,7 @@ from octo_worker.session.handling import (
 )
 from octo_worker.session.request_kinds import KEYED_MESSAGES, KeyedKind
 from octo_worker.session.rules import CLOSED, CLOSED_REASON, Answer, answer
-from octo_worker.storage.documents import SessionStatus
+from octo_worker.session.state import SessionState
 from octo_worker.storage.interface import OutboxEntry
 
 __all__ = ["SessionAnswers", "WorkerSessionLimits", "reply_unresolved"]
@@ -141,34 +139,35 @@ def _not_positive(value: object) -> bool:
 
 
 class SessionAnswers:
-    """The decisions of ``WorkerSession`` under its lock (see the module docstring).
+    """The decisions of one session under its lock (see the module docstring).
 
-    Every method here is called with the session lock held and returns
-    with it held (a commit releases it while in flight).
+    Owned by ``WorkerSession``, built with the session's state (which it
+    changes), its commit pipeline, the adapters and the limits. Every method
+    here is called with the session lock held and returns with it held (a
+    commit releases it while in flight).
     """
 
-    # Set by WorkerSession.
-    _scope: str
-    _session_id: str
-    _reply_to: str
-    _manifest: CapabilityManifest
-    _authenticator: SessionAuthenticator
-    _authorizer: SessionAuthorizer
-    _status: SessionStatus
-    _reconciliations_total: int
-    _reconciliations_by_tool: dict[str, int]
-    _adapters: WorkerAdapterRegistry
-    _limits: WorkerSessionLimits
-    _commits: SessionCommits
+    def __init__(
+        self,
+        state: SessionState,
+        *,
+        commits: SessionCommits,
+        adapters: WorkerAdapterRegistry,
+        limits: WorkerSessionLimits,
+    ) -> None:
+        self._state = state
+        self._commits = commits
+        self._adapters = adapters
+        self._limits = limits
 
     # -- routing (W§10.5) -------------------------------------------------------------
 
-    async def _prologue_locked(self, frame: bytes, run: Handling) -> Step:
-        if self._status == CLOSED:
+    async def answer_locked(self, frame: bytes, run: Handling) -> Step:
+        if self._state.status == CLOSED:
             return DeadLetter(CLOSED_REASON)
         duplicate = False
         try:
-            message: WorkerMessage = self._authenticator.open(frame)
+            message: WorkerMessage = self._state.authenticator.open(frame)
         except DuplicateFrame as dup:
             message = dup.message
             duplicate = True
@@ -177,7 +176,7 @@ class SessionAnswers:
             return DeadLetter(exc.code)
         kind = message_type(message)
         run.log = run.log.bind(type=kind, duplicate=duplicate)
-        action = answer(self._status, kind, duplicate)
+        action = answer(self._state.status, kind, duplicate)
         if action is Answer.REQUEST:
             keyed = KEYED_MESSAGES.get(type(message))
             if keyed is None:
@@ -193,13 +192,15 @@ class SessionAnswers:
             return await self._close_locked(run)
         if action is Answer.REFUSE_POISONED:
             self._name_any_request(message, run)
-            return await self._refuse_poisoned_locked(run, SessionPoisoned())
+            return await self.refuse_poisoned_locked(run, SessionPoisoned())
         if action is Answer.REFUSE_UNSUPPORTED:
             assert isinstance(message, Cancel)
             run.name_request("cancel", message.request.cancellation_id)
             return await self._refuse_locked(run, UnsupportedMessage("cancel"))
         if action is Answer.REPLAY:
-            return await self._session_only_then_dead_letter(run, SessionReplay(self._session_id))
+            return await self._session_only_then_dead_letter(
+                run, SessionReplay(self._state.session_id)
+            )
         if action is Answer.UNEXPECTED:
             return await self._session_only_then_dead_letter(run, UnexpectedMessage(kind))
         run.log.info("frame_dropped")
@@ -230,10 +231,10 @@ class SessionAnswers:
         if journal is None:
             return await self._refuse_load_error(run)
         try:
-            existing = keyed.lookup(journal, request, self._manifest.grant(request.tool))
+            existing = keyed.lookup(journal, request, self._state.manifest.grant(request.tool))
             if isinstance(existing.state, Pending):
                 raise keyed.pending(request)
-            reply = keyed.answer(keyed.result(self._session_id, request, existing.state))
+            reply = keyed.answer(keyed.result(self._state.session_id, request, existing.state))
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
         return await self._respond_locked(run, reply)
@@ -244,10 +245,10 @@ class SessionAnswers:
         invocation = message.invocation
         run.name_request("invoke", invocation.request_id)
         try:
-            auth = self._authorizer.authorize(invocation)
+            auth = self._state.authorizer.authorize(invocation)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
-        run.authorizer = self._authorizer
+        run.authorizer = self._state.authorizer
         tool = invocation.tool
         adapter = self._adapters.get(tool)
         if adapter is None:
@@ -268,7 +269,7 @@ class SessionAnswers:
                 invocation,
                 grant,
                 AdapterContext.for_invoke(
-                    self._scope, self._session_id, invocation.request_id, deadline
+                    self._state.scope, self._state.session_id, invocation.request_id, deadline
                 ),
             ),
             after=after,
@@ -289,7 +290,7 @@ class SessionAnswers:
         if not isinstance(payload, ToolPayload):
             return await self._refuse_locked(run, AdapterError(tool, AdapterFailed.code))
         try:
-            result = ToolResult(self._session_id, auth.request.request_id, payload)
+            result = ToolResult(self._state.session_id, auth.request.request_id, payload)
             self._issuer(run).validate_result(auth, result)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
@@ -301,10 +302,10 @@ class SessionAnswers:
         if kind.grant_fingerprint is not None:
             run.log = run.log.bind(grant_fingerprint=kind.grant_fingerprint(request))
         try:
-            auth = kind.authorize(self._authorizer, request)
+            auth = kind.authorize(self._state.authorizer, request)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
-        run.authorizer = self._authorizer
+        run.authorizer = self._state.authorizer
         if kind.input_fingerprint is not None:
             run.log = run.log.bind(input_fingerprint=kind.input_fingerprint(request, auth))
         tool = request.tool
@@ -321,8 +322,8 @@ class SessionAnswers:
             if isinstance(admission, Existing):
                 if isinstance(admission.state, Pending):
                     raise kind.pending(request)
-                result = kind.result(self._session_id, request, admission.state)
-                kind.validate_result(self._authorizer, auth, result)
+                result = kind.result(self._state.session_id, request, admission.state)
+                kind.validate_result(self._state.authorizer, auth, result)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
         if isinstance(admission, Existing):
@@ -373,9 +374,9 @@ class SessionAnswers:
         except OctoError:
             return await self._refuse_locked(run, kind.indeterminate(*keys, "protocol"))
         try:
-            result = kind.result(self._session_id, request, status)
+            result = kind.result(self._state.session_id, request, status)
             kind.validate_result(self._issuer(run), auth, result)
-            frame = self._authenticator.seal(kind.answer(result))
+            frame = self._state.authenticator.seal(kind.answer(result))
         except OctoError:
             # The observation is dropped: the refusal commits no journal change.
             return await self._refuse_locked(run, kind.indeterminate(*keys, "protocol"))
@@ -391,10 +392,10 @@ class SessionAnswers:
         if kind.grant_fingerprint is not None:
             run.log = run.log.bind(grant_fingerprint=kind.grant_fingerprint(request))
         try:
-            auth = kind.authorize(self._authorizer, request)
+            auth = kind.authorize(self._state.authorizer, request)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
-        run.authorizer = self._authorizer
+        run.authorizer = self._state.authorizer
         journal = self._journal_or_none(run)
         if journal is None:
             return await self._refuse_load_error(run)
@@ -410,16 +411,18 @@ class SessionAnswers:
             return await self._settled_answer_locked(kind, run, request, auth, settled)
         # Session total first, then per tool (W§10.6 reconcile step 3). Both
         # lookup kinds spend these same counters (D11).
-        if self._reconciliations_total >= self._limits.per_session:
+        if self._state.reconciliations_total >= self._limits.per_session:
             return await self._refuse_locked(
                 run, ReconciliationSessionBudgetExhausted(self._limits.per_session)
             )
-        if self._reconciliations_by_tool.get(tool, 0) >= self._limits.per_tool:
+        if self._state.reconciliations_by_tool.get(tool, 0) >= self._limits.per_tool:
             return await self._refuse_locked(
                 run, ReconciliationBudgetExhausted(tool, self._limits.per_tool)
             )
-        self._reconciliations_total += 1
-        self._reconciliations_by_tool[tool] = self._reconciliations_by_tool.get(tool, 0) + 1
+        self._state.reconciliations_total += 1
+        self._state.reconciliations_by_tool[tool] = (
+            self._state.reconciliations_by_tool.get(tool, 0) + 1
+        )
         adapter = self._adapters.get(tool)
         if adapter is None:
             return await self._refuse_locked(run, MissingAdapter(tool))
@@ -451,7 +454,7 @@ class SessionAnswers:
             return await self._refuse_locked(run, AdapterError(request.tool, AdapterFailed.code))
         try:
             kind.observe(journal, auth, status)
-            result = kind.result(self._session_id, request, status)
+            result = kind.result(self._state.session_id, request, status)
             kind.validate_result(self._issuer(run), auth, result)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
@@ -462,7 +465,7 @@ class SessionAnswers:
         self, kind: KeyedKind, run: Handling, request: Any, auth: Any, state: Any
     ) -> FinalStep:
         try:
-            result = kind.result(self._session_id, request, state)
+            result = kind.result(self._state.session_id, request, state)
             kind.validate_result(self._issuer(run), auth, result)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
@@ -477,7 +480,7 @@ class SessionAnswers:
         grant: Any,
         after: Callable[[Any, BaseException | None], Any],
     ) -> AdapterStep:
-        scope, session_id, tool = self._scope, self._session_id, request.tool
+        scope, session_id, tool = self._state.scope, self._state.session_id, request.tool
         return AdapterStep(
             call=lambda deadline: kind.call(
                 adapter, request, grant, kind.context(scope, session_id, request, deadline)
@@ -495,8 +498,8 @@ class SessionAnswers:
     # -- session-only answers ------------------------------------------------------
 
     async def _close_locked(self, run: Handling) -> Step:
-        previous = self._status
-        self._status = CLOSED
+        previous = self._state.status
+        self._state.status = CLOSED
         try:
             await self._commits.commit_locked(run.store)
         except CommitFailed as failed:
@@ -519,7 +522,7 @@ class SessionAnswers:
         """refuse(error): seal a ``request_rejected``, commit it with the state, publish."""
         run.log.info("request_refused", code=error.code)
         try:
-            frame = self._authenticator.seal(self._rejection(run, error))
+            frame = self._state.authenticator.seal(self._rejection(run, error))
         except OctoError as exc:
             # Nothing can be sent; the frame is still made durable before the ack (S1).
             run.log.warning("refusal_seal_failed", code=exc.code)
@@ -542,7 +545,7 @@ class SessionAnswers:
     ) -> FinalStep:
         """respond(message, changes): seal, commit changes + state + outbox, publish."""
         try:
-            frame = self._authenticator.seal(message)
+            frame = self._state.authenticator.seal(message)
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
         return await self._commit_reply_locked(
@@ -560,8 +563,8 @@ class SessionAnswers:
     ) -> FinalStep:
         entry = OutboxEntry(
             message_id=message_id(frame),
-            session_id=self._session_id,
-            reply_to=self._reply_to,
+            session_id=self._state.session_id,
+            reply_to=self._state.reply_to,
             correlation_id=run.request_id,
             frame=frame,
             revision=0,
@@ -575,7 +578,7 @@ class SessionAnswers:
     def _rejection(self, run: Handling, error: OctoError) -> RequestRejected:
         assert run.request_id is not None
         return RequestRejected(
-            self._session_id,
+            self._state.session_id,
             run.request_id,
             error.code,
             run.operation_key,
@@ -597,9 +600,9 @@ class SessionAnswers:
         """
         if run.request_id is None or self._commits.superseded or run.refused_poisoned:
             return Requeue()
-        return await self._refuse_poisoned_locked(run, _poison_refusal(run, failure))
+        return await self.refuse_poisoned_locked(run, _poison_refusal(run, failure))
 
-    async def _refuse_poisoned_locked(self, run: Handling, error: OctoError) -> FinalStep:
+    async def refuse_poisoned_locked(self, run: Handling, error: OctoError) -> FinalStep:
         """refuse(error) in a poisoned session: committed like any refusal, then published.
 
         Issue 15 over W§10.11 rule 3 ("without committing"): the commit is what
@@ -627,7 +630,7 @@ class SessionAnswers:
         returned is still checked, recorded and answered, never refused for
         its token's provenance. (A session still poisoned never gets here.)
         """
-        return run.authorizer if run.authorizer is not None else self._authorizer
+        return run.authorizer if run.authorizer is not None else self._state.authorizer
 
     def _journal_or_none(self, run: Handling) -> WorkerOperationJournal | None:
         if run.load_error is not None or run.records is None:
@@ -635,7 +638,7 @@ class SessionAnswers:
                 run.load_error = StorageBackendError("records were not loaded")
             return None
         try:
-            return WorkerOperationJournal(self._scope, run.records)
+            return WorkerOperationJournal(self._state.scope, run.records)
         except OctoError as exc:
             run.load_error = exc
             return None

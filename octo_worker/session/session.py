@@ -30,9 +30,10 @@ adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
   after a crash could seal again (W§10.11 rule 2); the daemon runs steps
   3–5.
 
-The decisions per frame live in :mod:`octo_worker.session.answers` (this
-class's base), the commit pipeline in :mod:`octo_worker.session.commits`,
-the status rules in :mod:`octo_worker.session.rules`. This module builds
+A session owns its parts: its state (:mod:`octo_worker.session.state`),
+its answers, which decide per frame (:mod:`octo_worker.session.answers`),
+and its commit pipeline (:mod:`octo_worker.session.commits`); the status
+rules are :mod:`octo_worker.session.rules`. This module builds
 sessions (``open``, ``restore``) and drives one handling: key lock, load,
 decisions under the session lock, the adapter call outside it, the reply.
 
@@ -88,6 +89,7 @@ from octo_worker.session.handling import (
     key_lock,
 )
 from octo_worker.session.rules import CLOSED, CLOSED_REASON, OPEN, POISONED
+from octo_worker.session.state import SessionState
 from octo_worker.storage.documents import (
     SessionStatus,
     opening_document,
@@ -115,7 +117,7 @@ __all__ = [
 _log = structlog.get_logger("octo.worker.session")
 
 
-class WorkerSession(SessionAnswers):
+class WorkerSession:
     """One authenticated session of one tenant scope (W§10)."""
 
     def __init__(
@@ -140,18 +142,18 @@ class WorkerSession(SessionAnswers):
         hooks: WorkerHooks,
     ) -> None:
         # Built only by ``open`` and ``restore``.
-        self._scope = scope
-        self._session_id = session_id
-        self._key_nonce = key_nonce
-        self._reply_to = reply_to
-        self._manifest = manifest
-        self._authenticator = authenticator
-        self._authorizer = authorizer
-        self._status: SessionStatus = status
-        self._reconciliations_total = reconciliations_total
-        self._reconciliations_by_tool: dict[str, int] = dict(reconciliations_by_tool)
-        self._adapters = adapters
-        self._limits = limits
+        self._state = SessionState(
+            scope=scope,
+            session_id=session_id,
+            key_nonce=key_nonce,
+            reply_to=reply_to,
+            manifest=manifest,
+            authenticator=authenticator,
+            authorizer=authorizer,
+            status=status,
+            reconciliations_total=reconciliations_total,
+            reconciliations_by_tool=dict(reconciliations_by_tool),
+        )
         self._hooks = hooks
         self._lock = asyncio.Lock()
         self._log = _log.bind(scope=scope, session=session_id)
@@ -172,11 +174,14 @@ class WorkerSession(SessionAnswers):
             durable=self._durable_point(),
             request_rows=request_rows,
         )
+        self._answers = SessionAnswers(
+            self._state, commits=self._commits, adapters=adapters, limits=limits
+        )
 
     def __repr__(self) -> str:
         return (
-            f"WorkerSession(scope={self._scope!r}, session_id={self._session_id!r}, "
-            f"status={self._status!r})"
+            f"WorkerSession(scope={self._state.scope!r}, session_id={self._state.session_id!r}, "
+            f"status={self._state.status!r})"
         )
 
     # -- construction ----------------------------------------------------------
@@ -317,28 +322,28 @@ class WorkerSession(SessionAnswers):
 
     @property
     def scope(self) -> str:
-        return self._scope
+        return self._state.scope
 
     @property
     def session_id(self) -> str:
-        return self._session_id
+        return self._state.session_id
 
     @property
     def status(self) -> SessionStatus:
-        return self._status
+        return self._state.status
 
     @property
     def reply_to(self) -> str:
         """The reply queue recorded at ``open_session``: every reply goes there."""
-        return self._reply_to
+        return self._state.reply_to
 
     @property
     def key_nonce(self) -> bytes:
-        return self._key_nonce
+        return self._state.key_nonce
 
     @property
     def manifest(self) -> CapabilityManifest:
-        return self._manifest
+        return self._state.manifest
 
     @property
     def highest_revision(self) -> int:
@@ -352,14 +357,14 @@ class WorkerSession(SessionAnswers):
         return self._commits.failures > 0
 
     def calls_for(self, tool: str) -> int:
-        return self._authorizer.calls_for(tool)
+        return self._state.authorizer.calls_for(tool)
 
     def compensations_for(self, tool: str) -> int:
-        return self._authorizer.compensations_for(tool)
+        return self._state.authorizer.compensations_for(tool)
 
     def reconciliations(self) -> tuple[int, dict[str, int]]:
         """(session total, per tool) reconciliations spent."""
-        return self._reconciliations_total, dict(self._reconciliations_by_tool)
+        return self._state.reconciliations_total, dict(self._state.reconciliations_by_tool)
 
     def confirm_published(self, message_id: str) -> None:
         """Note an outbox row whose (re)publish the broker confirmed.
@@ -396,9 +401,9 @@ class WorkerSession(SessionAnswers):
         reserved. Its error propagates to the daemon.
         """
         async with self._lock:
-            if self._status in (CLOSED, POISONED):
+            if self._state.status in (CLOSED, POISONED):
                 return self._commits.highest_revision
-            self._status = POISONED
+            self._state.status = POISONED
             try:
                 return await self._commits.commit_locked(store)
             except CommitFailed as failed:
@@ -421,7 +426,7 @@ class WorkerSession(SessionAnswers):
         """
         run = Handling(delivery=delivery, store=store, log=self._log)
         try:
-            if self._status == CLOSED:
+            if self._state.status == CLOSED:
                 # W§10.11 rule 9: no open(), no state change. The close may still
                 # be in flight: the frame is dropped only once it is durable.
                 run.barrier = self._commits.last_in_flight()
@@ -431,9 +436,9 @@ class WorkerSession(SessionAnswers):
             if key is None:
                 await self._handle(frame, run)
                 return
-            async with key_lock(store, self._scope, key):
+            async with key_lock(store, self._state.scope, key):
                 try:
-                    run.records = await store.load_records(self._scope, [key])
+                    run.records = await store.load_records(self._state.scope, [key])
                 except asyncio.CancelledError:
                     raise
                 except OctoError as exc:
@@ -452,19 +457,19 @@ class WorkerSession(SessionAnswers):
         async with self._lock:
             await self._commits.wait_turn_locked(run.store)
             run.barrier = self._commits.last_in_flight()
-            step = await self._prologue_locked(frame, run)
+            step = await self._answers.answer_locked(frame, run)
         while isinstance(step, AdapterStep):
             if step.ack_first:
                 await self._ack_before_adapter(step, run)
             run.adapter_ran = run.adapter_ran or step.admission
-            result, error = await call_adapter_reporting(step, self._scope, self._hooks)
+            result, error = await call_adapter_reporting(step, self._state.scope, self._hooks)
             async with self._lock:
                 await self._commits.wait_turn_locked(run.store)
-                if self._status == POISONED:
+                if self._state.status == POISONED:
                     # Another handling's commit failed while this adapter ran: the
                     # session records nothing more for requests (W§10.9); the host
                     # reconciles in a new session.
-                    step = await self._refuse_poisoned_locked(run, SessionPoisoned())
+                    step = await self._answers.refuse_poisoned_locked(run, SessionPoisoned())
                 else:
                     step = await step.after(result, error)
         await self._finish(step, run)
@@ -475,18 +480,18 @@ class WorkerSession(SessionAnswers):
             await run.ack()
             return
         hooks = self._hooks
-        hooks.after_admission_commit(self._scope, run.kind, key)
+        hooks.after_admission_commit(self._state.scope, run.kind, key)
         if await run.ack():
-            hooks.after_ack(self._scope, run.kind, key)
+            hooks.after_ack(self._state.scope, run.kind, key)
 
     async def _finish(self, step: FinalStep, run: Handling) -> None:
         if isinstance(step, Reply):
             hooks = self._hooks
-            hooks.before_reply(self._scope, run.kind)
+            hooks.before_reply(self._state.scope, run.kind)
             published = await run.publish(step.frame, step.correlation_id)
             if published:
                 hooks.after_reply(
-                    self._scope,
+                    self._state.scope,
                     run.kind,
                     run.operation_key,
                     step.refused,
@@ -497,7 +502,7 @@ class WorkerSession(SessionAnswers):
                     self.confirm_published(step.outbox_id)
                 await run.ack()
             else:
-                hooks.on_reply_failed(self._scope, run.kind)
+                hooks.on_reply_failed(self._state.scope, run.kind)
                 # The reply stays in the outbox and is republished after a restart.
                 await run.requeue()
         elif not await self._settle_after(run):
@@ -531,9 +536,9 @@ class WorkerSession(SessionAnswers):
 
     def _durable_point(self) -> DurablePoint:
         return DurablePoint(
-            authorizer=self._authorizer.checkpoint(),
-            total=self._reconciliations_total,
-            by_tool=dict(self._reconciliations_by_tool),
+            authorizer=self._state.authorizer.checkpoint(),
+            total=self._state.reconciliations_total,
+            by_tool=dict(self._state.reconciliations_by_tool),
         )
 
     def _state_document(self, point: DurablePoint | None = None) -> bytes:
@@ -546,26 +551,26 @@ class WorkerSession(SessionAnswers):
         if point is None:
             point = self._durable_point()
         return state_document(
-            self._scope,
-            self._session_id,
-            self._status,
-            self._authenticator.export_state(),
+            self._state.scope,
+            self._state.session_id,
+            self._state.status,
+            self._state.authenticator.export_state(),
             point.authorizer,
             point.total,
             point.by_tool,
         )
 
     def _retained_rows(self, start: int) -> list[tuple[str, CompensationIdentity | None]]:
-        return self._authorizer.retained_rows(start)
+        return self._state.authorizer.retained_rows(start)
 
     def _go_back(self, point: DurablePoint) -> None:
-        self._authorizer = self._authorizer.rewound(point.authorizer)
-        self._reconciliations_total = point.total
-        self._reconciliations_by_tool = dict(point.by_tool)
-        self._status = POISONED
+        self._state.authorizer = self._state.authorizer.rewound(point.authorizer)
+        self._state.reconciliations_total = point.total
+        self._state.reconciliations_by_tool = dict(point.by_tool)
+        self._state.status = POISONED
 
     def _mark_poisoned(self) -> None:
-        self._status = POISONED
+        self._state.status = POISONED
 
 
 # Helpers --------------------------------------------------------------------

@@ -959,7 +959,7 @@ async def test_compensation_runs_once_only_after_success(tmp_path: Path) -> None
         persisted = (await w.real_store.load_sessions(SCOPE))[SESSION]
         assert b"cmp-op-c-undo" not in persisted.state
         stored = documents.read_session(persisted, SCOPE)
-        state = w.session._authorizer.export_state()
+        state = w.session._state.authorizer.export_state()
         assert sorted(stored.admitted.values()) == list(state.compensation_identities)
         assert stored.authorizer == state
     finally:
@@ -1413,7 +1413,7 @@ async def test_each_committed_state_document_is_the_durable_point(world: World) 
     # sets its completed bit in the fixed-size state.
     assert (admitted.authorizer.retained, int(admitted.authorizer.completed, 16)) == (1, 0)
     assert (observed.authorizer.retained, int(observed.authorizer.completed, 16)) == (1, 1)
-    request_id = world.session._authorizer.retained_ids(0)[0]
+    request_id = world.session._state.authorizer.retained_ids(0)[0]
     assert [c.sessions[SESSION].requests for c in commits] == [((0, request_id, None),), ()]
     durable = world.session._commits._durable
     assert durable.authorizer.retained == observed.authorizer.retained

@@ -63,8 +63,8 @@ async def written_by(journal_db: JournalDatabase, after: int) -> int:
 
 def same_state(one: WorkerSession, other: WorkerSession) -> bool:
     return bool(
-        one._authorizer.export_state() == other._authorizer.export_state()
-        and one._authenticator.export_state() == other._authenticator.export_state()
+        one._state.authorizer.export_state() == other._state.authorizer.export_state()
+        and one._state.authenticator.export_state() == other._state.authenticator.export_state()
         and one.status == other.status
     )
 
@@ -101,7 +101,7 @@ async def test_bytes_written_per_commit_do_not_grow_with_the_retained_ids(
             await asyncio.gather(
                 *(session.handle(dispatch(host, n), store, Delivery(host, answers)) for n in batch)
             )
-        assert session._authorizer.request_id_count() == 1023
+        assert session._state.authorizer.request_id_count() == 1023
         late = await one_handling(5000)  # the 1,024th
         # Same shape of work, 93 times as many retained ids: the same bytes,
         # up to the longer request id, operation key and payload (a few
@@ -126,7 +126,9 @@ async def test_a_restored_session_equals_the_one_that_wrote_it(
         session, host = await serve(store, lease, 5)
         restored = await restore(store, lease)
         assert same_state(restored, session)
-        assert [r.completed for r in restored._authorizer.export_state().request_ids] == [True] * 5
+        assert [r.completed for r in restored._state.authorizer.export_state().request_ids] == [
+            True
+        ] * 5
         # It goes on from there: the next commit adds one row, the rest stay.
         answers: list[Any] = []
         await restored.handle(dispatch(host, 5), store, Delivery(host, answers))
@@ -221,7 +223,7 @@ async def test_a_format_1_state_loads_and_its_next_commit_writes_the_rows(
     try:
         lease = await store.reserve_fence(SCOPE)
         session, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
-        window = session._authenticator.export_state()
+        window = session._state.authenticator.export_state()
         # What an octo-worker from before the request rows wrote: every
         # retained id inline (here two, retained by lookups: no budget spent).
         inline = (RetainedRequestId("r-old-1", True), RetainedRequestId("r-old-2", False))
@@ -248,7 +250,7 @@ async def test_a_format_1_state_loads_and_its_next_commit_writes_the_rows(
         store = journal_db.store(KEYRING)
         lease = await store.reserve_fence(SCOPE)
         restored = await restore(store, lease)
-        assert restored._authorizer.export_state().request_ids == inline
+        assert restored._state.authorizer.export_state().request_ids == inline
         assert (
             await journal_db.sql("SELECT item FROM items WHERE namespace = ?", NS_SESSION_REQUEST)
             == []
@@ -262,7 +264,7 @@ async def test_a_format_1_state_loads_and_its_next_commit_writes_the_rows(
         assert len(persisted.requests) == 3
         again = await restore(store, lease)
         assert same_state(again, restored)
-        assert [r.request_id for r in again._authorizer.export_state().request_ids] == [
+        assert [r.request_id for r in again._state.authorizer.export_state().request_ids] == [
             "r-old-1",
             "r-old-2",
             "d-0",
@@ -333,7 +335,7 @@ async def test_a_commit_that_fails_before_it_is_submitted_leaves_its_rows_to_the
         if session.status == "open":
             await session.handle(dispatch(host, 4), store, Delivery(host, answers))
         restored = await restore(store, lease)
-        counted = restored._authorizer.request_id_count()
+        counted = restored._state.authorizer.request_id_count()
         rows = await journal_db.sql(
             "SELECT item FROM items WHERE namespace = ?", NS_SESSION_REQUEST
         )
