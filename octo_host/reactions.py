@@ -100,6 +100,8 @@ _BY_CODE: Final[Mapping[str, Reaction]] = {
     "unsupported_message": _R.FAIL_CLOSED,
     # Admission precedes every effect, but only a reconcile proves the key unknown.
     "unknown_operation": _R.FAIL_CLOSED,
+    # The worker pruned the key's row: it never runs again; an operator settles it.
+    "operation_pruned": _R.FAIL_CLOSED,
 }
 
 # Where a kind reacts otherwise. A compensation lookup (RECONCILE_COMPENSATION,

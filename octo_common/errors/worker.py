@@ -51,6 +51,13 @@ class UnknownOperation(JournalError):
     key: str
 
 
+class OperationPruned(JournalError):
+    """The key's row was pruned: its outcome is no longer kept, and the key never runs again."""
+
+    _fields = ("key",)
+    key: str
+
+
 class OperationIdentityMismatch(JournalError):
     _fields = ("key",)
     key: str

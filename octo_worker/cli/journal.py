@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from octo_common.errors import OctoError
+from octo_common.errors import OctoError, OperationPruned
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
@@ -77,7 +77,8 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     prune = journal_verbs.add_parser(
         "prune",
         parents=[common],
-        help="remove terminal rows not written for DURATION (never pending or running)",
+        help="forget the outcome of terminal rows not written for DURATION (never pending "
+        "or running; the keys stay refused)",
     )
     prune.add_argument(
         "--older-than",
@@ -179,6 +180,8 @@ def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
     config = config_of(args)
     check_tokens("KEY", [args.key])
 
+    pruned: list[str] = []
+
     async def find() -> list[dict[str, Any]]:
         async with journal_store(config) as store:
             found: list[dict[str, Any]] = []
@@ -197,12 +200,22 @@ def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
                         loaded = await store.load_records(scope, [args.key])
                         entry = loaded.get(args.key)
                         entries = [] if entry is None else [entry]
+                except OperationPruned:
+                    pruned.append(scope)  # the key is kept, its outcome is not
+                    continue
                 except OctoError as error:
                     raise storage_failure(f"scope {scope}", error) from None
                 found.extend(record_detail(scope, *entry) for entry in entries)
             return found
 
     found = asyncio.run(find())
+    if not found and pruned:
+        raise CliError(
+            EXIT_CHECK_FAILED,
+            f"{args.key} was pruned in scope {pruned[0]}: its outcome is no longer kept "
+            "(the key is refused if it arrives again)",
+            OperationPruned.code,
+        )
     if not found:
         raise CliError(EXIT_CHECK_FAILED, f"no journal row for {args.key}", "not_found")
     for index, item in enumerate(found):
@@ -314,10 +327,11 @@ def cmd_journal_verify(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_journal_prune(args: argparse.Namespace, out: Output) -> int:
-    """Remove old terminal rows; the store chooses them (W§9: never pending/running).
+    """Forget the outcome of old terminal rows; the store chooses them (never a
+    pending or running one).
 
-    A pruned operation key is forgotten: a frame that names it later is
-    admitted as new. Prune only keys whose host runs are finished.
+    A pruned key is kept as such: a frame that names it later is refused
+    (``operation_pruned``), never admitted as new.
     """
     config = config_of(args)
     older_than = float(args.older_than)

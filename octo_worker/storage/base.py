@@ -36,6 +36,7 @@ import structlog
 
 from octo_common.errors import (
     InvalidJournalLease,
+    OperationPruned,
     RecordLocationMismatch,
     RollbackDetected,
     StorageBackendError,
@@ -44,7 +45,7 @@ from octo_common.ids import validate_token
 from octo_common.records import StorageKeyring
 from octo_common.states import TERMINAL_KINDS
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.storage.changes import PendingCommit, Row, check_scope, prepare
+from octo_worker.storage.changes import PendingCommit, Row, RowWrite, check_scope, prepare
 from octo_worker.storage.commit_queue import CommitQueue, Outcomes, StoreStats
 from octo_worker.storage.documents import (
     NS_JOURNAL,
@@ -52,6 +53,7 @@ from octo_worker.storage.documents import (
     NS_SESSION,
     NS_SESSION_OPEN,
     NS_SESSION_REQUEST,
+    pruned_document,
     read_outbox,
     read_session,
     request_location,
@@ -80,6 +82,9 @@ _log = structlog.get_logger("octo_worker.store")
 
 Resealed = tuple[int, int, bytes, bytes]
 """(row id, revision, envelope read, envelope sealed again) of one row ``reseal`` rewrites."""
+
+Pruned = tuple[str, int, bytes, bytes]
+"""(operation key, revision, envelope read, the pruned document sealed at that revision)."""
 
 
 class JournalStoreBase(abc.ABC):
@@ -186,8 +191,9 @@ class JournalStoreBase(abc.ABC):
     async def _integrity(self) -> list[str]: ...
 
     @abc.abstractmethod
-    async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
-        """Delete rows still at the revision read; how many went."""
+    async def _prune_rows(self, scope: str, victims: Sequence[Pruned]) -> int:
+        """Swap the envelopes of journal rows still at the revision and envelope read
+        for their pruned ones (no head or digest moves); how many."""
 
     @abc.abstractmethod
     async def _replace_envelopes(self, scope: str, changes: Sequence[Resealed]) -> int:
@@ -289,26 +295,41 @@ class JournalStoreBase(abc.ABC):
         return result
 
     async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
-        """Every journal row of ``scope``, oldest revision first (operator helper)."""
+        """Every journal row of ``scope``, oldest revision first, pruned rows left out
+        (operator helper; every row is authenticated)."""
         check_scope(scope)
         rows = await self._rows(scope, NS_JOURNAL, None)
-        return [(self._record(scope, row), row.revision) for row in rows]
+        kept = [(self._kept_record(scope, row), row.revision) for row in rows]
+        return [(record, revision) for record, revision in kept if record is not None]
 
     def _record(self, scope: str, row: Row) -> WorkerOperationRecord:
+        """The row's record; a pruned row is ``OperationPruned`` (a stable refusal:
+        the key never runs again)."""
+        record = self._kept_record(scope, row)
+        if record is None:
+            raise OperationPruned(row.item)
+        return record
+
+    def _kept_record(self, scope: str, row: Row) -> WorkerOperationRecord | None:
+        """The row's record, None for a row ``prune`` left (authenticated either way)."""
         document = self._sealer.open(scope, NS_JOURNAL, row)
+        if document == pruned_document(scope, row.item):
+            return None
         return WorkerOperationRecord.from_row_json(document, scope, row.item)
 
     async def prune(self, scope: str, older_than_seconds: float) -> PruneReport:
-        """Remove terminal journal rows not written for ``older_than_seconds``.
+        """Forget the outcome of terminal journal rows not written for ``older_than_seconds``.
 
         Only an operation in a terminal state whose compensation is absent or
-        terminal is removed; ``pending`` and ``running`` rows are never touched.
+        terminal is pruned; ``pending`` and ``running`` rows are never touched.
         Every candidate is authenticated before it is chosen, and a row written
-        again since (another revision) is kept. The scope head's revision does
-        not move; its digest moves by the rows removed, in the same transaction.
-
-        A pruned key is forgotten: a later request for it is admitted as new.
-        Prune only keys whose host runs are finished (see docs/operations.md).
+        again since (another revision or envelope) is kept. A pruned row is
+        not deleted: its document is replaced by :func:`pruned_document`,
+        sealed at the row's own revision, so the scope's digest, head and live
+        index do not move and a later request for the key is refused with
+        ``OperationPruned`` (the key never runs again, whatever the row's
+        unauthenticated ``written_at`` said). What prune saves is the
+        outcome's size, not the key (see the operations guide).
         """
         check_scope(scope)
         if not older_than_seconds >= 0:
@@ -316,18 +337,22 @@ class JournalStoreBase(abc.ABC):
         self._check_writable()
         cutoff = time.time() - older_than_seconds
         rows = await self._prunable_rows(scope, cutoff)
-        victims: list[tuple[str, int]] = []
+        victims: list[Pruned] = []
         kept = 0
         for row in rows:
-            record = self._record(scope, row)
+            record = self._kept_record(scope, row)
+            if record is None:
+                continue  # pruned before
             compensation = record.compensation
             if record.state.kind in TERMINAL_KINDS and (
                 compensation is None or compensation.state.kind in TERMINAL_KINDS
             ):
-                victims.append((row.item, row.revision))
+                left = RowWrite(NS_JOURNAL, row.item, pruned_document(scope, row.item), None)
+                sealed = self._sealer.seal(scope, left, row.revision)
+                victims.append((row.item, row.revision, row.envelope, sealed))
             else:
                 kept += 1
-        removed = await self._delete_journal_rows(scope, victims) if victims else 0
+        removed = await self._prune_rows(scope, victims) if victims else 0
         if removed:
             _log.info("journal_pruned", scope=scope, removed=removed, kept=kept)
         return PruneReport(removed=removed, kept=kept)

@@ -72,6 +72,7 @@ __all__ = [
     "is_message_id",
     "opening_document",
     "outbox_document",
+    "pruned_document",
     "read_outbox",
     "read_session",
     "request_document",
@@ -226,6 +227,15 @@ def state_document(
             ),
         )
     )
+
+
+def pruned_document(scope: str, operation_key: str) -> bytes:
+    """What ``prune`` leaves in place of a journal row: the key remembered, its outcome
+    gone. Compared byte for byte (scope and key are tokens: nothing to escape); the
+    row keeps its revision, sealed like any row, so the scope's digest does not move."""
+    return (
+        f'{{"format_version":1,"pruned":true,"scope":"{scope}","operation_key":"{operation_key}"}}'
+    ).encode("ascii")
 
 
 def request_item(session_id: str, request_id: str) -> str:

@@ -83,7 +83,7 @@ from octo_common.runtime.postgres import (
 )
 from octo_common.runtime.sqlite import copy_error
 from octo_common.setdigest import SetDigest
-from octo_worker.storage.base import JournalStoreBase, Resealed
+from octo_worker.storage.base import JournalStoreBase, Pruned, Resealed
 from octo_worker.storage.changes import (
     CommitBatch,
     PendingCommit,
@@ -94,7 +94,6 @@ from octo_worker.storage.changes import (
 )
 from octo_worker.storage.commit_queue import Outcomes
 from octo_worker.storage.documents import (
-    NS_JOURNAL,
     NS_OUTBOX,
     NS_SESSION,
     NS_SESSION_OPEN,
@@ -707,30 +706,20 @@ class PostgresJournalStore(JournalStoreBase):
 
     # Maintenance writes (rows only, under the scope's head lock) ------------------------------
 
-    async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
-        """Delete the rows still at the revision read; move the scope's digest by them and
-        reseal its head at the same revision and fence, in one transaction."""
-        sealer = self._sealer
+    async def _prune_rows(self, scope: str, victims: Sequence[Pruned]) -> int:
+        """Swap each row still at the revision and envelope read for its pruned envelope
+        (same revision: no digest or head moves)."""
 
         async def body(connection: Connection) -> int:
-            row = await connection.fetchrow(self._sql["lock_head"], scope)
-            if row is None:
-                raise RollbackDetected(None, 0)  # rows without their head
-            head = ScopeHead.from_row(scope, tuple(row))
-            sealer.verify_head(head)
-            deleted = await connection.fetch(
-                self._sql["delete_journal_rows"],
+            changed = await connection.fetch(
+                self._sql["prune_rows"],
                 scope,
-                [item for item, _ in victims],
-                [revision for _, revision in victims],
+                [item for item, _, _, _ in victims],
+                [revision for _, revision, _, _ in victims],
+                [old for _, _, old, _ in victims],
+                [new for _, _, _, new in victims],
             )
-            moves = DigestChanges()
-            for item, revision in deleted:
-                moves.wrote(NS_JOURNAL, str(item), int(revision), None)
-            if moves:
-                moved = head.with_digest(moves.applied_to(head))
-                await self._store_head(connection, sealer.seal_head(moved))
-            return len(moves)
+            return len(changed)
 
         return await self._write("prune", body)
 

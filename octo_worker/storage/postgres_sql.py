@@ -291,12 +291,13 @@ _COUNT_CLOSED = """
 
 # Maintenance: each in a transaction that holds the scope's head lock, so
 # it never runs between a commit's reads and writes.
-_DELETE_JOURNAL_ROWS = """
-    DELETE FROM {s}.items AS i
-     USING unnest($2::text[], $3::bigint[]) AS v(item, revision)
+_PRUNE_ROWS = """
+    UPDATE {s}.items AS i SET envelope = v.new
+      FROM unnest($2::text[], $3::bigint[], $4::bytea[], $5::bytea[])
+           AS v(item, revision, old, new)
      WHERE i.name = $1 AND i.namespace = 'worker-journal' AND i.item = v.item
-       AND i.revision = v.revision
-    RETURNING i.item, i.revision
+       AND i.revision = v.revision AND i.envelope = v.old
+    RETURNING 1
 """
 _REPLACE_ENVELOPES = """
     UPDATE {s}.items AS i SET envelope = c.new
@@ -344,7 +345,7 @@ def statements(schema: str) -> dict[str, str]:
             ("select_written", _SELECT_WRITTEN),
             ("count_closed", _COUNT_CLOSED),
             ("select_scope_rows", _SELECT_SCOPE_ROWS),
-            ("delete_journal_rows", _DELETE_JOURNAL_ROWS),
+            ("prune_rows", _PRUNE_ROWS),
             ("replace_envelopes", _REPLACE_ENVELOPES),
             ("mark_closed", _MARK_CLOSED),
         )

@@ -61,7 +61,7 @@ from octo_common.errors import StorageBackendError
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
 from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.sqlite import DatabaseThread, run_each
-from octo_worker.storage.base import JournalStoreBase, Resealed
+from octo_worker.storage.base import JournalStoreBase, Pruned, Resealed
 from octo_worker.storage.changes import PendingCommit, Row
 from octo_worker.storage.commit_queue import Outcomes, StoreStats
 from octo_worker.storage.interface import ScopeMetadata
@@ -277,8 +277,8 @@ class SqliteJournalStore(JournalStoreBase):
     async def _reseal_head(self, scope: str) -> bool:
         return await self._write_call(lambda: self._writer.reseal_head(scope))
 
-    async def _delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
-        return await self._write_call(lambda: self._writer.delete_journal_rows(scope, victims))
+    async def _prune_rows(self, scope: str, victims: Sequence[Pruned]) -> int:
+        return await self._write_call(lambda: self._writer.prune_rows(scope, victims))
 
     async def _replace_envelopes(self, scope: str, changes: Sequence[Resealed]) -> int:
         return await self._write_call(functools.partial(self._writer.replace_envelopes, changes))

@@ -30,7 +30,6 @@ from octo_common.errors import (
     FencingTokenExhausted,
     OctoError,
     RevisionExhausted,
-    RollbackDetected,
     StorageBackendError,
 )
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS, SQLITE_MAX_INTEGER
@@ -465,36 +464,14 @@ class JournalWriter:
             [(new, row_id, revision, old) for row_id, revision, old, new in changes],
         )
 
-    def delete_journal_rows(self, scope: str, victims: Sequence[tuple[str, int]]) -> int:
-        """Delete the rows still at the revision that was read; move the scope's digest by
-        them and reseal its head at the same revision and fence, in one transaction."""
-        if not victims:
-            return 0
-        connection = self._connection()
-        connection.execute("BEGIN IMMEDIATE")
-        try:
-            head = read_head(connection, scope)
-            if head is None:
-                raise RollbackDetected(None, 0)  # rows without their head
-            self._sealer.verify_head(head)
-            moves = DigestChanges()
-            for item, revision in victims:
-                deleted = connection.execute(
-                    "DELETE FROM items WHERE namespace = ? AND name = ? AND item = ? "
-                    "AND revision = ?",
-                    (NS_JOURNAL, scope, item, revision),
-                ).rowcount
-                if deleted == 1:
-                    moves.wrote(NS_JOURNAL, item, revision, None)
-            if moves:
-                moved = head.with_digest(moves.applied_to(head))
-                update_head(connection, self._sealer.seal_head(moved))
-            connection.execute("COMMIT")
-        except BaseException:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
-            raise
-        return len(moves)
+    def prune_rows(self, scope: str, victims: Sequence[tuple[str, int, bytes, bytes]]) -> int:
+        """Swap each journal row still at the revision and envelope read for its pruned
+        envelope (same revision: no digest or head moves), in one transaction."""
+        return self._count_in_transaction(
+            "UPDATE items SET envelope = ? WHERE namespace = ? AND name = ? AND item = ? "
+            "AND revision = ? AND envelope = ?",
+            [(new, NS_JOURNAL, scope, item, revision, old) for item, revision, old, new in victims],
+        )
 
     def reseal_head(self, scope: str) -> bool:
         """Reseal the scope's head with the active key if another key sealed it (its

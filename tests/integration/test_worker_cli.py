@@ -1524,7 +1524,7 @@ def test_journal_prune_removes_old_terminal_rows_and_never_a_pending_one(
         (pending_key, "pending")
     ]
     missing = octo_worker("journal", "show", done_key, config=files.config)
-    assert missing.returncode == 1  # forgotten: prune only keys of finished runs
+    assert missing.returncode == 1  # pruned: its outcome is gone, the key is refused
     assert octo_worker("journal", "verify", config=files.config).returncode == 0
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from octo_common.errors import (
     InvalidRecordAuthenticationTag,
+    OperationPruned,
     RollbackDetected,
     StorageBackendError,
     UnknownKeyId,
@@ -127,10 +128,12 @@ async def test_prune_beside_a_running_writer_keeps_the_digest_right(
         finally:
             await maintenance.close()
         assert (report.removed, report.kept) == (1, 1)  # op-1 succeeded; op-2 pending
-        assert await verified(daemon) == (2, 4)  # the head did not move; its digest did
-        # The daemon's next commit builds on the digest prune left.
+        # The pruned row stays, at its revision: neither head nor digest moved.
+        assert await verified(daemon) == (2, 5)
+        with pytest.raises(OperationPruned):
+            await daemon.load_records(SCOPE, ["op-1"])
         await daemon.commit(SCOPE, lease, rows(SCOPE, (pending("op-3"), None)))
-        assert await verified(daemon) == (3, 5)
+        assert await verified(daemon) == (3, 6)
         await daemon.reserve_fence(SCOPE)
     finally:
         await daemon.close()

@@ -69,6 +69,7 @@ JOURNAL: dict[str, tuple[str, ...]] = {
     "RecordLocationMismatch": ("expected", "actual"),
     "JournalKeyNotLoaded": ("key",),
     "UnknownOperation": ("key",),
+    "OperationPruned": ("key",),
     "OperationIdentityMismatch": ("key",),
     "InvalidWorkerOperationTransition": ("operation_key", "current", "observed"),
     "CompensationToolMismatch": ("key",),
