@@ -97,11 +97,11 @@ async def test_a_succeeded_key_the_worker_forgot_is_never_dispatched_again(
     await asyncio.sleep(0.05)
     assert (await daemon.store.prune(worker_env.scope, 0)).removed == 1  # journal pruned
 
-    # The operator runs the dispatch again: the worker answers unknown_operation.
+    # The operator runs the dispatch again: the worker answers operation_pruned.
     with pytest.raises(WorkerRequestRejected) as refused:
         await client.dispatch(session, run, key, publish_payload())
 
-    assert refused.value.rejection_code == "unknown_operation"
+    assert refused.value.rejection_code == "operation_pruned"
     assert key in str(refused.value)
     assert client.published["dispatch_operation"] == 1
     assert effect_keys(worker_env) == [key]  # the effect ran once

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from octo_example_tickets import HelpDesk
 
-from octo_common.errors import WorkerRequestRejected
 from octo_common.payload import ToolPayload
-from octo_common.states import StateKind, Succeeded
+from octo_common.states import Failed, StateKind, Succeeded
 from octo_worker.testing import KILL_POINTS, AdapterKit, counts
 
 TICKET = ToolPayload.json({"title": "printer on fire", "priority": "high"})
@@ -48,8 +47,10 @@ async def test_a_ticket_that_does_not_fit_the_type_is_refused_before_the_desk(
     kit: AdapterKit, desk: HelpDesk
 ) -> None:
     async with kit:
-        with pytest.raises(WorkerRequestRejected):
-            await kit.dispatch(ToolPayload.json({"title": "x", "priority": "urgent"}))
+        refused = await kit.dispatch(ToolPayload.json({"title": "x", "priority": "urgent"}))
+        # Refused before any effect: the key ends failed, definitely, with its code.
+        assert isinstance(refused, Failed) and refused.code == "input_refused"
+        assert "priority" in getattr(kit.last_error, "detail", "")
         assert desk.tickets() == []
 
 
@@ -65,8 +66,10 @@ async def test_the_compensation_closes_exactly_that_ticket_once(
         assert kit.calls["compensate_operation"] == 1
         closed = [name for name in desk.tickets() if desk.closed_by(name)]
         assert len(closed) == 1 and len(desk.tickets()) == 2
-        with pytest.raises(WorkerRequestRejected):
-            await kit.compensate(keep, ToolPayload.json({"close": "everything"}))
+        refused = await kit.compensate(keep, ToolPayload.json({"close": "everything"}))
+        assert isinstance(refused, Failed) and refused.code == "input_refused"
+        assert desk.closed_by(next(n for n in desk.tickets() if not desk.closed_by(n))) is None
+        assert len([name for name in desk.tickets() if desk.closed_by(name)]) == 1
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
