@@ -16,8 +16,9 @@ and a lookup of the receiver's sessions by id it returns exactly one of:
 Two receivers, two orders (both fixed here, both fail closed):
 
 * ``scope`` given (a worker queue serves one scope): size, ``octo-scope``
-  equal to ``scope``, ``octo-session`` a token, ``octo-key-nonce`` 64
-  lowercase hex, then the lookup;
+  present (else ``invalid_frame_headers``) and equal to ``scope``,
+  ``octo-session`` a token, ``octo-key-nonce`` 64 lowercase hex, then the
+  lookup;
 * ``scope`` None (a host reply queue serves every scope): size,
   ``octo-session`` a token, the lookup (an unknown session stops here,
   without a nonce), then ``octo-scope`` equal to the routed session's scope
@@ -124,7 +125,10 @@ def gate(
         return FRAME_TOO_LARGE
     found = headers or _NO_HEADERS
     if scope is not None:
-        if header_text(found.get(HEADER_SCOPE)) != scope:
+        named = header_text(found.get(HEADER_SCOPE))
+        if named is None:
+            return HEADERS_INVALID  # no scope header at all (or not text): not another scope's
+        if named != scope:
             return SCOPE_MISMATCH
         session_id = delivery_session_id(found)
         if session_id is None:

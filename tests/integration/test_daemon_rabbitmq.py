@@ -244,7 +244,7 @@ async def test_missing_or_malformed_headers_are_dead_lettered(
     head = await daemon.store.head_revision(raw_host.scope)
     cases = [
         ("no-session", HEADER_SESSION, None, "invalid_frame_headers"),
-        ("no-scope", HEADER_SCOPE, None, "scope_mismatch"),
+        ("no-scope", HEADER_SCOPE, None, "invalid_frame_headers"),
         ("no-nonce", HEADER_KEY_NONCE, None, "invalid_frame_headers"),
         ("bad-nonce", HEADER_KEY_NONCE, "AB" * 32, "invalid_frame_headers"),
         ("bad-session", HEADER_SESSION, "Not A Token", "invalid_frame_headers"),

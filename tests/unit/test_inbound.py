@@ -88,10 +88,12 @@ def test_worker_unknown_session_is_unrouted_with_its_checked_nonce() -> None:
     [
         (MAX_WIRE_FRAME_BYTES + 1, None, FRAME_TOO_LARGE),
         (MAX_WIRE_FRAME_BYTES + 1, headers(), FRAME_TOO_LARGE),
-        (10, None, SCOPE_MISMATCH),
-        (10, headers(scope=None), SCOPE_MISMATCH),
+        # No headers, or no scope header: malformed, not another scope's frame.
+        (10, None, HEADERS_INVALID),
+        (10, {}, HEADERS_INVALID),
+        (10, headers(scope=None), HEADERS_INVALID),
+        (10, headers(scope=7), HEADERS_INVALID),
         (10, headers(scope="tenant-b"), SCOPE_MISMATCH),
-        (10, headers(scope=7), SCOPE_MISMATCH),
         # The scope is checked before a malformed session and nonce.
         (10, headers(scope="tenant-b", session="NOT A TOKEN", nonce="zz"), SCOPE_MISMATCH),
         (10, headers(session=None), HEADERS_INVALID),
