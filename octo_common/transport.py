@@ -37,6 +37,11 @@ from octo_common.peek import header_text
 __all__ = [
     "CONTENT_TYPE",
     "DEAD_EXCHANGE",
+    "DEAD_LOG_ARGUMENTS",
+    "DEAD_LOG_MAX_AGE",
+    "DEAD_LOG_MAX_BYTES",
+    "DEAD_LOG_SEGMENT_BYTES",
+    "DEAD_LOG_STREAM",
     "DEAD_OVERFLOW",
     "DEAD_POLICY_NAME",
     "DEAD_POLICY_PATTERN",
@@ -103,6 +108,24 @@ DEAD_POLICY_PATTERN: Final = r"^octo\.v5\.dead$"
 DEFAULT_DEAD_MAX_LENGTH: Final = 10_000
 DEFAULT_DEAD_MAX_BYTES: Final = 256 * 1024 * 1024
 DEAD_OVERFLOW: Final = "drop-head"
+
+# The dead-letter log: a RabbitMQ stream bound to the dead-letter exchange
+# beside the queue, so every dead letter is also appended to it. The
+# operator views (``dlq list``, the console) read it by offset: a read
+# settles nothing and raises no delivery count, each letter keeps its offset
+# as a stable id, and a page holds only its own letters. Retention bounds
+# it (its size, then its age, segment by segment); queue arguments cannot
+# change once declared, so these are constants.
+DEAD_LOG_STREAM: Final = "octo.v5.dead.log"
+DEAD_LOG_MAX_BYTES: Final = 256 * 1024 * 1024
+DEAD_LOG_MAX_AGE: Final = "14D"
+DEAD_LOG_SEGMENT_BYTES: Final = 16 * 1024 * 1024
+DEAD_LOG_ARGUMENTS: Final[Mapping[str, int | str]] = {
+    "x-queue-type": "stream",
+    "x-max-length-bytes": DEAD_LOG_MAX_BYTES,
+    "x-max-age": DEAD_LOG_MAX_AGE,
+    "x-stream-max-segment-size-bytes": DEAD_LOG_SEGMENT_BYTES,
+}
 
 # Properties and headers of every publish (W§12.1).
 CONTENT_TYPE: Final = "application/vnd.octo.frame+json"

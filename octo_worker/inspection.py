@@ -6,7 +6,9 @@ the other: the command's name, a broker connection for one verb (bounded
 connect, closed after), the journal opened read-only or for maintenance
 beside a running daemon, holding the whole dead-letter queue (bounded)
 unacknowledged on one channel and requeuing it in delivery order, each
-dead-lettered frame's entry, and a journal row's summary and detail.
+dead-lettered frame's entry, a page of the dead-letter log read by offset
+(which changes nothing on the broker), and a journal row's summary and
+detail.
 
 It must never print (the verbs and pages do), leave a connection or a store
 open, show a payload, a failure message or a key, or remove a message.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -34,11 +36,13 @@ from octo_common.runtime.output import (
     state_detail,
 )
 from octo_common.transport import (
+    DEAD_LOG_STREAM,
     DEAD_QUEUE,
     HEADER_KEY_NONCE,
     HEADER_REASON,
     HEADER_SCOPE,
     HEADER_SESSION,
+    WORKER_QUEUE_PREFIX,
 )
 from octo_worker.config import WorkerConfig
 from octo_worker.daemon.topology import TopologyError, connect
@@ -50,11 +54,16 @@ __all__ = [
     "MAX_HELD_BYTES",
     "MAX_HELD_MESSAGES",
     "PROG",
+    "LOG_PAGE_MAX",
+    "LOG_SCAN_MAX",
+    "DeadLetterPage",
     "HeldMessages",
     "broker_connection",
     "dead_letter_entry",
     "dead_queue",
     "holding",
+    "letter_scope",
+    "read_dead_letter_log",
     "journal_store",
     "record_detail",
     "record_summary",
@@ -136,19 +145,50 @@ def _death_reason(headers: Mapping[str, Any]) -> str | None:
     return None
 
 
+def letter_scope(routing_key: str | None, headers: Mapping[str, Any]) -> str | None:
+    """The tenant scope whose queue a dead letter came from.
+
+    The worker's copy keeps the delivery's routing key (the scope's queue),
+    and so does the broker's own dead-lettering; the ``x-death`` record names
+    the queue too. A letter published straight to the dead-letter exchange
+    has neither: its ``octo-scope`` header, when it has one, is all there is.
+    """
+    for queue in (routing_key, _death_queue(headers)):
+        if queue is not None and queue.startswith(WORKER_QUEUE_PREFIX):
+            return printable(queue[len(WORKER_QUEUE_PREFIX) :], 128)
+    return _header(headers, HEADER_SCOPE)
+
+
+def _death_queue(headers: Mapping[str, Any]) -> str | None:
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        queue = deaths[0].get("queue")
+        if isinstance(queue, bytes):
+            queue = queue.decode("utf-8", "replace")
+        if isinstance(queue, str):
+            return queue
+    return None
+
+
 def dead_letter_entry(
-    position: int, message: AbstractIncomingMessage, body: bool
+    position: int, message: AbstractIncomingMessage, body: bool, *, key: str = "position"
 ) -> dict[str, Any]:
+    """One dead letter's summary; ``position`` is its place in the queue, or
+    (``key="id"``) its offset in the dead-letter log."""
     headers: Mapping[str, Any] = message.headers or {}
     reason = _header(headers, HEADER_REASON)
     broker_reason = _death_reason(headers)
     entry: dict[str, Any] = {
-        "position": position,
+        key: position,
         "reason": reason or (f"broker:{broker_reason}" if broker_reason else None),
+        "queue_scope": letter_scope(message.routing_key, headers),
         "scope": _header(headers, HEADER_SCOPE),
         "session": _header(headers, HEADER_SESSION),
         "key_nonce_present": HEADER_KEY_NONCE in headers,
         "message_id": None if message.message_id is None else printable(message.message_id, 128),
+        # Whether the printable id is the real one (a command can name it).
+        "message_id_exact": message.message_id is not None
+        and printable(message.message_id, 128) == message.message_id,
         "correlation_id": None
         if message.correlation_id is None
         else printable(message.correlation_id, 128),
@@ -227,6 +267,86 @@ async def holding(config: WorkerConfig) -> AsyncIterator[HeldMessages]:
             except (aiormq.exceptions.AMQPError, ConnectionError):
                 # The channel is gone: the broker requeues every unacked message itself.
                 pass
+
+
+# One page of the dead-letter log: at most this many letters shown, and this
+# many read (other scopes' letters are read and skipped). Memory stays
+# bounded by the page and the prefetch, whatever the log holds.
+LOG_PAGE_MAX: Final = 200
+LOG_SCAN_MAX: Final = 5_000
+_LOG_PREFETCH: Final = 32
+# No delivery for this long: the page has reached the end of the log.
+_LOG_IDLE_SECONDS: Final = 0.5
+
+
+@dataclass
+class DeadLetterPage:
+    """Letters of the dead-letter log after offset ``after``, oldest first."""
+
+    entries: list[dict[str, Any]]
+    after: int | None
+    next_after: int | None  # where the next page starts; None: the end of the log
+    scanned: int  # letters read for this page, shown or not
+    scopes: tuple[str, ...] | None  # the scopes shown; None: every scope
+
+
+async def read_dead_letter_log(
+    config: WorkerConfig,
+    *,
+    after: int | None = None,
+    limit: int = 50,
+    scopes: Collection[str] | None = None,
+    body: bool = False,
+) -> DeadLetterPage:
+    """Read one page of ``octo.v5.dead.log`` by offset; settle and change nothing.
+
+    A stream consumer's ack only returns credit: the letters stay, no
+    delivery count moves, and every letter keeps its offset (its ``id``).
+    ``scopes`` keeps the letters that came from those scopes' queues
+    (:func:`letter_scope`); None keeps every letter.
+    """
+    limit = max(1, min(limit, LOG_PAGE_MAX))
+    wanted = None if scopes is None else frozenset(scopes)
+    page = DeadLetterPage([], after, None, 0, None if wanted is None else tuple(sorted(wanted)))
+    async with broker_connection(config) as connection:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            stream = await channel.declare_queue(DEAD_LOG_STREAM, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            raise CliError(
+                EXIT_CHECK_FAILED,
+                f"stream {DEAD_LOG_STREAM} does not exist (run: {PROG} topology declare, "
+                "or start the daemon, which declares it)",
+                "not_found",
+            ) from None
+        await channel.set_qos(prefetch_count=_LOG_PREFETCH)
+        inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        start: int | str = "first" if after is None else after + 1
+        tag = await stream.consume(inbox.put, arguments={"x-stream-offset": start})
+        last = after
+        try:
+            while len(page.entries) < limit and page.scanned < LOG_SCAN_MAX:
+                try:
+                    message = await asyncio.wait_for(inbox.get(), _LOG_IDLE_SECONDS)
+                except TimeoutError:
+                    return page  # the end of the log
+                offset = (message.headers or {}).get("x-stream-offset")
+                await message.ack()  # credit for the next one; a stream keeps the letter
+                # A stream starts at the chunk holding the offset: skip what came before.
+                if not isinstance(offset, int) or (after is not None and offset <= after):
+                    continue
+                page.scanned += 1
+                last = offset
+                entry = dead_letter_entry(offset, message, body, key="id")
+                if wanted is None or entry["queue_scope"] in wanted:
+                    page.entries.append(entry)
+            page.next_after = last
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.cancel(tag)
+            with contextlib.suppress(Exception):
+                await channel.close()
+    return page
 
 
 def _state_text(state: Any) -> str:

@@ -267,18 +267,29 @@ async def key_page(request: web.Request) -> web.Response:
 
 async def dlq_page(request: web.Request) -> web.Response:
     settings = request.app[_SETTINGS]
+    after_text = request.query.get("after", "")
+    if after_text and not (after_text.isascii() and after_text.isdigit() and len(after_text) < 20):
+        return _render(request, "dlq.html", status=400, view=None, bad_after=True)
+    every_scope = request.query.get("scopes") == "all"
     if request.method == "HEAD":
-        # Reading the queue counts as a delivery of every frame: not for a probe.
         return web.Response(content_type="text/html", charset="utf-8")
     view = await _off_loop(
-        request, lambda: data.dead_letters(settings.config, settings.config_path)
+        request,
+        lambda: data.dead_letters(
+            settings.config,
+            settings.config_path,
+            after=int(after_text) if after_text else None,
+            every_scope=every_scope,
+        ),
     )
     return _render(
         request,
         "dlq.html",
         status=503 if view.error else 200,
         view=view,
-        shown_limit=data.DEAD_LETTERS_SHOWN,
+        bad_after=False,
+        every_scope=every_scope,
+        dead_queue=DEAD_QUEUE,
     )
 
 

@@ -4,8 +4,9 @@ The journal is read through ``octo-worker journal``'s own read-only store
 helper and row summaries (the configured journal store, read-only:
 ``scopes``, ``list_records``, ``load_records``, ``load_sessions``,
 ``load_outbox``, ``head_revision``, ``scope_metadata``); the dead-letter
-queue through ``octo-worker dlq list``'s own AMQP inspection (the
-management plugin may be off), which holds every message and requeues it.
+log (the stream ``octo.v5.dead.log``) through ``octo-worker dlq list``'s own
+reader, one page at a time by offset: it settles nothing and moves no
+delivery count (the management plugin may be off).
 
 Every value handed to a page is a count, a state name, a revision, a time,
 an identifier the CLI prints too (scope, operation and compensation key,
@@ -27,13 +28,12 @@ from octo_common.errors import OctoError
 from octo_common.ids import is_token
 from octo_common.runtime.output import CliError
 from octo_common.states import TERMINAL_KINDS
-from octo_common.transport import DEAD_QUEUE
+from octo_common.transport import DEAD_LOG_STREAM
 from octo_worker.config import WorkerConfig
 from octo_worker.inspection import (
     PROG,
-    dead_letter_entry,
-    holding,
     journal_store,
+    read_dead_letter_log,
     record_detail,
     record_summary,
 )
@@ -54,7 +54,7 @@ _TERMINAL: Final = frozenset(str(kind) for kind in TERMINAL_KINDS)
 # Rows listed by name on the scope page (all of them are counted).
 _LISTED_LIMIT: Final = 50
 # Dead letters listed on the page (all of them are counted).
-DEAD_LETTERS_SHOWN: Final = 200
+DEAD_LETTERS_SHOWN: Final = 50
 
 
 class Slot(str):
@@ -338,46 +338,42 @@ class DeadLetter:
 
 @dataclass
 class DeadLetterView:
-    queue: str
-    total: int = 0
-    order_kept: bool = True
+    log: str
+    scopes: tuple[str, ...] | None  # the scopes shown; None: every scope
+    after: int | None = None
+    next_after: int | None = None
     reasons: list[tuple[str, int]] = field(default_factory=list)
     entries: list[DeadLetter] = field(default_factory=list)
     error: str | None = None
 
 
-async def dead_letters(config: WorkerConfig, config_path: str) -> DeadLetterView:
-    """``octo-worker dlq list``'s view: count, reasons, and the commands per frame."""
-    view = DeadLetterView(DEAD_QUEUE)
+async def dead_letters(
+    config: WorkerConfig, config_path: str, *, after: int | None = None, every_scope: bool = False
+) -> DeadLetterView:
+    """One page of the dead-letter log, as ``octo-worker dlq list`` reads it (by
+    offset, changing nothing): reasons, and the commands of each letter."""
+    scopes = None if every_scope else [scope.name for scope in config.scopes]
+    view = DeadLetterView(DEAD_LOG_STREAM, None if scopes is None else tuple(scopes), after)
     try:
-        async with holding(config) as held:
-            view.total = max(held.total, len(held.messages))
-            view.order_kept = held.complete
-            reasons: collections.Counter[str] = collections.Counter()
-            for position, message in enumerate(held.messages, start=1):
-                entry = dead_letter_entry(position, message, False)
-                reasons[entry["reason"] or "-"] += 1
-                if position > DEAD_LETTERS_SHOWN:
-                    continue
-                # The printable id is the real one only for a plain ASCII id.
-                exact = (
-                    entry["message_id"] is not None and entry["message_id"] == message.message_id
-                )
-                commands = [_cli(config_path, "dlq", "show", str(position))]
-                if exact:
-                    commands = [
-                        _cli(
-                            config_path,
-                            "dlq",
-                            "show",
-                            str(position),
-                            "--message-id",
-                            entry["message_id"],
-                        ),
-                        _cli(config_path, "dlq", "drop", "--message-id", entry["message_id"]),
-                    ]
-                view.entries.append(DeadLetter(entry, commands, exact))
-            view.reasons = reasons.most_common()
+        page = await read_dead_letter_log(
+            config, after=after, limit=DEAD_LETTERS_SHOWN, scopes=scopes
+        )
     except CliError as error:
         view.error = error.message
+        return view
+    view.next_after = page.next_after
+    reasons: collections.Counter[str] = collections.Counter()
+    for entry in page.entries:
+        reasons[entry["reason"] or "-"] += 1
+        letter = str(entry["id"])
+        # The printable id is the real one only for a plain id a shell can take.
+        exact = entry["message_id"] is not None and entry["message_id_exact"]
+        commands = [_cli(config_path, "dlq", "show", letter)]
+        if exact:
+            commands = [
+                _cli(config_path, "dlq", "show", letter, "--message-id", entry["message_id"]),
+                _cli(config_path, "dlq", "drop", "--message-id", entry["message_id"]),
+            ]
+        view.entries.append(DeadLetter(entry, commands, exact))
+    view.reasons = reasons.most_common()
     return view

@@ -40,6 +40,8 @@ from octo_common.errors import OctoError
 from octo_common.runtime import amqp
 from octo_common.transport import (
     DEAD_EXCHANGE,
+    DEAD_LOG_ARGUMENTS,
+    DEAD_LOG_STREAM,
     DEAD_OVERFLOW,
     DEAD_POLICY_NAME,
     DEAD_QUEUE,
@@ -223,6 +225,10 @@ async def declare_topology(
         )
         dead_queue = await channel.declare_queue(DEAD_QUEUE, durable=True, arguments=_QUORUM)
         await dead_queue.bind(dead_exchange, routing_key="")
+        dead_log = await channel.declare_queue(
+            DEAD_LOG_STREAM, durable=True, arguments=dict(DEAD_LOG_ARGUMENTS)
+        )
+        await dead_log.bind(dead_exchange, routing_key="")
         for name in names_scopes:
             queue = await channel.declare_queue(
                 name, durable=True, arguments=dict(_WORKER_QUEUE_ARGUMENTS)
@@ -238,7 +244,7 @@ async def declare_topology(
     except aiormq.exceptions.AMQPError as error:
         raise TopologyError(f"declaration failed ({type(error).__name__})") from None
     return TopologyReport(
-        queues=(DEAD_QUEUE, *names_scopes, *names_hosts),
+        queues=(DEAD_QUEUE, DEAD_LOG_STREAM, *names_scopes, *names_hosts),
         policy_applied_via=applied_via,
         dead_letter_policy_applied_via=dead_applied_via,
     )
@@ -246,14 +252,17 @@ async def declare_topology(
 
 async def declare_queues(channel: amqp.Channel, scopes: Iterable[str]) -> tuple[str, ...]:
     """:func:`declare_topology` with ``delivery_limit=None`` on the lean client
-    (the daemon's own set-up): the exchanges, ``octo.v5.dead`` and each
-    scope's worker queue, bound; no policy. Returns the queue names."""
+    (the daemon's own set-up): the exchanges, ``octo.v5.dead``, the
+    dead-letter log stream and each scope's worker queue, bound; no policy.
+    Returns the queue names."""
     names = [worker_queue(scope) for scope in scopes]
     try:
         await channel.declare_exchange(EXCHANGE, "direct", durable=True)
         await channel.declare_exchange(DEAD_EXCHANGE, "fanout", durable=True)
         await channel.declare_queue(DEAD_QUEUE, durable=True, arguments=_QUORUM)
         await channel.bind_queue(DEAD_QUEUE, DEAD_EXCHANGE, "")
+        await channel.declare_queue(DEAD_LOG_STREAM, durable=True, arguments=DEAD_LOG_ARGUMENTS)
+        await channel.bind_queue(DEAD_LOG_STREAM, DEAD_EXCHANGE, "")
         for name in names:
             await channel.declare_queue(name, durable=True, arguments=_WORKER_QUEUE_ARGUMENTS)
             await channel.bind_queue(name, EXCHANGE, name)
@@ -265,7 +274,7 @@ async def declare_queues(channel: amqp.Channel, scopes: Iterable[str]) -> tuple[
         raise TopologyError(f"declaration failed ({type(error).__name__})") from None
     except amqp.AmqpError as error:
         raise TopologyError(f"declaration failed ({type(error).__name__})") from None
-    return (DEAD_QUEUE, *names)
+    return (DEAD_QUEUE, DEAD_LOG_STREAM, *names)
 
 
 async def describe_queues(connection: amqp.Connection, scopes: Iterable[str]) -> list[QueueStatus]:

@@ -286,18 +286,24 @@ def test_with_a_token_every_request_must_present_it(files: WorkerFiles, tmp_path
 def test_every_template_escapes_what_it_shows() -> None:
     environment = _environment()
     entry = {
-        "position": 1,
+        "id": 1,
         "reason": HOSTILE,
-        "scope": HOSTILE,
+        "queue_scope": HOSTILE,
+        "scope": HOSTILE + "-header",
         "session": HOSTILE,
         "message_id": HOSTILE,
         "size": 3,
-        "delivery_count": None,
     }
-    view = DeadLetterView("octo.v5.dead", 1, True, [(HOSTILE, 1)])
+    view = DeadLetterView("octo.v5.dead.log", (HOSTILE,), 7, 8, [(HOSTILE, 1)])
     view.entries.append(DeadLetter(entry, [HOSTILE], True))
     page = environment.get_template("dlq.html").render(
-        page="dlq", served_by_daemon=False, now=0.0, view=view, shown_limit=200
+        page="dlq",
+        served_by_daemon=False,
+        now=0.0,
+        view=view,
+        bad_after=False,
+        every_scope=False,
+        dead_queue=HOSTILE,
     )
     key = KeyView(
         HOSTILE,

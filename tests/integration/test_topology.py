@@ -22,6 +22,7 @@ from octo_common.runtime.broker import publish_confirmed, publish_envelope
 from octo_common.transport import (
     CONTENT_TYPE,
     DEAD_EXCHANGE,
+    DEAD_LOG_STREAM,
     DEAD_POLICY_NAME,
     DEAD_QUEUE,
     DEFAULT_DEAD_MAX_BYTES,
@@ -146,7 +147,16 @@ async def test_declare_is_idempotent_and_worker_queue_is_quorum_with_sac(
     first = await declare_topology(channel, [scope], host_ids=[host])
     second = await declare_topology(channel, [scope], host_ids=[host])
 
-    assert first.queues == second.queues == (DEAD_QUEUE, worker_queue(scope), reply_queue(host))
+    assert (
+        first.queues
+        == second.queues
+        == (
+            DEAD_QUEUE,
+            DEAD_LOG_STREAM,
+            worker_queue(scope),
+            reply_queue(host),
+        )
+    )
     assert first.policy_applied_via == "rabbitmqctl"
     rows = {
         row["name"]: row

@@ -53,6 +53,7 @@ from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
 from octo_common.states import Pending, Succeeded
 from octo_common.transport import (
+    DEAD_EXCHANGE,
     DEAD_POLICY_NAME,
     DEAD_QUEUE,
     DEFAULT_DEAD_MAX_BYTES,
@@ -928,11 +929,31 @@ def test_adapters_list_marks_enabled_and_reports_the_contract(worker: RunningWor
 # dlq ---------------------------------------------------------------------------------------
 
 
-def dlq_entries(config: Path) -> list[dict[str, Any]]:
-    result = octo_worker("dlq", "list", "--json", config=config)
+def dlq_entries(config: Path, *args: str) -> list[dict[str, Any]]:
+    result = octo_worker("dlq", "list", "--json", *args, config=config)
     assert result.returncode == 0, result.stderr
     entries: list[dict[str, Any]] = json_out(result)["entries"]
     return entries
+
+
+def dead_queue_length(config: Path) -> int:
+    shown = octo_worker("topology", "show", "--json", config=config)
+    assert shown.returncode == 0, shown.stderr
+    (dead,) = [q for q in json_out(shown)["queues"] if q["name"] == DEAD_QUEUE]
+    return int(dead["messages"])
+
+
+async def _publish_dead_letter(url: str, headers: dict[str, Any]) -> str:
+    """A letter published straight to the dead-letter exchange (no scope queue)."""
+    message_id = f"foreign-{uuid.uuid4().hex[:12]}"
+    connection = await aio_pika.connect(url, timeout=5)
+    try:
+        channel = await connection.channel(publisher_confirms=True)
+        dead = await channel.get_exchange(DEAD_EXCHANGE, ensure=False)
+        await dead.publish(aio_pika.Message(b"x", headers=headers, message_id=message_id), "")
+    finally:
+        await connection.close()
+    return message_id
 
 
 def test_dlq_list_show_drop_after_the_daemon_dead_letters_garbage(
@@ -949,6 +970,9 @@ def test_dlq_list_show_drop_after_the_daemon_dead_letters_garbage(
             b'{"no":"frame"}',
         )
     )
+    foreign = asyncio.run(
+        _publish_dead_letter(vhost.url, {"octo-scope": "tenant-elsewhere", "octo-reason": "x"})
+    )
 
     def both_listed() -> list[dict[str, Any]] | None:
         """Our two dead letters in one listing (one ``dlq list`` process a look)."""
@@ -958,53 +982,65 @@ def test_dlq_list_show_drop_after_the_daemon_dead_letters_garbage(
     entries = wait_until(both_listed)
     assert entries, worker.log()[-2000:]
     by_id = {entry["message_id"]: entry for entry in entries}
+    # Dead-lettered from this worker's queue: its scope, whatever the header said.
     assert by_id[wrong_scope]["reason"] == "scope_mismatch"
+    assert by_id[wrong_scope]["queue_scope"] == SCOPE
     assert by_id[wrong_scope]["scope"] == "tenant-other"
     assert by_id[wrong_scope]["size"] == len(b"not a frame \x00\xff")
     assert by_id[junk_body]["reason"] == "serialization"
     assert by_id[junk_body]["session"] == "session-x"
     assert "body_text" not in by_id[junk_body]  # never the body unless asked
-
-    # Listing is non-destructive (the broker may requeue in another order).
-    again = dlq_entries(config)
-    assert sorted(e["message_id"] for e in again) == sorted(
-        e["message_id"] for e in dlq_entries(config)
+    # This worker's scopes by default; another scope's letter with --all-scopes.
+    assert foreign not in [e["message_id"] for e in dlq_entries(config)]
+    everyone = wait_until(
+        lambda: [e for e in dlq_entries(config, "--all-scopes") if e["message_id"] == foreign]
     )
+    assert everyone and everyone[0]["queue_scope"] == "tenant-elsewhere"
+
+    # Reading changes nothing: the same letters under the same ids, every time.
+    again = dlq_entries(config)
+    assert again == dlq_entries(config) == entries
+    assert [e["id"] for e in again] == sorted(e["id"] for e in again)
     human = octo_worker("dlq", "list", config=config)
     assert "reason=scope_mismatch" in human.stdout and "not a frame" not in human.stdout
+    # Pages: one letter, then the next after its id.
+    (first,) = dlq_entries(config, "--limit", "1")
+    paged = octo_worker("dlq", "list", "--json", "--limit", "1", config=config)
+    assert json_out(paged)["next_after"] == first["id"]
+    (second,) = dlq_entries(config, "--limit", "1", "--after", str(first["id"]))
+    assert second["id"] > first["id"] and second == again[1]
 
-    position = next(e["position"] for e in again if e["message_id"] == junk_body)
-    shown = octo_worker("dlq", "show", str(position), "--json", config=config)
+    letter = by_id[junk_body]["id"]
+    shown = octo_worker("dlq", "show", str(letter), "--json", config=config)
     assert json_out(shown)["entry"]["message_id"] == junk_body
     assert "body_text" not in json_out(shown)["entry"]
-    with_body = octo_worker("dlq", "show", str(position), "--body", "--json", config=config)
+    with_body = octo_worker("dlq", "show", str(letter), "--body", "--json", config=config)
     assert json_out(with_body)["entry"]["body_text"] == '{"no":"frame"}'
-    assert len(dlq_entries(config)) == len(again)
+    beyond = octo_worker("dlq", "show", str(again[-1]["id"] + 1000), config=config)
+    assert beyond.returncode == 1 and "no letter with id" in one_line(beyond.stderr)
+    other = octo_worker("dlq", "show", str(letter), "--message-id", wrong_scope, config=config)
+    assert other.returncode == 1  # the guard: id and message id disagree
 
-    beyond = octo_worker("dlq", "show", str(len(again) + 1), config=config)
-    assert beyond.returncode == 1
-    assert "no message at position" in one_line(beyond.stderr)
-
-    refused = octo_worker("dlq", "drop", str(position), "--message-id", wrong_scope, config=config)
-    assert refused.returncode == 1  # the guard: position and id disagree, nothing dropped
-    assert len(dlq_entries(config)) == len(again)
-
-    alone = octo_worker("dlq", "drop", str(position), config=config)
-    assert alone.returncode == 2  # a position alone may name another frame by now
-    assert "--message-id" in one_line(alone.stderr)
-    assert len(dlq_entries(config)) == len(again)
-    unknown = octo_worker("dlq", "drop", "--message-id", "no-such-id", config=config)
-    assert unknown.returncode == 1 and "no message with message id" in one_line(unknown.stderr)
+    alone = octo_worker("dlq", "drop", config=config)
+    assert alone.returncode == 2 and "--message-id" in one_line(alone.stderr)
+    assert dead_queue_length(config) == 3
 
     dropped = octo_worker("dlq", "drop", "--message-id", junk_body, "--json", config=config)
     assert dropped.returncode == 0, dropped.stderr
     assert json_out(dropped)["entry"]["message_id"] == junk_body
-    remaining = [e["message_id"] for e in dlq_entries(config)]
-    assert junk_body not in remaining and wrong_scope in remaining
+    # Every list and show above left the queue's letters undelivered: the drop
+    # is the first delivery of this letter (no delivery count yet).
+    assert json_out(dropped)["entry"]["delivery_count"] in (None, 0)
+    assert dead_queue_length(config) == 2
+    unknown = octo_worker("dlq", "drop", "--message-id", "no-such-id", config=config)
+    assert unknown.returncode == 1 and "no message with message id" in one_line(unknown.stderr)
+    assert dead_queue_length(config) == 2
 
     everything = octo_worker("dlq", "drop", "--all", "--json", config=config)
-    assert json_out(everything)["dropped"] == len(remaining)
-    assert dlq_entries(config) == []
+    assert json_out(everything)["dropped"] == 2
+    assert dead_queue_length(config) == 0
+    # The log keeps its copies until retention removes them.
+    assert dlq_entries(config) == entries
 
 
 # run ---------------------------------------------------------------------------------------
