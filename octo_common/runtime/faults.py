@@ -23,7 +23,10 @@ host client each hold one :class:`FaultInjector` and call
 * ``host.after_compensation_intent``: the ledger write that records a
   compensation intent is durable; nothing of it is sealed or sent;
 * ``host.after_reply_applied``: a reply is opened and applied to a copy of
-  the ledger; the change is not durable and the reply is not acked.
+  the ledger; the change is not durable and the reply is not acked;
+* ``host.after_retry_intent``: the ledger write that records a retry (the
+  next attempt of a step, under its new key) is durable; nothing of it is
+  sealed or sent.
 
 Nothing happens when the variable is absent; a malformed value is ignored
 with a warning on stderr (never fatal: production never sets it). It must
@@ -52,6 +55,7 @@ FAULT_POINTS = frozenset(
         "host.after_ledger_commit",
         "host.after_compensation_intent",
         "host.after_reply_applied",
+        "host.after_retry_intent",
     }
 )
 

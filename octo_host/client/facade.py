@@ -42,6 +42,7 @@ from octo_host.client.broker import HostBroker
 from octo_host.client.pools import PoolStats, SessionPools
 from octo_host.client.recovery import Recovery, RecoverySummary
 from octo_host.client.replies import ReplyRouter
+from octo_host.client.retrying import Retries
 from octo_host.client.runs import HostRun, RunCache
 from octo_host.client.sessions import HostSession, SessionRegistry
 from octo_host.client.settings import ClientSettings
@@ -117,9 +118,10 @@ class HostClient:
         self._verbs = HostVerbs(
             self.engine, self._sessions, self._runs, self._broker, self._settings, log
         )
-        self._recovery = Recovery(self._verbs, self._runs, self._sessions, log)
+        retries = Retries(self._verbs, self._runs, log)
+        self._recovery = Recovery(self._verbs, self._runs, self._sessions, retries, log)
         self._pools = SessionPools(manifests or {}, self._sessions, self._settings, log)
-        self._pooled = PooledVerbs(self._verbs, self._runs, self._pools, log)
+        self._pooled = PooledVerbs(self._verbs, self._runs, self._pools, retries, log)
         self._pooled.verifiers = compensation_verifiers
 
     @classmethod
@@ -508,7 +510,8 @@ class HostClient:
         nonce: bytes,
         scope: str | None = None,
     ) -> WorkerOperationState:
-        """Record the intent and dispatch it, in one call; returns the operation's state.
+        """Record the intent and dispatch it, in one call; returns the operation's state
+        (with a retry policy on the step, the state of its last attempt).
 
         Exactly ``record_operation(run, step_id, tool, payload, nonce, scope=scope)``
         then ``dispatch(run, key, payload)``, on a session of ``scope``'s pool
@@ -519,6 +522,14 @@ class HostClient:
         most once. An outcome the worker has not told comes back ``pending`` or
         ``running``: never dispatch again; ``reconcile`` (or ``recover`` after
         a restart) settles it.
+
+        When the step has a retry policy (``WorkflowStep.retry``) and the
+        attempt ends in an outcome it retries (by default only ``failed``
+        coded ``not_happened``: proven not to have happened, the key fenced),
+        the next attempt is recorded under a new derived key chained to it,
+        durably, then dispatched, until an attempt ends otherwise or the
+        attempts run out; the ledger shows every attempt
+        (``ledger.attempts(key)``). Never for ``pending`` or ``running``.
         """
         if scope is None:
             scope = self._only_scope()

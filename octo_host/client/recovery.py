@@ -9,10 +9,16 @@ is looked up first (``reconcile_compensation``, no input needed), then, with
 its inverse input, sent again under its key and a fresh approval when the
 worker proves it never admitted it or the lookup left it unfinished.
 
-It must never create a new key, dispatch or compensate a key the worker may
-have admitted unless the worker answers from its journal, stop at one key's
-failure, or hand over a session when recovery itself fails (the session is
-closed first).
+A step with a retry policy is followed as ``execute`` follows it: after an
+attempt ends in an outcome the policy retries, the attempt that replaces it
+(one recorded before a crash, or one recorded now under its derived key) is
+sent, and so on (``summary.retried``); the input given for any attempt of
+the logical operation serves them all.
+
+It must never create a new key other than a policy's retry of a ``failed``
+attempt, dispatch or compensate a key the worker may have admitted unless
+the worker answers from its journal, stop at one key's failure, or hand
+over a session when recovery itself fails (the session is closed first).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from structlog.typing import FilteringBoundLogger
 from octo_common.errors import OctoError, UnknownCompensation, WorkerRequestRejected
 from octo_common.grants import CapabilityManifest
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
-from octo_common.states import TERMINAL_KINDS, StateKind
+from octo_common.states import TERMINAL_KINDS, StateKind, WorkerOperationState
+from octo_host.client.retrying import Retries
 from octo_host.client.runs import HostRun, RunCache
 from octo_host.client.sessions import HostSession, SessionRegistry
 from octo_host.client.verbs import HostVerbs, new_request_id
@@ -35,8 +42,22 @@ from octo_host.kinds import RequestKind
 from octo_host.ledger import WorkflowCompensation
 from octo_host.plan import WorkflowPlan
 from octo_host.reactions import Reaction, rejection_reaction
+from octo_host.retries import retry_refusal
 
 __all__ = ["Recovery", "RecoverySummary"]
+
+
+def _input_of(
+    run: HostRun, inputs: Mapping[str, ToolPayload], operation_key: str
+) -> ToolPayload | None:
+    """The input of ``operation_key``: given under its key, or under its first
+    attempt's (every attempt of a logical operation has the same input)."""
+    payload = inputs.get(operation_key)
+    if payload is None:
+        attempts = run.ledger.attempts(operation_key)
+        if attempts:
+            payload = inputs.get(attempts[0].operation_key)
+    return payload
 
 
 @dataclass
@@ -53,6 +74,8 @@ class RecoverySummary:
     operations: dict[str, StateKind] = field(default_factory=dict)
     compensations: dict[str, StateKind] = field(default_factory=dict)
     reconciled: list[str] = field(default_factory=list)
+    retried: list[str] = field(default_factory=list)
+    """Attempts a step's retry policy had recovery send (recorded now or before a crash)."""
     unresolved: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -65,11 +88,13 @@ class Recovery:
         verbs: HostVerbs,
         runs: RunCache,
         sessions: SessionRegistry,
+        retries: Retries,
         log: FilteringBoundLogger,
     ) -> None:
         self._verbs = verbs
         self._runs = runs
         self._sessions = sessions
+        self._retries = retries
         self._log = log
 
     async def recover(
@@ -93,7 +118,7 @@ class Recovery:
             for operation in run.ledger.operations:
                 key = operation.operation_key
                 if operation.state not in TERMINAL_KINDS:
-                    payload = inputs.get(key)
+                    payload = _input_of(run, inputs, key)
                     if payload is None:
                         summary.unresolved.append(key)
                         continue
@@ -121,6 +146,10 @@ class Recovery:
                 summary.operations[key] = current.state
                 if current.state not in TERMINAL_KINDS:
                     summary.unresolved.append(key)
+                else:
+                    session = await self._follow_retries(
+                        summary, session, run, key, _input_of(run, inputs, key)
+                    )
                 compensation = current.compensation
                 if compensation is None:
                     continue
@@ -213,6 +242,51 @@ class Recovery:
         if state.kind not in TERMINAL_KINDS and cause is not None:
             summary.errors[compensation_key] = cause
         return session.current()
+
+    async def _follow_retries(
+        self,
+        summary: RecoverySummary,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        payload: ToolPayload | None,
+    ) -> HostSession:
+        """The step's retry policy after a terminal ``operation_key``: the attempt that
+        replaces it (recorded before a crash, or now) sent in ``session``, and so
+        on; returns the session now current. Without the input, an attempt the
+        policy calls for is reported unresolved (nothing is recorded)."""
+        replacement = run.ledger.replacement(operation_key)
+        due = replacement is not None or retry_refusal(run.plan, run.ledger, operation_key) is None
+        if not due:
+            return session
+        if payload is None:
+            pending = operation_key if replacement is None else replacement.operation_key
+            if pending not in summary.unresolved:
+                summary.unresolved.append(pending)
+            return session
+        sending = payload
+        current = session
+
+        async def dispatch(attempt_key: str) -> WorkerOperationState | None:
+            nonlocal current
+            if run.state(attempt_key) in TERMINAL_KINDS:
+                return None  # settled by an earlier run: nothing to send or ask
+            current = current.current()
+            summary.retried.append(attempt_key)
+            return await self._verbs.dispatch(current, run, attempt_key, sending)
+
+        try:
+            last_key, _ = await self._retries.follow(run, operation_key, None, dispatch)
+        except OctoError as exc:
+            attempts = run.ledger.attempts(operation_key)
+            self._recovery_failed(summary, attempts[-1].operation_key, exc)
+            return current.current()
+        for attempt in run.ledger.attempts(operation_key):
+            summary.operations[attempt.operation_key] = attempt.state
+        last = run.operation(last_key)
+        if last is not None and last.state not in TERMINAL_KINDS:
+            summary.unresolved.append(last_key)
+        return current.current()
 
     @staticmethod
     def _compensation(run: HostRun, operation_key: str) -> WorkflowCompensation:

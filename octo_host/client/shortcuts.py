@@ -14,7 +14,9 @@ a fresh approval.
 It must never send a request on a session it did not lease, pick a scope
 other than the one the key is bound to, record a second intent or a second
 compensation, or turn an ambiguous outcome into a new attempt: what the
-verbs could not settle comes back ``pending`` or ``running``.
+verbs could not settle comes back ``pending`` or ``running``. Only a step's
+retry policy makes a new attempt, through
+:class:`~octo_host.client.retrying.Retries`, for an outcome the policy names.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from octo_common.grants import CapabilityGrant
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import TERMINAL_KINDS, WorkerOperationState
 from octo_host.client.pools import SessionPools
+from octo_host.client.retrying import Retries
 from octo_host.client.runs import HostRun, RunCache
 from octo_host.client.verbs import HostVerbs, new_request_id
 from octo_host.compensation import (
@@ -77,11 +80,13 @@ class PooledVerbs:
         verbs: HostVerbs,
         runs: RunCache,
         pools: SessionPools,
+        retries: Retries,
         log: FilteringBoundLogger,
     ) -> None:
         self._verbs = verbs
         self._runs = runs
         self._pools = pools
+        self._retries = retries
         self._log = log
         self.verifiers: CompensationVerifiers | None = None
 
@@ -160,7 +165,15 @@ class PooledVerbs:
             # first (it may have been sent), and binds it to ``scope`` if it is not
             # bound yet (another scope: DispatchScopeMismatch, nothing sent).
             key = exc.key
-        return await self.dispatch(run, key, payload, scope)
+        state = await self.dispatch(run, key, payload, scope)
+
+        async def dispatch(attempt_key: str) -> WorkerOperationState:
+            return await self.dispatch(run, attempt_key, payload, scope)
+
+        # The step's retry policy, if any: an attempt proven not to have happened
+        # is replaced by the next one (recorded first), never sent again itself.
+        _, last = await self._retries.follow(run, key, state, dispatch)
+        return state if last is None else last
 
     async def undo(
         self,

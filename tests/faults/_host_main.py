@@ -7,10 +7,13 @@ persisted, a compensation intent).
 
 Prints ``loaded`` once imported, reads one JSON line of arguments from stdin
 (broker URL, host id, scope and scope key file, ledger path and storage key,
-plan steps, run name, tool, tag, concurrent), records one publish operation
-per step, prints ``RECORDED <key> ...``, opens a session, dispatches every
-key (one after another, or all at once), then records and sends the
-compensation of the first key. Printing ``survived`` means the fault never
+plan steps and their retry attempts, run name, tool, tag, concurrent),
+records one publish operation per step, prints ``RECORDED <key> ...``, opens
+a session, dispatches every key (one after another, or all at once), then
+records and sends the compensation of the first key. With ``execute`` set it
+instead runs ``HostClient.execute`` for each step in turn (the steps' retry
+policy followed; armed with ``OCTO_FAULT=host.after_retry_intent`` it dies
+right after the ledger write that records a retry). Printing ``survived`` means the fault never
 fired. Secrets travel on stdin, never on the command line.
 """
 
@@ -35,7 +38,7 @@ from octo_host.compensation import (
     WorkflowCompensationPolicy,
     WorkflowCompensationTarget,
 )
-from octo_host.plan import WorkflowStep
+from octo_host.plan import RetryPolicy, WorkflowStep
 from octo_host.store import SqliteLedgerStore
 
 
@@ -56,27 +59,37 @@ class _Allow:
 
 async def main(a: dict[str, Any]) -> None:
     keyring = StorageKeyring("host-k1", bytes.fromhex(a["storage_key"]))
+    grant = CapabilityGrant(a["tool"], "json", max_calls=16, max_compensations=1)
     client = HostClient(
         a["url"],
         host_id=a["host_id"],
         store=SqliteLedgerStore(a["ledger"], keyring),
         scope_keys={a["scope"]: ScopeKey.from_file(a["scope_key_file"])},
-        reply_timeout=5.0,
+        reply_timeout=a.get("reply_timeout", 5.0),
+        max_attempts=a.get("max_attempts", 6),
+        manifests={a["scope"]: CapabilityManifest("manifest", [grant])},
     )
     await client.start()
     tag = a["tag"]
-    plan = client.engine.plan([WorkflowStep(s, src) for s, src in a["steps"]])
+    retry = RetryPolicy(attempts=a["retry_attempts"], backoff_seconds=0.05)
+    plan = client.engine.plan([WorkflowStep(s, src, retry) for s, src in a["steps"]])
     run = await client.load_run(a["run"], plan)
     payloads = [
         ToolPayload.json({"name": f"file-{i}.txt", "content": f"{tag}:{i}"})
         for i in range(len(a["steps"]))
     ]
+    if a.get("execute"):
+        # One call per step: record, dispatch, and the step's retry policy.
+        for i, (step, _) in enumerate(a["steps"]):
+            await client.execute(run, step, a["tool"], payloads[i], f"{tag}:{i}".encode())
+        print("survived", flush=True)
+        await client.close()
+        return
     keys = [
         await client.record_operation(run, step, a["tool"], payloads[i], f"{tag}:{i}".encode())
         for i, (step, _) in enumerate(a["steps"])
     ]
     print("RECORDED", *keys, flush=True)
-    grant = CapabilityGrant(a["tool"], "json", max_calls=16, max_compensations=1)
     session = await client.open_session(a["scope"], CapabilityManifest("manifest", [grant]))
     if a["concurrent"]:
         states = await asyncio.gather(

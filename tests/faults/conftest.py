@@ -60,7 +60,7 @@ from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageKeyring
-from octo_common.states import TERMINAL_KINDS, StateKind, Succeeded
+from octo_common.states import TERMINAL_KINDS, FailureCode, StateKind, Succeeded
 from octo_common.transport import reply_queue, worker_queue
 from octo_host.client import HostClient, HostRun, RecoverySummary
 from octo_host.compensation import (
@@ -69,7 +69,7 @@ from octo_host.compensation import (
     WorkflowCompensationTarget,
 )
 from octo_host.ledger import WorkflowOperationLedger
-from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.plan import RetryPolicy, WorkflowPlan, WorkflowStep
 from octo_host.store import SqliteLedgerStore, ledger_record_key
 from octo_worker.adapters.files import read_effect_log
 from octo_worker.config import load_config
@@ -81,7 +81,14 @@ URL: Final = "amqp://127.0.0.1:5672/"
 TOOL: Final = "files.publish"
 GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=16, max_compensations=1)
 KEYS_PER_RUN: Final = 3
-STEPS: Final = [WorkflowStep(f"publish-{i}", f"publish file {i}") for i in range(KEYS_PER_RUN)]
+# The steps' retry policy, on in every crash run: an attempt a crash cut before its
+# effect (proven not to have happened by files.publish's lookup) is replaced by
+# the next one under a new key, so every logical step ends succeeded.
+RETRY_ATTEMPTS: Final = 3
+RETRY: Final = RetryPolicy(attempts=RETRY_ATTEMPTS, backoff_seconds=0.05)
+STEPS: Final = [
+    WorkflowStep(f"publish-{i}", f"publish file {i}", RETRY) for i in range(KEYS_PER_RUN)
+]
 RUN_NAME: Final = "crash-run"
 HERE: Final = Path(__file__).resolve().parent
 WORKER_MAIN: Final = HERE / "_worker_main.py"
@@ -516,18 +523,21 @@ async def _recover_and_finish(
 ) -> RecoverySummary:
     """H§16.5 recovery of the run, then the compensation if the crash came before it."""
     inverse = undo_payload(0)
+    # A compensation applies to the first step's succeeded attempt, whichever it is.
+    before = await client.load_run(RUN_NAME, plan)
+    attempts = [op.operation_key for op in before.ledger.attempts(keys[0])]
     summary = await client.recover(
         RUN_NAME,
         plan,
         env.scope,
         manifest(),
         inputs={key: publish_payload(i, tag) for i, key in enumerate(keys)},
-        compensations={keys[0]: (compensation_target(env.scope, keys[0]), inverse)},
+        compensations={key: (compensation_target(env.scope, key), inverse) for key in attempts},
     )
     run = summary.run
-    first = run.operation(keys[0])
-    if first is not None and first.state == StateKind.SUCCEEDED and first.compensation is None:
-        await _compensate_first(client, env, run, keys[0], summary.session, tag)
+    first = run.ledger.attempts(keys[0])[-1]
+    if first.state == StateKind.SUCCEEDED and first.compensation is None:
+        await _compensate_first(client, env, run, first.operation_key, summary.session, tag)
     return summary
 
 
@@ -621,8 +631,10 @@ async def play_scenario(
     states = {}
     compensation: StateKind | None = None
     for key in keys:
-        operation = stored.operation(key)
-        assert operation is not None, f"{case}: a dispatched key is missing from the ledger"
+        # A logical step's outcome is its last attempt's (a retry replaces a failed one).
+        attempts = stored.attempts(key)
+        assert attempts, f"{case}: a dispatched key is missing from the ledger"
+        operation = attempts[-1]
         states[key] = operation.state
         if key == keys[0] and operation.compensation is not None:
             compensation = operation.compensation.state
@@ -639,26 +651,30 @@ async def play_scenario(
     )
 
 
+def host_arguments(env: CrashEnv, tag: str, steps: list[WorkflowStep], **more: Any) -> str:
+    """The host runner's one line of arguments (``_host_main.py``): ``env``'s broker,
+    scope and ledger, a new host id, ``steps`` with the retry policy's attempts."""
+    arguments = {
+        "url": env.url,
+        "host_id": env.new_host_id(),
+        "scope": env.scope,
+        "scope_key_file": str(env.scope_key_file),
+        "ledger": str(env.ledger_path),
+        "storage_key": env.host_storage_key.hex(),
+        "steps": [[s.id, s.source] for s in steps],
+        "retry_attempts": RETRY_ATTEMPTS,
+        "run": RUN_NAME,
+        "tool": TOOL,
+        "tag": tag,
+        "concurrent": False,
+    }
+    return json.dumps(arguments | more)
+
+
 async def _crash_host(launcher: Launcher, env: CrashEnv, case: Case, tag: str) -> list[str]:
     """The host process records, persists, and dies before one of its publishes."""
     host = await launcher.take("host", case.fault)
-    host.send(
-        json.dumps(
-            {
-                "url": env.url,
-                "host_id": env.new_host_id(),
-                "scope": env.scope,
-                "scope_key_file": str(env.scope_key_file),
-                "ledger": str(env.ledger_path),
-                "storage_key": env.host_storage_key.hex(),
-                "steps": [[s.id, s.source] for s in STEPS],
-                "run": RUN_NAME,
-                "tool": TOOL,
-                "tag": tag,
-                "concurrent": case.concurrent,
-            }
-        )
-    )
+    host.send(host_arguments(env, tag, STEPS, concurrent=case.concurrent))
     keys_line = await host.read_line(20.0)
     assert keys_line.startswith("RECORDED "), (keys_line, host.stderr())
     keys = keys_line.split()[1:]
@@ -691,66 +707,87 @@ async def read_journal(env: CrashEnv, keys: list[str]) -> dict[str, WorkerOperat
 
 
 async def check_outcome(env: CrashEnv, outcome: Outcome, ledger: WorkflowOperationLedger) -> None:
-    """The invariants after any crash (see the module docstring)."""
+    """The invariants after any crash (see the module docstring), per logical step:
+    its attempts (the first key, then each retry that replaced a failed one)."""
     case, keys = outcome.case, outcome.keys
     errors = None if outcome.summary is None else outcome.summary.errors
     effects = read_effect_log(env.effect_log)
     publishes = Counter(e["operation_key"] for e in effects if e["effect"] == "publish")
     removals = Counter(e["operation_key"] for e in effects if e["effect"] == "remove")
-    assert set(publishes) <= set(keys) and set(removals) <= set(keys), case
-    journal = await read_journal(env, keys)
+    chains = {key: [op.operation_key for op in ledger.attempts(key)] for key in keys}
+    every = [attempt for chain in chains.values() for attempt in chain]
+    # Every operation of the ledger is an attempt of one of the run's steps.
+    assert sorted(every) == sorted(op.operation_key for op in ledger.operations), case
+    assert set(publishes) <= set(every) and set(removals) <= set(every), case
+    journal = await read_journal(env, every)
     for index, key in enumerate(keys):
-        operation = ledger.operation(key)
-        assert operation is not None
-        state = operation.state
-        # Known and settled: recover leaves no operation pending or running
-        # (files.publish looks an effect up by its key).
-        assert state in TERMINAL_KINDS, (case, index, state, errors)
-        assert publishes[key] <= 1, (case, index, "published twice")
-        # Exactly one effect line per succeeded key, however the host learned
-        # it: a publication cut off between its link and its log line is
-        # finished (line written once) by the repeated dispatch or by the
-        # reconciliation that reports it.
-        assert publishes[key] == (1 if state == StateKind.SUCCEEDED else 0), (
-            case,
-            index,
-            state,
-            publishes[key],
-            _adapter_record(env, key),
-            (env.published / f"file-{index}.txt").exists(),
-        )
-        record = journal[key]
-        assert record is not None, (case, index, "ledger settled a key the journal lacks")
-        assert record.state.kind == state, (case, index, record.state.kind, state)
-        compensation = operation.compensation
-        assert removals[key] <= 1, (case, index, "compensated twice")
-        if compensation is None:
-            assert removals[key] == 0, (case, index)
-            assert record is None or record.compensation is None, (case, index)
-            continue
-        # Every compensation ends known, none is left pending: files.publish
-        # looks a removal up by its compensation key (D11) and recover asks it.
-        # A worker never re-runs an admitted compensation (W§10.10), so one a
-        # crash cut short is settled by that lookup, whether its removal ran
-        # (after_effect: its missing log line written once) or not
-        # (after_admission_commit, after_ack: refused for good); one the worker
-        # never admitted is sent again.
-        assert compensation.state in TERMINAL_KINDS, (case, index, compensation.state)
-        done = compensation.state == StateKind.SUCCEEDED
-        assert removals[key] == (1 if done else 0), (case, index, compensation.state)
-        assert record is not None and record.compensation is not None, (case, index)
-        assert record.compensation.compensation_key == compensation.compensation_key
-        assert record.compensation.state.kind == compensation.state, (case, index)
-    # The run ends known: the first key's inverse was recorded if its publish ran.
-    first = ledger.operation(keys[0])
+        chain = chains[key]
+        final = ledger.operation(chain[-1])
+        assert final is not None
+        # Exactly once: every step ends succeeded (the adapter refuses none of these
+        # inputs), with one publication over all its attempts.
+        assert final.state == StateKind.SUCCEEDED, (case, index, final.state, final.failure, errors)
+        assert len(chain) <= RETRY_ATTEMPTS, (case, index, chain)
+        assert sum(publishes[attempt] for attempt in chain) == 1, (case, index, "effects")
+        for attempt_key in chain[:-1]:
+            # Only an attempt proven not to have happened is ever replaced.
+            replaced = ledger.operation(attempt_key)
+            assert replaced is not None and replaced.state == StateKind.FAILED, (case, index)
+            assert replaced.failure == FailureCode.NOT_HAPPENED, (case, index, replaced.failure)
+        for attempt_key in chain:
+            operation = ledger.operation(attempt_key)
+            assert operation is not None
+            state = operation.state
+            # Known and settled: recover leaves no operation pending or running
+            # (files.publish looks an effect up by its key).
+            assert state in TERMINAL_KINDS, (case, index, state, errors)
+            assert publishes[attempt_key] <= 1, (case, index, "published twice")
+            # Exactly one effect line per succeeded key, however the host learned
+            # it: a publication cut off between its link and its log line is
+            # finished (line written once) by the repeated dispatch or by the
+            # reconciliation that reports it.
+            assert publishes[attempt_key] == (1 if state == StateKind.SUCCEEDED else 0), (
+                case,
+                index,
+                state,
+                publishes[attempt_key],
+                _adapter_record(env, attempt_key),
+                (env.published / f"file-{index}.txt").exists(),
+            )
+            record = journal[attempt_key]
+            assert record is not None, (case, index, "ledger settled a key the journal lacks")
+            assert record.state.kind == state, (case, index, record.state.kind, state)
+            compensation = operation.compensation
+            assert removals[attempt_key] <= 1, (case, index, "compensated twice")
+            if compensation is None:
+                assert removals[attempt_key] == 0, (case, index)
+                assert record.compensation is None, (case, index)
+                continue
+            # Compensation applies to the succeeded attempt only.
+            assert attempt_key == chain[-1], (case, index, "compensated a replaced attempt")
+            # Every compensation ends known, none is left pending: files.publish
+            # looks a removal up by its compensation key (D11) and recover asks it.
+            # A worker never re-runs an admitted compensation (W§10.10), so one a
+            # crash cut short is settled by that lookup, whether its removal ran
+            # (after_effect: its missing log line written once) or not
+            # (after_admission_commit, after_ack: refused for good); one the worker
+            # never admitted is sent again.
+            assert compensation.state in TERMINAL_KINDS, (case, index, compensation.state)
+            done = compensation.state == StateKind.SUCCEEDED
+            assert removals[attempt_key] == (1 if done else 0), (case, index, compensation.state)
+            assert record.compensation is not None, (case, index)
+            assert record.compensation.compensation_key == compensation.compensation_key
+            assert record.compensation.state.kind == compensation.state, (case, index)
+    # The run ends known: the first step's inverse was recorded on its succeeded attempt.
+    first = ledger.operation(chains[keys[0]][-1])
     assert first is not None
     if first.state == StateKind.SUCCEEDED:
         assert first.compensation is not None, (case, "the compensation was never recorded")
     for index, key in enumerate(keys):
         exists = (env.published / f"file-{index}.txt").exists()
-        kept = ledger.operation(key)
+        kept = ledger.operation(chains[key][-1])
         assert kept is not None
-        removed = removals[key] == 1
+        removed = removals[kept.operation_key] == 1
         assert exists == (kept.state == StateKind.SUCCEEDED and not removed), (case, index)
 
 

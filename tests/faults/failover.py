@@ -35,11 +35,11 @@ from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.payload import ToolPayload
 from octo_common.records import StorageKeyring
-from octo_common.states import TERMINAL_KINDS, StateKind, WorkerOperationState
+from octo_common.states import TERMINAL_KINDS, FailureCode, StateKind, WorkerOperationState
 from octo_common.transport import reply_queue, worker_queue
 from octo_host.client import HostClient, HostRun, RecoverySummary
 from octo_host.ledger import WorkflowOperationLedger
-from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.plan import RetryPolicy, WorkflowPlan, WorkflowStep
 from octo_host.store import SqliteLedgerStore, ledger_record_key
 from octo_worker.adapters.files import read_effect_log
 from octo_worker.config import load_config
@@ -57,8 +57,8 @@ def manifest() -> CapabilityManifest:
     return CapabilityManifest("manifest", [GRANT])
 
 
-def steps(count: int) -> list[WorkflowStep]:
-    return [WorkflowStep(f"publish-{i}", f"publish file {i}") for i in range(count)]
+def steps(count: int, retry: RetryPolicy | None = None) -> list[WorkflowStep]:
+    return [WorkflowStep(f"publish-{i}", f"publish file {i}", retry) for i in range(count)]
 
 
 def payload(index: int, tag: str) -> ToolPayload:
@@ -187,13 +187,21 @@ effect_log = "{shared / "effects.log"}"
 
 
 async def record_run(
-    client: HostClient, count: int, tag: str
+    client: HostClient,
+    count: int,
+    tag: str,
+    *,
+    name: str = RUN_NAME,
+    first: int = 0,
+    retry: RetryPolicy | None = None,
 ) -> tuple[WorkflowPlan, HostRun, list[str]]:
-    plan = client.engine.plan(steps(count))
-    run = await client.load_run(RUN_NAME, plan)
+    """Run ``name``: ``count`` publish operations of files ``first``.. (one step each,
+    with ``retry`` as the steps' retry policy), recorded."""
+    plan = client.engine.plan(steps(count, retry))
+    run = await client.load_run(name, plan)
     keys = [
         await client.record_operation(
-            run, f"publish-{i}", TOOL, payload(i, tag), f"{tag}:{i}".encode()
+            run, f"publish-{i}", TOOL, payload(first + i, tag), f"{tag}:{first + i}".encode()
         )
         for i in range(count)
     ]
@@ -201,64 +209,93 @@ async def record_run(
 
 
 async def dispatch_all(
-    client: HostClient, env: FailoverEnv, run: HostRun, keys: list[str], tag: str
+    client: HostClient,
+    env: FailoverEnv,
+    run: HostRun,
+    keys: list[str],
+    tag: str,
+    *,
+    first: int = 0,
 ) -> list[WorkerOperationState | BaseException]:
     """Every key dispatched at once in one session; an exception is kept as the result."""
     session = await client.open_session(env.scope, manifest())
     results: list[Any] = await asyncio.gather(
-        *(client.dispatch(session, run, key, payload(i, tag)) for i, key in enumerate(keys)),
+        *(
+            client.dispatch(session, run, key, payload(first + i, tag))
+            for i, key in enumerate(keys)
+        ),
         return_exceptions=True,
     )
     return results
 
 
 async def recover(
-    client: HostClient, env: FailoverEnv, plan: WorkflowPlan, keys: list[str], tag: str
+    client: HostClient,
+    env: FailoverEnv,
+    plan: WorkflowPlan,
+    keys: list[str],
+    tag: str,
+    *,
+    name: str = RUN_NAME,
+    first: int = 0,
 ) -> RecoverySummary:
     return await client.recover(
-        RUN_NAME,
+        name,
         plan,
         env.scope,
         manifest(),
-        inputs={key: payload(i, tag) for i, key in enumerate(keys)},
+        inputs={key: payload(first + i, tag) for i, key in enumerate(keys)},
     )
 
 
-async def read_ledger(env: FailoverEnv) -> WorkflowOperationLedger:
+async def read_ledger(env: FailoverEnv, name: str = RUN_NAME) -> WorkflowOperationLedger:
     store = env.host_store()
     try:
-        record = await store.load(ledger_record_key(RUN_NAME))
+        record = await store.load(ledger_record_key(name))
     finally:
         await store.close()
     assert record is not None
     return WorkflowOperationLedger.from_json(record.payload)
 
 
-async def check_effects(env: FailoverEnv, keys: list[str]) -> Counter[StateKind]:
-    """Every key terminal, exactly one effect per succeeded key, none otherwise;
-    the shared journal agrees with the ledger. Returns the states' counts."""
-    ledger = await read_ledger(env)
+async def check_effects(
+    env: FailoverEnv, keys: list[str], *, name: str = RUN_NAME, first: int = 0
+) -> Counter[StateKind]:
+    """Per logical step (its first key, then each retry that replaced a failed attempt):
+    every attempt terminal, exactly one effect per succeeded attempt and none
+    otherwise, only attempts proven not to have happened replaced; the shared
+    journal agrees with the ledger. Returns the counts of the steps' final states."""
+    ledger = await read_ledger(env, name)
+    chains = {key: [op.operation_key for op in ledger.attempts(key)] for key in keys}
+    every = [attempt for chain in chains.values() for attempt in chain]
+    assert sorted(every) == sorted(op.operation_key for op in ledger.operations)
     effects = read_effect_log(env.effect_log)
     publishes = Counter(e["operation_key"] for e in effects if e["effect"] == "publish")
-    assert set(publishes) <= set(keys)
     store = configured_store(load_config(env.configs[0]), read_only=True)
     try:
-        journal = await store.load_records(env.scope, keys)
+        journal = await store.load_records(env.scope, every)
     finally:
         await store.close()
     states: Counter[StateKind] = Counter()
     for index, key in enumerate(keys):
-        operation = ledger.operation(key)
-        assert operation is not None
-        state = operation.state
-        states[state] += 1
-        assert state in TERMINAL_KINDS, (index, state)
-        expected = 1 if state == StateKind.SUCCEEDED else 0
-        assert publishes[key] == expected, (index, state, publishes[key])
-        assert (env.published / f"file-{index}.txt").exists() == (expected == 1), index
-        row = journal[key]
-        assert row is not None, (index, "the ledger settled a key the journal lacks")
-        assert row[0].state.kind == state, (index, row[0].state.kind, state)
+        chain = chains[key]
+        final = ledger.operation(chain[-1])
+        assert final is not None
+        states[final.state] += 1
+        for attempt_key in chain:
+            operation = ledger.operation(attempt_key)
+            assert operation is not None
+            state = operation.state
+            assert state in TERMINAL_KINDS, (index, state)
+            if attempt_key != chain[-1]:
+                assert (state, operation.failure) == (StateKind.FAILED, FailureCode.NOT_HAPPENED)
+            expected = 1 if state == StateKind.SUCCEEDED else 0
+            assert publishes[attempt_key] == expected, (index, state, publishes[attempt_key])
+            row = journal[attempt_key]
+            assert row is not None, (index, "the ledger settled a key the journal lacks")
+            assert row[0].state.kind == state, (index, row[0].state.kind, state)
+        succeeded = final.state == StateKind.SUCCEEDED
+        assert (env.published / f"file-{first + index}.txt").exists() == succeeded, index
     return states
 
 

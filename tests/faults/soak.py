@@ -8,7 +8,10 @@ with a random point (every point of the matrix: the generic worker points,
 (generic points 1-4: the three dispatches and the compensation; compensation
 points 1) and a random dispatch pattern, checks the same invariants after
 every kill (``check_outcome``), and prints a summary: kills per point, final
-states of operations and compensations, failures, time per run. A
+states of the logical steps and compensations, the retries, failures, time
+per run. The steps' retry policy is on (``conftest.RETRY``): an attempt a
+crash cut before its effect is replaced by the next one, so every step must
+end ``succeeded`` with exactly one publication over its attempts. A
 compensation or operation left ``pending`` or ``running`` after ``recover``
 is an invariant failure (``files.publish`` implements the compensation
 lookup, D11). Exit status 1 if any run broke an invariant. Needs RabbitMQ on
@@ -123,7 +126,14 @@ def _summary(
     for point in ALL_POINTS:
         print(f"  {point}: {by_point.get(point, 0)}")
     states = Counter(s.value for o in outcomes for s in o.states.values())
-    print("final operation states: " + ", ".join(f"{k}={n}" for k, n in sorted(states.items())))
+    print("final step states: " + ", ".join(f"{k}={n}" for k, n in sorted(states.items())))
+    retries = Counter(
+        len(o.ledger.attempts(key)) - 1 for o in outcomes if o.ledger is not None for key in o.keys
+    )
+    print(
+        "retries per logical step: "
+        + ", ".join(f"{k} retries={n}" for k, n in sorted(retries.items()))
+    )
     compensations = Counter(o.compensation.value if o.compensation else "none" for o in outcomes)
     print(
         "final first-key compensation states: "

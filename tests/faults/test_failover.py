@@ -5,10 +5,12 @@ journal and publish with ``files.publish`` into one shared directory; the
 first one consumes (the broker's single active consumer), the other stands
 by. A host in this process dispatches 64 operations at once, then:
 
-* SIGKILL of the owner mid-load: the standby becomes the active consumer,
-  reserves the next fence, restores the session, answers; every operation
-  ends terminal (``recover`` settles the ambiguous ones) with exactly one
-  effect line per succeeded key and none for the others;
+* SIGKILL of the owner mid-load (64 operations in flight in two runs, the
+  steps' retry policy on): the standby becomes the active consumer,
+  reserves the next fence, restores the session, answers; ``recover``
+  settles the ambiguous ones and replaces each attempt proven not to have
+  happened by a new one: every operation ends succeeded, with exactly one
+  effect line each;
 * SIGSTOP of the owner mid-load: after the heartbeat the broker hands the
   queue to the standby, which finishes the run; the host is closed, then
   SIGCONT wakes the old owner: its late commits are refused with
@@ -24,12 +26,14 @@ import asyncio
 import os
 import signal
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from octo_common.states import StateKind
 from octo_common.transport import reply_queue
+from octo_host.plan import RetryPolicy
 from tests.postgres import PostgresSchema
 
 from .conftest import Launcher, Runner, queue_depth
@@ -37,6 +41,7 @@ from .failover import (
     FailoverEnv,
     check_effects,
     dispatch_all,
+    read_ledger,
     record_run,
     recover,
     steps,
@@ -46,6 +51,9 @@ from .failover import (
 pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 
 OPERATIONS = 64
+RETRY_RUNS = ("failover-run-a", "failover-run-b")
+PER_RUN = OPERATIONS // len(RETRY_RUNS)
+RETRY = RetryPolicy(attempts=4, backoff_seconds=0.05)
 # Effect lines the owner writes before it is disturbed: mid-load.
 BEFORE_FAULT = 8
 
@@ -71,26 +79,48 @@ async def start_pair(
 async def test_sigkill_of_the_owner_mid_load_hands_the_scope_to_the_standby(
     launcher: Launcher, tmp_path: Path, postgres_schema: PostgresSchema
 ) -> None:
+    # 64 in flight as two runs of 32 (a run's ledger holds 64 operations, retries
+    # included), the steps' retry policy on: every operation the kill cut before
+    # its effect is proven not to have happened and replaced by a new attempt.
     env, tag, owner, standby = await start_pair(launcher, tmp_path, postgres_schema)
     client = env.client()
+    runs = []
     try:
         await client.start()
-        plan, run, keys = await record_run(client, OPERATIONS, tag)
-        flow = asyncio.ensure_future(dispatch_all(client, env, run, keys, tag))
+        for index, name in enumerate(RETRY_RUNS):
+            first = index * PER_RUN
+            plan, run, keys = await record_run(
+                client, PER_RUN, tag, name=name, first=first, retry=RETRY
+            )
+            runs.append((name, first, plan, run, keys))
+        flow = asyncio.gather(
+            *(
+                dispatch_all(client, env, run, keys, tag, first=first)
+                for _, first, _, run, keys in runs
+            )
+        )
         await wait_for(lambda: env.effects() >= BEFORE_FAULT, 30.0, "the owner's first effects")
         owner.kill_now()
         assert owner.process.returncode == -signal.SIGKILL
-        await asyncio.wait_for(flow, 60.0)
-        summary = await asyncio.wait_for(recover(client, env, plan, keys, tag), 60.0)
-        assert summary.unresolved == [], summary.errors
+        await asyncio.wait_for(flow, 120.0)
+        for name, first, plan, _, keys in runs:
+            summary = await asyncio.wait_for(
+                recover(client, env, plan, keys, tag, name=name, first=first), 120.0
+            )
+            assert summary.unresolved == [], summary.errors
     finally:
         await client.close()
         await client.store.close()
         await standby.stop()
-    states = await check_effects(env, keys)
-    print(f"SIGKILL failover: {dict(states)}, {env.effects()} effect lines")
-    assert sum(states.values()) == OPERATIONS
-    assert states[StateKind.SUCCEEDED] >= BEFORE_FAULT
+    states: Counter[StateKind] = Counter()
+    retried = 0
+    for name, first, _, _, keys in runs:
+        states += await check_effects(env, keys, name=name, first=first)
+        retried += len((await read_ledger(env, name)).operations) - len(keys)
+    print(f"SIGKILL failover: {dict(states)}, {retried} retries, {env.effects()} effect lines")
+    # Exactly once: every operation succeeded, one effect each.
+    assert states == Counter({StateKind.SUCCEEDED: OPERATIONS})
+    assert env.effects() == OPERATIONS
     # The owner reserved fence 1 at its first delivery, the standby fence 2.
     assert await env.fence() == 2
     assert "scope_activated" in standby.stderr()
