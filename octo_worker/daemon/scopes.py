@@ -556,24 +556,27 @@ class ScopeLifecycle:
 
     async def _reload_under_fresh_fence(self, scope: ServedScope) -> None:
         """The reload's W§10.9 steps 3–4 for a scope this worker serves, then resume."""
-        # Sessions poisoned in memory by a failed commit. Their refusals
-        # were committed before they were published (W§10.11 rule 2), which
-        # recorded most of them poisoned already; the others (a refusal's
-        # own commit failed, or there was none to send) are recorded so now.
-        poisoned = sorted(
-            sid
-            for sid, session in scope.sessions.items()
+        # Sessions poisoned in memory by a failed commit, with the sequence each
+        # would seal next. Their refusals were committed before they were
+        # published, which recorded most of them poisoned already; the others
+        # (a refusal's own commit failed and it went out best-effort, or there
+        # was none to send) are recorded so now, their outbound counter past
+        # every sequence they sealed (W§10.11 rule 2).
+        poisoned = {
+            sid: session.next_outgoing
+            for sid, session in sorted(scope.sessions.items())
             if session.status == "poisoned" and session.commit_failed
-        )
+        }
         # The gate stays shut until every poisoned session is marked
         # poisoned again (the caller opens it): a frame for one of them
         # must not meet the reloaded session while it still reads "open".
         await self.load(scope, open_gate=False)
-        for session_id in poisoned:
+        for session_id, reserve in poisoned.items():
             restored = scope.sessions.get(session_id)
             if restored is not None:
-                await restored.persist_poisoned(self._store)
-        self._log.warning("scope_reloaded", scope=scope.name, poisoned=poisoned)
+                # Past every sequence it sealed, its best-effort refusals included.
+                await restored.persist_poisoned(self._store, reserve=reserve)
+        self._log.warning("scope_reloaded", scope=scope.name, poisoned=sorted(poisoned))
         if self._broker.connected:
             await self.release_outbox(scope, await self.republish_outbox(scope))
             if self.superseded(scope):

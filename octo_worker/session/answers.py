@@ -18,14 +18,15 @@ followed by more decisions), after the commits W§10.6 prescribes:
   step 2) is committed like any refusal, with the session state recording
   both its sequence and the status ``poisoned``, and only then published; a
   poisoned session's later refusals (``session_poisoned``) are committed
-  the same way. A sequence published but never made durable would be
-  sealed again, for other bytes, by the session restored after a crash
-  (W§10.11 rule 2), so when that commit fails too nothing is published: the
-  delivery goes back to the broker, or, acked already, the host's timeout
-  leads it to reconcile.
+  the same way. When that commit fails too, the refusal is published
+  best-effort without committing (W§10.9 step 2): the reload that follows
+  persists the session's outbound counter past its sequence before
+  anything else is sealed (W§10.11 rule 2, ``persist_poisoned``). Only a
+  session superseded by another worker's fence publishes nothing.
 
 It must never run an adapter itself (the driver does, outside the lock),
-never publish anything not committed first, and never put keys, payloads,
+never publish anything not committed first (a poisoned session's refusal
+whose own commit failed aside), and never put keys, payloads,
 failure messages or adapter text in a refusal or a log line.
 """
 
@@ -572,6 +573,14 @@ class SessionAnswers:
         try:
             await self._commits.commit_locked(run.store, journal=changes, outbox=entry)
         except CommitFailed as failed:
+            if refused and run.refused_poisoned and not self._commits.superseded:
+                # The poisoned session's refusal could not be committed either
+                # (a write conflict, a revision that did not advance, the
+                # journal lost): published best-effort, without committing. Its
+                # sequence is reserved by the first commit under the reload's
+                # fresh fence (``WorkerSession.persist_poisoned``).
+                run.log.warning("refusal_published_uncommitted", error=failed.error.code)
+                return Reply(frame, run.request_id, None, refused, unresolved)
             return await self._poisoned_answer_locked(run, failed.error)
         return Reply(frame, run.request_id, entry.message_id, refused, unresolved)
 

@@ -391,18 +391,29 @@ class WorkerSession:
         """
         return await self._commits.release_confirmed(store)
 
-    async def persist_poisoned(self, store: WorkerSessionStore) -> int:
-        """Record this (restored) session as ``poisoned`` (W§10.9 step 4).
+    @property
+    def next_outgoing(self) -> int:
+        """The sequence this session would seal next (in memory: best-effort refusals
+        included)."""
+        return self._state.authenticator.export_state().next_outgoing
 
-        One session-only commit, unless the store holds it ``poisoned`` (its
-        refusals committed that already) or ``closed`` (a close committed
-        first: it stays closed and answers nothing more). Every sequence it
-        ever published is durable already (W§10.11 rule 2), so nothing is
-        reserved. Its error propagates to the daemon.
+    async def persist_poisoned(self, store: WorkerSessionStore, *, reserve: int = 0) -> int:
+        """Record this (restored) session as ``poisoned`` (W§10.9 step 4), its outbound
+        counter at least ``reserve`` (W§10.11 rule 2).
+
+        ``reserve``: the next sequence of the session as it was in memory before
+        the reload, past every refusal it published best-effort without a commit.
+        One session-only commit, unless the store holds it ``closed`` (a close
+        committed first: it stays closed and answers nothing more) or
+        ``poisoned`` already with nothing to reserve. Its error propagates to
+        the daemon.
         """
         async with self._lock:
-            if self._state.status in (CLOSED, POISONED):
+            if self._state.status == CLOSED:
                 return self._commits.highest_revision
+            if self._state.status == POISONED and reserve <= self.next_outgoing:
+                return self._commits.highest_revision
+            self._state.authenticator.reserve_outgoing(reserve)
             self._state.status = POISONED
             try:
                 return await self._commits.commit_locked(store)

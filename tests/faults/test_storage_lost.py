@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.postgres import PostgresSchema
+from tests.postgres import PostgresSchema, connect
 
 from .failover import FailoverEnv, manifest, payload, record_run
 
@@ -50,6 +50,9 @@ class Relay:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self.cut.is_set():
+                client.close()
+                return
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:
@@ -70,11 +73,31 @@ class Relay:
 
     def close(self) -> None:
         self.cut.set()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept under way
         self.listener.close()
         for end in self.sockets:
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
             end.close()
+
+    async def cut_now(self) -> None:
+        """Close the relay, and end the server's side of every session it carried
+        (so no statement already on its way still lands)."""
+        ports = []
+        for end in self.sockets[1::2]:  # the upstream ends
+            with contextlib.suppress(OSError):
+                ports.append(end.getsockname()[1])
+        self.close()
+        connection = await connect()
+        try:
+            await connection.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE client_port = ANY($1::int[])",
+                ports,
+            )
+        finally:
+            await connection.close()
 
 
 def through(config: Path, port: int) -> None:
@@ -148,7 +171,7 @@ async def test_the_journal_lost_stops_the_owner_and_the_standby_with_status_4(
         await client.dispatch(session, run, keys[0], payload(0, tag))
         await owner.wait_for("scope_activated")
 
-        relay.close()
+        await relay.cut_now()
         with contextlib.suppress(Exception):
             await client.dispatch(session, run, keys[1], payload(1, tag))
         assert await owner.exit_status() == 4

@@ -144,8 +144,8 @@ async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
         nonlocal calls
         calls += 1
         if calls <= 2:
-            # The admission, then the refusal's own commit: nothing is
-            # published, the frame goes back to the broker.
+            # The admission, then the refusal's own commit: the refusal is
+            # published best-effort, uncommitted.
             raise StorageBackendError("injected")
         if calls == 3:
             # The reload's first commit marks the session poisoned: the scope's
@@ -156,8 +156,7 @@ async def test_no_frame_meets_a_reloaded_session_before_it_is_marked_poisoned(
 
     store.commit = observed  # type: ignore[method-assign]
     refused = await _ask(raw_host, session, "d-1", "op-gated-1")
-    # Answered once the reload recorded the session poisoned (the frame again).
-    assert isinstance(refused, RequestRejected) and refused.code == "session_poisoned"
+    assert isinstance(refused, RequestRejected) and refused.code == "journal_persistence_failed"
     await wait_session(daemon, scope, session.session_id, status="poisoned")
     await _eventually(lambda: _consuming(daemon, scope))
     assert gate_open_at_marking == [False]
@@ -290,7 +289,7 @@ async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
 
     async def fail_twice_then_slow_poisoned(scope_name: str, lease: Any, changes: Any) -> int:
         if len(failed) < 2:
-            failed.append(True)  # the admission, then its refusal: nothing published
+            failed.append(True)  # the admission, then its refusal: published best-effort
             raise StorageBackendError("injected")
         if any(b'"status":"poisoned"' in d.state for d in changes.sessions.values()):
             await asyncio.sleep(0.5)  # recording it poisoned (W§10.9 step 4), slow
@@ -310,11 +309,11 @@ async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
     restarted = await workers.start()
     stored = await restarted.store.load_sessions(scope)
     assert stored[session.session_id].status == "poisoned"
-    # The frame is answered (by the session recorded poisoned), and the next
-    # refusal is a new frame: no sequence was published and then lost.
+    # The frame was answered best-effort, and the next refusal is a new frame:
+    # the reload persisted the session's counter past that refusal's sequence.
     reply = await raw_host.replies.wait_for(lambda m: m.correlation_id == request_id)
     refused = session.auth.open(reply.body)
-    assert isinstance(refused, RequestRejected) and refused.code == "session_poisoned"
+    assert isinstance(refused, RequestRejected) and refused.code == "journal_persistence_failed"
     again = await _ask(raw_host, session, unique("d"), unique("op"))
     assert isinstance(again, RequestRejected) and again.code == "session_poisoned"
 

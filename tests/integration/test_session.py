@@ -1188,20 +1188,22 @@ async def test_non_advancing_revision_poisons(world: World) -> None:
     assert world.session.status == "poisoned"
     assert world.scripted.calls == []
     # The stale commit did land: the refusal's commit, built on the state the
-    # session believes durable, conflicts. A refusal whose sequence is not
-    # durable is never published (W§10.11 rule 2): the frame goes back to
-    # the broker, to be answered after the scope's reload.
-    assert delivery.kinds == ["requeue"] and delivery.frames == []
+    # session believes durable, conflicts. The refusal is published all the
+    # same, best-effort and uncommitted, then the delivery acked; the
+    # scope's reload persists the session's counter past its sequence.
+    assert delivery.kinds == ["reply", "ack"]
+    assert rejection_code(world.answer(delivery)) == "invalid_journal_revision"
     assert world.store.commits[-1].outbox_insert != []
 
 
-async def test_a_poisoning_refusal_whose_commit_fails_too_is_never_published(
+async def test_a_poisoning_refusal_whose_commit_fails_too_is_published_best_effort(
     world: World,
 ) -> None:
     first = len(world.store.commits) + 1
     world.store.fail_commits = {first, first + 1}  # the admission, then the refusal
     delivery = await world.send(world.dispatch("op-z", publish_payload("z.txt")))
-    assert delivery.kinds == ["requeue"] and delivery.frames == []
+    assert delivery.kinds == ["reply", "ack"]
+    assert rejection_code(world.answer(delivery)) == "journal_persistence_failed"
     assert world.session.status == "poisoned"
     assert world.effects() == []
     # The session is not recorded poisoned yet: the daemon's reload does that.
