@@ -87,7 +87,7 @@ def instrument_worker(timers: StageTimers) -> None:
     from octo_common import authorizer, frames
     from octo_worker import journal, store
     from octo_worker.daemon import deliveries
-    from octo_worker.session import session
+    from octo_worker.session import commits, session
 
     timers.wrap(deliveries.DeliveryPath, "on_message", "delivery_total")
     timers.wrap(session.WorkerSession, "handle", "session_handle")
@@ -97,7 +97,7 @@ def instrument_worker(timers: StageTimers) -> None:
     timers.wrap(authorizer, "worker_input_fingerprint", "input_fingerprint")
     timers.wrap(journal.WorkerOperationJournal, "admit", "journal_admit")
     timers.wrap(journal.WorkerOperationJournal, "observe", "journal_observe")
-    timers.wrap(session.WorkerSession, "_state_document", "state_document_encode")
+    timers.wrap(commits.SessionCommits, "state_document", "state_document_encode")
     timers.wrap(session.WorkerSession, "confirm_published", "outbox_mark")
     timers.wrap(store.SqliteJournalStore, "commit", "journal_commit")
     timers.wrap(store.SqliteJournalStore, "load_records", "journal_load")

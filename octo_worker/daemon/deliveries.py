@@ -31,6 +31,7 @@ from octo_common.runtime import amqp
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
 from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
+from octo_worker.session.handling import Handled
 from octo_worker.session.rules import (
     AfterHandling,
     Route,
@@ -182,16 +183,22 @@ class DeliveryPath:
                     await message.nack(requeue=True)
                 return
             delivery = BrokerDelivery(self._broker, scope, message, channel)
+            facts: Handled | None = None
             current = asyncio.current_task()
             if current is not None:
                 scope.active.add(current)
             try:
-                await self._deliver(scope, message, delivery)
+                facts = await self._deliver(scope, message, delivery)
                 handled = delivery.session
-                if handled is not None and (
-                    after_handling(
-                        handled.status,
-                        handled.commit_failed,
+                if handled is not None and facts is None:
+                    # Dead-lettered by its route, not handled: its status as it stands.
+                    facts = Handled(handled.status, handled.commit_failed)
+                if (
+                    handled is not None
+                    and facts is not None
+                    and after_handling(
+                        facts.status,
+                        facts.commit_failed,
                         last_handler=scope.handling.get(handled.session_id) == 1,
                     )
                     is AfterHandling.LET_GO
@@ -211,19 +218,21 @@ class DeliveryPath:
                     scope.active.discard(current)
                 self._detach(scope, delivery)
             self._hooks.after_delivery(scope.name, delivery.outcome)
-        await self._after_delivery(scope, delivery)
+        await self._after_delivery(scope, delivery, facts)
 
     async def _deliver(
         self,
         scope: ServedScope,
         message: InboundMessage,
         delivery: BrokerDelivery,
-    ) -> None:
+    ) -> Handled | None:
+        """Route one delivery and hand it to its session; what the session was once it
+        handled it (None when no session handled it)."""
         body = message.body
         routed = gate(len(body), message.headers, scope.sessions.get, scope=scope.name)
         if type(routed) is Refused:
             await delivery.dead_letter(routed.reason)
-            return
+            return None
         if type(routed) is Routed:
             session: WorkerSession | None = routed.session
             session_id = routed.session.session_id
@@ -247,7 +256,7 @@ class DeliveryPath:
                 _, decoded, _, _ = decode_frame(body)
             except OctoError as exc:
                 await delivery.dead_letter(exc.code)
-                return
+                return None
             opening = isinstance(decoded, OpenSession)
         if session is None:
             # A forged reply_to could route replies into another queue.
@@ -261,13 +270,13 @@ class DeliveryPath:
                 )
             else:
                 await delivery.dead_letter(route.value)
-            return
+            return None
         self._attach(scope, delivery, session)
         route = route_known(session.status, opening, key_nonce == session.key_nonce)
         if route is Route.HANDLE:
-            await session.handle(body, self._store, delivery)
-        else:
-            await delivery.dead_letter(route.value)
+            return await session.handle(body, self._store, delivery)
+        await delivery.dead_letter(route.value)
+        return None
 
     async def _open_session(
         self,
@@ -347,14 +356,18 @@ class DeliveryPath:
         else:
             scope.handling.pop(sid, None)
 
-    async def _after_delivery(self, scope: ServedScope, delivery: BrokerDelivery) -> None:
+    async def _after_delivery(
+        self, scope: ServedScope, delivery: BrokerDelivery, facts: Handled | None
+    ) -> None:
         if self._scopes.superseded(scope):
             await self._scopes.give_up(scope)
             return
         session = delivery.session
         if session is None:
             return
-        rule = after_handling(session.status, session.commit_failed, last_handler=False)
+        if facts is None:  # its handling failed: its status as it stands
+            facts = Handled(session.status, session.commit_failed)
+        rule = after_handling(facts.status, facts.commit_failed, last_handler=False)
         if rule is AfterHandling.RELOAD:
             self._hooks.on_poisoned(scope.name, session.session_id)
             self._scopes.reload_later(scope)

@@ -27,7 +27,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,9 @@ from octo_common.errors import (
 )
 from octo_worker.hooks import WorkerHooks
 from octo_worker.journal import JournalChangeset
+from octo_worker.session.rules import POISONED
+from octo_worker.session.state import SessionState
+from octo_worker.storage.documents import state_document
 from octo_worker.storage.interface import (
     OutboxEntry,
     RequestRow,
@@ -101,41 +104,26 @@ class SessionCommits:
     def __init__(
         self,
         *,
-        durable_point: Callable[[], DurablePoint],
-        state_document: Callable[[DurablePoint], bytes],
-        retained_rows: Callable[[int], list[tuple[str, CompensationIdentity | None]]],
-        go_back: Callable[[DurablePoint], None],
-        mark_poisoned: Callable[[], None],
-        scope: str,
-        session_id: str,
+        state: SessionState,
         lease: WorkerJournalLease,
         lock: asyncio.Lock,
         hooks: WorkerHooks,
         log: Any,
         state_revision: int,
         highest_revision: int,
-        durable: DurablePoint,
         request_rows: int,
     ) -> None:
-        # The session's own: its budgets, request ids and counters now; the
-        # state document a commit writes (status and window now, the rest
-        # from the point); its retained request ids from a position on (each
-        # with the compensation identity it admitted); back to a point and
-        # poisoned; poisoned.
-        self._durable_point = durable_point
-        self._state_document = state_document
-        self._retained_rows = retained_rows
-        self._go_back = go_back
-        self._mark_poisoned = mark_poisoned
-        self._scope = scope
-        self._session_id = session_id
+        # The session's state: what a commit writes and a failure restores.
+        self._state = state
+        self._scope = state.scope
+        self._session_id = state.session_id
         self._lease = lease
         self._lock = lock
         self._hooks = hooks
         self._log = log
         self.state_revision = state_revision
         self.highest_revision = highest_revision
-        self._durable = durable
+        self._durable = self.durable_point()
         # Request rows the store holds as of the durable point, and as of the
         # last commit built: each commit inserts the rows of the request ids
         # retained since the one before it (so its cost never depends on how
@@ -166,6 +154,52 @@ class SessionCommits:
     def confirm(self, message_id: str) -> None:
         if message_id not in self.confirmed:
             self.confirmed.append(message_id)
+
+    # -- the session's state as a commit writes it, and back after a failure -----------
+
+    def durable_point(self) -> DurablePoint:
+        """The session's budgets, request ids and counters now."""
+        state = self._state
+        return DurablePoint(
+            authorizer=state.authorizer.checkpoint(),
+            total=state.reconciliations_total,
+            by_tool=dict(state.reconciliations_by_tool),
+        )
+
+    def state_document(self, point: DurablePoint | None = None) -> bytes:
+        """The state document (W§10.3) a commit writes.
+
+        Status and authenticator are read now; budgets, the count of retained
+        request ids and reconciliation counters come from ``point`` (default:
+        taken now).
+        """
+        if point is None:
+            point = self.durable_point()
+        state = self._state
+        return state_document(
+            state.scope,
+            state.session_id,
+            state.status,
+            state.authenticator.export_state(),
+            point.authorizer,
+            point.total,
+            point.by_tool,
+        )
+
+    def _retained_rows(self, start: int) -> list[tuple[str, CompensationIdentity | None]]:
+        """The retained request ids from ``start`` on, each with the identity it admitted."""
+        return self._state.authorizer.retained_rows(start)
+
+    def _go_back(self, point: DurablePoint) -> None:
+        """Back to ``point``, poisoned (a commit failed)."""
+        state = self._state
+        state.authorizer = state.authorizer.rewound(point.authorizer)
+        state.reconciliations_total = point.total
+        state.reconciliations_by_tool = dict(point.by_tool)
+        state.status = POISONED
+
+    def _mark_poisoned(self) -> None:
+        self._state.status = POISONED
 
     @property
     def broken(self) -> bool:
@@ -251,7 +285,7 @@ class SessionCommits:
                 raise asyncio.CancelledError()
             raise CommitFailed(failure)
         deletes = self.confirmed
-        point = self._durable_point()
+        point = self.durable_point()
         start, rows = self._rows_built, point.authorizer.retained
         requests = tuple(
             RequestRow(position, request_id, compensation)
@@ -265,7 +299,7 @@ class SessionCommits:
         else:
             link = after = None
         documents = SessionDocuments(
-            state=self._state_document(point),
+            state=self.state_document(point),
             base_revision=None if after is not None else self.state_revision,
             link=link,
             after=after,

@@ -23,10 +23,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 from octo_common.errors import OctoError
 from octo_worker.journal import WorkerOperationRecord
+from octo_worker.storage.documents import SessionStatus
 from octo_worker.storage.interface import WorkerSessionStore
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ __all__ = [
     "DeadLetter",
     "Delivery",
     "FinalStep",
+    "Handled",
     "Handling",
     "Reply",
     "Requeue",
@@ -63,6 +65,14 @@ class Delivery(Protocol):
     async def reply(self, frame: bytes, correlation_id: str | None) -> None: ...
 
     async def dead_letter(self, reason: str) -> None: ...
+
+
+class Handled(NamedTuple):
+    """What a session is once it handled a delivery: what the daemon decides on next."""
+
+    status: SessionStatus
+    # A commit of the session failed since it was opened or restored.
+    commit_failed: bool
 
 
 # Key locks (W§10.5) ---------------------------------------------------------

@@ -49,11 +49,11 @@ import asyncio
 import time
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Final
 
 import structlog
 
-from octo_common.authorizer import CompensationIdentity, SessionAuthorizer
+from octo_common.authorizer import SessionAuthorizer
 from octo_common.errors import (
     AdapterFailed,
     InvalidFrameHeaders,
@@ -77,13 +77,14 @@ from octo_common.peek import peek_operation_key
 from octo_worker.adapters.contract import WorkerAdapterRegistry, call_adapter_with_deadline
 from octo_worker.hooks import NO_HOOKS, WorkerHooks
 from octo_worker.session.answers import SessionAnswers, WorkerSessionLimits, reply_unresolved
-from octo_worker.session.commits import CommitFailed, DurablePoint, SessionCommits
+from octo_worker.session.commits import CommitFailed, SessionCommits
 from octo_worker.session.handling import (
     Ack,
     AdapterStep,
     DeadLetter,
     Delivery,
     FinalStep,
+    Handled,
     Handling,
     Reply,
     key_lock,
@@ -94,7 +95,6 @@ from octo_worker.storage.documents import (
     SessionStatus,
     opening_document,
     read_session,
-    state_document,
 )
 from octo_worker.storage.interface import (
     PersistedSession,
@@ -154,24 +154,24 @@ class WorkerSession:
             reconciliations_total=reconciliations_total,
             reconciliations_by_tool=dict(reconciliations_by_tool),
         )
+        # What the daemon routes and replies by, fixed for the session's life
+        # (plain attributes: reading them calls nothing). ``reply_to`` is the
+        # queue recorded at ``open_session``: every reply goes there.
+        self.scope: Final = scope
+        self.session_id: Final = session_id
+        self.key_nonce: Final = key_nonce
+        self.reply_to: Final = reply_to
         self._hooks = hooks
         self._lock = asyncio.Lock()
         self._log = _log.bind(scope=scope, session=session_id)
         self._commits = SessionCommits(
-            durable_point=self._durable_point,
-            state_document=self._state_document,
-            retained_rows=self._retained_rows,
-            go_back=self._go_back,
-            mark_poisoned=self._mark_poisoned,
-            scope=scope,
-            session_id=session_id,
+            state=self._state,
             lease=lease,
             lock=self._lock,
             hooks=hooks,
             log=self._log,
             state_revision=state_revision,
             highest_revision=highest_revision,
-            durable=self._durable_point(),
             request_rows=request_rows,
         )
         self._answers = SessionAnswers(
@@ -250,9 +250,9 @@ class WorkerSession:
             limits=limits,
             hooks=hooks,
         )
-        point = session._durable_point()
+        point = session._commits.durable_point()
         documents = SessionDocuments(
-            state=session._state_document(point),
+            state=session._commits.state_document(point),
             opening=opening_document(
                 scope, session.session_id, key_nonce, reply_to, session.manifest
             ),
@@ -321,25 +321,8 @@ class WorkerSession:
     # -- read-only views -----------------------------------------------------------
 
     @property
-    def scope(self) -> str:
-        return self._state.scope
-
-    @property
-    def session_id(self) -> str:
-        return self._state.session_id
-
-    @property
     def status(self) -> SessionStatus:
         return self._state.status
-
-    @property
-    def reply_to(self) -> str:
-        """The reply queue recorded at ``open_session``: every reply goes there."""
-        return self._state.reply_to
-
-    @property
-    def key_nonce(self) -> bytes:
-        return self._state.key_nonce
 
     @property
     def manifest(self) -> CapabilityManifest:
@@ -422,7 +405,7 @@ class WorkerSession:
 
     # -- handling ------------------------------------------------------------------
 
-    async def handle(self, frame: bytes, store: WorkerSessionStore, delivery: Delivery) -> None:
+    async def handle(self, frame: bytes, store: WorkerSessionStore, delivery: Delivery) -> Handled:
         """Handle one delivered frame (W§10.5–10.9). Raises only ``CancelledError``.
 
         Protocol, adapter and storage failures become replies, dead-letters or
@@ -434,7 +417,15 @@ class WorkerSession:
         ``reconcile_compensation``); dead-lettered for frames that do not
         authenticate. ``store`` must be the same object for
         every session of the scope: key locks are shared per store object.
+        Returns what the session is once it handled the frame (``Handled``: its
+        status, whether a commit of it failed), which the daemon decides on.
         """
+        await self._handle_frame(frame, store, delivery)
+        return Handled(self._state.status, self._commits.failures > 0)
+
+    async def _handle_frame(
+        self, frame: bytes, store: WorkerSessionStore, delivery: Delivery
+    ) -> None:
         run = Handling(delivery=delivery, store=store, log=self._log)
         try:
             if self._state.status == CLOSED:
@@ -542,46 +533,6 @@ class WorkerSession:
         if not barrier.done():
             await asyncio.wait({barrier})  # never cancels the shared future
         return not barrier.cancelled() and isinstance(barrier.result(), int)
-
-    # -- what the commit pipeline reads and restores (SessionCommits) ---------------
-
-    def _durable_point(self) -> DurablePoint:
-        return DurablePoint(
-            authorizer=self._state.authorizer.checkpoint(),
-            total=self._state.reconciliations_total,
-            by_tool=dict(self._state.reconciliations_by_tool),
-        )
-
-    def _state_document(self, point: DurablePoint | None = None) -> bytes:
-        """The state document (W§10.3) a commit writes.
-
-        Status and authenticator are read now; budgets, the count of retained
-        request ids and reconciliation counters come from ``point`` (default:
-        taken now).
-        """
-        if point is None:
-            point = self._durable_point()
-        return state_document(
-            self._state.scope,
-            self._state.session_id,
-            self._state.status,
-            self._state.authenticator.export_state(),
-            point.authorizer,
-            point.total,
-            point.by_tool,
-        )
-
-    def _retained_rows(self, start: int) -> list[tuple[str, CompensationIdentity | None]]:
-        return self._state.authorizer.retained_rows(start)
-
-    def _go_back(self, point: DurablePoint) -> None:
-        self._state.authorizer = self._state.authorizer.rewound(point.authorizer)
-        self._state.reconciliations_total = point.total
-        self._state.reconciliations_by_tool = dict(point.by_tool)
-        self._state.status = POISONED
-
-    def _mark_poisoned(self) -> None:
-        self._state.status = POISONED
 
 
 # Helpers --------------------------------------------------------------------

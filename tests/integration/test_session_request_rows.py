@@ -315,7 +315,7 @@ async def test_a_commit_that_fails_before_it_is_submitted_leaves_its_rows_to_the
         lease = await store.reserve_fence(SCOPE)
         session, host = await serve(store, lease, 3)
         commits = session._commits
-        build = commits._state_document
+        build = commits.state_document
         failing = [True]
 
         def fails_once(point: Any) -> bytes:
@@ -324,7 +324,7 @@ async def test_a_commit_that_fails_before_it_is_submitted_leaves_its_rows_to_the
                 raise RuntimeError("the state document could not be built")
             return bytes(build(point))
 
-        commits._state_document = fails_once
+        commits.state_document = fails_once  # type: ignore[method-assign]
         answers: list[Any] = []
         # The handling fails inside the session (logged as session_handle_failed).
         await session.handle(dispatch(host, 3), store, Delivery(host, answers))

@@ -285,7 +285,7 @@ async def test_restore_rebuilds_the_same_state_and_refuses_foreign_documents(
         adapters=world.adapters,
         limits=WorkerSessionLimits(),
     )
-    assert restored._state_document() == persisted.state
+    assert restored._commits.state_document() == persisted.state
     assert restored.key_nonce == NONCE and restored.reply_to == REPLY_TO
 
     # A document this module did not write (an extra key inside the manifest).
