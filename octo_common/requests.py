@@ -29,7 +29,7 @@ from octo_common.ids import (
 )
 from octo_common.limits import PROTOCOL_VERSION
 from octo_common.payload import ToolPayload
-from octo_common.states import Cancelled, Failed, OperationStatus, Running, Succeeded
+from octo_common.states import Cancelled, Failed, FailureCode, OperationStatus, Running, Succeeded
 
 U16 = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _V: Final = PROTOCOL_VERSION
@@ -210,12 +210,65 @@ class OperationDispatchRequest(_Versioned, frozen=True, forbid_unknown_fields=Tr
         self.payload.validate_for(self.payload.format)
 
 
-class OperationReconcileRequest(_Versioned, frozen=True):
+class Resolution(ProtocolStruct, frozen=True, forbid_unknown_fields=True):
+    """An operator's audited decision for a stuck key, carried by a lookup request.
+
+    A ``reconcile_operation`` / ``reconcile_compensation`` that carries one
+    asks the worker to record ``state`` for a key its journal holds
+    ``pending`` or ``running`` instead of asking the adapter, and to answer
+    what the journal then holds (a key it holds terminal is answered as it
+    is: a decision never overwrites an outcome). No effect runs, and none is
+    run again: the adapter is not called. ``operator`` (1..128 printable
+    characters), ``reason`` (1..1024 bytes) and ``run`` (the host's run, a
+    token) are the decision's audit, kept in the journal with the state.
+    """
+
+    state: Literal["succeeded", "failed", "cancelled"]
+    operator: str
+    reason: str
+    run: str
+
+    def validate(self) -> None:
+        if self.state not in ("succeeded", "failed", "cancelled"):
+            raise SerializationError("a resolution decides succeeded, failed or cancelled")
+        operator = self.operator
+        if not 1 <= len(operator) <= 128 or not operator.isprintable():
+            raise SerializationError("a resolution's operator is 1..128 printable characters")
+        size = len(self.reason.encode("utf-8", "surrogatepass"))
+        if not 1 <= size <= 1024 or not self.reason.strip():
+            raise SerializationError("a resolution's reason is 1..1024 bytes of text")
+        validate_token("run", self.run)
+
+    def status(self, payload_format: str) -> OperationStatus:
+        """The state the journal records for this decision, its audit inside:
+        ``failed`` with the code ``resolved_by_operator`` and the operator and
+        reason as its text; ``succeeded`` with the operator and run as its
+        output (in the grant's ``payload_format``); ``cancelled``."""
+        if self.state == "failed":
+            return Failed(
+                f"resolved by operator {self.operator} (run {self.run}): {self.reason}",
+                FailureCode.RESOLVED_BY_OPERATOR.value,
+            )
+        if self.state == "succeeded":
+            if payload_format == "json":
+                decided = {"resolved_by_operator": self.operator, "run": self.run}
+                return Succeeded(ToolPayload.json(decided))
+            return Succeeded(
+                ToolPayload.text(f"resolved by operator {self.operator} (run {self.run})")
+            )
+        return Cancelled()
+
+
+class OperationReconcileRequest(_Versioned, frozen=True, omit_defaults=True):
+    """``reconcile_operation``: the adapter's status lookup of a key, or, with a
+    ``resolution`` (omitted from the encoding when None), an operator's decision."""
+
     protocol_version: U16
     session_id: str
     request_id: str
     tool: str
     operation_key: str
+    resolution: Resolution | None = None
 
     if TYPE_CHECKING:
 
@@ -226,6 +279,7 @@ class OperationReconcileRequest(_Versioned, frozen=True):
             tool: str,
             operation_key: str,
             *,
+            resolution: Resolution | None = None,
             protocol_version: int = _V,
         ) -> None: ...
 
@@ -236,6 +290,8 @@ class OperationReconcileRequest(_Versioned, frozen=True):
             validate_token("request id", self.request_id)
             validate_token("tool", self.tool)
             validate_token("operation key", self.operation_key)
+        if self.resolution is not None:
+            self.resolution.validate()
 
 
 class OperationReconcileResult(_Versioned, frozen=True):
@@ -445,14 +501,18 @@ class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unkno
         )
 
 
-class CompensationReconcileRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+class CompensationReconcileRequest(
+    _CompensationFields, frozen=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """D11: ask the worker to look a compensation up by its key (no effect).
 
     The seven fields name the compensation exactly as the ledger and the
     journal hold it; there is no payload. Validated like the header of a
     ``compensate_operation``: tokens, the ``cmp-`` key, the tenant scope and
     the grant fingerprint syntax. Unknown keys are rejected on decode, as for
-    every struct that carries a compensation binding.
+    every struct that carries a compensation binding. With a ``resolution``
+    (omitted from the encoding when None) it carries an operator's decision
+    instead (see :class:`Resolution`).
     """
 
     protocol_version: U16
@@ -463,6 +523,7 @@ class CompensationReconcileRequest(_CompensationFields, frozen=True, forbid_unkn
     compensation_key: str
     tenant_scope: str
     grant_fingerprint: str
+    resolution: Resolution | None = None
 
     if TYPE_CHECKING:
 
@@ -476,11 +537,14 @@ class CompensationReconcileRequest(_CompensationFields, frozen=True, forbid_unkn
             tenant_scope: str,
             grant_fingerprint: str,
             *,
+            resolution: Resolution | None = None,
             protocol_version: int = _V,
         ) -> None: ...
 
     def validate(self) -> None:
         self._validate_header()
+        if self.resolution is not None:
+            self.resolution.validate()
 
 
 class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):

@@ -6,11 +6,16 @@ journal is lost, a crash cut the adapter and it has no status lookup, the
 provider confirms out of band), an operator may decide its state. This module
 owns that decision:
 
-* the ledger change goes through
-  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_by_operator` or
-  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_compensation_by_operator`,
-  the one transition table, on a copy that is written back with
-  compare-and-swap; nothing is sent to a worker and no effect runs;
+* :func:`record_decision` checks it against the ledger (the one transition
+  table, on a copy) and appends it to the audit record; then either the
+  worker is told (``octo-host resolve``: the decision travels in a sealed
+  lookup request, the worker records it in its journal without calling the
+  adapter, and its answer is applied to the ledger like a lookup's), or, for
+  a key no worker journal holds, :func:`apply_decision` writes the ledger
+  alone with compare-and-swap
+  (:meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_by_operator`,
+  :meth:`~octo_host.ledger.WorkflowOperationLedger.resolve_compensation_by_operator`).
+  No effect ever runs or runs again;
 * every decision is first appended to the run's audit record
   ``("workflow-audit", RUN)``, an authenticated record in the same
   :class:`~octo_host.store.SqliteLedgerStore` as the ledger, written with
@@ -54,7 +59,10 @@ __all__ = [
     "AuditedEntry",
     "ResolutionRefused",
     "audit_record_key",
+    "apply_decision",
+    "check_decision",
     "load_audit",
+    "record_decision",
     "resolve_operation",
 ]
 
@@ -202,6 +210,101 @@ async def load_audit(store: AuthenticatedStore, run: str) -> list[AuditedEntry]:
     return audited
 
 
+async def record_decision(
+    store: AuthenticatedStore,
+    run: str,
+    operation_key: str,
+    state: StateKind | str,
+    *,
+    operator: str,
+    reason: str,
+    plan: WorkflowPlan | None = None,
+    time: str | None = None,
+) -> AuditEntry:
+    """Check an operator's decision for a stuck operation or compensation and append
+    it to the run's audit record, before anything acts on it.
+
+    ``operation_key`` names an operation, or a compensation by its ``cmp-``
+    key. Refuses (``ResolutionRefused``, ``UnknownOperation`` or the ledger's
+    transition errors; nothing written) a missing run or key, a terminal
+    operation or compensation, an original that has a compensation, a
+    non-terminal target state, and an empty reason. The entry names the
+    ledger revision the decision produces (the next one). The last entry for
+    the key is reused when it holds the same decision and the ledger does not
+    show it yet (the same command run again after the worker was not reached).
+    """
+    decision = await _checked_decision(store, run, operation_key, state, operator, reason, plan)
+    what, current, target, candidate, _ = decision
+    audit_key = audit_record_key(run)
+    audit = await store.load(audit_key)
+    entries = [] if audit is None else _decode(audit.payload, run)
+    for entry in reversed(entries):
+        if entry.key == operation_key:
+            if entry.to_state == target and entry.from_state == current:
+                return entry
+            break
+    if len(entries) >= MAX_AUDIT_ENTRIES:
+        raise ResolutionRefused(operation_key, "the audit record is full")
+    entry = AuditEntry(
+        run=run,
+        key=operation_key,
+        from_state=current,
+        to_state=target,
+        operator=operator,
+        reason=reason,
+        time=time or _utc_now(),
+        ledger_revision=candidate.revision,
+    )
+    await store.compare_and_swap(
+        audit_key, None if audit is None else audit.revision, _encode(run, [*entries, entry])
+    )
+    library_logger("octo.host.audit").info(
+        f"{what}_decision_audited",
+        run=run,
+        operation_key=operation_key,
+        state_from=current.value,
+        state_to=target.value,
+    )
+    return entry
+
+
+async def check_decision(
+    store: AuthenticatedStore,
+    run: str,
+    operation_key: str,
+    state: StateKind | str,
+    *,
+    operator: str,
+    reason: str,
+    plan: WorkflowPlan | None = None,
+) -> None:
+    """The refusals of :func:`record_decision`, writing nothing (before any broker)."""
+    await _checked_decision(store, run, operation_key, state, operator, reason, plan)
+
+
+async def apply_decision(
+    store: AuthenticatedStore, entry: AuditEntry, *, plan: WorkflowPlan | None = None
+) -> None:
+    """Apply an audited decision to the ledger alone (compare-and-swap): the host's side
+    only, for a key no worker journal holds. Refused as :func:`record_decision` refuses
+    (the key must still be ``pending`` or ``running``)."""
+    decision = await _checked_decision(
+        store, entry.run, entry.key, entry.to_state, entry.operator, entry.reason, plan
+    )
+    what, current, target, candidate, record_revision = decision
+    await store.compare_and_swap(
+        ledger_record_key(entry.run), record_revision, candidate.to_json().encode("utf-8")
+    )
+    library_logger("octo.host.audit").info(
+        f"{what}_resolved_by_operator",
+        run=entry.run,
+        operation_key=entry.key,
+        state_from=current.value,
+        state_to=target.value,
+        revision=candidate.revision,
+    )
+
+
 async def resolve_operation(
     store: AuthenticatedStore,
     run: str,
@@ -213,16 +316,28 @@ async def resolve_operation(
     plan: WorkflowPlan | None = None,
     time: str | None = None,
 ) -> AuditEntry:
-    """Apply an operator's decision to a stuck operation or compensation and audit it.
+    """Decide a stuck operation or compensation on the host alone and audit it:
+    :func:`record_decision`, then :func:`apply_decision` (both with compare-and-swap;
+    ``WriteConflict`` when someone else wrote first). Nothing is sent to a worker;
+    ``octo-host resolve`` sends the decision to the worker's journal too."""
+    entry = await record_decision(
+        store, run, operation_key, state, operator=operator, reason=reason, plan=plan, time=time
+    )
+    await apply_decision(store, entry, plan=plan)
+    return entry
 
-    ``operation_key`` names an operation, or a compensation by its ``cmp-``
-    key. Refuses (``ResolutionRefused``, ``UnknownOperation`` or the ledger's
-    transition errors; nothing written) a missing run or key, a terminal
-    operation or compensation, an original that has a compensation, a
-    non-terminal target state, and an empty reason. Writes the audit entry,
-    then the ledger, both with compare-and-swap (``WriteConflict`` when
-    someone else wrote first).
-    """
+
+async def _checked_decision(
+    store: AuthenticatedStore,
+    run: str,
+    operation_key: str,
+    state: StateKind | str,
+    operator: str,
+    reason: str,
+    plan: WorkflowPlan | None,
+) -> tuple[str, StateKind, StateKind, WorkflowOperationLedger, int]:
+    """(what, current state, target, the ledger with the decision applied, the stored
+    ledger's revision), or the refusal; nothing is written."""
     try:
         target = StateKind(state)
     except ValueError:
@@ -230,8 +345,7 @@ async def resolve_operation(
             operation_key, "the decided state must be succeeded, failed or cancelled"
         ) from None
     _check_text(operation_key, operator, reason)
-    ledger_key = ledger_record_key(run)
-    record = await store.load(ledger_key)
+    record = await store.load(ledger_record_key(run))
     if record is None:
         raise ResolutionRefused(operation_key, f"run {run!r} has no ledger")
     ledger = WorkflowOperationLedger.from_json(record.payload)
@@ -262,33 +376,4 @@ async def resolve_operation(
         candidate.resolve_compensation_by_operator(operation_key, target)
     else:
         candidate.resolve_by_operator(operation_key, target)
-    ledger_payload = candidate.to_json().encode("utf-8")
-
-    entry = AuditEntry(
-        run=run,
-        key=operation_key,
-        from_state=current,
-        to_state=target,
-        operator=operator,
-        reason=reason,
-        time=time or _utc_now(),
-        ledger_revision=candidate.revision,
-    )
-    audit_key = audit_record_key(run)
-    audit = await store.load(audit_key)
-    entries = [] if audit is None else _decode(audit.payload, run)
-    if len(entries) >= MAX_AUDIT_ENTRIES:
-        raise ResolutionRefused(operation_key, "the audit record is full")
-    await store.compare_and_swap(
-        audit_key, None if audit is None else audit.revision, _encode(run, [*entries, entry])
-    )
-    await store.compare_and_swap(ledger_key, record.revision, ledger_payload)
-    library_logger("octo.host.audit").info(
-        f"{what}_resolved_by_operator",
-        run=run,
-        operation_key=operation_key,
-        state_from=current.value,
-        state_to=target.value,
-        revision=candidate.revision,
-    )
-    return entry
+    return what, current, target, candidate, record.revision

@@ -1,19 +1,16 @@
-"""The workflow engine: plans, ownership, keys, requests, frames and approvals (H§4, H§6,
-H§8, H§12).
+"""The workflow engine: plans, ownership, keys, requests, frames and approvals (H§4-H§12).
 
-This module owns the engine's identity counters and the exact check order of
-every engine method: recording operations and compensations, building and
-sealing dispatch, reconciliation and compensation frames, applying
-authenticated results, and issuing one-use compensation approvals after the
-host's grant and action verifiers agree. One row per kind of request
-(:class:`~octo_host.kinds.RequestKind`) says how its frame is sealed and how
-its reply is opened and applied (:meth:`WorkflowEngine.apply_reply`).
+It owns the identity counters and every engine method's check order: recording
+operations and compensations, building and sealing dispatch, reconciliation
+(a lookup, or an operator's decision) and compensation frames, applying
+authenticated results, and one-use compensation approvals after the grant and
+action verifiers agree. One row per :class:`~octo_host.kinds.RequestKind` says
+how its frame is sealed and its reply opened and applied (``apply_reply``).
 
-It must never do I/O (the caller persists the ledger before publishing a
-frame), execute step source, store raw input or output in the ledger, catch a
-verifier's exception, or seal a compensation frame without a fresh approval
-and both verifiers run again. (A compensation lookup, D11, performs no effect:
-it is sealed like an operation reconciliation, without approval or verifier.)
+It must never do I/O (the caller persists the ledger before publishing), run
+step source, store raw input or output, catch a verifier's exception, or seal
+a compensation without a fresh approval and both verifiers run again (a
+compensation lookup performs no effect: sealed like a reconciliation).
 """
 
 from __future__ import annotations
@@ -72,6 +69,7 @@ from octo_common.messages import (
     ReconciledOperation,
     ReconcileOperation,
     RequestRejected,
+    Resolution,
     WorkerMessage,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
@@ -332,28 +330,34 @@ class WorkflowEngine:
         plan: WorkflowPlan,
         ledger: WorkflowOperationLedger,
         operation_key: str,
-        input: bytes,
+        input: bytes | None,
         session_id: str,
         request_id: str,
+        *,
+        resolution: Resolution | None = None,
     ) -> OperationReconcileRequest:
-        """The reconcile request for a recorded operation whose input matches."""
+        """The reconcile request for a recorded operation (its input, when given, matches)."""
         self.validate_operation_ledger(plan, ledger)
-        return ledger.reconcile_request(operation_key, input, session_id, request_id)
+        return ledger.reconcile_request(
+            operation_key, input, session_id, request_id, resolution=resolution
+        )
 
     def prepare_authenticated_operation_reconciliation(
         self,
         plan: WorkflowPlan,
         ledger: WorkflowOperationLedger,
         operation_key: str,
-        input: bytes,
+        input: bytes | None,
         request_id: str,
         auth: SessionAuthenticator,
+        *,
+        resolution: Resolution | None = None,
     ) -> OutboundFrame[OperationReconcileRequest]:
         """Build the reconcile request for ``auth``'s session and seal it."""
         rule = _RULES[RequestKind.RECONCILE]
         _check_host(rule, auth)
         request = self.operation_reconcile_request(
-            plan, ledger, operation_key, input, auth.session_id, request_id
+            plan, ledger, operation_key, input, auth.session_id, request_id, resolution=resolution
         )
         return _sealed(rule, auth, request)
 
@@ -391,10 +395,8 @@ class WorkflowEngine:
         input: bytes,
         nonce: bytes,
     ) -> str:
-        """The ``cmp-`` key for a succeeded operation under ``policy`` (H§8).
-
-        Looks at no grant, calls no verifier, ignores an existing compensation.
-        """
+        """The ``cmp-`` key of a succeeded operation under ``policy`` (H§8); no grant,
+        no verifier, an existing compensation ignored."""
         self.validate_operation_ledger(plan, ledger)
         policy.validate_syntax()
         operation = _lookup(ledger, operation_key)
@@ -615,14 +617,15 @@ class WorkflowEngine:
         operation_key: str,
         session_id: str,
         request_id: str,
+        *,
+        resolution: Resolution | None = None,
     ) -> CompensationReconcileRequest:
-        """The lookup of the compensation recorded for ``operation_key``, in any state.
-
-        ``validate_operation_ledger``, then ``ledger.compensation_reconcile_request``.
-        No verifier and no approval: a lookup performs no effect (D11).
-        """
+        """The lookup of the compensation recorded for ``operation_key``, in any state
+        (with ``resolution``: an operator's decision for it). No verifier, no approval."""
         self.validate_operation_ledger(plan, ledger)
-        return ledger.compensation_reconcile_request(operation_key, session_id, request_id)
+        return ledger.compensation_reconcile_request(
+            operation_key, session_id, request_id, resolution=resolution
+        )
 
     def prepare_authenticated_compensation_reconciliation(
         self,
@@ -631,14 +634,15 @@ class WorkflowEngine:
         operation_key: str,
         request_id: str,
         auth: SessionAuthenticator,
+        *,
+        resolution: Resolution | None = None,
     ) -> OutboundFrame[CompensationReconcileRequest]:
         """Build the compensation lookup for ``auth``'s session and seal it
-        (``reconcile_compensation``); a reconciliation, so a worker-role
-        authenticator is ``ReconciliationRequiresHostAuthenticator``."""
+        (a worker-role authenticator: ``ReconciliationRequiresHostAuthenticator``)."""
         rule = _RULES[RequestKind.RECONCILE_COMPENSATION]
         _check_host(rule, auth)
         request = self.compensation_reconcile_request(
-            plan, ledger, operation_key, auth.session_id, request_id
+            plan, ledger, operation_key, auth.session_id, request_id, resolution=resolution
         )
         return _sealed(rule, auth, request)
 
@@ -663,12 +667,9 @@ class WorkflowEngine:
         frame: bytes,
     ) -> OperationStatus:
         """Open a ``reconciled_compensation`` frame and apply it; returns the state.
-
-        Host role (else ``ReconciliationRequiresHostAuthenticator``), ``open``,
-        a matching ``request_rejected`` → ``WorkerRequestRejected``, any other
-        type → ``UnexpectedReconciliationMessage``, then apply. The host
-        persists the new ledger revision before acting on it.
-        """
+        Host role (else ``ReconciliationRequiresHostAuthenticator``), ``open``, a
+        matching ``request_rejected`` → ``WorkerRequestRejected``, another type →
+        ``UnexpectedReconciliationMessage``, then apply (the host persists it first)."""
         return self.apply_reply(
             RequestKind.RECONCILE_COMPENSATION, plan, ledger, request, auth, frame
         )
@@ -685,12 +686,9 @@ class WorkflowEngine:
         frame: bytes,
     ) -> OperationStatus:
         """Open the reply to ``request`` (a request of ``kind``) and apply it; returns the state.
-
-        The same checks, in the same order, as the kind's ``apply_authenticated_*``
-        method: a host authenticator, ``open``, the worker's refusal of this
-        request raised as ``WorkerRequestRejected``, the expected result
-        message, then the kind's ``apply_verified_*`` method.
-        """
+        The checks and order of the kind's ``apply_authenticated_*``: a host authenticator,
+        ``open``, this request's refusal raised as ``WorkerRequestRejected``, the expected
+        result message, then the kind's ``apply_verified_*`` method."""
         result = self.open_reply(kind, request, auth, frame)
         return self.apply_opened_reply(kind, plan, ledger, request, result)
 

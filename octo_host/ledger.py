@@ -57,6 +57,7 @@ from octo_common.messages import (
     OperationCompensationResult,
     OperationReconcileRequest,
     OperationReconcileResult,
+    Resolution,
 )
 from octo_common.payload import canonical_operation_input_bytes
 from octo_common.states import (
@@ -430,20 +431,25 @@ class WorkflowOperationLedger:
     def reconcile_request(
         self,
         operation_key: str,
-        input: bytes,
+        input: bytes | None,
         session_id: str,
         request_id: str,
+        *,
+        resolution: Resolution | None = None,
     ) -> OperationReconcileRequest:
-        """Build a reconcile request for a recorded operation (H§11.3); any state."""
+        """Build a reconcile request for a recorded operation (H§11.3); any state. It
+        carries no input: ``input`` (optional) is checked against the fingerprint; with
+        ``resolution`` it carries an operator's decision."""
         self.validate_syntax()
         if not _token(operation_key):
             raise InvalidOperationKey(operation_key)
         operation = self.operation(operation_key)
         if operation is None:
             raise UnknownOperation(operation_key)
-        operation.verify_input(input)
+        if input is not None:
+            operation.verify_input(input)
         return OperationReconcileRequest(
-            session_id, request_id, operation.tool, operation.operation_key
+            session_id, request_id, operation.tool, operation.operation_key, resolution=resolution
         )
 
     def apply_verified_reconciliation(
@@ -561,7 +567,12 @@ class WorkflowOperationLedger:
         return self._observe_compensation(index, compensation, request, result.status)
 
     def compensation_reconcile_request(
-        self, operation_key: str, session_id: str, request_id: str
+        self,
+        operation_key: str,
+        session_id: str,
+        request_id: str,
+        *,
+        resolution: Resolution | None = None,
     ) -> CompensationReconcileRequest:
         """Build the lookup of an operation's recorded compensation (D11); any state.
 
@@ -590,6 +601,7 @@ class WorkflowOperationLedger:
             compensation.compensation_key,
             compensation.tenant_scope,
             compensation.grant_fingerprint,
+            resolution=resolution,
         )
 
     def apply_verified_compensation_reconciliation(

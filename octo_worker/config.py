@@ -146,6 +146,10 @@ class ConsoleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tls: TlsConfig | None = None
     behind_proxy: bool = False
     session_minutes: int = 480
+    # Show a failed key's failure text on its page (off by default): only where
+    # the journal's data key is configured, each page that shows it audited in
+    # failure-text-reveals.jsonl of the state directory.
+    reveal_failures: bool = False
 
 
 class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -20,7 +20,7 @@ is the one exception to "never change": it may kill the process.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from octo_common.errors import OctoError
@@ -92,6 +92,11 @@ class WorkerHooks:
 
     def after_outbox_loaded(self, scope: str, rows: int) -> None:
         """A start, reconnect or reload found ``rows`` outbox rows to republish."""
+
+    def after_unresolved_loaded(self, scope: str, since: Mapping[str, float]) -> None:
+        """A start or reload found these keys unresolved in the journal (an operation
+        or its compensation ``pending`` or ``running``), each with when its row was
+        last written (Unix time)."""
 
     def after_transaction(self, change_sets: int) -> None:
         """The store committed one group-commit transaction of ``change_sets``."""

@@ -7,11 +7,15 @@ connect, closed after), the journal opened read-only or for maintenance
 beside a running daemon, holding the whole dead-letter queue (bounded)
 unacknowledged on one channel and requeuing it in delivery order, each
 dead-lettered frame's entry, a page of the dead-letter log read by offset
-(which changes nothing on the broker), and a journal row's summary and
-detail.
+(which changes nothing on the broker), a journal row's summary and detail,
+and when a failure's text may be shown: only where the journal's data key
+is configured and the operator asked (``journal show --reveal``,
+``[console] reveal_failures``), each reveal appended first to the audit
+file ``failure-text-reveals.jsonl`` in the state directory.
 
 It must never print (the verbs and pages do), leave a connection or a store
-open, show a payload, a failure message or a key, or remove a message.
+open, show a payload or a key, hand on a failure message without an audited
+reveal, or remove a message.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
+import getpass
+import json
+import os
 from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -30,6 +38,7 @@ from octo_common.errors import OctoError
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
     EXIT_STORAGE,
+    EXIT_USAGE,
     CliError,
     broker_unreachable,
     printable,
@@ -57,8 +66,11 @@ __all__ = [
     "LOG_PAGE_MAX",
     "LOG_SCAN_MAX",
     "DeadLetterPage",
+    "REVEAL_AUDIT_FILE",
     "HeldMessages",
+    "audit_reveal",
     "broker_connection",
+    "check_reveal",
     "dead_letter_entry",
     "dead_queue",
     "holding",
@@ -67,6 +79,8 @@ __all__ = [
     "journal_store",
     "record_detail",
     "record_summary",
+    "revealed",
+    "who",
 ]
 
 PROG: Final = "octo-worker"
@@ -365,7 +379,10 @@ def record_summary(scope: str, record: WorkerOperationRecord, revision: int) -> 
     }
 
 
-def record_detail(scope: str, record: WorkerOperationRecord, revision: int) -> dict[str, Any]:
+def record_detail(
+    scope: str, record: WorkerOperationRecord, revision: int, *, reveal: bool = False
+) -> dict[str, Any]:
+    """A row as the verbs and the console show it; failure text only with ``reveal``."""
     compensation = record.compensation
     return {
         "scope": scope,
@@ -373,13 +390,74 @@ def record_detail(scope: str, record: WorkerOperationRecord, revision: int) -> d
         "tool": record.tool,
         "input_fingerprint": record.input_fingerprint,
         "revision": revision,
-        **state_detail(record.state),
+        **state_detail(record.state, reveal=reveal),
         "compensation": None
         if compensation is None
         else {
             "compensation_key": compensation.compensation_key,
             "input_fingerprint": compensation.input_fingerprint,
             "grant_fingerprint": compensation.grant_fingerprint,
-            **state_detail(compensation.state),
+            **state_detail(compensation.state, reveal=reveal),
         },
     }
+
+
+def revealed(detail: Mapping[str, Any]) -> bool:
+    """Whether a :func:`record_detail` holds failure text (its own or its compensation's)."""
+    compensation = detail.get("compensation")
+    return "failure_text" in detail or (compensation is not None and "failure_text" in compensation)
+
+
+# Failure text, shown where the journal's data key is and the operator asked --------
+
+REVEAL_AUDIT_FILE: Final = "failure-text-reveals.jsonl"
+
+
+def check_reveal(config: WorkerConfig) -> None:
+    """Refuse a reveal where the journal has no data key (exit 2): whoever may read
+    the text at rest may read it here, nobody else."""
+    if config.storage.data_key is None:
+        raise CliError(
+            EXIT_USAGE,
+            "failure text is shown only where the journal's data key is configured "
+            "([storage] data_key)",
+            "reveal_needs_data_key",
+        )
+
+
+def who() -> str:
+    """The operator's login name (``$USER``, then the password database), or ``unknown``."""
+    try:
+        return os.environ.get("USER") or getpass.getuser()
+    except (OSError, KeyError):
+        return "unknown"
+
+
+def audit_reveal(config: WorkerConfig, *, operator: str, via: str, scope: str, key: str) -> None:
+    """Append one reveal to ``failure-text-reveals.jsonl`` in the state directory (one
+    JSON line: UTC time, who, how, scope, key; never the text), created 0600, never
+    through a link, synced. ``CliError`` (exit 4) when it cannot be written: nothing
+    is revealed then."""
+    entry = {
+        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "operator": operator[:128],
+        "via": via,
+        "scope": scope,
+        "key": key,
+    }
+    line = (json.dumps(entry, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
+    path = config.state_path(REVEAL_AUDIT_FILE, "worker.state_dir")
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        descriptor = os.open(path, flags, 0o600)
+        try:
+            os.write(descriptor, line)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    except OSError as error:
+        raise CliError(
+            EXIT_STORAGE,
+            f"the reveal could not be audited ({path}: {error.strerror}); nothing shown",
+            "reveal_not_audited",
+        ) from None

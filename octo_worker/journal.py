@@ -54,6 +54,7 @@ from octo_common.limits import (
     WORKER_OPERATION_JOURNAL_FORMAT_VERSION,
 )
 from octo_common.states import (
+    TERMINAL_KINDS,
     OperationStatus,
     Pending,
     StateKind,
@@ -86,6 +87,7 @@ __all__ = [
     "WorkerCompensationRecord",
     "WorkerOperationJournal",
     "WorkerOperationRecord",
+    "unresolved_record",
     "validate_record",
 ]
 
@@ -161,6 +163,14 @@ class _JournalRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     format_version: Annotated[int, msgspec.Meta(ge=0, le=255)]
     scope: str
     record: WorkerOperationRecord
+
+
+def unresolved_record(record: WorkerOperationRecord) -> bool:
+    """The operation, or its compensation, is ``pending`` or ``running``."""
+    if record.state.kind not in TERMINAL_KINDS:
+        return True
+    compensation = record.compensation
+    return compensation is not None and compensation.state.kind not in TERMINAL_KINDS
 
 
 def _kind_text(state: Any) -> str:

@@ -285,8 +285,11 @@ def run_verb(
     return run_command(out, body, report)
 
 
-def state_detail(state: Any) -> dict[str, Any]:
-    """A state without its content: a payload and failure text become sizes."""
+def state_detail(state: Any, *, reveal: bool = False) -> dict[str, Any]:
+    """A state without its content: a payload and failure text become sizes; a
+    failure's code (``failure_code``) is shown, its text (``failure_text``) only
+    with ``reveal`` (where the journal's data key is at hand and the operator
+    asked)."""
     detail: dict[str, Any] = {"state": state.kind.value}
     if isinstance(state, Succeeded):
         payload = state.payload
@@ -297,7 +300,11 @@ def state_detail(state: Any) -> dict[str, Any]:
         )
         detail["payload"] = {"format": payload.format, "bytes": size}
     elif isinstance(state, Failed):
+        if state.code is not None:
+            detail["failure_code"] = state.code
         detail["message_bytes"] = len(state.message.encode("utf-8", "surrogatepass"))
+        if reveal:
+            detail["failure_text"] = state.message
     return detail
 
 
@@ -321,6 +328,8 @@ def state_line(
     bytes)``).
     """
     text = str(detail["state"])
+    if "failure_code" in detail:
+        text += f" [{detail['failure_code']}]"
     sizes = detail.get("payload")
     if sizes is not None:
         text += f" ({payload}: {sizes['format']}, {sizes['bytes']} bytes)"

@@ -1,7 +1,8 @@
 """The ``octo-host`` command: drive and inspect workflow runs from the shell.
 
-Verbs: ``keys generate``, ``ledger show|init-anchor``, ``dispatch``,
-``reconcile``, ``compensate``, ``recover``, ``resolve`` and ``audit show``.
+Verbs: ``keys generate``, ``ledger show|init-anchor``, ``find``,
+``dispatch``, ``reconcile``, ``compensate``, ``recover``, ``resolve`` and
+``audit show``.
 Every verb takes ``--config PATH`` (default ``/etc/octo/host.toml``, see
 :mod:`octo_host.config`) and ``--json`` (one JSON document on stdout).
 
@@ -15,7 +16,9 @@ Payloads (``--payload``, ``--original``) are given inline or as ``@FILE``;
 their format is the configured grant's: JSON for ``format = "json"`` (strict
 parse), the text as is for ``format = "text"``. The ledger keeps only
 fingerprints, so the verbs that resend an input take it again and check it
-against the recorded fingerprint. ``recover --inputs FILE`` reads
+against the recorded fingerprint; ``reconcile`` sends none (a lookup), and
+``find KEY`` names the run that holds a key (``reconcile`` and ``resolve``
+take the run from the key when it is not given). ``recover --inputs FILE`` reads
 ``{"operations": {KEY: input}, "compensations": {KEY: {"inverse": input,
 "original": input}}}`` (inputs as JSON values: objects for JSON tools,
 strings for text tools).
@@ -25,8 +28,10 @@ strings for text tools).
 finds the recorded key and settles it instead of creating another.
 ``compensate`` resumes a recorded, unfinished compensation with the same
 inverse (fresh approval) and refuses any other second compensation.
-``resolve`` is :func:`octo_host.audit.resolve_operation` (an ``op-`` key
-decides an operation, a ``cmp-`` key a compensation): no frame is sent.
+``resolve`` (an ``op-`` key decides an operation, a ``cmp-`` key a
+compensation) audits the decision, then sends it to the worker in a sealed
+lookup request: its journal records it without calling the adapter, and
+the ledger records the worker's answer (``--host-only``: the ledger alone).
 
 One command at a time per ledger: the broker verbs and ``resolve`` hold an
 exclusive lock on ``<database>.lock``, because two processes of one host id

@@ -41,7 +41,12 @@ from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
 from octo_host.storage.postgres import PostgresLedgerStore, redacted_url
-from octo_host.store import AuthenticatedStore, SqliteLedgerStore, ledger_record_key
+from octo_host.store import (
+    LEDGER_NAMESPACE,
+    AuthenticatedStore,
+    SqliteLedgerStore,
+    ledger_record_key,
+)
 
 __all__ = [
     "PROG",
@@ -224,6 +229,30 @@ def grant_format(config: HostConfig, scope: str, tool: str) -> str:
             EXIT_USAGE, f"grants: scope {scope!r} has no grant of tool {tool!r}", "usage"
         )
     return grant.format
+
+
+async def runs_holding(store: AuthenticatedStore, key: str) -> list[str]:
+    """Every run whose ledger holds ``key`` (an operation key or a ``cmp-`` key)."""
+    found = []
+    for run in await store.names(LEDGER_NAMESPACE):
+        ledger = await stored_ledger(store, run)
+        if ledger.operation(key) is not None or ledger.compensated_operation(key) is not None:
+            found.append(run)
+    return found
+
+
+async def run_of(store: AuthenticatedStore, given: str | None, key: str) -> str:
+    """``RUN`` when given, else the one run whose ledger holds ``key``."""
+    if given is not None:
+        return given
+    runs = await runs_holding(store, key)
+    if not runs:
+        raise CliError(EXIT_CHECK_FAILED, f"no run's ledger holds {key}", "not_found")
+    if len(runs) > 1:
+        raise CliError(
+            EXIT_USAGE, f"{key} is in several runs ({', '.join(runs)}): name one", "usage"
+        )
+    return runs[0]
 
 
 async def load_recorded(

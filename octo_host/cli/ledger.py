@@ -1,4 +1,9 @@
-"""``octo-host ledger show`` and ``ledger init-anchor``: a run's ledger, the rollback anchor.
+"""``octo-host ledger show``, ``ledger init-anchor`` and ``find``: a run's ledger, the
+rollback anchor, and the run that holds a key.
+
+``find KEY`` searches every run's ledger (each authenticated as it is
+loaded) for an operation key or a compensation's ``cmp-`` key, and prints
+the run, the key's state and the complete commands that settle it.
 
 It must never show inputs (the ledger holds fingerprints only) or replace an
 anchor without ``--force``.
@@ -8,16 +13,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
+from typing import Any
 
-from octo_common.runtime.output import EXIT_OK, OneLineParser, Output, anchor_to_write, print_table
-from octo_host.cli.context import config_of, open_store, plan_for, plan_name, stored_ledger
+from octo_common.runtime.output import (
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    CliError,
+    OneLineParser,
+    Output,
+    anchor_to_write,
+    print_table,
+)
+from octo_host.cli.context import (
+    config_of,
+    open_store,
+    plan_for,
+    plan_name,
+    runs_holding,
+    stored_ledger,
+)
 from octo_host.cli.options import Verbs, token_arg
 from octo_host.cli.results import operation_doc
+from octo_host.client.runs import stored_routes
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.store import initialise_anchor
 
-__all__ = ["cmd_ledger_init_anchor", "cmd_ledger_show", "register"]
+__all__ = ["cmd_find", "cmd_ledger_init_anchor", "cmd_ledger_show", "register"]
 
 
 def register(verbs: Verbs, common: OneLineParser) -> None:
@@ -40,6 +63,11 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     )
     anchor.add_argument("--force", action="store_true", help="replace an existing anchor")
     anchor.set_defaults(handler=cmd_ledger_init_anchor)
+    find = verbs.add_parser(
+        "find", parents=[common], help="the run that holds an operation or compensation key"
+    )
+    find.add_argument("key", type=token_arg, metavar="KEY", help="op-... or cmp-...")
+    find.set_defaults(handler=cmd_find)
 
 
 def cmd_ledger_show(args: argparse.Namespace, out: Output) -> int:
@@ -76,7 +104,7 @@ def cmd_ledger_show(args: argparse.Namespace, out: Output) -> int:
                     if retry_of is None
                     else f"{op['attempt']} (after {retry_of})",
                     "-" if compensation is None else compensation["compensation_key"],
-                    "-" if compensation is None else compensation["state"],
+                    "-" if compensation is None else _state_cell(compensation),
                 ]
             )
         out.line()
@@ -95,6 +123,65 @@ def cmd_ledger_show(args: argparse.Namespace, out: Output) -> int:
         }
     )
     return EXIT_OK
+
+
+def cmd_find(args: argparse.Namespace, out: Output) -> int:
+    """The run holding ``KEY`` (exit 1 when none does), its state and next commands."""
+    config = config_of(args)
+    key = args.key
+
+    async def search() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        async with open_store(config, create=False) as store:
+            for run in await runs_holding(store, key):
+                ledger = await stored_ledger(store, run)
+                operation = ledger.operation(key) or ledger.compensated_operation(key)
+                if operation is not None:
+                    scope = (await stored_routes(store, run)).get(operation.operation_key)
+                    found.append({"run": run, "scope": scope, **operation_doc(operation)})
+        return found
+
+    found = asyncio.run(search())
+    if not found:
+        raise CliError(EXIT_CHECK_FAILED, f"no run's ledger holds {key}", "not_found")
+    for index, item in enumerate(found):
+        if index:
+            out.line()
+        compensation = item["compensation"]
+        own = compensation if key.startswith("cmp-") and compensation is not None else item
+        state = str(own["state"])
+        item["commands"] = _next_commands(item["run"], key, state, item["scope"])
+        out.line(f"run:            {item['run']}")
+        out.line(f"key:            {key}")
+        out.line(f"step / tool:    {item['step']} / {item['tool']}")
+        if own is compensation:
+            out.line(f"operation key:  {item['operation_key']} ({_state_cell(item)})")
+        out.line(f"state:          {_state_cell(own)}")
+        out.line(f"scope:          {item['scope'] or '(never dispatched)'}")
+        for command in item["commands"]:
+            out.line(f"next:           {command}")
+    out.document({"ok": True, "key": key, "runs": found})
+    return EXIT_OK
+
+
+def _next_commands(run: str, key: str, state: str, scope: str | None) -> list[str]:
+    """The complete commands that settle ``key`` of ``run`` in ``state`` (the decision
+    and its reason are the operator's to fill in)."""
+    named = f"{shlex.quote(run)} {shlex.quote(key)}"
+    if scope is not None:
+        named += f" --scope {shlex.quote(scope)}"
+    if state in ("pending", "running"):
+        return [
+            f"octo-host reconcile {named}",
+            f"octo-host resolve {named} --state succeeded|failed|cancelled --reason TEXT",
+        ]
+    return [f"octo-host ledger show {shlex.quote(run)}"]
+
+
+def _state_cell(record: dict[str, Any]) -> str:
+    """A record's state, with its failure code when it has one: ``failed [input_refused]``."""
+    failure = record.get("failure")
+    return str(record["state"]) if failure is None else f"{record['state']} [{failure}]"
 
 
 def cmd_ledger_init_anchor(args: argparse.Namespace, out: Output) -> int:

@@ -33,6 +33,7 @@ from octo_host.cli.context import (
     load_recorded,
     plan_named,
     recorded_operation,
+    run_of,
     scope_of,
     with_client,
 )
@@ -94,8 +95,9 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     reconcile.add_argument(
         "run",
         type=token_arg,
+        nargs="?",
         metavar="RUN",
-        help="the workflow run's id (one ledger record per run)",
+        help="the workflow run's id (default: the run whose ledger holds KEY)",
     )
     reconcile.add_argument(
         "key",
@@ -107,7 +109,8 @@ def register(verbs: Verbs, common: OneLineParser) -> None:
     reconcile.add_argument(
         "--payload",
         metavar="JSON|@FILE",
-        help="the operation's input (required for an operation key)",
+        help="optional: the operation's input, checked against the recorded fingerprint "
+        "(the lookup itself needs none)",
     )
     reconcile.add_argument(
         "--plan",
@@ -158,16 +161,20 @@ def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
     manifest = config.manifest(scope)
 
     async def body(client: HostClient) -> tuple[dict[str, Any], StateKind, str]:
+        args.run = await run_of(client.store, args.run, args.key)
         run = await load_recorded(client, config, args.run, args.plan)
         if run.operation(args.key) is None:
             compensated = run.ledger.compensated_operation(args.key)
             if compensated is not None:
                 return await _look_up_compensation(client, run, compensated.operation_key)
         operation = recorded_operation(run, args.key)
-        if args.payload is None:
-            raise CliError(EXIT_USAGE, "--payload: required to reconcile an operation", "usage")
-        payload = payload_of(grant_format(config, scope, operation.tool), args.payload, "--payload")
-        operation.verify_input(canonical_operation_input_bytes(payload))
+        # A lookup carries no input: what the ledger holds names the key. A given
+        # input is only checked against the recorded fingerprint.
+        payload = None
+        if args.payload is not None:
+            tool_format = grant_format(config, scope, operation.tool)
+            payload = payload_of(tool_format, args.payload, "--payload")
+            operation.verify_input(canonical_operation_input_bytes(payload))
         session = await client.open_session(scope, manifest)
         try:
             state = await client.reconcile(session, run, args.key, payload)

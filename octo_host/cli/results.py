@@ -28,6 +28,8 @@ __all__ = [
 
 def state_text(detail: Mapping[str, Any]) -> str:
     text = str(detail["state"])
+    if "failure_code" in detail:
+        text += f" [{detail['failure_code']}]"
     payload = detail.get("payload")
     if payload is not None:
         text += f" (output: {payload['format']}, {payload['bytes']} bytes)"
@@ -52,6 +54,7 @@ def operation_doc(operation: WorkflowOperation) -> dict[str, Any]:
         else {
             "compensation_key": compensation.compensation_key,
             "state": compensation.state.value,
+            "failure": compensation.failure,
             "tenant_scope": compensation.tenant_scope,
             "grant_fingerprint": compensation.grant_fingerprint,
             "input_fingerprint": compensation.input_fingerprint,

@@ -34,7 +34,7 @@ from typing import Any, overload
 from octo_common.errors import InvalidConfiguration
 from octo_common.frames import ScopeKey
 from octo_common.grants import CapabilityManifest
-from octo_common.messages import WorkerMessage
+from octo_common.messages import Resolution, WorkerMessage
 from octo_common.payload import ToolPayload
 from octo_common.runtime.logs import library_logger
 from octo_common.states import WorkerOperationState
@@ -419,12 +419,17 @@ class HostClient:
 
     @overload
     async def reconcile(
-        self, session: HostSession, run: HostRun, operation_key: str, input: ToolPayload | bytes, /
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        input: ToolPayload | bytes | None,
+        /,
     ) -> WorkerOperationState: ...
 
     @overload
     async def reconcile(
-        self, run: HostRun, operation_key: str, input: ToolPayload | bytes, /
+        self, run: HostRun, operation_key: str, input: ToolPayload | bytes | None, /
     ) -> WorkerOperationState: ...
 
     async def reconcile(self, *args: Any) -> WorkerOperationState:
@@ -433,11 +438,28 @@ class HostClient:
 
         ``unknown_operation`` is raised as ``WorkerRequestRejected``: the
         worker never admitted the key (or has forgotten it); ``dispatch``
-        sends it again only while the ledger says ``pending``.
+        sends it again only while the ledger says ``pending``. The request
+        carries no input: ``input`` (None: what the ledger holds is enough)
+        is only checked against the recorded fingerprint.
         """
         if isinstance(args[0], HostRun):
             return await self._pooled.reconcile(*args)
         return await self._verbs.reconcile(*args)
+
+    async def resolve(
+        self, session: HostSession, run: HostRun, key: str, resolution: Resolution
+    ) -> WorkerOperationState:
+        """Send an operator's decision for a stuck key (an operation key, or a
+        compensation's ``cmp-`` key) to the worker and record its answer.
+
+        The worker records the decision in its journal for a key it holds
+        ``pending`` or ``running`` (no adapter is called, no effect runs or
+        runs again) and answers the state its journal then holds, which is
+        applied to the ledger like a lookup's answer: the decision, or a
+        terminal state the journal already held. The audit entry is the
+        caller's (:func:`octo_host.audit.record_decision`), written first.
+        """
+        return await self._verbs.resolve(session, run, key, resolution)
 
     @overload
     async def compensate(

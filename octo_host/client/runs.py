@@ -110,6 +110,17 @@ def routes_record_key(run: str) -> StorageRecordKey:
     return StorageRecordKey(ROUTES_NAMESPACE, run)
 
 
+async def stored_routes(store: AuthenticatedStore, run: str) -> dict[str, str]:
+    """A run's routes as stored (operation key → scope), for an operator's view."""
+    record = await store.load(routes_record_key(run))
+    if record is None:
+        return {}
+    doc = decode_struct(record.payload, _RoutesDoc, error=InvalidLedgerEncoding)
+    if doc.format_version != _ROUTES_FORMAT_VERSION or doc.run != run:
+        raise InvalidLedgerEncoding("routes record of another run or version")
+    return dict(doc.routes)
+
+
 class _RunLock(asyncio.Lock):
     """A run's lock; ``on_release`` (set by the run cache while it has set the run
     aside as in use) is called after every release."""

@@ -114,7 +114,7 @@ class PooledVerbs:
             return await self._verbs.dispatch(session, run, operation_key, payload)
 
     async def reconcile(
-        self, run: HostRun, operation_key: str, input: ToolPayload | bytes
+        self, run: HostRun, operation_key: str, input: ToolPayload | bytes | None
     ) -> WorkerOperationState:
         tool = self._operation(run, operation_key).tool
         scope = await self._scope(run, operation_key)

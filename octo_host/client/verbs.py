@@ -39,6 +39,7 @@ from octo_common.messages import (
     OperationCompensationRequest,
     OperationDispatchRequest,
     OperationReconcileRequest,
+    Resolution,
     WorkerMessage,
 )
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
@@ -329,13 +330,18 @@ class HostVerbs:
         return await self._send_prepared(session, run, RequestKind.DISPATCH, build)
 
     async def _reconcile_once(
-        self, session: HostSession, run: HostRun, operation_key: str, data: bytes
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        data: bytes | None,
+        resolution: Resolution | None = None,
     ) -> OperationStatus:
         request_id = new_request_id(RequestKind.RECONCILE)
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[OperationReconcileRequest]:
             return self._engine.prepare_authenticated_operation_reconciliation(
-                run.plan, run._ledger, operation_key, data, request_id, auth
+                run.plan, run._ledger, operation_key, data, request_id, auth, resolution=resolution
             )
 
         return await self._send_prepared(session, run, RequestKind.RECONCILE, build)
@@ -359,14 +365,18 @@ class HostVerbs:
         return await self._send_prepared(session, run, RequestKind.COMPENSATE, build)
 
     async def _reconcile_compensation_once(
-        self, session: HostSession, run: HostRun, operation_key: str
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        resolution: Resolution | None = None,
     ) -> OperationStatus:
         request_id = new_request_id(RequestKind.RECONCILE_COMPENSATION)
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[CompensationReconcileRequest]:
             # A lookup performs no effect: no verifier, no approval, no input (D11).
             return self._engine.prepare_authenticated_compensation_reconciliation(
-                run.plan, run._ledger, operation_key, request_id, auth
+                run.plan, run._ledger, operation_key, request_id, auth, resolution=resolution
             )
 
         return await self._send_prepared(session, run, RequestKind.RECONCILE_COMPENSATION, build)
@@ -400,7 +410,7 @@ class HostVerbs:
         session: HostSession,
         run: HostRun,
         operation_key: str,
-        input: ToolPayload | bytes,
+        input: ToolPayload | bytes | None,
     ) -> WorkerOperationState:
         """``HostClient.reconcile`` (its docstring is the contract)."""
         session = session.current()
@@ -420,7 +430,7 @@ class HostVerbs:
         session: HostSession,
         run: HostRun,
         operation_key: str,
-        data: bytes,
+        data: bytes | None,
         payload: ToolPayload | None,
         cause: OctoError | None,
     ) -> WorkerOperationState:
@@ -458,6 +468,31 @@ class HostVerbs:
             state=last.kind.value,
             ledger_state=run.state(operation_key).value,
         )
+        return last
+
+    async def resolve(
+        self, session: HostSession, run: HostRun, key: str, resolution: Resolution
+    ) -> WorkerOperationState:
+        """Send an operator's decision for ``key`` (an operation key, or a compensation's
+        ``cmp-`` key) and apply the worker's answer like a lookup's: the state its
+        journal then holds (the decision, or a terminal state it already held)."""
+        session = session.current()
+        compensated = run.ledger.compensated_operation(key) if run.operation(key) is None else None
+        if compensated is None:
+
+            async def operation(session: HostSession, number: int) -> OperationStatus:
+                return await self._reconcile_once(session, run, key, None, resolution)
+
+            last, _ = await self._repeat(RequestKind.RECONCILE, session, run, key, operation, None)
+        else:
+            original = compensated.operation_key
+
+            async def compensation(session: HostSession, number: int) -> OperationStatus:
+                return await self._reconcile_compensation_once(session, run, original, resolution)
+
+            kind = RequestKind.RECONCILE_COMPENSATION
+            last, _ = await self._repeat(kind, session, run, original, compensation, None)
+        self._log.info("resolution_observed", run=run.name, key=key, state=last.kind.value)
         return last
 
     async def compensate(

@@ -92,6 +92,16 @@ class AuthenticatedStore:
         key = check_key(key)
         return self._open_snapshot(key, await self._backend.load(key))
 
+    async def names(self, namespace: str) -> list[str]:
+        """The names of ``namespace``'s records, sorted, for a search (each record is
+        still authenticated when loaded). ``StorageBackendError`` for a backend that
+        cannot list its records."""
+        listing = getattr(self._backend, "record_names", None)
+        if listing is None:
+            raise StorageBackendError("names: this backend does not list its records")
+        names: list[str] = await listing(namespace)
+        return names
+
     async def create(self, key: StorageRecordKey, payload: bytes) -> AuthenticatedRecord:
         """Write revision 1; the record must be absent."""
         return await self.compare_and_swap(key, None, payload)

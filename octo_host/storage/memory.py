@@ -45,6 +45,10 @@ class VolatileMemoryStore:
         key = check_key(key)
         return StorageSnapshot(self.records.get(key), self.floors.get(key, 0))
 
+    async def record_names(self, namespace: str) -> list[str]:
+        """The names of the records of ``namespace`` that hold a value, sorted."""
+        return sorted({key.name for key in self.records if key.namespace == namespace})
+
     def _unfenced(
         self, key: StorageRecordKey, expected: int | None, replacement: StoredRecord
     ) -> Stored | Conflict:

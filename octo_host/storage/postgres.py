@@ -316,6 +316,16 @@ class PostgresRecordBackend(SwapBackend):
 
         return await self._read("load", body)
 
+    async def record_names(self, namespace: str) -> list[str]:
+        """The names of the records of ``namespace`` that hold a value, sorted
+        (unauthenticated: where to look, never a decision)."""
+
+        async def body(connection: _Connection) -> list[str]:
+            rows = await connection.fetch(self._sql["select_names"], namespace)
+            return [str(row[0]) for row in rows]
+
+        return await self._read("record_names", body)
+
     async def current_fence(self, key: StorageRecordKey) -> int:
         key = check_key(key)
 

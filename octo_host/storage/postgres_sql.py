@@ -45,6 +45,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 _SELECT_VERSION = "SELECT version FROM {s}.schema_version"
+_SELECT_NAMES = "SELECT DISTINCT name FROM {s}.items WHERE namespace = $1 ORDER BY name"
 
 # One statement, so one snapshot; head and item read independently (as SQLite's).
 _SELECT_RECORD = """
@@ -119,6 +120,7 @@ def statements(schema: str) -> dict[str, str]:
         name: text.format(s=quoted)
         for name, text in (
             ("select_version", _SELECT_VERSION),
+            ("select_names", _SELECT_NAMES),
             ("select_record", _SELECT_RECORD),
             ("lock_heads", _LOCK_HEADS),
             ("select_items", _SELECT_ITEMS),

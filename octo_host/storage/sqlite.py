@@ -481,6 +481,18 @@ class SqliteRecordBackend(SwapBackend):
 
         await self._submit("establish_fence", transaction, write=True)
 
+    async def record_names(self, namespace: str) -> list[str]:
+        """The names of the records of ``namespace`` that hold a value, sorted
+        (unauthenticated: where to look, never a decision)."""
+
+        def body(connection: sqlite3.Connection) -> list[str]:
+            rows = connection.execute(
+                "SELECT DISTINCT name FROM items WHERE namespace = ? ORDER BY name", (namespace,)
+            ).fetchall()
+            return [str(row[0]) for row in rows]
+
+        return await self._submit("record_names", body, write=False)
+
     async def integrity_check(self) -> list[str]:
         """``PRAGMA integrity_check``: ``["ok"]`` for a sound database."""
 

@@ -7,8 +7,9 @@ states, fingerprints and revisions; payloads and failure messages as their
 sizes (``record_summary``, ``record_detail`` of :mod:`octo_worker.inspection`,
 which the console uses too).
 
-It must never print a payload, a failure message or a key, or move a
-revision.
+It must never print a payload or a key, or move a revision; a failure
+message only for ``show --reveal``, where the journal's data key is
+configured, after the reveal is audited (:mod:`octo_worker.inspection`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from octo_worker.cli.common import (
     verb_group,
 )
 from octo_worker.config import WorkerConfig
-from octo_worker.inspection import record_detail, record_summary
+from octo_worker.inspection import (
+    audit_reveal,
+    check_reveal,
+    record_detail,
+    record_summary,
+    revealed,
+    who,
+)
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
 
@@ -68,6 +76,12 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
     )
     jshow.add_argument(
         "--scope", metavar="S", help="the key's tenant scope (default: every configured one)"
+    )
+    jshow.add_argument(
+        "--reveal",
+        action="store_true",
+        help="also print a failed state's failure text (needs the journal's data key; "
+        "each reveal is appended to failure-text-reveals.jsonl in the state directory)",
     )
     jshow.set_defaults(handler=cmd_journal_show)
     verify = journal_verbs.add_parser(
@@ -179,6 +193,9 @@ def cmd_journal_list(args: argparse.Namespace, out: Output) -> int:
 def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
     config = config_of(args)
     check_tokens("KEY", [args.key])
+    reveal = bool(getattr(args, "reveal", False))
+    if reveal:
+        check_reveal(config)
 
     pruned: list[str] = []
 
@@ -205,7 +222,7 @@ def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
                     continue
                 except OctoError as error:
                     raise storage_failure(f"scope {scope}", error) from None
-                found.extend(record_detail(scope, *entry) for entry in entries)
+                found.extend(record_detail(scope, *entry, reveal=reveal) for entry in entries)
             return found
 
     found = asyncio.run(find())
@@ -218,6 +235,11 @@ def cmd_journal_show(args: argparse.Namespace, out: Output) -> int:
         )
     if not found:
         raise CliError(EXIT_CHECK_FAILED, f"no journal row for {args.key}", "not_found")
+    for item in found:
+        if revealed(item):
+            audit_reveal(
+                config, operator=who(), via="journal show", scope=item["scope"], key=args.key
+            )
     for index, item in enumerate(found):
         if index:
             out.line()
@@ -234,8 +256,10 @@ def _detail_lines(item: Mapping[str, Any]) -> list[str]:
         ("tool:", item["tool"]),
         ("input fingerprint:", item["input_fingerprint"]),
         ("state:", state_line(item)),
-        ("revision:", item["revision"]),
     ]
+    if "failure_text" in item:
+        fields.append(("failure text:", printable(item["failure_text"], 4096)))
+    fields.append(("revision:", item["revision"]))
     compensation = item["compensation"]
     if compensation is None:
         fields.append(("compensation:", "none"))
@@ -246,6 +270,8 @@ def _detail_lines(item: Mapping[str, Any]) -> list[str]:
             ("  grant fingerprint", compensation["grant_fingerprint"]),
             ("  state", state_line(compensation)),
         ]
+        if "failure_text" in compensation:
+            fields.append(("  failure text", printable(compensation["failure_text"], 4096)))
     return [f"{label:<20}{value}" for label, value in fields]
 
 

@@ -247,6 +247,11 @@ async def scopes_page(request: web.Request) -> web.Response:
     )
 
 
+def _viewer(request: web.Request) -> str:
+    """Who asks, for the reveal audit: the console and the peer's address."""
+    return f"console:{request.remote or '-'}"
+
+
 async def key_page(request: web.Request) -> web.Response:
     settings = request.app[_SETTINGS]
     key = request.match_info.get("key") or request.query.get("key", "").strip()
@@ -254,7 +259,10 @@ async def key_page(request: web.Request) -> web.Response:
     if not key:
         return _render(request, "key.html", view=None, key="")
     view = await _off_loop(
-        request, lambda: data.key_view(settings.config, settings.config_path, key, scope)
+        request,
+        lambda: data.key_view(
+            settings.config, settings.config_path, key, scope, viewer=_viewer(request)
+        ),
     )
     if view.rows:
         status = 200

@@ -12,8 +12,10 @@ Every value handed to a page is a count, a state name, a revision, a time,
 an identifier the CLI prints too (scope, operation and compensation key,
 session and message id), or a header value already made printable and
 bounded by the CLI's helper. This module must never hand on a payload,
-a frame body, a key, adapter failure text or a nonce; it never writes the
-journal or acknowledges a dead letter.
+a frame body, a key or a nonce, nor adapter failure text unless
+``[console] reveal_failures`` is on, the journal's data key is configured
+and the reveal was audited; it never writes the journal or acknowledges a
+dead letter.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from octo_common.transport import DEAD_LOG_STREAM
 from octo_worker.config import WorkerConfig
 from octo_worker.inspection import (
     PROG,
+    audit_reveal,
     journal_store,
     read_dead_letter_log,
     record_detail,
     record_summary,
+    revealed,
 )
 from octo_worker.storage.base import JournalStoreBase
 
@@ -65,7 +69,6 @@ class Slot(str):
 
 RUN: Final = Slot("RUN")  # the host's run name: the worker never learns it
 FILE: Final = Slot("FILE")
-PAYLOAD_FILE: Final = Slot("@FILE")
 TEXT: Final = Slot("TEXT")
 DECISION: Final = Slot("succeeded|failed|cancelled")
 
@@ -240,60 +243,57 @@ def _key_commands(detail: dict[str, Any], config_path: str) -> list[tuple[str, s
         )
     ]
     if state not in _TERMINAL:
-        commands += [
-            (
-                "on the host: ask the worker's adapter what happened (fresh session)",
-                command(
-                    "octo-host", "reconcile", RUN, key, "--scope", scope, "--payload", PAYLOAD_FILE
-                ),
-            ),
-            (
-                "on the host: reconcile every unfinished key of the run",
-                command("octo-host", "recover", RUN, "--scope", scope, "--inputs", FILE),
-            ),
-            (
-                "on the host, if it stays pending after checking the target: decide (audited)",
-                command(
-                    "octo-host",
-                    "resolve",
-                    RUN,
-                    key,
-                    "--state",
-                    DECISION,
-                    "--reason",
-                    TEXT,
-                ),
-            ),
-        ]
+        unsettled = key
     elif compensation is not None and compensation["state"] not in _TERMINAL:
-        cmp_key = compensation["compensation_key"]
-        commands += [
-            (
-                "on the host: resume the compensation (same cmp- key and input, fresh approval)",
-                command("octo-host", "recover", RUN, "--scope", scope, "--inputs", FILE),
+        unsettled = compensation["compensation_key"]
+    else:
+        return commands
+    # The host finds the run that holds the key: every command is complete but
+    # for the operator's decision and reason.
+    commands += [
+        (
+            "on the host: the run that holds it, its state there",
+            command("octo-host", "find", unsettled),
+        ),
+        (
+            "on the host: ask the worker's adapter what happened (a lookup: no input, no effect)",
+            command("octo-host", "reconcile", unsettled, "--scope", scope),
+        ),
+        (
+            "on the host, if it stays unsettled after checking the target: decide "
+            "(audited; the worker's journal records it, no effect runs)",
+            command(
+                "octo-host",
+                "resolve",
+                unsettled,
+                "--scope",
+                scope,
+                "--state",
+                DECISION,
+                "--reason",
+                TEXT,
             ),
-            (
-                "on the host, if it stays unfinished after checking the target: decide (audited)",
-                command(
-                    "octo-host",
-                    "resolve",
-                    RUN,
-                    cmp_key,
-                    "--state",
-                    DECISION,
-                    "--reason",
-                    TEXT,
-                ),
-            ),
-        ]
+        ),
+    ]
     return commands
 
 
 async def key_view(
-    config: WorkerConfig, config_path: str, key: str, scope: str | None = None
+    config: WorkerConfig,
+    config_path: str,
+    key: str,
+    scope: str | None = None,
+    *,
+    viewer: str = "console",
 ) -> KeyView:
-    """The journal row of an ``op-`` key (or the row holding a ``cmp-`` key), per scope."""
+    """The journal row of an ``op-`` key (or the row holding a ``cmp-`` key), per scope.
+
+    With ``[console] reveal_failures`` and the journal's data key configured,
+    a failed state's text is on the page, each reveal audited first (as
+    ``viewer``); a reveal that cannot be audited shows nothing of the text.
+    """
     view = KeyView(key, [])
+    reveal = config.console.reveal_failures and config.storage.data_key is not None
     if not is_token(key) or (scope is not None and not is_token(scope)):
         view.error = "not a key: keys are tokens ([a-z0-9._-], 1..128)"
         view.invalid = True
@@ -319,7 +319,15 @@ async def key_view(
                     view.error = f"scope {name}: {error.code}"
                     continue
                 for record, revision in entries:
-                    detail = record_detail(name, record, revision)
+                    detail = record_detail(name, record, revision, reveal=reveal)
+                    if revealed(detail):
+                        try:
+                            audit_reveal(
+                                config, operator=viewer, via="console", scope=name, key=key
+                            )
+                        except CliError as error:
+                            view.error = error.message
+                            detail = record_detail(name, record, revision)
                     written = (
                         None if metadata is None else metadata.written_at.get(record.operation_key)
                     )

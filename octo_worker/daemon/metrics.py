@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Final, Generic, TypeVar
 
 from prometheus_client import (
@@ -234,6 +235,14 @@ class WorkerMetrics(WorkerHooks):
         if scope not in self._pending_gauges:
             self._pending_gauges.add(scope)
             self._oldest_pending_age(scope).set_function(lambda: self.oldest_pending_age_of(scope))
+
+    def after_unresolved_loaded(self, scope: str, since: Mapping[str, float]) -> None:
+        """Count every key the journal holds unresolved at a start or reload, from
+        its row's last write, whether or not a request names it again."""
+        for key, written in since.items():
+            self.note_pending(scope, key, True)
+            slots = self._pending_since[scope]
+            slots[key] = min(slots[key], written)
 
     def oldest_pending_age_of(self, scope: str) -> float:
         """Seconds since the oldest unresolved key of ``scope`` was admitted (0 if none)."""

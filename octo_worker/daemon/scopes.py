@@ -17,6 +17,7 @@ reserve a fence after a fence rejection, or log keys or frames.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -26,6 +27,7 @@ from octo_common.frames import ScopeKey
 from octo_common.runtime import amqp
 from octo_common.transport import PublishChannelClosed, PublishFailed, build_worker_reply
 from octo_worker.hooks import WorkerHooks
+from octo_worker.journal import unresolved_record
 from octo_worker.session.session import WorkerSession
 from octo_worker.storage.interface import WorkerJournalLease
 
@@ -228,9 +230,28 @@ class ScopeLifecycle:
         scope.closed = closed
         while len(scope.closed) > CLOSED_REMEMBERED:
             del scope.closed[next(iter(scope.closed))]
+        await self._note_unresolved(scope)
         if open_gate:
             scope.running.set()
         self._log.info("scope_loaded", scope=scope.name, sessions=len(sessions), closed=len(closed))
+
+    async def _note_unresolved(self, scope: ServedScope) -> None:
+        """Hand the hooks every key the journal holds unresolved, with its row's last
+        write, so that a key a crash left pending is counted at once (one read of
+        the scope's rows per load)."""
+        try:
+            rows = await self._store.list_records(scope.name)
+            written = (await self._store.scope_metadata(scope.name)).written_at
+        except OctoError as exc:
+            self._log.warning("unresolved_keys_not_read", scope=scope.name, error=exc.code)
+            return
+        now = time.time()
+        since = {
+            record.operation_key: written.get(record.operation_key, now)
+            for record, _ in rows
+            if unresolved_record(record)
+        }
+        self._hooks.after_unresolved_loaded(scope.name, since)
 
     def superseded(self, scope: ServedScope) -> bool:
         """Whether a commit of ``scope`` met another worker's fence (see ``Supersession``)."""

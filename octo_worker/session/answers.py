@@ -405,6 +405,9 @@ class SessionAnswers:
             settled = kind.lookup(journal, request, auth.grant).state
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
+        resolution = getattr(request, "resolution", None)
+        if resolution is not None:
+            return await self._resolve_locked(kind, run, request, auth, journal, settled)
         if settled_without_adapter(settled):
             # The adapter never acted under this key (or an operator settled it):
             # it has nothing to look up, and the row is terminal. Answered from
@@ -460,6 +463,36 @@ class SessionAnswers:
         except OctoError as exc:
             return await self._refuse_locked(run, exc)
         run.log.info(kind.observed_event, state=str(status.kind))
+        return await self._respond_locked(run, kind.answer(result), journal.changeset())
+
+    async def _resolve_locked(
+        self,
+        kind: KeyedKind,
+        run: Handling,
+        request: Any,
+        auth: Any,
+        journal: WorkerOperationJournal,
+        current: Any,
+    ) -> FinalStep:
+        """An operator's decision: recorded for a ``pending`` or ``running`` key,
+        without the adapter; a terminal key is answered as it is (never overwritten)."""
+        if current.kind in TERMINAL_KINDS:
+            return await self._settled_answer_locked(kind, run, request, auth, current)
+        resolution = request.resolution
+        status = resolution.status(auth.grant.format)
+        try:
+            kind.observe(journal, auth, status)
+            result = kind.result(self._state.session_id, request, status)
+            kind.validate_result(self._issuer(run), auth, result)
+        except OctoError as exc:
+            return await self._refuse_locked(run, exc)
+        run.log.info(
+            "resolved_by_operator",
+            operator=resolution.operator,
+            run_name=resolution.run,
+            state_from=str(current.kind),
+            state=str(status.kind),
+        )
         return await self._respond_locked(run, kind.answer(result), journal.changeset())
 
     async def _settled_answer_locked(

@@ -9,6 +9,8 @@ so every page answers fast. The browser tests against a running daemon are
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
 import sqlite3
 import ssl
@@ -316,6 +318,9 @@ def test_every_template_escapes_what_it_shows() -> None:
                     "input_fingerprint": HOSTILE,
                     "revision": 1,
                     "state": HOSTILE,
+                    "failure_code": HOSTILE,
+                    "failure_text": HOSTILE,
+                    "message_bytes": 3,
                     "compensation": None,
                 },
                 None,
@@ -367,9 +372,13 @@ async def test_the_scope_and_key_views_of_a_journal_with_a_compensation_under_wa
     (row,) = found.rows
     assert row.detail["operation_key"] == "op-undoing"
     commands = [line for _, line in row.commands]
-    assert commands[-1] == (
-        "octo-host resolve RUN cmp-undo --state succeeded|failed|cancelled --reason TEXT"
-    )
+    # Complete commands: the host finds the run that holds the key.
+    assert commands[1:] == [
+        "octo-host find cmp-undo",
+        f"octo-host reconcile cmp-undo --scope {SCOPE_P}",
+        f"octo-host resolve cmp-undo --scope {SCOPE_P} --state succeeded|failed|cancelled "
+        "--reason TEXT",
+    ]
     failed = await data.key_view(config, "/etc/octo/w.toml", "op-failed", SCOPE_P)
     (row,) = failed.rows
     assert row.detail["message_bytes"] == len(SECRET)  # a size, never the text
@@ -377,3 +386,46 @@ async def test_the_scope_and_key_views_of_a_journal_with_a_compensation_under_wa
     assert SECRET not in repr(found) + repr(failed) + repr(view)
     missing = await data.key_view(config, "/etc/octo/w.toml", "op-none")
     assert missing.rows == [] and missing.error is None
+
+
+async def test_a_failures_text_is_on_the_key_page_only_when_the_setting_and_the_data_key_allow(
+    tmp_path: Path,
+) -> None:
+    files = WorkerFiles(tmp_path / "w", "amqp://127.0.0.1:1/", SCOPE_P)
+    (files.root / "data.key").write_bytes(os.urandom(32))
+    (files.root / "data.key").chmod(0o600)
+    base = files.config.read_text().replace(
+        'key = { id = "k1", key_file = "storage.key" }',
+        'key = { id = "k1", key_file = "storage.key" }\n'
+        'data_key = { id = "d1", key_file = "data.key" }',
+    )
+    files.write(base)
+    config = load_config(files.config)
+    files.journal.parent.mkdir(parents=True)
+    store = SqliteJournalStore(
+        files.journal, config.storage_keyring(), data_keyring=config.data_keyring()
+    )
+    await _write(store, [prune_record("op-refused", Failed(SECRET, "input_refused"))])
+    await store.close()
+    audit = files.root / "state" / "failure-text-reveals.jsonl"
+
+    default = await data.key_view(config, "/etc/octo/w.toml", "op-refused")
+    (row,) = default.rows
+    assert row.detail["failure_code"] == "input_refused"
+    assert "failure_text" not in row.detail and SECRET not in repr(default)
+    assert not audit.exists()
+
+    files.write(base + "\n[console]\nreveal_failures = true\n")
+    revealing = load_config(files.config)
+    shown = await data.key_view(revealing, "/etc/octo/w.toml", "op-refused", viewer="console:x")
+    (row,) = shown.rows
+    assert row.detail["failure_text"] == SECRET
+    [entry] = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert entry["via"] == "console" and entry["operator"] == "console:x"
+    assert entry["key"] == "op-refused"
+    html = (
+        _environment()
+        .get_template("key.html")
+        .render(page="key", view=shown, key="op-refused", now=0.0, served_by_daemon=False)
+    )
+    assert SECRET in html and "input_refused" in html

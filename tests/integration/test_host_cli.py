@@ -355,7 +355,7 @@ async def test_resolve_records_an_audited_decision_without_sending_anything(
 
     resolved = await cli.run(
         "resolve", RUN, key, "--state", "failed", "--reason", REASON, "--operator", "alice",
-        "--json", "--verbose",
+        "--json", "--verbose", "--host-only",
     )  # fmt: skip
     assert resolved.status == 0, resolved.stderr
     assert "operation_resolved_by_operator" in resolved.stderr  # logged, without the reason
@@ -393,8 +393,9 @@ async def test_a_tampered_audit_record_or_ledger_is_refused_as_storage(
     assert (await cli.dispatch()).status == 3  # recorded, never delivered
     key = (await cli.run("ledger", "show", RUN, "--json")).json()["operations"][0]["operation_key"]
     resolved = await cli.run(
-        "resolve", RUN, key, "--state", "cancelled", "--reason", REASON, "--operator", "carol"
-    )
+        "resolve", RUN, key, "--state", "cancelled", "--reason", REASON, "--operator", "carol",
+        "--host-only",
+    )  # fmt: skip
     assert resolved.status == 0, resolved.stderr
 
     database = cli.root / "state" / "ledger.sqlite3"

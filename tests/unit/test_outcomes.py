@@ -22,15 +22,25 @@ from octo_common.errors import (
     AdapterInvalidOptions,
     InvalidLedgerEncoding,
     InvalidOperationFailure,
+    OctoError,
 )
-from octo_common.messages import OperationReconcileResult
+from octo_common.messages import (
+    OperationReconcileResult,
+    ReconcileOperation,
+    Resolution,
+    decode_message,
+    encode_message,
+)
+from octo_common.runtime.output import state_detail, state_line
 from octo_common.states import (
     DID_NOT_ACT_CODES,
+    Cancelled,
     Failed,
     FailureCode,
     OperationStatus,
     Running,
     StateKind,
+    Succeeded,
     did_not_act,
 )
 from octo_host.ledger import WorkflowOperationLedger
@@ -154,3 +164,58 @@ def test_a_failure_code_on_a_state_other_than_failed_is_refused_at_decode() -> N
     document["operations"][0]["failure"] = "Not A Code"
     with pytest.raises(InvalidLedgerEncoding):
         WorkflowOperationLedger.from_json(json.dumps(document, separators=(",", ":")))
+
+
+def test_a_failures_code_is_shown_and_its_text_only_when_revealed() -> None:
+    refused = Failed("Expected `str`, got `int` - at `$.name`", "input_refused")
+    hidden = state_detail(refused)
+    assert hidden == {"state": "failed", "failure_code": "input_refused", "message_bytes": 39}
+    assert state_line(hidden) == "failed [input_refused] (failure message: 39 bytes)"
+    shown = state_detail(refused, reveal=True)
+    assert shown["failure_text"] == refused.message
+    assert state_detail(Failed("boom")) == {"state": "failed", "message_bytes": 4}
+
+
+def test_a_resolution_is_a_terminal_decision_with_its_audit() -> None:
+    decision = Resolution("failed", "alice", "checked the provider", "release-7")
+    status = decision.status("json")
+    assert status == Failed(
+        "resolved by operator alice (run release-7): checked the provider", "resolved_by_operator"
+    )
+    succeeded = Resolution("succeeded", "bob", "confirmed", "release-7").status("json")
+    assert isinstance(succeeded, Succeeded)
+    assert succeeded.payload.value == {"resolved_by_operator": "bob", "run": "release-7"}
+    text = Resolution("succeeded", "bob", "confirmed", "release-7").status("text")
+    assert isinstance(text, Succeeded) and text.payload.format == "text"
+    assert Resolution("cancelled", "bob", "gone", "r").status("json") == Cancelled()
+    for bad in (
+        {"state": "running"},
+        {"operator": ""},
+        {"operator": "a\nb"},
+        {"reason": " "},
+        {"reason": "x" * 1025},
+        {"run": "not a token!"},
+    ):
+        fields = {"state": "failed", "operator": "alice", "reason": "why", "run": "r"} | bad
+        with pytest.raises(OctoError):
+            Resolution(**fields)  # type: ignore[arg-type]
+
+
+def test_a_lookup_carries_a_resolution_only_when_given() -> None:
+    ledger = WorkflowOperationLedger(PLAN_FP)
+    ledger.record("publish", TOOL, KEY, b"input")
+    plain = ledger.reconcile_request(KEY, None, SESSION, "r-1")  # no input needed
+    assert encode_message(ReconcileOperation(plain)) == (
+        b'{"type":"reconcile_operation","request":{"protocol_version":5,'
+        b'"session_id":"worker-1","request_id":"r-1","tool":"release.publish",'
+        b'"operation_key":"release-2026-1"}}'
+    )
+    with pytest.raises(OctoError):
+        ledger.reconcile_request(KEY, b"other input", SESSION, "r-1")  # checked when given
+    decision = Resolution("failed", "alice", "why", "run-1")
+    carried = ledger.reconcile_request(KEY, None, SESSION, "r-2", resolution=decision)
+    frame = encode_message(ReconcileOperation(carried))
+    assert frame.endswith(
+        b'"resolution":{"state":"failed","operator":"alice","reason":"why","run":"run-1"}}}'
+    )
+    assert decode_message(frame) == ReconcileOperation(carried)
