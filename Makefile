@@ -2,9 +2,10 @@
 #   make test   create .venv, install Octo with its test extra, make sure RabbitMQ
 #               answers on 127.0.0.1:5672 and PostgreSQL on 127.0.0.1:5432 (with
 #               the test role and database), install Debian's Chromium (the
-#               console's browser tests) and promtool (from Debian's prometheus
-#               package, into .venv/bin: the alert-rule tests), then ruff,
-#               mypy --strict and pytest
+#               console's browser tests), promtool (from Debian's prometheus
+#               package, into .venv/bin: the alert-rule tests) and
+#               systemd-analyze (the unit's tests), then ruff, mypy --strict
+#               and pytest
 #               (pytest-xdist: PYTEST_WORKERS processes, one test file each at a
 #               time, files with a slow test first; PYTEST_WORKERS=0 runs the
 #               suite in this process).
@@ -20,9 +21,9 @@ EXAMPLE  := examples/octo-example-tickets
 # workers than the 2 cores of the project's machines still shorten it.
 PYTEST_WORKERS ?= 4
 
-.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium promtool java model demo bench clean
+.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium tools java model demo bench clean
 
-test: venv rabbitmq postgres chromium promtool java lint typecheck pytest
+test: venv rabbitmq postgres chromium tools java lint typecheck pytest
 
 venv: $(VENV)/.installed
 
@@ -43,8 +44,10 @@ postgres:
 chromium:
 	sh deploy/ensure-chromium.sh
 
-promtool: venv
+# The tools some tests run: promtool (alert rules), systemd-analyze (the unit).
+tools: venv
 	sh deploy/ensure-promtool.sh $(VENV)/bin
+	sh deploy/ensure-systemd-analyze.sh
 
 java:
 	sh deploy/ensure-java.sh

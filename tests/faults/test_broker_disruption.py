@@ -46,6 +46,7 @@ from octo_common.states import StateKind
 from octo_common.transport import worker_queue
 from octo_host.plan import WorkflowStep
 from octo_worker.adapters.files import read_effect_log
+from tests.timing import scaled
 
 from .conftest import (
     TOOL,
@@ -71,7 +72,7 @@ RESERVE: Final = 4
 DISRUPT_AFTER: Final = 8  # effects logged before the disruption is started
 GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=4 * KEYS)
 STEPS: Final = [WorkflowStep(f"publish-{i}", f"publish file {i}") for i in range(KEYS_PER_LANE)]
-WAIT: Final = 30.0
+WAIT: Final = scaled(30.0)
 
 SERVER_DIR: Final = Path("/usr/lib/rabbitmq/bin")
 
@@ -263,7 +264,7 @@ async def _disrupted_load(
                 disrupted.set()
 
         lanes = (lane(number) for number in range(LANES))
-        await asyncio.wait_for(asyncio.gather(disruptor(), *lanes), 60)
+        await asyncio.wait_for(asyncio.gather(disruptor(), *lanes), scaled(60.0))
         await _until(lambda: client.reconnects >= 1, "the host client reconnected")
         # The worker process that lost its connection consumes its scope again.
         queue = worker_queue(env.scope)

@@ -35,6 +35,7 @@ from octo_common.states import StateKind
 from octo_common.transport import reply_queue
 from octo_host.plan import RetryPolicy
 from tests.postgres import PostgresSchema
+from tests.timing import scaled
 
 from .conftest import Launcher, Runner, queue_depth
 from .failover import (
@@ -99,13 +100,15 @@ async def test_sigkill_of_the_owner_mid_load_hands_the_scope_to_the_standby(
                 for _, first, _, run, keys in runs
             )
         )
-        await wait_for(lambda: env.effects() >= BEFORE_FAULT, 30.0, "the owner's first effects")
+        await wait_for(
+            lambda: env.effects() >= BEFORE_FAULT, scaled(30.0), "the owner's first effects"
+        )
         owner.kill_now()
         assert owner.process.returncode == -signal.SIGKILL
-        await asyncio.wait_for(flow, 120.0)
+        await asyncio.wait_for(flow, scaled(120.0))
         for name, first, plan, _, keys in runs:
             summary = await asyncio.wait_for(
-                recover(client, env, plan, keys, tag, name=name, first=first), 120.0
+                recover(client, env, plan, keys, tag, name=name, first=first), scaled(120.0)
             )
             assert summary.unresolved == [], summary.errors
     finally:
@@ -137,13 +140,15 @@ async def test_sigstop_of_the_owner_then_sigcont_publishes_nothing_and_commits_n
         await client.start()
         plan, run, keys = await record_run(client, OPERATIONS, tag)
         flow = asyncio.ensure_future(dispatch_all(client, env, run, keys, tag))
-        await wait_for(lambda: env.effects() >= BEFORE_FAULT, 30.0, "the owner's first effects")
+        await wait_for(
+            lambda: env.effects() >= BEFORE_FAULT, scaled(30.0), "the owner's first effects"
+        )
         os.kill(owner.pid, signal.SIGSTOP)
         paused = True
         # The broker drops the silent owner after its heartbeat (2 s); the
         # standby takes the queue and the host's retries and lookups finish.
-        await asyncio.wait_for(flow, 60.0)
-        first = await asyncio.wait_for(recover(client, env, plan, keys, tag), 60.0)
+        await asyncio.wait_for(flow, scaled(60.0))
+        first = await asyncio.wait_for(recover(client, env, plan, keys, tag), scaled(60.0))
         # Only a publication the paused owner was inside of can stay open (its lock).
         assert len(first.unresolved) <= 1, first.errors
         await client.close()
@@ -161,7 +166,7 @@ async def test_sigstop_of_the_owner_then_sigcont_publishes_nothing_and_commits_n
         client = env.client()
         await client.start()
         plan = client.engine.plan(steps(OPERATIONS))
-        second = await asyncio.wait_for(recover(client, env, plan, keys, tag), 60.0)
+        second = await asyncio.wait_for(recover(client, env, plan, keys, tag), scaled(60.0))
         assert second.unresolved == [], second.errors
     finally:
         if paused:

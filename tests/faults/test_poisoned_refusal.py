@@ -43,6 +43,7 @@ from octo_host.amqp import connect, open_confirm_channel
 from octo_worker.config import load_config
 from octo_worker.store import SqliteJournalStore
 from tests.integration.conftest import RawHost, RawSession
+from tests.timing import scaled
 
 from .conftest import URL, CrashEnv, broker_reachable
 
@@ -51,7 +52,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq]
 RUNNER: Final = Path(__file__).resolve().parent / "_poisoning_worker_main.py"
 TOOL: Final = "test.hold"
 GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=8)
-WAIT: Final = 20.0
+WAIT: Final = scaled(20.0)
 
 
 class Worker:

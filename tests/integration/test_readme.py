@@ -36,6 +36,7 @@ from octo_host.client import HostClient
 from octo_worker.adapters.contract import WorkerAdapterRegistry
 from octo_worker.adapters.files import read_effect_log
 from octo_worker.daemon.daemon import WorkerDaemon
+from tests.timing import scaled
 
 from .conftest import URL, Names, WorkerEnv, WorkerRunner, write_host_toml, write_private
 
@@ -45,10 +46,11 @@ REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 HOST_LIBRARY = REPO / "docs" / "host-library.md"
 VENV_BIN = REPO / ".venv" / "bin"
-# Bounds on waits that end as soon as their condition holds (a busy machine is
-# slow, never wrong): only a broken worker reaches them.
-START_BOUND = 120.0
-COMMAND_BOUND = 180.0
+# Bounds on waits that end as soon as their condition holds, scaled with the
+# machine's load (a busy machine is slow, never wrong): only a broken worker
+# reaches them.
+START_BOUND = scaled(30.0)
+COMMAND_BOUND = scaled(60.0)
 
 
 def section(path: Path, title: str) -> str:
