@@ -353,3 +353,35 @@ def test_the_worker_folders_import_each_other_without_a_cycle() -> None:
 def test_at_most_eight_modules_sit_at_the_top_of_the_worker() -> None:
     top_level = sorted(path.name for path in (ROOT / "octo_worker").glob("*.py"))
     assert len(top_level) <= 8, top_level
+
+
+def type_checking_defs(source: str) -> list[str]:
+    """The functions an ``if TYPE_CHECKING:`` block of ``source`` declares."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+        ):
+            found += [
+                item.name
+                for child in node.body
+                for item in ast.walk(child)
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            ]
+    return found
+
+
+def test_no_worker_module_declares_methods_under_type_checking() -> None:
+    # Parts are objects built with what they need, never mixins that declare each
+    # other's methods for the type checker.
+    stubs = {
+        module_name(path): names
+        for path in modules("octo_worker")
+        if (names := type_checking_defs(path.read_text(encoding="utf-8")))
+    }
+    assert stubs == {}
+    # A check of the checker.
+    sample = "if TYPE_CHECKING:\n    class A:\n        async def part(self) -> None: ...\n"
+    assert type_checking_defs(sample) == ["part"]
