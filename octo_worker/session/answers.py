@@ -634,13 +634,14 @@ class SessionAnswers:
 
         Nothing is published if the refusal's own commit failed (the refusal
         being committed here is this handling's), nor once superseded (a fence
-        rejection, W§11.3: fail closed): the new owner restores the session
-        from the store and seals from the stored outbound sequence. The
+        rejection, W§11.3: fail closed; :meth:`_refuse_poisoned_locked` checks
+        it, for this path and the adapter's): the new owner restores the
+        session from the store and seals from the stored outbound sequence. The
         delivery goes back to the broker unacked (it is answered after the
         reload, or by the new owner), or, acked already, gets no answer: the
         host times out and reconciles.
         """
-        if run.request_id is None or self._commits.superseded or run.refused_poisoned:
+        if run.request_id is None or run.refused_poisoned:
             return Requeue()
         return await self.refuse_poisoned_locked(run, _poison_refusal(run, failure))
 
@@ -656,7 +657,9 @@ class SessionAnswers:
         ``poisoned``, with the refusal in the outbox.
         """
         if self._commits.superseded:
-            return Requeue()  # see _poisoned_answer_locked
+            # Another worker's fence: fail closed, publish nothing (see
+            # _poisoned_answer_locked); every poisoned answer passes here.
+            return Requeue()
         run.refused_poisoned = True
         if self._commits.broken and await self._commits.drain_locked():
             raise asyncio.CancelledError()

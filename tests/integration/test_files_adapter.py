@@ -740,3 +740,18 @@ def test_reading_a_missing_or_torn_effect_log(tmp_path: Path) -> None:
     assert read_effect_log(log) == [
         {"effect": "publish", "operation_key": "a", "compensation_key": None, "name": "n"}
     ]
+
+
+async def test_a_dispatch_after_a_lookup_found_nothing_answers_what_the_lookup_did(
+    adapter: FilesPublishAdapter, target: Path, log_path: Path
+) -> None:
+    # The lookup of a key the adapter never saw settles it as not performed; a
+    # dispatch that reaches the adapter later (a superseded worker woken up)
+    # performs nothing and answers exactly what the lookup answered, so the
+    # journal's transition table takes either answer.
+    looked_up = await adapter.reconcile_operation(*args_for(reconcile(KEY)))
+    assert looked_up == NOT_HAPPENED
+    late = await adapter.dispatch_operation(*args_for(dispatch(KEY, publish_payload("late.txt"))))
+    assert late == looked_up
+    assert effects(log_path) == []
+    assert visible_files(shelf(target)) == []
