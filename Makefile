@@ -11,6 +11,12 @@
 #               suite in this process).
 #   make model  TLC on the model of the worker's and host's promises (docs/model.md);
 #               make test runs it too (tests/model), with Java from deploy/ensure-java.sh.
+#   make fuzz   atheris on every byte reader, FUZZ_SECONDS each, growing tests/fuzz/corpus
+#               (make test replays the corpus and runs each target briefly).
+#   make simulate  SCHEDULES deterministic schedules of the real session, journal and
+#               host engine over a simulated broker (make test runs 500 fixed seeds).
+#   make mutate single-line mutants of the lines that enforce the promises, each
+#               against the tests that guard it (tests/mutation/mutate.py).
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,7 +27,7 @@ EXAMPLE  := examples/octo-example-tickets
 # workers than the 2 cores of the project's machines still shorten it.
 PYTEST_WORKERS ?= 4
 
-.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium tools java model demo bench clean
+.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium tools java model fuzz simulate mutate demo bench clean
 
 test: venv rabbitmq postgres chromium tools java lint typecheck pytest
 
@@ -54,6 +60,18 @@ java:
 
 model: venv java
 	$(PY) -m tests.model.tlc --deep
+
+FUZZ_SECONDS ?= 60
+fuzz: venv
+	$(PY) -m tests.fuzz.run --seconds $(FUZZ_SECONDS)
+
+SCHEDULES ?= 10000
+SIM_PROCESSES ?= 2
+simulate: venv
+	$(PY) -m tests.sim.run --schedules $(SCHEDULES) --processes $(SIM_PROCESSES)
+
+mutate: venv rabbitmq
+	$(PY) -m tests.mutation.mutate
 
 lint: venv
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench examples
