@@ -31,6 +31,9 @@ RETRY_KEY_DOMAIN: Final = b"octo-workflow-retry-key-v1"
 STORAGE_RECORD_DOMAIN: Final = b"octo-storage-record-v1"
 FRAME_AUTH_DOMAIN: Final = "octo-worker-auth-v5"
 SESSION_KEY_CONTEXT: Final = "octo 2026-12 worker session key v1"
+# The payload codec's key: derived from a session key, for frame encryption only.
+FRAME_CIPHER_KEY_CONTEXT: Final = "octo 2026-12 session frame cipher key v1"
+FRAME_CIPHER_DOMAIN: Final = b"octo-frame-cipher-v1"
 ADAPTER_IDEMPOTENCY_KEY_CONTEXT: Final = "octo 2026-12 adapter idempotency key v1"
 
 AdapterIdempotencyKind = Literal["operation", "compensation", "invoke"]

@@ -36,6 +36,7 @@ from octo_common.errors import (
     WeakSessionKey,
     WireFrameTooLarge,
 )
+from octo_common.framecipher import FrameCipher
 from octo_common.ids import is_fingerprint, validate_token
 from octo_common.keyfile import KeyFileRefused, read_key_file
 from octo_common.limits import (
@@ -307,7 +308,15 @@ def encode_frame(sequence: int, message: WorkerMessage, auth_tag: str) -> bytes:
 class SessionAuthenticator:
     """Seals and opens the frames of one session for one role (W§7.5)."""
 
-    __slots__ = ("_highest", "_key", "_next_outgoing", "_role", "_seen", "_session_id")
+    __slots__ = (
+        "_cipher",
+        "_highest",
+        "_key",
+        "_next_outgoing",
+        "_role",
+        "_seen",
+        "_session_id",
+    )
 
     def __init__(self, session_id: str, key: SessionKey, role: SessionRole) -> None:
         validate_token("session id", session_id)
@@ -319,10 +328,36 @@ class SessionAuthenticator:
         self._next_outgoing = 1
         self._highest = 0
         self._seen = 0
+        self._cipher: FrameCipher | None = None
 
     @property
     def session_id(self) -> str:
         return self._session_id
+
+    @property
+    def payload_codec(self) -> bool:
+        """Whether frames travel encrypted (see :mod:`octo_common.framecipher`)."""
+        return self._cipher is not None
+
+    def use_payload_codec(self) -> None:
+        """From now on every frame sealed is enveloped and every frame opened must be.
+
+        Called once the session's ``open_session`` (never enveloped) named the
+        codec: by the host after sealing it, by the worker after opening it.
+        There is no way back for this authenticator.
+        """
+        if self._cipher is None:
+            self._cipher = FrameCipher(self._key.expose(), self._session_id)
+
+    def unwrap(self, body: bytes) -> bytes:
+        """The frame inside ``body`` (``body`` itself without the codec).
+
+        ``FrameDecryptionFailed`` for anything but an envelope of the peer's
+        that decrypts; nothing changes.
+        """
+        if self._cipher is None:
+            return body
+        return self._cipher.open(self._role.peer().value, body)
 
     @property
     def role(self) -> SessionRole:
@@ -366,6 +401,8 @@ class SessionAuthenticator:
         data = _frame_bytes(sequence, message_bytes, tag)
         if len(data) > MAX_WIRE_FRAME_BYTES:
             raise WireFrameTooLarge(len(data), MAX_WIRE_FRAME_BYTES)
+        if self._cipher is not None:
+            data = self._cipher.seal(self._role.value, data)
         self._next_outgoing = sequence + 1
         return data
 
@@ -374,8 +411,13 @@ class SessionAuthenticator:
 
         Raises ``DuplicateFrame`` (carrying the authenticated message) for a
         sequence already accepted, ``StaleFrame`` below the window. No state
-        changes on any error.
+        changes on any error. With the payload codec, ``frame`` is the
+        envelope (:meth:`unwrap`, then :meth:`open_frame`).
         """
+        return self.open_frame(self.unwrap(frame))
+
+    def open_frame(self, frame: bytes) -> WorkerMessage:
+        """:meth:`open` of a frame already out of its envelope (or without the codec)."""
         sequence, message, tag_hex, message_bytes = decode_frame(frame)
         expected = self._tag(self._role.peer(), sequence, message_bytes)
         if not hmac.compare_digest(expected, bytes.fromhex(tag_hex)):

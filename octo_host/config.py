@@ -154,6 +154,8 @@ DEFAULT_CONFIG = "/etc/octo/host.toml"
 
 class HostSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host_id: str
+    # Every frame of a new session after open_session travels encrypted.
+    payload_codec: bool = True
 
 
 class BrokerConfig(BrokerConnectionConfig, forbid_unknown_fields=True, frozen=True):

@@ -151,6 +151,13 @@ class CancellationIdMatchesRequest(ProtocolError):
     _text = "cancellation id must differ from the request id"
 
 
+class FrameDecryptionFailed(ProtocolError):
+    _text = (
+        "a frame of an encrypted session is not an envelope that decrypts under the session's"
+        " frame key"
+    )
+
+
 class ReplyCorrelationMismatch(ProtocolError):
     _text = "an authentic reply answers another request than its correlation id names"
 

@@ -70,6 +70,9 @@ class HostClient:
     and ``undo``, borrow one from the scope's pool (``session_rotate_after``,
     ``session_max_in_flight``, ``session_pool_size``: see ``SessionPools``).
     ``compensation_verifiers`` gives ``undo`` its grant and action verifiers.
+    ``payload_codec`` (on by default) encrypts every frame of a new session
+    after its ``open_session``, both ways, so the broker and its dead-letter
+    queue hold no input, output or failure text.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class HostClient:
         session_rotate_after: int = 768,
         session_max_in_flight: int = 256,
         session_pool_size: int = 4,
+        payload_codec: bool = True,
     ) -> None:
         self.host_id = host_id
         self.store = store
@@ -105,6 +109,7 @@ class HostClient:
             session_rotate_after=max(1, session_rotate_after),
             session_max_in_flight=max(1, session_max_in_flight),
             session_pool_size=max(1, session_pool_size),
+            payload_codec=payload_codec,
         )
         self._owned_store: SqliteLedgerStore | PostgresLedgerStore | None = None
         self._connect_timeout: float | None = None  # from_config: [broker] connect_timeout
@@ -173,6 +178,7 @@ class HostClient:
             session_rotate_after=session_rotate_after,
             session_max_in_flight=session_max_in_flight,
             session_pool_size=session_pool_size,
+            payload_codec=config.host.payload_codec,
         )
         client._owned_store = store
         client._connect_timeout = broker.connect_timeout_seconds

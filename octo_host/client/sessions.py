@@ -32,6 +32,7 @@ from structlog.typing import FilteringBoundLogger
 from octo_common.errors import InvalidScopeKey, OctoError
 from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, SessionRole
 from octo_common.grants import CapabilityManifest
+from octo_common.limits import PAYLOAD_CODEC
 from octo_common.messages import CloseSession, OpenSession
 from octo_common.transport import PublishNacked, PublishReturned
 from octo_host.amqp import BrokerUnavailable
@@ -343,8 +344,14 @@ class SessionRegistry:
         opening = CapabilityManifest(session_id, manifest.grants)
         session = HostSession(scope, opening, key_nonce, authenticator)
         # The reply queue is sealed in: a copy of this frame republished with
-        # another queue's name gets no reply there.
-        frame = authenticator.seal(OpenSession(opening, reply_to=self._broker.reply_queue))
+        # another queue's name gets no reply there. So is the payload codec:
+        # every later frame of the session, both ways, is encrypted.
+        codec = PAYLOAD_CODEC if self._settings.payload_codec else None
+        frame = authenticator.seal(
+            OpenSession(opening, reply_to=self._broker.reply_queue, payload_codec=codec)
+        )
+        if codec is not None:
+            authenticator.use_payload_codec()
         self.retire_closed()
         self.by_id[session_id] = session
         try:

@@ -36,3 +36,6 @@ class ClientSettings:
     """Verbs one pooled session carries at once before the pool opens another."""
     session_pool_size: int = 4
     """Sessions a scope's pool keeps open at most for busy verbs (rotated ones apart)."""
+    payload_codec: bool = True
+    """New sessions send and take every frame after open_session encrypted
+    (``octo_common.framecipher``); the broker holds ciphertext only."""

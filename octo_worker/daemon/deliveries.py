@@ -24,6 +24,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 from octo_common.errors import OctoError, SessionReplay
+from octo_common.framecipher import is_envelope
 from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole, decode_frame
 from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession
@@ -251,7 +252,8 @@ class DeliveryPath:
         # From the last lookup to registering an open in _open_session there is
         # no await, so no other handler can open this session id in between.
         opening = False
-        if session is None or b"open_session" in body or b"\\u" in body:
+        # An envelope (a session's encrypted frame) is never an open_session.
+        if not is_envelope(body) and (session is None or b"open_session" in body or b"\\u" in body):
             try:
                 _, decoded, _, _ = decode_frame(body)
             except OctoError as exc:

@@ -168,7 +168,8 @@ class SessionAnswers:
             return DeadLetter(CLOSED_REASON)
         duplicate = False
         try:
-            message: WorkerMessage = self._state.authenticator.open(frame)
+            # ``frame`` is out of its envelope already (WorkerSession.handle).
+            message: WorkerMessage = self._state.authenticator.open_frame(frame)
         except DuplicateFrame as dup:
             message = dup.message
             duplicate = True

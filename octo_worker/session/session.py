@@ -231,6 +231,9 @@ class WorkerSession:
         bound = message.reply_to
         if reply_to != bound and (bound is not None or reply_to not in allowed_reply_queues):
             raise ReplyQueueNotAllowed()
+        if message.payload_codec is not None:
+            # Every later frame of the session, both ways, is an envelope.
+            authenticator.use_payload_codec()
         session = cls(
             scope=scope,
             session_id=authenticator.session_id,
@@ -254,7 +257,12 @@ class WorkerSession:
         documents = SessionDocuments(
             state=session._commits.state_document(point),
             opening=opening_document(
-                scope, session.session_id, key_nonce, reply_to, session.manifest
+                scope,
+                session.session_id,
+                key_nonce,
+                reply_to,
+                session.manifest,
+                message.payload_codec,
             ),
             base_revision=None,
         )
@@ -292,6 +300,8 @@ class WorkerSession:
         authenticator = SessionAuthenticator.restore(
             session_id, key, SessionRole.WORKER, stored.authenticator
         )
+        if stored.payload_codec is not None:
+            authenticator.use_payload_codec()
         authorizer = SessionAuthorizer.restore(
             stored.manifest, stored.authorizer, admitted=stored.admitted
         )
@@ -434,6 +444,14 @@ class WorkerSession:
                 run.barrier = self._commits.last_in_flight()
                 await self._finish(DeadLetter(CLOSED_REASON), run)
                 return
+            if self._state.authenticator.payload_codec:
+                # Out of its envelope first: the key is read from the frame.
+                try:
+                    frame = self._state.authenticator.unwrap(frame)
+                except OctoError as exc:
+                    run.log.info("frame_refused", code=exc.code)
+                    await self._finish(DeadLetter(exc.code), run)
+                    return
             key = peek_operation_key(frame)
             if key is None:
                 await self._handle(frame, run)

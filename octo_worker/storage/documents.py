@@ -52,6 +52,7 @@ from octo_common.grants import CapabilityManifest
 from octo_common.ids import is_token, parse_key_nonce_hex
 from octo_common.limits import (
     MAX_SESSION_REQUEST_IDS,
+    PAYLOAD_CODEC,
     REPLAY_WINDOW_SIZE,
     WORKER_SESSION_FORMAT_VERSION,
 )
@@ -107,8 +108,11 @@ _MESSAGE_ID: Final = re.compile(r"[0-9a-f]{64}")
 # Session documents (W§10.3) -------------------------------------------------------
 
 
-class OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Written once, when the session opens; never contains a key (the nonce is not secret)."""
+class OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Written once, when the session opens; never contains a key (the nonce is not secret).
+
+    ``payload_codec``: the codec the open named (absent: frames in the clear).
+    """
 
     format_version: int
     scope: str
@@ -116,6 +120,7 @@ class OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key_nonce: str
     reply_to: str
     manifest: CapabilityManifest
+    payload_codec: str | None = None
 
 
 class AuthenticatorDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -177,7 +182,12 @@ class RequestDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True, o
 
 
 def opening_document(
-    scope: str, session_id: str, key_nonce: bytes, reply_to: str, manifest: CapabilityManifest
+    scope: str,
+    session_id: str,
+    key_nonce: bytes,
+    reply_to: str,
+    manifest: CapabilityManifest,
+    payload_codec: str | None = None,
 ) -> bytes:
     """The opening document of a new session, in its written form."""
     return encode_struct(
@@ -188,6 +198,7 @@ def opening_document(
             key_nonce=key_nonce.hex(),
             reply_to=reply_to,
             manifest=manifest,
+            payload_codec=payload_codec,
         )
     )
 
@@ -290,6 +301,7 @@ class StoredSession:
     manifest: CapabilityManifest
     key_nonce: bytes
     reply_to: str
+    payload_codec: str | None
     status: SessionStatus
     authenticator: AuthenticatorState
     authorizer: AuthorizerState
@@ -334,6 +346,8 @@ def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
         raise RecordLocationMismatch(session_id, manifest.session_id)
     if not opening.reply_to:
         raise SerializationError("session opening document lacks a reply queue")
+    if opening.payload_codec not in (None, PAYLOAD_CODEC):
+        raise SerializationError("session opening document names an unknown payload codec")
     nonce = parse_key_nonce_hex(opening.key_nonce)
     counters = state.reconciliations
     if not _count(counters.total) or not all(
@@ -356,6 +370,7 @@ def read_session(persisted: PersistedSession, scope: str) -> StoredSession:
         manifest=manifest,
         key_nonce=nonce,
         reply_to=opening.reply_to,
+        payload_codec=opening.payload_codec,
         status=state.status,
         authenticator=AuthenticatorState(
             window.next_outgoing, window.inbound_highest, _parse_seen(window.inbound_seen)

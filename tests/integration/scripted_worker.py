@@ -113,6 +113,8 @@ class ScriptedWorker:
                 session_id, key, SessionRole.WORKER
             )
         opened = auth.open(message.body)
+        if isinstance(opened, OpenSession) and opened.payload_codec is not None:
+            auth.use_payload_codec()  # every later frame, both ways, is an envelope
         if isinstance(opened, OpenSession | CloseSession):
             return
         received = Received(session_id, nonce, message.reply_to, auth, opened)

@@ -947,6 +947,7 @@ async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(
         ),
         SessionRole.WORKER,
     )
+    forger.use_payload_codec()  # enveloped as the session's frames are, under the wrong key
     forged = forger.seal(
         OperationResult(
             OperationReconcileResult(
@@ -960,7 +961,7 @@ async def test_forged_and_malformed_replies_are_dead_lettered_by_the_host(
         HEADER_KEY_NONCE: session.key_nonce.hex(),
     }
     cases = {
-        "forged": (good_headers, "invalid_authentication_tag"),
+        "forged": (good_headers, "frame_decryption_failed"),
         "no-session": (
             {k: v for k, v in good_headers.items() if k != HEADER_SESSION},
             "invalid_frame_headers",

@@ -241,6 +241,7 @@ async def test_a_closed_session_is_let_go_of_and_its_late_replies_are_still_reco
         ScopeKey(bytes(32)), worker_env.scope, first.session_id, first.key_nonce
     )
     forged = SessionAuthenticator(first.session_id, forged_key, SessionRole.WORKER)
+    forged.use_payload_codec()  # enveloped like the session's frames, under the wrong key
     envelope = build_worker_reply(
         worker_env.scope,
         first.session_id,
@@ -251,7 +252,7 @@ async def test_a_closed_session_is_let_go_of_and_its_late_replies_are_still_reco
     )
     await publish_envelope(scripted.channel, envelope, timeout=WAIT)
     dead = await dead_letters.wait_for(lambda m: m.correlation_id == "forged")
-    assert reason_of(dead) == "invalid_authentication_tag"
+    assert reason_of(dead) == "frame_decryption_failed"  # the session's frames are enveloped
     await asyncio.sleep(0.3)
     late = [m for m in dead_letters.items if header(m, HEADER_SESSION) == first.session_id]
     assert late == [dead]
@@ -383,6 +384,7 @@ async def test_an_authentic_late_reply_of_a_retired_session_is_applied_to_the_le
         ScopeKey(bytes(32)), worker_env.scope, first.session_id, first.key_nonce
     )
     forged = SessionAuthenticator(first.session_id, forged_key, SessionRole.WORKER)
+    forged.use_payload_codec()  # enveloped like the session's frames, under the wrong key
     envelope = build_worker_reply(
         worker_env.scope,
         first.session_id,
@@ -393,7 +395,7 @@ async def test_an_authentic_late_reply_of_a_retired_session_is_applied_to_the_le
     )
     await publish_envelope(scripted.channel, envelope, timeout=WAIT)
     dead = await dead_letters.wait_for(lambda m: header(m, HEADER_SESSION) == first.session_id)
-    assert reason_of(dead) == "invalid_authentication_tag"
+    assert reason_of(dead) == "frame_decryption_failed"  # the session's frames are enveloped
     await asyncio.sleep(0.2)
     assert len(dead_letters.matching(lambda m: header(m, HEADER_SESSION) == first.session_id)) == 1
     assert (await stored_ledger(host_env)).operation(key).state == StateKind.SUCCEEDED  # type: ignore[union-attr]
