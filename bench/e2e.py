@@ -30,6 +30,10 @@ Parts (``--parts``, all by default; each is measured in every one of the
 ``--runs`` rounds, interleaved, at every ``--in-flight``):
 
 * ``octo``: Octo, ``--sessions`` sessions shared by the lanes;
+* ``clear``: Octo as ``octo`` does it with the payload codec off (frames
+  in the clear on the broker), measured right after ``octo`` in every
+  round: the cost of the codec, which ``octo`` has on as the host client
+  does by default;
 * ``lanes``: Octo, one session per lane (as concurrent workflow runs have),
   at more than 1 in flight;
 * ``pg``: Octo as ``octo`` does it, with a second worker whose journal is
@@ -115,7 +119,18 @@ from _octo import GRANT, STEP, TOOL, URL, WorkerFiles, WorkerProcess  # noqa: E4
 from _pg import PgPlace  # noqa: E402
 
 OPS_PER_SESSION = 100
-PARTS = ("octo", "lanes", "pg", "lean", "quorum", "classic", "celery", "commit", "flat")
+PARTS = (
+    "octo",
+    "clear",
+    "lanes",
+    "pg",
+    "lean",
+    "quorum",
+    "classic",
+    "celery",
+    "commit",
+    "flat",
+)
 LEAN_PEER = HERE / "_lean_peer.py"
 FLAT_SMALL, FLAT_LARGE = 10, 1000  # operations per session compared by goal 4
 
@@ -192,6 +207,7 @@ async def measure_octo(
     anchor: bool = False,
     host_timers: StageTimers | None = None,
     host_profile: Path | None = None,
+    payload_codec: bool = True,
 ) -> dict[str, float]:
     tag = uuid.uuid4().hex[:8]
     store = _octo.ledger_store(ledger_dir / f"ledger-{tag}.sqlite3", anchor=anchor)
@@ -202,6 +218,7 @@ async def measure_octo(
         scope_keys={files.scope: files.scope_key},
         store=store,
         reply_timeout=30.0,
+        payload_codec=payload_codec,
     )
     await client.start()
     try:
@@ -439,6 +456,7 @@ def commit_probe(directory: Path, samples: int) -> dict[str, float]:
 Results = dict[str, list[dict[str, float]]]
 ROWS = (
     ("octo", "Octo, one session"),
+    ("octo_clear", "Octo, one session, codec off"),
     ("octo_lanes", "Octo, session per lane"),
     ("octo_pg", "Octo, one session, PostgreSQL"),
     ("lean_quorum", "lean client, quorum (durable ceiling)"),
@@ -756,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             sessions: int,
             per_session: int,
             on: tuple[WorkerFiles, WorkerProcess] = (files, worker),
+            payload_codec: bool = True,
         ) -> dict[str, float]:
             return _loop.run(
                 measure_octo(
@@ -767,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
                     sessions_count=sessions,
                     per_session=per_session,
                     anchor=args.anchor,
+                    payload_codec=payload_codec,
                 )
             )
 
@@ -784,6 +804,15 @@ def main(argv: list[str] | None = None) -> int:
                     if "octo" in parts:
                         figures = octo(in_flight, args.total, args.sessions, args.ops_per_session)
                         record(f"octo@{in_flight}", figures, line)
+                    if "clear" in parts:
+                        figures = octo(
+                            in_flight,
+                            args.total,
+                            args.sessions,
+                            args.ops_per_session,
+                            payload_codec=False,
+                        )
+                        record(f"octo_clear@{in_flight}", figures, line)
                     if pg is not None:
                         figures = octo(
                             in_flight, args.total, args.sessions, args.ops_per_session, pg

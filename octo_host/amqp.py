@@ -17,6 +17,7 @@ or log credentials or frame bodies.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 from typing import Final
 
@@ -31,6 +32,7 @@ from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
+from octo_common.runtime.tls import describe_tls_failure
 from octo_common.transport import (
     EXCHANGE,
     reply_queue,
@@ -66,15 +68,29 @@ class BrokerUnavailable(OctoError):
 
 
 async def connect(
-    url: str, *, timeout: float = 10.0, name: str | None = None
+    url: str,
+    *,
+    timeout: float = 10.0,
+    name: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AbstractConnection:
     """A plain aio-pika connection; its loss is final and visible to the caller."""
     properties: FieldTable | None = {"connection_name": name} if name else None
     try:
-        return await aio_pika.connect(url, timeout=timeout, client_properties=properties)
+        return await aio_pika.connect(
+            url, timeout=timeout, client_properties=properties, ssl_context=ssl_context
+        )
     except (ValueError, *_BROKER_ERRORS) as error:
         # ValueError: a malformed URL. Only the class is named: the URL may hold a password.
-        raise BrokerUnavailable(f"cannot connect ({type(error).__name__})") from None
+        raise _cannot_connect(error) from None
+
+
+def _cannot_connect(error: BaseException) -> BrokerUnavailable:
+    """The failure's class, or what TLS refused; never the URL (it may hold a password)."""
+    tls = describe_tls_failure(error)
+    if tls is not None:
+        return BrokerUnavailable(f"cannot connect: {tls}")
+    return BrokerUnavailable(f"cannot connect ({type(error).__name__})")
 
 
 async def open_confirm_channel(connection: AbstractConnection) -> AbstractChannel:
@@ -108,13 +124,17 @@ async def declare_reply_queue(channel: AbstractChannel, host_id: str) -> str:
 
 
 async def connect_link(
-    url: str, *, timeout: float = 10.0, name: str | None = None
+    url: str,
+    *,
+    timeout: float = 10.0,
+    name: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> amqp.Connection:
     """The host client's connection on the lean client; its loss is final and visible."""
     try:
-        return await amqp.connect(url, timeout=timeout, name=name)
+        return await amqp.connect(url, timeout=timeout, name=name, ssl_context=ssl_context)
     except (ValueError, TimeoutError, OSError, amqp.AmqpError) as error:
-        raise BrokerUnavailable(f"cannot connect ({type(error).__name__})") from None
+        raise _cannot_connect(error) from None
 
 
 async def declare_replies(connection: amqp.Connection, host_id: str) -> amqp.Channel:

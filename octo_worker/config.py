@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -227,6 +228,11 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def redacted_broker_url(self) -> str:
         return redacted_broker_url(self.broker.url)
 
+    def broker_tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context of ``[broker.tls]`` (None: the default one, or plain TCP)."""
+        tls = self.tls_settings(self.broker.tls, "broker.tls")
+        return None if tls is None else tls.client_context()
+
     def scope_keys(self) -> dict[str, ScopeKey]:
         keys: dict[str, ScopeKey] = {}
         for index, scope in enumerate(self.scopes):
@@ -237,19 +243,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def tls_settings(self, table: TlsConfig | None, where: str) -> TlsSettings | None:
         """A ``tls`` table's files resolved against this file's directory (None: no TLS)."""
-        if table is None:
-            return None
-
-        def resolved(value: str | None, name: str) -> Path | None:
-            return None if value is None else self.path(value, f"{where}.{name}")
-
-        return TlsSettings(
-            where=where,
-            ca_file=resolved(table.ca_file, "ca_file"),
-            cert_file=resolved(table.cert_file, "cert_file"),
-            key_file=resolved(table.key_file, "key_file"),
-            server_name=table.server_name,
-        )
+        return TlsSettings.from_config(table, self.path, where)
 
     def check_key_roles(self) -> None:
         """Every configured key file read once, each key serving one role only.

@@ -95,7 +95,12 @@ async def broker_connection(config: WorkerConfig) -> AsyncIterator[AbstractConne
     url = config.broker_url()
     timeout = min(config.broker.connect_timeout_seconds, _PROBE_TIMEOUT_SECONDS)
     try:
-        connection = await connect(url, timeout=timeout, name="octo-worker-cli")
+        connection = await connect(
+            url,
+            timeout=timeout,
+            name="octo-worker-cli",
+            ssl_context=config.broker_tls_context(),
+        )
     except TopologyError as error:
         raise broker_unreachable(config.redacted_broker_url(), error.reason, error.code) from None
     try:

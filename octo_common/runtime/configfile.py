@@ -32,6 +32,7 @@ import msgspec
 
 from octo_common.errors import BrokerPasswordInline, InvalidConfiguration
 from octo_common.runtime.keyfiles import read_secret_text
+from octo_common.runtime.tls import TlsConfig, TlsSettings
 
 __all__ = [
     "BrokerConnectionConfig",
@@ -134,10 +135,16 @@ class BrokerConnectionConfig(msgspec.Struct, frozen=True):
     allow_inline_password: bool = False
     connect_timeout_seconds: float = 10.0
     publish_timeout_seconds: float = 10.0
+    # [broker.tls]: the CA that signed the broker's certificate, this side's
+    # client certificate and key, the name the broker's certificate carries.
+    tls: TlsConfig | None = None
 
 
 def check_broker_password(broker: BrokerConnectionConfig) -> None:
-    """Where the broker password may come from: ``password_file``, or ``url`` with the flag."""
+    """Where the broker password may come from: ``password_file``, or ``url`` with
+    the flag; and ``[broker.tls]`` only with an ``amqps://`` URL."""
+    if broker.tls is not None and not broker.url.startswith("amqps://"):
+        raise InvalidConfiguration("broker.tls: needs an amqps:// broker.url")
     if not urllib.parse.urlsplit(broker.url).password:
         return
     if broker.password_file:
@@ -171,6 +178,10 @@ class ConfigFile(msgspec.Struct, frozen=True, kw_only=True):
         ``where`` (the config key) prefixes an error about the path.
         """
         return resolve_path(value, Path(self.base_dir), where)
+
+    def broker_tls(self, broker: BrokerConnectionConfig) -> TlsSettings | None:
+        """``[broker.tls]`` with its files resolved (None: no TLS settings)."""
+        return TlsSettings.from_config(broker.tls, self.path, "broker.tls")
 
     def url_with_password(self, broker: BrokerConnectionConfig) -> str:
         """``broker.url`` with the password from ``broker.password_file`` (never logged)."""

@@ -18,7 +18,9 @@ server's chain and name (TLS 1.2 at least), and no option turns that off.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -41,8 +43,48 @@ class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     server_name: str | None = None
 
 
+class _NamedContext(ssl.SSLContext):
+    """A client context that checks the server's certificate against one fixed
+    name (``server_name``), whatever host name the connection was opened to."""
+
+    server_name: str
+
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        return super().wrap_bio(incoming, outgoing, server_side, self.server_name, session)
+
+    def wrap_socket(self, sock: Any, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        kwargs["server_hostname"] = self.server_name
+        return super().wrap_socket(sock, *args, **kwargs)
+
+
 class TlsSettings:
     """Resolved TLS files; ``where`` (``broker.tls``) prefixes every error."""
+
+    @classmethod
+    def from_config(
+        cls, table: TlsConfig | None, resolve: Callable[[str, str], Path], where: str
+    ) -> TlsSettings | None:
+        """A ``tls`` table's paths resolved by ``resolve(value, key)`` (None: no TLS)."""
+        if table is None:
+            return None
+
+        def resolved(value: str | None, name: str) -> Path | None:
+            return None if value is None else resolve(value, f"{where}.{name}")
+
+        return cls(
+            where=where,
+            ca_file=resolved(table.ca_file, "ca_file"),
+            cert_file=resolved(table.cert_file, "cert_file"),
+            key_file=resolved(table.key_file, "key_file"),
+            server_name=table.server_name,
+        )
 
     def __init__(
         self,
@@ -92,10 +134,20 @@ class TlsSettings:
             ) from None
 
     def client_context(self) -> ssl.SSLContext:
-        """A context that verifies the server (the CA file, else the system's CAs)."""
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        """A context that verifies the server (the CA file, else the system's CAs),
+        its certificate's name being ``server_name`` when set, else the URL's host."""
+        if self.server_name is not None:
+            named = _NamedContext(ssl.PROTOCOL_TLS_CLIENT)
+            named.server_name = self.server_name
+            context: ssl.SSLContext = named
+        else:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.ca_file is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.check_hostname = True
+        if self.ca_file is None:
+            context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+        else:
             try:
                 context.load_verify_locations(cafile=str(self.ca_file))
             except FileNotFoundError:

@@ -202,6 +202,7 @@ async def with_client(
                 max_attempts=broker.max_attempts,
                 backoff_initial=broker.backoff_initial_seconds,
                 backoff_max=broker.backoff_max_seconds,
+                broker_tls=config.broker_tls(broker),
             )
             try:
                 await client.start()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -61,9 +62,15 @@ class HostBroker:
     """The host's connection to RabbitMQ: publish with confirms, consume replies, reconnect."""
 
     def __init__(
-        self, url: str, host_id: str, settings: ClientSettings, log: FilteringBoundLogger
+        self,
+        url: str,
+        host_id: str,
+        settings: ClientSettings,
+        log: FilteringBoundLogger,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._url = url
+        self._ssl_context = ssl_context
         self.host_id = host_id
         self.reply_queue = reply_queue(host_id)
         self.connection_name = f"octo-host-{host_id}"
@@ -124,7 +131,10 @@ class HostBroker:
         self._generation += 1
         generation = self._generation
         connection = await connect_link(
-            self._url, timeout=self._settings.publish_timeout, name=self.connection_name
+            self._url,
+            timeout=self._settings.publish_timeout,
+            name=self.connection_name,
+            ssl_context=self._ssl_context,
         )
         self._connection = connection
         try:

@@ -37,6 +37,7 @@ from octo_common.grants import CapabilityManifest
 from octo_common.messages import Resolution, WorkerMessage
 from octo_common.payload import ToolPayload
 from octo_common.runtime.logs import library_logger
+from octo_common.runtime.tls import TlsSettings
 from octo_common.states import WorkerOperationState
 from octo_host.client.broker import HostBroker
 from octo_host.client.pools import PoolStats, SessionPools
@@ -70,6 +71,8 @@ class HostClient:
     and ``undo``, borrow one from the scope's pool (``session_rotate_after``,
     ``session_max_in_flight``, ``session_pool_size``: see ``SessionPools``).
     ``compensation_verifiers`` gives ``undo`` its grant and action verifiers.
+    ``broker_tls`` (CA file, client certificate and key, server name) is
+    how an ``amqps://`` URL's broker is verified and verifies this client.
     ``payload_codec`` (on by default) encrypts every frame of a new session
     after its ``open_session``, both ways, so the broker and its dead-letter
     queue hold no input, output or failure text.
@@ -95,6 +98,7 @@ class HostClient:
         session_max_in_flight: int = 256,
         session_pool_size: int = 4,
         payload_codec: bool = True,
+        broker_tls: TlsSettings | None = None,
     ) -> None:
         self.host_id = host_id
         self.store = store
@@ -116,7 +120,13 @@ class HostClient:
         self._plans: dict[str, WorkflowPlan] = {}
         log = library_logger("octo.host.client").bind(host=host_id)
         self._log = log
-        self._broker = HostBroker(url, host_id, self._settings, log)
+        self._broker = HostBroker(
+            url,
+            host_id,
+            self._settings,
+            log,
+            None if broker_tls is None else broker_tls.client_context(),
+        )
         self._sessions = SessionRegistry(scope_keys, self._broker, self._settings, log)
         self._runs = RunCache(store, self.engine, self._settings, log)
         self._replies = ReplyRouter(self.engine, self._sessions, self._runs, self._broker, log)
@@ -179,6 +189,7 @@ class HostClient:
             session_max_in_flight=session_max_in_flight,
             session_pool_size=session_pool_size,
             payload_codec=config.host.payload_codec,
+            broker_tls=config.broker_tls(config.broker),
         )
         client._owned_store = store
         client._connect_timeout = broker.connect_timeout_seconds

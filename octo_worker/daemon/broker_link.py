@@ -121,6 +121,7 @@ class BrokerLink:
         broker = self.config.broker
         delay = broker.reconnect_initial_seconds
         url = self.config.broker_url()
+        tls = self.config.broker_tls_context()
         while not self._stopping.is_set():
             try:
                 connection = await connect_link(
@@ -128,6 +129,7 @@ class BrokerLink:
                     timeout=broker.connect_timeout_seconds,
                     name="octo-worker",
                     heartbeat=broker.heartbeat_seconds,
+                    ssl_context=tls,
                 )
             except OctoError as exc:
                 self._log.warning("broker_connect_failed", error=str(exc), retry_in=delay)

@@ -23,6 +23,7 @@ import base64
 import json
 import re
 import shutil
+import ssl
 import subprocess
 import urllib.error
 import urllib.parse
@@ -38,6 +39,7 @@ from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
+from octo_common.runtime.tls import describe_tls_failure
 from octo_common.transport import (
     DEAD_EXCHANGE,
     DEAD_LOG_ARGUMENTS,
@@ -119,7 +121,12 @@ class QueueStatus:
 
 
 async def connect(
-    url: str, *, timeout: float = 10.0, name: str | None = None, heartbeat: int | None = None
+    url: str,
+    *,
+    timeout: float = 10.0,
+    name: str | None = None,
+    heartbeat: int | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AbstractConnection:
     """Open a plain (non-robust) aio-pika connection.
 
@@ -133,13 +140,26 @@ async def connect(
     properties: FieldTable | None = {"connection_name": name} if name else None
     try:
         if heartbeat is None:
-            return await aio_pika.connect(url, timeout=timeout, client_properties=properties)
+            return await aio_pika.connect(
+                url, timeout=timeout, client_properties=properties, ssl_context=ssl_context
+            )
         return await aio_pika.connect(
-            url, timeout=timeout, client_properties=properties, heartbeat=heartbeat
+            url,
+            timeout=timeout,
+            client_properties=properties,
+            heartbeat=heartbeat,
+            ssl_context=ssl_context,
         )
     except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as error:
-        # The URL may carry a password: name only the failure's class.
-        raise TopologyError(f"cannot connect to the broker ({type(error).__name__})") from None
+        raise _cannot_connect(error) from None
+
+
+def _cannot_connect(error: BaseException) -> TopologyError:
+    """The URL may carry a password: only the failure's class, or what TLS refused."""
+    tls = describe_tls_failure(error)
+    if tls is not None:
+        return TopologyError(f"cannot connect to the broker: {tls}")
+    return TopologyError(f"cannot connect to the broker ({type(error).__name__})")
 
 
 async def open_confirm_channel(
@@ -153,16 +173,23 @@ async def open_confirm_channel(
 
 
 async def connect_link(
-    url: str, *, timeout: float = 10.0, name: str | None = None, heartbeat: int | None = None
+    url: str,
+    *,
+    timeout: float = 10.0,
+    name: str | None = None,
+    heartbeat: int | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> amqp.Connection:
     """The daemon's connection on the lean client (the hot path): plain, its loss
     final, as :func:`connect`. A URL the lean client does not take (query
     parameters) or a failure raises ``TopologyError`` naming the failure's
     class only."""
     try:
-        return await amqp.connect(url, timeout=timeout, name=name, heartbeat=heartbeat)
+        return await amqp.connect(
+            url, timeout=timeout, name=name, heartbeat=heartbeat, ssl_context=ssl_context
+        )
     except (ValueError, TimeoutError, OSError, amqp.AmqpError) as error:
-        raise TopologyError(f"cannot connect to the broker ({type(error).__name__})") from None
+        raise _cannot_connect(error) from None
 
 
 # Declaration ------------------------------------------------------------------------

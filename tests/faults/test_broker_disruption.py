@@ -26,16 +26,10 @@ on. Afterwards the same client, never restarted, recovers the run, and:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import secrets
-import shutil
-import socket
-import subprocess
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -46,6 +40,7 @@ from octo_common.states import StateKind
 from octo_common.transport import worker_queue
 from octo_host.plan import WorkflowStep
 from octo_worker.adapters.files import read_effect_log
+from tests.private_rabbit import PrivateRabbit, running_node
 from tests.timing import scaled
 
 from .conftest import (
@@ -74,118 +69,11 @@ GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=4 * KEYS)
 STEPS: Final = [WorkflowStep(f"publish-{i}", f"publish file {i}") for i in range(KEYS_PER_LANE)]
 WAIT: Final = scaled(30.0)
 
-SERVER_DIR: Final = Path("/usr/lib/rabbitmq/bin")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@dataclass
-class PrivateRabbit:
-    """One RabbitMQ node this module starts and stops; nothing of it is shared."""
-
-    node: str
-    port: int
-    root: Path
-    env: dict[str, str]
-
-    @property
-    def url(self) -> str:
-        return f"amqp://127.0.0.1:{self.port}/"
-
-    @classmethod
-    def prepare(cls, root: Path) -> PrivateRabbit:
-        home = root / "home"
-        home.mkdir(parents=True, mode=0o700)
-        cookie = home / ".erlang.cookie"
-        cookie.write_text(secrets.token_hex(20).upper(), encoding="ascii")
-        cookie.chmod(0o400)
-        port = _free_port()
-        (root / "rabbitmq.conf").write_text(
-            f"listeners.tcp.local = 127.0.0.1:{port}\n", encoding="utf-8"
-        )
-        (root / "enabled_plugins").write_text("[].\n", encoding="utf-8")
-        (root / "rabbitmq-env.conf").write_text("", encoding="utf-8")
-        node = f"octo-faults-{os.getpid()}@localhost"
-        return cls(node, port, root, cls.environment(root, node, port))
-
-    @staticmethod
-    def environment(root: Path, node: str, port: int) -> dict[str, str]:
-        """The node's and rabbitmqctl's environment: nothing read from /etc/rabbitmq."""
-        return {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "LANG": "C.UTF-8",
-            "HOME": str(root / "home"),
-            "RABBITMQ_NODENAME": node,
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(port),
-            "RABBITMQ_DIST_PORT": str(_free_port()),
-            "RABBITMQ_CONF_ENV_FILE": str(root / "rabbitmq-env.conf"),
-            "RABBITMQ_CONFIG_FILE": str(root / "rabbitmq.conf"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(root / "enabled_plugins"),
-            "RABBITMQ_MNESIA_BASE": str(root / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(root / "log"),
-            "RABBITMQ_PID_FILE": str(root / "node.pid"),
-            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-        }
-
-    def ctl(self, *args: str, timeout: float = 60.0) -> str:
-        """``rabbitmqctl -n <this node> ...``: never the shared node."""
-        done = subprocess.run(  # fixed argv, no shell
-            [str(SERVER_DIR / "rabbitmqctl"), "-n", self.node, "-q", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise AssertionError(f"rabbitmqctl {args[0]}: {done.stdout}{done.stderr}")
-        return done.stdout
-
-    def start(self) -> None:
-        subprocess.run(  # fixed argv, no shell
-            [str(SERVER_DIR / "rabbitmq-server"), "-detached"],
-            env=self.env,
-            capture_output=True,
-            timeout=60,
-            check=True,
-        )
-        self.ctl("wait", str(self.root / "node.pid"), "--timeout", "60", timeout=90)
-        self.ctl("await_startup", timeout=90)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.ctl("stop", timeout=60)
-
-    def consumers(self, queue: str) -> int:
-        """How many consumers ``queue`` has on this node (0 when it does not exist)."""
-        for line in self.ctl("list_queues", "name", "consumers").splitlines():
-            name, _, count = line.partition("\t")
-            if name == queue:
-                return int(count)
-        return 0
-
 
 @pytest.fixture(scope="module")
 def rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRabbit]:
-    if not (SERVER_DIR / "rabbitmq-server").exists():
-        pytest.skip(f"no RabbitMQ server scripts in {SERVER_DIR}: cannot start a private node")
-    node = PrivateRabbit.prepare(tmp_path_factory.mktemp("rabbit"))
-    try:
-        node.start()
-    except (subprocess.SubprocessError, AssertionError) as exc:
-        node.stop()
-        log = "\n".join(p.read_text("utf-8", "replace")[-2000:] for p in node.root.rglob("*.log"))
-        pytest.fail(f"the private RabbitMQ node did not start: {exc}\n{log}")
-    yield node
-    node.stop()
-    shutil.rmtree(node.root / "mnesia", ignore_errors=True)
+    with running_node(tmp_path_factory.mktemp("rabbit")) as node:
+        yield node
 
 
 @pytest.fixture(scope="module")

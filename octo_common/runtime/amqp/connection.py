@@ -396,17 +396,22 @@ async def connect(
     timeout: float = 10.0,
     name: str | None = None,
     heartbeat: int | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Connection:
     """Open a connection (TCP or TLS, the AMQP handshake, PLAIN authentication).
 
     ``heartbeat`` is the interval this client uses (seconds; None takes the
-    broker's, 0 none). Raises ``ValueError`` for a URL this client does not
-    take, ``ConnectionClosed``, ``OSError`` or ``TimeoutError``; none of
-    them names the URL.
+    broker's, 0 none). An ``amqps://`` URL connects with ``ssl_context``
+    (None: the system's CAs, the URL's host name checked). Raises
+    ``ValueError`` for a URL this client does not take, ``ConnectionClosed``,
+    ``OSError`` (``ssl.SSLError`` for a refused certificate) or
+    ``TimeoutError``; none of them names the URL.
     """
     settings = parse_url(url)
     loop = asyncio.get_running_loop()
-    context: ssl.SSLContext | None = ssl.create_default_context() if settings.tls else None
+    context: ssl.SSLContext | None = None
+    if settings.tls:
+        context = ssl_context if ssl_context is not None else ssl.create_default_context()
     connection: Connection | None = None
 
     async def opening() -> Connection:
