@@ -72,11 +72,16 @@ def operation_result(run: HostRun, key: str, state: Any, recorded: bool | None) 
         "tool": operation.tool,
         "observed": state_detail(state),
         "ledger_state": operation.state.value,
+        "ledger_failure": operation.failure,
         "revision": run.revision,
     }
     if recorded is not None:
         document["newly_recorded"] = recorded
     return document
+
+
+def _code(failure: str | None) -> str:
+    return "" if failure is None else f" [{failure}]"
 
 
 def result_lines(document: Mapping[str, Any]) -> list[str]:
@@ -85,7 +90,7 @@ def result_lines(document: Mapping[str, Any]) -> list[str]:
         f"operation key:  {document['operation_key']}",
         f"step / tool:    {document['step']} / {document['tool']}",
         f"observed:       {state_text(document['observed'])}",
-        f"ledger state:   {document['ledger_state']}",
+        f"ledger state:   {document['ledger_state']}{_code(document.get('ledger_failure'))}",
         f"revision:       {document['revision']}",
     ]
     if "compensation_key" in document:

@@ -260,6 +260,7 @@ async def test_a_bad_input_ends_failed_on_both_sides_with_its_code_and_a_guarded
     # Definite at once: no lookups, no "still running".
     assert dispatched.status == 1, dispatched.stderr
     assert "observed:       failed [input_refused] (failure text withheld:" in dispatched.stdout
+    assert "ledger state:   failed [input_refused]" in dispatched.stdout
     assert "ended failed" in dispatched.stderr and "recover" not in dispatched.stderr
     key = key_of(dispatched)
 

@@ -708,6 +708,19 @@ def test_load_adapters_loads_the_real_files_publish_entry_point(tmp_path: Path) 
     assert not (tmp_path / "out").exists()  # loading does no I/O
 
 
+def test_a_missing_or_unknown_option_is_named_at_load(tmp_path: Path) -> None:
+    with pytest.raises(AdapterLoadFailed) as missing:
+        load_adapters(["files.publish"], options={"files.publish": {"target_dir": "out"}})
+    assert missing.value.reason == (
+        "its options were refused: missing a required argument: 'effect_log'"
+    )
+    options = {"target_dir": "out", "effect_log": "log", "colour": "secret-value"}
+    with pytest.raises(AdapterLoadFailed) as unknown:
+        load_adapters(["files.publish"], options={"files.publish": options})
+    assert "unexpected keyword argument 'colour'" in unknown.value.reason
+    assert "secret-value" not in str(unknown.value)  # a name, never a value
+
+
 def test_load_adapters_with_no_names_loads_nothing() -> None:
     assert load_adapters([]).tools() == []
 
