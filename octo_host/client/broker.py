@@ -177,6 +177,17 @@ class HostBroker:
                 self._reconnecting = asyncio.ensure_future(self._reconnect(connection))
 
         connection.close_callbacks.add(lambda *_: lost("the connection closed"))
+
+        def blocked(reason: str | None) -> None:
+            # A resource alarm: publishes wait for their confirms until it ends.
+            if generation != self._generation:
+                return
+            if reason is None:
+                self._log.info("broker_unblocked")
+            else:
+                self._log.warning("broker_blocked", reason=reason)
+
+        connection.blocked_callbacks.add(blocked)
         channel.close_callbacks.add(lambda *_: lost("the reply channel closed"))
 
         def cancelled(tag: str) -> None:

@@ -170,6 +170,16 @@ class BrokerLink:
                 closed.set_result(None)
 
         connection.close_callbacks.add(on_close)
+
+        def on_blocked(reason: str | None) -> None:
+            # A resource alarm: the broker holds publishes (replies then wait for
+            # their confirms, up to the publish timeout) until it unblocks.
+            if reason is None:
+                self._log.info("broker_unblocked")
+            else:
+                self._log.warning("broker_blocked", reason=reason)
+
+        connection.blocked_callbacks.add(on_blocked)
         # Every set-up call is bounded: a broker that accepts the connection
         # but never answers (a queue without quorum) must not hang the loop.
         bound = self.config.broker.connect_timeout_seconds

@@ -197,10 +197,13 @@ async def test_a_blocked_connection_is_visible_until_unblocked() -> None:
     connection = Connection(asyncio.get_running_loop())
     connection.connection_made(FakeTransport())  # type: ignore[arg-type]
     connection._opened = True
+    told: list[str | None] = []
+    connection.blocked_callbacks.add(told.append)
     connection.data_received(pframe.marshal(commands.Connection.Blocked(reason="low on disk"), 0))
     assert connection.blocked == "low on disk"
     connection.data_received(pframe.marshal(commands.Connection.Unblocked(), 0))
     assert connection.blocked is None
+    assert told == ["low on disk", None]
 
 
 async def test_frames_of_one_pass_go_out_in_one_write() -> None:

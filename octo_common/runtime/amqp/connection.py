@@ -124,6 +124,8 @@ class Connection(asyncio.Protocol):
         """Called once with the reason (None for our own close) when the connection ends."""
         self.blocked: str | None = None
         """The broker's reason while it blocks this connection's publishes (resource alarm)."""
+        self.blocked_callbacks: set[Callable[[str | None], Any]] = set()
+        """Called with the reason when the broker blocks the connection, None when it unblocks."""
         self.writes = 0
         """Socket writes so far (one per loop pass that had something to send)."""
         self.server_properties: dict[str, Any] = {}
@@ -217,14 +219,25 @@ class Connection(asyncio.Protocol):
                 self._transport.close()
         elif isinstance(method, commands.Connection.Blocked):
             self.blocked = method.reason or "blocked"
+            self._tell_blocked()
         elif isinstance(method, commands.Connection.Unblocked):
             self.blocked = None
+            self._tell_blocked()
         elif not self._opened:
             waiter = self._handshake_waiter
             if waiter is not None and not waiter.done():
                 waiter.set_result(method)
             else:
                 self._handshake_early.append(method)
+
+    def _tell_blocked(self) -> None:
+        for callback in list(self.blocked_callbacks):
+            try:
+                callback(self.blocked)
+            except Exception as exc:
+                self._loop.call_exception_handler(
+                    {"message": "blocked callback failed", "exception": exc}
+                )
 
     def _send_method(self, channel: int, method: Frame) -> None:
         self.send(pframe.marshal(method, channel))
