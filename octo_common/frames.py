@@ -23,12 +23,14 @@ from octo_common.codec import convert_tree, decode_fast, encode_struct, parse_tr
 from octo_common.digest import FRAME_AUTH_DOMAIN, SESSION_KEY_CONTEXT, derive_key, keyed_blake3, lp
 from octo_common.errors import (
     DuplicateFrame,
+    FrameDecryptionFailed,
     InvalidAuthenticationTag,
     InvalidAuthenticatorState,
     InvalidKeyNonce,
     InvalidScopeKey,
     InvalidSequence,
     InvalidSessionKeyLength,
+    OctoError,
     SequenceExhausted,
     SerializationError,
     StaleFrame,
@@ -36,7 +38,7 @@ from octo_common.errors import (
     WeakSessionKey,
     WireFrameTooLarge,
 )
-from octo_common.framecipher import FrameCipher
+from octo_common.framecipher import FrameCipher, is_envelope
 from octo_common.ids import is_fingerprint, validate_token
 from octo_common.keyfile import KeyFileRefused, read_key_file
 from octo_common.limits import (
@@ -47,7 +49,7 @@ from octo_common.limits import (
     SCOPE_KEY_BYTES,
     SESSION_KEY_BYTES,
 )
-from octo_common.messages import WorkerMessage, session_id_of, validate_message
+from octo_common.messages import OpenSession, WorkerMessage, session_id_of, validate_message
 
 __all__ = [
     "AuthenticatorState",
@@ -353,10 +355,20 @@ class SessionAuthenticator:
         """The frame inside ``body`` (``body`` itself without the codec).
 
         ``FrameDecryptionFailed`` for anything but an envelope of the peer's
-        that decrypts; nothing changes.
+        that decrypts, or the session's ``open_session`` (never enveloped; a
+        redelivered copy is then opened as the duplicate it is); nothing
+        changes. Only :meth:`open` authenticates what this returns.
         """
         if self._cipher is None:
             return body
+        if not is_envelope(body):
+            try:
+                _, message, _, _ = decode_frame(body)
+            except OctoError:
+                raise FrameDecryptionFailed() from None
+            if isinstance(message, OpenSession):
+                return body
+            raise FrameDecryptionFailed()
         return self._cipher.open(self._role.peer().value, body)
 
     @property

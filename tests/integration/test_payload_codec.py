@@ -38,7 +38,7 @@ from .conftest import (
     unique,
     wait_session,
 )
-from .test_daemon_rabbitmq import answer, operation_key, publish_payload
+from .test_daemon_rabbitmq import QUIET, answer, operation_key, publish_payload
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -155,3 +155,10 @@ async def test_a_frame_in_the_clear_in_a_codec_session_is_refused(
     )
     dead = await dead_letters.wait_for(marker_of(marker))
     assert reason_of(dead) == "frame_decryption_failed"
+    # The open_session itself is never enveloped: a copy of it again (a
+    # broker redelivery) is the duplicate it is, acked and dropped.
+    again = unique("open-again")
+    await raw_host.publish(opening, headers=raw_host.headers(session, again))
+    await asyncio.sleep(QUIET)
+    assert dead_letters.matching(marker_of(again)) == []
+    assert raw_host.replies.items == []

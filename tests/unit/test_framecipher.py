@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from octo_common.errors import FrameDecryptionFailed, InvalidAuthenticationTag
+from octo_common.errors import DuplicateFrame, FrameDecryptionFailed, InvalidAuthenticationTag
 from octo_common.framecipher import ENVELOPE_OVERHEAD, MAGIC, FrameCipher, is_envelope
 from octo_common.frames import SessionAuthenticator, SessionKey, SessionRole
-from octo_common.messages import DispatchOperation
+from octo_common.grants import CapabilityManifest
+from octo_common.limits import PAYLOAD_CODEC
+from octo_common.messages import DispatchOperation, OpenSession
 from octo_common.payload import ToolPayload
 from octo_common.requests import OperationDispatchRequest
 
@@ -83,3 +85,17 @@ def test_without_the_codec_frames_are_the_protocols_base_form() -> None:
     assert worker.unwrap(frame) == frame
     with pytest.raises(InvalidAuthenticationTag):
         worker.open(frame.replace(b"d-1", b"d-2"))
+
+
+def test_the_open_session_frame_alone_passes_in_the_clear() -> None:
+    host, worker = _pair(codec=False)
+    manifest = CapabilityManifest("s-1", [])
+    opening = host.seal(OpenSession(manifest, payload_codec=PAYLOAD_CODEC))
+    host.use_payload_codec()
+    assert worker.open(opening) == OpenSession(manifest, payload_codec=PAYLOAD_CODEC)
+    worker.use_payload_codec()
+    # A redelivered copy passes the envelope check and is the duplicate it is.
+    assert worker.unwrap(opening) == opening
+    with pytest.raises(DuplicateFrame):
+        worker.open(opening)
+    assert worker.open(host.seal(_dispatch())) == _dispatch()
