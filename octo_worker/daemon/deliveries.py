@@ -30,7 +30,12 @@ from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession
 from octo_common.runtime import amqp
 from octo_common.runtime.consumer import InboundMessage
-from octo_common.transport import PublishChannelClosed, build_worker_reply, host_id_of_reply_queue
+from octo_common.transport import (
+    PublishChannelClosed,
+    build_worker_reply,
+    delivery_session_id,
+    host_id_of_reply_queue,
+)
 from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
 from octo_worker.session.handling import Handled
 from octo_worker.session.rules import (
@@ -155,6 +160,21 @@ class DeliveryPath:
         message: InboundMessage,
         channel: amqp.Channel,
     ) -> None:
+        # Called in the order the broker delivered: an open_session is noted
+        # before any await, so a later frame of its session never overtakes it.
+        received = _note_open(scope, message)
+        try:
+            await self._on_message(scope, message, channel)
+        finally:
+            if received is not None:
+                _open_handled(scope, *received)
+
+    async def _on_message(
+        self,
+        scope: ServedScope,
+        message: InboundMessage,
+        channel: amqp.Channel,
+    ) -> None:
         async with scope.semaphore:
             # The broker delivers to the queue's single active consumer only:
             # this worker owns the scope now (D13). An activation still running
@@ -243,11 +263,18 @@ class DeliveryPath:
             session = None
             session_id = routed.session_id
             key_nonce = routed.key_nonce
-            while session is None and session_id in scope.opening:
+            while session is None:
                 # The host gets no answer to open_session and may send the next
-                # frame at once: wait for the open of this session in progress.
+                # frame at once: wait for the open of this session in progress,
+                # or received before this frame and not handled yet.
                 # (shield: a cancelled waiter must not cancel the others' future.)
-                await asyncio.shield(scope.opening[session_id])
+                waiting: asyncio.Future[Any] | None = scope.opening.get(session_id)
+                if waiting is None:
+                    received = scope.opens_received.get(session_id)
+                    if received is None or received[0] is message:
+                        break
+                    waiting = received[1]
+                await asyncio.shield(waiting)
                 session = scope.sessions.get(session_id)
         # From the last lookup to registering an open in _open_session there is
         # no await, so no other handler can open this session id in between.
@@ -373,3 +400,26 @@ class DeliveryPath:
         if rule is AfterHandling.RELOAD:
             self._hooks.on_poisoned(scope.name, session.session_id)
             self._scopes.reload_later(scope)
+
+
+def _note_open(
+    scope: ServedScope, message: InboundMessage
+) -> tuple[str, asyncio.Future[None]] | None:
+    """Note a received open_session (the first one of its session id), before any await."""
+    if b"open_session" not in message.body:
+        return None
+    session_id = delivery_session_id(message.headers or {})
+    if session_id is None or session_id in scope.opens_received:
+        return None
+    handled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    scope.opens_received[session_id] = (message, handled)
+    return session_id, handled
+
+
+def _open_handled(scope: ServedScope, session_id: str, handled: asyncio.Future[None]) -> None:
+    """The noted open_session is handled (opened, refused or handed back): its waiters go on."""
+    noted = scope.opens_received.get(session_id)
+    if noted is not None and noted[1] is handled:
+        del scope.opens_received[session_id]
+    if not handled.done():
+        handled.set_result(None)

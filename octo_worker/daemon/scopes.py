@@ -82,6 +82,11 @@ class ServedScope:
     # Sessions whose open_session is being handled: a frame for one of them
     # waits for the open's outcome (the session, or None if it failed).
     opening: dict[str, asyncio.Future[WorkerSession | None]] = field(default_factory=dict)
+    # open_session deliveries received and not yet handled, by session id, with
+    # the delivery: a frame of that session received after it waits for it too,
+    # even when it would reach the routing first (a delivery that waited for
+    # an activation resumes after one that arrived once the gate opened).
+    opens_received: dict[str, tuple[object, asyncio.Future[None]]] = field(default_factory=dict)
     consumer_channel: amqp.Channel | None = None
     consumer_tag: str | None = None
     running: asyncio.Event = field(default_factory=asyncio.Event)

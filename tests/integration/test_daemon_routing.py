@@ -350,3 +350,44 @@ async def test_a_delivery_whose_handling_failed_is_rejected_back_into_the_queue(
     message = routing.dispatch_message(routing.session(1), "req-1")  # unknown session
     await _settle([routing.deliver(message)])
     assert message.settled == ["requeue"]
+
+
+async def test_a_frame_received_after_its_open_never_overtakes_it_at_an_activation(
+    routing: Routing,
+) -> None:
+    """A shared journal's scope in standby: the open_session that activates it waits
+    for the activation, and a frame of that session received once the activation has
+    left standby (while it republishes the outbox) waited for the gate only, so it
+    was routed first and dead-lettered ``unknown_session``. It waits for its open."""
+    daemon = routing.daemon
+    scope = daemon._scopes[SCOPE]
+    scope.standby = True
+    scope.running.clear()
+    daemon._broker._consume_channel = routing.channel  # type: ignore[assignment]
+    lifecycle = daemon._scopes_lifecycle()
+    republish = lifecycle.republish_outbox
+    held = asyncio.Event()
+
+    async def slow_republish(served: Any) -> Any:
+        await held.wait()
+        return await republish(served)
+
+    lifecycle.republish_outbox = slow_republish  # type: ignore[method-assign]
+    fresh = routing.session(1)
+    tasks = [routing.deliver(routing.open_message(fresh))]
+    await asyncio.wait_for(_until(lambda: not scope.standby), WAIT)
+    frame = routing.dispatch_message(fresh, "req-1")
+    tasks.append(routing.deliver(frame))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    held.set()
+    await _settle(tasks)
+
+    assert routing.dead == []
+    assert frame.settled == ["ack"]
+    assert routing.replies == [(reply_queue(HOST_ID), "req-1")]
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
