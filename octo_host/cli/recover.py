@@ -3,9 +3,10 @@
 ``--inputs FILE`` reads ``{"operations": {KEY: input}, "compensations": {KEY:
 {"inverse": input, "original": input}}}`` (inputs as JSON values: objects for
 JSON tools, strings for text tools); the ledger keeps only fingerprints. An
-operation needs its input to be reconciled; a compensation is looked up
-without one (D11), and its inverse is needed only to send it again (the
-worker never admitted it, or its adapter has no lookup).
+operation is looked up without its input, which is needed only to send one
+the worker never admitted; a compensation is looked up without one too, and
+its inverse is needed only to send it again (the worker never admitted it,
+or its adapter has no lookup).
 
 It must never stop at one key's refusal (the others go on) or print a payload.
 """
@@ -30,6 +31,7 @@ from octo_common.runtime.output import (
     printable,
 )
 from octo_host.cli.context import (
+    PROG,
     close_quietly,
     compensation_target,
     config_of,
@@ -171,12 +173,16 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             **summary.errors,
             **{k: code for k, code in refused.items() if k in unresolved or k not in settled},
         }
-        # An operation is reconciled only with its input; a compensation is always
-        # looked up first (D11), so one without an error code is unfinished there.
+        # An operation is looked up without its input; one the worker never admitted
+        # (not reconciled) needs it to be sent. A compensation is always looked up
+        # first, so one without an error code is unfinished there.
         no_input.update(
             key
             for key in summary.unresolved
-            if key not in errors and ledger.operation(key) is not None and key not in inputs
+            if key not in errors
+            and key not in settled
+            and ledger.operation(key) is not None
+            and key not in inputs
         )
         return {
             "run": args.run,
@@ -211,7 +217,11 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
     for key in document["unresolved"]:
         reason = document["errors"].get(key)
         if reason is None:
-            reason = "no input given" if key in no_input else "not finished at the worker yet"
+            reason = (
+                "no input given (the worker never admitted it; --inputs sends it)"
+                if key in no_input
+                else f"not finished at the worker yet (next: {PROG} find {key})"
+            )
         out.line(f"unresolved: {key}: {reason}")
     for key, code in document["errors"].items():
         if key not in document["unresolved"]:

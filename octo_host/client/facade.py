@@ -625,11 +625,11 @@ class HostClient:
         """After a host restart: load and validate the ledger, open a fresh session,
         reconcile every operation and compensation that is not terminal (H§16.5, D11).
 
-        The ledger keeps only fingerprints, so the host supplies each
-        unfinished operation's payload in ``inputs`` (by operation key);
-        operations without one are reported in ``unresolved``. An operation
-        the worker never admitted (``unknown_operation``) is dispatched again
-        under its same key if the ledger still says ``pending``.
+        Every unfinished operation is looked up (a lookup carries no input).
+        One the worker never admitted (``unknown_operation``) is dispatched
+        again under its same key if the ledger still says ``pending`` and
+        ``inputs`` holds its payload (by operation key; the ledger keeps only
+        fingerprints); without it, it is reported in ``unresolved``.
 
         Every compensation that is not terminal is first looked up
         (``reconcile_compensation``, D11): no input, approval or verifier is

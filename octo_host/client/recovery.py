@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 
 from structlog.typing import FilteringBoundLogger
 
-from octo_common.errors import OctoError, UnknownCompensation, WorkerRequestRejected
+from octo_common.errors import (
+    OctoError,
+    UnknownCompensation,
+    UnknownOperation,
+    WorkerRequestRejected,
+)
 from octo_common.grants import CapabilityManifest
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.states import TERMINAL_KINDS, StateKind, WorkerOperationState
@@ -118,21 +123,22 @@ class Recovery:
             for operation in run.ledger.operations:
                 key = operation.operation_key
                 if operation.state not in TERMINAL_KINDS:
+                    # A lookup needs no input: the key is reconciled from what the
+                    # ledger holds; the input only lets a key the worker never
+                    # admitted be sent again.
                     payload = _input_of(run, inputs, key)
-                    if payload is None:
-                        summary.unresolved.append(key)
-                        continue
+                    data = None if payload is None else canonical_operation_input_bytes(payload)
                     try:
-                        await self._verbs.settle(
-                            session,
-                            run,
-                            key,
-                            canonical_operation_input_bytes(payload),
-                            payload,
-                            None,
-                        )
+                        await self._verbs.settle(session, run, key, data, payload, None)
                     except OctoError as exc:
                         session = session.current()
+                        never_admitted = (
+                            isinstance(exc, WorkerRequestRejected)
+                            and exc.rejection_code == UnknownOperation.code
+                        )
+                        if payload is None and never_admitted:
+                            summary.unresolved.append(key)  # only its input can send it
+                            continue
                         self._recovery_failed(summary, key, exc)
                         failed = run.operation(key)
                         if failed is not None:

@@ -332,7 +332,8 @@ async def test_the_stuck_key_runbook_settles_both_sides_and_clears_the_gauge(
 
     recovered = await host.run("recover", RUN)
     assert recovered.status == 1
-    assert f"unresolved: {key}" in recovered.stdout
+    # Looked up without its input: still running there, not "no input given".
+    assert f"unresolved: {key}: not finished at the worker yet" in recovered.stdout
 
     # From the key alone: its run, and complete commands.
     found = await host.run("find", key)
