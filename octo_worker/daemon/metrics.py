@@ -151,7 +151,8 @@ class WorkerMetrics(WorkerHooks):
         )
         self.oldest_pending_age = Gauge(
             "octo_oldest_unresolved_pending_seconds",
-            "Age of the oldest admission (since this start) not yet answered or reconciled",
+            "Age of the oldest key known unresolved (admitted, or pending or running in the "
+            "journal at a start), until a terminal answer",
             ["scope"],
             registry=r,
         )

@@ -1383,3 +1383,21 @@ async def test_an_unknown_decided_state_is_refused_as_an_octo_error(env: Env) ->
     assert await load_audit(env.store, RUN.name) == []  # nothing was written
     stored = await env.store.load(RUN)
     assert stored is not None and stored.revision == 1
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+async def test_a_namespace_lists_the_names_of_its_records(tmp_path: Path, kind: str) -> None:
+    store = (
+        SqliteLedgerStore(tmp_path / "ledger.sqlite3", new_keyring())
+        if kind == "sqlite"
+        else AuthenticatedStore(VolatileMemoryStore(), new_keyring())
+    )
+    try:
+        assert await store.names("workflow-ledger") == []
+        for run in ("run-b", "run-a"):
+            await store.create(ledger_record_key(run), b"{}")
+        await store.create(StorageRecordKey("workflow-audit", "run-c"), b"{}")
+        assert await store.names("workflow-ledger") == ["run-a", "run-b"]
+        assert await store.names("workflow-audit") == ["run-c"]
+    finally:
+        await store.close()

@@ -424,3 +424,18 @@ async def test_a_group_readable_password_file_fails_the_first_call(
         assert await store.load(RUN) is None  # opened on the next call
     finally:
         await store.close()
+
+
+async def test_a_namespace_lists_the_names_of_its_records(
+    postgres_schema: PostgresSchema,
+) -> None:
+    store = store_in(postgres_schema)
+    try:
+        assert await store.names(RUN.namespace) == []
+        for run in ("run-b", "run-a"):
+            await store.create(ledger_record_key(run), b"{}")
+        await store.reserve_fence(ledger_record_key("fenced-only"))  # a head, no value
+        await store.create(StorageRecordKey("workflow-audit", "run-c"), b"{}")
+        assert await store.names(RUN.namespace) == ["run-a", "run-b"]
+    finally:
+        await store.close()
