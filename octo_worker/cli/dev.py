@@ -64,8 +64,8 @@ def register(verbs: Verbs, common: argparse.ArgumentParser) -> None:
         "--url",
         default=None,
         metavar="AMQP_URL",
-        help="the broker (default: amqp://guest:guest@127.0.0.1:5672/, "
-        "RabbitMQ's loopback-only guest user); never put a password here that matters",
+        help="the broker, without a password (default: amqp://127.0.0.1:5672/, "
+        "RabbitMQ's loopback-only guest user)",
     )
     dev.add_argument(
         "--no-run",
