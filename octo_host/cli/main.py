@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 
@@ -41,16 +42,22 @@ __all__ = ["build_parser", "main"]
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
-    """Quiet by default (errors are reported as one line); ``--verbose``: JSON on stderr."""
+    """Quiet by default (errors are reported as one line); ``--verbose``: lines on
+    stderr, human-readable on a terminal and JSON otherwise."""
     quiet_logging()
     if not getattr(args, "verbose", False):
         return
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if sys.stderr.isatty()
+        else structlog.processors.JSONRenderer()
+    )
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             drop_exception_text,
-            structlog.processors.JSONRenderer(),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

@@ -49,7 +49,9 @@ def common_options() -> OneLineParser:
     """``--config``, ``--json`` and ``--verbose``: the options every verb takes."""
     common = shared_common_options(DEFAULT_CONFIG, "host")
     common.add_argument(
-        "--verbose", action="store_true", help="log JSON lines on stderr (ids and states only)"
+        "--verbose",
+        action="store_true",
+        help="log on stderr (ids and states only): human-readable on a terminal, else JSON",
     )
     return common
 
