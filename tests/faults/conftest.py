@@ -76,6 +76,7 @@ from octo_worker.config import load_config
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.storage.configured import configured_store
 from tests.postgres import PostgresSchema
+from tests.timing import scaled
 
 URL: Final = "amqp://127.0.0.1:5672/"
 TOOL: Final = "files.publish"
@@ -309,7 +310,7 @@ class Runner:
         line = await asyncio.wait_for(asyncio.to_thread(self._stdout().readline), timeout)
         return line.decode("utf-8", "replace").strip()
 
-    async def expect(self, word: str, timeout: float = 20.0) -> None:
+    async def expect(self, word: str, timeout: float = scaled(20.0)) -> None:
         line = await self.read_line(timeout)
         if line != word:
             raise AssertionError(f"{self.kind} runner said {line!r}, not {word!r}: {self.stderr()}")

@@ -638,6 +638,7 @@ def test_check_passes_on_a_good_config_with_the_daemon_running(worker: RunningWo
         "config",
         f"scope key {SCOPE}",
         "storage keys",
+        "key roles",
         "adapters",
         "journal",
         "broker",
@@ -753,6 +754,7 @@ def test_topology_declare_applies_the_policy_and_show_counts(tmp_path: Path, vho
     report = json_out(declared)
     assert report["queues"] == [
         "octo.v5.dead",
+        "octo.v5.dead.log",
         worker_queue("tenant-topology"),
         reply_queue("host-1"),
     ]
