@@ -391,6 +391,10 @@ class DeliveryPath:
         if self._scopes.superseded(scope):
             await self._scopes.give_up(scope)
             return
+        tampered = self._store.tampered
+        if tampered is not None:
+            self._scopes.stop_tampered(scope, tampered)
+            return
         session = delivery.session
         if session is None:
             return

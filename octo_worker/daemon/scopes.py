@@ -451,6 +451,12 @@ class ScopeLifecycle:
             )
             self._request_stop(None)
 
+    def stop_tampered(self, scope: ServedScope, failure: OctoError) -> None:
+        """The journal's rows are not the loaded scope's (edited beside this worker): the
+        request that met them was refused; stop with the storage status, fail closed."""
+        self._log.error("journal_tampered", scope=scope.name, error=failure.code)
+        self._request_stop(failure)
+
     def activate_later(self, scope: ServedScope, channel: amqp.Channel) -> asyncio.Task[None]:
         """The one activation of a standby scope at a time, started by a delivery on
         ``channel`` (a running one, maybe started on an earlier connection, is returned)."""

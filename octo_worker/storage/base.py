@@ -124,6 +124,9 @@ class JournalStoreBase(abc.ABC):
         # (``row_index``): every row a decision reads is checked against it,
         # and every commit against and into it (through ``CommitBatch``).
         self._live: dict[str, RowIndex] = {}
+        # The first read that met rows not the loaded scope's (the daemon then
+        # stops: a journal edited beside it is never served on).
+        self.tampered: RollbackDetected | None = None
         self._opened = False
         self._closed = False
 
@@ -256,7 +259,12 @@ class JournalStoreBase(abc.ABC):
         loaded the scope: ``RollbackDetected`` when they are not the head's rows."""
         index = self._live.get(scope)
         if index is not None:
-            index.check_rows(namespace, items, rows, deletable=namespace == NS_OUTBOX)
+            try:
+                index.check_rows(namespace, items, rows, deletable=namespace == NS_OUTBOX)
+            except RollbackDetected as error:
+                if self.tampered is None:
+                    self.tampered = error
+                raise
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
         """Commit one change set (W§11.2); returns the new scope revision.

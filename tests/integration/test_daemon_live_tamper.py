@@ -13,14 +13,17 @@ anchor) or PostgreSQL schema.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from octo_common.errors import RollbackDetected
 from octo_common.messages import CompensationResult, OperationResult, RequestRejected
 from octo_common.states import Succeeded
 from octo_worker.config import load_config
+from octo_worker.daemon.daemon import WorkerDaemon
 from octo_worker.storage.configured import configured_store
 from octo_worker.store import SqliteJournalStore
 from tests.postgres import PostgresSchema
@@ -76,6 +79,14 @@ async def configure_journal(
     return database
 
 
+async def stopped_tampered(workers: WorkerRunner, daemon: WorkerDaemon) -> None:
+    """The daemon stops by itself once it met the edit, its run ending with the
+    storage error (so ``octo-worker run`` exits 4)."""
+    task = workers._running.pop(daemon)
+    with pytest.raises(RollbackDetected):
+        await asyncio.wait_for(task, timeout=30.0)
+
+
 async def test_a_row_deleted_beside_the_daemon_is_refused_before_the_adapter(
     workers: WorkerRunner,
     raw_host: RawHost,
@@ -106,6 +117,7 @@ async def test_a_row_deleted_beside_the_daemon_is_refused_before_the_adapter(
     assert isinstance(refused, RequestRejected), refused
     assert refused.code == "rollback_detected"
     assert adapter.dispatches == 1
+    await stopped_tampered(workers, daemon)
 
 
 async def test_a_row_put_back_beside_the_daemon_accepts_no_second_compensation(
@@ -154,6 +166,7 @@ async def test_a_row_put_back_beside_the_daemon_accepts_no_second_compensation(
     assert isinstance(refused, RequestRejected), refused
     assert refused.code == "rollback_detected"
     assert (adapter.dispatches, adapter.compensations) == (1, 1)
+    await stopped_tampered(workers, daemon)
 
 
 async def test_a_pruned_key_never_runs_again_whatever_its_write_time_said(
