@@ -421,12 +421,12 @@ def test_key_page_shows_what_the_journal_records_and_the_resolving_commands(
     assert f"octo-worker journal show {world.pending_key} --scope {SCOPE} --config {config}" in (
         commands
     )
-    assert f"octo-host reconcile RUN {world.pending_key} --scope {SCOPE} --payload @FILE" in (
-        commands
-    )
+    # The host finds the run itself; a lookup needs no input.
+    assert f"octo-host find {world.pending_key}" in commands
+    assert f"octo-host reconcile {world.pending_key} --scope {SCOPE}" in commands
     assert (
-        f"octo-host resolve RUN {world.pending_key} --state succeeded|failed|cancelled "
-        "--reason TEXT" in commands
+        f"octo-host resolve {world.pending_key} --scope {SCOPE} --state "
+        "succeeded|failed|cancelled --reason TEXT" in commands
     )
     tab.screenshot(path=str(tmp_path / "key-pending.png"), full_page=True)
 
