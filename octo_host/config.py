@@ -55,7 +55,13 @@ Keys (relative paths are relative to the file's directory;
 
     [[plans]]                        # named plans, so a run's plan is rebuilt after a restart
     name = "release"
-    steps = [{ id = "publish", source = "publish the release notes" }]
+    steps = [{ id = "publish", source = "publish the release notes",
+               retry = { attempts = 3 } }]   # optional: see docs/retries.md
+
+A step's ``retry`` table is its retry policy (``attempts``, 2 to 16;
+``backoff_seconds``, 0.5; ``backoff_max_seconds``, 30; ``retry_on``,
+``["not_happened"]``, ``"failed"`` allowed too); it is part of the plan's
+fingerprint, so adding or changing one makes a new plan.
 
 The manifest of a session for scope ``S`` is exactly the ``[[grants]]`` of
 ``S``. The two compensation verifiers are built from the same file:
@@ -95,6 +101,7 @@ from octo_common.errors import (
     CompensationActionDenied,
     CompensationGrantDenied,
     InvalidConfiguration,
+    InvalidRetryPolicy,
     OctoError,
 )
 from octo_common.frames import ScopeKey
@@ -125,6 +132,7 @@ from octo_common.runtime.keyfiles import (
     load_storage_key,
 )
 from octo_host.compensation import WorkflowCompensationAction
+from octo_host.plan import RetryOutcome, RetryPolicy, WorkflowStep
 from octo_host.storage.postgres import PostgresLedgerStore
 from octo_host.storage.sqlite import SqliteLedgerStore
 
@@ -232,9 +240,40 @@ class ActionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     match: tuple[str, ...] = ()
 
 
+class RetryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A step's ``retry`` table: its retry policy (``octo_host.plan.RetryPolicy``)."""
+
+    attempts: int
+    backoff_seconds: float = 0.5
+    backoff_max_seconds: float = 30.0
+    retry_on: tuple[str, ...] = ("not_happened",)
+
+    def policy(self, step_id: str) -> RetryPolicy:
+        """The policy, checked (``InvalidRetryPolicy`` names what is out of bounds)."""
+        outcomes: set[RetryOutcome] = set()
+        for value in self.retry_on:
+            try:
+                outcomes.add(RetryOutcome(value))
+            except ValueError:
+                raise InvalidRetryPolicy(
+                    step_id, "retry_on names not_happened or failed only"
+                ) from None
+        policy = RetryPolicy(
+            self.attempts, self.backoff_seconds, self.backoff_max_seconds, frozenset(outcomes)
+        )
+        policy.check(step_id)
+        return policy
+
+
 class StepConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     id: str
     source: str
+    retry: RetryConfig | None = None
+
+    def step(self) -> WorkflowStep:
+        """The plan step this entry describes (its retry policy, if any, included)."""
+        retry = None if self.retry is None else self.retry.policy(self.id)
+        return WorkflowStep(self.id, self.source, retry)
 
 
 class PlanConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -618,6 +657,13 @@ def _check_plans(config: HostConfig) -> None:
                     f"{where}.steps[{position}].id: {step.id!r} is listed twice"
                 )
             steps.add(step.id)
+            if step.retry is not None:
+                try:
+                    step.retry.policy(step.id)
+                except InvalidRetryPolicy as refused:
+                    raise InvalidConfiguration(
+                        f"{where}.steps[{position}].retry: {refused.detail}"
+                    ) from None
 
 
 def load_config(path: str | os.PathLike[str]) -> HostConfig:

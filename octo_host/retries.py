@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from octo_common.digest import retry_key_for
 from octo_common.errors import RetryNotAllowed, UnknownOperation
+from octo_common.limits import MAX_WORKFLOW_OPERATIONS
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan
 
@@ -46,7 +47,10 @@ def retry_refusal(
         return "the step has no retry policy"
     if ledger.replacement(operation_key) is not None:
         return "the attempt is already replaced"
-    return policy.refusal(operation.state, operation.failure, operation.attempt)
+    refusal = policy.refusal(operation.state, operation.failure, operation.attempt)
+    if refusal is None and len(ledger.operations) >= MAX_WORKFLOW_OPERATIONS:
+        return f"the run's ledger holds {MAX_WORKFLOW_OPERATIONS} operations"
+    return refusal
 
 
 def record_retry(plan: WorkflowPlan, ledger: WorkflowOperationLedger, operation_key: str) -> str:

@@ -39,7 +39,7 @@ from octo_host.config import (
 )
 from octo_host.engine import WorkflowEngine
 from octo_host.ledger import WorkflowOperation, WorkflowOperationLedger
-from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.plan import WorkflowPlan
 from octo_host.storage.postgres import PostgresLedgerStore, redacted_url
 from octo_host.store import (
     LEDGER_NAMESPACE,
@@ -88,12 +88,12 @@ def plan_named(config: HostConfig, engine: WorkflowEngine, name: str) -> Workflo
     entry = config.plan(name)
     if entry is None:
         raise CliError(EXIT_USAGE, f"--plan: no [[plans]] entry named {name!r}", "usage")
-    return engine.plan([WorkflowStep(step.id, step.source) for step in entry.steps])
+    return engine.plan([step.step() for step in entry.steps])
 
 
 def plan_name(config: HostConfig, fingerprint: str) -> str | None:
     for entry in config.plans:
-        steps = [WorkflowStep(step.id, step.source) for step in entry.steps]
+        steps = [step.step() for step in entry.steps]
         if plan_fingerprint(steps) == fingerprint:
             return entry.name
     return None

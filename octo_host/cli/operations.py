@@ -145,6 +145,9 @@ def cmd_dispatch(args: argparse.Namespace, out: Output) -> int:
         session = await client.open_session(scope, manifest)
         try:
             state = await client.dispatch(session, run, key, payload)
+            # The step's retry policy, if any: the attempt that replaces a key proven
+            # not to have happened, recorded first, then sent.
+            key, state = await client.follow_retries(session, run, key, payload, state)
         finally:
             await close_quietly(client, session)
         return operation_result(run, key, state, recorded), state.kind

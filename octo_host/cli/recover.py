@@ -190,6 +190,11 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
             "operations": {k: v.value for k, v in summary.operations.items()},
             "compensations": {k: v.value for k, v in summary.compensations.items()},
             "reconciled": list(summary.reconciled),
+            "retried": {
+                key: operation.retry_of
+                for key in dict.fromkeys(summary.retried)
+                if (operation := summary.run.operation(key)) is not None
+            },
             "unresolved": list(dict.fromkeys(summary.unresolved)),
             "errors": errors,
         }
@@ -199,14 +204,15 @@ def cmd_recover(args: argparse.Namespace, out: Output) -> int:
     document = {"ok": ok, **document}
     out.line(f"run:       {document['run']}")
     out.line(f"revision:  {document['revision']}")
-    rows = [["KEY", "STATE", "COMPENSATION", "RECONCILED"]]
+    rows = [["KEY", "STATE", "COMPENSATION", "RECONCILED", "RETRY OF"]]
     for key, state in document["operations"].items():
         rows.append(
             [
                 key,
                 state,
                 document["compensations"].get(key, "-"),
-                "yes" if key in document["reconciled"] else "no",
+                "yes" if key in document["reconciled"] or key in document["retried"] else "no",
+                document["retried"].get(key) or "-",
             ]
         )
     if len(rows) > 1:

@@ -77,6 +77,13 @@ def operation_result(run: HostRun, key: str, state: Any, recorded: bool | None) 
     }
     if recorded is not None:
         document["newly_recorded"] = recorded
+    if operation.retry_of is not None:
+        # The last attempt of a step its retry policy retried: the whole chain.
+        document["attempts"] = [
+            {"operation_key": attempt.operation_key, "state": attempt.state.value}
+            | ({} if attempt.failure is None else {"failure": attempt.failure})
+            for attempt in run.ledger.attempts(key)
+        ]
     return document
 
 
@@ -95,6 +102,10 @@ def result_lines(document: Mapping[str, Any]) -> list[str]:
     ]
     if "compensation_key" in document:
         lines.insert(2, f"compensation:   {document['compensation_key']}")
+    for number, attempt in enumerate(document.get("attempts", ()), start=1):
+        failure = attempt.get("failure")
+        state = attempt["state"] if failure is None else f"{attempt['state']} [{failure}]"
+        lines.append(f"attempt {number}:      {attempt['operation_key']} {state}")
     return lines
 
 

@@ -52,7 +52,7 @@ from octo_host.client.verbs import HostVerbs
 from octo_host.compensation import WorkflowCompensationDispatch, WorkflowCompensationTarget
 from octo_host.config import ConfiguredActionVerifier, ConfiguredGrantVerifier, load_config
 from octo_host.engine import OutboundFrame, WorkflowEngine
-from octo_host.plan import WorkflowPlan, WorkflowStep
+from octo_host.plan import WorkflowPlan
 from octo_host.policy import WorkflowCompensationPolicy
 from octo_host.storage.postgres import PostgresLedgerStore
 from octo_host.store import AuthenticatedStore, SqliteLedgerStore
@@ -133,7 +133,7 @@ class HostClient:
         self._verbs = HostVerbs(
             self.engine, self._sessions, self._runs, self._broker, self._settings, log
         )
-        retries = Retries(self._verbs, self._runs, log)
+        retries = self._retries = Retries(self._verbs, self._runs, log)
         self._recovery = Recovery(self._verbs, self._runs, self._sessions, retries, log)
         self._pools = SessionPools(manifests or {}, self._sessions, self._settings, log)
         self._pooled = PooledVerbs(self._verbs, self._runs, self._pools, retries, log)
@@ -194,9 +194,7 @@ class HostClient:
         client._owned_store = store
         client._connect_timeout = broker.connect_timeout_seconds
         client._plans = {
-            plan.name: client.engine.plan(
-                [WorkflowStep(step.id, step.source) for step in plan.steps]
-            )
+            plan.name: client.engine.plan([step.step() for step in plan.steps])
             for plan in config.plans
         }
         return client
@@ -549,8 +547,7 @@ class HostClient:
         nonce: bytes,
         scope: str | None = None,
     ) -> WorkerOperationState:
-        """Record the intent and dispatch it, in one call; returns the operation's state
-        (with a retry policy on the step, the state of its last attempt).
+        """Record the intent and dispatch it, in one call; returns the (last attempt's) state.
 
         Exactly ``record_operation(run, step_id, tool, payload, nonce, scope=scope)``
         then ``dispatch(run, key, payload)``, on a session of ``scope``'s pool
@@ -560,19 +557,23 @@ class HostClient:
         and reconciles it before anything is sent again, so the effect runs at
         most once. An outcome the worker has not told comes back ``pending`` or
         ``running``: never dispatch again; ``reconcile`` (or ``recover`` after
-        a restart) settles it.
-
-        When the step has a retry policy (``WorkflowStep.retry``) and the
-        attempt ends in an outcome it retries (by default only ``failed``
-        coded ``not_happened``: proven not to have happened, the key fenced),
-        the next attempt is recorded under a new derived key chained to it,
-        durably, then dispatched, until an attempt ends otherwise or the
-        attempts run out; the ledger shows every attempt
-        (``ledger.attempts(key)``). Never for ``pending`` or ``running``.
+        a restart) settles it. A step's retry policy is followed (``follow_retries``).
         """
         if scope is None:
             scope = self._only_scope()
         return await self._pooled.execute(run, step_id, tool, payload, nonce, scope)
+
+    async def follow_retries(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        payload: ToolPayload,
+        state: WorkerOperationState,
+    ) -> tuple[str, WorkerOperationState]:
+        """After ``dispatch`` of ``operation_key`` on ``session`` ended in ``state``: its
+        step's retry policy followed there; returns the last attempt's key and state."""
+        return await self._retries.follow_in(session, run, operation_key, payload, state)
 
     async def undo(
         self,

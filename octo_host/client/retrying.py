@@ -32,9 +32,11 @@ from typing import Final
 
 from structlog.typing import FilteringBoundLogger
 
+from octo_common.payload import ToolPayload
 from octo_common.runtime.faults import FaultInjector
 from octo_common.states import WorkerOperationState
 from octo_host.client.runs import MAX_WRITE_ATTEMPTS, HostRun, RunCache
+from octo_host.client.sessions import HostSession
 from octo_host.client.verbs import HostVerbs
 from octo_host.retries import record_retry, retry_refusal
 
@@ -86,6 +88,23 @@ class Retries:
                 key = replacement.operation_key
             last = await dispatch(key)
             current = key
+
+    async def follow_in(
+        self,
+        session: HostSession,
+        run: HostRun,
+        operation_key: str,
+        payload: ToolPayload,
+        state: WorkerOperationState,
+    ) -> tuple[str, WorkerOperationState]:
+        """:meth:`follow`, each attempt dispatched on ``session`` (or the session that
+        replaced it) with ``payload``; the state is the last attempt's."""
+
+        async def dispatch(key: str) -> WorkerOperationState:
+            return await self._verbs.dispatch(session.current(), run, key, payload)
+
+        last_key, last = await self.follow(run, operation_key, state, dispatch)
+        return last_key, state if last is None else last
 
     async def record(self, run: HostRun, operation_key: str) -> str | None:
         """The key of the attempt that replaces ``operation_key``: one already in the

@@ -25,6 +25,7 @@ from octo_host.config import (
     load_config,
     parse_config,
 )
+from octo_host.plan import RetryOutcome, RetryPolicy
 
 GOOD = """
 [host]
@@ -136,6 +137,18 @@ def test_plans_and_actions_are_found_by_name() -> None:
     assert config.action("octo.noop") is None
 
 
+def test_a_step_s_retry_table_is_its_retry_policy() -> None:
+    data = copy.deepcopy(good())
+    data["plans"][0]["steps"][0]["retry"] = {"attempts": 3, "retry_on": ["not_happened", "failed"]}
+    plan = parse(data).plan("release")
+    assert plan is not None
+    first, second = (step.step() for step in plan.steps)
+    assert first.retry == RetryPolicy(
+        attempts=3, retry_on=frozenset({RetryOutcome.NOT_HAPPENED, RetryOutcome.FAILED})
+    )
+    assert second.retry is None
+
+
 def test_the_loader_reads_the_file_and_names_syntax_errors(tmp_path: Path) -> None:
     path = tmp_path / "host.toml"
     path.write_text(GOOD)
@@ -231,6 +244,17 @@ BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("step id", _set("plans.0.steps.1.id", "Announce!"), "plans[0].steps[1].id"),
     ("step twice", _set("plans.0.steps.1.id", "publish"), "plans[0].steps[1].id"),
     ("step source missing", _set("plans.0.steps.0.source", _DELETE), "plans[0].steps[0]"),
+    ("retry attempts", _set("plans.0.steps.0.retry", {"attempts": 1}), "plans[0].steps[0].retry"),
+    (
+        "retry outcome",
+        _set("plans.0.steps.0.retry", {"attempts": 3, "retry_on": ["running"]}),
+        "plans[0].steps[0].retry",
+    ),
+    (
+        "retry backoff",
+        _set("plans.0.steps.0.retry", {"attempts": 3, "backoff_seconds": -1.0}),
+        "plans[0].steps[0].retry",
+    ),
 ]
 
 

@@ -239,8 +239,11 @@ def test_a_full_ledger_records_no_retry() -> None:
         for i in range(64)
     ]
     observe(ledger, keys[0], NOT_HAPPENED)
-    with pytest.raises(TooManyOperations):
+    assert retry_refusal(plan, ledger, keys[0]) == "the run's ledger holds 64 operations"
+    with pytest.raises(RetryNotAllowed):
         record_retry(plan, ledger, keys[0])
+    with pytest.raises(TooManyOperations):
+        ledger.record_retry(keys[0], "op-" + "ab" * 32)
     assert len(ledger.operations) == 64
 
 
