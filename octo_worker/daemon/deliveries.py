@@ -7,7 +7,7 @@ publish, dead-letter, requeue) and :class:`DeliveryPath`, the part of
 
 1. the scope's concurrency bound and pause gate;
 2. the inbound gate (``octo_common.inbound.gate``): size, headers, session;
-3. the status route (``octo_worker.session.rules``): hand it to the
+3. the status route (``octo_worker.daemon.routes``): hand it to the
    session, open a session from an ``open_session``, or dead-letter it;
 4. ``WorkerSession.handle`` (or ``WorkerSession.open``);
 5. after the handling: release a closed session, reload a poisoned
@@ -36,15 +36,15 @@ from octo_common.transport import (
     delivery_session_id,
     host_id_of_reply_queue,
 )
-from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
-from octo_worker.session.handling import Handled
-from octo_worker.session.rules import (
+from octo_worker.daemon.routes import (
     AfterHandling,
     Route,
     after_handling,
     route_known,
     route_unknown,
 )
+from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
+from octo_worker.session.handling import Handled
 from octo_worker.session.session import WorkerSession
 
 if TYPE_CHECKING:

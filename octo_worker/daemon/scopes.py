@@ -10,7 +10,7 @@ sessions go, and gives the scope up when another worker's fence refused a
 commit (W§11.3: it never takes the fence back).
 
 What the status of a session makes the daemon do is decided by
-:mod:`octo_worker.session.rules`. It must never decide what a frame gets,
+:mod:`octo_worker.daemon.routes`. It must never decide what a frame gets,
 reserve a fence after a fence rejection, or log keys or frames.
 """
 

@@ -1,21 +1,14 @@
-"""Every rule that depends on a worker session's status, as tables (W§10.5, W§10.9, W§12.2).
+"""What a worker session answers, by its status, as tables (W§10.5, W§10.7, W§10.9).
 
-A session is ``open``, ``closed`` or ``poisoned``. Everything its status
-decides lives here, as pure functions over small tables:
+A session is ``open``, ``closed`` or ``poisoned``. :func:`answer` says what
+a session answers to each authenticated frame type, new or duplicate, by
+status (W§10.5 step 4, W§10.7, W§10.9), once ``open()`` accepted it; a
+``closed`` session opens nothing (:data:`CLOSED_REASON`, W§10.11 rule 9).
+What the daemon does by a session's status (its route after the inbound
+gate, what follows a handling) is :mod:`octo_worker.daemon.routes`.
 
-* :func:`route_known` and :func:`route_unknown`: what the daemon does with
-  a delivery once the inbound gate (``octo_common.inbound``) has named a
-  session held in memory, or a session id it does not hold (W§12.2 step 3);
-* :func:`answer`: what a session answers to each authenticated frame type,
-  new or duplicate, by status (W§10.5 step 4, W§10.7, W§10.9), once
-  ``open()`` accepted it; a ``closed`` session opens nothing
-  (:data:`CLOSED_REASON`, W§10.11 rule 9);
-* :func:`after_handling`: what the daemon does once a delivery of a session
-  is handled: reload the scope after a failed commit, let a closed session
-  go (W§10.9 steps 3–5, W§11.4).
-
-Everything that affects these decisions is here and nowhere else; the
-session and the daemon only carry them out. No I/O, no state.
+Everything that affects these answers is here and nowhere else; the
+session only carries them out. No I/O, no state.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ import enum
 from collections.abc import Mapping
 from typing import Final
 
-from octo_common.errors import InvalidAuthenticationTag, InvalidFrameHeaders, SessionReplay
 from octo_worker.session.request_kinds import KEYED_KINDS
 from octo_worker.storage.documents import SessionStatus
 
@@ -33,13 +25,8 @@ __all__ = [
     "HOST_REQUESTS",
     "KEYED_REQUESTS",
     "WORKER_MESSAGES",
-    "AfterHandling",
     "Answer",
-    "Route",
-    "after_handling",
     "answer",
-    "route_known",
-    "route_unknown",
 ]
 
 OPEN: Final[SessionStatus] = "open"
@@ -65,59 +52,6 @@ WORKER_MESSAGES: Final = frozenset(
 )
 
 CLOSED_REASON: Final = "session_closed"
-
-
-# The daemon's routing (W§12.2 step 3) --------------------------------------------------
-
-
-class Route(enum.Enum):
-    """What the daemon does with a delivery after the inbound gate."""
-
-    HANDLE = "handle"  # session.handle (which opens the frame)
-    OPEN = "open"  # WorkerSession.open from this open_session
-    LOOK_UP = "look_up"  # ask the store whether the session is closed or unknown
-    SESSION_REPLAY = SessionReplay.code
-    SESSION_CLOSED = CLOSED_REASON
-    INVALID_TAG = InvalidAuthenticationTag.code
-    INVALID_HEADERS = InvalidFrameHeaders.code
-
-    @property
-    def dead_letter(self) -> bool:
-        """Whether this route dead-letters with ``value`` as the reason."""
-        return self not in _ACTING
-
-
-_ACTING: Final = frozenset({Route.HANDLE, Route.OPEN, Route.LOOK_UP})
-
-
-def route_known(status: SessionStatus, opening: bool, nonce_matches: bool) -> Route:
-    """A delivery for a session held in memory.
-
-    An ``open_session`` is handled only by an open or poisoned session with
-    its own nonce (a redelivered opening is then a duplicate; an authentic
-    new one is ``SessionReplay``); any other is a replay. A closed session
-    dead-letters the frame itself once its close is durable (W§10.11 rule 9),
-    whatever the nonce. Another nonce cannot authenticate.
-    """
-    if opening:
-        return Route.HANDLE if status != CLOSED and nonce_matches else Route.SESSION_REPLAY
-    if status == CLOSED:
-        return Route.HANDLE
-    return Route.HANDLE if nonce_matches else Route.INVALID_TAG
-
-
-def route_unknown(opening: bool, closed: bool, reply_queue: bool) -> Route:
-    """A delivery for a session id not held in memory.
-
-    ``closed``: the id is remembered as closed. ``reply_queue``: the
-    delivery's ``reply_to`` is a host reply queue (checked only for an
-    opening: every reply of the session goes there, W§12.1).
-    """
-    if closed:
-        return Route.SESSION_REPLAY if opening else Route.SESSION_CLOSED
-    if not opening:
-        return Route.LOOK_UP
-    return Route.OPEN if reply_queue else Route.INVALID_HEADERS
 
 
 # What a session answers (W§10.5 step 4, W§10.7, W§10.9) ---------------------------------
@@ -162,25 +96,3 @@ def answer(status: SessionStatus, kind: str, duplicate: bool) -> Answer:
     if duplicate:
         return Answer.FROM_JOURNAL if kind in KEYED_REQUESTS else Answer.DROP
     return _OPEN_NEW.get(kind, Answer.UNEXPECTED)
-
-
-# After a delivery (W§10.9 steps 3-5, W§11.4) ----------------------------------------------
-
-
-class AfterHandling(enum.Enum):
-    """What the daemon does once a delivery of a session is handled."""
-
-    NOTHING = "nothing"
-    RELOAD = "reload"  # a commit failed: pause, drain, fence, reload the scope
-    LET_GO = "let_go"  # closed, last handler: release its outbox rows, hold it by id
-
-
-def after_handling(status: SessionStatus, commit_failed: bool, last_handler: bool) -> AfterHandling:
-    """``commit_failed``: a commit of this session failed since it was loaded
-    (a session restored as ``poisoned`` has none). ``last_handler``: no other
-    delivery of the session is being handled."""
-    if status == CLOSED:
-        return AfterHandling.LET_GO if last_handler else AfterHandling.NOTHING
-    if status == POISONED and commit_failed:
-        return AfterHandling.RELOAD
-    return AfterHandling.NOTHING

@@ -66,7 +66,7 @@ HOST_ID = "t-path-host"
 # functions in at most 12 modules with at most 2 daemon <-> session crossings.
 FUNCTIONS = 39
 MODULES = 16
-CROSSINGS = 7
+CROSSINGS = 4
 
 
 # The stubbed broker -------------------------------------------------------------------

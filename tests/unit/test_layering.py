@@ -293,6 +293,7 @@ WORKER_PURE = (
     "octo_worker.session.rules",
     "octo_worker.session.request_kinds",
     "octo_worker.session.state",
+    "octo_worker.daemon.routes",
     "octo_worker.adapters.context",
     "octo_worker.storage.interface",
     "octo_worker.storage.documents",

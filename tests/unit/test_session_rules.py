@@ -1,23 +1,25 @@
-"""The worker's session-status rules (octo_worker.session.rules), row by row."""
+"""The session-status rules (octo_worker.session.rules, octo_worker.daemon.routes), row by row."""
 
 from __future__ import annotations
 
 import pytest
 
 from octo_common.messages import _MESSAGE_TYPES
+from octo_worker.daemon.routes import (
+    AfterHandling,
+    Route,
+    after_handling,
+    route_known,
+    route_unknown,
+)
 from octo_worker.session.request_kinds import KEYED_KINDS, KEYED_MESSAGES
 from octo_worker.session.rules import (
     CLOSED_REASON,
     HOST_REQUESTS,
     KEYED_REQUESTS,
     WORKER_MESSAGES,
-    AfterHandling,
     Answer,
-    Route,
-    after_handling,
     answer,
-    route_known,
-    route_unknown,
 )
 
 ALL_TYPES = sorted(str(cls.__struct_config__.tag) for cls in _MESSAGE_TYPES)
