@@ -138,7 +138,16 @@ def cmd_find(args: argparse.Namespace, out: Output) -> int:
                 operation = ledger.operation(key) or ledger.compensated_operation(key)
                 if operation is not None:
                     scope = (await stored_routes(store, run)).get(operation.operation_key)
-                    found.append({"run": run, "scope": scope, **operation_doc(operation)})
+                    # Every attempt of the step's logical operation (a retry policy's chain).
+                    attempts = [op.operation_key for op in ledger.attempts(operation.operation_key)]
+                    found.append(
+                        {
+                            "run": run,
+                            "scope": scope,
+                            **operation_doc(operation),
+                            "attempts": attempts,
+                        }
+                    )
         return found
 
     found = asyncio.run(search())
@@ -157,6 +166,12 @@ def cmd_find(args: argparse.Namespace, out: Output) -> int:
         if own is compensation:
             out.line(f"operation key:  {item['operation_key']} ({_state_cell(item)})")
         out.line(f"state:          {_state_cell(own)}")
+        attempts = item["attempts"]
+        if len(attempts) > 1:
+            number = attempts.index(item["operation_key"]) + 1
+            out.line(f"attempt:        {number} of {len(attempts)} (first {attempts[0]})")
+            if number < len(attempts):
+                out.line(f"replaced by:    {attempts[number]}")
         out.line(f"scope:          {item['scope'] or '(never dispatched)'}")
         for command in item["commands"]:
             out.line(f"next:           {command}")

@@ -170,3 +170,10 @@ async def test_the_cli_follows_a_configured_policy_and_shows_every_attempt(
     human = (await cli.run("ledger", "show", CLI_RUN)).stdout
     assert "failed [not_happened]" in human
     assert f"2 (after {first['operation_key']})" in human
+    # find, from either key (the console's key page names it), shows the chain.
+    found = await cli.run("find", first["operation_key"])
+    assert found.status == 0, found.stderr
+    assert "attempt:        1 of 2" in found.stdout
+    assert f"replaced by:    {document['operation_key']}" in found.stdout
+    [run] = (await cli.run("find", document["operation_key"], "--json")).json()["runs"]
+    assert run["attempts"] == [first["operation_key"], document["operation_key"]]
