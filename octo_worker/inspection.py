@@ -294,7 +294,11 @@ async def holding(config: WorkerConfig) -> AsyncIterator[HeldMessages]:
 LOG_PAGE_MAX: Final = 200
 LOG_SCAN_MAX: Final = 5_000
 _LOG_PREFETCH: Final = 32
-# No delivery for this long: the page has reached the end of the log.
+# The end of the log is when nothing more comes: nothing within the first
+# wait (an empty log, or nothing after ``after``), or, once letters flow, no
+# next one within the idle wait, at least three times what the first one
+# took (a busy broker or machine is slow, and that says how slow).
+_LOG_FIRST_SECONDS: Final = 2.0
 _LOG_IDLE_SECONDS: Final = 0.5
 
 
@@ -343,12 +347,17 @@ async def read_dead_letter_log(
         start: int | str = "first" if after is None else after + 1
         tag = await stream.consume(inbox.put, arguments={"x-stream-offset": start})
         last = after
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        wait = _LOG_FIRST_SECONDS
         try:
             while len(page.entries) < limit and page.scanned < LOG_SCAN_MAX:
                 try:
-                    message = await asyncio.wait_for(inbox.get(), _LOG_IDLE_SECONDS)
+                    message = await asyncio.wait_for(inbox.get(), wait)
                 except TimeoutError:
                     return page  # the end of the log
+                if wait == _LOG_FIRST_SECONDS:
+                    wait = max(_LOG_IDLE_SECONDS, 3 * (loop.time() - started))
                 offset = (message.headers or {}).get("x-stream-offset")
                 await message.ack()  # credit for the next one; a stream keeps the letter
                 # A stream starts at the chunk holding the offset: skip what came before.
