@@ -252,15 +252,28 @@ class JournalStoreBase(abc.ABC):
         check_snapshot(snapshot, self._keyring)
         return snapshot
 
+    def _live_revision(self, scope: str) -> int | None:
+        """The live index's revision, taken before a read that ``_check_live`` checks."""
+        index = self._live.get(scope)
+        return None if index is None else index.revision
+
     def _check_live(
-        self, scope: str, namespace: str, items: Sequence[str] | None, rows: Sequence[Row]
+        self,
+        scope: str,
+        namespace: str,
+        items: Sequence[str] | None,
+        rows: Sequence[Row],
+        started: int | None,
     ) -> None:
         """Rows a decision reads against the scope's live index, when this instance
-        loaded the scope: ``RollbackDetected`` when they are not the head's rows."""
+        loaded the scope: ``RollbackDetected`` when they are not the head's rows.
+        ``started``: the index's revision before the read (its commits may overlap it)."""
         index = self._live.get(scope)
         if index is not None:
             try:
-                index.check_rows(namespace, items, rows, deletable=namespace == NS_OUTBOX)
+                index.check_rows(
+                    namespace, items, rows, deletable=namespace == NS_OUTBOX, started=started
+                )
             except RollbackDetected as error:
                 if self.tampered is None:
                     self.tampered = error
@@ -295,11 +308,12 @@ class JournalStoreBase(abc.ABC):
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             validate_token("operation key", key)
+        started = self._live_revision(scope)
         rows = await self._rows(scope, NS_JOURNAL, wanted)
         result: dict[str, tuple[WorkerOperationRecord, int] | None] = dict.fromkeys(wanted)
         for row in rows:
             result[row.item] = (self._record(scope, row), row.revision)
-        self._check_live(scope, NS_JOURNAL, wanted, rows)
+        self._check_live(scope, NS_JOURNAL, wanted, rows, started)
         return result
 
     async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
@@ -425,6 +439,7 @@ class JournalStoreBase(abc.ABC):
         keep = None if skip_closed_except is None else sorted(set(skip_closed_except))
         for session_id in keep or ():
             validate_token("session id", session_id)
+        started = self._live_revision(scope)
         states, openings, request_rows = await self._session_rows(scope, keep)
         opened: dict[str, tuple[bytes, int]] = {}
         for row in openings:
@@ -464,7 +479,7 @@ class JournalStoreBase(abc.ABC):
                 (NS_SESSION_OPEN, openings),
                 (NS_SESSION_REQUEST, request_rows),
             ):
-                self._check_live(scope, namespace, [row.item for row in found], found)
+                self._check_live(scope, namespace, [row.item for row in found], found, started)
         if requests:  # request rows of a session whose state row was not read
             raise RollbackDetected(None, request_floor)
         return sessions
@@ -488,13 +503,14 @@ class JournalStoreBase(abc.ABC):
         """The status in ``session_id``'s state row (read and authenticated), None without one."""
         check_scope(scope)
         validate_token("session id", session_id)
+        started = self._live_revision(scope)
         rows = await self._rows(scope, NS_SESSION, [session_id])
         if not rows:
-            self._check_live(scope, NS_SESSION, [session_id], rows)
+            self._check_live(scope, NS_SESSION, [session_id], rows, started)
             return None
         document = self._sealer.open(scope, NS_SESSION, rows[0])
         status = state_status(document, scope, rows[0].item)
-        self._check_live(scope, NS_SESSION, [session_id], rows)
+        self._check_live(scope, NS_SESSION, [session_id], rows, started)
         return status
 
     async def load_outbox(self, scope: str, *, session_id: str | None = None) -> list[OutboxEntry]:
@@ -507,6 +523,7 @@ class JournalStoreBase(abc.ABC):
         ``RecordLocationMismatch`` (the column is unauthenticated metadata).
         """
         check_scope(scope)
+        started = self._live_revision(scope)
         if session_id is None:
             rows = await self._rows(scope, NS_OUTBOX, None)
             chosen = False
@@ -522,7 +539,7 @@ class JournalStoreBase(abc.ABC):
                     raise RecordLocationMismatch(session_id, entry.session_id)
                 continue
             entries.append(entry)
-        self._check_live(scope, NS_OUTBOX, None, rows)
+        self._check_live(scope, NS_OUTBOX, None, rows, started)
         return entries
 
     async def head_revision(self, scope: str) -> int:

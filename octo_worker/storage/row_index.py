@@ -203,6 +203,7 @@ class RowIndex:
         rows: Sequence[tuple[str, int, bytes]],
         *,
         deletable: bool = False,
+        started: int | None = None,
     ) -> None:
         """Rows read as (key, revision, envelope) for ``items`` (None: the whole
         namespace) against the index; ``RollbackDetected`` when they are not its rows.
@@ -214,9 +215,18 @@ class RowIndex:
         not be missing, except in a ``deletable`` namespace (the outbox, whose
         rows commits delete: a read may overlap such a commit); a whole
         namespace read of another one must hold as many rows as the index.
+
+        ``started``: the index's revision taken before the rows were read. A
+        commit of this instance applied since then may have moved a row after
+        the read's snapshot was taken: a row the index moved past ``started``
+        may be read at its earlier revision or missing, a row such a commit
+        deleted may still be read, and a whole namespace's count is not
+        compared. Without ``started`` (or when no commit was applied during the
+        read) every rule holds exactly.
         """
         with self._lock:
             newest = self.revision
+            overlapped = started is not None and started < newest
             newer = 0
             for item, revision, _ in rows:
                 expected = self._get(namespace, item)
@@ -227,17 +237,35 @@ class RowIndex:
                     continue
                 if deletable and expected is None:
                     continue
+                if overlapped and self._moved_since(expected, revision, started):
+                    continue
                 raise RollbackDetected(revision, newest)
             if deletable or len(rows) == (len(items) if items is not None else -1):
                 return
             if items is None:
+                if overlapped:
+                    return
                 if len(rows) - newer != self._counts.get(namespace, 0):
                     raise RollbackDetected(None, newest)
                 return
             found = {row[0] for row in rows}
             for item in items:
-                if item not in found and self._get(namespace, item) is not None:
-                    raise RollbackDetected(None, newest)
+                if item in found:
+                    continue
+                expected = self._get(namespace, item)
+                if expected is None or (overlapped and self._moved_since(expected, None, started)):
+                    continue
+                raise RollbackDetected(None, newest)
+
+    @staticmethod
+    def _moved_since(expected: int | None, read: int | None, started: int | None) -> bool:
+        """Whether a commit applied after ``started`` explains a row read at ``read``
+        (None: missing) where the index holds ``expected`` (None: deleted)."""
+        if started is None:
+            return False
+        if expected is None:
+            return True  # deleted by a commit after the snapshot (the index moved)
+        return expected > started and (read is None or read < expected)
 
     def expect(self, namespace: str, item: str, revision: int | None) -> bool:
         """Whether the row is at ``revision`` (None: absent) as far as the index knows."""

@@ -89,3 +89,31 @@ def test_expect_and_the_size_per_row() -> None:
     assert not index.expect(J, "op-7", 7)
     assert index.expect(J, "op-none", None)
     assert index.nbytes() / len(rows) <= 32
+
+
+def test_a_read_that_a_commit_of_this_instance_overlapped_is_not_tampering() -> None:
+    # The read's snapshot was taken at revision 5; a commit moved op-1 to 6 and
+    # wrote the session s-2 at 6 before the read was checked.
+    index = built([(J, "op-1", 3), ("worker-session", "s-1", 5)])
+    index.revision = 5
+    index.apply([(J, "op-1", 6), ("worker-session", "s-2", 6)], 6)
+    index.check_rows(J, ["op-1"], [row("op-1", 3)], started=5)
+    index.check_rows("worker-session", ["s-2"], [], started=5)
+    index.check_rows("worker-session", None, [row("s-1", 5)], started=5)
+    # Without the overlap the same reads are what they look like: not the head's rows.
+    with pytest.raises(RollbackDetected):
+        index.check_rows(J, ["op-1"], [row("op-1", 3)], started=6)
+    with pytest.raises(RollbackDetected):
+        index.check_rows("worker-session", ["s-2"], [], started=6)
+    with pytest.raises(RollbackDetected):
+        index.check_rows("worker-session", None, [row("s-1", 5)], started=6)
+
+
+def test_an_overlapping_commit_excuses_only_the_rows_it_moved() -> None:
+    index = built([(J, "op-1", 3), (J, "op-2", 4)])
+    index.revision = 5
+    index.apply([(J, "op-1", 6)], 6)
+    with pytest.raises(RollbackDetected):  # op-2 was not moved: put back to an older copy
+        index.check_rows(J, ["op-2"], [row("op-2", 2)], started=5)
+    with pytest.raises(RollbackDetected):  # op-2 deleted beside the daemon
+        index.check_rows(J, ["op-2"], [], started=5)
