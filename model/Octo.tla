@@ -11,7 +11,9 @@
 (* and the worker runs the inverse effect once. Every step may be cut by a *)
 (* crash of the worker or the host; a delivery that was not acked comes    *)
 (* back; the broker may deliver a request again, lose a reply, or deliver  *)
-(* in any order. Two workers share one journal (failover): each start      *)
+(* in any order. A key that failed (no effect) may be retried: the host    *)
+(* records the step's next attempt under a new key (RetryKey) and sends it *)
+(* like any other. Two workers share one journal (failover): each start    *)
 (* reserves a fresh fence, and a commit under an older fence is refused    *)
 (* (the worker is superseded and stops). An operator may decide a stuck    *)
 (* key. The adapter keeps its own record per key (its idempotency key), so *)
@@ -32,7 +34,8 @@
 EXTENDS Naturals, FiniteSets
 
 CONSTANTS
-    Keys,                  \* the operation keys of one run
+    FirstKeys,             \* the operation keys of one run, as first recorded
+    RetryKey,              \* the key of the one retry of a failed key ("none": no retry)
     Workers,               \* workers sharing one journal (owner and standby)
     MaxRequests,           \* requests the host may publish
     MaxFence,              \* fences the journal may hand out (worker starts)
@@ -44,6 +47,8 @@ CONSTANTS
     Bug                    \* "none" or the name of a broken variant
 
 NoOp == "none"
+\* Every key: the run's, and the retry's (a step's next attempt, under a new key).
+Keys == IF RetryKey = NoOp THEN FirstKeys ELSE FirstKeys \cup {RetryKey}
 Terminal == {"succeeded", "failed"}
 Idle == [step |-> "idle"]
 
@@ -357,9 +362,22 @@ HostIdle == hpc = Idle
 
 HRecord(k) ==
     /\ HostIdle
+    /\ k \in FirstKeys
     /\ ledger[k].op = NoOp
     /\ ledger' = [ledger EXCEPT ![k].op = "pending"]
     /\ unsent' = unsent \cup {k}
+    /\ UNCHANGED <<journal, fence, lease, wstate, wpc, outbox, worldVars, reqQ, sent, repQ,
+                   cunsent, hpc, hepoch, earlyAcks, fencedActs, nextId, budget>>
+
+\* A step's retry: once a key failed (no effect), its next attempt is recorded
+\* under a new key (durable), then dispatched like any recorded key.
+HRecordRetry ==
+    /\ HostIdle
+    /\ RetryKey # NoOp
+    /\ ledger[RetryKey].op = NoOp
+    /\ \E k \in FirstKeys : ledger[k].op = "failed"
+    /\ ledger' = [ledger EXCEPT ![RetryKey].op = "pending"]
+    /\ unsent' = unsent \cup {RetryKey}
     /\ UNCHANGED <<journal, fence, lease, wstate, wpc, outbox, worldVars, reqQ, sent, repQ,
                    cunsent, hpc, hepoch, earlyAcks, fencedActs, nextId, budget>>
 
@@ -480,6 +498,7 @@ HostDies ==
 HostCrashAfterLedgerCommit == unsent # {} /\ HostDies
 HostCrashAfterCompensationIntent == cunsent # {} /\ HostDies
 HostCrashAfterReplyApplied == hpc.step = "applied" /\ HostDies
+HostCrashAfterRetryIntent == RetryKey # NoOp /\ RetryKey \in unsent /\ HostDies
 HostCrashElsewhere == HostIdle /\ unsent = {} /\ cunsent = {} /\ HostDies
 
 \* octo-host resolve: an operator decides a stuck key (no worker answer).
@@ -533,6 +552,8 @@ Next ==
         \/ \E v \in Terminal : OperatorDecides(k, v)
     \/ \E r \in repQ : HApply(r) \/ LoseReply(r)
     \/ HPersistAck
+    \/ HRecordRetry
+    \/ HostCrashAfterRetryIntent
     \/ HostCrashAfterLedgerCommit \/ HostCrashAfterCompensationIntent
     \/ HostCrashAfterReplyApplied \/ HostCrashElsewhere
     \/ \E m \in sent : Duplicate(m)
