@@ -13,6 +13,7 @@ TLC's state files), so nothing is written under ``model/``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
@@ -167,8 +168,14 @@ def run(name: str, cfg: str, *, coverage: bool = False, timeout: float = 600.0) 
     return result
 
 
-def check_configs(*, coverage: bool = True) -> list[TlcRun]:
-    return [run(cfg, (MODEL / cfg).read_text("utf-8"), coverage=coverage) for cfg in CONFIGS]
+def check_configs(*, coverage: bool = True, parallel: int = 2) -> list[TlcRun]:
+    """TLC on every configuration, ``parallel`` JVMs at once (one TLC worker each)."""
+
+    def check(cfg: str) -> TlcRun:
+        return run(cfg, (MODEL / cfg).read_text("utf-8"), coverage=coverage)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(check, CONFIGS))
 
 
 def check_broken(variant: Broken) -> TlcRun:
