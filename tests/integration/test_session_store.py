@@ -173,14 +173,17 @@ async def test_frame_not_durable_before_a_crash_is_handled_as_new(world: World) 
 async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
     world: World,
 ) -> None:
-    # The refusal's own commit fails too: the reload is what records the
-    # session poisoned, and no refusal was published, so no sequence is lost.
+    # The refusal's own commit fails too: the refusal is published best-effort
+    # without a commit, and the reload records the session poisoned with its
+    # outbound counter past that refusal's sequence, so no sequence is reused.
     first = len(world.store.commits) + 1
     world.store.fail_commits = {first, first + 1}
     refused = await world.send(world.dispatch("op-p", publish_payload("p.txt")))
-    assert refused.kinds == ["requeue"] and refused.frames == []
+    assert refused.kinds == ["reply", "ack"]
+    assert rejection_code(world.answer(refused)) == "journal_persistence_failed"
     old = world.session
     assert old.status == "poisoned" and old.commit_failed
+    reserve = old.next_outgoing
     old_store, old_lease = world.real_store, world.lease
 
     # The daemon's reload (W§10.9 step 4): fresh fence, restore, persist poisoned.
@@ -197,8 +200,9 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
         adapters=world.adapters,
         limits=WorkerSessionLimits(),
     )
-    await session.persist_poisoned(reloaded)
+    await session.persist_poisoned(reloaded, reserve=reserve)
     assert (await reloaded.load_sessions(SCOPE))[SESSION].status == "poisoned"
+    assert session.next_outgoing == reserve
     assert not session.commit_failed
 
     # The superseded store instance can no longer write.
