@@ -85,7 +85,10 @@ from octo_worker.config import load_config, load_scope_key
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.store import SqliteJournalStore
 
-URL: Final = "amqp://guest:guest@127.0.0.1:5672/"
+BROKER_PASSWORD: Final = "guest"
+# The worker's configuration names the user; the password comes from its file.
+CONFIG_URL: Final = "amqp://guest@127.0.0.1:5672/"
+URL: Final = f"amqp://guest:{BROKER_PASSWORD}@127.0.0.1:5672/"
 TOOL: Final = "files.publish"
 RELEASE: Final = "release-42.txt"
 RELEASE_TEXT: Final = "Octo release 42: durable, compensable side effects.\n"
@@ -194,6 +197,8 @@ class DemoDir:
             write_private(path, os.urandom(32).hex().encode("ascii") + b"\n")
             if path.stat().st_mode & 0o077:
                 raise StepFailed(step_name(1), f"{path.name} mode 0600", oct(path.stat().st_mode))
+        # The configuration names the broker password's file; it never holds it.
+        write_private(self.keys.parent / "broker.password", BROKER_PASSWORD.encode("ascii") + b"\n")
         self.config.write_text(
             f"""# Written by demo/demo.py for one demo run; names files, holds no secret.
 [worker]
@@ -203,7 +208,8 @@ log_level = "warning"
 log_format = "json"
 
 [broker]
-url = "{URL}"
+url = "{CONFIG_URL}"
+password_file = "broker.password"
 connect_timeout_seconds = 5.0
 publish_timeout_seconds = 5.0
 

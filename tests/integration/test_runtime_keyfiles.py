@@ -29,7 +29,8 @@ from octo_common.runtime.keyfiles import (
 from octo_host import store as host_store
 from octo_worker.config import load_config
 
-KEY = bytes(range(1, 33))
+# Fixed random bytes (a pattern such as bytes(range(32)) is refused as a weak key).
+KEY = bytes.fromhex("5b1e0c9a7f3d62e8a4c17b09d2f68e35c0a9174be26d38f15a7c04e9b82d6f13")
 HEX = KEY.hex().encode()
 
 # name -> (loader, the error it raises, how the error names the problem)
@@ -162,7 +163,9 @@ def test_configuration_errors_name_the_key_and_the_problem(tmp_path: Path) -> No
         with pytest.raises(InvalidConfiguration) as caught:
             load_key_file(path, where)
         assert caught.value.detail == expected
-    with pytest.raises(InvalidConfiguration, match=r"scopes\[0\]\.key_file: .* is weak"):
+    with pytest.raises(
+        InvalidConfiguration, match=r"weak_key: scopes\[0\]\.key_file: .* guessable key"
+    ):
         load_scope_key(private(tmp_path / "zero.key", bytes(32)), where)
 
 
@@ -205,7 +208,7 @@ def test_a_worker_configuration_in_a_symlinked_directory_loads_its_keys(
 ) -> None:
     real, link = linked_dir
     private(real / "scope.key", HEX)
-    private(real / "storage.key", bytes(range(2, 34)).hex().encode() + b"\n")
+    private(real / "storage.key", bytes(reversed(KEY)).hex().encode() + b"\n")
     private(real / "broker.password", b"s3cret\n")
     (real / "alias.key").symlink_to(real / "scope.key")
     text = (
