@@ -280,6 +280,11 @@ class HostVerbs:
             # Kept, given up on: a copy that did reach the worker is still applied.
             waiter.abandoned = True
             raise ReplyCut(request.request_id) from None
+        except asyncio.CancelledError:
+            # The caller left before the confirm, not before the broker: the
+            # frame may be at the worker, so its reply is still applied.
+            waiter.abandoned = True
+            raise
         except BaseException:
             session._waiters.pop(request.request_id, None)
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import pytest
 
@@ -318,6 +319,35 @@ async def test_a_verb_cancelled_while_awaiting_its_reply_gives_its_waiter_up(
     # ... and close() closes the session at the worker.
     await hosts.close(client)
     assert client.published["close_session"] == 1
+
+
+async def test_a_verb_cancelled_before_its_publish_is_confirmed_keeps_its_waiter(
+    scripted: ScriptedWorker, hosts: HostFactory, worker_env: WorkerEnv
+) -> None:
+    """The frame may have reached the worker before its confirm: its reply is still applied."""
+    client = await hosts.start()
+    _, run, key = await recorded(client)
+    session = await client.open_session(worker_env.scope, manifest())
+    broker = client._broker
+    confirmed = asyncio.Event()  # never set: the caller is cancelled first
+    real_publish = broker.publish
+
+    async def publish_then_wait_for_the_confirm(*args: Any, **kwargs: Any) -> None:
+        await real_publish(*args, **kwargs)
+        if kwargs.get("kind") == "dispatch_operation":
+            await confirmed.wait()
+
+    broker.publish = publish_then_wait_for_the_confirm  # type: ignore[method-assign]
+    dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
+    dispatch = await scripted.next("dispatch_operation")
+    dispatching.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await dispatching
+    broker.publish = real_publish  # type: ignore[method-assign]
+    (waiter,) = session._waiters.values()
+    assert waiter.abandoned
+    await scripted.reply(dispatch, succeeded(dispatch))
+    await until(lambda: run.state(key) == StateKind.SUCCEEDED, "the late reply is applied")
 
 
 async def test_a_late_reply_for_an_evicted_run_goes_to_the_run_loaded_again(
