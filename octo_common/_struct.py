@@ -1,9 +1,9 @@
-"""Construction rules shared by the protocol structs (W§4.4).
+"""Construction rules shared by the protocol structs.
 
 A protocol struct built by user code sets ``protocol_version = 5`` itself and
 is validated before it is returned; a struct produced by the decoder is not
 validated at construction, so that decoding can validate in the exact order
-the protocol prescribes (W§7.3). msgspec builds decoded structs without
+the protocol prescribes. msgspec builds decoded structs without
 calling the class, so putting both rules in the metaclass's ``__call__``
 separates the two cases cleanly; the same hook gives constructor-only
 defaults to structs that are not validated at construction.
@@ -38,8 +38,8 @@ class BuildArgumentsMeta(msgspec.StructMeta):
     """Metaclass: a class's ``_build_arguments(args, kwargs)`` shapes constructor calls.
 
     It runs only when user code calls the class, never when the decoder builds
-    a struct: constructor defaults set there (W§6.1) are never decoding
-    defaults, so a field the wire must carry stays required (W§4.1).
+    a struct: constructor defaults set there are never decoding
+    defaults, so a field the wire must carry stays required.
     """
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:

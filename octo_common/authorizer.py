@@ -1,12 +1,13 @@
-"""The per-session authorizer: budgets and request identities (W§8).
+"""The per-session authorizer: budgets and request identities.
 
 A :class:`SessionAuthorizer` owns one session's manifest, its call and
 compensation budgets, the compensation identities it has admitted and the
 request ids it retains (at most 1024, each with a ``completed`` flag). Every
-``authorize_*`` method checks a request in the exact order of W§8.1-8.3 and
-returns an in-process authorization token; every ``validate_*`` method checks
-a result against such a token in the order of W§8.4. A compensation lookup
-(``reconcile_compensation``, D11) is authorized as a reconciliation: it spends
+``authorize_*`` method checks a request in one fixed order, every check before
+any mutation, and returns an in-process authorization token; every
+``validate_*`` method checks a result against such a token in one fixed
+order. A compensation lookup
+(``reconcile_compensation``) is authorized as a reconciliation: it spends
 a request id only.
 
 Rules this module keeps:
@@ -27,7 +28,7 @@ Rules this module keeps:
   the provenance.
 
 This module is pure: it must never do I/O, log, touch asyncio or keep keys.
-It has no cancellation methods (D9).
+It has no cancellation methods.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ RequestT = TypeVar(
 
 
 class _AuthorizationToken(Generic[RequestT]):
-    """Common behaviour of the authorization tokens (W§8, D11).
+    """Common behaviour of the authorization tokens.
 
     Tokens are immutable, in-process values issued only by a
     :class:`SessionAuthorizer`. They are equal only when their type, request,
@@ -208,13 +209,13 @@ class _AuthorizationToken(Generic[RequestT]):
 
 
 class AuthorizedInvocation(_AuthorizationToken[ToolInvocation]):
-    """Token for an ordinary ``invoke`` (W§8.1)."""
+    """Token for an ordinary ``invoke``."""
 
     __slots__ = ()
 
 
 class AuthorizedOperationInvocation(_AuthorizationToken[OperationDispatchRequest]):
-    """Token for a durable ``dispatch_operation`` (W§8.1)."""
+    """Token for a durable ``dispatch_operation``."""
 
     __slots__ = ("_input_fingerprint",)
 
@@ -239,7 +240,7 @@ class AuthorizedOperationInvocation(_AuthorizationToken[OperationDispatchRequest
 
 
 class AuthorizedOperationReconciliation(_AuthorizationToken[OperationReconcileRequest]):
-    """Token for a ``reconcile_operation`` (W§8.2)."""
+    """Token for a ``reconcile_operation``."""
 
     __slots__ = ()
 
@@ -249,7 +250,7 @@ class AuthorizedOperationReconciliation(_AuthorizationToken[OperationReconcileRe
 
 
 class AuthorizedOperationCompensation(_AuthorizationToken[OperationCompensationRequest]):
-    """Token for a ``compensate_operation`` (W§8.3)."""
+    """Token for a ``compensate_operation``."""
 
     __slots__ = ("_identity",)
 
@@ -270,7 +271,7 @@ class AuthorizedOperationCompensation(_AuthorizationToken[OperationCompensationR
 
 
 class AuthorizedCompensationReconciliation(_AuthorizationToken[CompensationReconcileRequest]):
-    """Token for a ``reconcile_compensation`` (D11): authorized as a reconciliation."""
+    """Token for a ``reconcile_compensation``: authorized as a reconciliation."""
 
     __slots__ = ()
 
@@ -287,7 +288,7 @@ class AuthorizedCompensationReconciliation(_AuthorizationToken[CompensationRecon
 
 
 class SessionAuthorizer:
-    """Budgets and request identities of one session (W§8)."""
+    """Budgets and request identities of one session."""
 
     __slots__ = (
         "_admitted",
@@ -377,7 +378,7 @@ class SessionAuthorizer:
     # -- request ids -----------------------------------------------------------
 
     def reserve_request_id(self, request_id: str) -> None:
-        """Retain ``request_id`` (W§8): duplicate first, then capacity."""
+        """Retain ``request_id``: duplicate first, then capacity."""
         validate_token("request id", request_id)
         self._check_request_id_free(request_id)
         self._check_request_capacity()
@@ -413,7 +414,7 @@ class SessionAuthorizer:
             raise InputTooLarge(size, grant.max_input_bytes)
 
     def _spend_call(self, request: ToolInvocation | OperationDispatchRequest) -> CapabilityGrant:
-        # W§8.1 steps 1-8; every check precedes the two mutations at the end.
+        # Every check precedes the two mutations at the end.
         grant = self._active_grant(request.session_id, request.tool)
         self._check_input(request.payload, grant)
         self._check_request_id_free(request.request_id)
@@ -426,7 +427,7 @@ class SessionAuthorizer:
         return grant
 
     def authorize(self, invocation: ToolInvocation) -> AuthorizedInvocation:
-        """Authorize an ordinary invocation, spending one call (W§8.1)."""
+        """Authorize an ordinary invocation, spending one call."""
         invocation.validate()
         grant = self._spend_call(invocation)
         token: AuthorizedInvocation = AuthorizedInvocation._issue(
@@ -437,7 +438,7 @@ class SessionAuthorizer:
     def authorize_operation(
         self, request: OperationDispatchRequest
     ) -> AuthorizedOperationInvocation:
-        """Authorize a durable dispatch; it spends a call like ``invoke`` (W§8.1)."""
+        """Authorize a durable dispatch; it spends a call like ``invoke``."""
         # The payload is checked against the grant's format in step 3.
         request.validate_header()
         grant = self._spend_call(request)
@@ -449,7 +450,7 @@ class SessionAuthorizer:
     def authorize_reconciliation(
         self, request: OperationReconcileRequest
     ) -> AuthorizedOperationReconciliation:
-        """Authorize a reconciliation: one request id, no call budget (W§8.2)."""
+        """Authorize a reconciliation: one request id, no call budget."""
         request.validate()
         grant = self._active_grant(request.session_id, request.tool)
         self._check_request_id_free(request.request_id)
@@ -463,7 +464,7 @@ class SessionAuthorizer:
     def authorize_compensation_reconciliation(
         self, request: CompensationReconcileRequest
     ) -> AuthorizedCompensationReconciliation:
-        """Authorize a compensation lookup exactly as a reconciliation (D11, W§8.2).
+        """Authorize a compensation lookup exactly as a reconciliation.
 
         Spends one request id and nothing else: no call or compensation
         budget, no compensation identity. Neither ``max_compensations`` nor
@@ -491,7 +492,7 @@ class SessionAuthorizer:
     def authorize_compensation(
         self, request: OperationCompensationRequest
     ) -> AuthorizedOperationCompensation:
-        """Authorize a compensation against the compensation budget (W§8.3).
+        """Authorize a compensation against the compensation budget.
 
         An identity this authorizer already admitted costs a request id but no
         budget; a new identity needs budget. The call budget is never spent.
@@ -550,7 +551,7 @@ class SessionAuthorizer:
         self._completed |= 1 << self._positions[request_id]
 
     def validate_result(self, auth: AuthorizedInvocation, result: ToolResult) -> None:
-        """Check an invocation result and mark its request completed (W§8.4)."""
+        """Check an invocation result and mark its request completed."""
         self._check_provenance(auth, AuthorizedInvocation)
         result.validate()
         self._check_result_session(result.session_id)
@@ -566,7 +567,7 @@ class SessionAuthorizer:
     def validate_operation_result(
         self, auth: AuthorizedOperationInvocation, result: OperationReconcileResult
     ) -> None:
-        """Check a dispatch's ``operation_result`` (W§8.4)."""
+        """Check a dispatch's ``operation_result``."""
         self._check_provenance(auth, AuthorizedOperationInvocation)
         result.validate()
         self._check_result_session(result.session_id)
@@ -579,7 +580,7 @@ class SessionAuthorizer:
     def validate_reconciliation_result(
         self, auth: AuthorizedOperationReconciliation, result: OperationReconcileResult
     ) -> None:
-        """Check a ``reconciled_operation`` result (W§8.4)."""
+        """Check a ``reconciled_operation`` result."""
         self._check_provenance(auth, AuthorizedOperationReconciliation)
         result.validate()
         self._check_result_session(result.session_id)
@@ -592,7 +593,7 @@ class SessionAuthorizer:
     def validate_compensation_result(
         self, auth: AuthorizedOperationCompensation, result: OperationCompensationResult
     ) -> None:
-        """Check a ``compensation_result`` (W§8.4)."""
+        """Check a ``compensation_result``."""
         self._check_provenance(auth, AuthorizedOperationCompensation)
         result.validate()
         self._check_result_session(result.session_id)
@@ -605,7 +606,7 @@ class SessionAuthorizer:
     def validate_compensation_reconciliation_result(
         self, auth: AuthorizedCompensationReconciliation, result: CompensationReconcileResult
     ) -> None:
-        """Check a ``reconciled_compensation`` result (D11; the order of W§8.4)."""
+        """Check a ``reconciled_compensation`` result, as the other results are checked."""
         self._check_provenance(auth, AuthorizedCompensationReconciliation)
         result.validate()
         self._check_result_session(result.session_id)
@@ -670,7 +671,7 @@ class SessionAuthorizer:
         )
 
     def export_state(self) -> AuthorizerState:
-        """Everything but provenance, in a canonical order (D4); O(retained ids)."""
+        """Everything but provenance, in a canonical order; O(retained ids)."""
         return self.export_state_at(self.checkpoint())
 
     @classmethod

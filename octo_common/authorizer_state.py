@@ -1,4 +1,4 @@
-"""What a session authorizer persists, and the checks a persisted state must pass (W§8, D4).
+"""What a session authorizer persists, and the checks a persisted state must pass.
 
 Owns the value types of a :class:`~octo_common.authorizer.SessionAuthorizer`'s
 state (:class:`CompensationIdentity`, :class:`RetainedRequestId`, the full
@@ -39,7 +39,7 @@ _MAX_U32 = 2**32 - 1
 
 
 class CompensationIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True, order=True):
-    """One admitted compensation identity (W§8.3 step 8).
+    """One admitted compensation identity.
 
     Field order is the sort order of ``AuthorizerState.compensation_identities``.
     """
@@ -60,7 +60,7 @@ class RetainedRequestId(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a :class:`SessionAuthorizer` persists except provenance (D4).
+    """Everything a :class:`SessionAuthorizer` persists except provenance.
 
     ``calls_by_tool`` and ``compensations_by_tool`` hold only non-zero
     counters, keys sorted; ``compensation_identities`` is sorted;
@@ -75,7 +75,7 @@ class AuthorizerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AuthorizerCheckpoint(msgspec.Struct, frozen=True):
-    """What a commit persists of a :class:`SessionAuthorizer` (D4, incremental form).
+    """What a commit persists of a :class:`SessionAuthorizer` (incremental form).
 
     The counters and identities as in :class:`AuthorizerState`; the retained
     request ids as their number (``retained``: they are the first

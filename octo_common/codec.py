@@ -1,8 +1,8 @@
-"""Strict JSON text <-> values and structs (W§5.1, W§5.4, W§5.5, D1).
+"""Strict JSON text <-> values and structs.
 
 Every JSON text Octo reads goes through this module:
 
-* ``parse_json`` parses with the strict rules of W§5.1 (no NaN/Infinity, no
+* ``parse_json`` parses with strict rules (no NaN/Infinity, no
   lone surrogates, no raw control characters, at most 128 open containers,
   numbers canonicalised by value) and returns native values.
 * ``decode_struct`` turns a text into a msgspec ``Struct`` type, rejecting
@@ -102,7 +102,7 @@ _FAST_CHECK_TABLE = bytes(
     0x30 if 0x30 <= b <= 0x39 else 0x5B if b in (0x5B, 0x7B) else 0x2D if b == 0x2D else 0x20
     for b in range(256)
 )
-# D1 keeps an integer exact only in [-2^63, 2^64-1]. Every integer outside that
+# An integer is kept exact only in [-2^63, 2^64-1]. Every integer outside that
 # range has at least 20 digits, or is negative with 19 (-2^63-1 has 19), while
 # msgspec keeps any integer exact: text holding such a run takes the strict path.
 _LONG_DIGIT_RUN = b"0" * 20
@@ -199,9 +199,9 @@ class _Parse:
 
 
 def parse_json(data: bytes | str) -> Any:
-    """Parse any JSON value strictly (W§5.1, D1); duplicate keys are last-wins.
+    """Parse any JSON value strictly; duplicate keys are last-wins.
 
-    Returns native values: ``int`` for an integer kept exact by D1, ``float``
+    Returns native values: ``int`` for an integer kept exact (in [-2^63, 2^64-1]), ``float``
     for every other number, ``str``, ``bool``, ``None``, ``list``, ``dict``.
     Raises ``SerializationError`` for every violation.
     """
@@ -215,7 +215,7 @@ def parse_json(data: bytes | str) -> Any:
 
 
 def canonical_value(value: Any) -> Any:
-    """Copy a Python JSON value into canonical form (D1), or raise.
+    """Copy a Python JSON value into canonical form, or raise.
 
     Integers outside [-2^63, 2^64-1] become doubles; tuples become lists;
     keys must be strings; NaN and infinities, and anything that is not a
@@ -278,7 +278,7 @@ def _check_text(text: str) -> None:
 
 
 def encode_value(value: Any) -> bytes:
-    """Compact encoding of a canonical value (keys sorted, numbers per W§5.5)."""
+    """Compact encoding of a canonical value (keys sorted, numbers in shortest round-trip form)."""
     try:
         return _VALUE_ENCODER.encode(value)
     except (TypeError, ValueError, OverflowError, UnicodeEncodeError, RecursionError) as exc:
@@ -286,7 +286,7 @@ def encode_value(value: Any) -> bytes:
 
 
 def compact_json(value: Any) -> bytes:
-    """The compact canonical encoding of a JSON value or an Octo struct (W§5.4)."""
+    """The compact canonical encoding of a JSON value or an Octo struct."""
     if isinstance(value, msgspec.Struct) or type(value) in _ENCODERS:
         return encode_struct(value)
     return encode_value(canonical_value(value))
@@ -308,7 +308,7 @@ def encode_struct(obj: Any) -> bytes:
 def _fast_candidate(raw: bytes) -> bool:
     shape = raw.translate(_FAST_CHECK_TABLE)
     # Few openers means no deep nesting; no long digit run means every integer
-    # lies inside D1's exact range.
+    # lies inside the exact range.
     return (
         shape.count(b"[") <= MAX_JSON_NESTING
         and _LONG_DIGIT_RUN not in shape
@@ -330,7 +330,7 @@ def _reject_struct_duplicates(tree: Any, duplicated: set[int]) -> None:
                 if key == "payload" and isinstance(child, dict):
                     if id(child) in duplicated:
                         raise _Reject("duplicate key in a struct")
-                    # A payload's value is a map: last-wins (D1).
+                    # A payload's value is a map: last-wins.
                     stack.extend(v for k, v in child.items() if k != "value")
                 else:
                     stack.append(child)

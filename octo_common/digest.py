@@ -1,4 +1,4 @@
-"""Every BLAKE3 derivation, each with its own domain (W§5.8, W§7, H§4–§8, H§17.2, D12).
+"""Every BLAKE3 derivation, each with its own domain.
 
 Domain strings are raw ASCII at the start of the hashed input, with no length
 prefix. ``LP(x)`` is the 8-byte big-endian length of ``x`` followed by ``x``.
@@ -37,7 +37,7 @@ FRAME_CIPHER_DOMAIN: Final = b"octo-frame-cipher-v1"
 ADAPTER_IDEMPOTENCY_KEY_CONTEXT: Final = "octo 2026-12 adapter idempotency key v1"
 
 AdapterIdempotencyKind = Literal["operation", "compensation", "invoke"]
-# D12: what each kind derives over, and the W§3 field its key is checked as.
+# What each kind derives over, and the field name its key is checked as.
 ADAPTER_IDEMPOTENCY_KINDS: Final = ("operation", "compensation", "invoke")
 
 
@@ -67,19 +67,19 @@ def derive_key(context: str, material: bytes) -> bytes:
 
 
 def worker_input_fingerprint(payload: ToolPayload) -> str:
-    """W§5.8: ``BLAKE3("octo-worker-operation-input-v1" ‖ canonical bytes)``."""
+    """``BLAKE3("octo-worker-operation-input-v1" ‖ canonical bytes)``."""
     from octo_common.payload import canonical_operation_input_bytes
 
     return blake3_hex(WORKER_INPUT_DOMAIN + canonical_operation_input_bytes(payload))
 
 
 def ledger_input_fingerprint(input_bytes: bytes) -> str:
-    """H§5: ``BLAKE3("octo-workflow-operation-input-v1" ‖ LP(input))``."""
+    """``BLAKE3("octo-workflow-operation-input-v1" ‖ LP(input))``."""
     return blake3_hex(LEDGER_INPUT_DOMAIN + lp(bytes(input_bytes)))
 
 
 def grant_fingerprint_of_encoding(encoded_grant: bytes) -> str:
-    """W§5.8: ``BLAKE3("octo-compensation-grant-v1" ‖ LP(E))`` over the compact grant."""
+    """``BLAKE3("octo-compensation-grant-v1" ‖ LP(E))`` over the compact grant."""
     return blake3_hex(GRANT_DOMAIN + lp(encoded_grant))
 
 
@@ -92,7 +92,7 @@ class _Step(Protocol):
 
 
 def plan_fingerprint(steps: Iterable[_Step]) -> str:
-    """H§4: ``BLAKE3(domain ‖ BE64(count) ‖ for each step: LP(id) ‖ LP(source))``."""
+    """``BLAKE3(domain ‖ BE64(count) ‖ for each step: LP(id) ‖ LP(source))``."""
     steps = list(steps)
     parts = [PLAN_DOMAIN, be64(len(steps))]
     for step in steps:
@@ -105,7 +105,7 @@ def plan_fingerprint_with_retries(steps: Iterable[tuple[_Step, bytes | None]]) -
     """The fingerprint of a plan where some step has a retry policy (its canonical
     encoding, None for a step without one):
     ``BLAKE3(retry domain ‖ BE64(count) ‖ for each step: LP(id) ‖ LP(source) ‖
-    (0x00 | 0x01 ‖ LP(policy)))``. A plan without any policy keeps the H§4
+    (0x00 | 0x01 ‖ LP(policy)))``. A plan without any policy keeps the plain
     fingerprint (:func:`plan_fingerprint`); the two domains never meet."""
     steps = list(steps)
     parts = [PLAN_RETRY_DOMAIN, be64(len(steps))]
@@ -135,7 +135,7 @@ def retry_key_for(plan_fingerprint_hex: str, first_operation_key: str, attempt: 
 def operation_key_for(
     plan_fingerprint_hex: str, step_id: str, tool: str, input_bytes: bytes, nonce: bytes
 ) -> str:
-    """H§6: ``"op-"`` + hex BLAKE3 over the plan, step, tool, input and nonce."""
+    """``"op-"`` + hex BLAKE3 over the plan, step, tool, input and nonce."""
     data = b"".join(
         (
             OPERATION_KEY_DOMAIN,
@@ -158,7 +158,7 @@ def compensation_key_for(
     input_bytes: bytes,
     nonce: bytes,
 ) -> str:
-    """H§8: ``"cmp-"`` + hex BLAKE3 over the original, tenant, grant, input, nonce."""
+    """``"cmp-"`` + hex BLAKE3 over the original, tenant, grant, input, nonce."""
     data = b"".join(
         (
             COMPENSATION_KEY_DOMAIN,
@@ -177,7 +177,7 @@ def compensation_key_for(
 def storage_record_tag(
     key: bytes, namespace: str, name: str, key_id: str, revision: int, payload: bytes
 ) -> str:
-    """H§17.2: keyed BLAKE3 over the record location, key id, revision and payload."""
+    """Keyed BLAKE3 over the record location, key id, revision and payload."""
     data = b"".join(
         (
             STORAGE_RECORD_DOMAIN,
@@ -193,19 +193,19 @@ def storage_record_tag(
 
 
 def message_id(frame: bytes) -> str:
-    """W§12.1: the AMQP ``message_id`` of a frame, hex BLAKE3 of its bytes."""
+    """The AMQP ``message_id`` of a frame, hex BLAKE3 of its bytes."""
     return blake3_hex(frame)
 
 
 def adapter_idempotency_key(scope: str, kind: AdapterIdempotencyKind, key: str) -> str:
-    """D12: the key an adapter names its effect by, unique across tenant scopes.
+    """The key an adapter names its effect by, unique across tenant scopes.
 
     64 lowercase hex of BLAKE3 ``derive_key`` with context
     ``"octo 2026-12 adapter idempotency key v1"`` over
     ``LP(scope) ‖ LP(kind) ‖ LP(key)``. ``kind`` is ``"operation"`` (``key``
     is the operation key), ``"compensation"`` (the ``cmp-`` compensation key)
     or ``"invoke"`` (the request id). ``scope`` must be a token (field
-    ``"tenant scope"``) and ``key`` must pass its own W§3 rule
+    ``"tenant scope"``) and ``key`` must pass its own syntax rule
     (``InvalidToken`` / ``InvalidCompensationKey``); any other kind is a
     programming error (``ValueError``).
     """

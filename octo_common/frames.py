@@ -1,7 +1,7 @@
-"""Keys, sealed frames and the replay window (W§7, D2, D3).
+"""Keys, sealed frames and the replay window.
 
 A frame is ``{"sequence":N,"message":{...},"auth_tag":"<64 hex>"}``; its tag
-is keyed BLAKE3 over the compact object of W§7.4, built from the parsed
+is keyed BLAKE3 over the compact tag-input object, built from the parsed
 message model (never from the received bytes). ``SessionAuthenticator``
 seals with a counter and opens through a sliding anti-replay window; nothing
 changes on any error. Keys are never printed, pickled, copied or serialised.
@@ -63,7 +63,7 @@ __all__ = [
 
 _ZERO_KEY: Final = bytes(32)
 _WINDOW_MASK: Final = (1 << REPLAY_WINDOW_SIZE) - 1
-# KeyFileRefused.reason -> InvalidScopeKey.reason (W§7.1 names three).
+# KeyFileRefused.reason -> InvalidScopeKey.reason (which has three reasons).
 _SCOPE_KEY_REASONS: Final[dict[str, str]] = {
     "missing": "unreadable",
     "unopenable": "unreadable",
@@ -116,7 +116,7 @@ class _SecretBytes:
 
 
 class ScopeKey(_SecretBytes):
-    """A tenant scope's 32-byte pre-shared key (W§7.1, D3)."""
+    """A tenant scope's 32-byte pre-shared key."""
 
     __slots__ = ()
 
@@ -144,7 +144,7 @@ class ScopeKey(_SecretBytes):
 
 
 class SessionKey(_SecretBytes):
-    """A session's 32-byte frame key (W§7.2)."""
+    """A session's 32-byte frame key."""
 
     __slots__ = ()
 
@@ -170,7 +170,7 @@ class SessionKey(_SecretBytes):
     def derive(
         cls, scope_key: ScopeKey, tenant_scope: str, session_id: str, key_nonce: bytes
     ) -> SessionKey:
-        """D3: BLAKE3 derive_key over scope key ‖ LP(scope) ‖ LP(session) ‖ nonce."""
+        """BLAKE3 derive_key over scope key ‖ LP(scope) ‖ LP(session) ‖ nonce."""
         validate_token("tenant scope", tenant_scope)
         validate_token("session id", session_id)
         if not isinstance(key_nonce, bytes | bytearray) or len(key_nonce) != KEY_NONCE_BYTES:
@@ -197,7 +197,7 @@ class SessionRole(enum.StrEnum):
 
 
 class AuthenticatorState(msgspec.Struct, frozen=True):
-    """Exported authenticator state (D2, D4): ``inbound_seen`` is the window bitmap."""
+    """Exported authenticator state: ``inbound_seen`` is the window bitmap."""
 
     next_outgoing: int
     inbound_highest: int
@@ -219,7 +219,7 @@ _TAG_DOMAIN_HEAD = (
 
 
 def _tag_head(sender: str, sequence: int, session_id: str) -> bytes:
-    """W§7.4: the tag input up to the message (session ids are tokens: no escaping)."""
+    """The tag input up to the message (session ids are tokens: no escaping)."""
     return b"".join(
         (
             _TAG_DOMAIN_HEAD,
@@ -234,7 +234,7 @@ def _tag_head(sender: str, sequence: int, session_id: str) -> bytes:
 
 
 def _tag_input(sender: str, sequence: int, session_id: str, message_bytes: bytes) -> bytes:
-    """The whole tag input P (W§7.4)."""
+    """The whole tag input P."""
     return _tag_head(sender, sequence, session_id) + message_bytes + b"}"
 
 
@@ -257,7 +257,7 @@ def _frame_bytes(sequence: int, message_bytes: bytes, tag_hex: str) -> bytes:
 
 
 def _validate_syntax(frame: _Frame) -> None:
-    """W§7.3: sequence 0, then the message, then the tag syntax."""
+    """Sequence 0, then the message, then the tag syntax."""
     if frame.sequence == 0:
         raise InvalidSequence()
     if frame.sequence > MAX_SEQUENCE:
@@ -295,7 +295,7 @@ def decode_frame(data: bytes) -> tuple[int, WorkerMessage, str, bytes]:
 
 
 def encode_frame(sequence: int, message: WorkerMessage, auth_tag: str) -> bytes:
-    """Validate the syntax, encode compactly, bound the length (W§7.3)."""
+    """Validate the syntax, encode compactly, bound the length."""
     frame = _Frame(sequence, message, auth_tag)
     _validate_syntax(frame)
     data = _frame_bytes(sequence, encode_struct(message), auth_tag)
@@ -308,7 +308,7 @@ def encode_frame(sequence: int, message: WorkerMessage, auth_tag: str) -> bytes:
 
 
 class SessionAuthenticator:
-    """Seals and opens the frames of one session for one role (W§7.5)."""
+    """Seals and opens the frames of one session for one role."""
 
     __slots__ = (
         "_cipher",
@@ -419,7 +419,7 @@ class SessionAuthenticator:
         return data
 
     def open(self, frame: bytes) -> WorkerMessage:
-        """Authenticate a frame and pass it through the replay window (D2).
+        """Authenticate a frame and pass it through the replay window.
 
         Raises ``DuplicateFrame`` (carrying the authenticated message) for a
         sequence already accepted, ``StaleFrame`` below the window. No state
@@ -484,5 +484,5 @@ class SessionAuthenticator:
         return auth
 
     def reserve_outgoing(self, minimum_next: int) -> None:
-        """Move the outbound counter forward to at least ``minimum_next`` (W§10.11 rule 2)."""
+        """Move the outbound counter forward to at least ``minimum_next``."""
         self._next_outgoing = max(self._next_outgoing, minimum_next)

@@ -1,4 +1,4 @@
-"""Capability grants, manifests and attenuation (W§4.1, W§5.8, W§6).
+"""Capability grants, manifests and attenuation.
 
 A grant names one tool, its payload format and its limits; a manifest is the
 set of grants of one session. Attenuation can lower a limit (the
@@ -100,7 +100,7 @@ def _normalise_resources(resources: Iterable[ResourceSelector]) -> tuple[Resourc
     return tuple(sorted(unique, key=ResourceSelector.sort_key))
 
 
-# W§6.1 constructor defaults for the three limits the wire must always carry.
+# Constructor defaults for the three limits the wire must always carry.
 _CONSTRUCTOR_DEFAULTS: tuple[tuple[str, int], ...] = (
     ("max_calls", DEFAULT_MAX_CALLS),
     ("max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
@@ -109,13 +109,13 @@ _CONSTRUCTOR_DEFAULTS: tuple[tuple[str, int], ...] = (
 
 
 class CapabilityGrant(msgspec.Struct, frozen=True, metaclass=BuildArgumentsMeta):
-    """A grant for one tool. Immutable; validated by ``validate()`` (W§6.1).
+    """A grant for one tool. Immutable; validated by ``validate()``.
 
     Decoding requires ``tool``, ``format``, ``max_calls``, ``max_input_bytes``
-    and ``max_output_bytes`` (W§4.1 states no default for them; a grant
+    and ``max_output_bytes`` (the wire has no default for them; a grant
     without one is a ``SerializationError``); only ``max_compensations`` (0)
     and ``resources`` (empty) may be absent. The constructor keeps the
-    defaults of W§6.1 for all five limits.
+    defaults for all five limits.
     """
 
     tool: str
@@ -190,12 +190,12 @@ class CapabilityGrant(msgspec.Struct, frozen=True, metaclass=BuildArgumentsMeta)
             validate_token("resource selector", resource.id)
 
     def compensation_fingerprint(self) -> str:
-        """W§5.8: BLAKE3 over the compact encoding of the whole grant."""
+        """BLAKE3 over the compact encoding of the whole grant."""
         self.validate()
         return grant_fingerprint_of_encoding(encode_struct(self))
 
     def attenuate(self, attenuation: GrantAttenuation) -> CapabilityGrant:
-        """W§6.3: lower limits or drop resources; never raise or add."""
+        """Lower limits or drop resources; never raise or add."""
         self.validate()
         a = attenuation
         calls = self.max_calls if a.max_calls is None else a.max_calls
@@ -267,7 +267,7 @@ class GrantAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class CapabilityManifest(ProtocolStruct, frozen=True):
-    """The grants of one session (W§6.2); version 5, validated at construction."""
+    """The grants of one session; version 5, validated at construction."""
 
     __versioned__ = True
 
@@ -319,7 +319,7 @@ class CapabilityManifest(ProtocolStruct, frozen=True):
         return [grant.tool for grant in self.grants]
 
     def attenuate(self, attenuation: ManifestAttenuation) -> CapabilityManifest:
-        """W§6.2–6.3: drop tools, lower limits; never add or widen."""
+        """Drop tools, lower limits; never add or widen."""
         self.validate()
         tools = {grant.tool for grant in self.grants}
         for tool in attenuation.grants:

@@ -1,7 +1,7 @@
-"""Syntax of tokens, keys, fingerprints and rejection codes (W§3, H§3).
+"""Syntax of tokens, keys, fingerprints and rejection codes.
 
 Pure predicates and validators; each failure raises the protocol's error
-class with the exact field name of W§3.
+class with the exact field name the protocol gives the value.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def is_fingerprint(value: object) -> bool:
 
 
 def validate_rejection_code(value: str) -> None:
-    """1..64 bytes, first in ``[a-z]``, the rest in ``[a-z0-9_]`` (D6)."""
+    """1..64 bytes, first in ``[a-z]``, the rest in ``[a-z0-9_]``."""
     if not (isinstance(value, str) and _REJECTION_CODE.fullmatch(value) is not None):
         raise InvalidToken("rejection code", value)
 

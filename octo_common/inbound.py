@@ -1,11 +1,11 @@
 """The inbound gate: what a delivery's size and headers say, before any frame is opened.
 
-Owns :func:`gate`, shared by the worker's delivery path (W§12.2 steps 1-3)
-and the host's reply path (H§16.3). From the body length, the AMQP headers
+Owns :func:`gate`, shared by the worker's delivery path (its first three checks)
+and the host's reply path. From the body length, the AMQP headers
 and a lookup of the receiver's sessions by id it returns exactly one of:
 
 * :class:`Refused`: dead-letter the delivery with ``reason`` (an error
-  code, W§12.3); nothing else happens to it;
+  code); nothing else happens to it;
 * :class:`Unrouted`: the headers are well-formed but no session of that id
   is known to the caller (the worker may be looking at an ``open_session``,
   a closed session or an unknown one; the host at a retired or unknown one);

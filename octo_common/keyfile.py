@@ -1,4 +1,4 @@
-"""The one reader of key files and other private files (W§7.1, H§17.1).
+"""The one reader of key files and other private files.
 
 Owns the file rule every key, storage key and password file obeys: the
 path names a regular file (never a symbolic link, FIFO, directory or

@@ -1,4 +1,4 @@
-"""Every hard bound of the protocol, in one place (W§2, H§2).
+"""Every hard bound of the protocol, in one place.
 
 Nothing here computes anything: modules import the names they enforce.
 """
@@ -9,7 +9,7 @@ from typing import Final
 
 PROTOCOL_VERSION: Final = 5
 
-# Frames and keys (W§2).
+# Frames and keys.
 MAX_WIRE_FRAME_BYTES: Final = 1_048_576
 AUTH_TAG_BYTES: Final = 32
 SESSION_KEY_BYTES: Final = 32
@@ -18,14 +18,14 @@ KEY_NONCE_BYTES: Final = 32
 REPLAY_WINDOW_SIZE: Final = 1024
 MAX_SEQUENCE: Final = 2**64 - 1  # never usable: the last usable sequence is 2^64 - 2
 
-# Payloads and JSON (W§2, W§5).
+# Payloads and JSON.
 MAX_OPERATION_ERROR_BYTES: Final = 4096
 MAX_JSON_PAYLOAD_DEPTH: Final = 32
 MAX_JSON_NESTING: Final = 128
 MIN_EXACT_INT: Final = -(2**63)
 MAX_EXACT_INT: Final = 2**64 - 1
 
-# Journal and sessions (W§2).
+# Journal and sessions.
 MAX_WORKER_OPERATION_RECORD_BYTES: Final = 1_032_192
 WORKER_OPERATION_JOURNAL_FORMAT_VERSION: Final = 2
 WORKER_SESSION_FORMAT_VERSION: Final = 1
@@ -37,7 +37,7 @@ MAX_REJECTION_CODE_BYTES: Final = 64
 DEFAULT_MAX_RECONCILIATIONS_PER_TOOL: Final = 16
 DEFAULT_MAX_RECONCILIATIONS_PER_SESSION: Final = 64
 
-# Grant defaults (W§2).
+# Grant defaults.
 DEFAULT_MAX_CALLS: Final = 1
 DEFAULT_MAX_INPUT_BYTES: Final = 16_384
 DEFAULT_MAX_OUTPUT_BYTES: Final = 65_536
@@ -45,7 +45,7 @@ DEFAULT_MAX_COMPENSATIONS: Final = 0
 MAX_U32: Final = 2**32 - 1
 MAX_U64: Final = 2**64 - 1
 
-# Host workflow (H§2).
+# Host workflow.
 MAX_WORKFLOW_STEPS: Final = 1024
 MAX_WORKFLOW_STEP_ID_BYTES: Final = 128
 MAX_WORKFLOW_PLAN_SOURCE_BYTES: Final = 1_048_576
@@ -59,7 +59,7 @@ MAX_ERROR_PREVIEW_BYTES: Final = 96
 # The payload codec of a session's frames (named in open_session).
 PAYLOAD_CODEC: Final = "chacha20-poly1305"
 
-# Storage (H§2, H§17).
+# Storage.
 STORAGE_KEY_BYTES: Final = 32
 MAX_STORAGE_KEY_ID_BYTES: Final = 64
 MAX_STORAGE_RECORD_NAMESPACE_BYTES: Final = 64

@@ -1,9 +1,9 @@
-"""Wire structs and the ``WorkerMessage`` tagged union (W§4, D6, D9, D11).
+"""Wire structs and the ``WorkerMessage`` tagged union.
 
 Every struct here is a frozen value that compares by value. Built by user
-code, a struct sets ``protocol_version = 5`` and validates itself (W§4.4);
-decoded from bytes, it is validated by ``decode_message`` in the order of
-W§4.2. Field order is the serialization order of W§4.1, which tags, sizes
+code, a struct sets ``protocol_version = 5`` and validates itself;
+decoded from bytes, it is validated by ``decode_message`` in one fixed
+order. Field order is the serialization order, which tags, sizes
 and fingerprints are computed over.
 """
 
@@ -86,7 +86,7 @@ def _is_reply_queue(name: str) -> bool:
     return isinstance(name, str) and name.startswith(prefix) and is_token(name[len(prefix) :])
 
 
-# Messages (W§4.2) -------------------------------------------------------------
+# Messages -------------------------------------------------------------
 
 
 class _Message(ProtocolStruct, frozen=True, tag_field="type"):
@@ -173,7 +173,7 @@ class ReconciledOperation(_Message, frozen=True, tag="reconciled_operation"):
 
 
 class ReconcileCompensation(_Message, frozen=True, tag="reconcile_compensation"):
-    """D11, host to worker."""
+    """A compensation lookup by its ``cmp-`` key, host to worker (no effect)."""
 
     request: CompensationReconcileRequest
 
@@ -182,7 +182,7 @@ class ReconcileCompensation(_Message, frozen=True, tag="reconcile_compensation")
 
 
 class ReconciledCompensation(_Message, frozen=True, tag="reconciled_compensation"):
-    """D11, worker to host."""
+    """What a compensation lookup observed, worker to host."""
 
     result: CompensationReconcileResult
 
@@ -224,7 +224,7 @@ class CloseSession(_Message, frozen=True, tag="close_session"):
 class RequestRejected(
     _Message, frozen=True, tag="request_rejected", forbid_unknown_fields=True, omit_defaults=True
 ):
-    """D6: a refused authenticated request; carries a code, never error text."""
+    """A refused authenticated request; carries a code, never error text."""
 
     __versioned__ = True
 
@@ -259,7 +259,7 @@ class RequestRejected(
             validate_compensation_key(self.compensation_key)
 
     def matches_request(self, request: Any) -> bool:
-        """W§4.3: version, session, request id; and keys when present."""
+        """Version, session, request id; and keys when present."""
         if not (
             self.protocol_version == getattr(request, "protocol_version", None)
             and self.session_id == getattr(request, "session_id", None)
@@ -383,7 +383,7 @@ def validate_message(message: Any) -> None:
 
 
 def encode_message(message: WorkerMessage) -> bytes:
-    """Validate, encode compactly, then bound the size (W§4.2)."""
+    """Validate, encode compactly, then bound the size."""
     validate_message(message)
     data = encode_struct(message)
     if len(data) > MAX_WIRE_FRAME_BYTES:

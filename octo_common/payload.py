@@ -1,7 +1,7 @@
-"""Tool payloads and canonical operation input bytes (W§5.2–5.6).
+"""Tool payloads and canonical operation input bytes.
 
 ``ToolPayload`` is an immutable value: a format (``"text"`` or ``"json"``)
-and a value. JSON values are held in canonical form (D1), so two payloads
+and a value. JSON values are held in canonical form, so two payloads
 are equal exactly when their canonical encodings are equal (``1`` and
 ``1.0`` differ; key order does not matter). A payload's repr never shows
 its value.
@@ -132,7 +132,7 @@ class ToolPayload:
         return deep
 
     def value_bytes(self) -> bytes:
-        """Compact canonical encoding of the value (W§5.4)."""
+        """Compact canonical encoding of the value."""
         data = self._value_bytes
         if data is None:
             data = encode_value(self._value)
@@ -149,7 +149,7 @@ class ToolPayload:
         return data
 
     def validate_for(self, expected_format: str) -> int:
-        """W§5.2: format, envelope, depth; returns the size checked against limits."""
+        """Format, envelope, depth; returns the size checked against limits."""
         if self._format != expected_format:
             raise PayloadFormatMismatch(expected_format, self._format)
         if self._format == "text":
@@ -161,7 +161,7 @@ class ToolPayload:
         return len(self.value_bytes())
 
     def canonical_bytes(self) -> bytes:
-        """``canonical_operation_input_bytes`` of this payload (W§5.6)."""
+        """``canonical_operation_input_bytes`` of this payload."""
         return canonical_operation_input_bytes(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -211,7 +211,7 @@ _set_deep = _slot_setter("_deep")
 
 
 def canonical_operation_input_bytes(payload: ToolPayload) -> bytes:
-    """W§5.6: ``b"text" ‖ u64_be(len) ‖ utf8`` or ``b"json" ‖ u64_be(len) ‖ C``."""
+    """``b"text" ‖ u64_be(len) ‖ utf8`` or ``b"json" ‖ u64_be(len) ‖ C``."""
     payload.validate_for(payload.format)
     if payload.format == "text":
         data = str(payload.value).encode("utf-8")

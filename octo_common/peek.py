@@ -21,7 +21,7 @@ from octo_common.ids import is_token
 
 __all__ = ["KEYED_REQUEST_TYPES", "header_text", "peek_operation_key"]
 
-# Every request about one operation key's row (W§10.5, D11): its handling
+# Every request about one operation key's row: its handling
 # holds that key's lock.
 KEYED_REQUEST_TYPES: Final = frozenset(
     {

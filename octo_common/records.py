@@ -1,8 +1,8 @@
 """Keyed storage records: identifiers, keyring, envelope, payload encryption, anchor format.
 
-This module owns the byte-level rules of authenticated storage (H§17.1-17.2,
-H§17.4 steps 1-14, H§17.9, H§17.10/H§18A.5) shared by the host ledger store
-and the worker journal store:
+This module owns the byte-level rules of authenticated storage (keys, the
+envelope and its tag, the checks of a read, encryption, the anchor's format)
+shared by the host ledger store and the worker journal store:
 
 * ``StorageKey``, ``StorageKeyId``, ``StorageRecordKey``, ``StorageKeyring``;
 * the backend value types ``StoredRecord``, ``StorageSnapshot``, ``Stored``,
@@ -98,7 +98,7 @@ _BASE64_TEXT = re.compile(r"[A-Za-z0-9+/]*")
 
 
 def _is_storage_token(value: object, maximum: int) -> bool:
-    # W§3 token syntax (ASCII only, so characters are bytes) with a tighter bound.
+    # The token syntax (ASCII only, so characters are bytes) with a tighter bound.
     return is_token(value) and len(value) <= maximum  # type: ignore[arg-type]
 
 
@@ -115,7 +115,7 @@ def _as_bytes(value: object, what: str) -> bytes:
     raise TypeError(f"{what} must be bytes")
 
 
-# Keys and identifiers (H§17.1) ----------------------------------------------
+# Keys and identifiers ----------------------------------------------
 
 
 class StorageKey:
@@ -214,7 +214,7 @@ def _storage_key(value: object) -> StorageKey:
 
 
 class StorageKeyring:
-    """One active write key plus any number of verification keys (H§17.1).
+    """One active write key plus any number of verification keys.
 
     Changed in place by ``add_read_key``, ``rotate_to`` and ``retire``. Not
     picklable or copyable; the repr shows only the active id and key count.
@@ -303,7 +303,7 @@ class StorageKeyring:
         raise TypeError("StorageKeyring cannot be copied")
 
 
-# Backend value types (H§17.3) -----------------------------------------------
+# Backend value types -----------------------------------------------
 
 
 class StoredRecord(msgspec.Struct, frozen=True):
@@ -350,7 +350,7 @@ class AuthenticatedRecord(msgspec.Struct, frozen=True):
         )
 
 
-# Floor rule (H§17.4 step 1) --------------------------------------------------
+# Floor rule --------------------------------------------------
 
 
 def validate_revision_pair(record_revision: int | None, floor: int) -> None:
@@ -361,7 +361,7 @@ def validate_revision_pair(record_revision: int | None, floor: int) -> None:
     * below the floor → ``RollbackDetected(r, floor)``;
     * above the floor → ``RevisionFloorMismatch(r, floor)``.
 
-    For a multi-row record (H§17.8) pass the head revision and the anchored
+    For a multi-row record pass the head revision and the anchored
     or expected head revision.
     """
     if record_revision is None:
@@ -376,7 +376,7 @@ def validate_revision_pair(record_revision: int | None, floor: int) -> None:
         raise RevisionFloorMismatch(record_revision, floor)
 
 
-# Envelope and tag (H§17.2) ---------------------------------------------------
+# Envelope and tag ---------------------------------------------------
 
 
 def storage_record_tag(
@@ -449,7 +449,7 @@ def seal_record(
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
-    """The stored envelope document (H§17.2); field order is the wire order."""
+    """The stored envelope document; field order is the wire order."""
 
     # format_version is hashed as one byte (u8); revisions are u64.
     format_version: Annotated[int, msgspec.Meta(ge=0, le=255)]
@@ -462,9 +462,9 @@ class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _parse_envelope(data: bytes) -> _Envelope:
-    """H§17.4 step 3: strict parse; unknown, duplicate, missing fields and
+    """Strict parse; unknown, duplicate, missing fields and
     wrong JSON types (a string format_version, a float revision) are all
-    ``InvalidEnvelope`` (H§18A.7)."""
+    ``InvalidEnvelope``."""
     envelope = decode_struct(data, _Envelope, error=InvalidEnvelope)
     if not _is_u64(envelope.revision):
         raise InvalidEnvelope("revision must be an unsigned 64-bit integer")
@@ -488,7 +488,7 @@ def open_record(
 ) -> AuthenticatedRecord:
     """Open an envelope read at ``backend_revision`` under ``record_key``.
 
-    Runs H§17.4 steps 2-14 in order (the floor check of step 1 is
+    Runs the checks of a read in this order (the floor check before them is
     ``validate_revision_pair``, done by the caller first):
     ``RecordTooLarge`` → ``InvalidEnvelope`` (strict parse, wrong types) →
     ``UnsupportedRecordFormat`` → ``InvalidRevision`` → ``RevisionMismatch``
@@ -528,7 +528,7 @@ def open_record(
     return AuthenticatedRecord(revision, StorageKeyId(key_id), payload)  # step 14
 
 
-# Optional payload encryption (H§17.9) ------------------------------------------
+# Optional payload encryption ------------------------------------------
 
 
 def _document_aad(namespace: str, name: str, item: str, revision: int) -> bytes:
@@ -603,7 +603,7 @@ def decrypt_document(
         raise InvalidEnvelope("encrypted payload does not decrypt") from None
 
 
-# Rollback anchor format (H§17.10, H§18A.5) -------------------------------------
+# Rollback anchor format -------------------------------------
 
 
 def encode_anchor(revisions: Mapping[StorageRecordKey, int]) -> bytes:

@@ -1,9 +1,9 @@
-"""The request and result bodies of the wire messages (W§4.1, D6, D9, D11).
+"""The request and result bodies of the wire messages.
 
 Every struct here is a frozen value that compares by value; field order is
-the serialization order of W§4.1, which tags, sizes and fingerprints are
+the serialization order, which tags, sizes and fingerprints are
 computed over. Built by user code, a struct sets ``protocol_version = 5``
-and validates itself (W§4.4). Import them from :mod:`octo_common.messages`,
+and validates itself. Import them from :mod:`octo_common.messages`,
 which carries them in its messages.
 """
 
@@ -56,7 +56,7 @@ class _Versioned(ProtocolStruct, frozen=True):
     __versioned__ = True
 
 
-# Requests and results (W§4.1) -----------------------------------------------
+# Requests and results -----------------------------------------------
 
 
 class ToolInvocation(_Versioned, frozen=True):
@@ -112,7 +112,7 @@ class ToolResult(_Versioned, frozen=True):
 
 
 class WorkerCancellationRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
-    """Reserved (D9): decodes and validates; a worker refuses it."""
+    """Reserved: decodes and validates; a worker refuses it."""
 
     protocol_version: U16
     session_id: str
@@ -143,7 +143,7 @@ class WorkerCancellationRequest(_Versioned, frozen=True, forbid_unknown_fields=T
 
 
 class WorkerCancellationResult(_Versioned, frozen=True, forbid_unknown_fields=True):
-    """Reserved (D9)."""
+    """Reserved."""
 
     protocol_version: U16
     session_id: str
@@ -327,7 +327,7 @@ class OperationReconcileResult(_Versioned, frozen=True):
         _check_status(self.status)
 
     def matches_request(self, request: Any) -> bool:
-        """W§4.3: equal version, session, request id, tool and operation key."""
+        """Equal version, session, request id, tool and operation key."""
         return bool(
             self.protocol_version == request.protocol_version
             and self.session_id == request.session_id
@@ -341,7 +341,7 @@ class OperationReconcileResult(_Versioned, frozen=True):
 
 
 class OperationCompensationBinding(ProtocolStruct, frozen=True):
-    """What a compensation is bound to (W§4.4)."""
+    """What a compensation is bound to."""
 
     tool: str
     operation_key: str
@@ -488,7 +488,7 @@ class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unkno
         _check_status(self.status)
 
     def matches_request(self, request: Any) -> bool:
-        """W§4.3: the five operation fields plus key, tenant and fingerprint."""
+        """The five operation fields plus key, tenant and fingerprint."""
         return bool(
             self.protocol_version == request.protocol_version
             and self.session_id == request.session_id
@@ -504,7 +504,7 @@ class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unkno
 class CompensationReconcileRequest(
     _CompensationFields, frozen=True, forbid_unknown_fields=True, omit_defaults=True
 ):
-    """D11: ask the worker to look a compensation up by its key (no effect).
+    """Ask the worker to look a compensation up by its key (no effect).
 
     The seven fields name the compensation exactly as the ledger and the
     journal hold it; there is no payload. Validated like the header of a
@@ -548,7 +548,7 @@ class CompensationReconcileRequest(
 
 
 class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
-    """D11: the status a compensation lookup observed (``reconciled_compensation``)."""
+    """The status a compensation lookup observed (``reconciled_compensation``)."""
 
     protocol_version: U16
     session_id: str
@@ -581,7 +581,7 @@ class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unkno
         _check_status(self.status)
 
     def matches_request(self, request: Any) -> bool:
-        """All eight identity fields equal (as W§4.3 for compensation results)."""
+        """All eight identity fields equal (the identity of a compensation result)."""
         return bool(
             self.protocol_version == request.protocol_version
             and self.session_id == request.session_id

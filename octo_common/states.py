@@ -1,4 +1,4 @@
-"""Operation and compensation states and their one transition table (W§9.3).
+"""Operation and compensation states and their one transition table.
 
 Everything that decides whether a state may follow another lives here, in
 one table, shared by the worker journal and the host ledger (h11's
@@ -65,7 +65,7 @@ class _State(msgspec.Struct, frozen=True, tag_field="state"):
     kind: ClassVar[StateKind]
 
     def validate(self) -> None:
-        """W§5.7: running, cancelled and pending are always valid."""
+        """Running, cancelled and pending are always valid."""
 
 
 class Pending(_State, frozen=True, tag="pending"):
@@ -226,7 +226,7 @@ _TRANSITIONS: dict[StateKind, frozenset[StateKind]] = {
 
 
 def accepts(current: Any, observed: Any) -> bool:
-    """W§9.3: may ``observed`` follow ``current``?
+    """May ``observed`` follow ``current``?
 
     With two state objects, a terminal ``succeeded``/``failed`` accepts only
     an exactly equal observation (payload / message compared exactly). With a
@@ -252,7 +252,7 @@ class _GrantLimits(Protocol):
 
 
 def validate_operation_status_for_grant(status: Any, grant: _GrantLimits) -> None:
-    """W§5.7: ``status.validate()``, then a success's format and size vs the grant."""
+    """``status.validate()``, then a success's format and size vs the grant."""
     status.validate()
     if isinstance(status, Succeeded):
         size = status.payload.validate_for(grant.format)

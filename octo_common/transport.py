@@ -1,9 +1,9 @@
-"""The RabbitMQ mapping of frames, as pure values (W§12, H§16.2-16.3, D8).
+"""The RabbitMQ mapping of frames, as pure values.
 
 This module owns every name of the broker topology (exchanges, queues,
 policy pattern), the AMQP header names, the properties of one publish
 (:class:`FrameEnvelope`) and the first two steps of the worker's delivery
-pipeline (:func:`check_delivery`, W§12.2 steps 1-2). It also defines the
+pipeline (:func:`check_delivery`). It also defines the
 errors a confirmed publish can end with, so that the worker daemon and the
 host client name the same failures.
 
@@ -80,7 +80,7 @@ __all__ = [
     "worker_queue",
 ]
 
-# Topology names (W§12.5).
+# Topology names.
 EXCHANGE: Final = "octo.v5"
 DEAD_EXCHANGE: Final = "octo.v5.dead"
 DEAD_QUEUE: Final = "octo.v5.dead"
@@ -127,7 +127,7 @@ DEAD_LOG_ARGUMENTS: Final[Mapping[str, int | str]] = {
     "x-stream-max-segment-size-bytes": DEAD_LOG_SEGMENT_BYTES,
 }
 
-# Properties and headers of every publish (W§12.1).
+# Properties and headers of every publish.
 CONTENT_TYPE: Final = "application/vnd.octo.frame+json"
 DELIVERY_MODE_PERSISTENT: Final = 2
 HEADER_SCOPE: Final = "octo-scope"
@@ -135,7 +135,7 @@ HEADER_SESSION: Final = "octo-session"
 HEADER_KEY_NONCE: Final = "octo-key-nonce"
 HEADER_REASON: Final = "octo-reason"
 
-# A dead-letter reason is an error code: the rejection-code syntax (D6).
+# A dead-letter reason is an error code: the rejection-code syntax.
 _REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
@@ -143,11 +143,11 @@ _REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 class PublishFailed(OctoError):
-    """A publish the broker did not confirm: it is a failed publish (W§12.1).
+    """A publish the broker did not confirm: it is a failed publish.
 
     A failed publish says nothing about whether a consumer will see the
-    frame; the caller may retry with the same frame bytes (H§16.2) or, on
-    the worker, reject the delivery it was answering (W§12.3).
+    frame; the caller may retry with the same frame bytes or, on
+    the worker, reject the delivery it was answering.
     """
 
     _fields: ClassVar[tuple[str, ...]] = ("routing_key",)
@@ -218,7 +218,7 @@ def scope_of_worker_queue(name: str) -> str | None:
 def host_id_of_reply_queue(name: object) -> str | None:
     """The host id of a reply queue name, or None if ``name`` is not one.
 
-    ``reply_to`` is unauthenticated (W§12.1); a worker can use this to refuse
+    ``reply_to`` is unauthenticated; a worker can use this to refuse
     replies to anything but a host reply queue.
     """
     if not isinstance(name, str) or not name.startswith(REPLY_QUEUE_PREFIX):
@@ -237,7 +237,7 @@ def frame_message_id(body: bytes) -> str:
 
 @dataclass(frozen=True, slots=True)
 class FrameEnvelope:
-    """Everything one publish of a frame needs (W§12.1).
+    """Everything one publish of a frame needs.
 
     ``exchange`` and ``routing_key`` say where it goes; ``headers`` are the
     three ``octo-*`` headers. Every publish is persistent
@@ -258,7 +258,7 @@ class FrameEnvelope:
 
 @dataclass(frozen=True, slots=True)
 class FrameRoute:
-    """Where one session's frames go in one direction, its names checked once (W§12.1).
+    """Where one session's frames go in one direction, its names checked once.
 
     ``headers`` are the three ``octo-*`` headers every frame of the session
     carries; ``reply_to`` is the host reply queue a host publish names (None
@@ -367,7 +367,7 @@ def build_host_publish(
     reply_to: str,
     correlation_id: str | None,
 ) -> FrameEnvelope:
-    """The publish of a host→worker frame (H§16.2).
+    """The publish of a host→worker frame.
 
     Routed to ``octo.v5.worker.<scope>`` through ``octo.v5``; ``reply_to``
     must be a host reply queue (:func:`reply_queue`); ``correlation_id`` is
@@ -386,7 +386,7 @@ def build_worker_reply(
     reply_to: str,
     correlation_id: str | None,
 ) -> FrameEnvelope:
-    """The publish of a worker→host reply (W§12.1, W§12.5).
+    """The publish of a worker→host reply.
 
     ``reply_to`` is the reply queue recorded from the session's accepted
     ``open_session`` delivery; it becomes the routing key. A reply carries no
@@ -401,7 +401,7 @@ def build_dead_letter_headers(
 ) -> dict[str, object]:
     """The headers of a dead-letter copy: the delivery's own plus ``octo-reason``.
 
-    ``reason`` is the error code that dead-lettered the frame (W§12.3); it
+    ``reason`` is the error code that dead-lettered the frame; it
     replaces any ``octo-reason`` the delivery already carried.
     """
     if not (isinstance(reason, str) and _REASON.fullmatch(reason)):
@@ -443,7 +443,7 @@ class DeliveryHeaders:
 def check_delivery(
     scope: str, body_len: int, headers: Mapping[str, object] | None
 ) -> DeliveryHeaders:
-    """W§12.2 steps 1-2 for a delivery on the queue of scope ``scope``, in order.
+    """The first two checks of a delivery on the queue of scope ``scope``, in order.
 
     1. ``body_len`` over 1 MiB raises ``WireFrameTooLarge``;
     2. ``octo-scope`` absent or different from ``scope`` raises

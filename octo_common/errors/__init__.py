@@ -1,16 +1,15 @@
-"""The Octo error hierarchy (W§13, H§18, PROTOCOL.md §3).
+"""The Octo error hierarchy.
 
 Every error derives from :class:`OctoError` and carries a stable snake_case
 ``code`` derived from its class name (``SerializationError`` is
 ``serialization``). Fields are positional, in the order the protocol lists
 them, and kept exactly on the instance for programs. ``str()`` escapes every
-untrusted string (H§15) and never shows keys, payloads or adapter text: an
+untrusted string and never shows keys, payloads or adapter text: an
 error that carries such material (``DuplicateFrame.message``,
 ``WorkerRequestRejected.rejection``) keeps it out of its text.
 
 The classes live by group: ``_base`` (``OctoError``, the groups, the
-escaping of untrusted text), ``protocol`` (W§13.1), ``worker`` (W§13.2,
-W§13.3, W§10.2), ``host`` (H§18.1, H§18.2) and ``storage`` (H§18.3);
+escaping of untrusted text), ``protocol``, ``worker``, ``host`` and ``storage``;
 import them from here. This package must never import anything else from
 Octo but ``octo_common.limits``.
 """

@@ -1,10 +1,10 @@
-"""The Octo error hierarchy (W§13, H§18, PROTOCOL.md §3).
+"""The Octo error hierarchy.
 
 Every error derives from :class:`OctoError` and carries a stable snake_case
 ``code`` derived from its class name (``SerializationError`` is
 ``serialization``). Fields are positional, in the order the protocol lists
 them, and kept exactly on the instance for programs. ``str()`` escapes every
-untrusted string (H§15) and never shows keys, payloads or adapter text: an
+untrusted string and never shows keys, payloads or adapter text: an
 error that carries such material (``DuplicateFrame.message``,
 ``WorkerRequestRejected.rejection``) keeps it out of its text.
 
@@ -28,7 +28,7 @@ def _code_for(name: str) -> str:
 
 
 def escape_untrusted(value: object) -> str:
-    """Render an untrusted value for an error text (H§15).
+    """Render an untrusted value for an error text.
 
     Strings are wrapped in backticks, cut to their first 96 UTF-8 bytes, with
     backslash and backtick escaped and every byte outside printable ASCII
@@ -118,28 +118,28 @@ def _rebuild_error(cls: type[OctoError], values: dict[str, Any]) -> OctoError:
 
 
 class ProtocolError(OctoError):
-    """Wire protocol, payload, grant, frame and authorizer errors (W§13.1)."""
+    """Wire protocol, payload, grant, frame and authorizer errors."""
 
 
 class JournalError(OctoError):
-    """Worker journal errors (W§13.2)."""
+    """Worker journal errors."""
 
 
 class WorkerError(OctoError):
-    """Worker runtime errors (W§13.3)."""
+    """Worker runtime errors."""
 
 
 class WorkerAdapterError(OctoError):
-    """Errors an adapter reports (W§10.2)."""
+    """Errors an adapter reports."""
 
 
 class LedgerError(OctoError):
-    """Host ledger errors (H§18.1)."""
+    """Host ledger errors."""
 
 
 class WorkflowError(OctoError):
-    """Host workflow errors (H§18.2)."""
+    """Host workflow errors."""
 
 
 class StorageError(OctoError):
-    """Authenticated storage errors (H§18.3)."""
+    """Authenticated storage errors."""

@@ -1,4 +1,4 @@
-"""Host errors: the ledger (H§18.1) and workflows (H§18.2)."""
+"""Host errors: the ledger and workflows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from octo_common.errors._base import (
     escape_untrusted,
 )
 
-# Ledger (H§18.1) ------------------------------------------------------------
+# Ledger ------------------------------------------------------------
 
 
 class LedgerTooLarge(LedgerError):
@@ -209,7 +209,7 @@ class WorkerRequestRejected(LedgerError):
         return str(getattr(self.rejection, "code", ""))
 
 
-# Workflow (H§18.2) ----------------------------------------------------------
+# Workflow ----------------------------------------------------------
 
 
 class PlanOwnershipMismatch(WorkflowError):

@@ -1,4 +1,4 @@
-"""Protocol errors (W§13.1)."""
+"""Protocol errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from octo_common.errors._base import (
     ProtocolError,
 )
 
-# Protocol (W§13.1) ----------------------------------------------------------
+# Protocol ----------------------------------------------------------
 
 
 class UnsupportedVersion(ProtocolError):

@@ -1,4 +1,4 @@
-"""Authenticated storage errors (H§18.3) and configuration errors."""
+"""Authenticated storage errors and configuration errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from octo_common.errors._base import (
     StorageError,
 )
 
-# Storage (H§18.3) -----------------------------------------------------------
+# Storage -----------------------------------------------------------
 
 
 class InvalidStorageKey(StorageError):

@@ -1,4 +1,4 @@
-"""Worker errors: the journal (W§13.2), the worker (W§13.3) and adapters (W§10.2)."""
+"""Worker errors: the journal, the worker and adapters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from octo_common.errors._base import (
     WorkerError,
 )
 
-# Journal (W§13.2) -----------------------------------------------------------
+# Journal -----------------------------------------------------------
 
 
 class UnsupportedOperationJournalVersion(JournalError):
@@ -98,7 +98,7 @@ class InvalidWorkerCompensationTransition(JournalError):
     observed: Any
 
 
-# Worker (W§13.3) ------------------------------------------------------------
+# Worker ------------------------------------------------------------
 
 
 class ZeroPerToolReconciliationLimit(WorkerError):
@@ -238,7 +238,7 @@ class ReplyQueueNotAllowed(WorkerError):
     )
 
 
-# Adapter (W§10.2) -----------------------------------------------------------
+# Adapter -----------------------------------------------------------
 
 
 class AdapterUnsupported(WorkerAdapterError):

@@ -1,4 +1,4 @@
-"""The rollback anchor file, written and read the same way by both stores (H§17.10).
+"""The rollback anchor file, written and read the same way by both stores.
 
 Owns the file handling of an anchor: an atomic replace (``<path>.tmp``
 opened without following links, created ``0o600`` and forced to it with

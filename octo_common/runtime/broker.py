@@ -1,4 +1,4 @@
-"""Confirmed publish and the dead-letter copy, the same for worker and host (W§12.1, W§12.3).
+"""Confirmed publish and the dead-letter copy, the same for worker and host.
 
 Owns :func:`publish_confirmed` (one persistent, mandatory,
 publisher-confirmed publish that returns only on the broker's ``basic.ack``
@@ -106,7 +106,7 @@ async def publish_confirmed(
     ``PublishTimedOut`` (no confirm within ``timeout`` seconds: the frame may
     or may not be enqueued) or ``PublishChannelClosed`` (channel or
     connection lost, or publishing to a missing exchange). Every one of them
-    is a failed publish (W§12.1) that the caller may retry with the same
+    is a failed publish that the caller may retry with the same
     bytes. The channel must be in confirm mode with ``on_return_raises``.
     """
     if not channel.publisher_confirms:
@@ -249,7 +249,7 @@ async def publish_envelope(channel: Channel, envelope: FrameEnvelope, *, timeout
     )
 
 
-# Dead-lettering (W§12.3) -----------------------------------------------------------
+# Dead-lettering -----------------------------------------------------------
 
 
 async def copy_to_dead_letter(
@@ -304,7 +304,7 @@ async def dead_letter_delivery(
     consume_channel: Channel | None = None,
     routing_key: str = "",
 ) -> bool:
-    """W§12.3: the confirmed copy, then ack; without a confirmed copy, reject (no requeue).
+    """The confirmed copy, then ack; without a confirmed copy, reject (no requeue).
 
     Returns whether the copy was confirmed. When ``consume_channel`` (the
     channel the delivery came on) is closed, the delivery is left unsettled:

@@ -1,4 +1,4 @@
-"""Manual-ack consumption at the channel level, the same for worker and host (W§12.2, H§16.3).
+"""Manual-ack consumption at the channel level, the same for worker and host.
 
 Owns :class:`Received` (one delivery as the broker sent it: body, the AMQP
 properties read from the frame on access, the delivery tag and a settle

@@ -1,4 +1,4 @@
-"""Key and secret files named by a worker or host configuration (W§7.1, H§17.1).
+"""Key and secret files named by a worker or host configuration.
 
 Owns the translation of the one file rule (:mod:`octo_common.keyfile`) into
 configuration errors that name the configuration key
@@ -156,7 +156,7 @@ def read_secret_text(path: Path, where: str) -> str:
         raise InvalidConfiguration(f"{where}: {path} is not UTF-8 text") from None
 
 
-# KeyFileRefused.reason -> the note of InvalidStorageKey (H§17.1).
+# KeyFileRefused.reason -> the note of InvalidStorageKey.
 _STORAGE_KEY_NOTES: Final[dict[str, str]] = {
     "missing": "unreadable",
     "unopenable": "unreadable",

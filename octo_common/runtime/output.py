@@ -76,7 +76,7 @@ EXIT_CHECK_FAILED: Final = 1  # a check failed, refused, not found, an internal 
 EXIT_USAGE: Final = 2  # usage or configuration error
 EXIT_BROKER: Final = 3  # broker unreachable or a publish failed
 EXIT_STORAGE: Final = 4  # journal or ledger storage error
-EXIT_SUPERSEDED: Final = 5  # another worker's fence took every scope (D13)
+EXIT_SUPERSEDED: Final = 5  # another worker's fence took every scope
 
 
 class CliError(Exception):

@@ -1,4 +1,4 @@
-"""PostgreSQL for both stores: where it is, how it is opened and migrated, how it fails (D13).
+"""PostgreSQL for both stores: where it is, how it is opened and migrated, how it fails.
 
 Owns the checks of the ``[storage]`` values a PostgreSQL store is built
 from (a ``postgresql://`` URL that never carries a password, a schema name

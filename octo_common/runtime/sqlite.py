@@ -1,4 +1,4 @@
-"""The SQLite database thread and schema migration both stores share (W§11, H§17.7).
+"""The SQLite database thread and schema migration both stores share.
 
 Owns :class:`DatabaseThread`: one dedicated daemon thread that owns a
 database connection and runs the work handed to it, in submission order,
