@@ -1,6 +1,6 @@
 """The host's own RabbitMQ helpers: connect, declare its reply queue, consume it.
 
-Owns the few broker operations the host client needs (W§12.5, H§16.2): a
+Owns the few broker operations the host client needs: a
 plain (non-robust) connection, a channel in confirm mode, the idempotent
 declaration of the ``octo.v5`` exchange and of this host's quorum reply
 queue ``octo.v5.reply.<host-id>``, and its consumer. The confirmed publish and the
@@ -103,7 +103,7 @@ async def open_confirm_channel(connection: AbstractConnection) -> AbstractChanne
 
 async def declare_reply_queue(channel: AbstractChannel, host_id: str) -> str:
     """Declare ``octo.v5`` (durable, direct) and this host's quorum reply queue,
-    bound to it under its own name (W§12.5). Idempotent; returns the queue name."""
+    bound to it under its own name. Idempotent; returns the queue name."""
     name = reply_queue(host_id)
     try:
         exchange = await channel.declare_exchange(

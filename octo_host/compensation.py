@@ -1,4 +1,4 @@
-"""Compensation targets, verifier protocols, actions and approvals (H§7, H§13, H§14).
+"""Compensation targets, verifier protocols, actions and approvals.
 
 This module owns the host's compensation authority values: the target bundle
 handed to every hardened engine call, the two synchronous verifier protocols
@@ -35,7 +35,7 @@ __all__ = [
 
 
 class WorkflowCompensationAction:
-    """What an action verifier decides on (H§13). Built by the engine only.
+    """What an action verifier decides on. Built by the engine only.
 
     ``compensation_input`` holds the exact canonical inverse bytes; the repr
     shows only their length.
@@ -110,7 +110,7 @@ class CompensationActionVerifier(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class WorkflowCompensationTarget:
-    """The bundle every hardened compensation call takes (H§13).
+    """The bundle every hardened compensation call takes.
 
     The verifiers are trusted host policy objects; the repr never shows them.
     """
@@ -171,7 +171,7 @@ _ISSUER = object()
 
 
 class CompensationApproval:
-    """A one-use, process-local permission to seal one compensation frame (H§14).
+    """A one-use, process-local permission to seal one compensation frame.
 
     Binds engine, plan object, ledger revision, both keys, input fingerprint,
     tenant, grant fingerprint and session. Never serialized or copied.

@@ -29,7 +29,7 @@ Keys (relative paths are relative to the file's directory;
     key = { id = "h1", key_file = "keys/ledger-h1.key" }   # seals every record
     read_keys = [{ id = "h0", key_file = "keys/ledger-h0.key" }]  # rotation: verify only
 
-    [storage]                        # optional: the ledger in PostgreSQL instead (D13)
+    [storage]                        # optional: the ledger in PostgreSQL instead
     url = "postgresql://octo-host@db.example:5432/octo"   # no password here ...
     password_file = "keys/ledger-db.password"            # ... but in this 0600 file
     schema = "octo_ledger"           # the tables' schema; hosts sharing one ledger use one

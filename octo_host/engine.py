@@ -1,4 +1,4 @@
-"""The workflow engine: plans, ownership, keys, requests, frames and approvals (H§4-H§12).
+"""The workflow engine: plans, ownership, keys, requests, frames and approvals.
 
 It owns the identity counters and every engine method's check order: recording
 operations and compensations, building and sealing dispatch, reconciliation
@@ -100,14 +100,14 @@ RequestT_co = TypeVar(
 
 @dataclass(frozen=True, slots=True)
 class OutboundFrame(Generic[RequestT_co]):
-    """A sealed frame and the request it carries (H§18A.8). Publish ``frame`` only
+    """A sealed frame and the request it carries. Publish ``frame`` only
     after the ledger revision that justifies it is durable."""
 
     request: RequestT_co
     frame: bytes
 
 
-# Process-wide engine ids start at 1 (H§4); the lock keeps them unique across threads.
+# Process-wide engine ids start at 1; the lock keeps them unique across threads.
 _ENGINE_IDS = itertools.count(1)
 _ENGINE_IDS_LOCK = threading.Lock()
 
@@ -149,12 +149,12 @@ class WorkflowEngine:
     def __repr__(self) -> str:
         return f"WorkflowEngine(engine_id={self._engine_id})"
 
-    # Plans and ledgers (H§4, H§12.1) -------------------------------------------
+    # Plans and ledgers -------------------------------------------
 
     def plan(self, steps: Sequence[WorkflowStep]) -> WorkflowPlan:
         """Check and fingerprint ``steps``; the plan gets this engine's next plan id."""
         plan = build_plan(self._engine_id, self._next_plan_id, steps)
-        # Saturating (H§18A.8): ids stop at 2^64 - 1 rather than wrap.
+        # Saturating: ids stop at 2^64 - 1 rather than wrap.
         self._next_plan_id = min(self._next_plan_id + 1, MAX_U64)
         return plan
 
@@ -170,7 +170,7 @@ class WorkflowEngine:
     def validate_operation_ledger(
         self, plan: WorkflowPlan, ledger: WorkflowOperationLedger
     ) -> None:
-        """Own, then syntax, plan fingerprint and step ids (H§12.1)."""
+        """Own, then syntax, plan fingerprint and step ids."""
         self._own(plan)
         ledger.validate_for(plan)
 
@@ -181,7 +181,7 @@ class WorkflowEngine:
         self.validate_operation_ledger(plan, ledger)
         ledger.validate_minimum_revision(minimum)
 
-    # Operations (H§6, H§12.2) ----------------------------------------------------
+    # Operations ----------------------------------------------------
 
     def derive_operation_key(
         self,
@@ -191,7 +191,7 @@ class WorkflowEngine:
         input: bytes,
         nonce: bytes,
     ) -> str:
-        """The ``op-`` key for this plan, step, tool, input and nonce (H§6)."""
+        """The ``op-`` key for this plan, step, tool, input and nonce."""
         self._own(plan)
         if not plan.has_step(step_id):
             raise UnknownStep(step_id)
@@ -231,7 +231,7 @@ class WorkflowEngine:
         self.record_operation(plan, ledger, step_id, tool, operation_key, input)
         return operation_key
 
-    # Dispatch (H§12.3) -------------------------------------------------------------
+    # Dispatch -------------------------------------------------------------
 
     def operation_dispatch_request(
         self,
@@ -323,7 +323,7 @@ class WorkflowEngine:
         state = self.apply_verified_operation_dispatch_result(plan, ledger, request, result)
         return state, result
 
-    # Reconciliation (H§12.4) -------------------------------------------------------
+    # Reconciliation -------------------------------------------------------
 
     def operation_reconcile_request(
         self,
@@ -368,7 +368,7 @@ class WorkflowEngine:
         request: OperationReconcileRequest,
         result: OperationReconcileResult,
     ) -> OperationStatus:
-        """Apply an authenticated reconciliation result (H§11.4)."""
+        """Apply an authenticated reconciliation result."""
         self._own(plan)
         ledger.validate_for(plan)
         return ledger.apply_verified_reconciliation(request, result)
@@ -384,7 +384,7 @@ class WorkflowEngine:
         """Open a ``reconciled_operation`` frame and apply it; returns the state."""
         return self.apply_reply(RequestKind.RECONCILE, plan, ledger, request, auth, frame)
 
-    # Compensation keys and records (H§8, H§12.5) -------------------------------------
+    # Compensation keys and records -------------------------------------
 
     def derive_compensation_key(
         self,
@@ -395,7 +395,7 @@ class WorkflowEngine:
         input: bytes,
         nonce: bytes,
     ) -> str:
-        """The ``cmp-`` key of a succeeded operation under ``policy`` (H§8); no grant,
+        """The ``cmp-`` key of a succeeded operation under ``policy``; no grant,
         no verifier, an existing compensation ignored."""
         self.validate_operation_ledger(plan, ledger)
         policy.validate_syntax()
@@ -425,7 +425,7 @@ class WorkflowEngine:
         compensation_key: str,
         input: bytes,
     ) -> None:
-        """Record a compensation intent with **no verifier** (H§12.5); a host records
+        """Record a compensation intent with **no verifier**; a host records
         through ``record_compensation_with_action_verifier``."""
         self._own(plan)
         ledger.validate_for(plan)
@@ -479,7 +479,7 @@ class WorkflowEngine:
         self.record_compensation_with_action_verifier(plan, ledger, target, compensation_key, input)
         return compensation_key
 
-    # Approval and sealing (H§12.6, H§12.7, H§14) ---------------------------------------
+    # Approval and sealing ---------------------------------------
 
     def approve_compensation(
         self,
@@ -489,7 +489,7 @@ class WorkflowEngine:
         input: bytes,
         auth: SessionAuthenticator,
     ) -> CompensationApproval:
-        """Issue a one-use approval for the recorded compensation (H§12.6)."""
+        """Issue a one-use approval for the recorded compensation."""
         if auth.role != SessionRole.HOST:
             raise CompensationDispatchRequiresHostAuthenticator()
         self.validate_operation_ledger(plan, ledger)
@@ -531,7 +531,7 @@ class WorkflowEngine:
         approval: CompensationApproval,
         auth: SessionAuthenticator,
     ) -> OutboundFrame[OperationCompensationRequest]:
-        """Seal ``compensate_operation`` under a fresh approval (H§12.7).
+        """Seal ``compensate_operation`` under a fresh approval.
 
         The approval is spent on entry, whatever the outcome.
         """
@@ -583,7 +583,7 @@ class WorkflowEngine:
         target.verify_action_current(plan, operation, canonical_input)
         return _sealed(rule, auth, request)
 
-    # Compensation results (H§12.8) ---------------------------------------------------
+    # Compensation results ---------------------------------------------------
 
     def apply_verified_operation_compensation(
         self,
@@ -608,7 +608,7 @@ class WorkflowEngine:
         """Open a ``compensation_result`` frame and apply it; returns the state."""
         return self.apply_reply(RequestKind.COMPENSATE, plan, ledger, request, auth, frame)
 
-    # Compensation reconciliation (D11) ---------------------------------------------------
+    # Compensation reconciliation ---------------------------------------------------
 
     def compensation_reconcile_request(
         self,
@@ -674,7 +674,7 @@ class WorkflowEngine:
             RequestKind.RECONCILE_COMPENSATION, plan, ledger, request, auth, frame
         )
 
-    # Replies of every kind (H§12.3, H§12.4, H§12.8) ---------------------------------------
+    # Replies of every kind ---------------------------------------
 
     def apply_reply(
         self,

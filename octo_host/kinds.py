@@ -26,4 +26,4 @@ class RequestKind(StrEnum):
     COMPENSATE = "compensate"
     """``compensate_operation``, answered by ``compensation_result``."""
     RECONCILE_COMPENSATION = "reconcile_compensation"
-    """``reconcile_compensation`` (D11), answered by ``reconciled_compensation``."""
+    """``reconcile_compensation``, answered by ``reconciled_compensation``."""

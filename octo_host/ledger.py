@@ -1,10 +1,10 @@
-"""The host's workflow operation ledger: pure state machine and strict JSON (H§9 to H§11).
+"""The host's workflow operation ledger: pure state machine and strict JSON.
 
 This module owns the ledger's data model (operations and their one
 compensation, as fingerprints and state kinds), its syntax rules, the
 revision rule, its compact JSON encoding with the conservative size bound and
 its strict decoding, and the ledger-level methods that stores and the engine
-build on, the compensation lookup of D11 included.
+build on, the compensation lookup included.
 
 It must never store raw input, output, worker error text, step source,
 grants, approvals or session data; never call a verifier; never do I/O; and
@@ -87,7 +87,7 @@ from octo_host.policy import WorkflowCompensationPolicy
 
 __all__ = ["WorkflowCompensation", "WorkflowOperation", "WorkflowOperationLedger"]
 
-# H§9 step 2: the conservative bound, fixed per record plus the variable fields.
+# The conservative bound, fixed per record plus the variable fields.
 _BOUND_BASE = 224
 _BOUND_PER_OPERATION = 256
 _BOUND_PER_COMPENSATION = 320
@@ -123,7 +123,7 @@ def _next_revision(revision: int) -> int:
 
 
 class WorkflowOperationLedger:
-    """The durable record of one workflow run's operations (H§9).
+    """The durable record of one workflow run's operations.
 
     Mutable in place through its methods (and the engine's); every method
     checks first and mutates last, so a failed call leaves it exactly as it was.
@@ -210,7 +210,7 @@ class WorkflowOperationLedger:
     # Validation -----------------------------------------------------------------
 
     def validate_syntax(self) -> None:
-        """H§9 ledger syntax, first error wins."""
+        """The ledger's syntax, first error wins."""
         if self._format_version != WORKFLOW_OPERATION_LEDGER_FORMAT_VERSION:
             raise UnsupportedLedgerVersion(self._format_version)
         if not _fingerprint(self._plan_fingerprint):
@@ -271,7 +271,7 @@ class WorkflowOperationLedger:
         return bound
 
     def to_json(self) -> str:
-        """Compact JSON in declaration order (H§9): syntax, bound, encode, size."""
+        """Compact JSON in declaration order: syntax, bound, encode, size."""
         self.validate_syntax()
         if self._size_bound() > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
             raise LedgerTooLarge()
@@ -291,7 +291,7 @@ class WorkflowOperationLedger:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkflowOperationLedger:
-        """Strict decode (H§9): size before parse, any parse failure is
+        """Strict decode: size before parse, any parse failure is
         ``InvalidLedgerEncoding``, then ``validate_syntax``."""
         size = _utf8_len(text) if isinstance(text, str) else len(text)
         if size > MAX_WORKFLOW_OPERATION_LEDGER_BYTES:
@@ -317,7 +317,7 @@ class WorkflowOperationLedger:
     # Mutations ------------------------------------------------------------------
 
     def record(self, step_id: str, tool: str, operation_key: str, input: bytes) -> None:
-        """Append a pending operation (H§11.1). Does not check the step against a plan."""
+        """Append a pending operation. Does not check the step against a plan."""
         self.validate_syntax()
         _check_input_size(input)
         if len(self._operations) >= MAX_WORKFLOW_OPERATIONS:
@@ -401,7 +401,7 @@ class WorkflowOperationLedger:
         compensation_key: str,
         input: bytes,
     ) -> None:
-        """Record the one compensation intent of a succeeded operation (H§11.2)."""
+        """Record the one compensation intent of a succeeded operation."""
         self.validate_syntax()
         policy.validate_syntax()
         _check_input_size(input)
@@ -437,7 +437,7 @@ class WorkflowOperationLedger:
         *,
         resolution: Resolution | None = None,
     ) -> OperationReconcileRequest:
-        """Build a reconcile request for a recorded operation (H§11.3); any state. It
+        """Build a reconcile request for a recorded operation; any state. It
         carries no input: ``input`` (optional) is checked against the fingerprint; with
         ``resolution`` it carries an operator's decision."""
         self.validate_syntax()
@@ -455,7 +455,7 @@ class WorkflowOperationLedger:
     def apply_verified_reconciliation(
         self, request: OperationReconcileRequest, result: OperationReconcileResult
     ) -> OperationStatus:
-        """Apply an authenticated reconciliation or dispatch result (H§11.4).
+        """Apply an authenticated reconciliation or dispatch result.
 
         Returns the observed status; only its state kind is kept.
         """
@@ -560,7 +560,7 @@ class WorkflowOperationLedger:
     def apply_verified_compensation(
         self, request: OperationCompensationRequest, result: OperationCompensationResult
     ) -> OperationStatus:
-        """Apply an authenticated compensation result (H§11.5); only the
+        """Apply an authenticated compensation result; only the
         compensation state can change."""
         index, compensation = self._answered_compensation(request, result)
         compensation.verify_input(canonical_operation_input_bytes(request.payload))
@@ -574,7 +574,7 @@ class WorkflowOperationLedger:
         *,
         resolution: Resolution | None = None,
     ) -> CompensationReconcileRequest:
-        """Build the lookup of an operation's recorded compensation (D11); any state.
+        """Build the lookup of an operation's recorded compensation; any state.
 
         The mirror of :meth:`reconcile_request` for the compensation: the
         request names the compensation exactly as recorded (tool, keys,
@@ -607,7 +607,7 @@ class WorkflowOperationLedger:
     def apply_verified_compensation_reconciliation(
         self, request: CompensationReconcileRequest, result: CompensationReconcileResult
     ) -> OperationStatus:
-        """Apply an authenticated compensation lookup (D11); only the compensation moves.
+        """Apply an authenticated compensation lookup; only the compensation moves.
 
         The mirror of :meth:`apply_verified_reconciliation` with the identity
         checks of :meth:`apply_verified_compensation`: a ``pending`` or
@@ -629,7 +629,7 @@ class WorkflowOperationLedger:
         request: OperationCompensationRequest | CompensationReconcileRequest,
         result: OperationCompensationResult | CompensationReconcileResult,
     ) -> tuple[int, WorkflowCompensation]:
-        """The recorded compensation a worker answered for, checked in the H§11.5 order:
+        """The recorded compensation a worker answered for, checked in this order:
         syntax, request, result, result against request (``CompensationRequestMismatch``),
         the operation (``UnknownOperation``), its tool, its compensation
         (``UnknownCompensation``). Changes nothing."""

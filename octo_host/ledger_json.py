@@ -1,4 +1,4 @@
-"""The host ledger's strict JSON documents (H§9): what is read and what is written.
+"""The host ledger's strict JSON documents: what is read and what is written.
 
 Read: ``LedgerDoc`` (unknown fields refused; a record's ``failure`` code
 and a retry's ``retry_of`` and ``attempt`` optional). Written: a record

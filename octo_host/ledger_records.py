@@ -1,10 +1,10 @@
-"""The ledger's records and their strict JSON documents (H§9).
+"""The ledger's records and their strict JSON documents.
 
 This module owns :class:`WorkflowOperation` and :class:`WorkflowCompensation`
 (fingerprints, state kinds, an operation's failure code and its place in a
 retry chain), the syntax rules of one record and of a retry link, and the
 private msgspec documents a ledger is encoded to and decoded from (optional
-fields written only when set, so a record without them encodes as H§9 says).
+fields written only when set, so a record without them carries no trace of them).
 ``octo_host.ledger`` builds the ledger on them and re-exports both records.
 
 Pure: it must never do I/O, and never hold raw input, output or worker text.
@@ -185,7 +185,7 @@ class WorkflowOperation:
             raise InputFingerprintMismatch(self.operation_key)
 
     def validate_syntax(self) -> None:
-        """H§9 operation syntax, first error wins."""
+        """The operation's syntax, first error wins."""
         if self._syntax_valid:
             return
         self._check_syntax()

@@ -1,4 +1,4 @@
-"""Workflow plans: steps, the plan fingerprint and plan construction (H§4).
+"""Workflow plans: steps, the plan fingerprint and plan construction.
 
 This module owns the plan value types and the ordered checks of
 ``engine.plan``. A plan is only fingerprinted: Octo never parses or executes
@@ -190,7 +190,7 @@ class WorkflowPlan:
 
 
 def is_step_id(value: object) -> bool:
-    """Step id syntax (H§3, H§18A.1): an operation token of 1..128 bytes."""
+    """Step id syntax: an operation token of 1..128 bytes."""
     return (
         isinstance(value, str)
         and len(value.encode("utf-8", "surrogatepass")) <= MAX_WORKFLOW_STEP_ID_BYTES
@@ -205,12 +205,12 @@ def _source_bytes(source: object) -> int:
 
 
 def build_plan(engine_id: int, plan_id: int, steps: Sequence[WorkflowStep]) -> WorkflowPlan:
-    """Check ``steps`` in the order of H§4 and build the plan.
+    """Check ``steps`` in this order and build the plan.
 
     1. empty → ``EmptyPlan``; 2. over 1024 steps → ``TooManySteps``;
     3. total source over 1 MiB → ``PlanSourceTooLarge``; 4. per step in order,
     ``InvalidStepId`` then ``DuplicateStepId``, then ``InvalidRetryPolicy``.
-    A plan with no retry policy has the H§4 fingerprint; one with any has
+    A plan with no retry policy has the plain plan fingerprint; one with any has
     the fingerprint that covers every step's policy too.
     """
     frozen = tuple(steps)

@@ -1,9 +1,9 @@
-"""The compensation policy: the tenant scope and grant fingerprint a compensation is bound to (H§7).
+"""The compensation policy: the tenant scope and grant fingerprint a compensation is bound to.
 
 This module owns :class:`WorkflowCompensationPolicy`, the one value the
 ledger records with a compensation intent and every hardened engine call
 checks against the current grant. It is importable as
-``octo_host.compensation.WorkflowCompensationPolicy`` (PROTOCOL.md §2.3).
+``octo_host.compensation.WorkflowCompensationPolicy``.
 
 It must never do I/O, keep the grant itself, or import the ledger or the
 engine (both build on it).
@@ -34,7 +34,7 @@ def _fingerprint(value: object) -> bool:
 
 
 class WorkflowCompensationPolicy:
-    """The tenant scope and grant fingerprint a compensation is bound to (H§7).
+    """The tenant scope and grant fingerprint a compensation is bound to.
 
     Read-only: ``tool``, ``tenant_scope``, ``grant_fingerprint``. The grant
     itself is not kept; the host passes the current grant with every target.

@@ -1,13 +1,13 @@
-"""The host's reactions to a worker's refusal and to a reply, as tables (H§16.3, H§16.4).
+"""The host's reactions to a worker's refusal and to a reply, as tables.
 
 This module owns two decisions and nothing else:
 
 * :func:`rejection_reaction`: what a verb does after the worker answered its
-  request with ``request_rejected`` (H§16.4): reconcile the same key later,
+  request with ``request_rejected``: reconcile the same key later,
   open a new session, dispatch the same key again (only ``unknown_operation``
   on a reconcile), or fail closed;
 * :func:`reply_reaction`: what the reply consumer does with an authentic
-  reply that could not be applied to the ledger (H§16.3): drop it, keep the
+  reply that could not be applied to the ledger: drop it, keep the
   request waiting for an outcome that may follow, release the caller with the
   refusal, drop a stale observation, fail closed, or dead-letter it.
 
@@ -44,7 +44,7 @@ __all__ = [
 
 
 class Reaction(StrEnum):
-    """What a verb does after the worker refused its request (H§16.4)."""
+    """What a verb does after the worker refused its request."""
 
     RECONCILE = "reconcile"
     """The intent is durable at the worker, its outcome unknown: reconcile the same key."""
@@ -55,7 +55,7 @@ class Reaction(StrEnum):
     (only while the ledger still holds it ``pending``; the verb checks that)."""
     COMPENSATE_SAME_KEY = "compensate_same_key"
     """The worker never admitted the compensation (``unknown_compensation`` on a
-    lookup, D11): it may be sent under the same ``cmp-`` key and a fresh approval,
+    lookup): it may be sent under the same ``cmp-`` key and a fresh approval,
     only while the ledger still holds it ``pending`` and by a caller that holds the
     inverse input (recovery); the lookup itself raises the refusal to that caller."""
     FAIL_CLOSED = "fail_closed"
@@ -64,7 +64,7 @@ class Reaction(StrEnum):
 
 _R = Reaction
 
-# H§16.4, row by row. Every kind reacts alike unless _BY_KIND says otherwise.
+# The reaction to each refusal code. Every kind reacts alike unless _BY_KIND says otherwise.
 _BY_CODE: Final[Mapping[str, Reaction]] = {
     # The intent is durable at the worker; the outcome is not known.
     "pending_operation": _R.RECONCILE,
@@ -104,8 +104,8 @@ _BY_CODE: Final[Mapping[str, Reaction]] = {
     "operation_pruned": _R.FAIL_CLOSED,
 }
 
-# Where a kind reacts otherwise. A compensation lookup (RECONCILE_COMPENSATION,
-# D11) reacts as the rows above say, except that it alone proves a compensation
+# Where a kind reacts otherwise. A compensation lookup (RECONCILE_COMPENSATION)
+# reacts as the rows above say, except that it alone proves a compensation
 # unknown: admission precedes the inverse effect.
 _BY_KIND: Final[Mapping[tuple[RequestKind, str], Reaction]] = {
     (RequestKind.RECONCILE, "unknown_operation"): _R.DISPATCH_SAME_KEY,
@@ -114,12 +114,12 @@ _BY_KIND: Final[Mapping[tuple[RequestKind, str], Reaction]] = {
 
 
 def rejection_reaction(kind: RequestKind, code: str) -> Reaction:
-    """The reaction to ``request_rejected(code)`` for a request of ``kind`` (H§16.4)."""
+    """The reaction to ``request_rejected(code)`` for a request of ``kind``."""
     return _BY_KIND.get((kind, code)) or _BY_CODE.get(code, Reaction.FAIL_CLOSED)
 
 
 class ReplyReaction(StrEnum):
-    """What the reply consumer does with an authentic reply it could not apply (H§16.3).
+    """What the reply consumer does with an authentic reply it could not apply.
 
     Each member names what happens to the delivery and to the waiting request.
     """
@@ -128,11 +128,11 @@ class ReplyReaction(StrEnum):
     """A copy already opened (``DuplicateFrame``): ack; the request keeps waiting."""
     KEEP_WAITING = "keep_waiting"
     """A ``pending_*`` refusal of a dispatch or compensation: the worker may still send
-    this request's outcome (W§10.7), so ack, release the caller with the refusal and keep
+    this request's outcome, so ack, release the caller with the refusal and keep
     the request registered (given up on) so that outcome is applied."""
     REFUSED = "refused"
     """Any other refusal: ack, forget the request, release the caller with the refusal;
-    the ledger is unchanged (H§12.9)."""
+    the ledger is unchanged."""
     STALE = "stale"
     """A ``running`` observed for a record already terminal (an older answer): ack, forget
     the request, release the caller with ``Running``; nothing is applied."""
@@ -144,7 +144,7 @@ class ReplyReaction(StrEnum):
     dead-letter, the request keeps waiting."""
 
 
-# The kinds whose refused request may still be answered with its outcome (W§10.7).
+# The kinds whose refused request may still be answered with its outcome.
 _OUTCOME_MAY_FOLLOW: Final[Mapping[RequestKind, frozenset[str]]] = {
     RequestKind.DISPATCH: frozenset({"pending_operation", "pending_compensation"}),
     RequestKind.COMPENSATE: frozenset({"pending_operation", "pending_compensation"}),
@@ -171,7 +171,7 @@ def stale_observation(
 ) -> bool:
     """An observed ``running`` for a record already terminal: older, not contradictory.
 
-    ``running`` precedes every terminal state (W§9.3), so it is an answer the
+    ``running`` precedes every terminal state, so it is an answer the
     worker gave before the outcome the ledger holds. A terminal state that
     differs from the stored one is a contradiction and stays refused.
     """

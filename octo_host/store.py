@@ -1,19 +1,19 @@
-"""The public import path of the host's storage (PROTOCOL.md §2.3, H§17).
+"""The public import path of the host's storage.
 
 The code lives in :mod:`octo_host.storage`, one module per part:
 
-* :mod:`~octo_host.storage.contract`: the backend contract (H§17.3) and the
+* :mod:`~octo_host.storage.contract`: the backend contract and the
   compare-and-swap and fence rules every backend shares;
 * :mod:`~octo_host.storage.authenticated`: ``AuthenticatedStore``
-  (H§17.4-17.5) and ``ledger_record_key``;
-* :mod:`~octo_host.storage.memory`: ``VolatileMemoryStore`` (H§17.6);
+  and ``ledger_record_key``;
+* :mod:`~octo_host.storage.memory`: ``VolatileMemoryStore``;
 * :mod:`~octo_host.storage.sqlite`: ``SqliteRecordBackend`` and
-  ``SqliteLedgerStore`` (H§17.7);
+  ``SqliteLedgerStore``;
 * :mod:`~octo_host.storage.anchor`, :mod:`~octo_host.storage.head` and
-  :mod:`~octo_host.storage.sqlite_head`: the rollback anchor (H§17.10) and
-  the sealed store head it checks (issue 21);
+  :mod:`~octo_host.storage.sqlite_head`: the rollback anchor and
+  the sealed store head it checks;
 * :mod:`~octo_host.storage.postgres`: ``PostgresRecordBackend`` and
-  ``PostgresLedgerStore`` (D13), with its SQL and connection settings beside
+  ``PostgresLedgerStore``, with its SQL and connection settings beside
   it (not re-exported here: importing this module never loads the PostgreSQL
   driver).
 

@@ -148,7 +148,7 @@ async def open_store(
     config: HostConfig, *, create: bool
 ) -> AsyncIterator[SqliteLedgerStore | PostgresLedgerStore]:
     path: Path | str
-    if config.storage.url is not None:  # [storage] url: the ledger in PostgreSQL (D13)
+    if config.storage.url is not None:  # [storage] url: the ledger in PostgreSQL
         path = redacted_url(config.storage.url)
     else:
         path = config.database_path

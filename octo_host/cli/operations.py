@@ -1,5 +1,5 @@
 """``octo-host dispatch`` and ``reconcile``: send a recorded operation, or ask for the state
-of an operation or (``cmp-`` key, D11) of a compensation.
+of an operation or (``cmp-`` key) of a compensation.
 
 ``dispatch`` derives the ``op-`` key from plan, step, tool, input and nonce
 (default nonce ``RUN/STEP``), so repeating the same command after a crash
@@ -198,7 +198,7 @@ def cmd_reconcile(args: argparse.Namespace, out: Output) -> int:
     async def _look_up_compensation(
         client: HostClient, run: HostRun, operation_key: str
     ) -> tuple[dict[str, Any], StateKind, str]:
-        # D11: a lookup names the compensation as recorded; it takes no input, runs nothing.
+        # A lookup names the compensation as recorded; it takes no input, runs nothing.
         if args.payload is not None:
             raise CliError(
                 EXIT_USAGE, "--payload: a compensation is looked up without input", "usage"

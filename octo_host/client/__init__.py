@@ -1,6 +1,6 @@
-"""The host client (H§16): sessions, durable runs, confirmed publishes and reply routing.
+"""The host client: sessions, durable runs, confirmed publishes and reply routing.
 
-:class:`HostClient` is the public object (PROTOCOL.md §2.3); its parts are
+:class:`HostClient` is the public object; its parts are
 one module each: ``broker`` (the AMQP side), ``sessions``, ``runs``,
 ``verbs``, ``replies``, ``recovery``, and ``facade`` (``HostClient`` itself,
 wiring them). The decisions they apply are pure modules of their own:

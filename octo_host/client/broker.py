@@ -1,6 +1,6 @@
 """The host client's AMQP side: one connection, confirmed publishes, the reply consumer.
 
-This module owns, for one host id (H§16.2, W§12.5): the plain connection
+This module owns, for one host id: the plain connection
 (client property ``connection_name`` = ``octo-host-<host-id>``), the confirm
 channel every frame is published on, the quorum reply queue
 ``octo.v5.reply.<host-id>`` and its consumer on a channel of its own, the
@@ -325,7 +325,7 @@ class HostBroker:
             await message.ack()
 
     async def dead_letter(self, message: InboundMessage, reason: str) -> None:
-        """W§12.3 for the host: a confirmed copy with ``octo-reason``, then ack."""
+        """Dead-letter a reply: a confirmed copy with ``octo-reason``, then ack."""
         self._log.info("reply_dead_lettered", reason=reason, request_id=message.correlation_id)
         with contextlib.suppress(Exception):  # settling on a lost channel: the broker redelivers
             await dead_letter_delivery(

@@ -1,4 +1,4 @@
-"""``HostClient``: the host's public client, one object over the client's parts (H§16).
+"""``HostClient``: the host's public client, one object over the client's parts.
 
 This module owns the client's lifecycle (start, close) and its public
 methods, each handed to the part that does the work:
@@ -61,7 +61,7 @@ __all__ = ["HostClient"]
 
 
 class HostClient:
-    """The host's broker client and durable-run driver (H§16).
+    """The host's broker client and durable-run driver.
 
     ``reply_timeout``, ``publish_timeout``, ``max_attempts`` and
     ``max_cached_runs`` may be changed at any time; every part reads them.
@@ -311,7 +311,7 @@ class HostClient:
     ) -> None:
         await self.close()
 
-    # -- sessions (H§16.1, H§16.2) ------------------------------------------------------
+    # -- sessions ------------------------------------------------------
 
     async def open_session(self, scope: str, manifest: CapabilityManifest) -> HostSession:
         """Open a fresh session: new id, new nonce, derived key; no reply is expected.
@@ -426,7 +426,7 @@ class HostClient:
         ``pending``; otherwise that refusal is raised. A timeout, a broker
         connection lost while the request was out, or a
         ``pending``/``indeterminate``/``adapter_error`` refusal leads to
-        reconciliation of the same key (H§16.4), on the new connection.
+        reconciliation of the same key, on the new connection.
         """
         if isinstance(args[0], HostRun):
             return await self._pooled.dispatch(*args)
@@ -448,7 +448,7 @@ class HostClient:
     ) -> WorkerOperationState: ...
 
     async def reconcile(self, *args: Any) -> WorkerOperationState:
-        """Reconcile a recorded operation (retries, new sessions as H§16.4 says);
+        """Reconcile a recorded operation (retries, new sessions as the reactions table says);
         without a session, on one of the pool of the key's scope.
 
         ``unknown_operation`` is raised as ``WorkerRequestRejected``: the
@@ -519,7 +519,7 @@ class HostClient:
     ) -> WorkerOperationState: ...
 
     async def reconcile_compensation(self, *args: Any) -> WorkerOperationState:
-        """Look up the recorded compensation of ``operation_key`` at the worker (D11);
+        """Look up the recorded compensation of ``operation_key`` at the worker;
         without a session, on one of the pool of the key's scope.
 
         ``reconcile_compensation`` names the compensation exactly as the ledger
@@ -624,7 +624,7 @@ class HostClient:
         minimum_revision: int = 0,
     ) -> RecoverySummary:
         """After a host restart: load and validate the ledger, open a fresh session,
-        reconcile every operation and compensation that is not terminal (H§16.5, D11).
+        reconcile every operation and compensation that is not terminal.
 
         Every unfinished operation is looked up (a lookup carries no input).
         One the worker never admitted (``unknown_operation``) is dispatched
@@ -633,7 +633,7 @@ class HostClient:
         fingerprints); without it, it is reported in ``unresolved``.
 
         Every compensation that is not terminal is first looked up
-        (``reconcile_compensation``, D11): no input, approval or verifier is
+        (``reconcile_compensation``): no input, approval or verifier is
         needed, and the observed state is persisted before anything else.
         When the lookup leaves it unresolved and ``compensations`` holds its
         target and inverse payload (by operation key), the same ``cmp-`` key

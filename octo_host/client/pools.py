@@ -1,4 +1,4 @@
-"""Sessions the client manages: one pool per tenant scope (H§16.1, issue 20).
+"""Sessions the client manages: one pool per tenant scope.
 
 A verb that names a run and a key, not a session, borrows a session from
 the pool of the key's scope for the time of the verb (:meth:`SessionPools.lease`).
@@ -10,7 +10,7 @@ any of these reaches the bound the worker enforces: the request ids a
 session retains (``MAX_SESSION_REQUEST_IDS``; rotated at
 ``ClientSettings.session_rotate_after``, well below), a grant's
 ``max_calls`` and ``max_compensations``, and the worker's default
-reconciliation budgets. A session the verbs replaced (H§16.4) is followed to
+reconciliation budgets. A session the verbs replaced is followed to
 its successor, whose counts start again.
 
 The counts are conservative: a verb's first request is counted when the
@@ -18,7 +18,7 @@ session is lent, every request is counted when it is registered
 (``HostSession.requests``), and both are added, so a session rotates early
 rather than late. A refusal the counts did not foresee (a worker configured
 with smaller reconciliation budgets) is still answered by the verbs: a new
-session, as H§16.4 says.
+session, as the reactions table (``octo_host.reactions``) says.
 
 It must never hand out a closed session, close a session a verb still
 holds, persist a session, or cost more per lease than the scope's active
@@ -66,7 +66,7 @@ class _Pooled:
     retired: bool = False
 
     def follow(self) -> None:
-        """Move to the session that replaced this one (H§16.4): its counts start at zero."""
+        """Move to the session that replaced this one: its counts start at zero."""
         newest = self.session.current()
         if newest is not self.session:
             self.session = newest

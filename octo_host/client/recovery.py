@@ -1,4 +1,4 @@
-"""The host client's recovery after a restart (H§16.5, D11): reconcile every unfinished key.
+"""The host client's recovery after a restart: reconcile every unfinished key.
 
 This module owns :class:`RecoverySummary` and :class:`Recovery`: load and
 validate a run's ledger, open a fresh session, and settle each operation
@@ -197,7 +197,7 @@ class Recovery:
     ) -> HostSession:
         """Settle the unfinished compensation of ``operation_key``; returns the session now current.
 
-        D11 first: the lookup needs no input and performs nothing. Then, only
+        The compensation lookup first: it needs no input and performs nothing. Then, only
         with ``entry`` (target and inverse payload): the same ``cmp-`` key
         under a fresh approval, when the worker never admitted it (and the
         ledger still says ``pending``) or when the lookup left it unfinished.

@@ -1,4 +1,4 @@
-"""The host client's reply path: route each reply to its waiting request and apply it (H§16.3).
+"""The host client's reply path: route each reply to its waiting request and apply it.
 
 For each delivery on the host's reply queue, :class:`ReplyRouter`:
 
@@ -347,7 +347,7 @@ class ReplyRouter:
             case ReplyReaction.DROP:
                 await self._broker.ack(message)
             case ReplyReaction.KEEP_WAITING:
-                # Stay registered, abandoned, so the outcome is applied (H§16.3);
+                # Stay registered, abandoned, so the outcome is applied;
                 # _register bounds these.
                 waiter.fail(error)
                 waiter.abandoned = True

@@ -1,4 +1,4 @@
-"""The host client's runs: each run's durable ledger and its routes (H§16.5, H§17).
+"""The host client's runs: each run's durable ledger and its routes.
 
 This module owns :class:`HostRun` (one workflow run's ledger in the store,
 record key ``("workflow-ledger", run)``, with the keys it recorded and never
@@ -62,7 +62,7 @@ class DispatchScopeMismatch(OctoError):
 
     The ledger does not name a scope and worker journals are per scope, so
     an ``unknown_operation`` from a second scope is no evidence: dispatching
-    there could run the effect twice (PROTOCOL.md §1, H§16.4). Fail closed.
+    there could run the effect twice. Fail closed.
     """
 
     _fields = ("operation_key", "bound_scope", "scope")
@@ -81,7 +81,7 @@ class DispatchScopeMismatch(OctoError):
 MAX_WRITE_ATTEMPTS: Final = 4
 """Writes of one decision to a run: the first, and those after a ``WriteConflict``.
 
-Hosts sharing one ledger (D13) decide by compare-and-swap: a write that
+Hosts sharing one ledger decide by compare-and-swap: a write that
 lost adopts the stored ledger (``RunCache.persist_locked``) and the decision
 is taken again from it; past this bound the conflict is raised (fail closed).
 """
@@ -163,7 +163,7 @@ class HostRun:
         # Keys this object recorded and sent no dispatch for (changed under the
         # lock): the only keys a dispatch_operation may go to directly. A key
         # read from the store, whatever its state, may have been sent before
-        # (another process, a crash): it is reconciled first (H§16.5).
+        # (another process, a crash): it is reconciled first.
         self._unsent: set[str] = set()
         # Set when the client no longer holds this object as the run's (dropped
         # from its cache, or another object loaded for the run): from then on
@@ -216,7 +216,7 @@ class RunCache:
     **Watermarks.** The watermark of a run is the highest ledger revision
     this client saw for it (loaded, written or adopted); a load never
     accepts a ledger below it, so a store rolled back under a running client
-    is refused rather than believed (H§17.10). It is kept for every run in
+    is refused rather than believed. It is kept for every run in
     the cache and, once a run is dropped, for the ``max_cached_runs`` runs
     dropped last; beyond that it is forgotten, so the client holds at most
     ``2 * max_cached_runs`` of them (plus the runs in use) however many runs
@@ -226,7 +226,7 @@ class RunCache:
     while this process runs, anchor or not), and with its anchor file the
     last ``RECENT_RECORDS`` records the backend loaded or wrote are checked
     one by one and every record at the next open (a record put back alone
-    is found there). The PostgreSQL backend has no anchor (D13): a run
+    is found there). The PostgreSQL backend has no anchor: a run
     dropped longer ago than the watermarks reach is protected only by the
     store's floor rule and the record's authentication.
     """

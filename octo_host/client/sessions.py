@@ -1,4 +1,4 @@
-"""The host client's sessions and the requests waiting on them (H§16.1, H§16.4, H§16.5).
+"""The host client's sessions and the requests waiting on them.
 
 This module owns :class:`HostSession` (a fresh session id, a fresh 32-byte
 key nonce, the derived key and a HOST authenticator per ``open_session``),
@@ -67,7 +67,7 @@ _MAX_RETIRED_REQUESTS: Final = 1024
 
 
 class ReplyTimedOut(OctoError):
-    """No authenticated reply arrived in time. Never evidence either way (H§16.5)."""
+    """No authenticated reply arrived in time. Never evidence either way."""
 
     _fields = ("request_id", "timeout")
     _text = "no reply within the timeout"
@@ -79,7 +79,7 @@ class ReplyCut(OctoError):
     """The broker connection was lost while the request was out (or being published).
 
     Its reply may still come once the client has reconnected, or never: like a
-    timeout, never evidence either way (H§16.5). The verb reconciles the same
+    timeout, never evidence either way. The verb reconciles the same
     key on the new connection; a late reply is still applied.
     """
 
@@ -246,9 +246,9 @@ class RetiredRequest:
 
 
 class HostSession:
-    """One host session (H§16.1): scope, session id, key nonce, authenticator.
+    """One host session: scope, session id, key nonce, authenticator.
 
-    Process-local; never persisted. When the client replaces a session (H§16.4)
+    Process-local; never persisted. When the client replaces a session
     the old handle points to its successor, and every verb follows the chain
     (:meth:`current`). Its underscored attributes belong to the client.
     """
@@ -272,7 +272,7 @@ class HostSession:
         self._waiters = WaiterTable()
         # Request ids this session sent (the newest _MAX_SENT_REMEMBERED, in
         # order): an authentic reply to one whose waiter is gone is a late or
-        # repeated answer (W§10.7), dropped; one to any other id is unexpected.
+        # repeated answer, dropped; one to any other id is unexpected.
         self._sent: dict[str, None] = {}
 
     @property
@@ -371,7 +371,7 @@ class SessionRegistry:
         await self.close_exact(session.current())
 
     async def replace(self, session: HostSession, reason: str) -> HostSession:
-        """H§16.4: open a new session under the same manifest; close the old one.
+        """Open a new session under the same manifest; close the old one.
 
         ``session`` is the one that failed. If another call replaced it already,
         its successor is returned: concurrent verbs that saw the same failure
@@ -475,7 +475,7 @@ class SessionRegistry:
     async def close_idle(self) -> None:
         """Close, at the worker, every open session no caller awaits a reply on.
 
-        Sessions are process-local (H§16.1): no later client can use them, and
+        Sessions are process-local: no later client can use them, and
         a session left open is kept (and restored at every start) by the
         worker for ever. A session with a request still awaited is left open:
         its ``close_session`` could overtake that request at the worker, which

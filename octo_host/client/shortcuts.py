@@ -1,5 +1,5 @@
 """The verbs that take a run and a key, not a session, and the one-call verbs
-``execute`` and ``undo`` (issue 20).
+``execute`` and ``undo``.
 
 Each verb here borrows a session from the pool of the key's scope
 (:mod:`~octo_host.client.pools`) and hands the work to the same

@@ -1,5 +1,4 @@
-"""The host client's verbs: record, dispatch, reconcile, compensate, look a compensation up
-(H§12, H§16.4, H§16.5, D11).
+"""The host client's verbs: record, dispatch, reconcile, compensate, look a compensation up.
 
 This module owns the per-kind table of the requests the client sends, the one
 path every request takes (persist the ledger, seal under the run lock,
@@ -65,7 +64,7 @@ from octo_host.reactions import Reaction, rejection_reaction
 __all__ = ["HostVerbs", "new_request_id"]
 
 # Consecutive unanswered requests after which the session itself is suspect
-# (a refused open or a dead-lettered session shows up only as silence, H§16.1).
+# (a refused open or a dead-lettered session shows up only as silence).
 _TIMEOUTS_BEFORE_NEW_SESSION: Final = 3
 
 # The one kill point of the host (OCTO_FAULT, see octo_common.runtime.faults).
@@ -301,7 +300,7 @@ class HostVerbs:
         payload: ToolPayload,
         unknown: WorkerRequestRejected | None = None,
     ) -> OperationStatus:
-        """One ``dispatch_operation``, decided under the run lock (H§16.4, H§16.5).
+        """One ``dispatch_operation``, decided under the run lock.
 
         Without ``unknown``, only a ``pending`` key this run recorded and never
         sent goes out; any other raises :class:`_SentBefore`. With ``unknown``
@@ -361,7 +360,7 @@ class HostVerbs:
         data = canonical_operation_input_bytes(dispatch.payload)
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[OperationCompensationRequest]:
-            # A fresh approval right before sealing (H§12.6-12.7, H§14).
+            # A fresh approval right before sealing.
             approval = self._engine.approve_compensation(run.plan, run._ledger, target, data, auth)
             return self._engine.prepare_authenticated_operation_compensation(
                 run.plan, run._ledger, target, dispatch, approval, auth
@@ -379,7 +378,7 @@ class HostVerbs:
         request_id = new_request_id(RequestKind.RECONCILE_COMPENSATION)
 
         def build(auth: SessionAuthenticator) -> OutboundFrame[CompensationReconcileRequest]:
-            # A lookup performs no effect: no verifier, no approval, no input (D11).
+            # A lookup performs no effect: no verifier, no approval, no input.
             return self._engine.prepare_authenticated_compensation_reconciliation(
                 run.plan, run._ledger, operation_key, request_id, auth, resolution=resolution
             )
@@ -540,7 +539,7 @@ class HostVerbs:
         self, session: HostSession, run: HostRun, operation_key: str
     ) -> tuple[WorkerOperationState, str | None]:
         """Look the compensation of ``operation_key`` up until a terminal state or the
-        attempts run out (D11); returns the last state observed and, when it is not
+        attempts run out; returns the last state observed and, when it is not
         terminal, the code of what left it so (a refusal, or ``reply_timed_out``).
 
         ``unknown_compensation`` (the worker never admitted the ``cmp-`` key) and
@@ -589,7 +588,7 @@ class HostVerbs:
         last attempt observed a state, the code of what ended it (the refusal's code,
         or ``reply_timed_out``).
 
-        H§16.4-16.5: a timeout, a connection lost while the request was out
+        A timeout, a connection lost while the request was out
         (``ReplyCut``), or a refusal the reactions table answers with
         ``RECONCILE``, leads to the next attempt (same key); ``NEW_SESSION``, or
         three timeouts in a row, first replaces the session. ``DISPATCH_SAME_KEY``
