@@ -1,4 +1,4 @@
-"""D1 / W§5.5 number canonicalisation, written from the documents alone.
+"""Number canonicalisation, written from the protocol's rules alone.
 
 Tests compare Octo's codec against these functions; they use only Python's
 ``int``, ``float`` (correctly rounded decimal conversion) and ``repr``
@@ -16,7 +16,7 @@ _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
 def reference_double(x: float) -> str:
-    """W§5.5: shortest digits d, exponent kk with |x| = 0.d × 10^kk, then the five cases."""
+    """Shortest digits d, exponent kk with |x| = 0.d × 10^kk, then the five cases."""
     if x == 0.0:
         return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
     sign = "-" if x < 0 else ""
@@ -42,11 +42,11 @@ def reference_double(x: float) -> str:
 
 
 def reference_number(lexeme: str) -> str | None:
-    """The canonical spelling of one JSON number lexeme, or None when D1 rejects it.
+    """The canonical spelling of one JSON number lexeme, or None when it is rejected.
 
     An integer lexeme (no fraction, no exponent) in [-2^63, 2^64-1] stays exact,
     except ``-0``; every other number is the nearest double, and a double that
-    overflows to infinity is rejected (W§5.1).
+    overflows to infinity is rejected.
     """
     # 21 characters hold every integer of the exact range (and int() stays cheap).
     if _INTEGER.fullmatch(lexeme) and lexeme != "-0" and len(lexeme) <= 21:
@@ -60,7 +60,7 @@ def reference_number(lexeme: str) -> str | None:
 
 
 def reference_python_int(value: int) -> str | None:
-    """How a Python ``int`` inside a payload value is written (D1), or None if rejected."""
+    """How a Python ``int`` inside a payload value is written, or None if rejected."""
     if MIN_EXACT <= value <= MAX_EXACT:
         return str(value)
     try:

@@ -199,7 +199,7 @@ class CrashEnv:
     def create(
         cls, root: Path, url: str = URL, *, postgres: PostgresSchema | None = None
     ) -> CrashEnv:
-        """The run's files; with ``postgres`` the journal is in that schema (D13)."""
+        """The run's files; with ``postgres`` the journal is in that schema."""
         scope = f"t-crash-{uuid.uuid4().hex[:12]}"
         scope_key = secrets.token_bytes(32)
         base = root / "worker"
@@ -257,7 +257,7 @@ effect_log = "./effects.log"
 
     @property
     def published(self) -> Path:
-        """``files.publish``'s files of this run's scope (D12: a directory per scope)."""
+        """``files.publish``'s files of this run's scope (a directory per scope)."""
         return self.state_dir / "published" / self.scope
 
     @property
@@ -522,7 +522,7 @@ def host_client(env: CrashEnv, host_id: str, **settings: Any) -> HostClient:
 async def _recover_and_finish(
     client: HostClient, env: CrashEnv, plan: WorkflowPlan, keys: list[str], tag: str
 ) -> RecoverySummary:
-    """H§16.5 recovery of the run, then the compensation if the crash came before it."""
+    """The client's recovery of the run, then the compensation if the crash came before it."""
     inverse = undo_payload(0)
     # A compensation applies to the first step's succeeded attempt, whichever it is.
     before = await client.load_run(RUN_NAME, plan)
@@ -767,8 +767,8 @@ async def check_outcome(env: CrashEnv, outcome: Outcome, ledger: WorkflowOperati
             # Compensation applies to the succeeded attempt only.
             assert attempt_key == chain[-1], (case, index, "compensated a replaced attempt")
             # Every compensation ends known, none is left pending: files.publish
-            # looks a removal up by its compensation key (D11) and recover asks it.
-            # A worker never re-runs an admitted compensation (W§10.10), so one a
+            # looks a removal up by its compensation key and recover asks it.
+            # A worker never re-runs an admitted compensation, so one a
             # crash cut short is settled by that lookup, whether its removal ran
             # (after_effect: its missing log line written once) or not
             # (after_admission_commit, after_ack: refused for good); one the worker

@@ -1,4 +1,4 @@
-"""Two worker processes serving one scope from one PostgreSQL journal (D13), and a host.
+"""Two worker processes serving one scope from one PostgreSQL journal, and a host.
 
 Shared by ``tests/faults/test_failover.py`` and ``bench/failover.py``. Real
 processes, the real broker on 127.0.0.1:5672 and the real PostgreSQL test

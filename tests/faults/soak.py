@@ -14,7 +14,7 @@ crash cut before its effect is replaced by the next one, so every step must
 end ``succeeded`` with exactly one publication over its attempts. A
 compensation or operation left ``pending`` or ``running`` after ``recover``
 is an invariant failure (``files.publish`` implements the compensation
-lookup, D11). Exit status 1 if any run broke an invariant. Needs RabbitMQ on
+lookup). Exit status 1 if any run broke an invariant. Needs RabbitMQ on
 127.0.0.1:5672.
 """
 

@@ -5,8 +5,8 @@ For each run the armed process (the worker runner, or the host runner for
 the worker restarts without the fault on the same files; the host recovers
 the run; and :func:`check_outcome` (see ``conftest.py``) asserts that every
 key is terminal, every succeeded key has exactly one publish line in the effect
-log (none otherwise), every compensation is terminal (a compensation lookup,
-D11) and none happened twice, and the journal and the ledger agree. For the
+log (none otherwise), every compensation is terminal (a compensation lookup)
+and none happened twice, and the journal and the ledger agree. For the
 generic points counts 1-3 land on the dispatches, count 4 on the compensation
 of the first key; the compensation points (after the host recorded the
 compensation intent, after the worker committed its admission, after the
@@ -16,7 +16,7 @@ also abandon the host's interrupted call and recover with a new
 ``HostClient`` (a host restart); the others let the same client's timeouts
 lead to reconciliation and then call ``recover``.
 
-The same matrix runs with the worker's journal in PostgreSQL (D13), two runs
+The same matrix runs with the worker's journal in PostgreSQL, two runs
 per point instead of five (``POSTGRES_RUNS``) to keep the suite short; each
 such run has a schema of its own.
 """
@@ -39,7 +39,7 @@ COUNTS = (1, 2, 3, 4, 2)
 # time down: count 2 with a host restart, and all keys dispatched at once.
 POSTGRES_RUNS = (1, 4)
 # How the first key's compensation ends after a kill at a compensation point:
-# an admitted compensation is never run again (W§10.10), so one killed before
+# an admitted compensation is never run again, so one killed before
 # its inverse effect is settled by the lookup as not performed; one killed
 # after it, as performed; one the worker never saw is sent again.
 COMPENSATION_ENDS = {
@@ -82,7 +82,7 @@ async def test_sigkill_at_every_point_leaves_every_key_known_and_effects_single(
 async def test_the_matrix_on_a_postgresql_journal(
     launcher: Launcher, tmp_path: Path, postgres_schema: PostgresSchema, point: str, run: int
 ) -> None:
-    # The same scenario and checks with the worker's journal in PostgreSQL (D13):
+    # The same scenario and checks with the worker's journal in PostgreSQL:
     # the restarted worker is a standby until the broker's first delivery.
     case = case_for(point, run)
     launcher.prewarm(case.runner_kind, case.fault)

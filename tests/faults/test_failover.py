@@ -1,4 +1,4 @@
-"""Worker failover on a shared PostgreSQL journal (D13), with real processes.
+"""Worker failover on a shared PostgreSQL journal, with real processes.
 
 Two worker daemons (``_worker_main.py``) serve one scope from one PostgreSQL
 journal and publish with ``files.publish`` into one shared directory; the

@@ -1,4 +1,4 @@
-"""SIGKILL after a poisoned session's refusal, before the reload that follows it (W§10.11 rule 2).
+"""SIGKILL after a poisoned session's refusal, before the reload that follows it.
 
 Real processes, the real broker on 127.0.0.1:5672, real SQLite files: the
 worker is ``tests/faults/_poisoning_worker_main.py`` in its own process (a

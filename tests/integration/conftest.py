@@ -265,7 +265,7 @@ class WorkerEnv:
 
     @property
     def shelf(self) -> Path:
-        """Where ``files.publish`` puts this scope's files (D12: a directory per scope)."""
+        """Where ``files.publish`` puts this scope's files (a directory per scope)."""
         return self.published / self.scope
 
     @property

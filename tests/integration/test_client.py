@@ -1,4 +1,4 @@
-"""The host client against the in-process worker daemon on the real broker (H§16).
+"""The host client against the in-process worker daemon on the real broker.
 
 Real RabbitMQ, real SQLite files for the host ledger and the worker journal,
 and the real ``files.publish`` adapter, whose effect log counts real effects.
@@ -138,7 +138,7 @@ class SlowUndo(FilesPublishAdapter):
 
 
 class SlowUndoWithoutLookup(SlowUndo):
-    """``SlowUndo`` with no compensation lookup (D11): the host can only send it again."""
+    """``SlowUndo`` with no compensation lookup: the host can only send it again."""
 
     async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
         raise AdapterUnsupported("reconcile_compensation")

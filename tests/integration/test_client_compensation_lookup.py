@@ -1,4 +1,4 @@
-"""The host side of a compensation lookup (D11): ``reconcile_compensation`` and ``recover``.
+"""The host side of a compensation lookup: ``reconcile_compensation`` and ``recover``.
 
 The worker is the scripted peer of ``scripted_worker.py`` on the real
 broker (it answers exactly what each test says, as a worker whose adapter

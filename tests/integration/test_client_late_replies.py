@@ -1,4 +1,4 @@
-"""Late and stale authentic replies reaching the host client (H§16.3, W§10.7).
+"""Late and stale authentic replies reaching the host client.
 
 The worker side is the scripted peer of ``scripted_worker.py`` on the real
 broker: it seals the replies it is told to send, in the order a worker
@@ -74,7 +74,7 @@ async def test_an_outcome_after_a_pending_refusal_of_the_same_request_is_applied
     dispatching = asyncio.create_task(client.dispatch(session, run, key, publish_payload()))
 
     # A copy of the dispatch answered while the first copy is still being
-    # handled (W§10.7): pending_operation, under the dispatch's request id.
+    # handled: pending_operation, under the dispatch's request id.
     dispatch = await scripted.next("dispatch_operation")
     await scripted.reply(dispatch, refusal(dispatch, "pending_operation"))
     # The reconciliation that follows finds the key still pending too.
@@ -83,7 +83,7 @@ async def test_an_outcome_after_a_pending_refusal_of_the_same_request_is_applied
     assert isinstance(await asyncio.wait_for(dispatching, WAIT), Pending)
     assert run.state(key) == StateKind.PENDING
 
-    # The first copy's outcome arrives late, for the same request id (H§16.3).
+    # The first copy's outcome arrives late, for the same request id.
     await scripted.reply(dispatch, succeeded(dispatch))
 
     await until(lambda: run.state(key) == StateKind.SUCCEEDED, "the late outcome is applied")

@@ -108,7 +108,7 @@ async def test_the_pool_rotates_sessions_across_more_than_1024_requests_without_
                 )
                 stats = client.pool_stats
         assert states == [StateKind.SUCCEEDED] * total
-        # No refusal of any kind, so no session replaced by the verbs (H§16.4).
+        # No refusal of any kind, so no session replaced by the verbs.
         events = [entry["event"] for entry in logs]
         assert "request_rejected" not in events
         assert "session_replaced" not in events

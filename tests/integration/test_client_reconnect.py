@@ -1,4 +1,4 @@
-"""The host client reconnects by itself after its broker connection is lost (issue 15, item 8).
+"""The host client reconnects by itself after its broker connection is lost.
 
 Real RabbitMQ: the test closes exactly this client's connection with
 ``rabbitmqctl close_connection``, found by the ``connection_name`` client

@@ -1,4 +1,4 @@
-"""When the host client may send a dispatch again, and recovery key by key (H§16.4, H§16.5).
+"""When the host client may send a dispatch again, and recovery key by key.
 
 Real RabbitMQ, the in-process worker daemon with the real ``files.publish``
 adapter (its effect log counts real effects) and real SQLite files for the

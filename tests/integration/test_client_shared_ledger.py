@@ -1,5 +1,4 @@
-"""Two host clients sharing one ledger in PostgreSQL decide by compare-and-swap (D13,
-issue 17 item 3).
+"""Two host clients sharing one ledger in PostgreSQL decide by compare-and-swap.
 
 Each client is its own host id (two machines) with its own PostgreSQL
 connection to one schema; the ledger key is shared. A write that loses the

@@ -1,4 +1,4 @@
-"""``recover`` resolves a compensation left unfinished, end to end (D11).
+"""``recover`` resolves a compensation left unfinished, end to end.
 
 Real RabbitMQ, the in-process worker daemon and real SQLite files for the
 host ledger and the worker journal. The adapter is ``files.publish`` (its

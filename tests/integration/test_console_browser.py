@@ -134,7 +134,7 @@ async def _poison(url: str, files: WorkerFiles) -> str:
 
     The daemon's admission commit waits out SQLite's busy timeout and fails.
     The lock is released once the daemon's metrics count that failure: the
-    refusal, committed before it is published (W§10.11 rule 2), then lands,
+    refusal, committed before it is published, then lands,
     and the host gets ``journal_persistence_failed``; the daemon reloads the
     scope and the session stays recorded as poisoned.
     """

@@ -1,4 +1,4 @@
-"""A compensation cut short on the real broker, found again by its lookup (D11).
+"""A compensation cut short on the real broker, found again by its lookup.
 
 The compensation counterparts of the reconciliation scenarios of
 ``test_daemon_rabbitmq.py``: a hand-made host seals frames and publishes

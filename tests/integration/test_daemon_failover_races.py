@@ -1,4 +1,4 @@
-"""A worker daemon on a shared PostgreSQL journal (D13) when its connection is lost at
+"""A worker daemon on a shared PostgreSQL journal when its connection is lost at
 the wrong moment: during an activation, before a reload, while a handler runs.
 
 One in-process daemon on the real broker and a PostgreSQL schema of the
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres]
 
 @pytest.fixture
 def worker_env(tmp_path: Path, names: Names, postgres_schema: PostgresSchema) -> WorkerEnv:
-    """This module's worker keeps its journal in PostgreSQL: a shared journal (D13)."""
+    """This module's worker keeps its journal in PostgreSQL: a shared journal."""
     env = write_worker_env(tmp_path, names.scope)
     place = postgres_schema
     text = env.config_path.read_text(encoding="utf-8")

@@ -166,7 +166,7 @@ async def test_a_worker_superseded_in_its_only_scope_stops_and_the_new_owner_ser
             correlation_id="d-1",
         )
         # The old worker's commit meets the newer fence: it fails closed and
-        # stops by itself (W§11.3), handing its deliveries back.
+        # stops by itself, handing its deliveries back.
         await asyncio.wait_for(old_task, WAIT)
     finally:
         if not old_task.done():
@@ -438,7 +438,7 @@ async def test_letting_a_closed_session_go_reads_only_its_own_outbox_rows(
     daemon = await runner.start()
     try:
         # Twelve sessions each leave their last reply in the outbox: confirmed,
-        # deleted only by the session's next commit (issue 21).
+        # deleted only by the session's next commit.
         sessions = [await opened(raw_host, daemon) for _ in range(12)]
         for number, session in enumerate(sessions):
             request_id = f"d-{number}"

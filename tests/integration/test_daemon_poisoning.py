@@ -1,4 +1,4 @@
-"""The daemon's side of poisoning (W§10.9 steps 3-5) with a fault at the store the sessions use.
+"""The daemon's side of poisoning (reload, fence, persist) with a fault at the store sessions use.
 
 A commit that fails poisons its session: the host gets a refusal, committed
 (its sequence and the status ``poisoned``) before it is published, the daemon
@@ -215,8 +215,8 @@ async def _fenced_above(daemon: WorkerDaemon, scope: str, fence: int) -> bool:
 async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_session(
     workers: Any, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
-    """A stored-poisoned session's refusal is committed (its sequence with it,
-    W§10.11 rule 2) before it is published. A reload starting meanwhile
+    """A stored-poisoned session's refusal is committed (its sequence with it)
+    before it is published. A reload starting meanwhile
     (another session poisons) must wait for that commit: with a new fence
     under it, the commit would fail, and a commit refused by the daemon's own
     newer fence must never be taken for another worker's."""
@@ -292,7 +292,7 @@ async def test_a_stop_during_a_reload_lets_it_record_the_session_poisoned(
             failed.append(True)  # the admission, then its refusal: published best-effort
             raise StorageBackendError("injected")
         if any(b'"status":"poisoned"' in d.state for d in changes.sessions.values()):
-            await asyncio.sleep(0.5)  # recording it poisoned (W§10.9 step 4), slow
+            await asyncio.sleep(0.5)  # recording it poisoned, slow
         return await commit(scope_name, lease, changes)
 
     boundary.commit = fail_twice_then_slow_poisoned  # type: ignore[method-assign]

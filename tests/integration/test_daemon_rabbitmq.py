@@ -1,4 +1,4 @@
-"""The worker daemon on the real broker, driven by frames crafted by hand (W§12.2-12.4, D5, D8).
+"""The worker daemon on the real broker, driven by frames crafted by hand.
 
 A hand-made host seals frames with a HOST authenticator and publishes them
 raw to ``octo.v5.worker.<scope>``. Every frame the daemon must refuse is
@@ -85,7 +85,7 @@ def operation_key() -> str:
 
 async def answer(raw_host: RawHost, session: RawSession, request_id: str) -> WorkerMessage:
     """The next authentic reply for ``request_id``; copies the host already
-    accepted (a republished outbox frame) are dropped, as the host does (D5)."""
+    accepted (a republished outbox frame) are dropped, as the host does."""
     seen: set[int] = set()
     while True:
         reply = await raw_host.replies.wait_for(

@@ -1,4 +1,4 @@
-"""A restart after the journal's rows were edited never runs an adapter twice (issue 15 item 7).
+"""A restart after the journal's rows were edited never runs an adapter twice.
 
 The attacker writes the journal file while the worker is stopped (no key):
 an operation's row deleted, or a compensated operation's row put back to

@@ -110,7 +110,7 @@ def reconcile(key: str) -> OperationReconcileRequest:
 def context_for(
     request: AdapterRequest, deadline: float = FAR_DEADLINE, *, scope: str = TENANT
 ) -> AdapterContext:
-    """The context the worker passes with ``request`` (D12) in ``scope``: a compensation
+    """The context the worker passes with ``request`` in ``scope``: a compensation
     and its lookup are named by the compensation key, the others by the operation key."""
     if isinstance(request, OperationCompensationRequest | CompensationReconcileRequest):
         return AdapterContext.for_compensation(scope, SESSION, request.compensation_key, deadline)
@@ -132,7 +132,7 @@ def expected_success(name: str, content: str = "release notes v42\n") -> Succeed
 
 
 def shelf(target: Path, scope: str = TENANT) -> Path:
-    """Where the adapter publishes the files of ``scope`` (D12: one directory per scope)."""
+    """Where the adapter publishes the files of ``scope`` (one directory per scope)."""
     return target / scope
 
 
@@ -556,7 +556,7 @@ def operation_idempotency_key(key: str, scope: str = TENANT) -> str:
 
 
 def record_path(target: Path, key: str, scope: str = TENANT) -> Path:
-    """The adapter's record of an operation: named by its idempotency key (D12)."""
+    """The adapter's record of an operation: named by its idempotency key."""
     return target / ".octo-publish" / f"pub.{operation_idempotency_key(key, scope)}.json"
 
 

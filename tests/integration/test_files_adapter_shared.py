@@ -1,4 +1,4 @@
-"""``files.publish`` on a directory two worker processes share (D13 failover).
+"""``files.publish`` on a directory two worker processes share (failover).
 
 The owner of a scope and the standby that takes it over use one
 ``target_dir`` and one effect log. These tests hold an operation's lock from

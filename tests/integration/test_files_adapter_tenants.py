@@ -1,5 +1,5 @@
-"""``files.publish`` against a real directory: tenant isolation (D12), the lookup of a
-compensation by its key (D11), and an effect log without gaps.
+"""``files.publish`` against a real directory: tenant isolation, the lookup of a
+compensation by its key, and an effect log without gaps.
 
 Same parts and crash simulation as ``test_files_adapter.py``: a real
 directory under tmp_path, an exception that escapes the adapter like a
@@ -89,7 +89,7 @@ def undo_in(scope: str, key: str, name: str, cmp_key: str = "cmp-undo-1") -> Any
     return OperationCompensationRequest(SESSION, f"undo-{key}", binding, payload)
 
 
-# Tenant isolation (D12) ------------------------------------------------------------------
+# Tenant isolation ------------------------------------------------------------------
 
 
 async def test_two_tenants_with_one_key_and_one_name_get_two_files_and_two_effects(
@@ -177,7 +177,7 @@ async def test_a_record_of_the_layout_before_d12_is_never_guessed_at(
     assert visible_files(shelf(target)) == []
 
 
-# The lookup of a compensation by its key (D11) -------------------------------------------
+# The lookup of a compensation by its key -------------------------------------------
 
 
 async def test_a_finished_removal_is_found_by_its_compensation_key(

@@ -1,4 +1,4 @@
-"""``octo-host`` with its ledger in PostgreSQL (``[storage] url``, D13), as a user runs it.
+"""``octo-host`` with its ledger in PostgreSQL (``[storage] url``), as a user runs it.
 
 Two host configurations (two host ids, as two machines) share one ledger
 schema and the ledger key; the worker is the in-process daemon of

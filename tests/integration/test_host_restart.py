@@ -1,4 +1,4 @@
-"""A host restart on a real ledger file (issue 4; seed "Host Sequence" last paragraph).
+"""A host restart on a real ledger file (seed "Host Sequence" last paragraph).
 
 Before the restart the host records an operation, applies the worker's
 authenticated success, records the one compensation intent and persists each

@@ -1,4 +1,4 @@
-"""The SQLite ledger's store head and rollback anchor on real files (H§17.10, issue 21).
+"""The SQLite ledger's store head and rollback anchor on real files.
 
 A commit moves one sealed store head (revision, digest of every record) in
 the same transaction and rewrites a fixed-size anchor: its cost does not
@@ -349,7 +349,7 @@ async def test_a_record_rolled_back_while_open_is_caught_on_load_or_at_the_next_
     caught = await open_fails(files, anchor=True)
     assert (caught.record_revision, caught.revision_floor) == (None, 4)
 
-    # A record this process wrote is checked on every load (H§17.10).
+    # A record this process wrote is checked on every load.
     files2 = Files(tmp_path / "second")
     initialise_anchor(files2.anchor)
     store = files2.store()

@@ -1,6 +1,6 @@
-"""Authenticated ledger storage on real backends (H§17.3-17.7, H§17.10, H§20 ex. 22-23).
+"""Authenticated ledger storage on real backends.
 
-One suite for every backend: each H§20 example 22 scenario runs against the
+One suite for every backend: each create/load/replace scenario runs against the
 ``VolatileMemoryStore``, a real SQLite file (``SqliteRecordBackend``) and a
 real PostgreSQL schema (``PostgresRecordBackend``, marked ``postgres``); the
 durable-database behaviours (reopening, two store objects on one database,
@@ -342,7 +342,7 @@ async def tamper(env: Env, key: StorageRecordKey, old: bytes, new: bytes) -> Non
     )
 
 
-# H§20 example 22, on both backends --------------------------------------------------
+# Create, load, replace and tampering, on every backend ------------------------------
 
 
 async def test_create_load_replace_round_trip(env: Env) -> None:
@@ -618,7 +618,7 @@ async def test_floor_forced_to_zero_under_a_live_record(env: Env) -> None:
     assert (caught.value.record_revision, caught.value.revision_floor) == (1, 0)
 
 
-# Backend contract (H§17.3, H§17.6) ---------------------------------------------------
+# Backend contract ---------------------------------------------------
 
 
 AnyBackend = VolatileMemoryStore | SqliteRecordBackend | PostgresRecordBackend
@@ -695,7 +695,7 @@ async def test_memory_backend_ceilings_are_u64() -> None:
         await backend.compare_and_swap(OTHER_RUN, 2**64 - 1, StoredRecord(2**64, b"y"))
 
 
-# Durable databases: SQLite and PostgreSQL (H§17.7, D13) --------------------------------
+# Durable databases: SQLite and PostgreSQL --------------------------------
 
 
 async def test_committed_record_survives_reopening(database: Database) -> None:
@@ -712,7 +712,7 @@ async def test_committed_record_survives_reopening(database: Database) -> None:
         await second.close()
 
 
-# SQLite only: the rollback anchor file and the file modes (H§17.7, H§17.10, ex. 23) -----
+# SQLite only: the rollback anchor file and the file modes (ex. 23) -----
 
 
 async def test_restored_backup_is_detected_by_the_anchor(tmp_path: Path) -> None:
@@ -896,7 +896,7 @@ async def test_existing_readable_directory_is_used_with_a_warning(tmp_path: Path
         await store.close()
 
 
-# Durable databases: several store objects on one database (D13) ---------------------
+# Durable databases: several store objects on one database ---------------------
 
 
 async def test_cas_conflict_between_sequential_writers(database: Database) -> None:
@@ -1019,7 +1019,7 @@ async def test_schema_version_is_recorded_and_newer_schemas_are_refused(
     store = database.store()
     await store.create(RUN, b"v1")
     await store.close()
-    # SQLite's schema 2 added the store head (issue 21); PostgreSQL keeps none.
+    # SQLite's schema 2 added the store head; PostgreSQL keeps none.
     assert await database.backdoor.schema_version() == [2 if database.kind == "sqlite" else 1]
     await database.backdoor.set_schema_version(99)
 
@@ -1046,7 +1046,7 @@ async def test_unusable_database_path_is_a_backend_error(tmp_path: Path) -> None
     await store.close()
 
 
-# Key files (W§7.1 rule, H§17.1) -----------------------------------------------------------
+# Key files (one reader, one rule for every key file) ------------------------------
 
 
 def write_key_file(path: Path, content: bytes, mode: int = 0o600) -> Path:
@@ -1098,7 +1098,7 @@ def test_storage_key_file_must_be_a_readable_regular_file(tmp_path: Path) -> Non
         load_storage_key(directory)
     with pytest.raises(InvalidStorageKey):
         load_storage_key(tmp_path / "absent.key")
-    # A link is refused like every other key file (W§7.1): the file itself is judged.
+    # A link is refused like every other key file: the file itself is judged.
     link = tmp_path / "link.key"
     os.symlink(write_key_file(tmp_path / "real.key", bytes(32)), link)
     with pytest.raises(InvalidStorageKey) as caught:
@@ -1186,7 +1186,7 @@ async def test_item_whose_head_row_was_deleted_is_not_mistaken_for_absence(
         await store.close()
 
 
-# Group commit (H§17.7) ---------------------------------------------------------------
+# Group commit ---------------------------------------------------------------
 
 
 async def test_concurrent_writes_share_transactions_and_keep_their_own_outcomes(

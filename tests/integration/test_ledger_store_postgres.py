@@ -1,4 +1,4 @@
-"""The PostgreSQL ledger store beyond the shared suite (D13, H§17.5-17.7).
+"""The PostgreSQL ledger store beyond the shared suite.
 
 ``test_ledger_store.py`` runs every backend behaviour on PostgreSQL too; this
 module holds what only a shared server has: several store objects (as
@@ -58,7 +58,7 @@ def backend_in(place: PostgresSchema, **options: Any) -> PostgresRecordBackend:
     )
 
 
-# Several hosts on one database (D13) --------------------------------------------------
+# Several hosts on one database --------------------------------------------------
 
 
 async def record_intents(store: PostgresLedgerStore, host: str, steps: int) -> int:

@@ -1,4 +1,4 @@
-"""A run whose watermark the client forgot is still covered by the store (issue 21, H§17.10).
+"""A run whose watermark the client forgot is still covered by the store.
 
 The host client keeps a run's watermark while the run is cached and for the
 last ``max_cached_runs`` runs it dropped (tests/unit/test_host_run_cache.py).

@@ -1,4 +1,4 @@
-"""The rollback anchor file both stores write and read (H§17.10), on real files."""
+"""The rollback anchor file both stores write and read, on real files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The dead-letter copy and the confirmed publish both processes use (W§12.1, W§12.3).
+"""The dead-letter copy and the confirmed publish both processes use.
 
 On the real broker: a refused delivery is copied, with its body, properties
 and headers plus ``octo-reason``, to ``octo.v5.dead`` and then acked; when

@@ -1,4 +1,4 @@
-"""Every key-file loader obeys one rule, on real files (W§7.1, H§17.1, issue 15 item 9).
+"""Every key-file loader obeys one rule, on real files.
 
 The loaders: ``ScopeKey.from_file`` (public API), the configuration loaders
 of ``octo_common.runtime.keyfiles`` that the worker and host configurations
@@ -169,7 +169,7 @@ def test_configuration_errors_name_the_key_and_the_problem(tmp_path: Path) -> No
         load_scope_key(private(tmp_path / "zero.key", bytes(32)), where)
 
 
-# Key files inside a symlinked directory (issue 15 item 9) ---------------------------------
+# Key files inside a symlinked directory ---------------------------------
 
 
 @pytest.fixture

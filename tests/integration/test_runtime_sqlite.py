@@ -1,4 +1,4 @@
-"""The database thread and the schema migration both stores use (W§11, H§17.7).
+"""The database thread and the schema migration both stores use.
 
 The thread is exercised with plain functions (no database), the migration
 and the database files (private, never through a link) on real SQLite files.

@@ -1,4 +1,4 @@
-"""WorkerSession scenarios (W§10, W§15 examples 14-24).
+"""WorkerSession scenarios.
 
 Every scenario drives a real ``WorkerSession`` with frames sealed by a real
 host-role authenticator, against the real ``SqliteJournalStore`` on a
@@ -130,7 +130,7 @@ class RecordingDelivery:
 
 
 class FaultyStore:
-    """The real store behind a fault-injecting boundary (W§10.9 faults).
+    """The real store behind a fault-injecting boundary (commit and fence faults).
 
     ``fail_commits`` holds 1-based commit numbers that raise
     ``StorageBackendError`` instead of committing; ``fence_commits`` raise
@@ -181,7 +181,7 @@ class ScriptedAdapter(BaseWorkerAdapter):
         default_factory=lambda: Succeeded(ToolPayload.json({"undone": 1}))
     )
     reconcile_outcome: Any = field(default_factory=Running)
-    # D11: what the lookup of a compensation by its key observes.
+    # What the lookup of a compensation by its key observes.
     lookup_outcome: Any = field(default_factory=Running)
     invoke_outcome: Any = field(default_factory=lambda: ToolPayload.json({"sum": 3}))
     gate: asyncio.Event | None = None
@@ -470,7 +470,7 @@ def test_limits_default_and_zero_checks() -> None:
         WorkerSessionLimits(per_tool=1, per_session=0)
 
 
-# Opening (W§10.4) ---------------------------------------------------------------
+# Opening ---------------------------------------------------------------
 
 
 async def test_open_commits_both_documents_once_and_never_a_key(tmp_path: Path) -> None:
@@ -661,7 +661,7 @@ async def test_duplicate_reconcile_and_compensate_answer_the_stored_state(tmp_pa
 
 
 async def test_every_adapter_call_gets_its_scope_session_key_and_deadline(tmp_path: Path) -> None:
-    # D12: the context names the scope whose journal admitted the request, the
+    # The context names the scope whose journal admitted the request, the
     # session, the scope-qualified idempotency key of the call's kind, and the
     # event-loop time at which the call is cut (the scripted tool's deadline).
     grant = scripted_grant(max_compensations=1)
@@ -686,7 +686,7 @@ async def test_every_adapter_call_gets_its_scope_session_key_and_deadline(tmp_pa
         assert compensate == AdapterContext.for_compensation(
             SCOPE, SESSION, "cmp-d", compensate.deadline
         )
-        # D11: the lookup of the compensation names it by the compensation's key.
+        # The lookup of the compensation names it by the compensation's key.
         assert lookup.idempotency_key == compensate.idempotency_key
         assert (lookup.scope, lookup.session_id) == (SCOPE, SESSION)
         for context in w.scripted.contexts:
@@ -1132,7 +1132,7 @@ async def test_example_15_admission_commit_fails(world: World) -> None:
     assert world.effects() == []
     assert world.session.status == "poisoned"
     assert world.session.calls_for(PUBLISH) == 0  # memory back at the durable point
-    # The refusal was committed before its publish (W§10.11 rule 2): its
+    # The refusal was committed before its publish: its
     # sequence and the status poisoned are durable, no journal change with it.
     refusal = world.store.commits[-1]
     assert refusal.journal is None and len(refusal.outbox_insert) == 1
@@ -1176,7 +1176,7 @@ async def test_example_16_observation_commit_fails(world: World) -> None:
     duplicate = await world.deliver(world.host.seal(world.reconcile("op-g")))
     assert rejection_code(world.answer(duplicate)) == "session_poisoned"
     # Each refusal is committed before its publish, and nothing else is: no
-    # journal change, the refusal in the outbox (W§10.11 rule 2).
+    # journal change, the refusal in the outbox.
     refusals = commits_since(world, start)
     assert [(c.journal, len(c.outbox_insert)) for c in refusals] == [(None, 1), (None, 1)]
     assert len(world.effects()) == 1
@@ -1270,8 +1270,8 @@ async def test_closing_a_poisoned_session_while_its_handler_runs_keeps_its_succe
     gate.set()
     await task
 
-    # A closed session's running handlers finish and send their replies
-    # (W§10.6): the success is recorded, and the reply is the recorded state.
+    # A closed session's running handlers finish and send their replies:
+    # the success is recorded, and the reply is the recorded state.
     answer = world.answer(in_flight)
     assert isinstance(answer, OperationResult), answer
     assert answer.result.status == Succeeded(ToolPayload.json({"ok": 1}))
@@ -1301,7 +1301,7 @@ async def test_close_session_commit_failure_poisons_and_requeues(world: World) -
     assert str(world.session.status) == "closed"
 
 
-# Load errors (W§10.11 rule 7) ---------------------------------------------------------
+# Load errors ---------------------------------------------------------
 
 
 async def test_load_error_is_refused_without_poisoning(world: World) -> None:
@@ -1315,7 +1315,7 @@ async def test_load_error_is_refused_without_poisoning(world: World) -> None:
     assert isinstance(world.answer(retried), OperationResult)
 
 
-# Concurrency (W§10.5) ------------------------------------------------------------------
+# Concurrency ------------------------------------------------------------------
 
 
 async def test_concurrent_deliveries_of_one_key_run_the_adapter_once(world: World) -> None:

@@ -1,4 +1,5 @@
-"""The worker side of D11: ``reconcile_compensation``, the mirror of ``reconcile_operation``.
+"""The worker side of a compensation lookup: ``reconcile_compensation``, the mirror of
+``reconcile_operation``.
 
 Each scenario is the compensation counterpart of a reconciliation scenario
 of ``test_session.py`` / ``test_session_store.py``, on the same parts: a
@@ -7,7 +8,7 @@ authenticator, the real ``SqliteJournalStore`` on a tmp_path file, the real
 ``files.publish`` adapter and the in-test ``ScriptedAdapter`` (a plug-in,
 so a real part). Faults are injected at the store boundary.
 
-What D11 asks of the worker: authorize as a reconciliation (the request id
+What a lookup asks of the worker: authorize as a reconciliation (the request id
 only); the journal checks the compensation's identity (its refusals spend
 no budget); the reconciliation budgets are spent, the same counters as
 ``reconcile_operation``; no adapter is ``missing_adapter``; the adapter's
@@ -287,7 +288,7 @@ async def test_a_poisoned_session_refuses_a_lookup(world: World) -> None:
     assert "lookup" not in world.scripted.calls
 
 
-# Duplicates (D5) ------------------------------------------------------------------------
+# Duplicates ------------------------------------------------------------------------
 
 
 async def test_a_duplicate_lookup_is_answered_from_the_journal(world: World) -> None:

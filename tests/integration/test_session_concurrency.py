@@ -1,6 +1,6 @@
 """Concurrent admissions through real sessions on one real journal, on both backends.
 
-Issue 3's acceptance: 1,000 concurrent admissions of 100 keys from two
+The bar: 1,000 concurrent admissions of 100 keys from two
 sessions give exactly 100 Dispatch; and one session's concurrent handlings
 share transactions (pipelined commits) without weakening any of that. Every delivery goes through
 ``WorkerSession.handle`` (open, authorize, key lock, journal, group commit,
@@ -312,7 +312,7 @@ async def test_a_failed_commit_fails_every_commit_built_on_it(journal_db: Journa
         assert later and set(later) == {"WriteConflict"}
         assert [store.outcomes[call] for call in (1, 2, 3, 4)] == ["ok", "ok", "ok", "injected"]
         # Built once the failure settled: the refusals, each committed with the
-        # session poisoned before it was published (W§10.11 rule 2).
+        # session poisoned before it was published.
         refusals = [call for call in store.outcomes if store.statuses[call][0] == "poisoned"]
         assert refusals and {store.outcomes[call] for call in refusals} == {"ok"}
         built_on_it = [call for call in store.outcomes if call > 4 and call not in refusals]
@@ -386,7 +386,7 @@ async def test_a_close_behind_a_failed_commit_commits_nothing_and_stays_poisoned
             "WriteConflict",
         ]
         # After it, only the two refusals, each committed before its publish
-        # (W§10.11 rule 2) with the session poisoned.
+        # with the session poisoned.
         assert store.calls == 6
         assert [store.statuses[call] for call in (5, 6)] == [("poisoned", True)] * 2
         assert [a.code for a in answers] == ["journal_persistence_failed"] * 2
@@ -502,7 +502,7 @@ async def test_with_a_store_that_cannot_chain_a_handling_starts_after_the_commit
 
         assert [a.code for a in first] == ["journal_persistence_failed"]
         assert [a.code for a in second] == ["session_poisoned"]
-        # Two refusals, each committed before its publish (W§10.11 rule 2).
+        # Two refusals, each committed before its publish.
         assert store.calls == 4
         assert [store.statuses[call] for call in (3, 4)] == [("poisoned", True)] * 2
     finally:

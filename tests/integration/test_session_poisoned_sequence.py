@@ -1,4 +1,4 @@
-"""A poisoned session's refusals and the restart that may follow them at once (W§10.11 rule 2).
+"""A poisoned session's refusals and the restart that may follow them at once.
 
 A refusal a poisoned session publishes carries an outbound sequence number.
 If the process dies right after that publish (a SIGKILL, before any reload

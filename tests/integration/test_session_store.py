@@ -4,7 +4,7 @@ Every ``world`` here is opened on ``journal_db`` (a SQLite file, then a
 PostgreSQL schema). A "restart" closes the store object and opens a new one
 on the same database,
 reserves a fresh fence and rebuilds the session with ``WorkerSession.restore``
-from what ``load_sessions`` returns, as the daemon does (W§10.10). A "crash"
+from what ``load_sessions`` returns, as the daemon does. A "crash"
 cancels a handling mid-flight. Faults are injected at the store boundary
 (``FaultyStore`` wraps the real store).
 """
@@ -186,7 +186,7 @@ async def test_poisoning_reload_persists_poisoned_and_never_reuses_a_sequence(
     reserve = old.next_outgoing
     old_store, old_lease = world.real_store, world.lease
 
-    # The daemon's reload (W§10.9 step 4): fresh fence, restore, persist poisoned.
+    # The daemon's reload: fresh fence, restore, persist poisoned.
     reloaded = world.new_store()
     lease = await reloaded.reserve_fence(SCOPE)
     persisted = (await reloaded.load_sessions(SCOPE))[SESSION]

@@ -9,7 +9,7 @@
   indeterminate adapter, then a restart) left pending in the journal from
   the restart on, before any request names it, until a reconciliation finds
   it terminal; and a compensation left pending likewise, until its lookup
-  (D11) finds it terminal.
+  finds it terminal.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class _UndoLookup(FilesPublishAdapter):
 async def test_a_compensation_a_restart_left_pending_counts_until_its_lookup_settles_it(
     daemons: Daemons, raw_host: RawHost, worker_env: WorkerEnv
 ) -> None:
-    # The counterpart of the scenario above for a compensation and its lookup (D11).
+    # The counterpart of the scenario above for a compensation and its lookup.
     first = WorkerAdapterRegistry()
     first.register(TOOL, _UndoIndeterminate(worker_env))
     daemon = await daemons.start(first)

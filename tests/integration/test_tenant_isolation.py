@@ -1,4 +1,4 @@
-"""Two tenant scopes on one worker never share an effect (D12), end to end.
+"""Two tenant scopes on one worker never share an effect, end to end.
 
 Real RabbitMQ, the worker daemon in process serving two scopes with the
 real ``files.publish`` adapter (one instance for both), and one

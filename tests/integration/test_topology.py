@@ -1,4 +1,4 @@
-"""The W§12.5 topology and the confirmed publish, against the real broker.
+"""The RabbitMQ topology and the confirmed publish, against the real broker.
 
 Every test uses its own scope and host names (uuid suffix) and deletes the
 worker and reply queues it created. The shared exchanges and ``octo.v5.dead``

@@ -170,7 +170,7 @@ class WorkerFiles:
 
     @property
     def published(self) -> Path:
-        """``files.publish``'s files of this scope (D12: a directory per scope)."""
+        """``files.publish``'s files of this scope (a directory per scope)."""
         return self.root / "state" / "published" / self.scope
 
     def write(self, text: str | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""One session's outbox rows, found without reading the scope's whole outbox (issue 21, W§11.4).
+"""One session's outbox rows, found without reading the scope's whole outbox.
 
 Both backends (``journal_db``); the schema-4 migration tests are
 inherently SQLite-file tests. Rows read are counted with the store's own
@@ -61,7 +61,7 @@ async def test_one_sessions_rows_are_read_alone_whatever_the_outbox_holds(
         assert revisions == sorted(revisions)  # oldest first, as the whole outbox
         assert await store.load_outbox(SCOPE, session_id="s-none") == []
         assert store.stats.rows_opened - before == 3
-        # The whole outbox is still every row (start-up republish, W§11.4).
+        # The whole outbox is still every row (start-up republish).
         assert len(await store.load_outbox(SCOPE)) == 180
     finally:
         await store.close()

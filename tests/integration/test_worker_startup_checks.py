@@ -1,4 +1,4 @@
-"""``octo-worker check`` reports what ``run`` would refuse before the broker (issue 15 item 9).
+"""``octo-worker check`` reports what ``run`` would refuse before the broker.
 
 Each case runs the real ``run`` and ``check`` side by side on the same
 configuration: ``run`` must refuse it (exit 2, one line naming the key) and

@@ -1,4 +1,4 @@
-"""The worker journal store on real databases (W§11, H§17.7-17.10, D13).
+"""The worker journal store on real databases.
 
 One suite for both backends: every test that takes ``journal_db`` runs on a
 SQLite file and on a PostgreSQL schema (``journal_backends``), and edits the
@@ -284,7 +284,7 @@ async def test_a_lease_used_by_a_store_that_never_reserved_conflicts(
     try:
         lease = await owner.reserve_fence(SCOPE)
         await owner.commit(SCOPE, lease, WorkerCommit())
-        # Loads never set a baseline (W§10.11 rule 5).
+        # Loads never set a baseline.
         await stranger.load_records(SCOPE, ["op-1"])
         with pytest.raises(WriteConflict):
             await stranger.commit(SCOPE, lease, WorkerCommit())

@@ -1,4 +1,4 @@
-"""The journal's sealed scope heads on real databases (issue 15 item 7).
+"""The journal's sealed scope heads on real databases.
 
 Every commit, prune and reseal keeps each scope's digest equal to its rows
 (checked by recomputing it, ``verify_scope``), and a head edited without

@@ -1,4 +1,4 @@
-"""The PostgreSQL journal store beyond the shared suite (D13, W§11.2-11.3).
+"""The PostgreSQL journal store beyond the shared suite.
 
 ``test_worker_store.py`` and the other ``journal_db`` tests run every store
 behaviour on PostgreSQL too; this module holds what only a shared server
@@ -160,7 +160,7 @@ async def test_concurrent_row_reads_share_one_statement_and_each_gets_its_own_ro
         await store.close()
 
 
-# Several workers on one database (D13) --------------------------------------------------
+# Several workers on one database --------------------------------------------------
 
 
 async def test_a_new_owner_fences_out_every_later_commit_of_the_old_one(

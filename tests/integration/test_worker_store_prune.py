@@ -1,4 +1,4 @@
-"""The journal store's ``prune`` on both backends (issue 6: `octo-worker journal prune`).
+"""The journal store's ``prune`` on both backends (`octo-worker journal prune`).
 
 Only terminal rows (with no compensation, or a terminal one) older than the
 cut-off go; pending and running rows stay whatever their age; the scope head

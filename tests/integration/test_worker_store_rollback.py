@@ -1,4 +1,4 @@
-"""Row-level rollback of the worker journal, on real SQLite files (issue 15 item 7).
+"""Row-level rollback of the worker journal, on real SQLite files.
 
 An attacker with write access to the journal file but no key can delete a
 row, put a row back to its own older sealed version, or copy a sealed row in

@@ -1,4 +1,4 @@
-"""The adapter plug-in contract (W§10.2, D11, D12): declarations, defaults, the
+"""The adapter plug-in contract: declarations, defaults, the
 adapter context, registry, typed JSON adapters, the call wrapper and entry-point
 loading."""
 
@@ -152,11 +152,11 @@ def test_hook_docstrings_say_when_each_hook_runs() -> None:
     assert "MUST NOT" in (BaseWorkerAdapter.reconcile_compensation.__doc__ or "")
 
 
-# AdapterContext (D12) -------------------------------------------------------------
+# AdapterContext -------------------------------------------------------------
 
 
 def _derived(scope: str, kind: str, key: str) -> str:
-    """D12 written out with the blake3 package, not with octo code."""
+    """The adapter idempotency key written out with the blake3 package, not with octo code."""
     material = b"".join(
         len(part).to_bytes(8, "big") + part for part in (s.encode() for s in (scope, kind, key))
     )
@@ -630,7 +630,7 @@ class NeedsAToken(BaseWorkerAdapter):
 
 
 class TwoArguments(BaseWorkerAdapter):
-    # Written for the contract before D12: no context argument.
+    # Written for a two-argument contract: no context argument.
 
     async def reconcile_operation(self, request, grant):
         return None
@@ -801,7 +801,7 @@ def test_an_installed_adapter_that_fails_to_load_is_named_with_the_failure(
 def test_a_plugin_of_the_two_argument_contract_is_refused_at_load(
     plugin_distribution: Path, name: str, method: str
 ) -> None:
-    # D12: every method takes (request, grant, context); refused here, naming
+    # Every method takes (request, grant, context); refused here, naming
     # the adapter and the method, instead of failing every call later.
     with pytest.raises(AdapterLoadFailed) as info:
         load_adapters([name])

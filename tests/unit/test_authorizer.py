@@ -1,6 +1,6 @@
-"""SessionAuthorizer scenarios (W§8, W§15 examples 3-7).
+"""SessionAuthorizer scenarios.
 
-Fixtures follow W§15: ``G`` is the JSON grant ``math.add`` with two calls,
+Fixtures: ``G`` is the JSON grant ``math.add`` with two calls,
 128-byte input and output limits and the ``math-api`` network origin;
 ``GC = G.with_compensation_limit(1)``.
 """
@@ -173,7 +173,7 @@ def oversized_json(size: int) -> ToolPayload:
 def refused(
     auth: SessionAuthorizer, error: type[OctoError], call: Callable[[], object]
 ) -> OctoError:
-    """Run ``call``, expect ``error`` and check that nothing changed (W§8)."""
+    """Run ``call``, expect ``error`` and check that nothing changed."""
     before = auth.export_state()
     with pytest.raises(error) as info:
         call()
@@ -202,7 +202,6 @@ def test_a_fresh_authorizer_reports_zero_and_an_empty_state() -> None:
 
 
 def test_a_zero_grant_manifest_authorizes_nothing() -> None:
-    # W§15 example 3.
     manifest = CapabilityManifest(SESSION, [grant_g()]).attenuate(
         ManifestAttenuation(allowed_tools=frozenset())
     )
@@ -212,7 +211,7 @@ def test_a_zero_grant_manifest_authorizes_nothing() -> None:
     assert error.tool == TOOL  # type: ignore[attr-defined]
 
 
-# authorize / authorize_operation (W§8.1) ---------------------------------------
+# authorize / authorize_operation ---------------------------------------
 
 
 def test_authorize_spends_one_call_and_retains_the_request_id() -> None:
@@ -230,7 +229,6 @@ def test_authorize_spends_one_call_and_retains_the_request_id() -> None:
 
 
 def test_a_refused_scalar_payload_keeps_its_request_id_free_and_the_third_call_is_refused() -> None:
-    # W§15 example 4.
     auth = authorizer()
 
     refused(
@@ -247,7 +245,7 @@ def test_a_refused_scalar_payload_keeps_its_request_id_free_and_the_third_call_i
 
 
 def test_a_payload_deeper_than_32_is_refused() -> None:
-    # W§15 example 7: {} wrapped in 32 arrays.
+    # {} wrapped in 32 arrays.
     value: Any = {}
     for _ in range(32):
         value = [value]
@@ -261,7 +259,7 @@ def test_a_payload_deeper_than_32_is_refused() -> None:
 
 @pytest.mark.parametrize("method", ["authorize", "authorize_operation"])
 class TestCallAuthorizationOrder:
-    """Each step of W§8.1 wins over every later one and changes nothing."""
+    """Each check of a call wins over every later one and changes nothing."""
 
     def build(self, method: str, request_id: str, payload: ToolPayload = ADD, **kw: Any) -> Any:
         if method == "authorize":
@@ -400,7 +398,7 @@ def test_reserve_request_id_requires_a_token() -> None:
     assert error.field == "request id"  # type: ignore[attr-defined]
 
 
-# authorize_reconciliation (W§8.2) --------------------------------------------------
+# authorize_reconciliation --------------------------------------------------
 
 
 def test_reconciliation_spends_a_request_id_but_no_call() -> None:
@@ -442,11 +440,10 @@ def test_reconciliation_check_order() -> None:
     )
 
 
-# authorize_compensation (W§8.3) ----------------------------------------------------
+# authorize_compensation ----------------------------------------------------
 
 
 def test_compensation_budget_follows_identities() -> None:
-    # W§15 example 6.
     auth = authorizer()
 
     first = auth.authorize_compensation(compensation("cmp-req-1"))
@@ -468,7 +465,7 @@ def test_compensation_budget_follows_identities() -> None:
 
 
 def test_a_changed_grant_fingerprint_is_a_mismatch() -> None:
-    # W§15 example 6: a grant whose max_output_bytes changed.
+    # A grant whose max_output_bytes changed.
     auth = authorizer()
     changed = CapabilityGrant(
         TOOL,
@@ -488,7 +485,7 @@ def test_a_changed_grant_fingerprint_is_a_mismatch() -> None:
 
 
 def test_compensation_under_a_grant_without_budget_is_not_granted() -> None:
-    # W§15 example 6: under G; checked before the fingerprint.
+    # Under G; checked before the fingerprint.
     auth = authorizer(grant_g())
 
     error = refused(
@@ -634,7 +631,7 @@ def test_compensation_check_order() -> None:
     assert auth.compensations_for(TOOL) == 1
 
 
-# Header validation comes first; the payload only where W§8 places it ----------------
+# Header validation comes first; the payload only where its place in the order is ------
 
 
 def unvalidated(value: Any, **changes: Any) -> Any:
@@ -763,7 +760,7 @@ def test_validators_check_provenance_then_the_result_then_the_session() -> None:
     )
 
 
-# Request-id capacity (W§15 example 5) ---------------------------------------------
+# Request-id capacity ---------------------------------------------
 
 
 def test_at_capacity_every_authorization_is_refused_and_every_validator_still_works() -> None:
@@ -817,7 +814,7 @@ def test_at_capacity_every_authorization_is_refused_and_every_validator_still_wo
     assert completed == {"invoke-1", "dispatch-1", "reconcile-1", "compensate-1"}
 
 
-# Result validators (W§8.4) ---------------------------------------------------------
+# Result validators ---------------------------------------------------------
 
 
 def test_validate_result_marks_the_request_completed_once() -> None:

@@ -1,6 +1,6 @@
-"""Authorizing a compensation lookup (D11): a reconciliation that spends a request id only.
+"""Authorizing a compensation lookup: a reconciliation that spends a request id only.
 
-Fixtures follow W§15 as in test_authorizer: ``math.add`` with two calls,
+Fixtures as in test_authorizer: ``math.add`` with two calls,
 128-byte limits and one compensation; ``text.echo`` has no compensation
 budget at all, which a lookup does not need.
 """
@@ -98,7 +98,7 @@ def answer(
 def refused(
     auth: SessionAuthorizer, error: type[OctoError], call: Callable[[], object]
 ) -> OctoError:
-    """Run ``call``, expect ``error`` and check that nothing changed (W§8)."""
+    """Run ``call``, expect ``error`` and check that nothing changed."""
     before = auth.export_state()
     with pytest.raises(error) as info:
         call()

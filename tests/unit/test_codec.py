@@ -1,6 +1,6 @@
-"""Strict JSON parsing, number canonicalisation and compact encoding (W§5.1, W§5.4, W§5.5, D1).
+"""Strict JSON parsing, number canonicalisation and compact encoding.
 
-Also the struct decoder's rules of W§4.1: duplicate keys rejected in every
+Also the struct decoder's rules: duplicate keys rejected in every
 struct but last-wins inside a payload value, the Struct's own unknown-field
 policy, and no booleans or floats where an integer is expected. Every
 expected value is written out by hand from the spec tables.
@@ -23,7 +23,7 @@ def _nested(levels: int, inner: str = "") -> str:
     return "[" * levels + inner + "]" * levels
 
 
-# W§5.1 strict parsing -------------------------------------------------------
+# Strict parsing -------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -160,9 +160,9 @@ def test_invalid_utf8_is_a_serialization_error() -> None:
         parse_json(b'"\xed\xa0\x80"')  # an encoded surrogate is not UTF-8
 
 
-# W§5.5 number canonicalisation ---------------------------------------------
+# Number canonicalisation ---------------------------------------------
 
-# Every row of the W§5.5 table, plus the boundaries its rules name.
+# Every case of the number rules, plus the boundaries they name.
 NUMBER_TABLE = [
     ("1", b"1"),
     ("1.0", b"1.0"),
@@ -251,7 +251,7 @@ def test_values_that_are_not_json_are_rejected() -> None:
             compact_json(value)
 
 
-# W§5.4 compact encoding -------------------------------------------------------
+# Compact encoding -------------------------------------------------------
 
 
 def test_compact_encoding_has_no_whitespace_and_sorts_object_keys() -> None:
@@ -287,7 +287,7 @@ def test_literals_are_written_as_json_literals() -> None:
     assert compact_json([True, False, None]) == b"[true,false,null]"
 
 
-# decode_struct (W§4.1 decode rules) ------------------------------------------
+# decode_struct (the decode rules) ------------------------------------------
 
 
 class _StrictDoc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -363,7 +363,7 @@ def test_the_example_config_is_valid_and_documents_every_key(
 def test_the_failover_example_is_one_shared_journal_with_a_short_heartbeat(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # deploy/failover/: the same file on two machines (D13).
+    # deploy/failover/: the same file on two machines.
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", "/run/credentials/octo-worker@release.service")
     config = load_config(EXAMPLE.parent / "failover" / "worker.toml")
     assert config.shared_journal

@@ -1,5 +1,4 @@
-"""BLAKE3 derivations: domains, LP/BE64 framing, the grant encoding and adapter keys
-(W§1, W§2, W§5.8, H§4-§8, D12).
+"""BLAKE3 derivations: domains, LP/BE64 framing, the grant encoding and adapter keys.
 
 Each expected digest is recomputed here with the ``blake3`` package from the
 byte layout the spec writes out, never with the module under test.
@@ -100,7 +99,7 @@ def test_worker_and_ledger_fingerprints_differ_for_the_same_bytes() -> None:
 
 
 def test_grant_encoding_and_fingerprint_example() -> None:
-    # W§5.8: the exact hashed bytes for CapabilityGrant.text("text.echo").
+    # The exact hashed bytes for CapabilityGrant.text("text.echo").
     encoded = (
         b'{"tool":"text.echo","format":"text","max_calls":1,"max_input_bytes":16384,'
         b'"max_output_bytes":65536,"max_compensations":0,"resources":[]}'
@@ -178,18 +177,18 @@ def test_keyed_hash_and_derive_key_use_blake3_modes() -> None:
     )
 
 
-# Adapter idempotency keys (D12) ------------------------------------------------------
+# Adapter idempotency keys ------------------------------------------------------
 
 _ADAPTER_CONTEXT = "octo 2026-12 adapter idempotency key v1"
 
 
 def _adapter_key(scope: str, kind: str, key: str) -> str:
-    """D12 written out: derive_key(context, LP(scope) ‖ LP(kind) ‖ LP(key)), 64 hex."""
+    """The adapter key: derive_key(context, LP(scope) ‖ LP(kind) ‖ LP(key)), 64 hex."""
     material = _lp(scope.encode()) + _lp(kind.encode()) + _lp(key.encode())
     return blake3.blake3(material, derive_key_context=_ADAPTER_CONTEXT).hexdigest()
 
 
-# Computed once with the blake3 package from the D12 formula (never with octo code).
+# Computed once with the blake3 package from the formula above (never with octo code).
 ADAPTER_KEY_ANSWERS = [
     (
         "tenant-a",

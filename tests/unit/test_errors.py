@@ -1,7 +1,7 @@
-"""The error hierarchy: names, groups, codes, positional fields and error text (W§13, H§15, H§18).
+"""The error hierarchy: names, groups, codes, positional fields and error text.
 
-The class lists below are copied from the W§13 and H§18 tables (a class that
-appears in both documents keeps its W§13 group, H§18A rule 4).
+The class lists below are written out by hand, group by group (a class that
+both sides raise is in the protocol's or the worker's group).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ JOURNAL: dict[str, tuple[str, ...]] = {
     "InvalidWorkerOperationTransition": ("operation_key", "current", "observed"),
     "CompensationToolMismatch": ("key",),
     "CompensationRequiresSucceededOperation": ("operation_key", "state"),
-    "UnknownCompensation": ("operation_key",),  # H§18A rule 4 names the field
+    "UnknownCompensation": ("operation_key",),  # the field named operation_key
     "CompensationIdentityMismatch": ("key",),
     "InvalidWorkerCompensationTransition": ("operation_key", "current", "observed"),
 }
@@ -268,7 +268,7 @@ def test_errors_pickle_by_value() -> None:
     assert (again.tool, again.maximum) == ("math.add", 1)
 
 
-# H§15 error text ------------------------------------------------------------------
+# Error text: untrusted strings escaped ------------------------------------------------
 
 
 def test_h15_escaping_example() -> None:

@@ -1,6 +1,6 @@
-"""Keys, sealed frames and the replay window (W§7, D2, D3; W§15 examples 12 and 13).
+"""Keys, sealed frames and the replay window.
 
-Tags for hand-made frames are computed here from the W§7.4 layout with the
+Tags for hand-made frames are computed here from the tag-input layout with the
 ``blake3`` package, so these tests do not trust the sealer they check.
 """
 
@@ -85,7 +85,7 @@ def _manual_frame(
     sender: str = "host",
     session_id: str = SESSION,
 ) -> bytes:
-    """A frame built and tagged from the W§7.4 layout, independently of the sealer."""
+    """A frame built and tagged from the tag-input layout, independently of the sealer."""
     tagged = (
         b'{"domain":"octo-worker-auth-v5","protocol_version":5,"sender":"'
         + sender.encode()
@@ -119,7 +119,7 @@ def _seal_at(sequence: int, message: object | None = None) -> bytes:
     return host.seal(message or CloseSession(SESSION))  # type: ignore[arg-type]
 
 
-# ScopeKey (W§7.1) -------------------------------------------------------------------
+# ScopeKey -------------------------------------------------------------------
 
 
 def _key_file(tmp_path: Path, content: bytes, mode: int = 0o600) -> Path:
@@ -206,7 +206,7 @@ def test_scope_key_is_never_shown_pickled_or_copied() -> None:
             attempt(key)
 
 
-# SessionKey (W§7.2) -----------------------------------------------------------------
+# SessionKey -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("size", [0, 31, 33])
@@ -291,7 +291,7 @@ def test_keys_of_other_tenants_or_sessions_differ() -> None:
     assert SessionKey.derive(scope, "ab", "c", nonce) != SessionKey.derive(scope, "a", "bc", nonce)
 
 
-# Sealing and opening (W§7.3-7.5) ------------------------------------------------------
+# Sealing and opening ------------------------------------------------------
 
 
 def test_seal_numbers_frames_and_the_peer_opens_them() -> None:
@@ -420,7 +420,7 @@ def test_a_frame_from_an_authenticator_of_another_session_fails_the_tag() -> Non
 
 
 def test_open_validates_the_manifest_before_the_tag() -> None:
-    # W§15 example 1: 129 grants fail at frame decoding, before any tag check.
+    # 129 grants fail at frame decoding, before any tag check.
     body = b",".join(
         b'{"tool":"t%d","format":"text","max_calls":1,"max_input_bytes":1,"max_output_bytes":1}' % i
         for i in range(129)
@@ -441,7 +441,7 @@ def test_open_validates_the_manifest_before_the_tag() -> None:
     assert host.export_state().next_outgoing == 1
 
 
-# W§15 example 12 -------------------------------------------------------------------
+# A tag binds its message, role and key; a second opening is a duplicate -----------------
 
 
 def test_example_12() -> None:
@@ -467,7 +467,7 @@ def test_example_12() -> None:
     assert isinstance(raised.value.message, OpenSession)
 
 
-# W§15 example 13 -------------------------------------------------------------------
+# The replay window after many frames -------------------------------------------------
 
 
 def test_example_13_after_1100_frames() -> None:
@@ -523,7 +523,7 @@ def test_the_directions_are_independent() -> None:
     assert host.open(reply) == CloseSession(SESSION)
 
 
-# SequenceExhausted (W§7.5) -----------------------------------------------------------
+# SequenceExhausted -----------------------------------------------------------
 
 
 def test_seal_exhausts_after_the_last_usable_sequence() -> None:
@@ -547,7 +547,7 @@ def test_open_refuses_an_authentic_frame_at_the_maximum_sequence() -> None:
     assert worker.open(_manual_frame(CLOSE_JSON, MAX - 1)) == CloseSession(SESSION)
 
 
-# Export and restore (D2, D4) ------------------------------------------------------------
+# Export and restore ------------------------------------------------------------
 
 
 def test_restore_rebuilds_an_equal_authenticator() -> None:
@@ -618,7 +618,7 @@ def test_duplicate_frame_carries_the_message_but_never_shows_it() -> None:
         assert "op-1" not in text
 
 
-# The tag input bound (W§7.4, W§7.5 step 2) ---------------------------------------------
+# The tag input bound ---------------------------------------------
 
 LONG_SESSION = "s" * 128
 
@@ -663,7 +663,7 @@ def test_window_bitmap_boundaries_on_restore() -> None:
     assert restored.open(_seal_at(1024)) == CloseSession(SESSION)
 
 
-# The tag covers the model (W§7.4): spelling differences on the wire do not matter -----
+# The tag covers the model: spelling differences on the wire do not matter -----
 
 INVOKE_JSON = (
     b'{"type":"invoke","invocation":{"protocol_version":5,"session_id":"session-1",'
@@ -741,8 +741,8 @@ def test_every_single_byte_change_of_a_frame_is_refused() -> None:
 
 
 def test_a_change_that_keeps_the_model_verifies_as_the_same_message() -> None:
-    # W§7.4: the tag covers the model. Renaming an empty `resources` key makes it an
-    # ignored unknown key, and the grant's `resources` defaults to [] (W§4.1): same model.
+    # The tag covers the model. Renaming an empty `resources` key makes it an
+    # ignored unknown key, and the grant's `resources` defaults to []: same model.
     message = OpenSession(CapabilityManifest(SESSION, [CapabilityGrant.text("text.echo")]))
     frame = SessionAuthenticator(SESSION, _key(), SessionRole.HOST).seal(message)
     renamed = frame.replace(b'"resources":[]', b'"resourcez":[]')

@@ -1,12 +1,12 @@
-"""Capability grants, manifests and attenuation (W§4.1, W§5.8, W§6; W§15 examples 1-3).
+"""Capability grants, manifests and attenuation.
 
-Fixtures are those of W§15: ``G`` is the ``math.add`` JSON grant with
+Fixtures: ``G`` is the ``math.add`` JSON grant with
 max_calls=2, 128-byte limits and the ``network_origin`` ``math-api``
 resource; ``GC = G.with_compensation_limit(1)``.
 """
 
 # These tests call the API in the spec's own forms (`resources=[...]`,
-# `ManifestAttenuation(allowed_tools=set())`, W§15 example 3); grants.py annotates
+# `ManifestAttenuation(allowed_tools=set())`); grants.py annotates
 # those parameters as tuple/frozenset only, so mypy's arg-type check is off here.
 # mypy: disable-error-code="arg-type"
 
@@ -62,7 +62,7 @@ def _texts(count: int) -> list[CapabilityGrant]:
     return [CapabilityGrant.text(f"tool-{index}") for index in range(count)]
 
 
-# Construction and defaults (W§2, W§6.1) ---------------------------------------
+# Construction and defaults ---------------------------------------
 
 
 def test_text_and_json_builders_use_the_defaults() -> None:
@@ -142,7 +142,7 @@ def test_resource_ids_sort_by_bytes() -> None:
     assert [r.id for r in grant.resources] == ["a", "a-", "b", "b0"]
 
 
-# W§6.1 validate, in order --------------------------------------------------------
+# validate, in order --------------------------------------------------------
 
 
 def test_tool_token_is_checked_first() -> None:
@@ -207,7 +207,7 @@ def test_zero_compensations_are_valid() -> None:
     GC.validate()
 
 
-# Decoding (W§4.1) -----------------------------------------------------------------
+# Decoding -----------------------------------------------------------------
 
 
 def test_decoding_fills_defaults_and_ignores_unknown_keys() -> None:
@@ -252,7 +252,7 @@ def test_encoding_writes_all_seven_fields_in_order() -> None:
     assert encode_struct(G).endswith(b'"resources":[{"kind":"network_origin","id":"math-api"}]}')
 
 
-# Fingerprint (W§5.8) -----------------------------------------------------------------
+# Fingerprint -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -299,7 +299,7 @@ def test_fingerprint_is_64_lowercase_hex() -> None:
     assert set(fingerprint) <= set("0123456789abcdef")
 
 
-# W§6.2 manifests --------------------------------------------------------------------
+# Manifests --------------------------------------------------------------------
 
 
 def test_duplicate_grant_example_1() -> None:
@@ -385,7 +385,7 @@ def test_manifest_version_out_of_u16_is_a_serialization_error() -> None:
         decode_struct('{"protocol_version":70000,"session_id":"s","grants":[]}', CapabilityManifest)
 
 
-# W§6.3 grant attenuation ---------------------------------------------------------------
+# Grant attenuation ---------------------------------------------------------------
 
 
 def test_attenuation_lowers_each_limit() -> None:
@@ -482,7 +482,7 @@ def test_resources_may_shrink_to_a_subset() -> None:
     assert parent.attenuate(GrantAttenuation()).resources == parent.resources
 
 
-# W§6.3 manifest attenuation ---------------------------------------------------------------
+# Manifest attenuation ---------------------------------------------------------------
 
 
 ECHO = CapabilityGrant.text("text.echo")
@@ -566,7 +566,7 @@ def test_attenuation_encodings_omit_none_fields() -> None:
     assert dict(manifest_attenuation.grants) == {}
 
 
-# Integer widths (W§1, W§4.1) --------------------------------------------------------------
+# Integer widths --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", [2**32, -1, True])

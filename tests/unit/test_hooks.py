@@ -126,7 +126,7 @@ def test_a_reply_resolves_or_keeps_its_key_pending() -> None:
 
 
 def test_a_compensation_lookup_resolves_or_keeps_its_key_pending() -> None:
-    # D11: a compensation admitted and cut by a crash is found by its lookup.
+    # A compensation admitted and cut by a crash is found by its lookup.
     m = WorkerMetrics()
     m.after_ack("s1", "compensate_operation", "op-1")
     m.after_reply("s1", "reconcile_compensation", "op-1", True, True, False)  # pending

@@ -1,4 +1,4 @@
-"""Compensation policy, targets, actions and approvals (H§7, H§13, H§14; example 17)."""
+"""Compensation policy, targets, actions and approvals (example 17)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Actions:
 
 
 def spec_grant_fingerprint() -> str:
-    """H§7's example text, hashed from the spec, independently of octo_common."""
+    """The example grant's text, hashed here, independently of octo_common."""
     text = (
         b'{"tool":"release.publish","format":"json","max_calls":1,"max_input_bytes":16384,'
         b'"max_output_bytes":65536,"max_compensations":1,"resources":[]}'
@@ -67,7 +67,7 @@ def spec_grant_fingerprint() -> str:
     ).hexdigest()
 
 
-# Policy (H§7, example 17) ------------------------------------------------------------
+# Policy (example 17) ------------------------------------------------------------
 
 
 def test_policy_binds_tool_tenant_and_grant_fingerprint() -> None:
@@ -129,7 +129,7 @@ def test_policy_matches_grant() -> None:
         policy.matches_grant(broken)
 
 
-# Target and action (H§13) -------------------------------------------------------------
+# Target and action -------------------------------------------------------------
 
 
 def _operation(key: str = "release-2026-1", tool: str = TOOL) -> WorkflowOperation:
@@ -205,7 +205,7 @@ def test_dispatch_is_plain_data() -> None:
     assert dispatch.payload == ToolPayload.text("x")
 
 
-# Approval (H§14) ------------------------------------------------------------------------
+# Approval ------------------------------------------------------------------------
 
 
 def test_approval_constructor_is_private() -> None:

@@ -1,8 +1,8 @@
-"""The host's side of compensation reconciliation (D11): the ledger transition and
+"""The host's side of compensation reconciliation: the ledger transition and
 the engine methods that build, seal and apply a compensation lookup.
 
-The mirror of operation reconciliation (H§11.3-11.4, H§12.4) with the
-identity of a compensation (H§11.5): a ``pending`` or ``running``
+The mirror of operation reconciliation with the
+identity of a compensation: a ``pending`` or ``running``
 compensation takes the observed state, a terminal one never changes, and the
 original operation is never touched. No input and no approval: a lookup
 performs no effect. Frames are really sealed and opened by a host and a

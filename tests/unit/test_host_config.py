@@ -452,7 +452,7 @@ def test_an_unset_credentials_directory_names_the_config_key(
         _ = config.database_path
 
 
-# [storage]: the ledger in PostgreSQL (D13) ----------------------------------------------------
+# [storage]: the ledger in PostgreSQL ----------------------------------------------------
 
 POSTGRES_URL = "postgresql://octo-host@db.example:5432/octo"
 

@@ -1,4 +1,4 @@
-"""WorkflowEngine scenarios: H§4, H§6, H§8, H§12, H§13, H§14 and H§20 examples.
+"""WorkflowEngine scenarios: plans, keys, requests, frames, verifiers and approvals.
 
 Every test builds its own engine, plan, ledger and a pair of authenticators for
 one session; the worker side of each exchange uses a real worker-role
@@ -88,7 +88,7 @@ from octo_host.engine import OutboundFrame, WorkflowEngine
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
 
-# Fixtures of H§20 --------------------------------------------------------------
+# Fixtures --------------------------------------------------------------
 
 STEPS = [WorkflowStep("publish", "let release = true")]
 TOOL = "release.publish"
@@ -246,7 +246,7 @@ def compensation_result_frame(
     return w.worker.seal(CompensationResult(result))
 
 
-# Engine identity and plans (H§4) -----------------------------------------------
+# Engine identity and plans -----------------------------------------------
 
 
 def test_engine_ids_are_process_unique_and_plans_are_owned_by_their_engine() -> None:
@@ -315,7 +315,7 @@ def test_foreign_plan_is_refused_before_anything_else() -> None:
             call()
 
 
-# Operation keys (H§6, example 9) --------------------------------------------------
+# Operation keys (example 9) --------------------------------------------------
 
 
 def test_example_9_operation_key_derivation() -> None:
@@ -377,7 +377,7 @@ def test_example_12_record_operation_refusals() -> None:
     assert w.ledger.revision == 1
 
 
-# Dispatch (H§12.3, examples 3, 4, 18, 21) ---------------------------------------
+# Dispatch (examples 3, 4, 18, 21) ---------------------------------------
 
 
 def test_example_3_dispatch_input_drift_and_worker_role() -> None:
@@ -529,7 +529,7 @@ def test_example_18_reconcile_requests() -> None:
     w.engine.operation_dispatch_request(w.plan, w.ledger, OP_KEY, ORIGINAL, SESSION, "d-1")
 
 
-# Reconciliation (H§12.4, examples 10, 11) --------------------------------------
+# Reconciliation (examples 10, 11) --------------------------------------
 
 
 def test_example_10_reconciliation_states_and_revisions() -> None:
@@ -638,7 +638,7 @@ def test_reconciliation_result_for_another_request_or_tool_is_a_mismatch() -> No
     assert w.ledger.revision == 1
 
 
-# Compensation keys (H§8) -------------------------------------------------------------
+# Compensation keys -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -849,7 +849,7 @@ def test_target_bound_to_another_operation_is_a_binding_mismatch() -> None:
     assert w.actions.calls == 0
 
 
-# The golden path (example 5) and the verifier table (H§13) ---------------------
+# The golden path (example 5) and the verifier table ---------------------
 
 
 def test_example_5_golden_path_with_verifier_counts() -> None:
@@ -1063,7 +1063,7 @@ def test_example_16_policy_and_input_drift_at_approval() -> None:
     assert w.actions.calls == 1
 
 
-# Approvals (H§14, example 14) --------------------------------------------------
+# Approvals (example 14) --------------------------------------------------
 
 
 def _prepare(
@@ -1391,7 +1391,7 @@ def test_approval_nonces_count_up_per_engine() -> None:
     assert w.ledger.revision == 3
 
 
-# Error text (H§15) ------------------------------------------------------------------
+# Error text ------------------------------------------------------------------
 
 
 def test_error_text_escapes_untrusted_values() -> None:

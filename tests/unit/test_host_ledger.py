@@ -1,5 +1,5 @@
 """WorkflowOperationLedger: data model, JSON, syntax, revision rule and ledger methods
-(H§9, H§10, H§11; examples 12, 19, 20 of H§20)."""
+."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ UNDO_INPUT = canonical_operation_input_bytes(UNDO)
 
 
 def fingerprint(data: bytes) -> str:
-    """H§5 computed here from the spec, independently of octo_common.digest."""
+    """The workflow input fingerprint computed here, independently of octo_common.digest."""
     return blake3.blake3(
         b"octo-workflow-operation-input-v1" + len(data).to_bytes(8, "big") + data
     ).hexdigest()
@@ -133,7 +133,7 @@ def document(ledger: WorkflowOperationLedger) -> dict[str, object]:
     return value
 
 
-# Data model and JSON (H§9) -------------------------------------------------------
+# Data model and JSON -------------------------------------------------------
 
 
 def test_fresh_ledger_encoding_is_exact() -> None:
@@ -226,7 +226,7 @@ def test_ledgers_compare_field_by_field_and_copies_are_independent() -> None:
     assert first != WorkflowOperationLedger("cd" * 32, revision=1, operations=first.operations)
 
 
-# Encoding size bound (H§9 step 2) ---------------------------------------------------
+# Encoding size bound ---------------------------------------------------
 
 
 def _long_operation(index: int, *, compensated: bool) -> WorkflowOperation:
@@ -247,7 +247,7 @@ def _long_operation(index: int, *, compensated: bool) -> WorkflowOperation:
 
 
 def test_conservative_bound_trips_before_the_real_encoding_is_too_large() -> None:
-    # 64 recorded operations with 128-byte step, tool and key (H§9: 35 527 bytes).
+    # 64 recorded operations with 128-byte step, tool and key (35 527 bytes).
     plain = [
         replace(_long_operation(i, compensated=False), state=StateKind.PENDING) for i in range(64)
     ]
@@ -267,7 +267,7 @@ def test_to_json_validates_syntax_first() -> None:
         ledger.to_json()
 
 
-# Decoding (H§9, example 19) ---------------------------------------------------------
+# Decoding (example 19) ---------------------------------------------------------
 
 
 def _text(**changes: object) -> str:
@@ -346,7 +346,7 @@ def test_decoding_checks_compensation_against_original_state() -> None:
     assert (info.value.operation_key, info.value.state) == (KEY, StateKind.RUNNING)
 
 
-# validate_syntax (H§9) -----------------------------------------------------------------
+# validate_syntax -----------------------------------------------------------------
 
 
 def _operation(**changes: object) -> WorkflowOperation:
@@ -447,7 +447,7 @@ def test_validate_minimum_revision() -> None:
         WorkflowOperationLedger("ABC", revision=5).validate_minimum_revision(9)
 
 
-# record (H§11.1, example 12) ------------------------------------------------------------
+# record (example 12) ------------------------------------------------------------
 
 
 def test_record_appends_pending_and_increments() -> None:
@@ -528,7 +528,7 @@ def test_example_20_revision_exhaustion() -> None:
     assert ledger.to_json() == text
 
 
-# record_compensation (H§11.2) --------------------------------------------------------------
+# record_compensation --------------------------------------------------------------
 
 
 def test_record_compensation_sets_intent_and_increments() -> None:
@@ -594,7 +594,7 @@ def test_record_compensation_refused_for_unsucceeded_originals(state: StateKind)
     assert ledger.to_json() == before
 
 
-# reconcile_request and apply_verified_reconciliation (H§11.3, H§11.4) ------------------------
+# reconcile_request and apply_verified_reconciliation ------------------------
 
 
 def test_reconcile_request_order() -> None:
@@ -688,7 +688,7 @@ def test_reconciliation_check_order() -> None:
     assert ledger.revision == 1
 
 
-# apply_verified_compensation (H§11.5) ----------------------------------------------------
+# apply_verified_compensation ----------------------------------------------------
 
 
 def test_compensation_observations_change_only_the_compensation() -> None:
@@ -851,7 +851,7 @@ def test_compensation_revision_moves_only_when_its_state_changes(
         assert after is not None and after.state is StateKind.SUCCEEDED
 
 
-# Operator resolution (issue 6: `octo-host resolve`) -----------------------------
+# Operator resolution (`octo-host resolve`) -----------------------------
 
 
 def _ledger_with_pending() -> tuple[WorkflowOperationLedger, str]:

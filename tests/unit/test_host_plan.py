@@ -1,4 +1,4 @@
-"""Plans (H§4, H§18A.1; example 13 of H§20)."""
+"""Plans."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from octo_host.plan import WorkflowPlan, WorkflowStep
 
 
 def spec_fingerprint(steps: list[WorkflowStep]) -> str:
-    """H§4 computed from the spec text, independently of octo_common.digest."""
+    """The plan fingerprint computed here, independently of octo_common.digest."""
     data = b"octo-workflow-plan-v1" + len(steps).to_bytes(8, "big")
     for step in steps:
         for text in (step.id, step.source):

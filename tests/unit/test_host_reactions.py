@@ -1,6 +1,6 @@
-"""The host's reaction tables (octo_host.reactions), row by row (H§16.3, H§16.4).
+"""The host's reaction tables (octo_host.reactions), row by row.
 
-Each row of H§16.4 is a case: the code, the kind of request it refused and
+Each row of the refusal table is a case: the code, the kind of request it refused and
 the reaction the table gives. Then the reply side: each error the engine can
 raise while opening and applying a reply, and what the reply consumer does.
 """
@@ -35,7 +35,7 @@ from octo_host.reactions import (
 
 ALL_KINDS = list(RequestKind)
 
-# H§16.4, one row per code: the reaction for every kind of request.
+# One row per code: the reaction for every kind of request.
 SAME_FOR_EVERY_KIND = [
     # the intent is durable at the worker, the outcome is not known
     ("pending_operation", Reaction.RECONCILE),
@@ -126,12 +126,12 @@ def test_only_a_compensation_lookup_proves_a_compensation_unknown(
     kind: RequestKind, reaction: Reaction
 ) -> None:
     # Admission precedes the inverse effect: a lookup answered unknown_compensation
-    # shows the worker never admitted the cmp- key (D11); after anything else the
+    # shows the worker never admitted the cmp- key; after anything else the
     # code is drift, and the host fails closed.
     assert rejection_reaction(kind, "unknown_compensation") is reaction
 
 
-# Replies (H§16.3) ------------------------------------------------------------------------
+# Replies ------------------------------------------------------------------------
 
 
 def refused(code: str) -> WorkerRequestRejected:
@@ -148,7 +148,7 @@ def test_a_duplicate_reply_is_dropped_and_the_request_keeps_waiting(kind: Reques
 def test_a_pending_refusal_of_a_send_keeps_its_request_for_the_outcome(
     kind: RequestKind, code: str
 ) -> None:
-    # W§10.7: the worker may still answer the request with its outcome.
+    # The worker may still answer the request with its outcome.
     assert reply_reaction(kind, refused(code)) is ReplyReaction.KEEP_WAITING
 
 

@@ -1,4 +1,4 @@
-"""The host client's run cache: bounded, O(1) per miss, watermarks bounded with it (issue 21).
+"""The host client's run cache: bounded, O(1) per miss, watermarks bounded with it.
 
 ``RunCache`` over the in-memory backend (no I/O), and the waiter tables that
 pin runs. Costs are counted (runs examined by an eviction, watermark

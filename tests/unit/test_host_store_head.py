@@ -1,4 +1,4 @@
-"""The ledger store head and the version 2 rollback anchor, as pure values (issue 21).
+"""The ledger store head and the version 2 rollback anchor, as pure values.
 
 The head's tag is recomputed here with the ``blake3`` package from the byte
 layout ``octo_host.storage.head`` documents; the anchor bytes are written out

@@ -1,4 +1,4 @@
-"""Token syntax helpers (W§3): the one-regex fast path agrees with the field checks."""
+"""Token syntax helpers: the one-regex fast path agrees with the field checks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""WorkerOperationJournal scenarios (W§9, W§15 examples 8-11).
+"""WorkerOperationJournal scenarios.
 
-Fixtures follow W§15: ``G`` is the JSON grant ``math.add`` with two calls,
+Fixtures: ``G`` is the JSON grant ``math.add`` with two calls,
 128-byte input and output limits and the ``math-api`` network origin;
 ``GC = G.with_compensation_limit(1)``; the journal scope is
 ``tenant-release``. Authorization tokens come from the real
 ``SessionAuthorizer``; each token gets a fresh authorizer, which is fine
-because the journal never checks provenance (W§8).
+because the journal never checks provenance.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def row_text(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-# W§15 example 8: one operation's life -----------------------------------------
+# One operation's life -----------------------------------------
 
 
 def test_example_8_admit_observe_and_replay_an_operation() -> None:
@@ -414,7 +414,7 @@ def test_an_observation_is_checked_against_the_grant_first() -> None:
     unchanged(journal, InvalidOperationFailure, lambda: journal.observe(admission(), Failed("")))
 
 
-# W§15 example 10: stored states re-checked against the current grant -----------
+# Stored states re-checked against the current grant -----------
 
 
 def seventy_five_byte_success() -> Succeeded:
@@ -445,7 +445,7 @@ def test_a_stored_success_in_another_format_than_the_grant() -> None:
         journal.admit(admission(ToolPayload.text("add 20 22"), grant=text_grant))
 
 
-# W§15 example 9 and compensation rules -----------------------------------------
+# Compensation rules -----------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -654,7 +654,7 @@ def test_a_contradictory_reconciliation_is_refused_and_records_nothing() -> None
     )
 
 
-# Read-only lookups (W§9.6) -------------------------------------------------------
+# Read-only lookups -------------------------------------------------------
 
 
 def test_lookups_without_a_grant_are_unknown_tool() -> None:
@@ -813,7 +813,7 @@ def test_journal_errors_never_echo_payloads() -> None:
     assert "secret" not in str(info.value) and "secret" not in repr(info.value)
 
 
-# Rows (W§9.1) --------------------------------------------------------------------------
+# Rows --------------------------------------------------------------------------
 
 
 def test_the_row_document_is_exactly_the_specified_compact_encoding() -> None:
@@ -1096,7 +1096,7 @@ ACTIONS = st.lists(
     max_size=12,
 )
 
-# The transition table of W§9.3, written out independently of octo_common.states.
+# The transition table, written out independently of octo_common.states.
 ALLOWED = {
     StateKind.PENDING: {
         StateKind.RUNNING,

@@ -1,10 +1,10 @@
-"""The journal's side of compensation reconciliation (D11, W§9.3, W§9.5-9.6).
+"""The journal's side of compensation reconciliation.
 
 A compensation left ``pending`` or ``running`` after a crash is resolved by a
 lookup: the key must hold a compensation with exactly the identity the
 request names; the observed state moves it along the one transition table;
 a terminal compensation never changes; a duplicate lookup is answered from
-the stored state. Fixtures follow test_journal (W§15): ``math.add`` with a
+the stored state. Fixtures follow test_journal: ``math.add`` with a
 compensation budget of one, scope ``tenant-release``.
 """
 
@@ -319,14 +319,14 @@ def test_a_key_that_was_not_loaded_is_a_programming_error() -> None:
 
 
 def test_a_token_of_any_authorizer_is_accepted() -> None:
-    # A later session reconciles what an earlier one left behind (W§9.5).
+    # A later session reconciles what an earlier one left behind.
     journal = journal_with(compensated(Running()))
     first, second = lookup(), lookup()
     journal.validate_compensation_reconciliation(first)
     assert journal.observe_compensation_reconciliation(second, UNDONE) == UNDONE
 
 
-# Duplicate lookups (D5) -----------------------------------------------------------------
+# Duplicate lookups -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

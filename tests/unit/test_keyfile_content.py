@@ -1,4 +1,4 @@
-"""The content rule of a key file (W§7.1), without touching any file."""
+"""The content rule of a key file, without touching any file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Import rules between the packages, read from the source (ARCHITECTURE.md "Layers").
+"""Import rules between the packages, read from the source (docs/architecture.md).
 
 * The protocol modules of ``octo_common`` (everything outside
   ``octo_common/runtime/``) import no I/O module and nothing from
@@ -144,7 +144,8 @@ def test_the_scanner_sees_imports_inside_functions_and_relative_ones() -> None:
 
 # Inside the host ---------------------------------------------------------------------------
 
-# The host's pure core (STYLE.md, h11): no I/O, and nothing from the host's I/O modules.
+# The host's pure core (a protocol as a pure state machine, as in h11): no I/O, and nothing
+# from the host's I/O modules.
 HOST_PURE = (
     "octo_host.plan",
     "octo_host.policy",
@@ -233,7 +234,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 # Inside the worker --------------------------------------------------------------------------
 
 # What a session and its rules are built from: the storage interface and documents, never a
-# backend (ARCHITECTURE.md "Scaling out": a second backend is added without touching them).
+# backend (a second backend is added without touching them).
 WORKER_BACKEND_FREE = (
     "octo_worker.session",
     "octo_worker.session.session",
@@ -285,8 +286,9 @@ def test_the_worker_modules_import_each_other_without_a_cycle() -> None:
     assert cycles(graph) == []
 
 
-# The worker's pure rules and values (STYLE.md, h11): no I/O, and nothing from the worker's
-# I/O modules. The session's decisions read these; the daemon and the session drive the I/O.
+# The worker's pure rules and values (pure state machines, as in h11): no I/O, and nothing
+# from the worker's I/O modules. The session's decisions read these; the daemon and the
+# session drive the I/O.
 WORKER_PURE = (
     "octo_worker.journal",
     "octo_worker.hooks",

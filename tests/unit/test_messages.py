@@ -1,6 +1,6 @@
-"""Wire structs and the WorkerMessage union (W§4, D6, D9, D11; PROTOCOL.md §2.4).
+"""Wire structs and the WorkerMessage union.
 
-Expected wire bytes are the W§4.2 examples, written out by hand.
+Expected wire bytes are written out by hand.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ ALL_MESSAGES: dict[str, Any] = {
 }
 
 
-# Constructors (W§4.4) --------------------------------------------------------------
+# Constructors --------------------------------------------------------------
 
 
 def test_constructors_validate_tokens() -> None:
@@ -224,7 +224,7 @@ def test_status_of_a_result_is_validated() -> None:
 
 
 def test_pending_is_not_a_result_status() -> None:
-    # W§4.1: "pending" is not an OperationStatus; a result carrying it could not be decoded.
+    # "pending" is not an OperationStatus; a result carrying it could not be decoded.
     with pytest.raises(SerializationError):
         OperationReconcileResult("s", "r", "t", "k", Pending())  # type: ignore[arg-type]
     with pytest.raises(SerializationError):
@@ -252,7 +252,7 @@ def test_structs_are_frozen_values() -> None:
         DISPATCH.request_id = "other"  # type: ignore[misc]
 
 
-# Wire form (W§4.1 field order, W§4.2 examples) ------------------------------------------
+# Wire form (field order, bytes written by hand) ------------------------------------------
 
 
 W42_EXAMPLES = [
@@ -374,7 +374,7 @@ def test_session_and_request_ids_of_messages() -> None:
     assert request_id_of(ALL_MESSAGES["cancel"]) == "cancel-1"
 
 
-# Decoding: unknown keys (W§4.1, W§4.2) ----------------------------------------------------
+# Decoding: unknown keys ----------------------------------------------------
 
 
 def _with_extra(name: str, path: tuple[Any, ...]) -> bytes:
@@ -490,7 +490,7 @@ def test_duplicate_struct_keys_are_rejected_but_payload_keys_last_win() -> None:
     assert decoded.invocation.payload == ToolPayload.json({"a": 2})
 
 
-# Decode-time validation (W§4.2 table) ---------------------------------------------------
+# Decode-time validation ---------------------------------------------------
 
 
 def _replace(name: str, old: bytes, new: bytes) -> bytes:
@@ -585,7 +585,7 @@ def test_request_rejected_checks_the_code() -> None:
         decode_message(_replace("request_rejected", b"pending_operation", b"Pending"))
 
 
-# matches_request / matches_dispatch (W§4.3) -------------------------------------------------
+# matches_request / matches_dispatch -------------------------------------------------
 
 
 def _result_for(request: Any, **changes: str) -> OperationReconcileResult:
@@ -661,7 +661,7 @@ def test_request_rejected_matching() -> None:
     ).matches_request(DISPATCH)
 
 
-# 1 MiB bound (W§2, W§4.2) ------------------------------------------------------------------
+# 1 MiB bound ------------------------------------------------------------------
 
 
 def _invoke_of_size(size: int) -> Invoke:
@@ -718,7 +718,7 @@ def test_an_explicit_protocol_version_is_validated() -> None:
         CloseSession("s", protocol_version=6)
 
 
-# Compensation reconciliation (D11) ---------------------------------------------------------
+# Compensation reconciliation ---------------------------------------------------------
 
 
 def _compensation_lookup(**changes: Any) -> CompensationReconcileRequest:

@@ -1,16 +1,16 @@
-"""D1 numbers on every path that canonicalises a payload (PROTOCOL.md D1, W§5.1, W§5.5).
+"""Canonical numbers on every path that canonicalises a payload.
 
 An integer written without fraction or exponent stays exact only inside
 [-2^63, 2^64-1]; every other number is the nearest double written in the
-W§5.5 form, and a number that overflows to infinity is rejected. The rule
+shortest round-trip form, and a number that overflows to infinity is rejected. The rule
 must hold the same way wherever Octo turns JSON into canonical bytes:
 ``parse_json``/``compact_json``, message and frame decoding (both the
 canonical fast path and the strict path), the tag a frame is checked
 against, journal rows, payload sizes, canonical input bytes and both input
 fingerprints, and payloads built from Python values.
 
-Expected values come from ``tests.number_reference`` (the W§5.5 rules
-written from the documents with Python's own number conversion) and from
+Expected values come from ``tests.number_reference`` (the number rules
+written from the protocol's text with Python's own number conversion) and from
 the independent conformance vectors; never from Octo's codec.
 """
 
@@ -44,7 +44,7 @@ KEY = bytes(range(7, 39))
 FINGERPRINT = "ab" * 32
 SCOPE = "tenant-a"
 
-# Boundaries the documents name, with the spelling W§5.5 prescribes (None: rejected).
+# Boundaries the rules name, with the spelling they prescribe (None: rejected).
 BOUNDARIES: list[tuple[str, str | None]] = [
     ("18446744073709551615", "18446744073709551615"),  # 2^64-1: exact
     ("18446744073709551616", "1.8446744073709552e19"),  # 2^64: a double

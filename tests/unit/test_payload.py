@@ -1,7 +1,7 @@
-"""Tool payloads: validate_for, depth, canonical input bytes, equality (W§5.2, W§5.3, W§5.6).
+"""Tool payloads: validate_for, depth, canonical input bytes, equality.
 
-Scenarios follow the check order of W§5.2, every bullet of W§5.3, the
-examples of W§5.6 and W§15 example 7. Expected bytes are written by hand.
+Scenarios follow the check order of a payload, every depth rule and the
+canonical input bytes. Expected bytes are written by hand.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_builders_set_format_and_value() -> None:
     assert (js.format, js.value) == ("json", {"a": [1, 2]})
 
 
-# W§5.2 check order ----------------------------------------------------------
+# Check order ----------------------------------------------------------
 
 
 def test_format_mismatch_is_checked_first() -> None:
@@ -96,11 +96,10 @@ def test_json_size_is_the_compact_encoding_length() -> None:
     assert ToolPayload.json(parse_json("[1e2]")).validate_for("json") == len(b"[100.0]")
 
 
-# W§5.3 depth, every bullet ----------------------------------------------------
+# Depth, every rule ----------------------------------------------------
 
 
 def test_empty_object_wrapped_in_32_arrays_fails() -> None:
-    # W§15 example 7.
     with pytest.raises(JsonPayloadTooDeep) as raised:
         ToolPayload.json(_arrays(32, {})).validate_for("json")
     assert raised.value.maximum == 32
@@ -140,7 +139,7 @@ def test_a_wide_shallow_payload_passes() -> None:
     assert ToolPayload.json(value).validate_for("json") == len(compact_json(value))
 
 
-# W§5.6 canonical operation input bytes ---------------------------------------
+# Canonical operation input bytes ---------------------------------------
 
 
 def test_canonical_bytes_of_text() -> None:

@@ -1,8 +1,8 @@
-"""Property tests for the protocol core (D1, W§5, W§6.3, W§7).
+"""Property tests for the protocol core.
 
 Each property states a rule of the spec over generated inputs: canonical
 bytes ignore key order, the compact encoding round-trips, numbers follow the
-W§5.5 writing rules (checked against a small reference written here), sealed
+canonical writing rules (checked against a small reference written here), sealed
 frames round-trip and any single-byte change is refused, decoders raise only
 Octo errors, and attenuation never widens a grant.
 """
@@ -261,9 +261,9 @@ def test_no_single_byte_change_opens_as_another_message(message: Any, data: st.D
     except OctoError:
         assert worker.export_state() == before
     else:
-        # The tag covers the model, not the bytes (W§7.4). A change that leaves the model
+        # The tag covers the model, not the bytes. A change that leaves the model
         # intact may verify: e.g. renaming an empty `"resources":[]` key of a grant makes it
-        # an ignored unknown key and `resources` takes its default `[]` (W§4.1). What must
+        # an ignored unknown key and `resources` takes its default `[]`. What must
         # never happen is accepting a different message.
         assert opened == message, f"a frame changed at byte {index} opened as another message"
         assert encode_message(opened) == encode_message(message)

@@ -1,10 +1,10 @@
-"""The independent conformance vectors for the protocol core (shared/vectors/public.json).
+"""The independent conformance vectors for the protocol core (tests/vectors/public.json).
 
 Every expected value comes from the vector file, computed by a reference
 implementation Octo did not write; these tests compute each field with
 Octo's code and compare byte for byte. Vector error names are mapped to our
 classes one-to-one in ``ERRORS``. The file is found by ``tests.vectors``
-(the shared folder beside the repository, else the copy in tests/vectors);
+(``OCTO_VECTORS`` when it is set, else tests/vectors/public.json);
 the tests skip, saying so, only when it is absent.
 """
 
@@ -90,7 +90,7 @@ def _cases(category: str) -> list[Any]:
 
 def _check_error_fields(error: OctoError, case: dict[str, Any]) -> None:
     for name, value in case.get("error_fields", {}).items():
-        # InvalidGrant carries its text as `.reason` (PROTOCOL.md §2.4).
+        # InvalidGrant carries its text as `.reason`.
         attribute = (
             "reason" if isinstance(error, errors.InvalidGrant) and name == "message" else name
         )
@@ -173,7 +173,7 @@ def test_canonical_inputs(case: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("case", _cases("canonical_inputs"))
 def test_canonical_inputs_inside_a_sealed_dispatch(case: dict[str, Any]) -> None:
-    """The wire spelling opens; the tag covers the canonical re-encoding (W§7.4)."""
+    """The wire spelling opens; the tag covers the canonical re-encoding."""
     key = bytes(range(32))
     raw_message = _dispatch_json(_payload_json(case))
     canonical_payload = _payload_of(case)
@@ -355,7 +355,7 @@ def test_frames_open_at_the_peer(case: dict[str, Any]) -> None:
     opened = receiver.open(case["frame_line"].encode("utf-8"))
     assert encode_message(opened) == case["message_json"].encode("utf-8")
     assert receiver.export_state().inbound_highest == case["sequence"]
-    # The sender's own role never accepts its frame (reflection, W§7.5 step 3).
+    # The sender's own role never accepts its frame (reflection).
     reflected = SessionAuthenticator(case["session_id"], key, sender)
     with pytest.raises(errors.InvalidAuthenticationTag):
         reflected.open(case["frame_line"].encode("utf-8"))

@@ -1,8 +1,9 @@
 """Pure authenticated-storage rules: keys, keyring, envelope, encryption, anchor format.
 
-Scenarios follow H§17.1-17.2, the H§17.4 check order, H§17.9, H§17.10 and
-the pure parts of H§20 example 22. Byte-exact expectations come from the
-independent vectors in shared/vectors/public.json.
+Scenarios follow the keys and envelope, the check order of a read, payload
+encryption, the anchor's format and the pure parts of the store's
+scenarios. Byte-exact expectations come from the independent vectors in
+tests/vectors/public.json.
 """
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ def test_storage_values_are_frozen_and_compare_by_value() -> None:
     assert "secret" not in repr(StoredRecord(1, b"secret"))
 
 
-# Revision pair (H§17.4 step 1) ------------------------------------------------
+# Revision pair ------------------------------------------------
 
 
 def test_revision_pair_rules() -> None:
@@ -417,7 +418,7 @@ def test_seal_rejects_revision_zero_and_overflow() -> None:
     assert open_record(keyring(), LEDGER, top, 2**64 - 1).revision == 2**64 - 1
 
 
-# Opening: H§17.4 steps 2-14 in order ---------------------------------------------
+# Opening: every check of a read, in order ---------------------------------------------
 
 
 def valid_envelope(revision: int = 1, payload: bytes = FIRST_PAYLOAD) -> bytes:
@@ -622,7 +623,7 @@ def test_any_single_byte_change_of_an_envelope_fails(
         open_record(keyring(), LEDGER, bytes(sealed), revision)
 
 
-# Payload encryption (H§17.9) --------------------------------------------------------
+# Payload encryption --------------------------------------------------------
 
 
 def data_keyring() -> StorageKeyring:
@@ -709,7 +710,7 @@ def test_encrypted_payload_still_travels_in_an_authenticated_envelope() -> None:
     )
 
 
-# Rollback anchor format (H§17.10, H§18A.5) -----------------------------------------------
+# Rollback anchor format -----------------------------------------------
 
 
 def test_anchor_encoding_is_compact_sorted_and_skips_zero() -> None:

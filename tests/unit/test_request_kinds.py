@@ -113,7 +113,7 @@ def test_reconcile_is_a_lookup_answering_reconciled_operation() -> None:
 
 
 def test_reconcile_compensation_is_a_lookup_answering_reconciled_compensation() -> None:
-    # D11: the mirror of reconcile_operation, by compensation key.
+    # The mirror of reconcile_operation, by compensation key.
     status = Succeeded(ToolPayload.text("undone"))
     result = RECONCILE_COMPENSATION.result(SESSION, LOOKUP_REQUEST, status)
     assert result == CompensationReconcileResult(

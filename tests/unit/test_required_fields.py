@@ -1,4 +1,4 @@
-"""A field without a stated default is required when decoding (W§4.1).
+"""A field without a stated default is required when decoding.
 
 Every struct Octo decodes from the wire or from a stored document is checked
 field by field: a valid document is built, then each field is removed in
@@ -7,8 +7,8 @@ turn. Removing a field the documents give a default for (a grant's
 optional keys of ``request_rejected``, every attenuation field, a ledger
 operation's ``compensation``) decodes to that default; removing any other
 field is the decoding layer's error, never a silent default. A grant without
-``max_calls`` is the case the documents name; the constructor still fills
-the W§6.1 defaults.
+``max_calls`` is the case the protocol names; the constructor still fills
+its defaults.
 """
 
 from __future__ import annotations
@@ -526,7 +526,7 @@ def test_every_message_type_is_covered() -> None:
 
 
 def test_a_grant_without_max_calls_is_a_serialization_error() -> None:
-    # The case W§4 names: absent max_calls is never read as the default 1.
+    # Absent max_calls is never read as the default 1.
     text = (
         '{"tool":"release.publish","format":"json","max_input_bytes":1024,"max_output_bytes":2048}'
     )

@@ -1,4 +1,4 @@
-"""What one publish sends: the properties, and the route a session's frames share (W§12.1).
+"""What one publish sends: the properties, and the route a session's frames share.
 
 ``frame_properties`` must equal, field by field and on the wire, what an
 ``aio_pika.Message`` with the same values sends (the publish bypasses

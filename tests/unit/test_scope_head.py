@@ -1,4 +1,4 @@
-"""A journal scope's sealed head and the shared head seal, as pure values (issue 15 item 7).
+"""A journal scope's sealed head and the shared head seal, as pure values.
 
 Tags are recomputed here with the ``blake3`` package from the byte layouts
 ``octo_common.headseal`` and ``octo_worker.storage.scope_head`` document;

@@ -1,4 +1,4 @@
-"""The seed's host sequence (seed-worker-compensation.md, "Host Sequence"), in Python.
+"""A host's whole compensation sequence, in Python.
 
 grant with compensation limit 1 -> policy for tenant-release -> canonical input
 of {"undo": "release"} -> target with both verifiers -> record -> persist ->
@@ -104,7 +104,7 @@ def test_seed_host_sequence() -> None:
     )
     assert ledger.revision == 2
 
-    # The seed's host sequence.
+    # The whole compensation sequence.
     grant = CapabilityGrant.json(TOOL).with_compensation_limit(1)
     policy = WorkflowCompensationPolicy(TENANT, grant)
     payload = ToolPayload.json({"undo": "release"})

@@ -25,7 +25,7 @@ from octo_worker.session.rules import (
 ALL_TYPES = sorted(str(cls.__struct_config__.tag) for cls in _MESSAGE_TYPES)
 
 
-# The daemon's routing (W§12.2 step 3) --------------------------------------------------
+# The daemon's routing --------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_dead_letter_routes_carry_their_reason_code() -> None:
     assert not any(route.dead_letter for route in (Route.HANDLE, Route.OPEN, Route.LOOK_UP))
 
 
-# What a session answers (W§10.5 step 4, W§10.7, W§10.9) ---------------------------------
+# What a session answers ---------------------------------
 
 
 OPEN_NEW = {
@@ -156,7 +156,7 @@ def message_type_of(cls: type) -> str:
     return str(cls.__struct_config__.tag)  # type: ignore[attr-defined]
 
 
-# After a delivery (W§10.9 steps 3-5, W§11.4) ----------------------------------------------
+# After a delivery (poisoning, reload) ----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,7 @@ def message_type_of(cls: type) -> str:
         ("poisoned", True, True, AfterHandling.RELOAD),
         ("poisoned", True, False, AfterHandling.RELOAD),
         # Restored as poisoned, no commit failed since: its refusals are committed
-        # like any (W§10.11 rule 2), nothing is left to persist afterwards.
+        # like any, nothing is left to persist afterwards.
         ("poisoned", False, True, AfterHandling.NOTHING),
         ("poisoned", False, False, AfterHandling.NOTHING),
         ("closed", False, True, AfterHandling.LET_GO),

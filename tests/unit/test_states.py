@@ -1,6 +1,6 @@
-"""States, the one transition table and status validation (W§4.1, W§5.7, W§9.3).
+"""States, the one transition table and status validation.
 
-The table of W§9.3 is written out cell by cell below and checked for state
+The transition table is written out cell by cell below and checked for state
 objects (payloads and messages compared exactly) and for bare kinds.
 """
 
@@ -39,7 +39,7 @@ from octo_common.states import (
 
 P = ToolPayload.json({"total": 42})
 P_SAME = ToolPayload.json({"total": 42})
-P_OTHER = ToolPayload.json({"total": 42.0})  # 42 and 42.0 differ (D1)
+P_OTHER = ToolPayload.json({"total": 42.0})  # 42 and 42.0 differ
 
 # (name, state) for every current state and every observation.
 CURRENT = {
@@ -59,7 +59,7 @@ OBSERVED = {
     "cancelled": Cancelled(),
 }
 
-# W§9.3 written out: the set of observations each current state accepts.
+# The table written out: the set of observations each current state accepts.
 ACCEPTED = {
     "pending": {"running", "succeeded(p)", "succeeded(x)", "failed(n)", "failed(m)", "cancelled"},
     "running": {"running", "succeeded(p)", "succeeded(x)", "failed(n)", "failed(m)", "cancelled"},
@@ -146,7 +146,7 @@ def test_states_compare_by_value_and_are_frozen() -> None:
         Failed("a").message = "b"  # type: ignore[misc]
 
 
-# Wire form (W§4.1) ---------------------------------------------------------------
+# Wire form ---------------------------------------------------------------
 
 
 def test_states_encode_tagged_by_state() -> None:
@@ -183,7 +183,7 @@ def test_status_fields_are_type_checked() -> None:
             decode_struct(text, OperationStatus)  # type: ignore[arg-type]
 
 
-# W§5.7 status validation ---------------------------------------------------------
+# Status validation ---------------------------------------------------------
 
 
 def test_running_and_cancelled_are_always_valid() -> None:
@@ -228,7 +228,7 @@ def test_status_for_grant_format_mismatch() -> None:
 
 
 def test_status_for_grant_output_size() -> None:
-    # W§15 example 10 shape: a 75-byte success under max_output_bytes=16.
+    # A 75-byte success under max_output_bytes=16.
     value = {"total": "x" * 63}
     payload = ToolPayload.json(value)
     assert payload.validate_for("json") == 75

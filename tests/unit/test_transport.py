@@ -1,4 +1,4 @@
-"""The RabbitMQ mapping as pure values: names, envelopes, header checks (W§12)."""
+"""The RabbitMQ mapping as pure values: names, envelopes, header checks."""
 
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def test_publish_failures_share_a_base_and_have_stable_codes() -> None:
     assert isinstance(timed_out, PublishFailed)
 
 
-# check_delivery (W§12.2 steps 1-2) -----------------------------------------------
+# check_delivery (its first two checks) -----------------------------------------------
 
 
 def test_good_headers_give_the_session_and_the_raw_nonce() -> None:
