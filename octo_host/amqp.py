@@ -32,7 +32,7 @@ from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
-from octo_common.runtime.tls import describe_tls_failure
+from octo_common.runtime.tls import tls_refusal
 from octo_common.transport import (
     EXCHANGE,
     reply_queue,
@@ -82,12 +82,12 @@ async def connect(
         )
     except (ValueError, *_BROKER_ERRORS) as error:
         # ValueError: a malformed URL. Only the class is named: the URL may hold a password.
-        raise _cannot_connect(error) from None
+        raise _cannot_connect(error, await tls_refusal(url, ssl_context, timeout, error)) from None
 
 
-def _cannot_connect(error: BaseException) -> BrokerUnavailable:
-    """The failure's class, or what TLS refused; never the URL (it may hold a password)."""
-    tls = describe_tls_failure(error)
+def _cannot_connect(error: BaseException, tls: str | None) -> BrokerUnavailable:
+    """The failure's class, or its TLS cause (``tls_refusal``); never the URL (it
+    may hold a password)."""
     if tls is not None:
         return BrokerUnavailable(f"cannot connect: {tls}")
     return BrokerUnavailable(f"cannot connect ({type(error).__name__})")
@@ -134,7 +134,7 @@ async def connect_link(
     try:
         return await amqp.connect(url, timeout=timeout, name=name, ssl_context=ssl_context)
     except (ValueError, TimeoutError, OSError, amqp.AmqpError) as error:
-        raise _cannot_connect(error) from None
+        raise _cannot_connect(error, await tls_refusal(url, ssl_context, timeout, error)) from None
 
 
 async def declare_replies(connection: amqp.Connection, host_id: str) -> amqp.Channel:

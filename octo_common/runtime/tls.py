@@ -10,14 +10,21 @@ user's, mode 0600, in a directory nobody else may write) before OpenSSL
 reads it; certificates and CA files are public and only need to exist.
 
 Errors are ``InvalidConfiguration`` naming the configuration key, in one
-line; a failed handshake is described by :func:`describe_tls_failure`.
+line; a failed handshake is described by :func:`describe_tls_failure`, and
+a connection the broker ended without saying why (under TLS 1.3 a broker
+that wants a client certificate ends the connection after the handshake,
+which an AMQP client sees as a reset) by :func:`probe_tls_refusal`, which
+opens one TLS connection of its own to read the broker's alert.
 It must never weaken verification: a client context always checks the
 server's chain and name (TLS 1.2 at least), and no option turns that off.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,10 +35,29 @@ from octo_common.errors import InvalidConfiguration
 from octo_common.keyfile import KeyFileRefused, read_private_file
 from octo_common.runtime.keyfiles import refused_file
 
-__all__ = ["TlsConfig", "TlsSettings", "describe_tls_failure"]
+__all__ = [
+    "TlsConfig",
+    "TlsSettings",
+    "describe_tls_failure",
+    "probe_tls_refusal",
+    "tls_refusal",
+]
 
 # A PEM private key is a few kilobytes; read at most this much to check it.
 _KEY_READ_LIMIT = 1 << 20
+
+# The alerts a broker sends when it wants a client certificate it did not get,
+# or refuses the one it got (TLS 1.3 and 1.2, OpenSSL's reason names).
+_CLIENT_CERTIFICATE_ALERTS = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "TLSV1_ALERT_ACCESS_DENIED",
+    }
+)
 
 
 class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -189,6 +215,11 @@ def describe_tls_failure(exc: BaseException) -> str | None:
                 " broker.tls.ca_file and broker.tls.server_name"
             )
         if isinstance(current, ssl.SSLError):
+            if current.reason in _CLIENT_CERTIFICATE_ALERTS:
+                return (
+                    f"TLS: the broker refused this client ({current.reason}); check"
+                    " broker.tls.cert_file and broker.tls.key_file (the client certificate)"
+                )
             return f"TLS: handshake with the broker failed ({current.reason or 'ssl error'})"
         for arg in getattr(current, "args", ()):
             if isinstance(arg, BaseException) and id(arg) not in seen:
@@ -197,3 +228,53 @@ def describe_tls_failure(exc: BaseException) -> str | None:
                     return found
         current = current.__cause__ or current.__context__
     return None
+
+
+async def probe_tls_refusal(url: str, context: ssl.SSLContext, timeout: float) -> str | None:
+    """Why a TLS broker at ``url`` ends connections, read from one probe connection:
+    the line :func:`describe_tls_failure` gives for the alert the broker sends
+    once the handshake is done, or None (no alert within ``timeout``, or not
+    reachable at all).
+
+    For a connection that failed without a TLS error in its chain. It never
+    sends credentials and never names ``url`` (which may hold a password).
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port or 5671
+    except ValueError:
+        return None
+    if not host:
+        return None
+
+    async def attempt() -> None:
+        reader, writer = await asyncio.open_connection(host, port, ssl=context)
+        try:
+            # Nothing is sent: data the broker has not read when it ends the
+            # connection would turn its alert into a reset. A broker that
+            # accepted this client waits for the AMQP header (until the timeout).
+            await reader.read(8)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    try:
+        await asyncio.wait_for(attempt(), timeout)
+    except ssl.SSLError as error:
+        return describe_tls_failure(error)
+    except (OSError, TimeoutError, EOFError):
+        return None
+    return None
+
+
+async def tls_refusal(
+    url: str, context: ssl.SSLContext | None, timeout: float, error: BaseException
+) -> str | None:
+    """The one line for a failed broker connection's TLS cause, or None: what
+    :func:`describe_tls_failure` finds in ``error``'s chain, else (with TLS, a
+    connection ended without a reason) what :func:`probe_tls_refusal` reads."""
+    found = describe_tls_failure(error)
+    if found is not None or context is None:
+        return found
+    return await probe_tls_refusal(url, context, timeout)

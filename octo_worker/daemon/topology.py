@@ -39,7 +39,7 @@ from pamqp.common import FieldTable
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
-from octo_common.runtime.tls import describe_tls_failure
+from octo_common.runtime.tls import tls_refusal
 from octo_common.transport import (
     DEAD_EXCHANGE,
     DEAD_LOG_ARGUMENTS,
@@ -151,12 +151,12 @@ async def connect(
             ssl_context=ssl_context,
         )
     except (TimeoutError, OSError, aiormq.exceptions.AMQPError) as error:
-        raise _cannot_connect(error) from None
+        raise _cannot_connect(error, await tls_refusal(url, ssl_context, timeout, error)) from None
 
 
-def _cannot_connect(error: BaseException) -> TopologyError:
-    """The URL may carry a password: only the failure's class, or what TLS refused."""
-    tls = describe_tls_failure(error)
+def _cannot_connect(error: BaseException, tls: str | None) -> TopologyError:
+    """The failure's class, or its TLS cause (``tls_refusal``); never the URL (it
+    may hold a password)."""
     if tls is not None:
         return TopologyError(f"cannot connect to the broker: {tls}")
     return TopologyError(f"cannot connect to the broker ({type(error).__name__})")
@@ -189,7 +189,7 @@ async def connect_link(
             url, timeout=timeout, name=name, heartbeat=heartbeat, ssl_context=ssl_context
         )
     except (ValueError, TimeoutError, OSError, amqp.AmqpError) as error:
-        raise _cannot_connect(error) from None
+        raise _cannot_connect(error, await tls_refusal(url, ssl_context, timeout, error)) from None
 
 
 # Declaration ------------------------------------------------------------------------

@@ -138,10 +138,30 @@ async def test_a_wrong_ca_or_no_client_certificate_fails_with_one_clear_line(
         await client.close()
 
     # Without a client certificate the broker refuses the connection (under
-    # TLS 1.3 after the handshake, so the client sees the connection end).
+    # TLS 1.3 after the handshake, so the AMQP client sees only a reset): one
+    # line that names the settings to check.
     anonymous = WorkerFiles(
         tmp_path / "no-cert", rabbit.url, scope, extra=_tls_table(tls_files, client=False)
     )
     result = octo_worker("check", config=anonymous.config)
+    assert result.returncode != 0
     (broker_line,) = [line for line in result.stdout.splitlines() if line.startswith("broker:")]
-    assert "FAIL" in broker_line and "unreachable" in broker_line
+    assert "FAIL" in broker_line and "TLS: the broker refused this client" in broker_line
+    assert "broker.tls.cert_file" in broker_line and "broker.tls.key_file" in broker_line
+    assert "Traceback" not in result.stdout + result.stderr
+
+    no_cert = TlsSettings(
+        where="broker.tls",
+        ca_file=tls_files.ca,
+        cert_file=None,
+        key_file=None,
+        server_name=SERVER_NAME,
+    )
+    client = _client(rabbit, scope, anonymous.scope_key, no_cert)
+    with pytest.raises(Exception) as refused:
+        await client.start()
+    reason = str(getattr(refused.value, "reason", ""))
+    assert "\n" not in reason and "TLS: the broker refused this client" in reason
+    assert "check broker.tls.cert_file and broker.tls.key_file" in reason
+    with contextlib.suppress(Exception):
+        await client.close()
