@@ -1,6 +1,6 @@
 """The fsync floor every Octo store commit stands on: one single-row SQLite commit.
 
-Used by ``bench/e2e.py`` (issue 18, goal 3 bounds Octo's 1-in-flight p50 by
+Used by ``bench/e2e.py`` (goal 3 bounds Octo's 1-in-flight p50 by
 four of these) and ``bench/journal.py``. The connection is configured with
 the pragmas both stores use (``octo_worker.store`` and ``octo_host.store``):
 WAL, ``synchronous=FULL``, a 5 s busy timeout, foreign keys on. One commit

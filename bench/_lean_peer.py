@@ -7,7 +7,7 @@
 Consumes REQUEST_QUEUE (a quorum queue) with manual acks; for each request
 publishes the body back to its ``reply_to`` through the default exchange,
 persistent, mandatory and publisher-confirmed, waits for the confirm, then
-acks the request: the Octo worker's order (W§12.4) on the same client the
+acks the request: the Octo worker's order on the same client the
 worker uses, without journal, session or frame work. Prints ``ready`` once
 consuming and stops on SIGTERM or SIGINT.
 """

@@ -50,7 +50,7 @@ TOOL = "octo.noop"
 GRANT = CapabilityGrant(TOOL, "json", max_calls=1024)
 STEP = WorkflowStep("noop", "benchmark no-op")
 # The explicit initialisation of an anchor for a database without records
-# (PROTOCOL.md §2.4 "Files"); both stores accept it on their first open.
+# (``octo-host ledger init-anchor`` writes the same); both stores accept it on their first open.
 EMPTY_ANCHOR = b'{"format_version":1,"records":[]}'
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 MB = 1024 * 1024

@@ -7,7 +7,7 @@
 Consumes REQUEST_QUEUE with manual acks; for each request publishes the body
 back to its ``reply_to`` through the default exchange (publisher-confirmed,
 mandatory, not persistent), waits for the confirm, then acks the request —
-the same ordering the Octo worker uses for answers (W§12.4), without any
+the same ordering the Octo worker uses for answers, without any
 journal, session or frame work. Prints ``ready`` once consuming and stops on
 SIGTERM or SIGINT.
 """

@@ -1,4 +1,4 @@
-"""Host ledger commit cost against the number of records, rollback anchor on (issue 21).
+"""Host ledger commit cost against the number of records, rollback anchor on.
 
     .venv/bin/python bench/anchor.py [--records 1000 100000] [--commits 100] [--rounds 3]
                                      [--payload-bytes 1024] [--batch 1000] [--no-baseline]
@@ -21,7 +21,7 @@ skips it).
 Printed per size: commit p50 / p99 latency, CPU per commit, the open (the
 first load: anchor check and the digest recomputed over every record) and
 the anchor file's size, medians over the rounds; then the ratios of the largest
-database to the smallest against issue 21's threshold (host commit cost
+database to the smallest against the threshold (host commit cost
 with the anchor on at 1e5 records within 1.2x of 1e3, same run), for the
 latency p50 and for the CPU per commit, each met / NOT met.
 """
@@ -162,7 +162,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     checks: list[dict[str, Any]] = []
     if len(sizes) >= 2:
         small, big = sizes[0], sizes[-1]
-        print(f"\nissue 21: host commit cost with the anchor on, {big:,} vs {small:,} records")
+        print(f"\nhost commit cost with the anchor on, {big:,} vs {small:,} records")
         for field, label in (("p50_ms", "commit latency p50"), ("cpu_ms", "CPU per commit")):
             a, b = medians[f"anchor@{small}"][field], medians[f"anchor@{big}"][field]
             ratio = b / a if a else float("inf")

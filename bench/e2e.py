@@ -37,7 +37,7 @@ Parts (``--parts``, all by default; each is measured in every one of the
 * ``lanes``: Octo, one session per lane (as concurrent workflow runs have),
   at more than 1 in flight;
 * ``pg``: Octo as ``octo`` does it, with a second worker whose journal is
-  in PostgreSQL (D13; the test database of ``deploy/ensure-postgres.sh``,
+  in PostgreSQL (the test database of ``deploy/ensure-postgres.sh``,
   a schema of its own, dropped at the end), measured right after ``octo``
   in every round;
 * ``lean``: the durable ceiling: request/reply on quorum queues (Octo's own
@@ -315,7 +315,7 @@ async def durable_ceiling(in_flight: int, total: int) -> dict[str, float]:
 
     Same peer and driver as the plain ceiling; only the queues differ: the
     request queue and the reply queue are quorum queues, as Octo's worker and
-    reply queues are (W§12.5), so every message is replicated to the Raft log
+    reply queues are, so every message is replicated to the Raft log
     and fsynced before it is confirmed or delivered. Octo adds its journal,
     ledger and frames on top of exactly this.
     """

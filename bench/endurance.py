@@ -1,4 +1,4 @@
-"""Endurance: does Octo's cost per operation and memory stay flat over a long run? (issue 21)
+"""Endurance: does Octo's cost per operation and memory stay flat over a long run?
 
     .venv/bin/python bench/endurance.py [--operations 100000] [--interval 10000]
                                         [--in-flight 64] [--ops-per-session 100]
@@ -27,7 +27,7 @@ and of the worker (user + system, all threads of each process; the host's
 includes its SQLite thread) and their sum, RSS of each process, and the
 sizes of the worker journal and of the host ledger and its anchor. The
 baseline of each figure is the same run's first interval. At the end the
-first-versus-last ratios are printed with issue 21's thresholds:
+first-versus-last ratios are printed with these thresholds:
 
 * last interval ops/s >= 0.9x the first;
 * CPU per operation of the last interval <= 1.1x the first (host, worker,
@@ -42,7 +42,7 @@ publishes the N ``close_session`` frames together. Printed: seconds until
 the worker has handled all N (its ``octo_deliveries_total`` on its metrics
 endpoint), seconds until it is idle again, and the worker's peak RSS during
 the close (``/proc`` VmHWM reset before, and RSS sampled every 50 ms),
-against issue 21's thresholds: under 100 MB and under 5 s.
+against these thresholds: under 100 MB and under 5 s.
 
 The host commit cost against the number of ledger records (the anchor's
 share) is measured by ``bench/anchor.py``.
@@ -337,7 +337,7 @@ async def long_run(
 
 
 def verdicts(intervals: list[Interval]) -> list[dict[str, Any]]:
-    """Issue 21's first-versus-last checks."""
+    """The first-versus-last checks, with the thresholds of the docstring above."""
     # A last interval shorter than half the others is too noisy to compare.
     full = [item for item in intervals if item.count * 2 >= intervals[0].count]
     if len(full) < 2:
@@ -401,7 +401,7 @@ def print_verdicts(found: list[dict[str, Any]], intervals: list[Interval]) -> No
         return
     first, last = (intervals[i - 1] for i in found[0]["intervals"])
     print(
-        f"\nissue 21, interval {first.index} (operations 1-{first.operations:,}) vs interval "
+        f"\ninterval {first.index} (operations 1-{first.operations:,}) vs interval "
         f"{last.index} ({last.operations - last.count + 1:,}-{last.operations:,}); "
         "one run, no medians"
     )

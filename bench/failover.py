@@ -1,4 +1,4 @@
-"""Worker failover time on a shared PostgreSQL journal (D13): kill to first answer.
+"""Worker failover time on a shared PostgreSQL journal: kill to first answer.
 
     .venv/bin/python bench/failover.py [--kills 5] [--warm 4]
 

@@ -2,7 +2,7 @@
 
 The floor is what any implementation must pay per frame: one keyed BLAKE3
 hash of the tag input plus one msgspec encode and decode of the same message.
-Goal (issue 2): seal + open within 4x the floor.
+Goal: seal + open within 4x the floor.
 
 Run: .venv/bin/python bench/frames.py
 """

@@ -18,8 +18,8 @@ Parts (all by default), every rate in interleaved rounds on the same disk:
   pragmas (WAL, ``synchronous=FULL``; one fsync per row, no store around
   it). Goal: group commit at 64 callers >= 3x the raw rate.
 * ``backends``: the stores' way to reach SQLite (the stdlib ``sqlite3`` on
-  a thread of their own) against aiosqlite (issue 18: the design card names
-  aiosqlite; decide by measurement). Both run the same statements on one
+  a thread of their own) against aiosqlite (the usual asyncio
+  wrapper; decide by measurement). Both run the same statements on one
   connection with the same pragmas: a commit is one ``INSERT`` of a sealed
   row plus a compare-and-swap ``UPDATE`` of the caller's head row whose
   row count is checked, in a transaction. With one caller each commit is
@@ -42,7 +42,7 @@ Parts (all by default), every rate in interleaved rounds on the same disk:
   same store with the live index dropped after the load; goal <= 1.1x).
 
 * ``postgres``: admissions/s with group commit at 1 and 64 callers through
-  ``PostgresJournalStore`` (D13; the test database of
+  ``PostgresJournalStore`` (the test database of
   ``deploy/ensure-postgres.sh``, a schema of its own per measurement,
   dropped at the end) beside ``SqliteJournalStore`` in the same rounds, and
   the ratio PostgreSQL / SQLite per round.

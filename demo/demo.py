@@ -443,7 +443,7 @@ class Observer:
         return read_effect_log(self.demo.effect_log)
 
     def release(self) -> Path:
-        # files.publish keeps each tenant scope's files in a directory of its own (D12).
+        # files.publish keeps each tenant scope's files in a directory of its own.
         return self.demo.published / self.demo.scope / RELEASE
 
     async def close(self) -> None:
