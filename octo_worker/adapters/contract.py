@@ -3,7 +3,9 @@ called, what it is told, and how adapters are found and called.
 
 This module owns:
 
-* the declarations ``InvocationSafety`` and ``DurableOperationContract``;
+* the declarations ``InvocationSafety`` and ``DurableOperationContract``
+  (defined, with ``refusal_status`` and ``lookup_miss_fences_key``, in the
+  pure :mod:`octo_worker.adapters.declarations`, and named here too);
 * ``AdapterContext`` (D12), the third argument of every adapter method: the
   tenant scope, the session, the scope-qualified idempotency key and the
   deadline of the call;
@@ -14,11 +16,6 @@ This module owns:
 * ``call_adapter`` / ``call_adapter_with_deadline``, the only way the worker
   calls an adapter method: one deadline, and every failure mapped to an
   adapter error without its text;
-* ``refusal_status``, the one rule telling "did not act" from "may have
-  acted": an effect method that refuses its input or its options before any
-  effect (``AdapterInvalidJsonInput``, ``AdapterInvalidOptions``) ends the key
-  ``failed`` with a :class:`~octo_common.states.FailureCode`; every other
-  error leaves it ``pending`` for a status lookup;
 * ``load_adapters``, which loads *only* the configured names of the
   entry-point group ``octo.adapters``.
 
@@ -29,7 +26,6 @@ adapter error text or secrets, and never retry an adapter call.
 from __future__ import annotations
 
 import asyncio
-import enum
 import importlib.metadata
 import inspect
 import math
@@ -54,10 +50,14 @@ from octo_common.errors import (
     WorkerAdapterError,
 )
 from octo_common.ids import is_token
-from octo_common.limits import MAX_OPERATION_ERROR_BYTES
 from octo_common.payload import ToolPayload
-from octo_common.states import Failed, FailureCode
 from octo_worker.adapters.context import AdapterContext
+from octo_worker.adapters.declarations import (
+    DurableOperationContract,
+    InvocationSafety,
+    lookup_miss_fences_key,
+    refusal_status,
+)
 
 if TYPE_CHECKING:
     from octo_common.grants import CapabilityGrant
@@ -116,29 +116,6 @@ class AdapterLoadFailed(OctoError):
     _fields = ("adapter", "reason")
     adapter: str
     reason: str
-
-
-class InvocationSafety(enum.StrEnum):
-    """Why an ordinary ``invoke`` may run without a journal row.
-
-    ``READ_ONLY``: the call has no effect. ``INDEPENDENTLY_IDEMPOTENT``: its
-    effect is idempotent by itself, so a repeated call changes nothing.
-    """
-
-    READ_ONLY = "read_only"
-    INDEPENDENTLY_IDEMPOTENT = "independently_idempotent"
-
-
-class DurableOperationContract(enum.StrEnum):
-    """How a durable operation's outcome can be recovered after a crash.
-
-    ``RECONCILIATION``: ``reconcile_operation`` can look the outcome up by
-    operation key. ``PROVIDER_IDEMPOTENCY_AND_RECONCILIATION``: in addition,
-    the provider deduplicates by the operation key itself.
-    """
-
-    RECONCILIATION = "reconciliation"
-    PROVIDER_IDEMPOTENCY_AND_RECONCILIATION = "provider_idempotency_and_reconciliation"
 
 
 @runtime_checkable
@@ -304,18 +281,6 @@ class BaseWorkerAdapter:
         crash stays for an operator.
         """
         raise AdapterUnsupported("reconcile_compensation")
-
-
-def lookup_miss_fences_key(adapter: object) -> bool:
-    """The adapter's declaration (:meth:`BaseWorkerAdapter.lookup_miss_fences_key`):
-    exactly True, else False (absent, raising, or any other value declares nothing)."""
-    method = getattr(adapter, "lookup_miss_fences_key", None)
-    if method is None:
-        return False
-    try:
-        return method() is True
-    except Exception:
-        return False
 
 
 # Registry -------------------------------------------------------------------
@@ -567,26 +532,6 @@ async def call_adapter_with_deadline(
     return result
 
 
-def refusal_status(error: BaseException) -> Failed | None:
-    """The definite status of an effect method's refusal before any effect, or None.
-
-    ``AdapterInvalidJsonInput`` → ``Failed(detail, code="input_refused")``;
-    ``AdapterInvalidOptions`` → ``Failed(detail, code="options_refused")``;
-    the failure text is the error's detail (cut to the 4096-byte bound at a
-    character boundary), or its generic text when it has none. Any other
-    error (indeterminate, failed, a deadline) is None: the adapter may have
-    acted, and the key stays ``pending``.
-    """
-    if isinstance(error, AdapterInvalidJsonInput):
-        code = FailureCode.INPUT_REFUSED
-    elif isinstance(error, AdapterInvalidOptions):
-        code = FailureCode.OPTIONS_REFUSED
-    else:
-        return None
-    detail = error.detail if isinstance(error.detail, str) and error.detail else str(error)
-    return Failed(_bounded_text(detail), code.value)
-
-
 # msgspec's only message that quotes the value it refused (an enum or a literal).
 _ENUM_VALUE = re.compile(r"^Invalid enum value .*?(?= - at `|$)", re.DOTALL)
 
@@ -597,13 +542,6 @@ def validation_text(error: msgspec.ValidationError) -> str:
     "Object missing required field `bucket`"); an enum or literal mismatch,
     which msgspec quotes, becomes "Invalid enum value - at `$.undo`"."""
     return _ENUM_VALUE.sub("Invalid enum value", str(error))
-
-
-def _bounded_text(text: str) -> str:
-    data = text.encode("utf-8", "replace")
-    if len(data) <= MAX_OPERATION_ERROR_BYTES:
-        return data.decode("utf-8")
-    return data[:MAX_OPERATION_ERROR_BYTES].decode("utf-8", "ignore")
 
 
 # Entry-point discovery ------------------------------------------------------

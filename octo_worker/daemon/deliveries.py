@@ -44,8 +44,7 @@ from octo_worker.daemon.routes import (
     route_unknown,
 )
 from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
-from octo_worker.session.handling import Handled
-from octo_worker.session.session import WorkerSession
+from octo_worker.session.session import Handled, WorkerSession
 
 if TYPE_CHECKING:
     from octo_worker.adapters.contract import WorkerAdapterRegistry

@@ -1,14 +1,16 @@
-"""One authenticated session: its driver, answers, commits and rules.
+"""One authenticated session: its driver, decisions, commits and rules.
 
 The package's public names are the session's (``octo_worker.session``):
-``session`` drives one handling; ``answers`` decides what a session answers
-under its lock; ``commits`` submits its commits in order; ``rules`` and
-``request_kinds`` are the pure tables those decisions read; ``handling`` the
-bookkeeping of one handling and the per-key locks.
+``session`` builds sessions and drives one handling (the one driver of its
+commit, adapter, publish and ack steps); ``decisions`` decides, purely, what
+a session answers and returns it as steps (``steps``); ``commits`` submits
+its commits in order; ``rules`` and ``request_kinds`` are the pure tables
+the decisions read; ``state`` what a session is in memory.
 """
 
 from octo_worker.session.session import (
     Delivery,
+    Handled,
     SessionStatus,
     WorkerSession,
     WorkerSessionLimits,
@@ -19,6 +21,7 @@ from octo_worker.session.session import (
 
 __all__ = [
     "Delivery",
+    "Handled",
     "SessionStatus",
     "WorkerSession",
     "WorkerSessionLimits",

@@ -2,24 +2,26 @@
 
 A keyed request names an operation key; the session holds that key's lock,
 loads its journal row and answers from the journal. Two paths serve every
-kind (``octo_worker.session.answers``):
+kind (``octo_worker.session.decisions``):
 
-* an **effect** kind (``dispatch_operation``, ``compensate_operation``,
-  W§10.6): authorize, check the adapter's contract, admit into the journal,
-  commit the admission, ack, call the adapter once, observe, commit the
-  answer with the outbox row, publish;
-* a **lookup** kind (``reconcile_operation``, and D11's
+* an **effect** kind (``dispatch_operation``, ``compensate_operation``):
+  authorize, check the adapter's contract, admit into the journal, commit
+  the admission, ack, call the adapter once, observe, commit the answer
+  with the outbox row, publish;
+* a **lookup** kind (``reconcile_operation``, and
   ``reconcile_compensation``): authorize (the request id only), let the
   journal check the key's identity, spend the session's reconciliation
   budgets (one set of counters shared by both lookup kinds), call the
   adapter's status lookup, observe, commit the answer, publish, ack.
 
-A duplicate of any keyed kind is answered from the journal (D5) through
+A duplicate of any keyed kind is answered from the journal through
 the row's ``lookup``, ``pending``, ``result`` and ``answer``.
 
 Each row names the authorizer, journal and adapter methods, the result and
 reply message types, the refusal for a key still pending and, for an effect
-kind, the indeterminate refusal. This module holds no state and does no
+kind, the indeterminate refusal; what follows from the path (effect or
+lookup) and from the key a kind names (an operation's or a compensation's)
+is filled in once, by ``_row``. This module holds no state and does no
 I/O; it must never hold a rule that is not a difference between kinds.
 """
 
@@ -32,6 +34,8 @@ from typing import Any, Final
 from octo_common import messages
 from octo_common.authorizer import SessionAuthorizer
 from octo_common.errors import (
+    AdapterFailed,
+    AdapterIndeterminate,
     IndeterminateCompensation,
     IndeterminateOperation,
     OctoError,
@@ -82,14 +86,16 @@ class KeyedKind:
     validate_result: Callable[[SessionAuthorizer, Authorized, Result], None]
     answer: Callable[[Result], messages.WorkerMessage]
     # (adapter, request, grant, context) -> the adapter's coroutine.
-    # The adapter (a ``WorkerAdapter``; this table imports no adapter I/O), request, grant, context.
     call: Callable[[Any, Request, CapabilityGrant, AdapterContext], Awaitable[Any]]
     adapter_method: str
-    # (scope, session id, request, deadline) -> the adapter's context (D12).
+    # (scope, session id, request, deadline) -> the adapter's context.
     context: Callable[[str, str, Request, float], AdapterContext]
     # Effect kinds: (operation key, compensation key, cause) -> the refusal
     # of a request whose adapter ran and whose outcome is unknown.
     indeterminate: Callable[[str, str | None, str], OctoError] | None
+    # What an adapter's unfenced "not happened" becomes (given its text): for
+    # an effect kind an indeterminate outcome, for a lookup a failed lookup.
+    unfenced_miss: Callable[[str], OctoError]
     # Log fields: the grant fingerprint a request names (bound before it is
     # authorized) and the input fingerprint (bound once it is); event names.
     grant_fingerprint: Callable[[Request], str] | None
@@ -163,113 +169,143 @@ def _validate_compensation_reconciliation(
     journal.validate_compensation_reconciliation(auth)
 
 
-DISPATCH: Final = KeyedKind(
-    message_type="dispatch_operation",
+def _row(
+    message_type: str,
+    *,
+    effect: bool,
+    by_compensation: bool,
+    authorize: Callable[[SessionAuthorizer, Request], Authorized],
+    admit: Callable[[WorkerOperationJournal, Authorized], Dispatch | Existing | None],
+    observe: Callable[[WorkerOperationJournal, Authorized, OperationStatus], object],
+    lookup: Callable[[WorkerOperationJournal, Request, CapabilityGrant | None], Existing],
+    result: Callable[[str, Request, OperationStatus], Result],
+    validate_result: Callable[[SessionAuthorizer, Authorized, Result], None],
+    answer: Callable[[Result], messages.WorkerMessage],
+    indeterminate: Callable[[str, str | None, str], OctoError] | None = None,
+    input_fingerprint: Callable[[Request, Authorized], str] | None = None,
+    events: tuple[str, str, str],
+) -> KeyedKind:
+    """One row: what follows from the kind's path (effect or lookup) and its key
+    (an operation's, or a compensation's) is filled in here, once."""
+    return KeyedKind(
+        message_type=message_type,
+        effect=effect,
+        request_of=_request_of,
+        names=_compensation_names if by_compensation else _operation_names,
+        authorize=authorize,
+        admit=admit,
+        observe=observe,
+        lookup=lookup,
+        pending=_compensation_pending if by_compensation else _operation_pending,
+        result=result,
+        validate_result=validate_result,
+        answer=answer,
+        # Every keyed kind's adapter method is named as its message type.
+        call=_calls(message_type),
+        adapter_method=message_type,
+        context=_compensation_context if by_compensation else _operation_context,
+        indeterminate=indeterminate,
+        unfenced_miss=AdapterIndeterminate if effect else AdapterFailed,
+        grant_fingerprint=_grant_fingerprint if by_compensation else None,
+        input_fingerprint=input_fingerprint,
+        existing_event=events[0],
+        admitted_event=events[1],
+        observed_event=events[2],
+    )
+
+
+def _request_of(message: Any) -> Request:
+    return message.request
+
+
+def _operation_pending(request: Request) -> OctoError:
+    return PendingOperation(request.operation_key)
+
+
+def _compensation_pending(request: Request) -> OctoError:
+    return PendingCompensation(request.operation_key)
+
+
+def _grant_fingerprint(request: Request) -> str:
+    return str(request.grant_fingerprint)
+
+
+def _calls(method: str) -> Callable[[Any, Request, CapabilityGrant, AdapterContext], Any]:
+    def call(
+        adapter: Any, request: Request, grant: CapabilityGrant, context: AdapterContext
+    ) -> Any:
+        return getattr(adapter, method)(request, grant, context)
+
+    return call
+
+
+DISPATCH: Final = _row(
+    "dispatch_operation",
     effect=True,
-    request_of=lambda message: message.request,
-    names=_operation_names,
+    by_compensation=False,
     authorize=SessionAuthorizer.authorize_operation,
     admit=WorkerOperationJournal.admit,
     observe=WorkerOperationJournal.observe,
     lookup=WorkerOperationJournal.lookup_operation,
-    pending=lambda request: PendingOperation(request.operation_key),
     result=_operation_result,
     validate_result=SessionAuthorizer.validate_operation_result,
     answer=messages.OperationResult,
-    call=lambda adapter, request, grant, context: adapter.dispatch_operation(
-        request, grant, context
-    ),
-    adapter_method="dispatch_operation",
-    context=_operation_context,
     indeterminate=lambda operation_key, _compensation_key, cause: IndeterminateOperation(
         operation_key, cause
     ),
-    grant_fingerprint=None,
     # The token computes it once; the journal's admission and observation read it too.
     input_fingerprint=lambda _request, auth: auth.input_fingerprint,
-    existing_event="dispatch_existing",
-    admitted_event="dispatch_admitted",
-    observed_event="dispatch_observed",
+    events=("dispatch_existing", "dispatch_admitted", "dispatch_observed"),
 )
 
-COMPENSATE: Final = KeyedKind(
-    message_type="compensate_operation",
+COMPENSATE: Final = _row(
+    "compensate_operation",
     effect=True,
-    request_of=lambda message: message.request,
-    names=_compensation_names,
+    by_compensation=True,
     authorize=SessionAuthorizer.authorize_compensation,
     admit=WorkerOperationJournal.admit_compensation,
     observe=WorkerOperationJournal.observe_compensation,
     lookup=WorkerOperationJournal.lookup_compensation,
-    pending=lambda request: PendingCompensation(request.operation_key),
     result=_compensation_result,
     validate_result=SessionAuthorizer.validate_compensation_result,
     answer=messages.CompensationResult,
-    call=lambda adapter, request, grant, context: adapter.compensate_operation(
-        request, grant, context
-    ),
-    adapter_method="compensate_operation",
-    context=_compensation_context,
     indeterminate=_indeterminate_compensation,
-    grant_fingerprint=lambda request: request.grant_fingerprint,
     input_fingerprint=lambda _request, auth: auth.identity.input_fingerprint,
-    existing_event="compensation_existing",
-    admitted_event="compensation_admitted",
-    observed_event="compensation_observed",
+    events=("compensation_existing", "compensation_admitted", "compensation_observed"),
 )
 
-RECONCILE_OPERATION: Final = KeyedKind(
-    message_type="reconcile_operation",
+RECONCILE_OPERATION: Final = _row(
+    "reconcile_operation",
     effect=False,
-    request_of=lambda message: message.request,
-    names=_operation_names,
+    by_compensation=False,
     authorize=SessionAuthorizer.authorize_reconciliation,
     admit=_validate_reconciliation,
     observe=WorkerOperationJournal.observe_reconciliation,
     lookup=WorkerOperationJournal.lookup_reconciliation,
-    pending=lambda request: PendingOperation(request.operation_key),
     result=_operation_result,
     validate_result=SessionAuthorizer.validate_reconciliation_result,
     answer=messages.ReconciledOperation,
-    call=lambda adapter, request, grant, context: adapter.reconcile_operation(
-        request, grant, context
-    ),
-    adapter_method="reconcile_operation",
-    context=_operation_context,
-    indeterminate=None,
-    grant_fingerprint=None,
-    input_fingerprint=None,
-    existing_event="reconciliation_existing",
-    admitted_event="reconciliation_admitted",
-    observed_event="reconciled",
+    events=("reconciliation_existing", "reconciliation_admitted", "reconciled"),
 )
 
-# D11: the mirror of reconcile_operation for a compensation, looked up by its
+# The mirror of reconcile_operation for a compensation, looked up by its
 # compensation key; the same path, the same shared budgets.
-RECONCILE_COMPENSATION: Final = KeyedKind(
-    message_type="reconcile_compensation",
+RECONCILE_COMPENSATION: Final = _row(
+    "reconcile_compensation",
     effect=False,
-    request_of=lambda message: message.request,
-    names=_compensation_names,
+    by_compensation=True,
     authorize=SessionAuthorizer.authorize_compensation_reconciliation,
     admit=_validate_compensation_reconciliation,
     observe=WorkerOperationJournal.observe_compensation_reconciliation,
     lookup=WorkerOperationJournal.lookup_compensation_reconciliation,
-    pending=lambda request: PendingCompensation(request.operation_key),
     result=_compensation_lookup_result,
     validate_result=SessionAuthorizer.validate_compensation_reconciliation_result,
     answer=messages.ReconciledCompensation,
-    call=lambda adapter, request, grant, context: adapter.reconcile_compensation(
-        request, grant, context
+    events=(
+        "compensation_reconciliation_existing",
+        "compensation_reconciliation_admitted",
+        "compensation_reconciled",
     ),
-    adapter_method="reconcile_compensation",
-    context=_compensation_context,
-    indeterminate=None,
-    grant_fingerprint=lambda request: request.grant_fingerprint,
-    input_fingerprint=None,
-    existing_event="compensation_reconciliation_existing",
-    admitted_event="compensation_reconciliation_admitted",
-    observed_event="compensation_reconciled",
 )
 
 # By message type; the message classes are listed so a decoded message finds its row.

@@ -46,8 +46,9 @@ or adapter text in a document, a log line or a refusal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any, Final
 
@@ -76,21 +77,23 @@ from octo_common.messages import OpenSession
 from octo_common.peek import peek_operation_key
 from octo_worker.adapters.contract import WorkerAdapterRegistry, call_adapter_with_deadline
 from octo_worker.hooks import NO_HOOKS, WorkerHooks
-from octo_worker.session.answers import SessionAnswers, WorkerSessionLimits, reply_unresolved
 from octo_worker.session.commits import CommitFailed, SessionCommits
-from octo_worker.session.handling import (
+from octo_worker.session.decisions import SessionDecisions, WorkerSessionLimits, reply_unresolved
+from octo_worker.session.rules import CLOSED, CLOSED_REASON, OPEN, POISONED
+from octo_worker.session.state import SessionState
+from octo_worker.session.steps import (
     Ack,
     AdapterStep,
+    Commit,
     DeadLetter,
     Delivery,
+    Drain,
     FinalStep,
     Handled,
     Handling,
     Reply,
-    key_lock,
+    Step,
 )
-from octo_worker.session.rules import CLOSED, CLOSED_REASON, OPEN, POISONED
-from octo_worker.session.state import SessionState
 from octo_worker.storage.documents import (
     SessionStatus,
     opening_document,
@@ -106,6 +109,7 @@ from octo_worker.storage.interface import (
 
 __all__ = [
     "Delivery",
+    "Handled",
     "SessionStatus",
     "WorkerSession",
     "WorkerSessionLimits",
@@ -174,7 +178,7 @@ class WorkerSession:
             highest_revision=highest_revision,
             request_rows=request_rows,
         )
-        self._answers = SessionAnswers(
+        self._decisions = SessionDecisions(
             self._state, commits=self._commits, adapters=adapters, limits=limits
         )
 
@@ -471,13 +475,15 @@ class WorkerSession:
         except Exception as exc:
             # A defect, never a protocol answer: leave the frame to the broker.
             run.log.error("session_handle_failed", error=type(exc).__name__)
-            await run.requeue()
+            await _requeue(run)
 
     async def _handle(self, frame: bytes, run: Handling) -> None:
+        """The one driver: the decisions' steps run in order, the lock held but for the
+        adapter call (and for each commit while it is in flight)."""
         async with self._lock:
             await self._commits.wait_turn_locked(run.store)
             run.barrier = self._commits.last_in_flight()
-            step = await self._answers.answer_locked(frame, run)
+            step = await self._run_locked(self._decisions.answer(frame, run), run)
         while isinstance(step, AdapterStep):
             if step.ack_first:
                 await self._ack_before_adapter(step, run)
@@ -487,28 +493,49 @@ class WorkerSession:
                 await self._commits.wait_turn_locked(run.store)
                 if self._state.status == POISONED:
                     # Another handling's commit failed while this adapter ran: the
-                    # session records nothing more for requests (W§10.9); the host
+                    # session records nothing more for requests; the host
                     # reconciles in a new session.
-                    step = await self._answers.refuse_poisoned_locked(run, SessionPoisoned())
+                    after: Step = self._decisions.refuse_poisoned(run, SessionPoisoned())
                 else:
-                    step = await step.after(result, error)
+                    after = step.after(result, error)
+                step = await self._run_locked(after, run)
         await self._finish(step, run)
+
+    async def _run_locked(self, step: Step, run: Handling) -> FinalStep | AdapterStep:
+        """Run the commits (and drains) the decisions ask for, lock held, until a step
+        that needs the lock released: an adapter call or the end of the handling."""
+        while True:
+            if isinstance(step, Commit):
+                try:
+                    revision = await self._commits.commit_locked(
+                        run.store, journal=step.journal, outbox=step.outbox
+                    )
+                except CommitFailed as failed:
+                    step = step.failed(failed.error)
+                else:
+                    step = step.then(revision)
+            elif isinstance(step, Drain):
+                if await self._commits.drain_locked():
+                    raise asyncio.CancelledError()
+                step = step.then()
+            else:
+                return step
 
     async def _ack_before_adapter(self, step: AdapterStep, run: Handling) -> None:
         key = run.operation_key
         if not step.admission or key is None:
-            await run.ack()
+            await _ack(run)
             return
         hooks = self._hooks
         hooks.after_admission_commit(self._state.scope, run.kind, key)
-        if await run.ack():
+        if await _ack(run):
             hooks.after_ack(self._state.scope, run.kind, key)
 
     async def _finish(self, step: FinalStep, run: Handling) -> None:
         if isinstance(step, Reply):
             hooks = self._hooks
             hooks.before_reply(self._state.scope, run.kind)
-            published = await run.publish(step.frame, step.correlation_id)
+            published = await _publish(run, step.frame, step.correlation_id)
             if published:
                 hooks.after_reply(
                     self._state.scope,
@@ -520,19 +547,19 @@ class WorkerSession:
                 )
                 if step.outbox_id is not None:
                     self.confirm_published(step.outbox_id)
-                await run.ack()
+                await _ack(run)
             else:
                 hooks.on_reply_failed(self._state.scope, run.kind)
                 # The reply stays in the outbox and is republished after a restart.
-                await run.requeue()
+                await _requeue(run)
         elif not await self._settle_after(run):
-            await run.requeue()
+            await _requeue(run)
         elif isinstance(step, Ack):
-            await run.ack()
+            await _ack(run)
         elif isinstance(step, DeadLetter):
-            await run.dead_letter(step.reason)
+            await _dead_letter(run, step.reason)
         else:
-            await run.requeue()
+            await _requeue(run)
 
     async def _settle_after(self, run: Handling) -> bool:
         """Whether the commits in flight when ``run`` began have landed (S1).
@@ -554,6 +581,94 @@ class WorkerSession:
 
 
 # Helpers --------------------------------------------------------------------
+
+
+class _KeyLock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+# (id(store), scope, operation key) -> lock. Shared by every session of a
+# scope on one store; an entry lives only while some handling holds or waits
+# for it (each holder keeps the store alive, so the id cannot be reused).
+KEY_LOCKS: dict[tuple[int, str, str], _KeyLock] = {}
+
+
+@contextlib.asynccontextmanager
+async def key_lock(store: object, scope: str, key: str) -> AsyncIterator[None]:
+    """Hold the lock of (``store``, ``scope``, operation ``key``) for the block."""
+    name = (id(store), scope, key)
+    entry = KEY_LOCKS.get(name)
+    if entry is None:
+        entry = KEY_LOCKS[name] = _KeyLock()
+    entry.users += 1
+    try:
+        async with entry.lock:
+            yield
+    finally:
+        entry.users -= 1
+        if entry.users == 0:
+            del KEY_LOCKS[name]
+
+
+async def _ack(run: Handling) -> bool:
+    """Ack the delivery unless it is settled; True if this call acked it."""
+    if run.settled:
+        return False
+    run.settled = True
+    try:
+        await run.delivery.ack()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        # The broker redelivers an unacked frame; the window and the journal
+        # resolve the redelivery, so a lost ack is safe.
+        run.log.warning("delivery_ack_failed", error=type(exc).__name__)
+        return False
+    run.acked = True
+    return True
+
+
+async def _dead_letter(run: Handling, reason: str) -> None:
+    if run.settled:
+        return
+    run.settled = True
+    try:
+        await run.delivery.dead_letter(reason)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        run.log.warning("delivery_dead_letter_failed", reason=reason, error=type(exc).__name__)
+
+
+async def _requeue(run: Handling) -> None:
+    if run.settled:
+        return
+    requeue = getattr(run.delivery, "requeue", None)
+    if requeue is None:
+        # Left unsettled: the broker redelivers when the channel closes.
+        return
+    run.settled = True
+    try:
+        await requeue()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        run.log.warning("delivery_requeue_failed", error=type(exc).__name__)
+
+
+async def _publish(run: Handling, frame: bytes, correlation_id: str | None) -> bool:
+    try:
+        await run.delivery.reply(frame, correlation_id)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        run.log.warning("reply_publish_failed", error=type(exc).__name__)
+        return False
+    return True
 
 
 def _check_lease(lease: object) -> None:

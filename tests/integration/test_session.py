@@ -77,7 +77,8 @@ from octo_worker.adapters.contract import (
 )
 from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.session import WorkerSession, WorkerSessionLimits, handling
+from octo_worker.session import WorkerSession, WorkerSessionLimits
+from octo_worker.session import session as session_module
 from octo_worker.storage import documents
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.store import SqliteJournalStore, WorkerCommit, WorkerJournalLease
@@ -1340,7 +1341,7 @@ async def test_concurrent_deliveries_of_one_key_run_the_adapter_once(world: Worl
         answer = world.answer(delivery)
         assert isinstance(answer, OperationResult)
         assert isinstance(answer.result.status, Succeeded)
-    assert handling.KEY_LOCKS == {}
+    assert session_module.KEY_LOCKS == {}
 
 
 async def test_different_keys_run_concurrently(world: World) -> None:

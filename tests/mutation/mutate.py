@@ -118,7 +118,7 @@ MUTANTS: Final = (
     ),
     Mutant(
         "session: a superseded session refuses a poisoned frame",
-        "octo_worker/session/answers.py",
+        "octo_worker/session/decisions.py",
         "if self._commits.superseded:",
         "if False:",
         (_SESSION,),

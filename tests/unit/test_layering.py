@@ -238,10 +238,10 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 WORKER_BACKEND_FREE = (
     "octo_worker.session",
     "octo_worker.session.session",
-    "octo_worker.session.answers",
+    "octo_worker.session.decisions",
+    "octo_worker.session.steps",
     "octo_worker.session.commits",
     "octo_worker.session.rules",
-    "octo_worker.session.handling",
     "octo_worker.session.request_kinds",
     "octo_worker.hooks",
     "octo_worker.storage.interface",
@@ -282,7 +282,7 @@ def test_the_worker_modules_import_each_other_without_a_cycle() -> None:
     for name, path in known.items():
         targets = {host_module_of(imported_name, known) for imported_name in imported(path)}
         graph[name] = {target for target in targets if target is not None and target != name}
-    assert graph["octo_worker.session.session"] >= {"octo_worker.session.answers"}
+    assert graph["octo_worker.session.session"] >= {"octo_worker.session.decisions"}
     assert cycles(graph) == []
 
 
@@ -295,8 +295,11 @@ WORKER_PURE = (
     "octo_worker.session.rules",
     "octo_worker.session.request_kinds",
     "octo_worker.session.state",
+    "octo_worker.session.steps",
+    "octo_worker.session.decisions",
     "octo_worker.daemon.routes",
     "octo_worker.adapters.context",
+    "octo_worker.adapters.declarations",
     "octo_worker.storage.interface",
     "octo_worker.storage.documents",
 )

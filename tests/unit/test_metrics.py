@@ -24,8 +24,8 @@ from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, Running, Succeeded
 from octo_worker.daemon import metrics as metrics_module
 from octo_worker.daemon.metrics import WorkerMetrics
-from octo_worker.session.handling import AdapterStep
 from octo_worker.session.session import call_adapter_reporting, reply_unresolved
+from octo_worker.session.steps import AdapterStep
 
 
 def sample(metrics: WorkerMetrics, name: str, labels: dict[str, str]) -> float | None:
