@@ -69,7 +69,7 @@ class BrokerConfig(BrokerConnectionConfig, forbid_unknown_fields=True, frozen=Tr
     prefetch: int = 64
     # The AMQP heartbeat the worker proposes (seconds): how long a paused or
     # partitioned worker keeps its queues before the broker hands them to a
-    # standby (D13).
+    # standby.
     heartbeat_seconds: int = 60
     delivery_limit: int = 5
     # The dead-letter queue's bound (policy octo-v5-dead, set by `topology declare`).
@@ -86,7 +86,7 @@ class StorageConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The journal database and the keys its rows are sealed with.
 
     SQLite (``journal``, a file in ``worker.state_dir``) by default; with
-    ``url``, the journal in PostgreSQL instead (D13), so that several
+    ``url``, the journal in PostgreSQL instead, so that several
     workers can serve a scope in turn. ``url`` never holds the password
     (``password_file``); a PostgreSQL journal has no rollback anchor
     (``anchor`` is refused beside ``url``, see ``octo_worker.storage.postgres``).

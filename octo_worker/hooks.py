@@ -105,7 +105,7 @@ class WorkerHooks:
         """The number of scopes this worker consumes changed to ``active``."""
 
     def on_scope_role(self, scope: str, active: bool) -> None:
-        """A scope of a shared journal (D13) became active here (a fence reserved,
+        """A scope of a shared journal became active here (a fence reserved,
         its sessions restored) or went back to standby (a lost connection)."""
 
 

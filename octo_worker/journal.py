@@ -1,16 +1,15 @@
-"""The worker operation journal: durable deduplication as a pure view (W§9, D7).
+"""The worker operation journal: durable deduplication as a pure view.
 
 This module owns the journal's rules and nothing else:
 
-* the row documents (``JournalRow``, W§9.1) and their strict decoding;
+* the row documents (``JournalRow``) and their strict decoding;
 * ``WorkerOperationJournal``, a synchronous view over the rows the store
   loaded for the keys a handler asks about, with the admission, observation,
-  compensation and reconciliation rules of W§9.4-9.6 and the compensation
-  reconciliation of D11;
+  compensation and reconciliation rules, the compensation lookup included;
 * the ``JournalChangeset`` the view yields for the store to commit.
 
 It must never do I/O, import asyncio or a store, call an adapter, or check an
-authorization token's provenance (W§8: the journal accepts tokens from any
+authorization token's provenance (the journal accepts tokens from any
 authorizer instance, which is how a later session recovers earlier work).
 Every mutator is all-or-nothing: it builds a candidate record, validates it
 completely (size included) and only then replaces the view's record.
@@ -98,7 +97,7 @@ _SCOPE_FIELD = "operation journal scope"
 
 
 class WorkerCompensationRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The single compensation attached to a succeeded operation (W§9.1)."""
+    """The single compensation attached to a succeeded operation."""
 
     compensation_key: str
     input_fingerprint: str
@@ -113,7 +112,7 @@ class WorkerCompensationRecord(msgspec.Struct, frozen=True, forbid_unknown_field
 
 
 class WorkerOperationRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One journal row's record: an operation key, its identity and its state (W§9.1).
+    """One journal row's record: an operation key, its identity and its state.
 
     ``compensation`` is always written (``null`` when absent) and may be
     absent on decode, meaning None.
@@ -133,12 +132,12 @@ class WorkerOperationRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=T
         )
 
     def to_row_json(self, scope: str) -> bytes:
-        """Validate this record for ``scope`` (W§9.1 steps 1-7), then encode its row."""
+        """Validate this record for ``scope``, then encode its row."""
         return validate_record(scope, self)
 
     @classmethod
     def from_row_json(cls, text: bytes | str, scope: str, key: str) -> WorkerOperationRecord:
-        """Decode a row stored at (``scope``, ``key``) in the order of W§9.1.
+        """Decode a row stored at (``scope``, ``key``), checks in a fixed order.
 
         Size before parsing; strict parse (unknown keys rejected); format
         version; scope; location; then record validation.
@@ -196,7 +195,7 @@ _VALIDATED_MAX = 256
 
 
 def validate_record(scope: str, record: WorkerOperationRecord) -> bytes:
-    """W§9.1 record validation in order; returns the compact row document.
+    """Record validation in order; returns the compact row document.
 
     1. scope token; 2. tool and operation key tokens; 3. input fingerprint;
     4. state; 5. a compensation requires a succeeded operation; 6. the
@@ -278,7 +277,7 @@ _MISSING: Any = object()
 
 
 class WorkerOperationJournal:
-    """A pure view over the loaded rows of one tenant scope (W§9.2).
+    """A pure view over the loaded rows of one tenant scope.
 
     ``records`` maps each loaded operation key to ``(record, revision)`` or
     to None when the key has no row; ``revision`` is the scope revision at
@@ -354,7 +353,7 @@ class WorkerOperationJournal:
             self._base[key] = revision
         self._changed = {}
 
-    # Operations (W§9.4) ---------------------------------------------------
+    # Operations ---------------------------------------------------
 
     def admit(self, auth: AuthorizedOperationInvocation) -> Dispatch | Existing:
         """Admit an authorized dispatch: ``Dispatch()`` for a new key (a pending row
@@ -408,7 +407,7 @@ class WorkerOperationJournal:
         self._replace(key, candidate)
         return candidate.state
 
-    # Compensation (W§9.5) -------------------------------------------------
+    # Compensation -------------------------------------------------
 
     def admit_compensation(self, auth: AuthorizedOperationCompensation) -> Dispatch | Existing:
         """Admit the one compensation of a succeeded original: ``Dispatch()`` attaches a
@@ -456,19 +455,19 @@ class WorkerOperationJournal:
         self._replace(key, candidate)
         return status
 
-    # Compensation reconciliation (D11) ---------------------------------------
+    # Compensation reconciliation ---------------------------------------
 
     def validate_compensation_reconciliation(
         self, auth: AuthorizedCompensationReconciliation
     ) -> None:
         """The key holds a compensation with exactly this identity, and its state
-        fits the current grant (D11). Nothing changes."""
+        fits the current grant. Nothing changes."""
         self._compensation_reconcilable(auth.request, auth.grant)
 
     def observe_compensation_reconciliation(
         self, auth: AuthorizedCompensationReconciliation, status: OperationStatus
     ) -> WorkerOperationState:
-        """Record a compensation lookup (D11); the row joins the changeset even unchanged.
+        """Record a compensation lookup; the row joins the changeset even unchanged.
 
         A ``pending`` or ``running`` compensation moves to the observed state;
         a terminal one only accepts itself (``InvalidWorkerCompensationTransition``).
@@ -486,7 +485,7 @@ class WorkerOperationJournal:
         self._replace(key, msgspec.structs.replace(original, compensation=changed))
         return status
 
-    # Read-only lookups for duplicate frames (W§9.6, D5) --------------------
+    # Read-only lookups for duplicate frames --------------------
 
     def lookup_operation(
         self, request: OperationDispatchRequest, grant: CapabilityGrant | None
@@ -651,7 +650,7 @@ class WorkerOperationJournal:
     def _check_operation_transition(
         key: str, current: WorkerOperationState, observed: OperationStatus
     ) -> None:
-        # `pending` is never an observation, whatever the table says (W§9.3).
+        # `pending` is never an observation, whatever the table says.
         if observed.kind is StateKind.PENDING or not accepts(current, observed):
             raise InvalidWorkerOperationTransition(key, current.kind, observed.kind)
 
@@ -659,6 +658,6 @@ class WorkerOperationJournal:
     def _check_compensation_transition(
         key: str, current: WorkerOperationState, observed: OperationStatus
     ) -> None:
-        # The one table of W§9.3; `pending` is never an observation.
+        # The one transition table; `pending` is never an observation.
         if observed.kind is StateKind.PENDING or not accepts(current, observed):
             raise InvalidWorkerCompensationTransition(key, current.kind, observed.kind)

@@ -1,4 +1,4 @@
-"""The worker's journal store under the names the protocol gives it (PROTOCOL.md §2.2, §2.4).
+"""The worker's journal store under the names the protocol gives it.
 
 ``octo_worker.store`` is where callers find :class:`SqliteJournalStore` and
 the commit value types; they live in :mod:`octo_worker.storage` (the

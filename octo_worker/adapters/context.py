@@ -18,7 +18,7 @@ __all__ = ["AdapterContext"]
 
 @dataclass(frozen=True, slots=True)
 class AdapterContext:
-    """What an adapter knows besides the request and the grant (D12).
+    """What an adapter knows besides the request and the grant.
 
     * ``scope``: the tenant scope whose journal admitted the request. One
       adapter instance serves every scope, and operation and compensation

@@ -1,4 +1,4 @@
-"""The adapter plug-in contract (W§10.2, D11, D12): what an adapter is, when it is
+"""The adapter plug-in contract: what an adapter is, when it is
 called, what it is told, and how adapters are found and called.
 
 This module owns:
@@ -6,7 +6,7 @@ This module owns:
 * the declarations ``InvocationSafety`` and ``DurableOperationContract``
   (defined, with ``refusal_status`` and ``lookup_miss_fences_key``, in the
   pure :mod:`octo_worker.adapters.declarations`, and named here too);
-* ``AdapterContext`` (D12), the third argument of every adapter method: the
+* ``AdapterContext``, the third argument of every adapter method: the
   tenant scope, the session, the scope-qualified idempotency key and the
   deadline of the call;
 * ``WorkerAdapter`` (the ``typing.Protocol`` every adapter satisfies) and
@@ -120,7 +120,7 @@ class AdapterLoadFailed(OctoError):
 
 @runtime_checkable
 class WorkerAdapter(Protocol):
-    """An adapter serves one tool (W§10.2). See ``BaseWorkerAdapter`` for each hook.
+    """An adapter serves one tool. See ``BaseWorkerAdapter`` for each hook.
 
     An adapter MUST NOT retry an effect on its own after an ambiguous
     outcome, MUST NOT call the journal and MUST NOT log payloads or secrets.
@@ -165,7 +165,7 @@ class BaseWorkerAdapter:
     point whose adapter names another tool. ``deadline_seconds`` is the
     per-tool deadline the worker applies to each call (``call_adapter``).
 
-    Every async hook may raise the adapter errors of W§10.2
+    Every async hook may raise the adapter errors
     (``AdapterUnsupported``, ``AdapterInvalidJsonInput``,
     ``AdapterInvalidJsonOutput``, ``AdapterFailed``,
     ``AdapterIndeterminate``). Any other exception is treated as
@@ -271,7 +271,7 @@ class BaseWorkerAdapter:
         grant: CapabilityGrant,
         context: AdapterContext,
     ) -> OperationStatus:
-        """Called on ``reconcile_compensation`` (D11) for a compensation the journal
+        """Called on ``reconcile_compensation`` for a compensation the journal
         holds under exactly this identity.
 
         A bounded status lookup by ``context.idempotency_key`` (the
@@ -287,7 +287,7 @@ class BaseWorkerAdapter:
 
 
 class WorkerAdapterRegistry:
-    """One adapter per tool name (tool names use the token syntax of W§3), with its deadline.
+    """One adapter per tool name (tool names are tokens), with its deadline.
 
     ``default_deadline_seconds`` is the deadline of an adapter that declares
     none (the daemon passes ``[adapters] deadline_seconds``); each adapter's
@@ -353,7 +353,7 @@ class WorkerAdapterRegistry:
 
 class TypedJsonWorkerAdapter(BaseWorkerAdapter, Generic[InputT]):
     """An ``invoke``-only adapter: JSON input converted to ``input_type``, handler output
-    returned as a JSON payload (W§10.2).
+    returned as a JSON payload.
 
     ``handler`` receives the converted input and may be a plain or an async
     function; a plain one runs in a worker thread (``asyncio.to_thread``), so
@@ -487,11 +487,11 @@ async def call_adapter_with_deadline(
     deadline_seconds: float,
     returns: type[Any] | tuple[type[Any], ...] | None = None,
 ) -> T:
-    """Run one adapter call under a deadline and map its failures (W§10.2).
+    """Run one adapter call under a deadline and map its failures.
 
     ``call`` receives the event-loop time at which the deadline expires,
     exactly the one the call is cut at: the ``deadline`` of the call's
-    ``AdapterContext`` (D12).
+    ``AdapterContext``.
 
     * the deadline expiring → ``AdapterIndeterminate("deadline")``: the call
       may or may not have had its effect;
@@ -567,7 +567,7 @@ def load_adapters(
       ``WorkerAdapter``, or an adapter whose ``tool`` names another tool →
       ``InvalidTool(name)``;
     * an adapter one of whose five async methods cannot be called as
-      ``(request, grant, context)`` (the two-argument contract before D12)
+      ``(request, grant, context)`` (an older two-argument contract)
       → ``AdapterLoadFailed(name, reason)`` naming the method;
     * a name listed twice → ``DuplicateTool(name)``.
     """
@@ -639,7 +639,7 @@ def _unbound_options(factory: Callable[..., Any], options: Mapping[str, Any]) ->
     return None
 
 
-# The five methods the worker calls as ``method(request, grant, context)`` (D12).
+# The five methods the worker calls as ``method(request, grant, context)``.
 CONTEXT_METHODS = (
     "invoke",
     "dispatch_operation",
@@ -652,7 +652,7 @@ CONTEXT_METHODS = (
 def _check_context_argument(name: str, adapter: object) -> None:
     """Refuse an adapter one of whose methods cannot take ``(request, grant, context)``.
 
-    A plug-in written for the contract before D12 (two arguments) would
+    A plug-in written for an older two-argument contract would
     otherwise fail every call as ``adapter_failed``; it is refused at load
     instead, naming the adapter and the first such method.
     """

@@ -1,7 +1,7 @@
 """The reference adapter ``files.publish``: publish one file into a tenant's
 directory, durably, at most once per operation, with an explicit inverse.
 
-Layout of ``target_dir`` (D12: one adapter serves every tenant scope, and
+Layout of ``target_dir`` (one adapter serves every tenant scope, and
 operation keys are unique only within a scope):
 
 * ``<scope>/<name>``: a file published in tenant scope ``<scope>`` (the scope
@@ -57,7 +57,7 @@ happened, exactly as a repeated call does.
 
 Within one process the single file thread orders a lookup after the call
 it reports on. Several processes may share ``target_dir`` and ``effect_log``
-(workers that fail over, D13): each operation is worked on under its own
+(workers that fail over): each operation is worked on under its own
 lock, a lookup held off by another process's lock answers indeterminate,
 and a lookup that finds no record leaves a refused record behind, so a
 dispatch that reaches the adapter later (a superseded worker woken up)
@@ -382,7 +382,7 @@ class FilesPublishAdapter(BaseWorkerAdapter):
         context: AdapterContext,
     ) -> OperationStatus:
         """Look up the removal of this compensation (by ``context.idempotency_key``,
-        the compensation's); never removes anything (D11).
+        the compensation's); never removes anything.
 
         Removed → the compensation's own success payload. A removal cut by a
         crash after its file was gone is finished (its line written once);
@@ -658,8 +658,8 @@ class FilesPublishAdapter(BaseWorkerAdapter):
             data = self._record_path(key).read_bytes()
         except FileNotFoundError:
             if (self._meta / f"op.{operation_key}.json").exists():
-                # Recorded by the layout before D12, by the bare operation key,
-                # whose scope it does not know: never guess what happened.
+                # Recorded by the older layout, by the bare operation key with
+                # no scope: never guess what happened.
                 raise AdapterIndeterminate("operation recorded in the old layout") from None
             return None
         try:

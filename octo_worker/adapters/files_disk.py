@@ -9,7 +9,7 @@ written and fsynced (:func:`write_new_file`), an atomic replacement
 or of the whole log for tests and operators (:func:`read_effect_log`), and
 the cross-process lock of one operation (:func:`operation_lock`).
 
-Two worker processes may share the adapter's ``target_dir`` (D13: the owner
+Two worker processes may share the adapter's ``target_dir`` (the owner
 of a scope and the standby that takes it over, and for a while the
 superseded owner too, paused and then woken up). :func:`operation_lock`
 makes each operation's record (its publication, its removal and both

@@ -1,4 +1,4 @@
-"""Adapters written as plain functions with typed inputs (issue 20; W§10.2, D11, D12).
+"""Adapters written as plain functions with typed inputs.
 
 :class:`FunctionAdapter` is a :class:`~octo_worker.adapters.BaseWorkerAdapter`
 whose four durable methods are functions registered with decorators::
@@ -21,8 +21,8 @@ whose four durable methods are functions registered with decorators::
 The durable contract is declared explicitly (a :class:`DurableOperationContract`
 member, no default), the input and inverse contracts are types, and every
 function receives an :class:`AdapterCall`: the call's
-:class:`~octo_worker.adapters.AdapterContext` (scope, session, the D12
-idempotency key, deadline), the operation key, for a compensation the
+:class:`~octo_worker.adapters.AdapterContext` (scope, session, the
+adapter idempotency key, deadline), the operation key, for a compensation the
 original operation's idempotency key, and the adapter's typed options.
 
 The object is also the entry point's factory: ``load_adapters`` calls it

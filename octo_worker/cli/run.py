@@ -189,7 +189,7 @@ def serve(config: WorkerConfig, config_path: str) -> int:
         ) from None
     if daemon.superseded:
         # Not a clean stop: a supervisor restarts it, and it comes back as a
-        # standby of the worker that holds the fences now (D13).
+        # standby of the worker that holds the fences now.
         raise CliError(
             EXIT_SUPERSEDED,
             "stopped: another worker holds the fence of every scope",
@@ -368,7 +368,7 @@ async def _probe_scopes(config: WorkerConfig, store: JournalStoreBase) -> tuple[
 
 
 async def _probe_shared_journal(config: WorkerConfig) -> str:
-    """The PostgreSQL journal (D13): reachable with the password file, schema current,
+    """The PostgreSQL journal: reachable with the password file, schema current,
     every configured scope matching its sealed head, as a takeover would find it."""
     where = config.journal_location()
     password_file = config.storage_password_path

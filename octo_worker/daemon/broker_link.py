@@ -5,12 +5,12 @@ deliveries reach the delivery path in the callback that read them, and
 every frame of one loop pass goes out in one socket write.
 
 :class:`BrokerLink` is the part of ``WorkerDaemon`` that owns the broker
-connection (W§12): its reconnect loop (a plain connection, not aio-pika's
+connection: its reconnect loop (a plain connection, not aio-pika's
 robust one: a delivery is acked only on the channel it came from, and a lost
 channel simply means the broker redelivers what was not acked), the set-up
 of each connection (channels, queues, outbox republish, one consumer per
 scope), the confirmed publish of replies that survives a reconnect, and the
-dead-letter copy with its ``octo-reason`` (W§12.3). Every set-up call is
+dead-letter copy with its ``octo-reason``. Every set-up call is
 bounded by the configured timeout.
 
 It must never decide what a frame gets, log a URL, a key or a frame, or ack
@@ -332,7 +332,7 @@ class BrokerLink:
         channel: amqp.Channel,
         reason: str,
     ) -> None:
-        """W§12.3: a confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
+        """A confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
         self._hooks.on_dead_letter(scope.name, reason)
         self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
         await dead_letter_delivery(

@@ -1,7 +1,7 @@
 """The worker daemon: RabbitMQ deliveries -> sessions -> journal -> adapters -> replies.
 
-One process serves the tenant scopes of its configuration (W§12, ARCHITECTURE
-decisions 1–8). For each delivery on ``octo.v5.worker.<scope>``:
+One process serves the tenant scopes of its configuration (see
+docs/architecture.md). For each delivery on ``octo.v5.worker.<scope>``:
 
     size bound -> headers -> session lookup -> session.handle
       (durable commit -> ack -> adapter -> durable observation with the reply
@@ -15,12 +15,12 @@ rather than in their session's next commit, which an idle, abandoned or
 closed session never makes (so no reply is republished at every start). A
 commit failure poisons its session; the daemon then pauses the scope, lets
 its handlers finish, reserves a fresh fence, reloads the scope from the
-store and resumes (W§10.9 steps 3–5). A commit refused with
+store and resumes. A commit refused with
 ``FencingTokenRejected`` means another worker took the scope: this one stops
 serving it and never takes the fence back; once every scope is taken it
 stops (``superseded``), and a supervisor's restart comes back as a standby.
 
-With a shared journal (PostgreSQL, D13) several daemons serve the same
+With a shared journal (PostgreSQL) several daemons serve the same
 scopes: each consumes the scope's single-active-consumer queue from the
 start but reserves nothing; the broker's first delivery to it makes it the
 owner (a fresh fence, sessions restored, outbox republished, see
@@ -237,7 +237,7 @@ class WorkerDaemon:
             try:
                 if self._shared:
                     # Standby until the broker makes this worker the queue's
-                    # single active consumer (D13); the scope's rows are
+                    # single active consumer; the scope's rows are
                     # checked against its sealed head now, so a start fails
                     # closed as the SQLite start does.
                     await self.store.verify_scope(scope.name)
@@ -314,7 +314,7 @@ class WorkerDaemon:
         deadline = loop.time() + self.config.worker.shutdown_grace_seconds
         await self._drain()
         # A reload under way records as poisoned the sessions whose refusals
-        # could not do it themselves (W§10.9 step 4): let it finish, within
+        # could not do it themselves: let it finish, within
         # what is left of the grace period (at least a second). It waited for
         # the same handlers as the drain, so it is usually done at once.
         reloads = [s.reload for s in self._scopes.values() if s.reload and not s.reload.done()]

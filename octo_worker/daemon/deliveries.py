@@ -3,7 +3,7 @@
 Owns :class:`BrokerDelivery` (an AMQP delivery as the ``Delivery`` a session
 settles: ack on its own channel, reply through the daemon's confirmed
 publish, dead-letter, requeue) and :class:`DeliveryPath`, the part of
-``WorkerDaemon`` that takes one delivery of a scope's queue (W§12.2):
+``WorkerDaemon`` that takes one delivery of a scope's queue:
 
 1. the scope's concurrency bound and pause gate;
 2. the inbound gate (``octo_common.inbound.gate``): size, headers, session;
@@ -70,7 +70,7 @@ class _Broker(Protocol):
 
 
 class BrokerDelivery:
-    """The ``Delivery`` a session acts through (W§12.3–12.4); remembers how it was settled."""
+    """The ``Delivery`` a session acts through; remembers how it was settled."""
 
     def __init__(
         self,
@@ -97,7 +97,7 @@ class BrokerDelivery:
         session = self.session
         if session is None or self._scope.standby or self._scope.superseded:
             # A scope this worker may no longer own publishes nothing: the
-            # reply stays in the outbox, for the owner's republish (D13).
+            # reply stays in the outbox, for the owner's republish.
             raise PublishChannelClosed(self._scope.name)
         envelope = build_worker_reply(
             self._scope.name,
@@ -176,7 +176,7 @@ class DeliveryPath:
     ) -> None:
         async with scope.semaphore:
             # The broker delivers to the queue's single active consumer only:
-            # this worker owns the scope now (D13). An activation still running
+            # this worker owns the scope now. An activation still running
             # for an earlier connection's delivery leaves the scope in standby;
             # this delivery then starts the one for its own connection.
             for _ in range(2):

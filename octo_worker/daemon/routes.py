@@ -1,4 +1,4 @@
-"""What the daemon does by a session's status, as tables (W§12.2 step 3, W§10.9, W§11.4).
+"""What the daemon does by a session's status, as tables.
 
 * :func:`route_known` and :func:`route_unknown`: what the daemon does with
   a delivery once the inbound gate (``octo_common.inbound``) has named a
@@ -23,7 +23,7 @@ from octo_worker.storage.documents import SessionStatus
 __all__ = ["AfterHandling", "Route", "after_handling", "route_known", "route_unknown"]
 
 
-# The daemon's routing (W§12.2 step 3) --------------------------------------------------
+# The daemon's routing --------------------------------------------------
 
 
 class Route(enum.Enum):
@@ -52,7 +52,7 @@ def route_known(status: SessionStatus, opening: bool, nonce_matches: bool) -> Ro
     An ``open_session`` is handled only by an open or poisoned session with
     its own nonce (a redelivered opening is then a duplicate; an authentic
     new one is ``SessionReplay``); any other is a replay. A closed session
-    dead-letters the frame itself once its close is durable (W§10.11 rule 9),
+    dead-letters the frame itself once its close is durable,
     whatever the nonce. Another nonce cannot authenticate.
     """
     if opening:
@@ -67,7 +67,7 @@ def route_unknown(opening: bool, closed: bool, reply_queue: bool) -> Route:
 
     ``closed``: the id is remembered as closed. ``reply_queue``: the
     delivery's ``reply_to`` is a host reply queue (checked only for an
-    opening: every reply of the session goes there, W§12.1).
+    opening: every reply of the session goes there).
     """
     if closed:
         return Route.SESSION_REPLAY if opening else Route.SESSION_CLOSED
@@ -76,7 +76,7 @@ def route_unknown(opening: bool, closed: bool, reply_queue: bool) -> Route:
     return Route.OPEN if reply_queue else Route.INVALID_HEADERS
 
 
-# After a delivery (W§10.9 steps 3-5, W§11.4) ----------------------------------------------
+# After a delivery (a poisoned session: reload the scope) ----------------------------
 
 
 class AfterHandling(enum.Enum):

@@ -1,13 +1,13 @@
-"""The scopes a worker serves: their state and their lifecycle (W§10.9–10.10, W§11.3–11.4).
+"""The scopes a worker serves: their state and their lifecycle.
 
 Owns :class:`ServedScope` (one scope's fence, sessions in memory, closed
 session ids, handlers under way, consumer) and :class:`ScopeLifecycle`, the
 part of ``WorkerDaemon`` that loads a scope under a freshly reserved fence
 and restores its live sessions, republishes its outbox and releases the rows
 the broker confirmed, reloads it after a failed commit (pause, drain, new
-fence, reload, mark poisoned, resume; W§10.9 steps 3–5), lets closed
+fence, reload, mark poisoned, resume), lets closed
 sessions go, and gives the scope up when another worker's fence refused a
-commit (W§11.3: it never takes the fence back).
+commit (it never takes the fence back).
 
 What the status of a session makes the daemon do is decided by
 :mod:`octo_worker.daemon.routes`. It must never decide what a frame gets,
@@ -92,7 +92,7 @@ class ServedScope:
     running: asyncio.Event = field(default_factory=asyncio.Event)
     reloading: bool = False
     superseded: bool = False
-    # A shared journal (D13): the scope waits for the broker to make this
+    # A shared journal: the scope waits for the broker to make this
     # worker its single active consumer; its first delivery then activates
     # it (a fresh fence, the sessions restored, the outbox republished).
     # Until then it reserves, commits and publishes nothing.
@@ -111,7 +111,7 @@ class ServedScope:
 
 
 class Supersession(WorkerHooks):
-    """Notes the scopes whose commits another worker's fence refused (W§11.3).
+    """Notes the scopes whose commits another worker's fence refused.
 
     A commit refused by a fence this daemon reserved itself (a reload
     overtook it) is not a supersession.
@@ -183,12 +183,12 @@ class ScopeLifecycle:
         self._broker = broker
         self._spawn = spawn
         self._request_stop = request_stop
-        # The journal is shared (PostgreSQL, D13): scopes start as standby.
+        # The journal is shared (PostgreSQL): scopes start as standby.
         self._shared = shared
         self._log = log
 
     async def load(self, scope: ServedScope, *, open_gate: bool = True) -> None:
-        """Reserve a fence, then rebuild the sessions from the store (W§10.10).
+        """Reserve a fence, then rebuild the sessions from the store.
 
         Closed sessions are not read at all (the store skips the ones its
         commits marked closed): restoring, or even reading, every session a
@@ -263,7 +263,7 @@ class ScopeLifecycle:
         return scope.name in self._supersession.scopes
 
     async def republish_outbox(self, scope: ServedScope) -> list[WorkerSession]:
-        """W§11.4: every committed reply not yet confirmed, oldest first.
+        """Every committed reply not yet confirmed, oldest first.
 
         Returns the sessions whose rows the broker confirmed: the caller
         releases those rows (:meth:`_release_outbox`) rather than leaving them
@@ -336,7 +336,7 @@ class ScopeLifecycle:
     async def release_outbox(
         self, scope: ServedScope, sessions: list[WorkerSession], *, handlers: int = 0
     ) -> None:
-        """Delete the confirmed outbox rows of ``sessions`` now (W§11.4).
+        """Delete the confirmed outbox rows of ``sessions`` now.
 
         The rows of a session otherwise go in its next commit, and an idle or
         abandoned session never makes one, nor does a closed one: without this
@@ -469,8 +469,8 @@ class ScopeLifecycle:
         return channel is self._broker.consume_channel and not channel.is_closed
 
     async def _activate_scope(self, scope: ServedScope, channel: amqp.Channel) -> None:
-        """The broker made this worker the scope's active consumer (D13): W§10.10 under a
-        fresh fence.
+        """The broker made this worker the scope's active consumer: load the scope under
+        a fresh fence and restore its sessions.
 
         A delivery on ``channel`` proves it for that connection only: the
         queue's single active consumer is this one, so any worker that served
@@ -484,7 +484,7 @@ class ScopeLifecycle:
         may have taken the queue and reserved a fence since) leaves it in
         standby, publishing and releasing nothing, until a delivery of a later
         connection activates it again. A scope whose commits another worker's
-        fence refused is given up, never activated (W§11.3); a failure stops
+        fence refused is given up, never activated; a failure stops
         the worker (fail closed).
         """
         async with scope.lifecycle:
@@ -538,13 +538,13 @@ class ScopeLifecycle:
                 self._hooks.on_scope_role(scope.name, False)
 
     def reload_later(self, scope: ServedScope) -> None:
-        """Start the scope's reload (W§10.9 steps 3–5) unless one is under way."""
+        """Start the scope's reload unless one is under way."""
         if not scope.reloading:
             scope.reloading = True
             scope.reload = self._spawn(self.reload(scope))
 
     async def reload(self, scope: ServedScope) -> None:
-        """W§10.9 steps 3–5: pause, drain, fresh fence, reload, mark poisoned, resume.
+        """Pause, drain, fresh fence, reload, mark poisoned, resume.
 
         On a shared journal the consumer is paused by the gate alone: cancelling
         it would hand the queue to a standby worker (single active consumer).
@@ -587,13 +587,13 @@ class ScopeLifecycle:
                 scope.running.set()
 
     async def _reload_under_fresh_fence(self, scope: ServedScope) -> None:
-        """The reload's W§10.9 steps 3–4 for a scope this worker serves, then resume."""
+        """The reload's fresh fence and reload for a scope this worker serves, then resume."""
         # Sessions poisoned in memory by a failed commit, with the sequence each
         # would seal next. Their refusals were committed before they were
         # published, which recorded most of them poisoned already; the others
         # (a refusal's own commit failed and it went out best-effort, or there
         # was none to send) are recorded so now, their outbound counter past
-        # every sequence they sealed (W§10.11 rule 2).
+        # every sequence they sealed.
         poisoned = {
             sid: session.next_outgoing
             for sid, session in sorted(scope.sessions.items())

@@ -4,7 +4,7 @@
 directories through :func:`create_state_directories`; ``run`` binds its
 listen addresses); ``check`` asks the same functions without creating or
 binding anything for good, so that what ``check`` reports is what ``run``
-would do (issue 15 item 9):
+would do:
 
 * the state directory: ``worker.state_dir`` is created when it is missing
   and its parent exists; when its parent is missing too the path is taken

@@ -1,6 +1,6 @@
-"""RabbitMQ topology and the worker's connection helpers (W§12, D8).
+"""RabbitMQ topology and the worker's connection helpers.
 
-Owns: declaring the topology of W§12.5 idempotently (:func:`declare_topology`),
+Owns: declaring the topology idempotently (:func:`declare_topology`),
 the broker policy that gives worker queues their delivery limit and
 dead-letter exchange (:func:`apply_policy`), the policy that bounds the
 dead-letter queue (:func:`apply_dead_letter_policy`), the read-only view behind
@@ -133,7 +133,7 @@ async def connect(
     A lost connection is final: ``connection.closed()`` resolves and every
     channel on it fails, so in-flight deliveries are never acked on a stale
     channel. The caller's own loop reconnects, re-declares, re-consumes and
-    lets the broker redeliver whatever was not acked (W§12.4). ``heartbeat``
+    lets the broker redeliver whatever was not acked. ``heartbeat``
     (seconds) is what the client proposes: a peer silent that long is gone,
     so a paused worker loses its queue to a standby after about that long.
     """
@@ -206,7 +206,7 @@ async def declare_topology(
     vhost: str = "/",
     management_url: str | None = None,
 ) -> TopologyReport:
-    """Declare the W§12.5 topology; safe to run any number of times.
+    """Declare the topology (docs/protocol.md, "Frames on RabbitMQ"); safe to run again.
 
     * exchange ``octo.v5`` (durable, direct);
     * per scope, quorum queue ``octo.v5.worker.<scope>`` with

@@ -1,4 +1,4 @@
-"""Testing an adapter plug-in before deploying it (issue 20).
+"""Testing an adapter plug-in before deploying it.
 
 ``AdapterKit`` runs a plug-in through a real ``WorkerSession`` on a real
 SQLite journal, without a broker: dispatch, duplicate, compensation, both

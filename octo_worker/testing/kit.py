@@ -1,4 +1,4 @@
-"""``AdapterKit``: an adapter plug-in run through a real ``WorkerSession`` (issue 20).
+"""``AdapterKit``: an adapter plug-in run through a real ``WorkerSession``.
 
 The kit opens a real :class:`~octo_worker.session.WorkerSession` on a real
 :class:`~octo_worker.store.SqliteJournalStore` in a directory of the caller's
@@ -10,7 +10,7 @@ memory (acked, replied, dead-lettered).
 
 What it drives is what the daemon drives: admission committed before the
 adapter runs, a duplicate answered from the journal, a compensation
-authorized against the grant and the journal, both lookups (D11). Every
+authorized against the grant and the journal, both lookups. Every
 call the worker makes to the plug-in goes through :class:`CountingAdapter`,
 so a test can say how many real calls a scenario cost (``kit.calls``).
 A lookup is asked (and must agree with what the journal holds: a lookup
@@ -29,7 +29,7 @@ A simulated crash (:meth:`AdapterKit.dispatch_crashing`,
 worker's kill points (``KILL_POINTS``, the ones ``OCTO_FAULT`` kills the
 daemon at) by raising :class:`SimulatedCrash` from the worker's hooks, then
 restarts: the store is closed and opened again on the same file under a new
-fence, the session restored from the journal (W§10.10), and a delivery the
+fence, the session restored from the journal, and a delivery the
 crash left unacked is delivered again, as the broker would. Reconciliation
 then goes through the plug-in's lookups, exactly as after a real restart.
 
@@ -298,7 +298,7 @@ class AdapterKit:
 
     async def restart(self) -> None:
         """The worker process starts again: the store reopened on the same file under a
-        new fence, the session restored from what the journal holds (W§10.10)."""
+        new fence, the session restored from what the journal holds."""
         session = self._live()
         await self.close()
         store = self._store = SqliteJournalStore(self.journal, self._keyring)
@@ -431,7 +431,7 @@ class AdapterKit:
         return await self._answer(self.reconcile_frame(operation_key))
 
     async def reconcile_compensation(self, operation_key: str) -> OperationStatus:
-        """``reconcile_compensation`` (D11): the journal's answer, or the plug-in's lookup."""
+        """``reconcile_compensation``: the journal's answer, or the plug-in's lookup."""
         return await self._answer(self.reconcile_compensation_frame(operation_key))
 
     # -- crashes -------------------------------------------------------------------------
