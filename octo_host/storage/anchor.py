@@ -1,4 +1,4 @@
-"""The rollback anchor of a SQLite ledger (H§17.10, issue 21): its formats and its rules.
+"""The rollback anchor of a SQLite ledger: its formats and its rules.
 
 The anchor is a small file, preferably on another filesystem, that says how
 far the database had got; a database behind it was rolled back. This module
@@ -10,10 +10,10 @@ replace, strict read) is :mod:`octo_common.runtime.anchorfile`.
   record count and digest fingerprint (:mod:`octo_host.storage.head`),
   ``{"format_version":2,"store_revision":N,"record_count":C,"digest":"<64 hex>"}``:
   a fixed-size file, whatever the number of records.
-* ``format_version 1`` (read only): the per-record revisions of H§17.10,
+* ``format_version 1`` (read only): the revision of each record,
   checked record by record at open and replaced by a version 2 anchor at the
   next commit. ``{"format_version":1,"records":[]}`` is the explicit
-  initialisation of PROTOCOL.md §2.4 (:func:`initialise_anchor` writes it).
+  initialisation (``octo-host ledger init-anchor``; :func:`initialise_anchor` writes it).
 
 It must never overwrite an anchor without being told to, or accept a
 database below its anchor.
@@ -66,7 +66,7 @@ class HeadAnchor(NamedTuple):
 def initialise_anchor(path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
     """Write the explicit empty anchor ``{"format_version":1,"records":[]}`` (0o600).
 
-    This is the operator's explicit initialisation (H§18A.5): a configured
+    This is the operator's explicit initialisation: a configured
     anchor must exist before the first open. A database that already holds
     records is accepted on open and the anchor rises to it (the next commit
     writes a version 2 anchor). An existing anchor file is only replaced with
@@ -140,7 +140,7 @@ def compare_head_with_anchor(anchored: HeadAnchor, head: StoreHead) -> None:
 
 
 def compare_with_anchor(anchored: int, floor: int, record_revision: int | None) -> None:
-    """H§17.10 check of one record: a record below the revision it was seen at was rolled back."""
+    """The anchor's check of one record: one below the revision it was seen at was rolled back."""
     if anchored == 0:
         return
     if record_revision is None:

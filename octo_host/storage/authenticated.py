@@ -1,6 +1,6 @@
-"""``AuthenticatedStore``: keyed, revisioned, fenced records over a backend (H§17.4-17.5).
+"""``AuthenticatedStore``: keyed, revisioned, fenced records over a backend.
 
-This module owns the H§17.4 read and write steps (open every snapshot fully
+This module owns the read and write steps (open every snapshot fully
 before returning or overwriting it, seal writes with the keyring's active
 key) and the record key of a run's ledger. The envelope, tag and keyring are
 pure and live in :mod:`octo_common.records`.
@@ -47,7 +47,7 @@ def ledger_record_key(run: str) -> StorageRecordKey:
 
 
 class AuthenticatedStore:
-    """Keyed, revisioned, fenced records over a backend (H§17.4-17.5).
+    """Keyed, revisioned, fenced records over a backend.
 
     Every load and every write first opens the backend's current snapshot
     fully (floor rule, envelope, key id, tag): a tampered, moved, rolled
@@ -115,7 +115,7 @@ class AuthenticatedStore:
     async def compare_and_swap(
         self, key: StorageRecordKey, expected: int | None, payload: bytes
     ) -> AuthenticatedRecord:
-        """The unfenced write of H§17.4 (``FencingRequired`` on a fenced key)."""
+        """The unfenced write (``FencingRequired`` on a fenced key)."""
         key = check_key(key)
         expected = check_expected(expected)
         data = _payload_bytes(payload)
@@ -128,7 +128,7 @@ class AuthenticatedStore:
             # first (it depends only on the expectation), then open the
             # current record, compare and swap in one transaction. A seal
             # failure takes the step-by-step path below, which reports the
-            # errors in the H§17.4 order.
+            # errors in the order of the checks.
             sealed = self._seal_quietly(key, expected, data)
             if sealed is not None:
                 replacement, key_id = sealed
@@ -149,7 +149,7 @@ class AuthenticatedStore:
         """Unfenced writes of distinct keys in one transaction: all or none.
 
         Each ``(key, expected, payload)`` is checked as :meth:`compare_and_swap`
-        checks it (H§17.4); the first refusal or conflict is raised and then
+        checks it; the first refusal or conflict is raised and then
         nothing is written. Needs a backend with ``compare_and_swap_many_opened``
         (both of this module's have it); any other raises ``StorageBackendError``
         before anything is written.
@@ -200,7 +200,7 @@ class AuthenticatedStore:
     async def compare_and_swap_fenced(
         self, key: StorageRecordKey, expected: int | None, payload: bytes, token: int
     ) -> AuthenticatedRecord:
-        """The fenced write of H§17.5: establish ``token`` first, then CAS under it."""
+        """The fenced write: establish ``token`` first, then CAS under it."""
         key = check_key(key)
         expected = check_expected(expected)
         # Establishing first means a later refusal (even PayloadTooLarge)
@@ -220,7 +220,7 @@ class AuthenticatedStore:
         return await self._backend.reserve_fence(check_key(key))
 
     async def establish_fence(self, key: StorageRecordKey, token: int) -> None:
-        """Raise the fence to ``token`` (H§17.5)."""
+        """Raise the fence to ``token``."""
         await self._backend.establish_fence(check_key(key), check_token(token))
 
     async def close(self) -> None:
@@ -238,7 +238,7 @@ class AuthenticatedStore:
     def _check_current(
         self, key: StorageRecordKey, expected: int | None, snapshot: StorageSnapshot
     ) -> None:
-        """H§17.4 write steps 2-3: open the current record fully, compare the expectation."""
+        """Open the current record fully, then compare the expectation."""
         current = self._open_snapshot(key, snapshot)
         if current is None:
             if expected is not None:
@@ -249,7 +249,7 @@ class AuthenticatedStore:
     def _seal(
         self, key: StorageRecordKey, expected: int | None, payload: bytes
     ) -> tuple[StoredRecord, str]:
-        """H§17.4 write step 4: the new revision sealed with the active key."""
+        """The new revision, sealed with the active key."""
         new_revision = (expected or 0) + 1
         if new_revision > MAX_U64:
             raise RevisionExhausted()

@@ -1,8 +1,8 @@
-"""The storage backend contract (H§17.3) and the rules every backend shares.
+"""The storage backend contract and the rules every backend shares.
 
 This module owns :class:`RecordBackend` (per record key: a record, a revision
 floor and a fence), the argument checks every backend applies before any
-I/O, the compare-and-swap and fence decisions of H§17.5-17.6 as pure
+I/O, the compare-and-swap and fence decisions as pure
 functions, :class:`SwapBackend` (the compare-and-swap entry points of a
 backend with one write path), and :class:`Head`, one record's head and item as a backend reads
 them. The backends (:mod:`~octo_host.storage.memory`,
@@ -48,7 +48,7 @@ __all__ = [
 
 
 class RecordBackend(Protocol):
-    """Per record key: a record, a revision floor and a fence (H§17.3)."""
+    """Per record key: a record, a revision floor and a fence."""
 
     async def load(self, key: StorageRecordKey) -> StorageSnapshot:
         """The record (or None) and its floor, from one atomic snapshot."""
@@ -118,7 +118,7 @@ def cas_decision(
     replacement: StoredRecord,
     ceiling: int,
 ) -> Conflict | None:
-    """The unfenced CAS rule of H§17.6; None means "write it"."""
+    """The unfenced CAS rule; None means "write it"."""
     if actual != expected or (actual or 0) != floor:
         return Conflict(actual, floor)
     new_revision = (expected or 0) + 1
@@ -130,7 +130,7 @@ def cas_decision(
 
 
 def establish_decision(current: int, token: int, ceiling: int) -> bool:
-    """H§17.5 ``establish_fence`` rule; True when the fence must be raised."""
+    """The ``establish_fence`` rule; True when the fence must be raised."""
     if token == 0:
         raise InvalidFencingToken()
     if token > ceiling:
@@ -226,9 +226,9 @@ class SwapBackend(ABC):
     ) -> Stored | Conflict:
         """The unfenced CAS with ``opener(snapshot)`` run first, in the same transaction.
 
-        ``AuthenticatedStore`` passes its snapshot opening (H§17.4 write steps
-        2-3), so the read, the check and the swap are one atomic step and one
-        hand-off to the backend. ``opener`` raises to refuse.
+        ``AuthenticatedStore`` passes its snapshot opening (open the current
+        record, compare the expectation), so the read, the check and the swap
+        are one atomic step and one hand-off to the backend. ``opener`` raises to refuse.
         """
         return await self._swap(
             "compare_and_swap",
@@ -256,7 +256,7 @@ def head_from_row(row: Any) -> Head:
     """A head read as (floor, fence, item revision, envelope), each None when absent;
     a malformed value is ``StorageBackendError``."""
     floor, fence, item_revision, envelope = row
-    # No head row: floor and fence are 0 (H§17.3 defaults).
+    # No head row: floor and fence are 0 (what an absent record is).
     floor = 0 if floor is None else floor
     fence = 0 if fence is None else fence
     if type(floor) is not int or type(fence) is not int:

@@ -1,4 +1,4 @@
-"""The ledger store's head: one sealed value that commits to every record (issue 21).
+"""The ledger store's head: one sealed value that commits to every record.
 
 A SQLite ledger database holds, beside its records, one *store head*:
 

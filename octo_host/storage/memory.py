@@ -1,4 +1,4 @@
-"""``VolatileMemoryStore``: the H§17.6 backend in memory (tests and development).
+"""``VolatileMemoryStore``: the reference backend, in memory (tests and development).
 
 It must never be used for a ledger that must survive the process, and never
 decide a write otherwise than :mod:`octo_host.storage.contract` does.
@@ -27,7 +27,7 @@ __all__ = ["VolatileMemoryStore"]
 
 
 class VolatileMemoryStore:
-    """In-memory backend with exactly the H§17.6 semantics.
+    """In-memory backend: the semantics every backend has, and nothing else.
 
     Its three maps (``records``, ``floors``, ``fences``) are public so tests
     can simulate tampering, deletion and rollback; nothing survives the

@@ -1,15 +1,15 @@
-"""The host ledger store on PostgreSQL (H§17.3-17.7, PROTOCOL D13).
+"""The host ledger store on PostgreSQL.
 
 This module owns:
 
-* ``PostgresRecordBackend``: the H§17.3 backend contract with exactly the
-  H§17.6 semantics, the state in three tables (``heads``, ``items``,
+* ``PostgresRecordBackend``: the backend contract (``contract``) with exactly the
+  semantics of ``VolatileMemoryStore``, the state in three tables (``heads``, ``items``,
   ``schema_version``) of one PostgreSQL schema, reached with asyncpg;
 * ``PostgresLedgerStore``: the host ledger store, an ``AuthenticatedStore``
   over it, the counterpart of ``SqliteLedgerStore``.
 
-Several host processes, on several machines, may share one ledger database
-(D13). Compare-and-swap on each run's record is the only arbiter between
+Several host processes, on several machines, may share one ledger database.
+Compare-and-swap on each run's record is the only arbiter between
 them: every write transaction first locks the head rows of the records it
 touches, in key order, and decides each write against that locked state;
 the write statement then checks the caller's expected revision, the item's
@@ -17,14 +17,14 @@ revision and the fence again in SQL. So of two hosts that record an intent
 for the same step of one run, the second always meets a ``WriteConflict``,
 whatever the batching, and their transactions never deadlock each other.
 
-Rollback anchor: not supported. A local anchor file (H§17.10) holds what one
+Rollback anchor: not supported. A local anchor file holds what one
 process committed and cannot follow the commits of the other hosts that
 share the database, so it would refuse their progress or miss a rollback.
 ``PostgresLedgerStore`` takes no anchor and the host configuration refuses
 ``[storage] url`` together with ``[ledger] anchor``. Protection against a
 database restored from an old backup is the database's own (point-in-time
 recovery, replicas, ``synchronous_commit``); within the database the floor
-rule of H§17.4 still refuses a record older than its head. Nor does it keep
+rule still refuses a record older than its head. Nor does it keep
 the SQLite ledger's sealed store head (``sqlite_head``): one store-wide row
 moved by every commit would put every host's commits behind one row lock,
 and resealing it needs its current value, so it cannot be a blind
@@ -166,7 +166,7 @@ def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
 
 
 class PostgresRecordBackend(SwapBackend):
-    """The H§17.6 semantics with the state in a PostgreSQL schema (D13).
+    """The semantics of ``VolatileMemoryStore`` with the state in a PostgreSQL schema.
 
     No I/O in the constructor: the first awaited call connects (a pool of at
     most ``max_connections``), creates the schema when it is absent and
@@ -176,7 +176,7 @@ class PostgresRecordBackend(SwapBackend):
     password is picked up); the URL must not hold one.
 
     Writes (CAS, fence reservation, fence establishment) that wait together
-    share one transaction and one commit (group commit, H§17.7): each caller
+    share one transaction and one commit (group commit): each caller
     gets the outcome it would have had alone, because its write is decided
     against the state its predecessors left and re-checked in SQL, and a
     refused write changes nothing. A database error fails every write of

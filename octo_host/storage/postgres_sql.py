@@ -58,7 +58,7 @@ _SELECT_RECORD = """
 
 # Locks the head of every record a transaction touches, in key order (so two
 # transactions never wait for each other in a cycle), creating an absent head
-# as revision 0, fence 0: exactly what an absent record is (H§17.3). The no-op
+# as revision 0, fence 0: exactly what an absent record is. The no-op
 # update is what locks an existing row and returns its latest committed state.
 _LOCK_HEADS = """
     INSERT INTO {s}.heads AS h (namespace, name, revision, fence)
@@ -98,7 +98,7 @@ _WRITE_RECORD = """
     RETURNING revision
 """
 
-# One statement reads and raises the fence (H§17.5 reserve_fence).
+# One statement reads and raises the fence (reserve_fence: current + 1, never 0).
 _RESERVE_FENCE = """
     UPDATE {s}.heads SET fence = fence + 1
      WHERE namespace = $1 AND name = $2 AND fence < $3

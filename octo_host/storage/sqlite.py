@@ -1,9 +1,9 @@
-"""The host ledger store on SQLite: ``SqliteRecordBackend`` and ``SqliteLedgerStore`` (H§17.7).
+"""The host ledger store on SQLite: ``SqliteRecordBackend`` and ``SqliteLedgerStore``.
 
 This module owns one SQLite database of records (WAL, ``synchronous=FULL``,
 0o600 files, forward schema migrations), its database thread with group
 commit, and ``SqliteLedgerStore``, an ``AuthenticatedStore`` over the
-backend. The store head and the rollback anchor (H§17.10, issue 21) are
+backend. The store head and the rollback anchor are
 :mod:`octo_host.storage.sqlite_head`, asked at open, on every load and
 around every commit.
 
@@ -63,7 +63,7 @@ from octo_host.storage.sqlite_head import HEAD_MIGRATION, RollbackGuard
 
 __all__ = ["SqliteLedgerStore", "SqliteRecordBackend"]
 
-_SINGLE_ITEM = ""  # a single record is its head plus the item "" (H§17.7)
+_SINGLE_ITEM = ""  # a single record is its head plus the item ""
 
 _T = TypeVar("_T")
 
@@ -146,7 +146,7 @@ _CLOSE = "close"
 
 
 class SqliteRecordBackend(SwapBackend):
-    """The H§17.6 semantics with the state in one SQLite database (H§17.7).
+    """The semantics of ``VolatileMemoryStore`` with the state in one SQLite database.
 
     No I/O in the constructor: the first awaited call creates the directory
     (0o700) and the database (0o600, WAL, ``synchronous=FULL``, busy timeout
@@ -156,7 +156,7 @@ class SqliteRecordBackend(SwapBackend):
     One dedicated thread owns the connection and runs every operation in
     submission order. Writes (CAS, fence reservation, fence establishment)
     that are waiting together share one ``BEGIN IMMEDIATE`` transaction and
-    one fsync (group commit, H§17.7): each caller gets the outcome it would
+    one fsync (group commit): each caller gets the outcome it would
     have had alone, because a write is decided against the state its
     predecessors left and a refused write changes nothing. A database error
     fails every write of that transaction (nothing of it is committed); any

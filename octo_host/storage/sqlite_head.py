@@ -1,4 +1,4 @@
-"""The SQLite ledger's rollback protection: its store head and its anchor file (H§17.10, issue 21).
+"""The SQLite ledger's rollback protection: its store head and its anchor file.
 
 :class:`RollbackGuard` is what :class:`~octo_host.storage.sqlite.SqliteRecordBackend`
 asks, from its database thread, before it trusts what it reads and after it
@@ -132,7 +132,7 @@ def _record_rows(connection: sqlite3.Connection) -> Iterator[tuple[str, str, int
 def _check_records_against_v1(
     connection: sqlite3.Connection, anchor: dict[StorageRecordKey, int]
 ) -> None:
-    """H§17.10 with a version 1 anchor: every record it names, at or above its revision."""
+    """The check of a version 1 anchor: every record it names, at or above its revision."""
     for key, anchored in anchor.items():
         row = connection.execute(
             "SELECT (SELECT revision FROM heads WHERE namespace = :ns AND name = :name), "

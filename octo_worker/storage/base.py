@@ -1,4 +1,4 @@
-"""The public API every journal backend shares: ``JournalStoreBase`` (W§11, PROTOCOL.md §2.4).
+"""The public API every journal backend shares: ``JournalStoreBase``.
 
 Owns what a journal store does on the event loop whatever the database:
 the argument checks of every entry point, a commit prepared before any I/O
@@ -88,7 +88,7 @@ Pruned = tuple[str, int, bytes, bytes]
 
 
 class JournalStoreBase(abc.ABC):
-    """Rows, CAS revisions, fences, group commit and the outbox (W§11); see the module docstring.
+    """Rows, CAS revisions, fences, group commit and the outbox; see the module docstring.
 
     ``read_only=True`` (the operator's inspection verbs, beside a running
     daemon): every write call raises ``StorageBackendError`` before any
@@ -138,7 +138,7 @@ class JournalStoreBase(abc.ABC):
 
     @abc.abstractmethod
     async def _reserve(self, scope: str) -> int:
-        """W§11.3 in one transaction: the head created (fence 1) or verified, its fence
+        """Reserve a fence in one transaction: the head created (fence 1) or verified, its fence
         raised and the head resealed; the head revision read becomes the commit baseline."""
 
     @abc.abstractmethod
@@ -217,7 +217,7 @@ class JournalStoreBase(abc.ABC):
         return msgspec.structs.replace(self._commits.stats, rows_opened=self._sealer.opened)
 
     async def reserve_fence(self, scope: str) -> WorkerJournalLease:
-        """Create the head if absent, add 1 to its fence, return it (W§11.3).
+        """Create the head if absent, add 1 to its fence, return it.
 
         The head must authenticate; the head revision read in the same
         transaction becomes this store instance's commit baseline for the
@@ -280,7 +280,7 @@ class JournalStoreBase(abc.ABC):
                 raise
 
     async def commit(self, scope: str, lease: WorkerJournalLease, changes: WorkerCommit) -> int:
-        """Commit one change set (W§11.2); returns the new scope revision.
+        """Commit one change set; returns the new scope revision.
 
         Concurrent calls share transactions (group commit); each caller gets
         the outcome it would have had alone. Once submitted, the commit is
@@ -303,7 +303,7 @@ class JournalStoreBase(abc.ABC):
     async def load_records(
         self, scope: str, keys: Iterable[str]
     ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
-        """The rows of ``keys`` (None for a key without a row), W§9.2's ``records``."""
+        """The rows of ``keys`` (None for a key without a row), the journal view's ``records``."""
         check_scope(scope)
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
@@ -514,7 +514,7 @@ class JournalStoreBase(abc.ABC):
         return status
 
     async def load_outbox(self, scope: str, *, session_id: str | None = None) -> list[OutboxEntry]:
-        """Every outbox row of ``scope``, oldest revision first (W§11.4).
+        """Every outbox row of ``scope``, oldest revision first.
 
         With ``session_id``, the rows of that session alone, found through the
         rows' session column and its index: the cost is that session's rows,

@@ -1,4 +1,4 @@
-"""What a journal commit writes and how a batch of commits is decided, for every backend (W§11.2).
+"""What a journal commit writes and how a batch of commits is decided, for every backend.
 
 Owns, independent of any database:
 
@@ -10,9 +10,10 @@ Owns, independent of any database:
   (:func:`check_scope`, :func:`check_base_revision`) and the record key a
   row is sealed under (:func:`record_key`);
 * the decisions of one group-commit transaction (:class:`CommitBatch`):
-  W§11.2 steps 1-2 against the head as the transaction sees it (its seal
-  verified before anything is written on it), the new revision (step 4,
-  with its ceiling), the error a refused row write gets (step 3:
+  the fence and head-revision checks against the head as the transaction sees it
+  (its seal verified before anything is written on it), the new revision (head
+  + 1, with its ceiling), the error a refused row write gets (a base revision
+  that is not the row's:
   ``WriteConflict``, or ``SessionReplay`` for a new session), the chained
   session commits resolved to the revision their predecessor wrote
   (:class:`SessionTails`), each scope's row digest moved by the rows each
@@ -289,7 +290,7 @@ class SessionTails:
 
 
 class CommitBatch:
-    """The decisions of one transaction over a batch of change sets (W§11.2 steps 1-4).
+    """The decisions of one transaction over a batch of change sets (fence, head, rows, revision).
 
     A backend, inside its transaction, for each change set in order:
 

@@ -1,4 +1,4 @@
-"""Group commit on the event loop, for every journal backend (W§11.2, ARCHITECTURE decision 5).
+"""Group commit on the event loop, for every journal backend.
 
 Owns :class:`CommitQueue`: concurrent ``commit`` calls are queued; while no
 transaction is under way the whole queue (or, without group commit, its

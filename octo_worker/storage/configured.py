@@ -3,7 +3,7 @@
 Owns :func:`configured_store`, the one place the daemon and the ``octo-worker``
 verbs build their journal store from a configuration: the keyrings, the
 SQLite file and its anchor, or the PostgreSQL URL, schema and password
-file (D13). It must never read a key or a password itself (the
+file. It must never read a key or a password itself (the
 configuration and the store do, each at its own time) or open the database
 (the store's first awaited call does).
 """

@@ -1,4 +1,4 @@
-"""The documents a journal store keeps for sessions and replies (W§10.3, W§10.11 rule 10, W§11.1).
+"""The documents a journal store keeps for sessions and replies.
 
 Owns the row namespaces of a scope, the session **opening** document
 (written once), the session **state** document (rewritten by every commit
@@ -84,7 +84,7 @@ __all__ = [
     "state_status",
 ]
 
-# Row namespaces of a scope (W§11.1); the scope head lives under NS_JOURNAL.
+# Row namespaces of a scope; the scope head lives under NS_JOURNAL.
 NS_JOURNAL: Final = "worker-journal"
 NS_SESSION: Final = "worker-session"
 NS_SESSION_OPEN: Final = "worker-session-open"
@@ -105,7 +105,7 @@ _COMPLETED_HEX_CHARS: Final = MAX_SESSION_REQUEST_IDS // 4
 _MESSAGE_ID: Final = re.compile(r"[0-9a-f]{64}")
 
 
-# Session documents (W§10.3) -------------------------------------------------------
+# Session documents -------------------------------------------------------
 
 
 class OpeningDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -513,7 +513,7 @@ def state_status(document: bytes, scope: str, session_id: str) -> str:
     return status
 
 
-# Outbox documents (W§10.11 rule 10) ------------------------------------------------
+# Outbox documents ------------------------------------------------
 
 
 class OutboxDocument(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

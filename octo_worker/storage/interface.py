@@ -1,4 +1,4 @@
-"""What a worker session and the daemon need of a journal store (W§10.11 rule 12, W§11).
+"""What a worker session and the daemon need of a journal store.
 
 Owns the commit value types (:class:`WorkerCommit`, :class:`SessionDocuments`,
 :class:`OutboxEntry`), what a store loads (:class:`PersistedSession`), the
@@ -46,7 +46,7 @@ __all__ = [
 
 
 class WorkerJournalLease:
-    """A scope's fencing token (W§10.1, W§11.3).
+    """A scope's fencing token.
 
     Only a journal store's ``reserve_fence`` makes one (through
     :func:`issue_lease`); it is frozen, compares by value, cannot be pickled,
@@ -130,7 +130,7 @@ class RequestRow(NamedTuple):
 
 
 class SessionDocuments(msgspec.Struct, frozen=True):
-    """A session's documents for one commit (W§10.3).
+    """A session's documents for one commit.
 
     ``state``/``opening`` are compact JSON written by
     :mod:`octo_worker.storage.documents`; both carry their ``format_version``,
@@ -187,7 +187,7 @@ class PersistedSession(msgspec.Struct, frozen=True):
 
 
 class OutboxEntry(msgspec.Struct, frozen=True):
-    """A committed reply frame waiting for its publish confirmation (W§11.4).
+    """A committed reply frame waiting for its publish confirmation.
 
     ``message_id`` is the hex BLAKE3 of ``frame``. Pass ``revision=0`` on
     insert; loads return the revision of the commit that inserted it.
@@ -208,7 +208,7 @@ class OutboxEntry(msgspec.Struct, frozen=True):
 
 
 class WorkerCommit(msgspec.Struct, frozen=True):
-    """The ``changes`` argument of a store's ``commit`` (W§10.11 rule 12)."""
+    """The ``changes`` argument of a store's ``commit``."""
 
     journal: JournalChangeset | None = None
     sessions: dict[str, SessionDocuments] = msgspec.field(default_factory=dict)
@@ -284,7 +284,7 @@ class ScopeMetadata(NamedTuple):
 
 
 class WorkerSessionStore(Protocol):
-    """What a :class:`~octo_worker.session.WorkerSession` calls (W§11).
+    """What a :class:`~octo_worker.session.WorkerSession` calls.
 
     A store MAY also have ``chains_session_commits = True``: it then takes
     chained session commits (:class:`SessionDocuments` ``link``/``after``),
@@ -301,7 +301,7 @@ class WorkerSessionStore(Protocol):
 
 
 class WorkerJournalStore(WorkerSessionStore, Protocol):
-    """What the daemon calls besides: start-up, reload, routing, stop (W§10.10, W§12.2)."""
+    """What the daemon calls besides: start-up, reload, routing, stop."""
 
     async def reserve_fence(self, scope: str) -> WorkerJournalLease:
         """Reserve the next fence, after checking the whole scope against its sealed head

@@ -1,4 +1,4 @@
-"""The worker's journal store on PostgreSQL: ``PostgresJournalStore`` (W§11, D13).
+"""The worker's journal store on PostgreSQL: ``PostgresJournalStore``.
 
 What it owns
 ------------
@@ -8,10 +8,10 @@ asyncpg, with exactly the rows, envelopes, revisions, fences, outbox and
 operator views of the SQLite journal (``base.JournalStoreBase`` holds the
 public API both share; ``changes.CommitBatch`` decides every commit), so
 that several worker daemons on several machines can serve one scope in
-turn (D13): the broker's single active consumer picks the owner, and the
+turn: the broker's single active consumer picks the owner, and the
 fence decides between an owner and the one it superseded.
 
-* **Fences** (W§11.3): the scope's head is created sealed at fence 1, or
+* **Fences**: the scope's head is created sealed at fence 1, or
   read under its row lock, its seal verified, and its fence raised by ONE
   ``UPDATE`` that compares the fence and revision it read in SQL and stores
   the head resealed (the seal needs the storage key, which only this process
@@ -19,7 +19,7 @@ fence decides between an owner and the one it superseded.
   two reservations from ever getting the same fence). The revision read is
   the commit baseline. Then the whole scope is checked against its head
   (``base.JournalStoreBase.verify_scope``).
-* **Group commit** (W§11.2): the change sets waiting together run in ONE
+* **Group commit**: the change sets waiting together run in ONE
   transaction (one WAL flush): the heads of their scopes are locked first
   (``FOR UPDATE``, in name order), then each change set is decided by
   ``CommitBatch`` against the locked head (fence, baseline, chained
@@ -38,7 +38,7 @@ fence decides between an owner and the one it superseded.
 * **Reads**: one statement each, the head read beside the rows in that
   statement's snapshot (the floor rule); no read sets a baseline.
 
-Rollback anchor: none. A local anchor file (H§17.10) holds what one process
+Rollback anchor: none. A local anchor file holds what one process
 committed and cannot follow the commits another worker makes to the same
 scope after a failover, so it would refuse their progress or miss a
 rollback; as for the host's PostgreSQL ledger, protection against a
@@ -159,7 +159,7 @@ class _Tampered(Exception):
 
 
 class PostgresJournalStore(JournalStoreBase):
-    """The journal in a PostgreSQL schema (W§11, D13); the public API is ``JournalStoreBase``'s.
+    """The journal in a PostgreSQL schema; the public API is ``JournalStoreBase``'s.
 
     ``PostgresJournalStore(url, keyring, *, password_file=None,
     schema="octo_journal", data_keyring=None, ...)`` does no I/O; the first
@@ -226,7 +226,7 @@ class PostgresJournalStore(JournalStoreBase):
         # this instance's baselines and tails move in its own order.
         self._write_lock: asyncio.Lock | None = None
         self._writes: set[asyncio.Task[Any]] = set()
-        # Commit baselines per scope (W§11.2 step 2): set by reserve and commits.
+        # Commit baselines per scope: set by reserve and commits.
         self._baselines: dict[str, int] = {}
         self._session_tails = SessionTails()
         self._reads = RowReads(self._fetch_items, self._writes)
@@ -502,7 +502,7 @@ class PostgresJournalStore(JournalStoreBase):
     async def _apply(
         self, connection: Connection, decisions: CommitBatch, *, dry: CommitBatch | None = None
     ) -> None:
-        """W§11.2 steps 1-4 for every change set of the batch, inside its transaction
+        """The commit checks and writes of every change set of the batch, inside its transaction
         (with ``dry``, the batch's copy of the decisions: in one statement, or ``SlowPath``)."""
         scopes = sorted({pending.scope for pending in decisions.batch})
         await see_locked_heads(connection, self._sql["lock_heads"], scopes, decisions, dry)
@@ -524,7 +524,7 @@ class PostgresJournalStore(JournalStoreBase):
     async def _apply_one(
         self, connection: Connection, pending: PendingCommit, decisions: CommitBatch, now: float
     ) -> tuple[int, SetDigest]:
-        """W§11.2 steps 1-4 for one change set: its revision and the scope's digest
+        """The commit checks and writes of one change set: its revision and the scope's digest
         moved by its rows (O(rows it changes))."""
         scope = pending.scope
         writes, revision = decisions.check(pending)  # steps 1-2

@@ -1,4 +1,4 @@
-"""The SQL of the PostgreSQL journal store: its schema migrations and its statements (D13).
+"""The SQL of the PostgreSQL journal store: its schema migrations and its statements.
 
 Every statement names its tables through ``{s}``, the quoted schema, filled
 in once per store by :func:`statements`; values are always bound
@@ -75,7 +75,7 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
-# W§11.3: a scope's first head, created sealed at fence 1 (nothing when
+# A scope's first head, created sealed at fence 1 (nothing when
 # another worker created it first: the caller runs again), ...
 _CREATE_HEAD = """
     INSERT INTO {s}.heads AS h (namespace, name, revision, fence, row_count, digest, key_id,

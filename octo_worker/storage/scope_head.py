@@ -1,10 +1,10 @@
-"""A journal scope's sealed head: it commits to every row the scope holds (issue 15 item 7).
+"""A journal scope's sealed head: it commits to every row the scope holds.
 
 Every backend of the worker journal keeps, per scope, one **head** beside
 the scope's rows:
 
-* ``revision``: the scope revision (W§11.2), moved by every commit;
-* ``fence``: the fencing token (W§11.3), moved by every reservation;
+* ``revision``: the scope revision, moved by every commit;
+* ``fence``: the fencing token, moved by every reservation;
 * a :class:`~octo_common.setdigest.SetDigest` under :func:`rows_domain`
   (the scope is part of the domain) of every row the scope holds, as
   ``(namespace, key, revision)``, with their count;
@@ -37,7 +37,7 @@ The same pass builds the scope's live index (``row_index``), which carries
 that check forward between loads: every row a decision reads, and every
 row a commit replaces, must be the one the index holds.
 
-The rollback anchor (H§17.10) keeps each scope's head revision and, once a
+The rollback anchor keeps each scope's head revision and, once a
 journal's heads carry digests, :data:`DIGEST_ANCHOR_KEY`: a journal that
 presents itself as older than that (schema edited back, digests dropped, so
 that a migration would rebuild them from edited rows) is refused
@@ -97,7 +97,7 @@ __all__ = [
 SCOPE_HEAD_DOMAIN: Final = b"octo-worker-scope-head-v1"
 SCOPE_ROWS_DOMAIN: Final = b"octo-worker-scope-rows-v1"
 
-# The scope heads live under the journal namespace (W§11.1).
+# The scope heads live under the journal namespace.
 HEAD_NAMESPACE: Final = NS_JOURNAL
 DIGESTED_NAMESPACES: Final = (
     NS_JOURNAL,
@@ -335,7 +335,7 @@ def check_snapshot(snapshot: ScopeSnapshot, keyring: StorageKeyring) -> None:
 def check_anchor(
     anchor: Mapping[StorageRecordKey, int], heads: Mapping[str, int], schema_version: int
 ) -> None:
-    """H§17.10 for a journal: every anchored scope head at or above its anchored revision,
+    """The anchor's check of a journal: every anchored scope head at or above its revision,
     and a journal whose heads carry digests never presenting itself as older.
 
     ``heads`` maps scope → head revision; ``schema_version`` is the one the

@@ -1,13 +1,13 @@
-"""Sealing and opening a journal row, for every backend (W§11.1, H§17.2, H§17.8-17.9).
+"""Sealing and opening a journal row, for every backend.
 
 Owns :class:`RowSealer`: a row's document sealed as a keyed storage
 envelope (``octo_common.records.seal_record``) under (row namespace, scope)
 at the revision of the commit that writes it, encrypted first with a data
-keyring (H§17.9); a loaded row authenticated and decrypted; a row sealed
+keyring; a loaded row authenticated and decrypted; a row sealed
 again under the active keys (``reseal``); a scope's head sealed and
 verified with the storage keyring (``scope_head``). Also :func:`checked_rows`, the
 floor rule a backend applies to rows read in the same snapshot as their
-scope head (every revision >= 1 and <= the head, W§11.1).
+scope head (every revision >= 1 and <= the head).
 
 A backend reads and writes envelopes; everything that needs a key happens
 here, on the event loop. It must never log or raise with a key, a document
@@ -45,7 +45,7 @@ def data_key_id(payload: bytes) -> str | None:
 
 
 def checked_rows(rows: Iterable[tuple[Any, ...]], head: int) -> list[Row]:
-    """Rows read as (item, revision, envelope) beside their head: the floor rule (W§11.1)."""
+    """Rows read as (item, revision, envelope) beside their head: the floor rule."""
     checked: list[Row] = []
     for item, revision, envelope in rows:
         if type(revision) is not int or revision < 1:

@@ -1,4 +1,4 @@
-"""The worker's SQLite journal store: ``SqliteJournalStore`` (W§11, H§17.7-17.10, D7, D10).
+"""The worker's SQLite journal store: ``SqliteJournalStore``.
 
 What it owns
 ------------
@@ -11,12 +11,13 @@ key: ``scope_head``) and any number of **rows** (``items``) in the namespaces
 document) and ``worker-outbox`` (message id → outbox document). Every row is a
 keyed storage envelope (``octo_common.records.seal_record``) tagged under
 (row namespace, scope) at the revision of the commit that last wrote it; with
-a data keyring its document is encrypted first (H§17.9). On load the store
+a data keyring its document is encrypted first. On load the store
 checks the floor rule against the head, opens the envelope, decrypts, and
 checks that the document names the row's scope and item.
 
-Commits follow W§11.2 steps 1-5 inside one ``BEGIN IMMEDIATE`` transaction.
-**Group commit** (ARCHITECTURE.md decision 5, ``commit_queue``): the writer
+Commits (fence, head revision, each row's base revision, new revision,
+COMMIT, then the anchor) run inside one ``BEGIN IMMEDIATE`` transaction.
+**Group commit** (``commit_queue``): the writer
 thread applies every waiting change set in ONE transaction and ONE fsync,
 each under its own ``SAVEPOINT`` so a change set that fails its checks is
 rolled back alone; what each gets is decided by ``changes.CommitBatch``
@@ -77,7 +78,7 @@ T = TypeVar("T")
 
 
 class SqliteJournalStore(JournalStoreBase):
-    """The journal in one SQLite file (W§11); the public API is ``JournalStoreBase``'s.
+    """The journal in one SQLite file; the public API is ``JournalStoreBase``'s.
 
     ``SqliteJournalStore(path, keyring, *, anchor_path=None, data_keyring=None,
     group_commit=True, read_only=False)`` does no I/O; the first awaited call
@@ -161,8 +162,8 @@ class SqliteJournalStore(JournalStoreBase):
     async def initialize_anchor(self) -> None:
         """Write the anchor file from the current database (explicit operator step).
 
-        A configured anchor that is missing or malformed fails every open
-        (H§17.10); this is the one way to (re)create it. Call it before any
+        A configured anchor that is missing or malformed fails every open;
+        this is the one way to (re)create it. Call it before any
         other method of this store instance.
         """
         if self._anchor_path is None:

@@ -1,11 +1,11 @@
-"""The SQLite journal store's writer thread: schema, anchor, fences, group commit (W§11.2-11.3).
+"""The SQLite journal store's writer thread: schema, anchor, fences, group commit.
 
 :class:`JournalWriter` runs only in the store's writer thread and owns its
 connection: it opens the database (created 0o600, WAL, ``synchronous=FULL``,
-schema migrated) and checks or initialises the rollback anchor (H§17.10),
+schema migrated) and checks or initialises the rollback anchor,
 reserves fences (each reservation verifies and reseals the scope's head),
 applies a batch of change sets in ONE transaction and ONE fsync (each under
-its own savepoint, W§11.2 steps 1-5; chained session commits resolved to
+its own savepoint; chained session commits resolved to
 the revision their predecessor wrote; each scope's row digest moved by the
 rows written and deleted, and its head resealed, in the same transaction),
 advances the anchor after a commit, and runs the maintenance writes (closed
@@ -99,7 +99,7 @@ class JournalWriter:
         self._read_only = read_only
         self._maintenance = maintenance
         self._db: sqlite3.Connection | None = None
-        # Commit baselines per scope (W§11.2 step 2): set by reserve and commits.
+        # Commit baselines per scope: set by reserve and commits.
         self._baselines: dict[str, int] = {}
         # The last write to each session's state row through this instance:
         # the base of a chained commit.
@@ -330,7 +330,7 @@ class JournalWriter:
     def _apply_one(
         self, connection: sqlite3.Connection, pending: PendingCommit, decisions: CommitBatch
     ) -> tuple[int, SetDigest]:
-        """W§11.2 steps 1-4 for one change set, inside the open transaction: its
+        """The commit checks and writes of one change set, inside the open transaction: its
         revision and the scope digest moved by its rows (O(rows it changes)).
 
         The head itself is advanced by the caller, once per scope and batch.
