@@ -27,7 +27,7 @@ from .test_session_concurrency import (
 )
 
 K1, K2 = StorageKey(bytes([1]) * 32), StorageKey(bytes([2]) * 32)
-D1, D2 = StorageKey(bytes([3]) * 32), StorageKey(bytes([4]) * 32)
+DK1, DK2 = StorageKey(bytes([3]) * 32), StorageKey(bytes([4]) * 32)
 
 
 def keyring(active: tuple[str, StorageKey], *old: tuple[str, StorageKey]) -> StorageKeyring:
@@ -48,7 +48,7 @@ async def everything(store: JournalStoreBase) -> tuple[int, int, int]:
 
 async def written_under_old_keys(journal_db: JournalDatabase) -> int:
     """A session that served two requests and closed, and one still open."""
-    store = journal_db.store(keyring(("k1", K1)), data_keyring=keyring(("d1", D1)))
+    store = journal_db.store(keyring(("k1", K1)), data_keyring=keyring(("d1", DK1)))
     try:
         lease = await store.reserve_fence(SCOPE)
         closed, host = await open_session(store, lease, registry(CountingAdapter()), 10, 1)
@@ -67,7 +67,7 @@ async def test_reseal_moves_every_row_onto_the_active_keys(journal_db: JournalDa
     head = await written_under_old_keys(journal_db)
 
     rotated = journal_db.store(
-        keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", D2), ("d1", D1))
+        keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", DK2), ("d1", DK1))
     )
     try:
         counts = await everything(rotated)
@@ -83,7 +83,7 @@ async def test_reseal_moves_every_row_onto_the_active_keys(journal_db: JournalDa
         await rotated.close()
 
     # The old keys can go: every row opens without them.
-    retired = journal_db.store(keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
+    retired = journal_db.store(keyring(("k2", K2)), data_keyring=keyring(("d2", DK2)))
     try:
         assert await everything(retired) == counts
     finally:
@@ -94,7 +94,7 @@ async def test_without_reseal_closed_sessions_still_need_the_old_key(
     journal_db: JournalDatabase,
 ) -> None:
     await written_under_old_keys(journal_db)
-    retired = journal_db.store(keyring(("k2", K2)), data_keyring=keyring(("d2", D2)))
+    retired = journal_db.store(keyring(("k2", K2)), data_keyring=keyring(("d2", DK2)))
     try:
         with pytest.raises(UnknownKeyId):
             await retired.load_sessions(SCOPE)
@@ -111,7 +111,7 @@ async def test_reseal_stops_at_a_tampered_row_and_leaves_a_row_written_meanwhile
     # Another row's envelope in its place: it no longer authenticates there.
     await journal_db.sql("UPDATE items SET envelope = ? WHERE id = ?", before[0][1], row_id)
     store = journal_db.store(
-        keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", D2), ("d1", D1))
+        keyring(("k2", K2), ("k1", K1)), data_keyring=keyring(("d2", DK2), ("d1", DK1))
     )
     try:
         with pytest.raises(OctoError):

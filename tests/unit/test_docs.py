@@ -21,14 +21,9 @@ from octo_host.cli import main as host_main
 from octo_host.client import DispatchScopeMismatch, ReplyCut, ReplyTimedOut
 from octo_host.client.shortcuts import OperationScopeUnbound
 from octo_worker.cli import main as worker_main
+from tests.internal_labels import INTERNAL
 
 REPO = Path(__file__).resolve().parents[2]
-# A section sign, a decision label (D1 to D13), an issue number, a design
-# document of the developers' own, or a path out of the repository.
-INTERNAL = re.compile(
-    r"[WH]§|\bD(?:[1-9]|1[0-3])\b|\bissue \d+|PROTOCOL(?:-WORKER|-HOST)?\.md|"
-    r"ARCHITECTURE\.md|seed-worker|\.\./shared"
-)
 
 
 def user_facing() -> list[Path]:
