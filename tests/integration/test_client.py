@@ -904,8 +904,8 @@ async def test_a_reply_with_a_header_pamqp_cannot_encode_again_is_still_dead_let
     raw_long_strings: type[RawLongString],
 ) -> None:
     """A non-UTF-8 long string decodes as bytes, which pamqp cannot encode: the
-    copy to octo.v5.dead used to raise, the delivery stayed unacked, and enough
-    of them filled the prefetch and stopped every reply."""
+    copy to octo.v5.dead must not raise (the delivery would stay unacked, and
+    enough of them would fill the prefetch and stop every reply)."""
     client = await hosts.start()
     exchange = await channel.get_exchange(EXCHANGE, ensure=False)
     for marker in ("raw-1", "raw-2"):

@@ -3,7 +3,7 @@
 A real worker daemon serves this test's scope with ``octo.noop`` (and
 ``files.publish``) on the real broker; the host is built from a real
 ``host.toml`` by ``HostClient.from_config``, with a real SQLite ledger.
-The acceptance test sends more than 1,024 requests on one scope through the
+One test sends more than 1,024 requests on one scope through the
 pooled client, 64 in flight: the pool rotates its sessions before the
 worker's request-id bound, and the worker refuses nothing.
 """

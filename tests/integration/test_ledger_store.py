@@ -712,7 +712,7 @@ async def test_committed_record_survives_reopening(database: Database) -> None:
         await second.close()
 
 
-# SQLite only: the rollback anchor file and the file modes (ex. 23) -----
+# SQLite only: the rollback anchor file and the file modes -----
 
 
 async def test_restored_backup_is_detected_by_the_anchor(tmp_path: Path) -> None:

@@ -553,7 +553,7 @@ async def test_open_refusals_in_step_order(tmp_path: Path) -> None:
     await store.close()
 
 
-# Dispatch (examples 14, 17, 22; acceptance list) -----------------------------------
+# Dispatch -----------------------------------
 
 
 async def test_example_14_dispatch_runs_once_then_existing(world: World) -> None:
@@ -838,7 +838,7 @@ async def test_observation_violating_the_grant_is_indeterminate_protocol(world: 
     assert world.session.status == "open"
 
 
-# Reconciliation (example 18; acceptance list) --------------------------------------
+# Reconciliation --------------------------------------
 
 
 async def test_example_18_reconciliation_budgets_and_revisions(tmp_path: Path) -> None:
@@ -923,7 +923,7 @@ async def test_reconcile_adapter_error_keeps_the_budget_spent(world: World) -> N
     assert world.session.reconciliations() == (1, {SCRIPTED: 1})
 
 
-# Compensation (example 19; acceptance list) -------------------------------------------
+# Compensation -------------------------------------------
 
 
 async def test_compensation_runs_once_only_after_success(tmp_path: Path) -> None:
@@ -1027,7 +1027,7 @@ async def test_compensation_indeterminate_then_pending_compensation(tmp_path: Pa
         await w.real_store.close()
 
 
-# Invoke (example 20) ---------------------------------------------------------------------
+# Invoke ---------------------------------------------------------------------
 
 
 async def test_invoke_answers_result_after_a_session_commit(world: World) -> None:
@@ -1060,7 +1060,7 @@ async def test_duplicate_invoke_is_acked_and_dropped(world: World) -> None:
     assert commits_since(world, start) == []
 
 
-# Other message types (examples 23, 24) ---------------------------------------------------
+# Other message types ---------------------------------------------------
 
 
 async def test_example_23_cancel_is_unsupported(world: World) -> None:
@@ -1120,7 +1120,7 @@ async def test_unauthenticated_frame_is_dead_lettered_without_state_change(world
     assert isinstance(world.answer(accepted), OperationResult)
 
 
-# Poisoning (examples 15, 16; acceptance list) --------------------------------------------
+# Poisoning --------------------------------------------
 
 
 async def test_example_15_admission_commit_fails(world: World) -> None:

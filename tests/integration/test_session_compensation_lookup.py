@@ -92,7 +92,7 @@ async def left_pending(w: World, key: str = "op-x", compensation_key: str = "cmp
     assert isinstance(await compensation_of(w, key), Pending)
 
 
-# The lookup and its budgets (counterparts of example 18) ------------------------------
+# The lookup and its budgets ------------------------------
 
 
 async def test_a_lookup_settles_a_pending_compensation_and_spends_the_shared_budget(

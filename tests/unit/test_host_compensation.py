@@ -1,4 +1,4 @@
-"""Compensation policy, targets, actions and approvals (example 17)."""
+"""Compensation policy, targets, actions and approvals."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def spec_grant_fingerprint() -> str:
     ).hexdigest()
 
 
-# Policy (example 17) ------------------------------------------------------------
+# Policy ------------------------------------------------------------
 
 
 def test_policy_binds_tool_tenant_and_grant_fingerprint() -> None:

@@ -315,7 +315,7 @@ def test_foreign_plan_is_refused_before_anything_else() -> None:
             call()
 
 
-# Operation keys (example 9) --------------------------------------------------
+# Operation keys --------------------------------------------------
 
 
 def test_example_9_operation_key_derivation() -> None:
@@ -377,7 +377,7 @@ def test_example_12_record_operation_refusals() -> None:
     assert w.ledger.revision == 1
 
 
-# Dispatch (examples 3, 4, 18, 21) ---------------------------------------
+# Dispatch ---------------------------------------
 
 
 def test_example_3_dispatch_input_drift_and_worker_role() -> None:
@@ -529,7 +529,7 @@ def test_example_18_reconcile_requests() -> None:
     w.engine.operation_dispatch_request(w.plan, w.ledger, OP_KEY, ORIGINAL, SESSION, "d-1")
 
 
-# Reconciliation (examples 10, 11) --------------------------------------
+# Reconciliation --------------------------------------
 
 
 def test_example_10_reconciliation_states_and_revisions() -> None:
@@ -849,7 +849,7 @@ def test_target_bound_to_another_operation_is_a_binding_mismatch() -> None:
     assert w.actions.calls == 0
 
 
-# The golden path (example 5) and the verifier table ---------------------
+# The golden path and the verifier table ---------------------
 
 
 def test_example_5_golden_path_with_verifier_counts() -> None:
@@ -1063,7 +1063,7 @@ def test_example_16_policy_and_input_drift_at_approval() -> None:
     assert w.actions.calls == 1
 
 
-# Approvals (example 14) --------------------------------------------------
+# Approvals --------------------------------------------------
 
 
 def _prepare(

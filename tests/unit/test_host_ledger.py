@@ -267,7 +267,7 @@ def test_to_json_validates_syntax_first() -> None:
         ledger.to_json()
 
 
-# Decoding (example 19) ---------------------------------------------------------
+# Decoding ---------------------------------------------------------
 
 
 def _text(**changes: object) -> str:
@@ -447,7 +447,7 @@ def test_validate_minimum_revision() -> None:
         WorkflowOperationLedger("ABC", revision=5).validate_minimum_revision(9)
 
 
-# record (example 12) ------------------------------------------------------------
+# record ------------------------------------------------------------
 
 
 def test_record_appends_pending_and_increments() -> None:
