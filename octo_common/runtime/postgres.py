@@ -32,6 +32,7 @@ from octo_common.errors import OctoError, StorageBackendError
 from octo_common.keyfile import KeyFileRefused, read_private_file
 
 __all__ = [
+    "PostgresMigrationStep",
     "bound_loop",
     "PoolSettings",
     "PostgresError",
@@ -198,20 +199,27 @@ def advisory_lock_key(name: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+PostgresMigrationStep: TypeAlias = str | Callable[[Any, str], Awaitable[None]]
+"""One step of a migration: an SQL statement (``{s}``: the quoted schema), or an
+async function called with the connection and the quoted schema inside the
+migration's transaction (to build what SQL alone cannot)."""
+
+
 async def migrate_schema(
     connection: Connection,
     schema: str,
-    migrations: Sequence[Sequence[str]],
+    migrations: Sequence[Sequence[PostgresMigrationStep]],
     lock_name: str,
 ) -> int:
     """Create ``schema`` when absent and move it forward to ``len(migrations)``.
 
     ``migrations[i]`` moves version ``i`` to ``i + 1``; each statement names
     its tables through ``{s}``, the quoted schema (a name :func:`check_schema`
-    accepted). One transaction under the advisory lock ``lock_name``, so
-    processes opening a fresh database together migrate it once. A schema
-    newer than ``migrations`` is refused; a current one runs no DDL (a role
-    with only table privileges can use the store). Returns the version found.
+    accepted); a function step gets the connection and the quoted schema.
+    One transaction under the advisory lock ``lock_name``, so processes
+    opening a fresh database together migrate it once. A schema newer than
+    ``migrations`` is refused; a current one runs no DDL (a role with only
+    table privileges can use the store). Returns the version found.
     """
     quoted = f'"{check_schema(schema)}"'
     target = len(migrations)
@@ -231,9 +239,12 @@ async def migrate_schema(
         await connection.execute(
             f"CREATE TABLE IF NOT EXISTS {quoted}.schema_version (version BIGINT NOT NULL)"
         )
-        for statements in migrations[version:]:
-            for statement in statements:
-                await connection.execute(statement.format(s=quoted))
+        for steps in migrations[version:]:
+            for step in steps:
+                if isinstance(step, str):
+                    await connection.execute(step.format(s=quoted))
+                else:
+                    await step(connection, quoted)
         await connection.execute(f"DELETE FROM {quoted}.schema_version")  # noqa: S608
         await connection.execute(
             f"INSERT INTO {quoted}.schema_version (version) VALUES ($1)",  # noqa: S608

@@ -313,6 +313,12 @@ def cmd_journal_verify(args: argparse.Namespace, out: Output) -> int:
                     # the first bad row stops this scope, not the others.
                     if first is None:
                         first = f"scope {scope}: {step}: {error.code}: {error}"
+            try:
+                # Every scope head against the store head: a scope deleted or
+                # put back whole leaves no rows of its own to fail above.
+                await store.verify_store()
+            except OctoError as error:
+                first = first or f"store head: {error.code}: {error}"
             return problems, counts, without_digests, first
 
     problems, counts, without_digests, first = asyncio.run(verify())

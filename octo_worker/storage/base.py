@@ -147,6 +147,11 @@ class JournalStoreBase(abc.ABC):
         snapshot, with the anchored revision (O(rows of the scope), off the event loop)."""
 
     @abc.abstractmethod
+    async def _store_check(self) -> int:
+        """The store head against every scope head in one snapshot (``store_head``):
+        how many scope heads it holds."""
+
+    @abc.abstractmethod
     async def _reseal_head(self, scope: str) -> bool:
         """Reseal the scope's head with the active key if another sealed it; whether it did."""
 
@@ -246,6 +251,14 @@ class JournalStoreBase(abc.ABC):
         check_scope(scope)
         snapshot = await self._checked_snapshot(scope)
         return ScopeCheck(snapshot.revision, snapshot.rows, snapshot.computed is not None)
+
+    async def verify_store(self) -> int:
+        """Every scope head against the sealed store head, in one read snapshot
+        (O(scopes)): a scope deleted whole, or put back whole to an earlier copy, is
+        ``RollbackDetected`` whatever the other scopes hold. Returns how many scope
+        heads the store holds. Every scope load makes the same check."""
+        await self._ensure_open()
+        return await self._store_check()
 
     async def _checked_snapshot(self, scope: str) -> ScopeSnapshot:
         snapshot = await self._scope_snapshot(scope)

@@ -72,6 +72,7 @@ from octo_worker.storage.documents import (
 from octo_worker.storage.interface import RequestRow, WorkerCommit
 from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import HEAD_NAMESPACE, DigestChanges, ScopeHead
+from octo_worker.storage.store_head import HeadMove
 
 __all__ = [
     "HEAD_NAMESPACE",
@@ -337,6 +338,7 @@ class CommitBatch:
         self._ceiling = ceiling
         self._verify_head = verify_head
         self._heads: dict[str, ScopeHead] = {}
+        self._seen: dict[str, int] = {}  # each scope head's revision as read
         self._unverified: set[str] = set()
         self.advanced: dict[str, int] = {}
         self._written: dict[_Name, _Tail | None] = {}
@@ -351,6 +353,7 @@ class CommitBatch:
             self._heads[scope] = ScopeHead.empty(scope)
         else:
             self._heads[scope] = head
+            self._seen[scope] = head.revision
             self._unverified.add(scope)
 
     def head_revision(self, scope: str) -> int:
@@ -448,6 +451,15 @@ class CommitBatch:
     def advanced_heads(self) -> list[ScopeHead]:
         """The heads this transaction moved, unsealed: the backend seals and writes them."""
         return [self._heads[scope] for scope in self.advanced]
+
+    def head_moves(self) -> list[HeadMove]:
+        """Each scope head this transaction moved, as (scope, fence, revision) before
+        and after: what the store head moves by (``store_head.moved``)."""
+        moves: list[HeadMove] = []
+        for scope, revision in self.advanced.items():
+            fence = self._heads[scope].fence
+            moves.append(((scope, fence, self._seen[scope]), (scope, fence, revision)))
+        return moves
 
     def _note_tails(self, pending: PendingCommit, revision: int | None) -> None:
         for write in pending.writes:

@@ -57,6 +57,7 @@ caller's cancellation leave a submitted commit's outcome unknown.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -108,13 +109,16 @@ from octo_worker.storage.postgres_batch import (
     write_batch,
     write_rows,
 )
-from octo_worker.storage.postgres_reads import RowReads
-from octo_worker.storage.postgres_sql import (
-    DEFAULT_SCHEMA,
-    MIGRATIONS,
+from octo_worker.storage.postgres_heads import (
     SCHEMA_VERSION,
-    statements,
+    check_store_heads,
+    migrations,
+    move_store_head,
+    reseal_store_head,
+    verify_store,
 )
+from octo_worker.storage.postgres_reads import RowReads
+from octo_worker.storage.postgres_sql import DEFAULT_SCHEMA, statements
 from octo_worker.storage.scope_head import (
     DigestChanges,
     ScopeHead,
@@ -267,7 +271,9 @@ class PostgresJournalStore(JournalStoreBase):
         async def prepare(connection: Connection) -> None:
             if not self._read_only:
                 lock = f"octo-journal:{self._schema}"
-                await runtime_postgres.migrate_schema(connection, self._schema, MIGRATIONS, lock)
+                await runtime_postgres.migrate_schema(
+                    connection, self._schema, migrations(self._sealer.keyring), lock
+                )
                 return
             version = await schema_version(connection, self._schema)
             if version is None:
@@ -370,6 +376,7 @@ class PostgresJournalStore(JournalStoreBase):
                 )
                 if created is None:  # another worker created it meanwhile
                     raise _Again()
+                await move_store_head(connection, self._schema, [(None, head)], sealer.keyring)
                 return head.revision, head.fence
             head = ScopeHead.from_row(scope, tuple(row))
             sealer.verify_head(head)
@@ -388,6 +395,7 @@ class PostgresJournalStore(JournalStoreBase):
             )
             if moved != raised.fence:
                 raise _GuardRefused()
+            await move_store_head(connection, self._schema, [(head, raised)], sealer.keyring)
             return raised.revision, raised.fence
 
         revision, fence = await self._write("reserve_fence", body)
@@ -399,14 +407,14 @@ class PostgresJournalStore(JournalStoreBase):
 
         async def body(connection: Connection) -> bool:
             row = await connection.fetchrow(self._sql["lock_head"], scope)
-            if row is None:
-                return False
-            head = ScopeHead.from_row(scope, tuple(row))
-            if head.key_id == sealer.keyring.active_id:
-                return False
-            sealer.verify_head(head)
-            await self._store_head(connection, sealer.seal_head(head))
-            return True
+            resealed = False
+            if row is not None:
+                head = ScopeHead.from_row(scope, tuple(row))
+                if head.key_id != sealer.keyring.active_id:
+                    sealer.verify_head(head)
+                    await self._store_head(connection, sealer.seal_head(head))
+                    resealed = True
+            return await reseal_store_head(connection, self._schema, sealer.keyring) or resealed
 
         return await self._write("reseal", body)
 
@@ -425,6 +433,8 @@ class PostgresJournalStore(JournalStoreBase):
 
         async def body(connection: Connection) -> tuple[ScopeHead | None, list[Any]]:
             async with connection.transaction(isolation="repeatable_read", readonly=True):
+                # Every scope head against the store head first (O(scopes)).
+                await check_store_heads(connection, self._schema, self._keyring)
                 row = await connection.fetchrow(self._sql["select_head_row"], scope)
                 rows = await connection.fetch(self._sql["select_scope_rows"], scope)
             head = None if row is None else ScopeHead.from_row(scope, tuple(row))
@@ -435,6 +445,10 @@ class PostgresJournalStore(JournalStoreBase):
         revision = 0 if head is None else head.revision
         index.revision = revision
         return ScopeSnapshot(head, computed, revision, computed.count, 0, index)
+
+    async def _store_check(self) -> int:
+        check = functools.partial(verify_store, schema=self._schema, keyring=self._keyring)
+        return await self._read("verify_store", check)
 
     def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
         assert self._loop is not None
@@ -520,6 +534,9 @@ class PostgresJournalStore(JournalStoreBase):
             decisions.committed_one(pending, revision, digest)
         if not await advance_heads(connection, self._sql["advance_heads"], decisions, self._sealer):
             raise _GuardRefused()
+        await move_store_head(
+            connection, self._schema, decisions.head_moves(), self._sealer.keyring
+        )
 
     async def _apply_one(
         self, connection: Connection, pending: PendingCommit, decisions: CommitBatch, now: float

@@ -37,10 +37,11 @@ The same pass builds the scope's live index (``row_index``), which carries
 that check forward between loads: every row a decision reads, and every
 row a commit replaces, must be the one the index holds.
 
-The rollback anchor keeps each scope's head revision and, once a
-journal's heads carry digests, :data:`DIGEST_ANCHOR_KEY`: a journal that
-presents itself as older than that (schema edited back, digests dropped, so
-that a migration would rebuild them from edited rows) is refused
+The rollback anchor keeps each scope's head revision and, once a journal's
+heads carry digests, :data:`DIGEST_ANCHOR_KEY` (and, once it has a store
+head, :data:`STORE_HEAD_ANCHOR_KEY`): a journal that presents itself as
+older than that (schema edited back, digests or store head dropped, so that
+a migration would rebuild them from edited rows or heads) is refused
 (:func:`check_anchor`).
 
 This module is pure and backend-neutral: values, the seal, the digest
@@ -81,6 +82,8 @@ __all__ = [
     "HEAD_NAMESPACE",
     "SCOPE_HEAD_DOMAIN",
     "SCOPE_ROWS_DOMAIN",
+    "STORE_HEAD_ANCHOR_KEY",
+    "STORE_HEAD_FORMAT",
     "DigestChanges",
     "ScopeHead",
     "anchored_with_digests",
@@ -111,6 +114,12 @@ DIGESTED_NAMESPACES: Final = (
 # format DIGEST_FORMAT" (the SQLite schema version that added them).
 DIGEST_FORMAT: Final = 5
 DIGEST_ANCHOR_KEY: Final = StorageRecordKey("worker-journal-format", "scope-row-digest")
+# Likewise "this journal has a store head (``store_head``), since format
+# STORE_HEAD_FORMAT": a journal edited back below it, so that a migration
+# would build the store head again from scope heads as they are, is refused.
+STORE_HEAD_FORMAT: Final = 7
+STORE_HEAD_ANCHOR_KEY: Final = StorageRecordKey("worker-journal-format", "store-head")
+_FORMAT_MARKS: Final = {DIGEST_ANCHOR_KEY: DIGEST_FORMAT, STORE_HEAD_ANCHOR_KEY: STORE_HEAD_FORMAT}
 
 
 def rows_domain(scope: str) -> bytes:
@@ -342,8 +351,8 @@ def check_anchor(
     database had before any migration of this open.
     """
     for anchored_key, anchored in anchor.items():
-        if anchored_key == DIGEST_ANCHOR_KEY:
-            if anchored > DIGEST_FORMAT:
+        if anchored_key in _FORMAT_MARKS:
+            if anchored > _FORMAT_MARKS[anchored_key]:
                 raise RollbackAnchorInvalid("written by a newer octo-worker")
             if schema_version < anchored:
                 raise RollbackDetected(schema_version, anchored)
@@ -356,7 +365,6 @@ def check_anchor(
 
 
 def anchored_with_digests(anchor: Mapping[StorageRecordKey, int]) -> dict[StorageRecordKey, int]:
-    """``anchor`` with :data:`DIGEST_ANCHOR_KEY` (what a store that keeps digests writes)."""
-    raised = dict(anchor)
-    raised[DIGEST_ANCHOR_KEY] = DIGEST_FORMAT
-    return raised
+    """``anchor`` with :data:`DIGEST_ANCHOR_KEY` and :data:`STORE_HEAD_ANCHOR_KEY` (what a
+    store that keeps digests and a store head writes)."""
+    return {**anchor, **_FORMAT_MARKS}

@@ -67,7 +67,7 @@ from octo_worker.storage.changes import PendingCommit, Row
 from octo_worker.storage.commit_queue import Outcomes, StoreStats
 from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.scope_head import ScopeSnapshot
-from octo_worker.storage.sqlite_heads import read_scope_snapshot
+from octo_worker.storage.sqlite_heads import check_store_heads, read_scope_snapshot
 from octo_worker.storage.sqlite_reader import JournalReader
 from octo_worker.storage.sqlite_rows import backend_error, connect_read_only, guarded
 from octo_worker.storage.sqlite_writer import JournalWriter
@@ -271,7 +271,21 @@ class SqliteJournalStore(JournalStoreBase):
         try:
             connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
             connection.execute("BEGIN")
-            return read_scope_snapshot(connection, scope, anchor)
+            return read_scope_snapshot(connection, scope, anchor, self._keyring)
+        finally:
+            connection.close()
+
+    async def _store_check(self) -> int:
+        if self._closed:
+            raise StorageBackendError("store is closed")
+        return await asyncio.to_thread(guarded, self._read_store_check)
+
+    def _read_store_check(self) -> int:
+        connection = connect_read_only(self._path)
+        try:
+            connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+            connection.execute("BEGIN")
+            return check_store_heads(connection, self._keyring)
         finally:
             connection.close()
 

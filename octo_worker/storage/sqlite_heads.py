@@ -4,7 +4,9 @@ Owns how a :class:`~octo_worker.storage.scope_head.ScopeHead` is read,
 inserted and updated in the ``heads`` table, how a scope's row triples are
 read for a recomputation, the schema 4 → 5 migration that adds the head's
 digest and seal columns and builds them from the rows in the migration's own
-transaction, and a whole scope read in one snapshot for the check it gets
+transaction, the ``store_head`` table (``store_head``: one sealed digest over
+every scope head, created and built by its own migration, moved with the
+heads), and a whole scope read in one snapshot for the check it gets
 whenever it is loaded (:func:`read_scope_snapshot`). The caller holds the
 transaction: every function runs on the connection it is given, inside what
 the caller began.
@@ -24,18 +26,32 @@ from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_worker.storage.scope_head import (
     DIGESTED_NAMESPACES,
     HEAD_NAMESPACE,
+    STORE_HEAD_FORMAT,
     ScopeHead,
     ScopeSnapshot,
     digest_and_index,
     digest_of,
 )
+from octo_worker.storage.store_head import (
+    HeadMove,
+    HeadState,
+    JournalStoreHead,
+    check_store,
+    digest_of_heads,
+    moved,
+)
 
 __all__ = [
     "HEAD_COLUMNS",
+    "STORE_HEAD_SCHEMA",
+    "check_store_heads",
+    "create_store_head",
+    "move_store_head",
     "has_digests",
     "insert_head",
     "read_head",
     "read_scope_snapshot",
+    "reseal_store_head",
     "scope_rows",
     "seal_existing_heads",
     "update_head",
@@ -49,6 +65,9 @@ HEAD_COLUMNS: Final = (
     "ALTER TABLE heads ADD COLUMN key_id TEXT",
     "ALTER TABLE heads ADD COLUMN auth_tag TEXT",
 )
+
+# The schema version that added the store head (its migration: ``create_store_head``).
+STORE_HEAD_SCHEMA: Final = STORE_HEAD_FORMAT
 
 _SELECT_HEAD: Final = (
     "SELECT revision, fence, row_count, digest, key_id, auth_tag FROM heads "
@@ -120,8 +139,111 @@ def seal_existing_heads(keyring: StorageKeyring) -> Callable[[sqlite3.Connection
     return build
 
 
+def _head_states(
+    connection: sqlite3.Connection, keyring: StorageKeyring | None = None
+) -> list[HeadState]:
+    """Every scope head as (scope, fence, revision); each one's seal verified first
+    when ``keyring`` is given (an edited head is told as such, not as a mismatch)."""
+    rows = connection.execute(
+        "SELECT name, revision, fence, row_count, digest, key_id, auth_tag FROM heads "
+        "WHERE namespace = ?",
+        (HEAD_NAMESPACE,),
+    ).fetchall()
+    states: list[HeadState] = []
+    for name, *row in rows:
+        if not isinstance(name, str):
+            raise StorageBackendError("malformed scope head row")
+        head = ScopeHead.from_row(name, tuple(row))
+        if keyring is not None:
+            head.verify(keyring)
+        states.append((name, head.fence, head.revision))
+    return states
+
+
+def _read_store_head(connection: sqlite3.Connection) -> JournalStoreHead:
+    rows = connection.execute(
+        "SELECT row_count, digest, key_id, auth_tag FROM store_head WHERE id = 1"
+    ).fetchall()
+    return JournalStoreHead.from_row(tuple(rows[0]) if len(rows) == 1 else None)
+
+
+def _has_store_head(connection: sqlite3.Connection) -> bool:
+    """Whether the schema has reached the store head's migration (the table is then
+    required: a store that dropped it fails on the read)."""
+    try:
+        row = connection.execute("SELECT version FROM schema_version").fetchone()
+    except sqlite3.OperationalError:
+        return False
+    return row is not None and type(row[0]) is int and row[0] >= STORE_HEAD_SCHEMA
+
+
+def create_store_head(keyring: StorageKeyring) -> Callable[[sqlite3.Connection], None]:
+    """The migration step that creates the store head and builds it from the scope heads
+    as they are (O(scopes), once), sealed, inside the migration's transaction."""
+
+    def build(connection: sqlite3.Connection) -> None:
+        connection.execute(
+            """CREATE TABLE store_head (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                row_count INTEGER NOT NULL CHECK (row_count >= 0),
+                digest BLOB NOT NULL,
+                key_id TEXT NOT NULL,
+                auth_tag TEXT NOT NULL
+            )"""
+        )
+        head = JournalStoreHead.sealed(keyring, digest_of_heads(_head_states(connection)))
+        connection.execute(
+            "INSERT INTO store_head (id, row_count, digest, key_id, auth_tag) "
+            "VALUES (1, ?, ?, ?, ?)",
+            head.row(),
+        )
+
+    return build
+
+
+def check_store_heads(connection: sqlite3.Connection, keyring: StorageKeyring) -> int:
+    """The store head against every scope head, in the caller's snapshot (O(scopes));
+    how many scope heads there are. Nothing to check before the store head's migration."""
+    heads = _head_states(connection, keyring)
+    if _has_store_head(connection):
+        check_store(_read_store_head(connection), heads, keyring)
+    return len(heads)
+
+
+def reseal_store_head(connection: sqlite3.Connection, keyring: StorageKeyring) -> bool:
+    """Reseal the store head with the active key if another key sealed it (its digest
+    unchanged, its seal verified first), inside the caller's transaction; whether it did."""
+    if not _has_store_head(connection):
+        return False
+    head = _read_store_head(connection)
+    if head.key_id == keyring.active_id:
+        return False
+    head = moved(head, [], keyring)
+    connection.execute(
+        "UPDATE store_head SET row_count = ?, digest = ?, key_id = ?, auth_tag = ? WHERE id = 1",
+        head.row(),
+    )
+    return True
+
+
+def move_store_head(
+    connection: sqlite3.Connection, moves: list[HeadMove], keyring: StorageKeyring
+) -> None:
+    """Move the store head by ``moves`` and reseal it, inside the caller's transaction."""
+    if not moves:
+        return
+    head = moved(_read_store_head(connection), moves, keyring)
+    connection.execute(
+        "UPDATE store_head SET row_count = ?, digest = ?, key_id = ?, auth_tag = ? WHERE id = 1",
+        head.row(),
+    )
+
+
 def read_scope_snapshot(
-    connection: sqlite3.Connection, scope: str, anchor: Mapping[StorageRecordKey, int]
+    connection: sqlite3.Connection,
+    scope: str,
+    anchor: Mapping[StorageRecordKey, int],
+    keyring: StorageKeyring,
 ) -> ScopeSnapshot:
     """The scope's head and the digest recomputed over its rows, in the caller's read
     snapshot (O(rows of the scope)), for ``scope_head.check_snapshot``. A journal
@@ -134,6 +256,7 @@ def read_scope_snapshot(
         revision = 0 if row is None else int(row[0])
         rows = sum(1 for _ in scope_rows(connection, scope))
         return ScopeSnapshot(None, None, revision, rows, anchored)
+    check_store_heads(connection, keyring)
     head = read_head(connection, scope)
     hint = 0 if head is None else head.digest.count
     computed, index = digest_and_index(scope, scope_rows(connection, scope), hint)

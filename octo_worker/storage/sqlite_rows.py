@@ -31,7 +31,12 @@ from octo_worker.storage.documents import (
     NS_SESSION_REQUEST,
 )
 from octo_worker.storage.scope_head import DIGEST_FORMAT
-from octo_worker.storage.sqlite_heads import HEAD_COLUMNS, seal_existing_heads
+from octo_worker.storage.sqlite_heads import (
+    HEAD_COLUMNS,
+    STORE_HEAD_SCHEMA,
+    create_store_head,
+    seal_existing_heads,
+)
 
 T = TypeVar("T")
 
@@ -104,18 +109,22 @@ _REQUEST_ROWS_MIGRATION: Final = (
     f"CREATE INDEX items_request_sessions ON items (name, session) WHERE {REQUEST_ROWS}",
 )
 
-SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 2
+SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 3
 # The heads carry digests from schema DIGEST_FORMAT (5) on: the anchor's digest mark.
 DIGEST_SCHEMA_VERSION: Final = DIGEST_FORMAT
 
 
 def migrations(keyring: StorageKeyring) -> tuple[tuple[MigrationStep, ...], ...]:
-    """Every migration; 4 -> 5 adds the scope heads' digests and seals them with ``keyring``."""
-    return (
+    """Every migration; 4 -> 5 adds the scope heads' digests and 6 -> 7 the store head,
+    each built and sealed with ``keyring`` in the migration's transaction."""
+    steps: tuple[tuple[MigrationStep, ...], ...] = (
         *_SQL_MIGRATIONS,
         (*HEAD_COLUMNS, seal_existing_heads(keyring)),
         _REQUEST_ROWS_MIGRATION,
+        (create_store_head(keyring),),
     )
+    assert len(steps) == STORE_HEAD_SCHEMA == SCHEMA_VERSION
+    return steps
 
 
 def select_in_chunks(

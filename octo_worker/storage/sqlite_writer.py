@@ -61,7 +61,14 @@ from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import DigestChanges, ScopeHead, anchored_with_digests
 from octo_worker.storage.scope_head import check_anchor as compare_with_anchor
 from octo_worker.storage.sealing import RowSealer
-from octo_worker.storage.sqlite_heads import insert_head, read_head, update_head
+from octo_worker.storage.sqlite_heads import (
+    check_store_heads,
+    insert_head,
+    move_store_head,
+    read_head,
+    reseal_store_head,
+    update_head,
+)
 from octo_worker.storage.sqlite_rows import (
     SCHEMA_VERSION,
     SQL_CHUNK,
@@ -132,6 +139,13 @@ class JournalWriter:
                 found = schema_version(connection)
                 compare_with_anchor(anchor, self._all_heads(connection) if found else {}, found)
             migrate_schema(connection, migrations(self._sealer.keyring))
+            # Every scope head against the store head (O(scopes)): a scope
+            # deleted or put back whole is refused before anything is served.
+            connection.execute("BEGIN")  # one snapshot for the store head and the heads
+            try:
+                check_store_heads(connection, self._sealer.keyring)
+            finally:
+                connection.execute("ROLLBACK")
             self.fill_outbox_sessions(connection)
             check_database_files(self._path)
             if self._anchor_path is not None:
@@ -247,6 +261,7 @@ class JournalWriter:
         connection.execute("BEGIN IMMEDIATE")
         try:
             head = read_head(connection, scope)
+            before = None if head is None else (scope, head.fence, head.revision)
             if head is None:
                 head = self._sealer.seal_head(ScopeHead.empty(scope).with_fence(1))
                 insert_head(connection, head)
@@ -257,6 +272,8 @@ class JournalWriter:
                     raise FencingTokenExhausted()
                 head = self._sealer.seal_head(head.with_fence(head.fence + 1))
                 update_head(connection, head)
+            after = (scope, head.fence, head.revision)
+            move_store_head(connection, [(before, after)], self._sealer.keyring)
             connection.execute("COMMIT")
         except BaseException:
             if connection.in_transaction:
@@ -304,6 +321,7 @@ class JournalWriter:
                     decisions.committed_one(pending, revision, digest)
                 for head in decisions.advanced_heads():
                     update_head(connection, self._sealer.seal_head(head))
+                move_store_head(connection, decisions.head_moves(), self._sealer.keyring)
                 connection.execute("COMMIT" if decisions.advanced else "ROLLBACK")
             except BaseException:
                 if connection.in_transaction:
@@ -480,14 +498,14 @@ class JournalWriter:
         connection.execute("BEGIN IMMEDIATE")
         try:
             head = read_head(connection, scope)
-            if head is None or head.key_id == self._sealer.keyring.active_id:
-                connection.execute("ROLLBACK")
-                return False
-            self._sealer.verify_head(head)
-            update_head(connection, self._sealer.seal_head(head))
-            connection.execute("COMMIT")
+            moved = reseal_store_head(connection, self._sealer.keyring)
+            if head is not None and head.key_id != self._sealer.keyring.active_id:
+                self._sealer.verify_head(head)
+                update_head(connection, self._sealer.seal_head(head))
+                moved = True
+            connection.execute("COMMIT" if moved else "ROLLBACK")
         except BaseException:
             if connection.in_transaction:
                 connection.execute("ROLLBACK")
             raise
-        return True
+        return moved

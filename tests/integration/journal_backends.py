@@ -23,6 +23,7 @@ from octo_common.records import StorageKeyring
 from octo_worker.storage.base import JournalStoreBase
 from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.storage.scope_head import ScopeHead
+from octo_worker.storage.store_head import JournalStoreHead, digest_of_heads
 from octo_worker.store import SqliteJournalStore
 from tests.postgres import PostgresSchema
 
@@ -131,6 +132,18 @@ class JournalDatabase:
             "auth_tag = ? WHERE name = ?",
             *head.row(),
             scope,
+        )
+        await self.seal_store_head(keyring)
+
+    async def seal_store_head(self, keyring: StorageKeyring) -> None:
+        """Rebuild the store head over the scope heads as they are, as the key holder would."""
+        heads = await self.sql("SELECT name, fence, revision FROM heads")
+        store = JournalStoreHead.sealed(
+            keyring, digest_of_heads((str(n), int(f), int(r)) for n, f, r in heads)
+        )
+        await self.sql(
+            "UPDATE store_head SET row_count = ?, digest = ?, key_id = ?, auth_tag = ?",
+            *store.row(),
         )
 
     async def mark_closed(self, item: str, namespace: str | None = None) -> None:

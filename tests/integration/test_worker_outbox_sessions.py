@@ -39,6 +39,7 @@ def to_schema_3(path: Path) -> None:
     with sqlite3.connect(path) as connection:
         for column in ("row_count", "digest", "key_id", "auth_tag"):
             connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
+        connection.execute("DROP TABLE IF EXISTS store_head")  # schema 7
         connection.execute("DROP INDEX IF EXISTS items_request_sessions")  # schema 6
         connection.execute("DROP INDEX items_outbox_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN session")

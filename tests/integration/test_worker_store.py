@@ -136,7 +136,9 @@ def sql(
 
 
 def drop_head_digests(connection: sqlite3.Connection) -> None:
-    """Take the scope heads back to schema 4 (no digest, no seal, no request rows index)."""
+    """Take the scope heads back to schema 4 (no digest, no seal, no request rows index,
+    no store head)."""
+    connection.execute("DROP TABLE IF EXISTS store_head")
     connection.execute("DROP INDEX IF EXISTS items_request_sessions")
     for column in ("row_count", "digest", "key_id", "auth_tag"):
         connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")

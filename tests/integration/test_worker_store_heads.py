@@ -28,7 +28,8 @@ from octo_common.errors import (
 from octo_common.records import StorageKeyring
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
 from octo_worker.storage.base import JournalStoreBase
-from octo_worker.storage.scope_head import DIGEST_ANCHOR_KEY
+from octo_worker.storage.scope_head import DIGEST_ANCHOR_KEY, STORE_HEAD_ANCHOR_KEY
+from octo_worker.storage.sqlite_rows import SCHEMA_VERSION
 from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
 
 from .journal_backends import JournalDatabase
@@ -211,7 +212,12 @@ async def test_a_journal_from_before_the_digests_migrates_forward_once(
     back_to_schema_4(db_path)
     # The anchor an older octo-worker wrote: head revisions only.
     write_anchor(
-        anchor, {key: rev for key, rev in read_anchor(anchor).items() if key != DIGEST_ANCHOR_KEY}
+        anchor,
+        {
+            key: rev
+            for key, rev in read_anchor(anchor).items()
+            if key not in (DIGEST_ANCHOR_KEY, STORE_HEAD_ANCHOR_KEY)
+        },
     )
 
     inspector = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor, read_only=True)
@@ -230,7 +236,7 @@ async def test_a_journal_from_before_the_digests_migrates_forward_once(
         assert await verified(upgraded) == (3, 6)
     finally:
         await upgraded.close()
-    assert sql(db_path, "SELECT version FROM schema_version") == [(6,)]
+    assert sql(db_path, "SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]
     assert read_anchor(anchor)[DIGEST_ANCHOR_KEY] == 5
 
     # The digests built by the migration are the ones every load checks.

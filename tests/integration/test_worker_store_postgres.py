@@ -22,7 +22,7 @@ from octo_common.records import StorageKeyring
 from octo_common.states import Pending
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
 from octo_worker.storage import postgres as postgres_module
-from octo_worker.storage import postgres_batch, postgres_sql
+from octo_worker.storage import postgres_batch, postgres_heads, postgres_sql
 from octo_worker.storage.documents import (
     NS_JOURNAL,
     NS_OUTBOX,
@@ -258,7 +258,7 @@ async def test_openers_racing_on_a_fresh_schema_migrate_it_once(
         connection = await postgres_schema.connect()
         try:
             assert await connection.fetch("SELECT version FROM schema_version") == [
-                (postgres_sql.SCHEMA_VERSION,)
+                (postgres_heads.SCHEMA_VERSION,)
             ]
         finally:
             await connection.close()

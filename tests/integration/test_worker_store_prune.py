@@ -78,6 +78,7 @@ async def test_a_database_without_write_times_migrates(tmp_path: Path) -> None:
     with sqlite3.connect(path) as connection:
         for column in ("row_count", "digest", "key_id", "auth_tag"):  # schema 5's head columns
             connection.execute(f"ALTER TABLE heads DROP COLUMN {column}")
+        connection.execute("DROP TABLE IF EXISTS store_head")  # schema 7
         connection.execute("DROP INDEX IF EXISTS items_request_sessions")  # schema 6
         connection.execute("DROP INDEX items_outbox_sessions")
         connection.execute("ALTER TABLE items DROP COLUMN session")

@@ -24,6 +24,7 @@ from octo_common.setdigest import SetDigest
 from octo_worker.storage.scope_head import (
     DIGEST_ANCHOR_KEY,
     DIGESTED_NAMESPACES,
+    STORE_HEAD_ANCHOR_KEY,
     DigestChanges,
     ScopeHead,
     ScopeSnapshot,
@@ -190,19 +191,26 @@ def test_the_anchor_marks_a_journal_with_digests_and_refuses_an_older_one() -> N
     heads = {SCOPE: 3}
     scope_key = StorageRecordKey("worker-journal", SCOPE)
     marked = anchored_with_digests({scope_key: 3})
-    assert marked == {scope_key: 3, DIGEST_ANCHOR_KEY: 5}
+    assert marked == {scope_key: 3, DIGEST_ANCHOR_KEY: 5, STORE_HEAD_ANCHOR_KEY: 7}
     assert StorageRecordKey("worker-journal-format", "scope-row-digest") == DIGEST_ANCHOR_KEY
-    check_anchor(marked, heads, 5)
+    assert StorageRecordKey("worker-journal-format", "store-head") == STORE_HEAD_ANCHOR_KEY
+    check_anchor(marked, heads, 7)
     check_anchor({scope_key: 3}, heads, 4)  # an anchor from before digests, an older journal
+    check_anchor({scope_key: 3, DIGEST_ANCHOR_KEY: 5}, heads, 6)  # before the store head
     with pytest.raises(RollbackDetected) as older:
         check_anchor(marked, heads, 4)  # digests dropped, schema edited back
-    assert (older.value.record_revision, older.value.revision_floor) == (4, 5)
+    assert older.value.record_revision == 4
+    with pytest.raises(RollbackDetected) as no_store_head:
+        check_anchor(marked, heads, 6)  # store head dropped, schema edited back
+    assert (no_store_head.value.record_revision, no_store_head.value.revision_floor) == (6, 7)
     with pytest.raises(RollbackDetected):
-        check_anchor(marked, {SCOPE: 2}, 5)
+        check_anchor(marked, {SCOPE: 2}, 7)
     with pytest.raises(RollbackDetected):
-        check_anchor(marked, {}, 5)
+        check_anchor(marked, {}, 7)
     with pytest.raises(RollbackAnchorInvalid):
-        check_anchor({DIGEST_ANCHOR_KEY: 6}, heads, 5)
+        check_anchor({DIGEST_ANCHOR_KEY: 6}, heads, 7)
+    with pytest.raises(RollbackAnchorInvalid):
+        check_anchor({STORE_HEAD_ANCHOR_KEY: 8}, heads, 7)
 
 
 def test_a_snapshot_without_digests_gets_the_anchor_check_alone() -> None:
