@@ -48,6 +48,7 @@ __all__ = [
 _CREATE: Final = """
     CREATE TABLE {s}.store_head (
         id SMALLINT PRIMARY KEY CHECK (id = 1),
+        revision BIGINT NOT NULL CHECK (revision >= 0),
         row_count BIGINT NOT NULL CHECK (row_count >= 0),
         digest BYTEA NOT NULL,
         key_id TEXT NOT NULL,
@@ -55,12 +56,15 @@ _CREATE: Final = """
     )
 """
 _INSERT: Final = (
-    "INSERT INTO {s}.store_head (id, row_count, digest, key_id, auth_tag) "
-    "VALUES (1, $1, $2, $3, $4)"
+    "INSERT INTO {s}.store_head (id, revision, row_count, digest, key_id, auth_tag) "
+    "VALUES (1, $1, $2, $3, $4, $5)"
 )
-_SELECT: Final = "SELECT row_count, digest, key_id, auth_tag FROM {s}.store_head WHERE id = 1"
+_SELECT: Final = (
+    "SELECT revision, row_count, digest, key_id, auth_tag FROM {s}.store_head WHERE id = 1"
+)
 _UPDATE: Final = (
-    "UPDATE {s}.store_head SET row_count = $1, digest = $2, key_id = $3, auth_tag = $4 WHERE id = 1"
+    "UPDATE {s}.store_head SET revision = $1, row_count = $2, digest = $3, key_id = $4, "
+    "auth_tag = $5 WHERE id = 1"
 )
 _HEADS: Final = (
     "SELECT name, revision, fence, row_count, digest, key_id, auth_tag FROM {s}.heads "
@@ -92,7 +96,7 @@ def _create_store_head(keyring: StorageKeyring) -> Callable[[Any, str], Awaitabl
     async def build(connection: Any, quoted: str) -> None:
         await connection.execute(_CREATE.format(s=quoted))
         heads = await _head_states(connection, quoted, None)
-        head = JournalStoreHead.sealed(keyring, digest_of_heads(heads))
+        head = JournalStoreHead.sealed(keyring, 0, digest_of_heads(heads))
         await connection.execute(_INSERT.format(s=quoted), *head.row())
 
     return build

@@ -69,6 +69,10 @@ HEAD_COLUMNS: Final = (
 # The schema version that added the store head (its migration: ``create_store_head``).
 STORE_HEAD_SCHEMA: Final = STORE_HEAD_FORMAT
 
+_UPDATE_STORE_HEAD: Final = (
+    "UPDATE store_head SET revision = ?, row_count = ?, digest = ?, key_id = ?, auth_tag = ? "
+    "WHERE id = 1"
+)
 _SELECT_HEAD: Final = (
     "SELECT revision, fence, row_count, digest, key_id, auth_tag FROM heads "
     "WHERE namespace = ? AND name = ?"
@@ -162,7 +166,7 @@ def _head_states(
 
 def _read_store_head(connection: sqlite3.Connection) -> JournalStoreHead:
     rows = connection.execute(
-        "SELECT row_count, digest, key_id, auth_tag FROM store_head WHERE id = 1"
+        "SELECT revision, row_count, digest, key_id, auth_tag FROM store_head WHERE id = 1"
     ).fetchall()
     return JournalStoreHead.from_row(tuple(rows[0]) if len(rows) == 1 else None)
 
@@ -185,16 +189,17 @@ def create_store_head(keyring: StorageKeyring) -> Callable[[sqlite3.Connection],
         connection.execute(
             """CREATE TABLE store_head (
                 id INTEGER PRIMARY KEY CHECK (id = 1),
+                revision INTEGER NOT NULL CHECK (revision >= 0),
                 row_count INTEGER NOT NULL CHECK (row_count >= 0),
                 digest BLOB NOT NULL,
                 key_id TEXT NOT NULL,
                 auth_tag TEXT NOT NULL
             )"""
         )
-        head = JournalStoreHead.sealed(keyring, digest_of_heads(_head_states(connection)))
+        head = JournalStoreHead.sealed(keyring, 0, digest_of_heads(_head_states(connection)))
         connection.execute(
-            "INSERT INTO store_head (id, row_count, digest, key_id, auth_tag) "
-            "VALUES (1, ?, ?, ?, ?)",
+            "INSERT INTO store_head (id, revision, row_count, digest, key_id, auth_tag) "
+            "VALUES (1, ?, ?, ?, ?, ?)",
             head.row(),
         )
 
@@ -220,7 +225,7 @@ def reseal_store_head(connection: sqlite3.Connection, keyring: StorageKeyring) -
         return False
     head = moved(head, [], keyring)
     connection.execute(
-        "UPDATE store_head SET row_count = ?, digest = ?, key_id = ?, auth_tag = ? WHERE id = 1",
+        _UPDATE_STORE_HEAD,
         head.row(),
     )
     return True
@@ -234,7 +239,7 @@ def move_store_head(
         return
     head = moved(_read_store_head(connection), moves, keyring)
     connection.execute(
-        "UPDATE store_head SET row_count = ?, digest = ?, key_id = ?, auth_tag = ? WHERE id = 1",
+        _UPDATE_STORE_HEAD,
         head.row(),
     )
 

@@ -5,11 +5,15 @@ deleted or put back inside a scope is caught. The **store head** does the
 same one level up: a journal database (a SQLite file, a PostgreSQL schema)
 keeps one row beside its scope heads with
 
+* ``revision``: how many transactions moved it (a fence reservation, a
+  commit batch); it never goes down, and is what a rollback anchor of the
+  whole store keeps;
 * a :class:`~octo_common.setdigest.SetDigest` under :data:`STORE_HEADS_DOMAIN`
   of every scope head, one element ``(scope, decimal fence, revision)`` per
   scope, with their count;
 * ``key_id`` and ``auth_tag``: the seal of :mod:`octo_common.headseal` under
-  :data:`STORE_HEAD_DOMAIN` over ``BE64(count) ‖ LP(digest bytes)``, made
+  :data:`STORE_HEAD_DOMAIN` over ``BE64(revision) ‖ BE64(count) ‖ LP(digest
+  bytes)``, made
   with the active storage key.
 
 So a scope deleted whole (its head row and every row), or a scope whose
@@ -43,7 +47,8 @@ from collections.abc import Iterable
 from typing import Final
 
 from octo_common import headseal
-from octo_common.errors import RollbackDetected
+from octo_common.digest import be64
+from octo_common.errors import RevisionExhausted, RollbackDetected
 from octo_common.limits import MAX_U64
 from octo_common.records import StorageKeyring
 from octo_common.setdigest import SET_DIGEST_BYTES, SetDigest
@@ -80,18 +85,22 @@ def digest_of_heads(heads: Iterable[HeadState]) -> SetDigest:
 
 
 class JournalStoreHead:
-    """The store head: the digest of every scope head, and the seal it was read or made with."""
+    """The store head: its revision, the digest of every scope head, and the seal it was
+    read or made with."""
 
-    __slots__ = ("digest", "key_id", "tag")
+    __slots__ = ("digest", "key_id", "revision", "tag")
 
-    def __init__(self, digest: SetDigest, key_id: str | None = None, tag: str | None = None):
+    def __init__(
+        self, revision: int, digest: SetDigest, key_id: str | None = None, tag: str | None = None
+    ):
+        self.revision = revision
         self.digest = digest
         self.key_id = key_id
         self.tag = tag
 
     @classmethod
     def from_row(cls, row: tuple[object, ...] | None) -> JournalStoreHead:
-        """A store head read as (row_count, digest, key_id, auth_tag).
+        """A store head read as (revision, row_count, digest, key_id, auth_tag).
 
         No row, a NULL or malformed digest: ``RollbackDetected`` (the
         migration never leaves one: it was deleted or edited). The seal is
@@ -99,11 +108,13 @@ class JournalStoreHead:
         """
         if row is None:
             raise RollbackDetected(None, 0)
-        count, value, key_id, tag = row
+        revision, count, value, key_id, tag = row
         if isinstance(value, memoryview):
             value = bytes(value)
         if (
-            type(count) is not int
+            type(revision) is not int
+            or not 0 <= revision <= MAX_U64
+            or type(count) is not int
             or not 0 <= count <= MAX_U64
             or not isinstance(value, bytes)
             or len(value) != SET_DIGEST_BYTES
@@ -111,27 +122,34 @@ class JournalStoreHead:
             or not (tag is None or isinstance(tag, str))
         ):
             raise RollbackDetected(None, 0)
-        return cls(SetDigest.from_bytes(STORE_HEADS_DOMAIN, value, count), key_id, tag)
+        return cls(revision, SetDigest.from_bytes(STORE_HEADS_DOMAIN, value, count), key_id, tag)
 
     def verify(self, keyring: StorageKeyring) -> None:
         """Check the seal (``InvalidRecordAuthenticationTag``, ``InvalidKeyId``,
         ``UnknownKeyId``)."""
         headseal.verify_head_seal(
-            keyring, STORE_HEAD_DOMAIN, self.key_id, self.tag, headseal.digest_fields(self.digest)
+            keyring, STORE_HEAD_DOMAIN, self.key_id, self.tag, _fields(self.revision, self.digest)
         )
 
     @classmethod
-    def sealed(cls, keyring: StorageKeyring, digest: SetDigest) -> JournalStoreHead:
-        """The store head over ``digest``, sealed with the active storage key."""
-        key_id, tag = headseal.seal_head(keyring, STORE_HEAD_DOMAIN, headseal.digest_fields(digest))
-        return cls(digest, key_id, tag)
+    def sealed(cls, keyring: StorageKeyring, revision: int, digest: SetDigest) -> JournalStoreHead:
+        """The store head at ``revision`` over ``digest``, sealed with the active storage key."""
+        key_id, tag = headseal.seal_head(keyring, STORE_HEAD_DOMAIN, _fields(revision, digest))
+        return cls(revision, digest, key_id, tag)
 
-    def row(self) -> tuple[int, bytes, str | None, str | None]:
-        """(row_count, digest, key_id, auth_tag) as stored."""
-        return (self.digest.count, self.digest.to_bytes(), self.key_id, self.tag)
+    def row(self) -> tuple[int, int, bytes, str | None, str | None]:
+        """(revision, row_count, digest, key_id, auth_tag) as stored."""
+        return (self.revision, self.digest.count, self.digest.to_bytes(), self.key_id, self.tag)
 
     def __repr__(self) -> str:
-        return f"JournalStoreHead(scopes={self.digest.count}, sealed={self.tag is not None})"
+        return (
+            f"JournalStoreHead(revision={self.revision}, scopes={self.digest.count}, "
+            f"sealed={self.tag is not None})"
+        )
+
+
+def _fields(revision: int, digest: SetDigest) -> bytes:
+    return be64(revision) + headseal.digest_fields(digest)
 
 
 def check_store(
@@ -147,12 +165,17 @@ def check_store(
 def moved(
     store: JournalStoreHead, moves: Iterable[HeadMove], keyring: StorageKeyring
 ) -> JournalStoreHead:
-    """``store`` (its seal verified first) moved by ``moves``, sealed again; O(moves).
+    """``store`` (its seal verified first) moved by ``moves``, sealed again, one revision
+    up (the same revision without moves: a reseal); O(moves).
 
     A move whose old head the digest cannot hold (an empty digest) is
     ``RollbackDetected``: the scope heads are not the store head's.
     """
     store.verify(keyring)
+    moves = list(moves)
+    revision = store.revision + 1 if moves else store.revision
+    if revision > MAX_U64:
+        raise RevisionExhausted()
     digest = store.digest.copy()
     try:
         for old, new in moves:
@@ -161,4 +184,4 @@ def moved(
             digest.add(*_element(new))
     except ValueError:
         raise RollbackDetected(None, 0) from None
-    return JournalStoreHead.sealed(keyring, digest)
+    return JournalStoreHead.sealed(keyring, revision, digest)

@@ -138,11 +138,12 @@ class JournalDatabase:
     async def seal_store_head(self, keyring: StorageKeyring) -> None:
         """Rebuild the store head over the scope heads as they are, as the key holder would."""
         heads = await self.sql("SELECT name, fence, revision FROM heads")
-        store = JournalStoreHead.sealed(
-            keyring, digest_of_heads((str(n), int(f), int(r)) for n, f, r in heads)
-        )
+        ((revision,),) = await self.sql("SELECT revision FROM store_head")
+        digest = digest_of_heads((str(n), int(f), int(r)) for n, f, r in heads)
+        store = JournalStoreHead.sealed(keyring, int(revision) + 1, digest)
         await self.sql(
-            "UPDATE store_head SET row_count = ?, digest = ?, key_id = ?, auth_tag = ?",
+            "UPDATE store_head SET revision = ?, row_count = ?, digest = ?, key_id = ?, "
+            "auth_tag = ?",
             *store.row(),
         )
 

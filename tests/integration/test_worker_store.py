@@ -67,7 +67,10 @@ from octo_worker.store import (
 from .journal_backends import JournalDatabase
 
 # The anchor entry of a journal whose scope heads carry digests (schema 5).
-DIGEST_MARK = b'{"namespace":"worker-journal-format","name":"scope-row-digest","revision":5}'
+DIGEST_MARK = (
+    b'{"namespace":"worker-journal-format","name":"scope-row-digest","revision":5},'
+    b'{"namespace":"worker-journal-format","name":"store-head","revision":7}'
+)
 SCOPE = "tenant-release"
 OTHER_SCOPE = "tenant-audit"
 SECRET_TEXT = "very-secret-output-7f3a"

@@ -21,11 +21,11 @@ def ring(key_id: str = "k1", fill: int = 7) -> StorageKeyring:
 
 
 def test_a_sealed_store_head_checks_against_the_heads_it_was_built_from() -> None:
-    store = JournalStoreHead.sealed(ring(), digest_of_heads(HEADS))
+    store = JournalStoreHead.sealed(ring(), 3, digest_of_heads(HEADS))
     check_store(store, list(reversed(HEADS)), ring())  # order does not matter
     read = JournalStoreHead.from_row(store.row())
     check_store(read, HEADS, ring())
-    assert repr(read) == "JournalStoreHead(scopes=2, sealed=True)"
+    assert repr(read) == "JournalStoreHead(revision=3, scopes=2, sealed=True)"
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_a_sealed_store_head_checks_against_the_heads_it_was_built_from() -> Non
     ids=["deleted", "revision-back", "fence-back", "added"],
 )
 def test_any_other_set_of_scope_heads_is_a_rollback(heads: list[tuple[str, int, int]]) -> None:
-    store = JournalStoreHead.sealed(ring(), digest_of_heads(HEADS))
+    store = JournalStoreHead.sealed(ring(), 3, digest_of_heads(HEADS))
     with pytest.raises(RollbackDetected):
         check_store(store, heads, ring())
 
@@ -48,14 +48,16 @@ def test_a_store_head_row_missing_or_without_its_digest_is_a_rollback() -> None:
     with pytest.raises(RollbackDetected):
         JournalStoreHead.from_row(None)
     with pytest.raises(RollbackDetected):
-        JournalStoreHead.from_row((2, None, "k1", "0" * 64))
+        JournalStoreHead.from_row((1, 2, None, "k1", "0" * 64))
     with pytest.raises(RollbackDetected):
-        JournalStoreHead.from_row((2, b"short", "k1", "0" * 64))
+        JournalStoreHead.from_row((1, 2, b"short", "k1", "0" * 64))
 
 
 def test_the_seal_is_checked_before_any_use() -> None:
-    store = JournalStoreHead.sealed(ring(), digest_of_heads(HEADS))
-    forged = JournalStoreHead(digest_of_heads(HEADS[:1]), store.key_id, store.tag)
+    store = JournalStoreHead.sealed(ring(), 3, digest_of_heads(HEADS))
+    forged = JournalStoreHead(3, digest_of_heads(HEADS[:1]), store.key_id, store.tag)
+    with pytest.raises(InvalidRecordAuthenticationTag):
+        check_store(JournalStoreHead(4, store.digest, store.key_id, store.tag), HEADS, ring())
     with pytest.raises(InvalidRecordAuthenticationTag):
         check_store(forged, HEADS[:1], ring())
     with pytest.raises(InvalidRecordAuthenticationTag):
@@ -65,12 +67,16 @@ def test_the_seal_is_checked_before_any_use() -> None:
 
 
 def test_moves_give_the_digest_of_the_heads_after_them() -> None:
-    store = JournalStoreHead.sealed(ring(), digest_of_heads(HEADS))
+    store = JournalStoreHead.sealed(ring(), 3, digest_of_heads(HEADS))
     after = moved(
         store,
         [(("tenant-b", 3, 9), ("tenant-b", 3, 10)), (None, ("tenant-c", 1, 0))],
         ring(),
     )
     check_store(after, [("tenant-a", 1, 4), ("tenant-b", 3, 10), ("tenant-c", 1, 0)], ring())
+    assert after.revision == 4
+    assert moved(after, [], ring()).revision == 4  # a reseal
     with pytest.raises(RollbackDetected):
-        moved(JournalStoreHead.sealed(ring(), digest_of_heads([])), [(HEADS[0], HEADS[0])], ring())
+        moved(
+            JournalStoreHead.sealed(ring(), 3, digest_of_heads([])), [(HEADS[0], HEADS[0])], ring()
+        )
