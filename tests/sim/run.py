@@ -12,38 +12,73 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import secrets
+import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.sim.sim import Violation, quiet_logs, run_schedule
+from tests.sim.loop import Stuck, new_loop
+from tests.sim.sim import Sim, Violation, quiet_logs
+
+BLOCK = 1000  # schedules per progress line (and per task of a pool)
 
 
-async def _run_range(first: int, count: int) -> tuple[int, list[str]]:
-    failures: list[str] = []
-    done = 0
+@dataclass
+class RangeResult:
+    """What a range of schedules did: how many ran, the failures (each with its seed
+    and history), and where the worker processes died (``Boundaries.deaths``)."""
+
+    done: int = 0
+    failures: list[str] = field(default_factory=list)
+    deaths: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: RangeResult) -> None:
+        self.done += other.done
+        self.failures += other.failures
+        self.deaths += other.deaths
+
+
+def _run_range(first: int, count: int) -> RangeResult:
+    result = RangeResult()
+    failures = result.failures
     # A memory file system where there is one: the journal's fsyncs cost nothing there.
     shm = Path("/dev/shm")
     base = str(shm) if shm.is_dir() else None
+    runner = asyncio.Runner(loop_factory=new_loop)
     with tempfile.TemporaryDirectory(prefix="octo-sim-", dir=base) as tmp:
         for seed in range(first, first + count):
             directory = Path(tmp) / str(seed)
             directory.mkdir()
+            sim = Sim(seed, directory)
             try:
-                await run_schedule(seed, directory)
+                runner.run(sim.run())
             except Violation as exc:
                 failures.append(str(exc))
-            done += 1
-    return done, failures
+            except Exception as exc:  # a schedule the sim could not finish is a finding too
+                failures.append(sim.report(f"{type(exc).__name__}: {exc}"))
+                if isinstance(exc, Stuck):  # its loop still holds the stuck tasks
+                    runner = asyncio.Runner(loop_factory=new_loop)
+            shutil.rmtree(directory)
+            result.done += 1
+            result.deaths += sim.boundaries.deaths
+    runner.close()
+    return result
 
 
-def run_range(first: int, count: int) -> tuple[int, list[str]]:
+def run_range(first: int, count: int) -> RangeResult:
     """Schedules ``first`` .. ``first + count - 1`` in this process."""
     with quiet_logs():
-        return asyncio.run(_run_range(first, count))
+        return _run_range(first, count)
+
+
+def _block(block: tuple[int, int]) -> RangeResult:
+    return run_range(*block)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,30 +87,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=None, help="the first seed")
     parser.add_argument("--seed", type=int, default=None, help="replay one schedule")
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--block", type=int, default=BLOCK, help="schedules per progress line")
     args = parser.parse_args(argv)
     if args.seed is not None:
-        done, failures = run_range(args.seed, 1)
+        result = run_range(args.seed, 1)
+        if not result.failures:
+            print("\n  ".join([f"seed {args.seed} kept the invariants; deaths:", *_places(result)]))
     else:
         first = secrets.randbits(40) if args.first is None else args.first
         print(f"seeds {first} .. {first + args.schedules - 1}", flush=True)
         started = time.perf_counter()
-        chunks = max(1, args.processes)
-        size = -(-args.schedules // chunks)
-        ranges = [(first + i * size, min(size, args.schedules - i * size)) for i in range(chunks)]
-        ranges = [r for r in ranges if r[1] > 0]
-        if chunks == 1:
-            results = [run_range(*ranges[0])]
-        else:
-            with multiprocessing.get_context("spawn").Pool(chunks) as pool:
-                results = pool.starmap(run_range, ranges)
-        done = sum(r[0] for r in results)
-        failures = [f for r in results for f in r[1]]
-        seconds = time.perf_counter() - started
-        print(f"{done} schedules in {seconds:.1f} s ({done / seconds:.1f}/s)")
-    for failure in failures:
-        print(failure)
-    print(f"{len(failures)} failing schedule(s)")
-    return 1 if failures else 0
+        cpu = time.process_time()
+        blocks = [
+            (start, min(args.block, first + args.schedules - start))
+            for start in range(first, first + args.schedules, args.block)
+        ]
+        result = RangeResult()
+        with contextlib.ExitStack() as stack:
+            if args.processes > 1:
+                spawn = multiprocessing.get_context("spawn")
+                pool = stack.enter_context(spawn.Pool(args.processes))
+                results = pool.imap(_block, blocks)
+            else:
+                results = map(_block, blocks)
+            for block in results:
+                result.add(block)
+                for failure in block.failures:
+                    print(failure, flush=True)
+                seconds = time.perf_counter() - started
+                print(
+                    f"{result.done} schedules in {seconds:.0f} s ({result.done / seconds:.1f}/s), "
+                    f"{sum(result.deaths.values())} worker deaths, "
+                    f"{len(result.failures)} failing",
+                    flush=True,
+                )
+        if args.processes <= 1:  # this process's CPU time: the cost of a schedule, load aside
+            print(f"{(time.process_time() - cpu) / max(1, result.done) * 1000:.1f} ms of CPU each")
+        print("\n  ".join(["deaths by where they fell:", *_places(result)]))
+    if args.seed is not None:
+        for failure in result.failures:
+            print(failure)
+    print(f"{len(result.failures)} failing schedule(s)")
+    return 1 if result.failures else 0
+
+
+def _places(result: RangeResult) -> list[str]:
+    return [f"{count:>8} {place}" for place, count in sorted(result.deaths.items())]
 
 
 if __name__ == "__main__":

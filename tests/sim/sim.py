@@ -5,46 +5,57 @@ One *schedule* is a seed. From it a random but reproducible sequence of steps
 drives the real code:
 
 * the worker: a real :class:`WorkerSession` on a real
-  :class:`SqliteJournalStore` (a file in a temporary directory), with a
-  simulated adapter (``sim.effect``) that keeps its own record per key (as
-  ``files.publish`` does: a lookup that finds nothing fences the key) and
-  counts every call and every effect;
+  :class:`SqliteJournalStore` (a file in a temporary directory, its
+  database threads run inline), with a simulated adapter (``sim.effect``,
+  ``tests/sim/external.py``) over an external system that keeps its own
+  record per key (as ``files.publish`` does: a lookup that finds nothing
+  fences the key) and counts every call and every effect;
 * the host: the real :class:`WorkflowEngine` and its ledger, persisted as
   the ledger's JSON (a host crash keeps only that), sealing every request
   and opening and applying every reply;
 * the broker: a queue of requests redelivered until acked (in any order),
   a queue of replies applied in any order; a request may be delivered again
   after its ack (a duplicate) and a reply may be lost;
-* faults: the worker dies at one of its kill points (``worker.*``, raised
-  from the daemon's own kill-point hooks) or between two deliveries and is
-  restarted on the same file under a new fence (sessions restored, the
-  outbox published again); or it is *paused* and a second worker takes the
-  scope over under a newer fence, then the paused one wakes up and handles a
-  delivery (it must commit and publish nothing); the host dies between any
-  two steps and comes back from its ledger (new session, every key not
-  terminal reconciled).
+* faults: the worker process dies (``tests/sim/world.py``) at any I/O
+  boundary it passes (before or after each journal transaction, ack,
+  publish and adapter call, counted down from a point the seed picks,
+  while handling a delivery, opening a session or recovering), at one of
+  its kill points (``worker.*``, the daemon's own kill-point hooks) or
+  between two steps, and is restarted on the same file under a new fence
+  (sessions restored, the outbox published again); or it is *paused* and a
+  second worker takes the scope over under a newer fence, then the paused
+  one wakes up and handles a delivery (it must commit and publish nothing);
+  the host dies between any two steps or while applying a reply (before or
+  after its ledger write, the reply left unacked) and comes back from its
+  ledger (new session, every key not terminal reconciled).
 
-After the faulty part, the schedule settles: no more faults, every request
-delivered, every key reconciled until the ledger holds it terminal. The
-checker then holds the history to the model's invariants: at most one
-effect per key and one inverse effect; no effect without a durable
-admission (the adapter reads the journal when it is called); no inverse
-effect unless the original succeeded; the adapter called at most once per
-key (recovery never calls it again); nothing committed or published by a
-superseded worker; every key terminal, the ledger equal to the journal, and
-``succeeded`` exactly when the effect happened.
+A death is a SIGKILL's: the process's hand-off in flight never completes and
+none of its code reaches the outside world again; its SQLite connections
+are dropped with no transaction open; the next process recovers from the
+journal alone.
 
-Steps are taken one at a time (the event loop runs each to its end before
-the next is chosen), so a seed replays the same schedule:
-``python -m tests.sim.run --seed N``. What this does not cover: two
-handlings of one worker interleaved (the key lock serialises a key's), a
-crash at an await other than the kill points and the moments between
-steps, and the AMQP client itself (the crash matrix and the broker tests
-run the real broker).
+After the faulty part, the schedule settles: no more faults (bar one kill
+among the compensations, which come late), every request delivered, every
+key reconciled until the ledger holds it terminal. The checker then holds
+the history to the model's invariants: at most one effect per key and one
+inverse effect; no effect without a durable admission (the external system
+reads the journal when it is called); no inverse effect unless the original
+succeeded; the adapter called at most once per key (recovery never calls it
+again); nothing committed or published by a superseded worker; every key
+terminal, the ledger equal to the journal, and ``succeeded`` exactly when
+the effect happened.
+
+Steps are taken one at a time on an event loop with virtual time and no I/O
+(``tests/sim/loop.py``: a schedule that would wait for ever fails as stuck),
+so a seed replays the same schedule: ``python -m tests.sim.run --seed N``.
+What this does not cover: two handlings of one worker interleaved (the key
+lock serialises a key's), and the AMQP client itself (the crash matrix and
+the broker tests run the real broker).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -63,7 +74,7 @@ from octo_common.frames import ScopeKey, SessionAuthenticator, SessionKey, Sessi
 from octo_common.grants import CapabilityGrant, CapabilityManifest
 from octo_common.payload import ToolPayload, canonical_operation_input_bytes
 from octo_common.records import StorageKeyring
-from octo_common.states import TERMINAL_KINDS, Failed, FailureCode, StateKind, Succeeded
+from octo_common.states import TERMINAL_KINDS, StateKind
 from octo_host.compensation import (
     WorkflowCompensationDispatch,
     WorkflowCompensationPolicy,
@@ -73,17 +84,22 @@ from octo_host.engine import WorkflowEngine
 from octo_host.kinds import RequestKind
 from octo_host.ledger import WorkflowOperationLedger
 from octo_host.plan import WorkflowPlan, WorkflowStep
-from octo_worker.adapters.contract import (
-    BaseWorkerAdapter,
-    DurableOperationContract,
-    InvocationSafety,
-    WorkerAdapterRegistry,
-)
+from octo_worker.adapters.contract import WorkerAdapterRegistry
 from octo_worker.session.session import WorkerSession, WorkerSessionLimits
 from octo_worker.store import SqliteJournalStore
-from octo_worker.testing.kit import SimulatedCrash, _CrashHooks
 
-TOOL: Final = "sim.effect"
+from .external import TOOL, External, SimAdapter
+from .world import (
+    PLACES,
+    Boundaries,
+    KillPointHooks,
+    Process,
+    bury,
+    drop_connections,
+    ignore_leftovers,
+    simulated_store,
+)
+
 KEYS: Final = 2
 GRANT: Final = CapabilityGrant(TOOL, "json", max_calls=1000, max_compensations=1000)
 STEPS: Final = [WorkflowStep(f"step-{i}", f"effect {i}") for i in range(KEYS)]
@@ -94,12 +110,19 @@ KILL_POINTS: Final = (
     "worker.before_reply",
     "worker.after_reply",
 )
-NOT_HAPPENED: Final = Failed("not performed", FailureCode.NOT_HAPPENED)
+# The kill points and boundaries a compensation reaches besides those.
+COMPENSATION_KILL_POINTS: Final = (
+    "worker.after_compensation_admission_commit",
+    "worker.after_compensation_effect",
+)
+COMPENSATION_PLACES: Final = tuple(place for place in PLACES if "inverse" in place)
+COMPENSATION_KINDS: Final = (RequestKind.COMPENSATE, RequestKind.RECONCILE_COMPENSATION)
 INVERSE: Final = ToolPayload.json({"undo": True})
-REFUSED: Final = Failed("the effect failed")
 # How many faulty steps a schedule takes before it settles, and the faults' bounds.
 FAULTY_STEPS: Final = 40
 SETTLE_STEPS: Final = 400
+WORKER_CRASHES: Final = 3  # deaths of the live worker per schedule
+COUNTDOWN: Final = 30  # a death armed at a boundary 1 .. COUNTDOWN - 1 ahead
 
 
 @contextlib.contextmanager
@@ -131,73 +154,6 @@ class Violation(AssertionError):
     """An invariant of the model broken by a schedule."""
 
 
-class SimAdapter(BaseWorkerAdapter):
-    """``sim.effect``: one effect per call unless its own record says otherwise.
-
-    Its record per key (``done``, ``failed``, ``refused`` by a lookup) lives
-    outside the worker, as an external system's would: it survives worker
-    crashes. Each call checks the admission it acts on is durable.
-    """
-
-    tool = TOOL
-
-    def __init__(self, rng: random.Random, durable: Callable[[str], Awaitable[Any]]) -> None:
-        self.rng = rng
-        self.durable = durable  # operation key -> the journal's record (None: none)
-        self.records: dict[str, Any] = {}
-        self.crecords: dict[str, Any] = {}
-        self.effects: Counter[str] = Counter()
-        self.ceffects: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
-        self.ccalls: Counter[str] = Counter()
-        self.violations: list[str] = []
-
-    def invocation_safety(self) -> InvocationSafety | None:
-        return InvocationSafety.READ_ONLY
-
-    def durable_operation_contract(self) -> DurableOperationContract | None:
-        return DurableOperationContract.RECONCILIATION
-
-    def lookup_miss_fences_key(self) -> bool:
-        return True
-
-    async def dispatch_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        key = request.operation_key
-        self.calls[key] += 1
-        record = await self.durable(key)
-        if record is None or record.state.kind is not StateKind.PENDING:
-            self.violations.append(f"dispatch of {key} without a durable pending admission")
-        if key not in self.records:
-            if self.rng.random() < 0.8:
-                self.effects[key] += 1
-                self.records[key] = Succeeded(ToolPayload.json({"done": key[:12]}))
-            else:
-                self.records[key] = REFUSED
-        return self.records[key]
-
-    async def reconcile_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        return self.records.setdefault(request.operation_key, NOT_HAPPENED)
-
-    async def compensate_operation(self, request: Any, grant: Any, context: Any) -> Any:
-        key = request.binding.operation_key
-        self.ccalls[key] += 1
-        record = await self.durable(key)
-        if (
-            record is None
-            or record.state.kind is not StateKind.SUCCEEDED
-            or record.compensation is None
-            or self.effects[key] != 1
-        ):
-            self.violations.append(f"compensation of {key} without a succeeded original")
-        if key not in self.crecords:
-            self.ceffects[key] += 1
-            self.crecords[key] = Succeeded(ToolPayload.json({"undone": key[:12]}))
-        return self.crecords[key]
-
-    async def reconcile_compensation(self, request: Any, grant: Any, context: Any) -> Any:
-        return self.crecords.setdefault(request.operation_key, NOT_HAPPENED)
-
-
 @dataclass
 class Request:
     """A request the host published: redelivered until the worker acks it."""
@@ -223,20 +179,23 @@ class Delivery:
 
     def __init__(self, sim: Sim, request: Request, worker: Worker) -> None:
         self.sim, self.request, self.worker = sim, request, worker
+        self.gate = sim.boundaries.gate
 
     async def ack(self) -> None:
-        if self.worker.alive:
-            self.request.acked = True
+        await self.gate(self.worker.process, "before an ack")
+        self.request.acked = True
+        await self.gate(self.worker.process, "after an ack")
 
     async def reply(self, frame: bytes, correlation_id: str | None) -> None:
-        if not self.worker.alive:
-            return
+        await self.gate(self.worker.process, "before a publish")
         self.sim.published(self.worker, Reply(frame, correlation_id, self.request.session_id))
+        await self.gate(self.worker.process, "after a publish")
 
     async def dead_letter(self, reason: str) -> None:
-        if self.worker.alive:
-            self.request.acked = True
-            self.sim.history.append(f"dead-lettered {self.request.kind} {reason}")
+        await self.gate(self.worker.process, "before a dead letter")
+        self.request.acked = True
+        self.sim.history.append(f"dead-lettered {self.request.kind} {reason}")
+        await self.gate(self.worker.process, "after a dead letter")
 
     async def requeue(self) -> None:
         return None
@@ -244,12 +203,14 @@ class Delivery:
 
 @dataclass(eq=False)
 class Worker:
-    """One worker incarnation: its store, fence and sessions."""
+    """One worker incarnation: its process, store, fence and sessions."""
 
+    process: Process
     store: SqliteJournalStore
-    lease: Any
-    sessions: dict[str, WorkerSession]
-    alive: bool = True
+    lease: Any = None
+    sessions: dict[str, WorkerSession] = field(default_factory=dict)
+    registry: WorkerAdapterRegistry = field(default_factory=WorkerAdapterRegistry)
+    hooks: KillPointHooks | None = None
     fenced_at: int | None = None  # the journal revision when a newer fence was reserved
 
 
@@ -278,14 +239,15 @@ class Sim:
         self.engine = WorkflowEngine()
         self.plan: WorkflowPlan = self.engine.plan(STEPS)
         self.durable_ledger = WorkflowOperationLedger(self.plan.fingerprint).to_json()
-        self.adapter = SimAdapter(self.rng, self._journal_record)
-        self.registry = WorkerAdapterRegistry()
-        self.registry.register(TOOL, self.adapter)
-        self.hooks = _CrashHooks()  # the daemon's kill points, raising SimulatedCrash
+        self.external = External(self.rng, self._journal_record)
+        self.history: list[str] = []
+        self.boundaries = Boundaries(self.history)
+        self.kill_point: list[str | None] = [None]  # the kill point the live worker dies at
+        self.incarnations = 0
+        self.observer: SqliteJournalStore | None = None
         self.limits = WorkerSessionLimits(per_tool=1000, per_session=1000)
         self.to_worker: list[Request] = []
         self.to_host: list[Reply] = []
-        self.history: list[str] = []
         self.keys: list[str] = []
         self.next_id = 0
         self.budget = Counter[str]()
@@ -297,52 +259,79 @@ class Sim:
     # -- the journal, as the adapter and the checker read it ---------------------------
 
     async def _journal_record(self, key: str) -> Any:
-        assert self.worker is not None
-        rows = await self.worker.store.load_records(self.scope, [key])
+        rows = await self.observed().load_records(self.scope, [key])
         row = rows.get(key)
         return None if row is None else row[0]
 
     # -- worker ------------------------------------------------------------------------
 
-    def _new_store(self) -> SqliteJournalStore:
-        return SqliteJournalStore(self.directory / "journal.sqlite3", self.keyring)
+    def _new_store(self, process: Process) -> SqliteJournalStore:
+        store = SqliteJournalStore(self.directory / "journal.sqlite3", self.keyring)
+        return simulated_store(store, self.boundaries, process)
 
-    async def start_worker(self) -> None:
-        store = self._new_store()
-        lease = await store.reserve_fence(self.scope)
-        sessions: dict[str, WorkerSession] = {}
+    def observed(self) -> SqliteJournalStore:
+        """The checker's own view of the journal (a store no worker process uses)."""
+        if self.observer is None:
+            self.observer = self._new_store(Process("observer", crashable=False))
+        return self.observer
+
+    async def start_worker(self, *, crashable: bool = True) -> None:
+        """A new worker process on the journal; started again while it dies starting."""
+        while True:
+            self.incarnations += 1
+            process = Process(f"worker {self.incarnations}", crashable=crashable)
+            worker = Worker(process, self._new_store(process))
+            worker.hooks = KillPointHooks(self.boundaries, process, self.kill_point)
+            worker.registry.register(TOOL, SimAdapter(self.external, self.boundaries, process))
+            started, _ = await self.boundaries.run_as(process, self._boot(worker))
+            if started:
+                self.worker = worker
+                return
+            await self.bury(worker)
+
+    async def _boot(self, worker: Worker) -> None:
+        """Fence, restore the sessions, publish the outbox again (recovery)."""
+        store = worker.store
+        worker.lease = await store.reserve_fence(self.scope)
         for session_id, persisted in (await store.load_sessions(self.scope)).items():
             if persisted.status == "closed":
                 continue
-            sessions[session_id] = await WorkerSession.restore(
+            worker.sessions[session_id] = await WorkerSession.restore(
                 persisted,
                 scope_key=self.scope_key,
                 scope=self.scope,
                 store=store,
-                lease=lease,
-                adapters=self.registry,
+                lease=worker.lease,
+                adapters=worker.registry,
                 limits=self.limits,
-                hooks=self.hooks,
+                hooks=worker.hooks,
             )
-        self.worker = Worker(store, lease, sessions)
         # The outbox is published again (identical bytes; the host drops a duplicate).
         for entry in await store.load_outbox(self.scope):
+            await self.boundaries.gate(worker.process, "before a publish")
             self.to_host.append(Reply(entry.frame, entry.correlation_id, entry.session_id))
-        self.history.append(f"worker started, fence {lease.token}")
+            await self.boundaries.gate(worker.process, "after a publish")
+        self.history.append(f"{worker.process.name} started, fence {worker.lease.token}")
+
+    async def bury(self, worker: Worker) -> None:
+        """What a SIGKILL leaves: nothing of the process runs on; its connections dropped."""
+        await bury(worker.process)
+        drop_connections(worker.store)
 
     async def crash_worker(self) -> None:
+        """The live worker killed between two steps, then started again."""
         assert self.worker is not None
-        self.worker.alive = False
-        await self.worker.store.close()
-        self.history.append("worker killed")
+        self.boundaries.kill(self.worker.process, "between steps")
+        await self.bury(self.worker)
         await self.start_worker()
 
     async def take_over(self) -> None:
         """A second worker takes the scope under a newer fence; the first is paused."""
         assert self.worker is not None
         paused = self.worker
+        paused.process.crashable = False  # the countdown is for the live worker
         await self.start_worker()
-        paused.fenced_at = await self.worker.store.head_revision(self.scope)  # type: ignore[union-attr]
+        paused.fenced_at = await self.observed().head_revision(self.scope)
         self.paused = paused
         self.history.append("paused worker fenced out by a new one")
 
@@ -354,73 +343,83 @@ class Sim:
         pending = [r for r in self.to_worker if not r.acked]
         if pending:
             request = self.rng.choice(pending)
-            before = await self.worker.store.head_revision(self.scope)
+            before = await self.observed().head_revision(self.scope)
             replies = len(self.to_host)
             session = paused.sessions.get(request.session_id)
             if session is not None:
                 delivery = Delivery(self, request, paused)
-                try:
-                    await session.handle(request.frame, paused.store, delivery)
-                except SimulatedCrash:
-                    pass
-                if await self.worker.store.head_revision(self.scope) != before:
+                handling = session.handle(request.frame, paused.store, delivery)
+                await self.boundaries.run_as(paused.process, handling)
+                if await self.observed().head_revision(self.scope) != before:
                     self.violations.append("a fenced-out worker committed")
                 if len(self.to_host) != replies:
                     self.violations.append("a fenced-out worker published")
-        paused.alive = False
-        await paused.store.close()
-        self.history.append("paused worker woke up and stopped")
+        self.boundaries.kill(paused.process, "after waking up fenced out", counted=False)
+        await self.bury(paused)
 
     def published(self, worker: Worker, reply: Reply) -> None:
         if worker.fenced_at is not None:
             self.violations.append("a fenced-out worker published a reply")
         self.to_host.append(reply)
 
-    async def deliver(self, request: Request, point: str | None) -> None:
+    async def deliver(self, request: Request, point: str | None = None) -> None:
+        """The live worker handles one delivery (dying at kill point ``point``, if any)."""
         worker = self.worker
         assert worker is not None
         session = worker.sessions.get(request.session_id)
         if session is None:
             request.acked = True  # an unknown session's frame is dead-lettered
             return
-        self.hooks.point = point
-        try:
-            await session.handle(request.frame, worker.store, Delivery(self, request, worker))
-        except SimulatedCrash:
-            self.history.append(f"worker died at {point} ({request.kind} {request.key[:10]})")
-            self.hooks.point = None
-            await self.crash_worker()
+        self.kill_point[0] = point
+        handling = session.handle(request.frame, worker.store, Delivery(self, request, worker))
+        handled, _ = await self.boundaries.run_as(worker.process, handling)
+        self.kill_point[0] = None
+        if not handled:
+            self.history.append(f"... while handling {request.kind} {request.key[:10]}")
+            await self.bury(worker)
+            await self.start_worker()
             return
-        self.hooks.point = None
         self.history.append(f"delivered {request.kind} {request.key[:10]}")
 
     # -- host --------------------------------------------------------------------------
 
     async def start_host(self) -> None:
-        """A host incarnation: the durable ledger, a new session, opened at the worker."""
-        assert self.worker is not None
+        """A host incarnation: the durable ledger, a new session, opened at the worker
+        (opened again under a new session while the worker dies opening it)."""
         ledger = WorkflowOperationLedger.from_json(self.durable_ledger)
-        session_id = f"s-{self.rng.getrandbits(64):016x}"
-        nonce = self.rng.randbytes(32)
-        key = SessionKey.derive(self.scope_key, self.scope, session_id, nonce)
-        host = SessionAuthenticator(session_id, key, SessionRole.HOST)
-        reply_to = "octo.v5.reply.sim"
-        opening = host.seal(
-            messages.OpenSession(CapabilityManifest(session_id, [GRANT]), reply_to=reply_to)
-        )
-        session = await WorkerSession.open(
-            SessionAuthenticator(session_id, key, SessionRole.WORKER),
-            opening,
-            scope=self.scope,
-            key_nonce=nonce,
-            reply_to=reply_to,
-            store=self.worker.store,
-            lease=self.worker.lease,
-            adapters=self.registry,
-            limits=self.limits,
-            hooks=self.hooks,
-        )
-        self.worker.sessions[session_id] = session
+        while True:
+            worker = self.worker
+            assert worker is not None
+            session_id = f"s-{self.rng.getrandbits(64):016x}"
+            nonce = self.rng.randbytes(32)
+            key = SessionKey.derive(self.scope_key, self.scope, session_id, nonce)
+            host = SessionAuthenticator(session_id, key, SessionRole.HOST)
+            reply_to = "octo.v5.reply.sim"
+            opening = host.seal(
+                messages.OpenSession(CapabilityManifest(session_id, [GRANT]), reply_to=reply_to)
+            )
+            opened, session = await self.boundaries.run_as(
+                worker.process,
+                WorkerSession.open(
+                    SessionAuthenticator(session_id, key, SessionRole.WORKER),
+                    opening,
+                    scope=self.scope,
+                    key_nonce=nonce,
+                    reply_to=reply_to,
+                    store=worker.store,
+                    lease=worker.lease,
+                    adapters=worker.registry,
+                    limits=self.limits,
+                    hooks=worker.hooks,
+                ),
+            )
+            if opened:
+                assert session is not None
+                break
+            self.history.append(f"... while opening session {session_id}")
+            await self.bury(worker)
+            await self.start_worker()
+        worker.sessions[session_id] = session
         self.host = Host(ledger, host)
         self.history.append(f"host started, session {session_id}")
 
@@ -526,11 +525,15 @@ class Sim:
         )
         self.publish(RequestKind.RECONCILE_COMPENSATION, key, outbound)
 
-    def apply(self, reply: Reply) -> None:
+    def apply(self, reply: Reply, *, ack: bool = True, persist: bool = True) -> None:
         """The host opens and applies a reply, persists, then acks (removes) it."""
+        self._apply(reply, persist)
+        if ack:
+            self.to_host.remove(reply)
+
+    def _apply(self, reply: Reply, persist: bool) -> None:
         host = self.host
         assert host is not None
-        self.to_host.remove(reply)
         if reply.session_id != host.auth.session_id:
             self.history.append("reply of an earlier session dead-lettered")
             return
@@ -563,7 +566,8 @@ class Sim:
         except OctoError as exc:
             self.history.append(f"reply not applied ({exc.code})")
             return
-        self.persist(candidate)
+        if persist:
+            self.persist(candidate)
         self.history.append(f"host applied {request.kind} {request.key[:10]}: {state.kind}")
 
     async def crash_host(self) -> None:
@@ -624,14 +628,28 @@ class Sim:
             choices.append(("compensate", lambda key=key: self.compensate(key)))
         unacked = [r for r in self.to_worker if not r.acked]
         for request in unacked:
-            choices += [("deliver", lambda r=request: self.deliver(r, None))] * 3
-            if faulty and self.budget["worker_crash"] < 2:
+            choices += [("deliver", lambda r=request: self.deliver(r))] * 3
+            if faulty and self.budget["worker_crash"] < WORKER_CRASHES:
                 point = rng.choice(KILL_POINTS)
                 choices.append(("crash", lambda r=request, p=point: self._crashing(r, p)))
+                choices.append(("die", lambda r=request: self._dying(r)))
+            if (
+                self.faults
+                and request.kind in COMPENSATION_KINDS
+                and self.budget["compensation_crash"] < 1
+            ):
+                # Compensations come late in a schedule: one death among them, settled or not.
+                point = rng.choice(COMPENSATION_KILL_POINTS)
+                choices.append(
+                    ("crash", lambda r=request, p=point: self._crashing(r, p, "compensation_crash"))
+                )
+                choices.append(("die", lambda r=request: self._dying_compensating(r)))
         for reply in list(self.to_host):
             choices += [("apply", lambda r=reply: self.apply(r))] * 3
             if faulty and self.budget["lost"] < 1:
                 choices.append(("lose", lambda r=reply: self._lose(r)))
+            if faulty and self.budget["host_crash"] < 1:
+                choices.append(("host dies applying", lambda r=reply: self._host_dies(r)))
         waiting = not unacked and not self.to_host
         for key in self.pending_keys():
             if key not in self.host.unsent and (waiting or faulty):
@@ -647,7 +665,7 @@ class Sim:
                 choices.append(("duplicate", lambda: self._duplicate(rng.choice(acked))))
             if self.budget["host_crash"] < 1:
                 choices.append(("host crash", self._host_crash))
-            if self.budget["worker_crash"] < 2:
+            if self.budget["worker_crash"] < WORKER_CRASHES:
                 choices.append(("worker crash", self._worker_crash))
             if self.paused is None and self.budget["takeover"] < 1:
                 choices.append(("takeover", self._takeover))
@@ -663,9 +681,37 @@ class Sim:
             await outcome
         return True
 
-    async def _crashing(self, request: Request, point: str) -> None:
-        self.budget["worker_crash"] += 1
+    async def _crashing(self, request: Request, point: str, budget: str = "worker_crash") -> None:
+        self.budget[budget] += 1
         await self.deliver(request, point)
+
+    async def _dying(self, request: Request) -> None:
+        """Deliver with the live worker set to die at a boundary a few ahead (in this
+        handling, or a later step's if this one ends first)."""
+        self.budget["worker_crash"] += 1
+        self.arm()
+        await self.deliver(request)
+
+    async def _dying_compensating(self, request: Request) -> None:
+        """Deliver with the live worker set to die at the next inverse or inverse lookup."""
+        self.budget["compensation_crash"] += 1
+        self.boundaries.arm(1, self.rng.choice(COMPENSATION_PLACES))
+        await self.deliver(request)
+
+    def arm(self) -> None:
+        """The live worker set to die at a boundary ahead: any of the next few, or
+        (half the time, so that every kind is reached) the next one or two of a kind."""
+        if self.rng.random() < 0.5:
+            self.boundaries.arm(self.rng.randrange(1, COUNTDOWN))
+        else:
+            self.boundaries.arm(self.rng.randrange(1, 3), self.rng.choice(PLACES))
+
+    async def _host_dies(self, reply: Reply) -> None:
+        """The host applies a reply and dies before its ack (half the time before the
+        ledger write): the reply stays queued."""
+        self.budget["host_crash"] += 1
+        self.apply(reply, ack=False, persist=self.rng.random() < 0.5)
+        await self.crash_host()
 
     def _lose(self, reply: Reply) -> None:
         self.budget["lost"] += 1
@@ -691,7 +737,11 @@ class Sim:
         await self.crash_host()
 
     async def _worker_crash(self) -> None:
+        """Killed between steps; half the time it dies again while recovering."""
         self.budget["worker_crash"] += 1
+        if self.budget["worker_crash"] < WORKER_CRASHES and self.rng.random() < 0.5:
+            self.budget["worker_crash"] += 1
+            self.arm()
         await self.crash_worker()
 
     async def _takeover(self) -> None:
@@ -700,12 +750,14 @@ class Sim:
 
     async def run(self) -> None:
         """The whole schedule, then the checks; raises :class:`Violation`."""
+        asyncio.get_running_loop().set_exception_handler(ignore_leftovers)
         await self.start_worker()
         await self.start_host()
         try:
             for _ in range(FAULTY_STEPS if self.faults else 0):
                 if not await self.step(faulty=True):
                     break
+            self.boundaries.disarm()
             if self.paused is not None:
                 await self.wake_paused()
             for _ in range(SETTLE_STEPS):
@@ -718,10 +770,12 @@ class Sim:
             for worker in (self.worker, self.paused):
                 if worker is not None:
                     await worker.store.close()
+            if self.observer is not None:
+                await self.observer.close()
 
     async def check(self) -> None:
         """The model's invariants over what happened."""
-        adapter = self.adapter
+        adapter = self.external
         problems = list(self.violations) + list(adapter.violations)
         assert self.host is not None
         for key in self.keys:
@@ -764,12 +818,11 @@ class Sim:
         if len(self.keys) != KEYS:
             problems.append(f"only {len(self.keys)} keys recorded")
         if problems:
-            raise Violation(
-                f"seed {self.seed}: "
-                + "; ".join(problems)
-                + "\nhistory:\n  "
-                + "\n  ".join(self.history)
-            )
+            raise Violation(self.report("; ".join(problems)))
+
+    def report(self, problem: str) -> str:
+        """A failure with its seed and the schedule's history."""
+        return f"seed {self.seed}: {problem}\nhistory:\n  " + "\n  ".join(self.history)
 
 
 async def run_schedule(seed: int, directory: Path, *, faults: bool = True) -> Sim:

@@ -5,9 +5,16 @@ random ranges."""
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
+from pathlib import Path
+
 import pytest
 
+from .loop import new_loop
 from .run import run_range
+from .sim import COMPENSATION_KILL_POINTS, KEYS, KILL_POINTS, Sim, quiet_logs
+from .world import PLACES
 
 pytestmark = pytest.mark.slow
 
@@ -16,25 +23,26 @@ SCHEDULES = 500
 
 
 def test_every_schedule_of_the_fixed_seeds_keeps_the_invariants() -> None:
-    done, failures = run_range(FIRST_SEED, SCHEDULES)
-    assert done == SCHEDULES
-    assert not failures, "\n\n".join(failures[:3])
+    result = run_range(FIRST_SEED, SCHEDULES)
+    assert result.done == SCHEDULES
+    assert not result.failures, "\n\n".join(result.failures[:3])
+    # The deaths fell at every kind of boundary and at every kill point.
+    for place in [*PLACES, *KILL_POINTS, *COMPENSATION_KILL_POINTS, "between steps"]:
+        assert result.deaths[place] > 0, (place, result.deaths)
+
+
+def run_one(seed: int, *, faults: bool = True) -> Sim:
+    with quiet_logs(), tempfile.TemporaryDirectory(prefix="octo-sim-") as tmp:
+        sim = Sim(seed, Path(tmp), faults=faults)
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(sim.run())
+    return sim
 
 
 def test_a_schedule_without_faults_ends_with_every_key_settled() -> None:
     # The settled part alone, as a baseline the checker must pass without faults.
-    import asyncio
-    import tempfile
-    from pathlib import Path
-
-    from .sim import KEYS, quiet_logs, run_schedule
-
-    async def run() -> None:
-        with tempfile.TemporaryDirectory(prefix="octo-sim-") as tmp:
-            sim = await run_schedule(7, Path(tmp), faults=False)
-        assert len(sim.keys) == KEYS
-        assert sum(sim.adapter.calls.values()) == KEYS
-        assert sim.budget == {}
-
-    with quiet_logs():
-        asyncio.run(run())
+    sim = run_one(7, faults=False)
+    assert len(sim.keys) == KEYS
+    assert sum(sim.external.calls.values()) == KEYS
+    assert sim.budget == {}
+    assert not sim.boundaries.deaths
