@@ -48,7 +48,7 @@ _JOURNAL = "tests/unit/test_journal.py"
 _MATRIX_REPLY = "tests/faults/test_crash_matrix.py::test_sigkill_at_every_point_leaves_every_key_known_and_effects_single[host.after_reply_applied-0]"  # noqa: E501
 
 MUTANTS: Final = (
-    # The simulation alone against two of the worker's lines (it does not kill an
+    # The simulation alone against three of the worker's lines (it does not kill an
     # ack moved after the adapter, nor a compensation of an original that did not
     # succeed, which its host never sends: the session and journal tests do).
     Mutant(
@@ -63,6 +63,13 @@ MUTANTS: Final = (
         "octo_worker/storage/changes.py",
         "if head.fence != pending.token:  # step 1",
         "if False:",
+        (_SIM,),
+    ),
+    Mutant(
+        "sim: session: a fence rejection does not supersede the session",
+        "octo_worker/session/commits.py",
+        "self.superseded = True",
+        "pass",
         (_SIM,),
     ),
     # The worker: admission, effect once, fences.
