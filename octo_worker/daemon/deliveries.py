@@ -7,9 +7,10 @@ publish, dead-letter, requeue) and :class:`DeliveryPath`, the part of
 
 1. the scope's concurrency bound and pause gate;
 2. the inbound gate (``octo_common.inbound.gate``): size, headers, session;
-3. the status route (``octo_worker.daemon.routes``): hand it to the
-   session, open a session from an ``open_session``, or dead-letter it;
-4. ``WorkerSession.handle`` (or ``WorkerSession.open``);
+3. the route (``octo_worker.daemon.routes``): hand it to the session held
+   in memory, open a session from an ``open_session``, or dead-letter it;
+4. ``WorkerSession.handle`` (which may refuse it by the session's status
+   and nonce), or ``WorkerSession.open``;
 5. after the handling: release a closed session, reload a poisoned
    scope's sessions, give up a superseded scope.
 
@@ -40,7 +41,6 @@ from octo_worker.daemon.routes import (
     AfterHandling,
     Route,
     after_handling,
-    route_known,
     route_unknown,
 )
 from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
@@ -300,11 +300,13 @@ class DeliveryPath:
                 await delivery.dead_letter(route.value)
             return None
         self._attach(scope, delivery, session)
-        route = route_known(session.status, opening, key_nonce == session.key_nonce)
-        if route is Route.HANDLE:
-            return await session.handle(body, self._store, delivery)
-        await delivery.dead_letter(route.value)
-        return None
+        return await session.handle(
+            body,
+            self._store,
+            delivery,
+            opening=opening,
+            nonce_matches=key_nonce == session.key_nonce,
+        )
 
     async def _open_session(
         self,
@@ -387,7 +389,7 @@ class DeliveryPath:
     async def _after_delivery(
         self, scope: ServedScope, delivery: BrokerDelivery, facts: Handled | None
     ) -> None:
-        if self._scopes.superseded(scope):
+        if scope.fence_refused:
             await self._scopes.give_up(scope)
             return
         tampered = self._store.tampered

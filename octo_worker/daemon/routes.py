@@ -1,8 +1,9 @@
 """What the daemon does by a session's status, as tables.
 
-* :func:`route_known` and :func:`route_unknown`: what the daemon does with
-  a delivery once the inbound gate (``octo_common.inbound``) has named a
-  session held in memory, or a session id it does not hold;
+* :func:`route_unknown`: what the daemon does with a delivery once the
+  inbound gate (``octo_common.inbound``) has named a session id it does not
+  hold (a session held in memory takes or refuses the delivery itself:
+  ``octo_worker.session.rules.refused_delivery``);
 * :func:`after_handling`: what the daemon does once a delivery of a session
   is handled (over what ``WorkerSession.handle`` returned): reload the
   scope after a failed commit, let a closed session go.
@@ -20,7 +21,7 @@ from octo_common.errors import InvalidAuthenticationTag, InvalidFrameHeaders, Se
 from octo_worker.session.rules import CLOSED, CLOSED_REASON, POISONED
 from octo_worker.storage.documents import SessionStatus
 
-__all__ = ["AfterHandling", "Route", "after_handling", "route_known", "route_unknown"]
+__all__ = ["AfterHandling", "Route", "after_handling", "route_unknown"]
 
 
 # The daemon's routing --------------------------------------------------
@@ -44,22 +45,6 @@ class Route(enum.Enum):
 
 
 _ACTING: Final = frozenset({Route.HANDLE, Route.OPEN, Route.LOOK_UP})
-
-
-def route_known(status: SessionStatus, opening: bool, nonce_matches: bool) -> Route:
-    """A delivery for a session held in memory.
-
-    An ``open_session`` is handled only by an open or poisoned session with
-    its own nonce (a redelivered opening is then a duplicate; an authentic
-    new one is ``SessionReplay``); any other is a replay. A closed session
-    dead-letters the frame itself once its close is durable,
-    whatever the nonce. Another nonce cannot authenticate.
-    """
-    if opening:
-        return Route.HANDLE if status != CLOSED and nonce_matches else Route.SESSION_REPLAY
-    if status == CLOSED:
-        return Route.HANDLE
-    return Route.HANDLE if nonce_matches else Route.INVALID_TAG
 
 
 def route_unknown(opening: bool, closed: bool, reply_queue: bool) -> Route:

@@ -92,6 +92,9 @@ class ServedScope:
     running: asyncio.Event = field(default_factory=asyncio.Event)
     reloading: bool = False
     superseded: bool = False
+    # A commit of the scope met another worker's fence (``Supersession``): the
+    # scope is given up (``superseded``) after the delivery that saw it.
+    fence_refused: bool = False
     # A shared journal: the scope waits for the broker to make this
     # worker its single active consumer; its first delivery then activates
     # it (a fresh fence, the sessions restored, the outbox republished).
@@ -124,6 +127,9 @@ class Supersession(WorkerHooks):
     def on_commit_failed(self, scope: str, error: OctoError) -> None:
         if isinstance(error, FencingTokenRejected) and not self._own_fence(scope, error.current):
             self.scopes.add(scope)
+            served = self._served.get(scope)
+            if served is not None:
+                served.fence_refused = True
 
     def _own_fence(self, scope_name: str, fence: int) -> bool:
         scope = self._served.get(scope_name)
@@ -260,7 +266,7 @@ class ScopeLifecycle:
 
     def superseded(self, scope: ServedScope) -> bool:
         """Whether a commit of ``scope`` met another worker's fence (see ``Supersession``)."""
-        return scope.name in self._supersession.scopes
+        return scope.fence_refused or scope.name in self._supersession.scopes
 
     async def republish_outbox(self, scope: ServedScope) -> list[WorkerSession]:
         """Every committed reply not yet confirmed, oldest first.

@@ -345,17 +345,21 @@ class SessionCommits:
             raise asyncio.CancelledError()
         return outcome
 
-    async def wait_turn_locked(self, store: WorkerSessionStore) -> None:
+    async def wait_turn_locked(
+        self, store: WorkerSessionStore
+    ) -> asyncio.Future[int | OctoError] | None:
         """With a store that cannot chain, start only once no commit is in flight.
 
         Such a session then behaves exactly as one holding its lock through
         each commit: a handling reads the state (``poisoned`` included) as the
         last commit left it. Nothing is changed yet, so a cancellation here
-        stops at once.
+        stops at once. Returns the last commit still in flight (what an ack or
+        a dead-letter that commits nothing rests on), or None.
         """
         if not _chains(store):
             while self._in_flight:
                 await asyncio.wait({self._in_flight[-1].settled})
+        return self._in_flight[-1].settled if self._in_flight else None
 
     async def drain_locked(self) -> bool:
         """Wait (lock held, so nothing new is built) until no commit is in flight.

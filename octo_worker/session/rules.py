@@ -1,6 +1,8 @@
-"""What a worker session answers, by its status, as tables (W§10.5, W§10.7, W§10.9).
+"""What a worker session answers, by its status, as tables.
 
-A session is ``open``, ``closed`` or ``poisoned``. :func:`answer` says what
+A session is ``open``, ``closed`` or ``poisoned``. :func:`refused_delivery`
+says whether a session takes a delivery the inbound gate routed to it at
+all (its own nonce; an ``open_session`` only as a duplicate). :func:`answer` says what
 a session answers to each authenticated frame type, new or duplicate, by
 status (W§10.5 step 4, W§10.7, W§10.9), once ``open()`` accepted it; a
 ``closed`` session opens nothing (:data:`CLOSED_REASON`, W§10.11 rule 9).
@@ -17,6 +19,7 @@ import enum
 from collections.abc import Mapping
 from typing import Final
 
+from octo_common.errors import InvalidAuthenticationTag, SessionReplay
 from octo_worker.session.request_kinds import KEYED_KINDS
 from octo_worker.storage.documents import SessionStatus
 
@@ -27,6 +30,7 @@ __all__ = [
     "WORKER_MESSAGES",
     "Answer",
     "answer",
+    "refused_delivery",
 ]
 
 OPEN: Final[SessionStatus] = "open"
@@ -54,7 +58,27 @@ WORKER_MESSAGES: Final = frozenset(
 CLOSED_REASON: Final = "session_closed"
 
 
-# What a session answers (W§10.5 step 4, W§10.7, W§10.9) ---------------------------------
+# Whether a session takes a delivery at all ---------------------------------------------
+
+
+def refused_delivery(status: SessionStatus, opening: bool, nonce_matches: bool) -> str | None:
+    """Why a session held in memory refuses a delivery before opening its frame (the
+    dead-letter reason), or None: it handles it.
+
+    An ``open_session`` is handled only by an open or poisoned session with
+    its own nonce (a redelivered opening is then a duplicate; an authentic
+    new one is ``session_replay``); any other is a replay. A closed session
+    dead-letters the frame itself once its close is durable, whatever the
+    nonce. Another nonce cannot authenticate.
+    """
+    if opening:
+        return None if status != CLOSED and nonce_matches else SessionReplay.code
+    if status == CLOSED or nonce_matches:
+        return None
+    return InvalidAuthenticationTag.code
+
+
+# What a session answers ------------------------------------------------------------------
 
 
 class Answer(enum.Enum):

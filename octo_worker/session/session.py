@@ -79,7 +79,7 @@ from octo_worker.adapters.contract import WorkerAdapterRegistry, call_adapter_wi
 from octo_worker.hooks import NO_HOOKS, WorkerHooks
 from octo_worker.session.commits import CommitFailed, SessionCommits
 from octo_worker.session.decisions import SessionDecisions, WorkerSessionLimits, reply_unresolved
-from octo_worker.session.rules import CLOSED, CLOSED_REASON, OPEN, POISONED
+from octo_worker.session.rules import CLOSED, CLOSED_REASON, OPEN, POISONED, refused_delivery
 from octo_worker.session.state import SessionState
 from octo_worker.session.steps import (
     Ack,
@@ -419,8 +419,22 @@ class WorkerSession:
 
     # -- handling ------------------------------------------------------------------
 
-    async def handle(self, frame: bytes, store: WorkerSessionStore, delivery: Delivery) -> Handled:
-        """Handle one delivered frame (W§10.5–10.9). Raises only ``CancelledError``.
+    async def handle(
+        self,
+        frame: bytes,
+        store: WorkerSessionStore,
+        delivery: Delivery,
+        *,
+        opening: bool = False,
+        nonce_matches: bool = True,
+    ) -> Handled:
+        """Handle one delivered frame. Raises only ``CancelledError``, and the error of a
+        failed dead-letter of a delivery the session refuses outright.
+
+        ``opening``: the frame is an ``open_session``; ``nonce_matches``: the
+        delivery names the session's own key nonce. A delivery the session
+        does not take (``rules.refused_delivery``) is dead-lettered with its
+        reason, its frame unopened.
 
         Protocol, adapter and storage failures become replies, dead-letters or
         poisoning. The delivery is settled at most once: acked after the
@@ -434,7 +448,11 @@ class WorkerSession:
         Returns what the session is once it handled the frame (``Handled``: its
         status, whether a commit of it failed), which the daemon decides on.
         """
-        await self._handle_frame(frame, store, delivery)
+        refused = refused_delivery(self._state.status, opening, nonce_matches)
+        if refused is not None:
+            await delivery.dead_letter(refused)
+        else:
+            await self._handle_frame(frame, store, delivery)
         return Handled(self._state.status, self._commits.failures > 0)
 
     async def _handle_frame(
@@ -481,8 +499,7 @@ class WorkerSession:
         """The one driver: the decisions' steps run in order, the lock held but for the
         adapter call (and for each commit while it is in flight)."""
         async with self._lock:
-            await self._commits.wait_turn_locked(run.store)
-            run.barrier = self._commits.last_in_flight()
+            run.barrier = await self._commits.wait_turn_locked(run.store)
             step = await self._run_locked(self._decisions.answer(frame, run), run)
         while isinstance(step, AdapterStep):
             if step.ack_first:

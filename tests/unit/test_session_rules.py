@@ -9,7 +9,6 @@ from octo_worker.daemon.routes import (
     AfterHandling,
     Route,
     after_handling,
-    route_known,
     route_unknown,
 )
 from octo_worker.session.request_kinds import KEYED_KINDS, KEYED_MESSAGES
@@ -20,12 +19,13 @@ from octo_worker.session.rules import (
     WORKER_MESSAGES,
     Answer,
     answer,
+    refused_delivery,
 )
 
 ALL_TYPES = sorted(str(cls.__struct_config__.tag) for cls in _MESSAGE_TYPES)
 
 
-# The daemon's routing --------------------------------------------------
+# The routing: a known session's (session rules), an unknown one's (daemon routes) --------
 
 
 @pytest.mark.parametrize(
@@ -47,8 +47,11 @@ ALL_TYPES = sorted(str(cls.__struct_config__.tag) for cls in _MESSAGE_TYPES)
         ("closed", True, False, Route.SESSION_REPLAY),
     ],
 )
-def test_route_known(status: str, opening: bool, nonce_matches: bool, route: Route) -> None:
-    assert route_known(status, opening, nonce_matches) is route  # type: ignore[arg-type]
+def test_a_known_session_takes_or_refuses_a_delivery(
+    status: str, opening: bool, nonce_matches: bool, route: Route
+) -> None:
+    reason = refused_delivery(status, opening, nonce_matches)  # type: ignore[arg-type]
+    assert reason == (None if route is Route.HANDLE else route.value)
 
 
 @pytest.mark.parametrize(
