@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
 from octo_common.errors import OctoError, StorageBackendError
+from octo_common.runtime.groupcommit import resolve_outcome
 
 __all__ = [
     "DatabaseThread",
@@ -127,7 +128,7 @@ class DatabaseThread(Generic[W]):
         dropped).
         """
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.call(work, functools.partial(_resolve, future))
+        self.call(work, functools.partial(resolve_outcome, future))
         return future
 
     def close(self, last: W | None = None) -> asyncio.Future[Any] | None:
@@ -148,7 +149,7 @@ class DatabaseThread(Generic[W]):
             future: asyncio.Future[Any] | None = None
             if last is not None and loop is not None:
                 future = loop.create_future()
-                self._inbox.put((last, functools.partial(_resolve, future), loop))
+                self._inbox.put((last, functools.partial(resolve_outcome, future), loop))
             self._inbox.put(None)
             return future
 
@@ -235,16 +236,6 @@ def _call_each(loop: asyncio.AbstractEventLoop, items: list[tuple[_Callback, Out
             loop.call_exception_handler(
                 {"message": "database thread callback failed", "exception": exc}
             )
-
-
-def _resolve(future: asyncio.Future[Any], outcome: Outcome) -> None:
-    if future.done():  # its awaiting task was cancelled; the work still ran
-        return
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
 
 
 # Schema migration -----------------------------------------------------------------------

@@ -41,7 +41,6 @@ SQLSTATE only. The URL never carries a password (``password_file``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
@@ -62,6 +61,7 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
+from octo_common.runtime.groupcommit import GroupCommit, resolve_outcome
 from octo_common.runtime.postgres import (
     Connection,
     PoolSettings,
@@ -141,28 +141,24 @@ returns statements."""
 class _Write:
     """One submitted write, waiting for its transaction."""
 
-    __slots__ = ("decide", "future", "keys", "operation")
+    __slots__ = ("decide", "keys", "operation")
 
-    def __init__(
-        self,
-        operation: str,
-        keys: tuple[StorageRecordKey, ...],
-        decide: _Decide,
-        future: asyncio.Future[Any],
-    ) -> None:
+    def __init__(self, operation: str, keys: tuple[StorageRecordKey, ...], decide: _Decide) -> None:
         self.operation = operation
         self.keys = keys
         self.decide = decide
-        self.future = future
 
 
-def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if future.done():  # its caller was cancelled; the write still ran
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
+_Outcome: TypeAlias = tuple[bool, Any]
+"""A write's outcome: (True, its value) or (False, the error its caller raises)."""
+
+
+def _cancelled(write: _Write, _error: BaseException) -> _Outcome:
+    return (False, StorageBackendError(f"{write.operation}: cancelled"))
+
+
+def _failed(write: _Write, error: BaseException) -> _Outcome:
+    return (False, _translated(write.operation, error))
 
 
 class PostgresRecordBackend(SwapBackend):
@@ -219,15 +215,14 @@ class PostgresRecordBackend(SwapBackend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: asyncpg.Pool | None = None
         self._open_lock: asyncio.Lock | None = None
-        self._pending: list[_Write] = []
-        self._writer: asyncio.Task[None] | None = None
+        # Writes that wait together share one transaction (at most
+        # MAX_WRITES_PER_TRANSACTION), one batch at a time; created on the loop.
+        self._writes: GroupCommit[_Write, _Outcome] | None = None
         self._submitted = 0  # writes submitted so far
         self._finished = 0  # writes whose transaction has ended
         self._progress: asyncio.Event | None = None
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
-        self._transactions = 0
-        self._batched_writes = 0
 
     @property
     def schema(self) -> str:
@@ -237,7 +232,8 @@ class PostgresRecordBackend(SwapBackend):
     @property
     def group_commit_stats(self) -> tuple[int, int]:
         """(write transactions committed or attempted, writes they carried)."""
-        return self._transactions, self._batched_writes
+        writes = self._writes
+        return (0, 0) if writes is None else (writes.transactions, writes.batched)
 
     def __repr__(self) -> str:
         return f"PostgresRecordBackend(url={redacted_url(self._url)!r}, schema={self._schema!r})"
@@ -355,60 +351,45 @@ class PostgresRecordBackend(SwapBackend):
     def _submit(
         self, operation: str, keys: tuple[StorageRecordKey, ...], decide: _Decide
     ) -> asyncio.Future[Any]:
+        """Queue one write; the future gets its value or raises its error. Once
+        queued it runs (or fails) even if the caller is cancelled."""
         if self._closed:
             raise StorageBackendError("store is closed")
-        loop = self._bind_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append(_Write(operation, keys, decide, future))
-        self._submitted += 1
-        if self._writer is None:
-            self._writer = loop.create_task(self._serve(), name="octo-ledger-postgres")
-        return future
-
-    async def _serve(self) -> None:
-        """The writer task: one transaction per batch of waiting writes, until none waits."""
-        try:
-            while self._pending:
-                batch = self._pending[:MAX_WRITES_PER_TRANSACTION]
-                del self._pending[:MAX_WRITES_PER_TRANSACTION]
-                try:
-                    outcomes = await self._run_batch(batch)
-                except asyncio.CancelledError:
-                    self._pending[:0] = batch
-                    raise
-                except BaseException as exc:  # a defect here must not strand later callers
-                    outcomes = [
-                        (write, False, _translated(write.operation, exc)) for write in batch
-                    ]
-                self._deliver(outcomes)
-        except asyncio.CancelledError:
-            # The loop is going away: nobody will run what is left.
-            left, self._pending = self._pending, []
-            self._deliver(
-                [
-                    (write, False, StorageBackendError(f"{write.operation}: cancelled"))
-                    for write in left
-                ]
+        self._bind_loop()
+        writes = self._writes
+        if writes is None:
+            writes = self._writes = GroupCommit.running(
+                self._run_writes,
+                _cancelled,
+                max_batch=MAX_WRITES_PER_TRANSACTION,
+                on_batch=self._writes_finished,
+                settle=resolve_outcome,
+                name="octo-ledger-postgres",
             )
-            raise
-        finally:
-            self._writer = None
+        self._submitted += 1
+        return writes.submit(_Write(operation, keys, decide))
 
-    def _deliver(self, outcomes: list[tuple[_Write, bool, Any]]) -> None:
-        for write, ok, value in outcomes:
-            _settle(write.future, ok, value)
-        self._finished += len(outcomes)
+    async def _run_writes(self, batch: list[_Write]) -> list[_Outcome]:
+        """One transaction for ``batch``; a defect here fails the batch, never later callers."""
+        try:
+            return await self._run_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            return [_failed(write, exc) for write in batch]
+
+    def _writes_finished(self, count: int) -> None:
+        """``count`` more writes have an outcome: the reads waiting for them go on."""
+        self._finished += count
         assert self._progress is not None
         self._progress.set()
         self._progress = asyncio.Event()
 
-    async def _run_batch(self, batch: list[_Write]) -> list[tuple[_Write, bool, Any]]:
-        self._transactions += 1
-        self._batched_writes += len(batch)
+    async def _run_batch(self, batch: list[_Write]) -> list[_Outcome]:
         try:
             pool = await self._ready(batch[0].operation, writer=True)
         except OctoError as exc:
-            return [(write, False, _translated(write.operation, exc)) for write in batch]
+            return [_failed(write, exc) for write in batch]
         for attempt in range(_DEADLOCK_RETRIES + 1):
             try:
                 async with pool.acquire() as connection:
@@ -419,13 +400,11 @@ class PostgresRecordBackend(SwapBackend):
                 # Rolled back whole: nothing of it was committed, so it runs again.
         raise AssertionError("unreachable")
 
-    async def _transaction(
-        self, connection: _Connection, batch: list[_Write]
-    ) -> list[tuple[_Write, bool, Any]]:
+    async def _transaction(self, connection: _Connection, batch: list[_Write]) -> list[_Outcome]:
         keys = sorted({key for write in batch for key in write.keys})
         namespaces = [key.namespace for key in keys]
         names = [key.name for key in keys]
-        results: list[tuple[_Write, bool, Any]] = []
+        results: list[_Outcome] = []
         async with connection.transaction():
             view: _View = {}
             for row in await connection.fetch(self._sql["lock_heads"], namespaces, names):
@@ -441,12 +420,12 @@ class PostgresRecordBackend(SwapBackend):
                 try:
                     value, statements = write.decide(view)
                 except Exception as exc:  # refused, or a defect in this caller's check
-                    results.append((write, False, _translated(write.operation, exc)))
+                    results.append(_failed(write, exc))
                     continue
                 for sql, arguments, expected in statements:
                     if await connection.fetchval(sql, *arguments) != expected:
                         raise _GuardRefused()
-                results.append((write, True, value))
+                results.append((True, value))
         return results
 
     # Contract (the compare-and-swap entry points: SwapBackend) -----------------------
@@ -593,11 +572,8 @@ class PostgresRecordBackend(SwapBackend):
         await asyncio.shield(self._closing)
 
     async def _shut_down(self) -> None:
-        writer = self._writer
-        while writer is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(writer)
-            writer = self._writer
+        if self._writes is not None:
+            await self._writes.idle.wait()
         assert self._open_lock is not None
         async with self._open_lock:
             pool, self._pool = self._pool, None

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,11 +38,13 @@ from octo_common.records import (
     Stored,
     StoredRecord,
 )
+from octo_common.runtime.groupcommit import GroupCommit, resolve_outcome
 from octo_common.runtime.logs import library_logger
 from octo_common.runtime.sqlite import (
     DatabaseThread,
     Outcome,
     check_database_files,
+    copy_error,
     migrate_schema,
     prepare_database_files,
     roll_back,
@@ -154,9 +157,11 @@ class SqliteRecordBackend(SwapBackend):
     rollback anchor.
 
     One dedicated thread owns the connection and runs every operation in
-    submission order. Writes (CAS, fence reservation, fence establishment)
-    that are waiting together share one ``BEGIN IMMEDIATE`` transaction and
-    one fsync (group commit): each caller gets the outcome it would
+    submission order: an event loop's operations queue for group commit
+    (``octo_common.runtime.groupcommit``) and go to the thread a batch at a
+    time. Writes (CAS, fence reservation, fence establishment) that are
+    waiting together share one ``BEGIN IMMEDIATE`` transaction and one
+    fsync (group commit): each caller gets the outcome it would
     have had alone, because a write is decided against the state its
     predecessors left and a refused write changes nothing. A database error
     fails every write of that transaction (nothing of it is committed); any
@@ -192,7 +197,14 @@ class SqliteRecordBackend(SwapBackend):
         self._guard = RollbackGuard(anchor)
         self._db: sqlite3.Connection | None = None
         # Submissions, the thread's start and close() are ordered by the thread's lock.
-        self._thread: DatabaseThread[_Work] = DatabaseThread("octo-ledger-sqlite", self._run_batch)
+        self._thread: DatabaseThread[list[_Work]] = DatabaseThread(
+            "octo-ledger-sqlite", self._run_jobs
+        )
+        # Each event loop's group-commit queue in front of the thread.
+        self._groups: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, GroupCommit[_Work, Outcome]
+        ] = weakref.WeakKeyDictionary()
+        self._closing = False
         self._transactions = 0
         self._batched_writes = 0
 
@@ -225,14 +237,41 @@ class SqliteRecordBackend(SwapBackend):
     def _submit(
         self, operation: str, function: Callable[[sqlite3.Connection], _T], *, write: bool
     ) -> asyncio.Future[_T]:
+        if self._closing or self._thread.closed:
+            raise StorageBackendError("store is closed")
+        loop = asyncio.get_running_loop()
+        group = self._groups.get(loop)
+        if group is None:
+            group = self._groups[loop] = GroupCommit(self._start_batch, settle=resolve_outcome)
+        return group.submit(_Work(operation, function, write))
+
+    def _start_batch(self, batch: list[_Work], done: Callable[[Sequence[Outcome]], None]) -> None:
+        """Hand one loop's batch to the thread as one job (its outcomes come back together)."""
+
+        def finished(outcome: Outcome) -> None:
+            ok, value = outcome
+            done(value if ok else [(False, value) for _ in batch])
+
         try:
-            return self._thread.submit(_Work(operation, function, write))
+            self._thread.call(batch, finished)
         except StorageBackendError as exc:
             if self._thread.closed:
-                raise
-            raise StorageBackendError(f"{operation}: {exc.detail}") from exc
+                done([(False, copy_error(exc)) for _ in batch])
+            else:
+                done([(False, StorageBackendError(f"{w.operation}: {exc.detail}")) for w in batch])
 
     # The database thread ------------------------------------------------------
+
+    def _run_jobs(self, jobs: list[list[_Work]]) -> list[Outcome]:
+        """The jobs the thread drained (a batch of one loop each), run in order as one
+        batch; each job's outcome is the list of its operations' outcomes."""
+        outcomes = _own_errors(self._run_batch([work for job in jobs for work in job]))
+        results: list[Outcome] = []
+        start = 0
+        for job in jobs:
+            results.append((True, outcomes[start : start + len(job)]))
+            start += len(job)
+        return results
 
     def _run_batch(self, batch: list[_Work]) -> list[Outcome]:
         """Run one drained batch in order: waiting writes share one transaction."""
@@ -509,10 +548,29 @@ class SqliteRecordBackend(SwapBackend):
         has run the work submitted before the first call, closed the
         connection and exited. Calls made after it raise ``StorageBackendError``.
         """
-        last = self._thread.close(_Work(_CLOSE, lambda connection: None, False))
+        self._closing = True
+        group = self._groups.get(asyncio.get_running_loop())
+        if group is not None:
+            await group.idle.wait()  # this loop's work submitted before goes first
+        last = self._thread.close([_Work(_CLOSE, lambda connection: None, False)])
         if last is not None:
             await asyncio.shield(last)
         await self._thread.wait_closed()
+
+
+def _own_errors(outcomes: list[Outcome]) -> list[Outcome]:
+    """``outcomes`` with each caller's error its own instance (a failed transaction
+    fails its writes with one), so tracebacks do not mix."""
+    seen: set[int] = set()
+    owned: list[Outcome] = []
+    for ok, value in outcomes:
+        delivered = value
+        if not ok and isinstance(value, OctoError):
+            if id(value) in seen:
+                delivered = copy_error(value)
+            seen.add(id(value))
+        owned.append((ok, delivered))
+    return owned
 
 
 def _wrote(value: object) -> bool:

@@ -2,7 +2,7 @@
 
 Owns what a journal store does on the event loop whatever the database:
 the argument checks of every entry point, a commit prepared before any I/O
-and queued for group commit (``commit_queue.CommitQueue``), every loaded
+and queued for group commit (``octo_common.runtime.groupcommit``), every loaded
 row opened (authenticated, decrypted, its document's location checked:
 ``sealing.RowSealer``) and turned into what the caller asked for (journal
 records, sessions with both their rows, outbox entries), and the operator
@@ -36,6 +36,7 @@ import structlog
 
 from octo_common.errors import (
     InvalidJournalLease,
+    OctoError,
     OperationPruned,
     RecordLocationMismatch,
     RollbackDetected,
@@ -43,10 +44,17 @@ from octo_common.errors import (
 )
 from octo_common.ids import validate_token
 from octo_common.records import StorageKeyring
+from octo_common.runtime.groupcommit import GroupCommit
 from octo_common.states import TERMINAL_KINDS
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.storage.changes import PendingCommit, Row, RowWrite, check_scope, prepare
-from octo_worker.storage.commit_queue import CommitQueue, Outcomes, StoreStats
+from octo_worker.storage.changes import (
+    Outcomes,
+    PendingCommit,
+    Row,
+    RowWrite,
+    check_scope,
+    prepare,
+)
 from octo_worker.storage.documents import (
     NS_JOURNAL,
     NS_OUTBOX,
@@ -76,7 +84,20 @@ from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import ScopeSnapshot, check_snapshot
 from octo_worker.storage.sealing import RowSealer
 
-__all__ = ["JournalStoreBase"]
+__all__ = ["JournalStoreBase", "StoreStats"]
+
+
+class StoreStats(msgspec.Struct, frozen=True):
+    """Counters for observability: a snapshot, not a live view."""
+
+    transactions: int
+    change_sets: int
+    committed_change_sets: int
+    failed_change_sets: int
+    largest_batch: int
+    rows_opened: int = 0
+    """Rows loaded, authenticated and decrypted (every load of every namespace)."""
+
 
 _log = structlog.get_logger("octo_worker.store")
 
@@ -119,7 +140,12 @@ class JournalStoreBase(abc.ABC):
         self._data_keyring = data_keyring
         self._read_only = read_only
         self._maintenance = maintenance
-        self._commits = CommitQueue(self._run_batch, group_commit=group_commit, on_batch=on_batch)
+        # Concurrent commits share transactions; each caller gets its own outcome.
+        self._commits: GroupCommit[PendingCommit, int | OctoError] = GroupCommit(
+            self._run_batch, group=group_commit, on_batch=on_batch
+        )
+        self._committed = 0
+        self._failed = 0
         # The live index of each scope this instance loaded under a fence
         # (``row_index``): every row a decision reads is checked against it,
         # and every commit against and into it (through ``CommitBatch``).
@@ -219,7 +245,15 @@ class JournalStoreBase(abc.ABC):
     @property
     def stats(self) -> StoreStats:
         """How many transactions ran, the change sets they carried, the rows opened."""
-        return msgspec.structs.replace(self._commits.stats, rows_opened=self._sealer.opened)
+        commits = self._commits
+        return StoreStats(
+            commits.transactions,
+            commits.submitted,
+            self._committed,
+            self._failed,
+            commits.largest_batch,
+            rows_opened=self._sealer.opened,
+        )
 
     async def reserve_fence(self, scope: str) -> WorkerJournalLease:
         """Create the head if absent, add 1 to its fence, return it.
@@ -309,9 +343,16 @@ class JournalStoreBase(abc.ABC):
         await self._ensure_open()
         if self._closed:
             raise StorageBackendError("store is closed")
-        return await self._commits.submit(
-            scope, lease.token, writes, new_sessions, tuple(changes.outbox_delete)
+        # The change set now belongs to the queue: cancelling this caller cancels
+        # only its window on the outcome, never the commit.
+        outcome: int | OctoError = await self._commits.submit(
+            PendingCommit(scope, lease.token, writes, new_sessions, tuple(changes.outbox_delete))
         )
+        if isinstance(outcome, OctoError):
+            self._failed += 1
+            raise outcome
+        self._committed += 1
+        return outcome
 
     async def load_records(
         self, scope: str, keys: Iterable[str]

@@ -31,7 +31,6 @@ trace in what the store keeps.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -119,10 +118,11 @@ class PendingCommit:
     writes: tuple[RowWrite, ...]
     new_sessions: tuple[str, ...]
     outbox_delete: tuple[str, ...]
-    # The caller's window on the outcome: resolved with the revision or the
-    # error (never an exception, so nothing is left unretrieved), or cancelled
-    # with its caller, which the store then skips.
-    future: asyncio.Future[int | OctoError]
+
+
+Outcomes = Sequence[int | OctoError]
+"""One outcome per change set of a batch, in order: its new revision, or its error
+(never an exception, so nothing is left unretrieved)."""
 
 
 class Row(NamedTuple):

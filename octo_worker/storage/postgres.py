@@ -87,13 +87,13 @@ from octo_common.setdigest import SetDigest
 from octo_worker.storage.base import JournalStoreBase, Pruned, Resealed
 from octo_worker.storage.changes import (
     CommitBatch,
+    Outcomes,
     PendingCommit,
     Row,
     RowWrite,
     SessionTails,
     closed_sessions,
 )
-from octo_worker.storage.commit_queue import Outcomes
 from octo_worker.storage.documents import (
     NS_OUTBOX,
     NS_SESSION,

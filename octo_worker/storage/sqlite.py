@@ -17,7 +17,7 @@ checks that the document names the row's scope and item.
 
 Commits (fence, head revision, each row's base revision, new revision,
 COMMIT, then the anchor) run inside one ``BEGIN IMMEDIATE`` transaction.
-**Group commit** (``commit_queue``): the writer
+**Group commit** (``octo_common.runtime.groupcommit``): the writer
 thread applies every waiting change set in ONE transaction and ONE fsync,
 each under its own ``SAVEPOINT`` so a change set that fails its checks is
 rolled back alone; what each gets is decided by ``changes.CommitBatch``
@@ -62,9 +62,8 @@ from octo_common.errors import StorageBackendError
 from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
 from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.sqlite import DatabaseThread, run_each
-from octo_worker.storage.base import JournalStoreBase, Pruned, Resealed
-from octo_worker.storage.changes import PendingCommit, Row
-from octo_worker.storage.commit_queue import Outcomes, StoreStats
+from octo_worker.storage.base import JournalStoreBase, Pruned, Resealed, StoreStats
+from octo_worker.storage.changes import Outcomes, PendingCommit, Row
 from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.scope_head import ScopeSnapshot
 from octo_worker.storage.sqlite_heads import check_store_heads, read_scope_snapshot
