@@ -47,7 +47,7 @@ from octo_common.records import StorageKeyring
 from octo_common.runtime.groupcommit import GroupCommit
 from octo_common.states import TERMINAL_KINDS
 from octo_worker.journal import WorkerOperationRecord
-from octo_worker.storage.changes import (
+from octo_worker.storage.changesets import (
     Outcomes,
     PendingCommit,
     Row,

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from octo_common.errors import StorageBackendError
-from octo_worker.storage.changes import Row
+from octo_worker.storage.changesets import Row
 
 Fetch = Callable[[str, str, list[str]], Awaitable[list[Row]]]
 

@@ -27,7 +27,7 @@ from octo_common.records import (
     open_record,
     seal_record,
 )
-from octo_worker.storage.changes import Row, RowWrite, record_key
+from octo_worker.storage.changesets import Row, RowWrite, record_key
 from octo_worker.storage.scope_head import ScopeHead
 
 __all__ = ["RowSealer", "checked_rows", "data_key_id"]

@@ -63,7 +63,7 @@ from octo_common.limits import SQLITE_BUSY_TIMEOUT_SECONDS
 from octo_common.records import StorageKeyring, StorageRecordKey
 from octo_common.runtime.sqlite import DatabaseThread, run_each
 from octo_worker.storage.base import JournalStoreBase, Pruned, Resealed, StoreStats
-from octo_worker.storage.changes import Outcomes, PendingCommit, Row
+from octo_worker.storage.changesets import Outcomes, PendingCommit, Row
 from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.scope_head import ScopeSnapshot
 from octo_worker.storage.sqlite_heads import check_store_heads, read_scope_snapshot

@@ -302,6 +302,7 @@ WORKER_PURE = (
     "octo_worker.adapters.declarations",
     "octo_worker.storage.interface",
     "octo_worker.storage.documents",
+    "octo_worker.storage.changesets",
 )
 
 

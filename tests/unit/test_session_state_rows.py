@@ -29,7 +29,7 @@ from octo_common.messages import (
 )
 from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
-from octo_worker.storage.changes import prepare
+from octo_worker.storage.changesets import prepare
 from octo_worker.storage.documents import (
     NS_SESSION,
     NS_SESSION_REQUEST,
