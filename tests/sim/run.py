@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import secrets
 import shutil
@@ -20,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +37,18 @@ class RangeResult:
     done: int = 0
     failures: list[str] = field(default_factory=list)
     deaths: Counter[str] = field(default_factory=Counter)
+    cpu: float = 0.0  # CPU seconds of the process(es) that ran them
 
     def add(self, other: RangeResult) -> None:
         self.done += other.done
         self.failures += other.failures
         self.deaths += other.deaths
+        self.cpu += other.cpu
 
 
 def _run_range(first: int, count: int) -> RangeResult:
     result = RangeResult()
+    cpu = time.process_time()
     failures = result.failures
     # A memory file system where there is one: the journal's fsyncs cost nothing there.
     shm = Path("/dev/shm")
@@ -68,6 +71,7 @@ def _run_range(first: int, count: int) -> RangeResult:
             result.done += 1
             result.deaths += sim.boundaries.deaths
     runner.close()
+    result.cpu = time.process_time() - cpu
     return result
 
 
@@ -81,6 +85,21 @@ def _block(block: tuple[int, int]) -> RangeResult:
     return run_range(*block)
 
 
+def run_blocks(
+    first: int, count: int, *, processes: int = 1, block: int = BLOCK
+) -> Iterator[RangeResult]:
+    """Schedules ``first`` .. ``first + count - 1`` in blocks of ``block``, on a pool of
+    ``processes`` (spawned) when more than one; each block's result as it ends."""
+    blocks = [
+        (start, min(block, first + count - start)) for start in range(first, first + count, block)
+    ]
+    if processes <= 1:
+        yield from map(_block, blocks)
+        return
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        yield from pool.imap(_block, blocks)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", type=int, default=1000)
@@ -91,42 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seed is not None:
         result = run_range(args.seed, 1)
+        for failure in result.failures:
+            print(failure)
         if not result.failures:
             print("\n  ".join([f"seed {args.seed} kept the invariants; deaths:", *_places(result)]))
     else:
         first = secrets.randbits(40) if args.first is None else args.first
         print(f"seeds {first} .. {first + args.schedules - 1}", flush=True)
         started = time.perf_counter()
-        cpu = time.process_time()
-        blocks = [
-            (start, min(args.block, first + args.schedules - start))
-            for start in range(first, first + args.schedules, args.block)
-        ]
         result = RangeResult()
-        with contextlib.ExitStack() as stack:
-            if args.processes > 1:
-                spawn = multiprocessing.get_context("spawn")
-                pool = stack.enter_context(spawn.Pool(args.processes))
-                results = pool.imap(_block, blocks)
-            else:
-                results = map(_block, blocks)
-            for block in results:
-                result.add(block)
-                for failure in block.failures:
-                    print(failure, flush=True)
-                seconds = time.perf_counter() - started
-                print(
-                    f"{result.done} schedules in {seconds:.0f} s ({result.done / seconds:.1f}/s), "
-                    f"{sum(result.deaths.values())} worker deaths, "
-                    f"{len(result.failures)} failing",
-                    flush=True,
-                )
-        if args.processes <= 1:  # this process's CPU time: the cost of a schedule, load aside
-            print(f"{(time.process_time() - cpu) / max(1, result.done) * 1000:.1f} ms of CPU each")
+        for block in run_blocks(first, args.schedules, processes=args.processes, block=args.block):
+            result.add(block)
+            for failure in block.failures:
+                print(failure, flush=True)
+            seconds = time.perf_counter() - started
+            print(
+                f"{result.done} schedules in {seconds:.0f} s ({result.done / seconds:.1f}/s; "
+                f"{result.cpu / result.done * 1000:.1f} ms of CPU each), "
+                f"{sum(result.deaths.values())} worker deaths, {len(result.failures)} failing",
+                flush=True,
+            )
         print("\n  ".join(["deaths by where they fell:", *_places(result)]))
-    if args.seed is not None:
-        for failure in result.failures:
-            print(failure)
     print(f"{len(result.failures)} failing schedule(s)")
     return 1 if result.failures else 0
 
