@@ -14,7 +14,8 @@
 #   make fuzz   atheris on every byte reader, FUZZ_SECONDS each, growing tests/fuzz/corpus
 #               (make test replays the corpus and runs each target briefly).
 #   make simulate  SCHEDULES deterministic schedules of the real session, journal and
-#               host engine over a simulated broker (make test runs 500 fixed seeds).
+#               host engine over a simulated broker, the worker dying at any I/O
+#               boundary (make test runs 1,000 fixed seeds).
 #   make mutate single-line mutants of the lines that enforce the promises, each
 #               against the tests that guard it (tests/mutation/mutate.py).
 #   make demo   the main job end to end (see README).
