@@ -547,6 +547,9 @@ class SqliteRecordBackend(SwapBackend):
         Every call, the first or a later one, returns once the database thread
         has run the work submitted before the first call, closed the
         connection and exited. Calls made after it raise ``StorageBackendError``.
+        With several event loops sharing the backend, the work another loop
+        queued and had not yet handed to the thread when it closed fails with
+        ``StorageBackendError`` as well.
         """
         self._closing = True
         group = self._groups.get(asyncio.get_running_loop())
