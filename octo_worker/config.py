@@ -88,8 +88,9 @@ class StorageConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     SQLite (``journal``, a file in ``worker.state_dir``) by default; with
     ``url``, the journal in PostgreSQL instead, so that several
     workers can serve a scope in turn. ``url`` never holds the password
-    (``password_file``); a PostgreSQL journal has no rollback anchor
-    (``anchor`` is refused beside ``url``, see ``octo_worker.storage.postgres``).
+    (``password_file``); ``anchor`` beside ``url`` is the shared journal's
+    rollback anchor file, on storage every worker of the journal mounts
+    (``octo_worker.storage.store_anchor``).
     """
 
     journal: str = "journal.sqlite3"
@@ -430,11 +431,6 @@ def _check_storage(storage: StorageConfig) -> None:
         check_schema(storage.schema)
     except StorageBackendError as exc:
         raise InvalidConfiguration(f"storage.{exc.detail}") from None
-    if storage.anchor is not None:
-        raise InvalidConfiguration(
-            "storage.anchor: a PostgreSQL journal has no rollback anchor (other workers commit"
-            " to it too); its rollback protection is the database's own"
-        )
 
 
 def load_config(path: str | os.PathLike[str]) -> WorkerConfig:

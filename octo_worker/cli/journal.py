@@ -18,13 +18,13 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from octo_common.errors import OctoError, OperationPruned
 from octo_common.runtime.output import (
     EXIT_CHECK_FAILED,
     EXIT_OK,
-    EXIT_USAGE,
     CliError,
     Output,
     anchor_to_write,
@@ -51,6 +51,8 @@ from octo_worker.inspection import (
     who,
 )
 from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.configured import configured_store
+from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.store import PruneReport, ResealReport, SqliteJournalStore
 
 __all__ = [
@@ -404,15 +406,30 @@ def cmd_journal_reseal(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+def _init_shared_anchor(config: WorkerConfig, anchor: Path, out: Output) -> int:
+    """The shared journal's anchor: its store head revision as it is now."""
+
+    async def initialize() -> int:
+        store = configured_store(config)
+        try:
+            assert isinstance(store, PostgresJournalStore)
+            return await store.initialize_anchor()
+        except OctoError as error:
+            raise storage_failure(f"journal {config.journal_location()}", error) from None
+        finally:
+            with contextlib.suppress(Exception):
+                await store.close()
+
+    revision = asyncio.run(initialize())
+    out.line(
+        f"anchored store head revision {revision} of schema {config.storage.schema} in {anchor}"
+    )
+    out.document({"ok": True, "anchor": str(anchor), "store_revision": revision})
+    return EXIT_OK
+
+
 def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:
     config = config_of(args)
-    if config.shared_journal:
-        raise CliError(
-            EXIT_USAGE,
-            "storage.url: a PostgreSQL journal has no rollback anchor (other workers commit"
-            " to it too); its rollback protection is the database's own",
-            "invalid_configuration",
-        )
     anchor = anchor_to_write(
         config.anchor_path,
         "storage.anchor",
@@ -420,6 +437,8 @@ def cmd_journal_init_anchor(args: argparse.Namespace, out: Output) -> int:
         "--force re-anchors to the database as it is now, which accepts any rollback that "
         "happened: only after restoring a backup on purpose",
     )
+    if config.shared_journal:
+        return _init_shared_anchor(config, anchor, out)
 
     async def initialize() -> dict[str, int]:
         store = SqliteJournalStore(

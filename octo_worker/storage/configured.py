@@ -37,6 +37,7 @@ def configured_store(
             keyring,
             password_file=config.storage_password_path,
             schema=storage.schema,
+            anchor_path=config.anchor_path,
             data_keyring=data_keyring,
             on_batch=on_batch,
             read_only=read_only,

@@ -38,11 +38,14 @@ fence decides between an owner and the one it superseded.
 * **Reads**: one statement each, the head read beside the rows in that
   statement's snapshot (the floor rule); no read sets a baseline.
 
-Rollback anchor: none. A local anchor file holds what one process
-committed and cannot follow the commits another worker makes to the same
-scope after a failover, so it would refuse their progress or miss a
-rollback; as for the host's PostgreSQL ledger, protection against a
-database restored from an old backup is the database's own (point-in-time
+Store head and rollback anchor: every fence reservation and commit batch
+moves the schema's store head (``store_head``, ``postgres_heads``) in its
+transaction, so a scope deleted or put back whole is refused at its next
+check. With ``anchor_path`` (a file on storage every worker of the journal
+mounts, ``store_anchor``), the store head revision is anchored after each
+such commit, by whichever worker made it, and checked before every
+snapshot: the whole schema restored from an older copy is refused too.
+Without it, that protection is the database's own (point-in-time
 recovery, replicas, ``synchronous_commit``). Within the database the floor
 rule still refuses a row newer than its head.
 
@@ -111,11 +114,9 @@ from octo_worker.storage.postgres_batch import (
 )
 from octo_worker.storage.postgres_heads import (
     SCHEMA_VERSION,
-    check_store_heads,
+    StoreHeads,
     migrations,
-    move_store_head,
     reseal_store_head,
-    verify_store,
 )
 from octo_worker.storage.postgres_reads import RowReads
 from octo_worker.storage.postgres_sql import DEFAULT_SCHEMA, statements
@@ -185,7 +186,8 @@ class PostgresJournalStore(JournalStoreBase):
     stuck, ``postgres_batch.lock_head``) for ``idle_transaction_timeout``
     seconds is ended, so a paused worker holds a head lock no longer. One event loop:
     the first call binds the store to its loop. Revisions and fences stop
-    at 2^63 - 1. No rollback anchor (see the module docstring).
+    at 2^63 - 1. ``anchor_path``: the shared rollback anchor file (see the module
+    docstring; :meth:`initialize_anchor` writes it first).
     """
 
     def __init__(
@@ -196,6 +198,7 @@ class PostgresJournalStore(JournalStoreBase):
         schema: str = DEFAULT_SCHEMA,
         data_keyring: StorageKeyring | None = None,
         password_file: str | os.PathLike[str] | None = None,
+        anchor_path: str | os.PathLike[str] | None = None,
         group_commit: bool = True,
         on_batch: Callable[[int], None] | None = None,
         read_only: bool = False,
@@ -215,6 +218,7 @@ class PostgresJournalStore(JournalStoreBase):
         )
         self._schema = runtime_postgres.check_schema(schema)
         self._sql = statements(self._schema)
+        self._store = StoreHeads(self._schema, keyring, anchor_path)
         # A journal's pool has two connections at least: the writer and a reader.
         timeouts = (connect_timeout, command_timeout, idle_transaction_timeout)
         self._connecting = PoolSettings(
@@ -376,7 +380,7 @@ class PostgresJournalStore(JournalStoreBase):
                 )
                 if created is None:  # another worker created it meanwhile
                     raise _Again()
-                await move_store_head(connection, self._schema, [(None, head)], sealer.keyring)
+                await self._store.move(connection, [(None, head)])
                 return head.revision, head.fence
             head = ScopeHead.from_row(scope, tuple(row))
             sealer.verify_head(head)
@@ -395,10 +399,11 @@ class PostgresJournalStore(JournalStoreBase):
             )
             if moved != raised.fence:
                 raise _GuardRefused()
-            await move_store_head(connection, self._schema, [(head, raised)], sealer.keyring)
+            await self._store.move(connection, [(head, raised)])
             return raised.revision, raised.fence
 
         revision, fence = await self._write("reserve_fence", body)
+        await self._store.anchor_moved()
         self._baselines[scope] = revision
         return fence
 
@@ -429,12 +434,12 @@ class PostgresJournalStore(JournalStoreBase):
 
     async def _scope_snapshot(self, scope: str) -> ScopeSnapshot:
         """The head and every row triple of the scope in one repeatable-read snapshot;
-        the digest recomputed off the event loop. No anchor (module docstring)."""
+        the digest recomputed off the event loop; the store head checked first."""
+        anchored = await self._store.anchored()  # before the snapshot: never newer
 
         async def body(connection: Connection) -> tuple[ScopeHead | None, list[Any]]:
             async with connection.transaction(isolation="repeatable_read", readonly=True):
-                # Every scope head against the store head first (O(scopes)).
-                await check_store_heads(connection, self._schema, self._keyring)
+                await self._store.check(connection, anchored)
                 row = await connection.fetchrow(self._sql["select_head_row"], scope)
                 rows = await connection.fetch(self._sql["select_scope_rows"], scope)
             head = None if row is None else ScopeHead.from_row(scope, tuple(row))
@@ -447,8 +452,13 @@ class PostgresJournalStore(JournalStoreBase):
         return ScopeSnapshot(head, computed, revision, computed.count, 0, index)
 
     async def _store_check(self) -> int:
-        check = functools.partial(verify_store, schema=self._schema, keyring=self._keyring)
+        check = functools.partial(self._store.verify, anchored=await self._store.anchored())
         return await self._read("verify_store", check)
+
+    async def initialize_anchor(self) -> int:
+        """Write the anchor file from the store head as it is now (explicit operator step:
+        a configured anchor that is missing fails every check until then)."""
+        return await self._read("init_anchor", self._store.initialize_anchor)
 
     def _run_batch(self, batch: list[PendingCommit], done: Callable[[Outcomes], None]) -> None:
         assert self._loop is not None
@@ -511,6 +521,10 @@ class PostgresJournalStore(JournalStoreBase):
             if not decisions:  # failed before its transaction began
                 return [copy_error(exc) for _ in batch]
             return decisions[-1].fail_all(exc)
+        try:
+            await self._store.anchor_moved()
+        except OctoError as exc:  # committed all the same: nothing may chain on it
+            return decisions[-1].fail_all(exc, committed=True)
         return decisions[-1].finish()
 
     async def _apply(
@@ -534,9 +548,7 @@ class PostgresJournalStore(JournalStoreBase):
             decisions.committed_one(pending, revision, digest)
         if not await advance_heads(connection, self._sql["advance_heads"], decisions, self._sealer):
             raise _GuardRefused()
-        await move_store_head(
-            connection, self._schema, decisions.head_moves(), self._sealer.keyring
-        )
+        await self._store.move(connection, decisions.head_moves())
 
     async def _apply_one(
         self, connection: Connection, pending: PendingCommit, decisions: CommitBatch, now: float
@@ -706,20 +718,9 @@ class PostgresJournalStore(JournalStoreBase):
         return await self._read("scope_metadata", body)
 
     async def _integrity(self) -> list[str]:
-        """``["ok"]`` once the server answers and the schema is at the supported version.
-
-        PostgreSQL has no per-database integrity pragma: pages are the
-        server's (data checksums, ``amcheck``), and every row is still fully
-        opened on each load.
-        """
-
-        async def body(connection: Connection) -> list[str]:
-            version = await schema_version(connection, self._schema)
-            if version != SCHEMA_VERSION:
-                return [f"schema version {version} is not {SCHEMA_VERSION}"]
-            return ["ok"]
-
-        return await self._read("integrity_check", body)
+        """``["ok"]`` once the server answers and the schema is at the supported version
+        (``postgres_heads.schema_problems``)."""
+        return await self._read("integrity_check", self._store.schema_problems)
 
     # Maintenance writes (rows only, under the scope's head lock) ------------------------------
 

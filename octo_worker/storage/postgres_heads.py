@@ -5,8 +5,11 @@ digest of every scope head), the migration that creates it and builds it
 from the scope heads as they are in the migration's own transaction
 (:func:`migrations`: the SQL migrations of ``postgres_sql`` and this one),
 the check of the store head against every scope head in the caller's
-snapshot (:func:`check_store_heads`), and its move by the scope heads a
-transaction changed, under its row lock (:func:`move_store_head`). The
+snapshot (:func:`check_store_heads`), its move by the scope heads a
+transaction changed, under its row lock (:func:`move_store_head`), and
+:class:`StoreHeads`, what a store holds of it: those, with the shared
+journal's rollback anchor file (``store_anchor``) read before each check
+and raised after each commit that moved the store head. The
 caller holds the transaction; a transaction that moves scope heads locks
 them first and the store head last, so two never wait for each other in a
 cycle. Every commit of the schema takes the store head's row lock until it
@@ -19,14 +22,17 @@ or roll back, or write the store head without having verified its seal.
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
-from octo_common.errors import StorageBackendError
+from octo_common.errors import RollbackAnchorMissing, StorageBackendError
 from octo_common.records import StorageKeyring
-from octo_common.runtime.postgres import PostgresMigrationStep
+from octo_common.runtime.postgres import PostgresMigrationStep, schema_version
 from octo_worker.storage.postgres_sql import MIGRATIONS
 from octo_worker.storage.scope_head import ScopeHead
+from octo_worker.storage.store_anchor import StoreAnchor
 from octo_worker.storage.store_head import (
     HeadMove,
     HeadState,
@@ -38,11 +44,11 @@ from octo_worker.storage.store_head import (
 
 __all__ = [
     "SCHEMA_VERSION",
+    "StoreHeads",
     "check_store_heads",
     "migrations",
     "move_store_head",
     "reseal_store_head",
-    "verify_store",
 ]
 
 _CREATE: Final = """
@@ -118,19 +124,86 @@ async def _read(connection: Any, quoted: str, *, lock: bool) -> JournalStoreHead
     return JournalStoreHead.from_row(tuple(rows[0]) if len(rows) == 1 else None)
 
 
-async def check_store_heads(connection: Any, schema: str, keyring: StorageKeyring) -> int:
-    """The store head against every scope head (each one's seal verified), in the
-    caller's snapshot (O(scopes)); how many scope heads there are."""
+async def check_store_heads(
+    connection: Any, schema: str, keyring: StorageKeyring, anchored: int = 0
+) -> int:
+    """The store head against every scope head (each one's seal verified) and the
+    anchored revision read before the caller's snapshot began, in that snapshot
+    (O(scopes)); how many scope heads there are."""
     quoted = _quoted(schema)
     heads = await _head_states(connection, quoted, keyring)
-    check_store(await _read(connection, quoted, lock=False), heads, keyring)
+    check_store(await _read(connection, quoted, lock=False), heads, keyring, anchored)
     return len(heads)
 
 
-async def verify_store(connection: Any, *, schema: str, keyring: StorageKeyring) -> int:
-    """:func:`check_store_heads` in a read-only repeatable-read transaction of its own."""
-    async with connection.transaction(isolation="repeatable_read", readonly=True):
-        return await check_store_heads(connection, schema, keyring)
+class StoreHeads:
+    """One journal schema's store head as its store uses it: checked (against the
+    anchor file too, when there is one), moved, and anchored after each commit."""
+
+    __slots__ = ("anchor", "keyring", "moved", "schema")
+
+    def __init__(
+        self, schema: str, keyring: StorageKeyring, anchor_path: str | os.PathLike[str] | None
+    ) -> None:
+        self.schema = schema
+        self.keyring = keyring
+        self.anchor = None if anchor_path is None else StoreAnchor(anchor_path, schema)
+        # The store head revision the last write transaction moved it to (0: none).
+        self.moved = 0
+
+    async def anchored(self) -> int:
+        """The anchored revision (0 without an anchor), read before a snapshot begins."""
+        return 0 if self.anchor is None else await asyncio.to_thread(self.anchor.read)
+
+    async def check(self, connection: Any, anchored: int) -> int:
+        """:func:`check_store_heads` inside the caller's snapshot."""
+        return await check_store_heads(connection, self.schema, self.keyring, anchored)
+
+    async def verify(self, connection: Any, anchored: int) -> int:
+        """:meth:`check` in a read-only repeatable-read transaction of its own."""
+        async with connection.transaction(isolation="repeatable_read", readonly=True):
+            return await self.check(connection, anchored)
+
+    async def move(
+        self,
+        connection: Any,
+        moves: Sequence[tuple[HeadState | ScopeHead | None, HeadState | ScopeHead]],
+    ) -> None:
+        """:func:`move_store_head`, noting the revision it moved to (for :meth:`anchor_moved`);
+        with an anchor configured but missing, nothing moves (``RollbackAnchorMissing``)."""
+        if self.anchor is not None and not self.anchor.path.exists():
+            raise RollbackAnchorMissing()
+        self.moved = await move_store_head(connection, self.schema, moves, self.keyring)
+
+    async def anchor_moved(self) -> None:
+        """After the commit of a transaction that moved the store head: the anchor
+        raised to its revision (``StorageBackendError`` when the file cannot be
+        written: the transaction is committed all the same)."""
+        moved, self.moved = self.moved, 0
+        if self.anchor is not None and moved:
+            try:
+                await asyncio.to_thread(self.anchor.advance, moved)
+            except OSError as exc:
+                raise StorageBackendError(f"anchor: {type(exc).__name__}") from None
+
+    async def schema_problems(self, connection: Any) -> list[str]:
+        """``["ok"]`` when the schema is at the supported version. PostgreSQL has no
+        per-database integrity pragma: pages are the server's (data checksums,
+        ``amcheck``), and every row is still fully opened on each load."""
+        version = await schema_version(connection, self.schema)
+        if version != SCHEMA_VERSION:
+            return [f"schema version {version} is not {SCHEMA_VERSION}"]
+        return ["ok"]
+
+    async def initialize_anchor(self, connection: Any) -> int:
+        """Anchor the store head revision as it is now, its check passed first (an
+        operator's explicit step); the revision anchored."""
+        if self.anchor is None:
+            raise ValueError("this store has no anchor_path")
+        await self.verify(connection, 0)
+        revision = (await _read(connection, _quoted(self.schema), lock=False)).revision
+        await asyncio.to_thread(self.anchor.initialize, revision)
+        return revision
 
 
 def _state(head: HeadState | ScopeHead) -> HeadState:
@@ -142,18 +215,19 @@ async def move_store_head(
     schema: str,
     moves: Sequence[tuple[HeadState | ScopeHead | None, HeadState | ScopeHead]],
     keyring: StorageKeyring,
-) -> None:
+) -> int:
     """Move the store head by ``moves`` (each scope head before, None when it is new,
     and after) and reseal it, under its row lock, inside the caller's transaction
-    (after the scope heads' locks)."""
+    (after the scope heads' locks); the revision it moved to (0: no move)."""
     if not moves:
-        return
+        return 0
     quoted = _quoted(schema)
     states: list[HeadMove] = [
         (None if old is None else _state(old), _state(new)) for old, new in moves
     ]
     head = moved(await _read(connection, quoted, lock=True), states, keyring)
     await connection.execute(_UPDATE.format(s=quoted), *head.row())
+    return head.revision
 
 
 async def reseal_store_head(connection: Any, schema: str, keyring: StorageKeyring) -> bool:

@@ -153,11 +153,18 @@ def _fields(revision: int, digest: SetDigest) -> bytes:
 
 
 def check_store(
-    store: JournalStoreHead, heads: Iterable[HeadState], keyring: StorageKeyring
+    store: JournalStoreHead,
+    heads: Iterable[HeadState],
+    keyring: StorageKeyring,
+    anchored: int = 0,
 ) -> None:
     """Every scope head of the store, read in the same snapshot as ``store``, must be
-    the ones it commits to: its seal verified, then ``RollbackDetected`` on a mismatch."""
+    the ones it commits to, and the store head not below the revision a rollback
+    anchor read before that snapshot holds (``anchored``; 0: none): its seal
+    verified, then ``RollbackDetected`` on a mismatch."""
     store.verify(keyring)
+    if store.revision < anchored:
+        raise RollbackDetected(store.revision, anchored)
     if digest_of_heads(heads) != store.digest:
         raise RollbackDetected(None, 0)
 

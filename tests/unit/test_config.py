@@ -466,9 +466,6 @@ def test_a_storage_url_puts_the_journal_in_postgresql(tree: Path) -> None:
         pytest.param(
             'url = "postgresql://db/octo"\nschema = "Bad-Name"', "storage.schema", id="schema"
         ),
-        pytest.param(
-            'url = "postgresql://db/octo"\nanchor = "journal.anchor"', "storage.anchor", id="anchor"
-        ),
         pytest.param('password_file = "db.password"', "storage.password_file", id="no-url"),
     ],
 )
@@ -478,3 +475,10 @@ def test_a_storage_url_is_refused_naming_the_key_and_never_the_secret(
     message = refused(tree, SCOPE_ONLY + f"[storage]\n{storage}\n")
     assert f": {where}: " in message, message
     assert "s3cret" not in message
+
+
+def test_a_shared_journal_takes_an_anchor_file(tree: Path) -> None:
+    text = SCOPE_ONLY + '[storage]\nurl = "postgresql://db/octo"\nanchor = "/shared/j.anchor"\n'
+    config = load(tree, text)
+    assert config.shared_journal
+    assert config.anchor_path == Path("/shared/j.anchor")
