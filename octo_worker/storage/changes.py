@@ -52,6 +52,7 @@ from octo_worker.storage.changesets import (
     record_key,
 )
 from octo_worker.storage.documents import (
+    NS_OUTBOX,
     NS_SESSION,
 )
 from octo_worker.storage.row_index import RowIndex
@@ -243,19 +244,28 @@ class CommitBatch:
         compare-and-swap passed), against the scope's live index (rows written by
         earlier change sets of this batch first): ``RollbackDetected`` when a row
         is not at the revision the index holds (deleted, put back or copied in
-        since the scope was loaded)."""
+        since the scope was loaded), or an outbox row it releases that the index
+        holds was not there to delete (deleted beside the store)."""
         scope = pending.scope
         index = self._live.get(scope)
         if index is None:
             return
         moved = self._moved
-        for namespace, key, old, _ in changes:
+        deleted: set[str] = set()
+        for namespace, key, old, new in changes:
             name = (scope, namespace, key)
+            if namespace == NS_OUTBOX and new is None:
+                deleted.add(key)
             if name in moved:
                 if moved[name] != old:
                     raise RollbackDetected(old, self._heads[scope].revision)
             elif not index.expect(namespace, key, old):
                 raise RollbackDetected(old, self._heads[scope].revision)
+        for message in pending.outbox_delete:
+            name = (scope, NS_OUTBOX, message)
+            held = moved[name] if name in moved else index.get(NS_OUTBOX, message)
+            if message not in deleted and held is not None:
+                raise RollbackDetected(held, self._heads[scope].revision)
 
     def moved_digest(self, pending: PendingCommit, changes: DigestChanges) -> SetDigest:
         """The scope's digest moved by what ``pending`` wrote and deleted (O(rows it

@@ -19,6 +19,7 @@ from .journal_backends import JournalDatabase
 from .test_worker_store import (
     SCOPE,
     opening_doc,
+    outbox,
     pending,
     rows,
     state_doc,
@@ -97,5 +98,34 @@ async def test_a_deleted_request_row_is_refused_when_inserted_again(
         )
         with pytest.raises(RollbackDetected):
             await store.commit(SCOPE, lease, WorkerCommit(sessions={"sess-1": again}))
+    finally:
+        await store.close()
+
+
+async def test_an_outbox_row_deleted_beside_the_store_is_refused_at_its_release(
+    journal_db: JournalDatabase,
+) -> None:
+    store = journal_db.store(storage_keyring())
+    try:
+        lease = await store.reserve_fence(SCOPE)
+        opening = SessionDocuments(state_doc(SCOPE, "sess-1"), opening_doc(SCOPE, "sess-1"))
+        kept, lost = outbox("sess-1", b"reply one"), outbox("sess-1", b"reply two")
+        await store.commit(SCOPE, lease, WorkerCommit(sessions={"sess-1": opening}))
+        await store.commit(SCOPE, lease, WorkerCommit(outbox_insert=[kept, lost]))
+        await journal_db.sql("DELETE FROM items WHERE item = ?", lost.message_id)
+        # Its release would delete nothing: the reply deleted beside the store
+        # (never republished) is refused, and nothing of the commit is written.
+        with pytest.raises(RollbackDetected):
+            await store.commit(
+                SCOPE, lease, WorkerCommit(outbox_delete=[kept.message_id, lost.message_id])
+            )
+        assert await journal_db.sql("SELECT item FROM items WHERE item = ?", kept.message_id)
+        # A release of a row the scope never held, or one already released, is no edit.
+        await store.commit(SCOPE, lease, WorkerCommit(outbox_delete=[kept.message_id]))
+        await store.commit(
+            SCOPE,
+            lease,
+            WorkerCommit(outbox_delete=[kept.message_id, outbox("sess-1", b"x").message_id]),
+        )
     finally:
         await store.close()
