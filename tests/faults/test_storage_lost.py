@@ -1,4 +1,4 @@
-"""The shared PostgreSQL journal lost while the workers run: both exit 4, saying why.
+"""The journal lost while the workers run: each exits 4, saying why.
 
 Two ``octo-worker run`` processes (an owner and its standby) share one
 journal through a TCP relay in this process; the relay is cut (PostgreSQL
@@ -8,12 +8,17 @@ journal; the standby, handed the queue, cannot load the scope. Each exits
 with the storage status 4 and one ``octo-worker:`` line naming the storage
 error, so systemd's ``Restart=on-failure`` restarts it (before, each
 stopped with status 0 after an info line, and the scope stayed unserved).
+A SQLite journal that can no longer be written (every write of the process
+past 4 KiB refused by the kernel, ``EFBIG``, as on a full or failing disk)
+stops its worker the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
+import signal
 import socket
 import subprocess
 import threading
@@ -188,6 +193,67 @@ async def test_the_journal_lost_stops_the_owner_and_the_standby_with_status_4(
         owner.kill()
         if standby is not None:
             standby.kill()
+        with contextlib.suppress(Exception):
+            await client.close()
+        await env.delete_queues()
+
+
+class PipedWorker(Worker):
+    """``octo-worker run`` whose stderr is a pipe (a file it writes would meet the
+    file-size limit too), with SIGXFSZ ignored, so a write past the limit is an
+    ``EFBIG`` error in the journal's writes, as on a full disk."""
+
+    def __init__(self, config: Path) -> None:
+        self.lines: list[str] = []
+        self.process = subprocess.Popen(
+            [PYTHON, "-m", "octo_worker", "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line.decode("utf-8", "replace"))
+
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+
+async def test_a_sqlite_journal_that_cannot_be_written_stops_the_worker_with_status_4(
+    tmp_path: Path, postgres_schema: PostgresSchema
+) -> None:
+    env = FailoverEnv.create(tmp_path, postgres_schema, workers=1)
+    (config,) = env.configs
+    text = config.read_text(encoding="utf-8")
+    text = text.replace(f'url = "{postgres_schema.url}"\n', 'journal = "journal.sqlite3"\n')
+    text = text.replace(f'password_file = "{postgres_schema.password_file}"\n', "")
+    text = text.replace(f'schema = "{postgres_schema.schema}"\n', "")
+    text = text.replace('log_level = "warning"', 'log_level = "info"')
+    config.write_text(text, encoding="utf-8")
+    worker = PipedWorker(config)
+    client = env.client(reply_timeout=3.0)
+    try:
+        await worker.wait_for("worker_started")
+        await client.start()
+        tag = uuid.uuid4().hex[:8]
+        _, run, keys = await record_run(client, 2, tag)
+        session = await client.open_session(env.scope, manifest())
+        await client.dispatch(session, run, keys[0], payload(0, tag))
+
+        # From now on no write of the process may reach past 4 KiB of any file:
+        # the journal's next write fails (EFBIG), as a full or failing disk does.
+        resource.prlimit(worker.process.pid, resource.RLIMIT_FSIZE, (4096, 4096))
+        with contextlib.suppress(Exception):
+            await client.dispatch(session, run, keys[1], payload(1, tag))
+        assert await worker.exit_status() == 4
+        line = one_storage_line(worker.stderr())
+        assert "storage_backend_error" in line, line
+    finally:
+        worker.kill()
         with contextlib.suppress(Exception):
             await client.close()
         await env.delete_queues()
