@@ -24,13 +24,14 @@ share the database, so it would refuse their progress or miss a rollback.
 ``[storage] url`` together with ``[ledger] anchor``. Protection against a
 database restored from an old backup is the database's own (point-in-time
 recovery, replicas, ``synchronous_commit``); within the database the floor
-rule still refuses a record older than its head. Nor does it keep
-the SQLite ledger's sealed store head (``sqlite_head``): one store-wide row
-moved by every commit would put every host's commits behind one row lock,
-and resealing it needs its current value, so it cannot be a blind
-commutative update. A record deleted, or put back to an older sealed
-version together with its head row, by someone with write access to the
-database is therefore not detected here.
+rule still refuses a record older than its head. It keeps a sealed store
+head like the SQLite ledger's (``postgres_head``): moved by every write
+transaction under its row lock (so every host's commits are serialised on
+that row, one lock per group-commit batch), checked against every record
+at each open, so a record deleted, or put back to an older sealed version
+together with its head row, is refused at the next open; its digest set to
+NULL is refused unless the migration's sealed record says it is still to be
+built.
 
 This module never logs, returns or raises key material, payload bytes,
 passwords or bound SQL values: a database failure is a
@@ -65,6 +66,7 @@ from octo_common.runtime.groupcommit import GroupCommit, resolve_outcome
 from octo_common.runtime.postgres import (
     Connection,
     PoolSettings,
+    PostgresMigrationStep,
     bound_loop,
     check_schema,
     migrate_schema,
@@ -87,6 +89,7 @@ from octo_host.storage.contract import (
     fenced_check,
     head_from_row,
 )
+from octo_host.storage.postgres_head import Change, PostgresHeadGuard
 from octo_host.storage.postgres_sql import MIGRATIONS, SCHEMA_VERSION, statements
 
 __all__ = [
@@ -212,6 +215,7 @@ class PostgresRecordBackend(SwapBackend):
         self._schema = check_schema(schema)
         self._command_timeout = command_timeout
         self._sql = statements(self._schema)
+        self._guard = PostgresHeadGuard(self._schema, POSTGRES_MAX_BIGINT)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: asyncpg.Pool | None = None
         self._open_lock: asyncio.Lock | None = None
@@ -234,6 +238,13 @@ class PostgresRecordBackend(SwapBackend):
         """(write transactions committed or attempted, writes they carried)."""
         writes = self._writes
         return (0, 0) if writes is None else (writes.transactions, writes.batched)
+
+    def bind_keyring(self, keyring: StorageKeyring) -> None:
+        """Seal the store head with ``keyring`` and refuse a head it cannot authenticate
+        (``AuthenticatedStore`` calls it); a backend never bound keeps it unsealed."""
+        if not isinstance(keyring, StorageKeyring):
+            raise TypeError("keyring must be a StorageKeyring")
+        self._guard.bind(keyring)
 
     def __repr__(self) -> str:
         return f"PostgresRecordBackend(url={redacted_url(self._url)!r}, schema={self._schema!r})"
@@ -272,9 +283,14 @@ class PostgresRecordBackend(SwapBackend):
     async def _open(self) -> asyncpg.Pool:
         async def migrate(connection: Connection) -> None:
             # One opener at a time per schema, across every host of the database.
-            await migrate_schema(
-                connection, self._schema, MIGRATIONS, f"octo-ledger:{self._schema}"
+            sealed: tuple[PostgresMigrationStep, ...] = (
+                *MIGRATIONS[-1],
+                self._guard.migration_step(),
             )
+            await migrate_schema(
+                connection, self._schema, (*MIGRATIONS[:-1], sealed), f"octo-ledger:{self._schema}"
+            )
+            await self._guard.open(connection)  # the store head against every record
 
         return await self._connecting.open("octo-host-ledger", migrate)
 
@@ -405,6 +421,7 @@ class PostgresRecordBackend(SwapBackend):
         namespaces = [key.namespace for key in keys]
         names = [key.name for key in keys]
         results: list[_Outcome] = []
+        changes: list[Change] = []
         async with connection.transaction():
             view: _View = {}
             for row in await connection.fetch(self._sql["lock_heads"], namespaces, names):
@@ -425,7 +442,11 @@ class PostgresRecordBackend(SwapBackend):
                 for sql, arguments, expected in statements:
                     if await connection.fetchval(sql, *arguments) != expected:
                         raise _GuardRefused()
+                    if sql == self._sql["write_record"]:
+                        namespace, name, new, _, _, old = arguments[:6]
+                        changes.append((StorageRecordKey(namespace, name), old, new))
                 results.append((True, value))
+            await self._guard.seal(connection, changes)  # the store head, last lock taken
         return results
 
     # Contract (the compare-and-swap entry points: SwapBackend) -----------------------

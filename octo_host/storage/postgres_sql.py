@@ -39,6 +39,22 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
     ),
+    # 1 -> 2: the store head (``postgres_head``), created to be built from the
+    # records at the next open; the backend appends the step that seals that
+    # row as such with its storage key.
+    (
+        """
+        CREATE TABLE {s}.store_head (
+            id SMALLINT PRIMARY KEY CHECK (id = 1),
+            revision BIGINT NOT NULL CHECK (revision >= 0),
+            record_count BIGINT NOT NULL CHECK (record_count >= 0),
+            digest BYTEA,
+            key_id TEXT,
+            auth_tag TEXT
+        )
+        """,
+        "INSERT INTO {s}.store_head (id, revision, record_count, digest) VALUES (1, 0, 0, NULL)",
+    ),
 )
 """Forward migrations: entry ``i`` moves the schema from version ``i`` to ``i + 1``."""
 

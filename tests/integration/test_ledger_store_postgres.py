@@ -320,7 +320,13 @@ async def test_two_stores_opening_a_fresh_schema_together_migrate_it_once(
         assert await asyncio.gather(*(store.integrity_check() for store in stores)) == [["ok"]] * 3
         connection = await postgres_schema.connect()
         try:
-            assert await connection.fetch("SELECT version FROM schema_version") == [(1,)]
+            assert await connection.fetch("SELECT version FROM schema_version") == [(2,)]
+            # Migrated once: one store head, built once and sealed.
+            ((count, sealed),) = await connection.fetch(
+                "SELECT count(*), bool_and(digest IS NOT NULL AND auth_tag IS NOT NULL) "
+                "FROM store_head"
+            )
+            assert (count, sealed) == (1, True)
         finally:
             await connection.close()
     finally:
