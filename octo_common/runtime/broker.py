@@ -8,7 +8,8 @@ for a :class:`~octo_common.transport.FrameEnvelope`) and
 :func:`dead_letter_delivery` (a refused delivery's confirmed copy to
 ``octo.v5.dead`` with ``octo-reason``, then ack; when the copy fails in any
 way, reject without requeue so the queue's own dead-letter exchange takes
-it).
+it), and :func:`renew_confirm_channel` (a fresh confirm channel on the same
+connection in place of one whose publish was nacked or never confirmed).
 
 It must never: open or reopen connections (the callers own reconnection),
 decide whether a frame is refused or why (the session and the client do),
@@ -18,6 +19,7 @@ or log credentials, headers or frame bodies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -48,6 +50,7 @@ __all__ = [
     "frame_properties",
     "publish_confirmed",
     "publish_envelope",
+    "renew_confirm_channel",
 ]
 
 # Returns are matched to publishes by message_id (inside aiormq, and by the
@@ -232,6 +235,45 @@ async def _publish_once(
     if not isinstance(result, Basic.Ack):
         # A channel without on_return_raises hands back the returned message.
         raise PublishReturned(routing_key)
+
+
+# Channels replaced after a nack, until they are closed (a task must be referenced).
+_RETIRING: set[asyncio.Task[None]] = set()
+
+
+async def renew_confirm_channel(
+    connection: amqp.Connection, nacked: amqp.Channel, *, timeout: float
+) -> amqp.Channel:
+    """A new confirm channel on ``connection`` to publish on in place of ``nacked``.
+
+    A nack, or a confirm that never comes, may be the channel's, not the
+    queue's: RabbitMQ (3.10, measured on a three-node cluster) leaves a
+    channel opened while a quorum queue had no reachable leader (its
+    leader's node had just died, or was cut off) nacking, or never
+    confirming, every later publish to that queue for as long as the channel
+    lives, while a channel opened after the election publishes to it at
+    once. A publisher therefore answers either with a new channel before it
+    publishes again. ``nacked`` is closed
+    after ``timeout`` seconds (the confirms still in flight on it end by
+    then); its close callbacks are the caller's to remove first. Raises what
+    opening a channel raises (``TimeoutError`` after ``timeout``).
+    """
+    fresh = await asyncio.wait_for(connection.channel(publisher_confirms=True), timeout)
+    loop = asyncio.get_running_loop()
+
+    def close() -> None:
+        task = loop.create_task(_close_quietly(nacked))
+        _RETIRING.add(task)
+        task.add_done_callback(_RETIRING.discard)
+
+    loop.call_later(timeout, close)
+    return fresh
+
+
+async def _close_quietly(channel: amqp.Channel) -> None:
+    if not channel.is_closed:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(channel.close(), timeout=5.0)
 
 
 async def publish_envelope(channel: Channel, envelope: FrameEnvelope, *, timeout: float) -> None:

@@ -30,12 +30,18 @@ from typing import Protocol
 from structlog.typing import FilteringBoundLogger
 
 from octo_common.runtime import amqp
-from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.runtime.broker import (
+    dead_letter_delivery,
+    publish_envelope,
+    renew_confirm_channel,
+)
 from octo_common.runtime.consumer import InboundMessage
 from octo_common.transport import (
     PublishChannelClosed,
     PublishFailed,
+    PublishNacked,
     PublishReturned,
+    PublishTimedOut,
     build_host_publish,
     reply_queue,
 )
@@ -79,6 +85,7 @@ class HostBroker:
         self._log = log
         self._connection: amqp.Connection | None = None
         self._publish_channel: amqp.Channel | None = None
+        self._renewing = asyncio.Lock()
         self._consume_channel: amqp.Channel | None = None
         self._consumer_tag: str | None = None
         self._on_delivery: Callable[[amqp.AmqpDelivery], None] | None = None
@@ -307,6 +314,8 @@ class HostBroker:
                 self._log.warning("publish_unconfirmed", type=kind, attempt=attempt, error=exc.code)
                 if attempt == attempts:
                     raise
+                if isinstance(exc, (PublishNacked, PublishTimedOut)):
+                    channel = await self._renew_publish_channel(channel)
                 continue
             break
         self.published[kind] += 1
@@ -318,6 +327,31 @@ class HostBroker:
             request_id=correlation_id,
             message_id=envelope.message_id,
         )
+
+    async def _renew_publish_channel(self, nacked: amqp.Channel) -> amqp.Channel:
+        """The channel to publish on after ``nacked`` nacked a publish or left it
+        unconfirmed: a new one on
+        the same connection in its place (once for concurrent nacks), or
+        ``nacked`` itself when none can be opened now (the next attempt says)."""
+        async with self._renewing:
+            current, connection = self._publish_channel, self._connection
+            if current is not None and current is not nacked:
+                return current  # another publish renewed it already
+            if current is None or connection is None or connection.is_closed:
+                return nacked
+            try:
+                fresh = await renew_confirm_channel(
+                    connection, nacked, timeout=self._settings.publish_timeout
+                )
+            except (amqp.AmqpError, TimeoutError, OSError) as exc:
+                self._log.warning("publish_channel_renew_failed", error=type(exc).__name__)
+                return nacked
+            if self._publish_channel is not nacked:
+                # A reconnection replaced it meanwhile: publish on the new connection's.
+                return self._publish_channel or fresh
+            self._publish_channel = fresh
+            self._log.warning("publish_channel_renewed")
+            return fresh
 
     async def ack(self, message: InboundMessage) -> None:
         """Ack a reply delivery; a lost channel is not an error (the broker redelivers)."""

@@ -26,9 +26,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
-from octo_common.runtime.broker import dead_letter_delivery, publish_envelope
+from octo_common.runtime.broker import (
+    dead_letter_delivery,
+    publish_envelope,
+    renew_confirm_channel,
+)
 from octo_common.runtime.consumer import InboundMessage
-from octo_common.transport import PublishChannelClosed, worker_queue
+from octo_common.transport import (
+    PublishChannelClosed,
+    PublishNacked,
+    PublishTimedOut,
+    worker_queue,
+)
 from octo_worker.daemon.scopes import ServedScope
 from octo_worker.daemon.topology import connect_link, declare_queues
 
@@ -84,6 +93,9 @@ class BrokerLink:
         self._connection: amqp.Connection | None = None
         self._consume_channel: amqp.Channel | None = None
         self._publish_channel: amqp.Channel | None = None
+        # The current connection's channel-close callback (a closed channel ends it).
+        self._on_channel_closed: Callable[..., None] | None = None
+        self._renewing = asyncio.Lock()
         self._connected = asyncio.Event()
         self.ready = asyncio.Event()
         self._consuming_since_connect = False
@@ -189,6 +201,7 @@ class BrokerLink:
             publish = await connection.channel(publisher_confirms=True)
         consume.close_callbacks.add(on_close)
         publish.close_callbacks.add(on_close)
+        self._on_channel_closed = on_close
 
         def on_consumer_cancelled(tag: str) -> None:
             # The broker cancelled a consumer (its queue was deleted, or the
@@ -243,6 +256,7 @@ class BrokerLink:
         connection, self._connection = self._connection, None
         self._consume_channel = None
         self._publish_channel = None
+        self._on_channel_closed = None
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), timeout=5.0)
@@ -292,9 +306,14 @@ class BrokerLink:
     async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None:
         """A confirmed publish that survives a reconnect (same bytes, current channel).
 
-        With ``await_reconnect=False`` a closed channel fails at once (the
-        outbox republish runs on the connection being set up: waiting for a
-        reconnect there would wait for itself).
+        A nack or a missing confirm replaces the publish channel
+        (:func:`renew_confirm_channel`: the broker may nack, or never confirm,
+        everything a channel publishes to a quorum queue that changed leader)
+        and the same bytes go again on the new one, until the deadline; then
+        that failure is raised. With ``await_reconnect=False`` a
+        closed channel fails at once (the outbox republish runs on the
+        connection being set up: waiting for a reconnect there would wait for
+        itself).
         """
         loop = asyncio.get_running_loop()
         timeout = self.config.broker.publish_timeout_seconds
@@ -324,6 +343,32 @@ class BrokerLink:
                 if loop.time() >= deadline:
                     raise
                 await asyncio.sleep(0.1)
+            except (PublishNacked, PublishTimedOut):
+                if loop.time() >= deadline:
+                    raise
+                await self._renew_publish_channel(channel)
+                await asyncio.sleep(0.1)
+
+    async def _renew_publish_channel(self, nacked: amqp.Channel) -> None:
+        """Put a new confirm channel in place of ``nacked`` if it is still the current
+        one (concurrent nacks renew it once); a failure to open one is left to
+        the next publish (a closed connection reconnects)."""
+        async with self._renewing:
+            connection, closed = self._connection, self._on_channel_closed
+            if nacked is not self._publish_channel or connection is None or connection.is_closed:
+                return
+            try:
+                fresh = await renew_confirm_channel(
+                    connection, nacked, timeout=self.config.broker.publish_timeout_seconds
+                )
+            except (amqp.AmqpError, TimeoutError, OSError) as exc:
+                self._log.warning("publish_channel_renew_failed", error=type(exc).__name__)
+                return
+            if closed is not None:
+                nacked.close_callbacks.discard(closed)
+                fresh.close_callbacks.add(closed)
+            self._publish_channel = fresh
+            self._log.warning("publish_channel_renewed")
 
     async def dead_letter(
         self,
