@@ -1,11 +1,11 @@
-"""The commits of one worker session, in the order they were built (W§10.5, W§10.9, W§11.2).
+"""The commits of one worker session, in the order they were built.
 
 :class:`SessionCommits` submits each commit of a session (its state
 document and the request rows of the request ids retained since the
 previous commit, with the journal rows and the outbox row of the handling
 that built it), settles them strictly in build order, and keeps what the
 session needs to know about them: the revision of its state row, the highest scope
-revision seen (W§10.1), the outbox rows confirmed since (deleted inside the
+revision seen, the outbox rows confirmed since (deleted inside the
 next commit, never in one of their own), and the first failure.
 
 While a commit is in flight the session lock is released, so the next
@@ -140,7 +140,7 @@ class SessionCommits:
         self._broken: OctoError | None = None
         self.failures = 0
         self._last_failure: OctoError | None = None
-        # A commit was refused by another writer's fence (W§11.3): this worker
+        # A commit was refused by another writer's fence: this worker
         # no longer owns the scope and seals nothing more for this session.
         self.superseded = False
 
@@ -167,7 +167,7 @@ class SessionCommits:
         )
 
     def state_document(self, point: DurablePoint | None = None) -> bytes:
-        """The state document (W§10.3) a commit writes.
+        """The state document a commit writes.
 
         Status and authenticator are read now; budgets, the count of retained
         request ids and reconciliation counters come from ``point`` (default:
@@ -376,7 +376,7 @@ class SessionCommits:
         return cancelled
 
     def revision_error(self, revision: object) -> InvalidJournalRevision | None:
-        """W§10.1: a commit must return an int above every revision seen so far."""
+        """A commit must return an int above every revision seen so far."""
         if isinstance(revision, bool) or not isinstance(revision, int):
             return InvalidJournalRevision(self.highest_revision + 1, -1)
         if revision <= self.highest_revision:
@@ -437,13 +437,13 @@ class SessionCommits:
             self._broken = None
 
     def _poison_in_memory(self, failure: OctoError) -> None:
-        """W§10.9 step 1: back to the last durable point, then ``poisoned``.
+        """Back to the last durable point, then ``poisoned``.
 
         Budgets, request ids and reconciliation counters go back to the
         point of the last successful commit. The authenticator is kept as it
         is: its outbound counter only ever moves forward, so a sequence
         sealed for a frame that was never committed is not reused for the
-        refusal (the property W§10.11 rule 2 protects), and the window bits it
+        refusal (no sequence is ever sealed twice), and the window bits it
         gained belong to frames that a poisoned session answers
         ``session_poisoned`` whether or not they count as duplicates. The
         daemon's reload restores the durable window from the store.

@@ -2,12 +2,12 @@
 
 A session is ``open``, ``closed`` or ``poisoned``. :func:`refused_delivery`
 says whether a session takes a delivery the inbound gate routed to it at
-all (its own nonce; an ``open_session`` only as a duplicate). :func:`answer` says what
-a session answers to each authenticated frame type, new or duplicate, by
-status (W§10.5 step 4, W§10.7, W§10.9), once ``open()`` accepted it; a
-``closed`` session opens nothing (:data:`CLOSED_REASON`, W§10.11 rule 9).
-What the daemon does by a session's status (its route after the inbound
-gate, what follows a handling) is :mod:`octo_worker.daemon.routes`.
+all (its own nonce; an ``open_session`` only as a duplicate).
+:func:`answer` says what a session answers to each authenticated frame
+type, new or duplicate, by status, once ``open()`` accepted it; a
+``closed`` session opens nothing (:data:`CLOSED_REASON`). What the daemon
+does for a session it does not hold, and what follows a handling, is
+:mod:`octo_worker.daemon.routes`.
 
 Everything that affects these answers is here and nowhere else; the
 session only carries them out. No I/O, no state.
@@ -37,9 +37,9 @@ OPEN: Final[SessionStatus] = "open"
 CLOSED: Final[SessionStatus] = "closed"
 POISONED: Final[SessionStatus] = "poisoned"
 
-# Requests a host sends that are answered (W§10.6, D9): refused, not dropped,
+# Requests a host sends that are answered: refused, not dropped,
 # in a poisoned session. Keyed ones (a row of the kind table each) name an
-# operation key and a duplicate of one is answered from the journal (D5).
+# operation key and a duplicate of one is answered from the journal.
 KEYED_REQUESTS: Final = frozenset(KEYED_KINDS)
 HOST_REQUESTS: Final = KEYED_REQUESTS | {"invoke", "cancel"}
 # What only a worker sends: a host never may (UnexpectedMessage).
@@ -84,12 +84,12 @@ def refused_delivery(status: SessionStatus, opening: bool, nonce_matches: bool) 
 class Answer(enum.Enum):
     """What a session does with an authenticated frame."""
 
-    REQUEST = "request"  # its W§10.6 handler (invoke and the keyed kinds)
-    FROM_JOURNAL = "from_journal"  # a duplicate keyed request: the stored state (D5)
+    REQUEST = "request"  # its decisions (invoke and the keyed kinds)
+    FROM_JOURNAL = "from_journal"  # a duplicate keyed request: the stored state
     CLOSE = "close"  # status closed, commit, ack
     DROP = "drop"  # ack; no reply, no commit
     REFUSE_POISONED = "refuse_poisoned"  # session_poisoned, best effort, no commit
-    REFUSE_UNSUPPORTED = "refuse_unsupported"  # cancel (D9)
+    REFUSE_UNSUPPORTED = "refuse_unsupported"  # cancel
     REPLAY = "replay"  # commit the window, dead-letter session_replay
     UNEXPECTED = "unexpected"  # commit the window, dead-letter unexpected_message
 

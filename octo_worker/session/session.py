@@ -1,19 +1,19 @@
-"""One authenticated worker session and its effect ordering (W§10, D4–D6, D9).
+"""One authenticated worker session and its effect ordering.
 
 A :class:`WorkerSession` owns, for one session of one tenant scope: the
 worker-role authenticator (replay window, outbound sequence), the
 ``SessionAuthorizer`` (budgets, request ids, compensation identities), the
 reconciliation counters and the session status (``open``, ``closed``,
 ``poisoned``). ``handle`` turns one delivered frame into exactly the commits,
-adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
+adapter calls, replies, acks and dead-letters the protocol prescribes:
 
 * every frame ``open()`` accepted is made durable (window, budgets) before the
   delivery is acked, dead-lettered or answered and before any effectful
-  adapter method runs (S1); a reply is committed to the outbox with the state
-  document recording its sequence before it is published (S3);
+  adapter method runs; a reply is committed to the outbox with the state
+  document recording its sequence before it is published;
 * ``store.commit`` is called exactly once per admission, observation,
   respond, refuse or session-only commit, and confirmed outbox rows are
-  deleted only inside such a commit (PROTOCOL.md §2.4 "Commit cadence");
+  deleted only inside such a commit, never in one of their own;
 * work on one operation key is serialised by a key lock shared by every
   session of the scope on the same store; session state is changed only
   under the session lock, which is never held while waiting for a key lock,
@@ -24,18 +24,19 @@ adapter calls, replies, acks and dead-letters that W§10.5–10.9 prescribe:
   handlings of one session share transactions (each still waits for its own
   durability before it acks, runs an adapter or publishes);
 * a failed commit poisons the session: its memory goes back to the last
-  durable point, and the refusal W§10.9 step 2 asks for is committed (the
+  durable point, and the refusal naming the failure is committed (the
   status ``poisoned`` and the refusal's sequence with it) before it is
   published, so no sequence is ever published that a session restored
-  after a crash could seal again (W§10.11 rule 2); the daemon runs steps
-  3–5.
+  after a crash could seal again; the daemon then reloads the scope.
 
 A session owns its parts: its state (:mod:`octo_worker.session.state`),
-its answers, which decide per frame (:mod:`octo_worker.session.answers`),
+its decisions, which say purely what each frame gets, as steps
+(:mod:`octo_worker.session.decisions`, :mod:`octo_worker.session.steps`),
 and its commit pipeline (:mod:`octo_worker.session.commits`); the status
-rules are :mod:`octo_worker.session.rules`. This module builds
-sessions (``open``, ``restore``) and drives one handling: key lock, load,
-decisions under the session lock, the adapter call outside it, the reply.
+rules are :mod:`octo_worker.session.rules`. This module builds sessions
+(``open``, ``restore``) and is the one driver of a handling: the key lock,
+the load, the decisions' commit steps under the session lock, the ack, the
+adapter call outside it, the reply.
 
 It persists through the store and publishes through the delivery;
 it must never send anything that was not committed first, never run an
@@ -122,7 +123,7 @@ _log = structlog.get_logger("octo.worker.session")
 
 
 class WorkerSession:
-    """One authenticated session of one tenant scope (W§10)."""
+    """One authenticated session of one tenant scope."""
 
     def __init__(
         self,
@@ -206,7 +207,7 @@ class WorkerSession:
         hooks: WorkerHooks = NO_HOOKS,
         allowed_reply_queues: AbstractSet[str] = frozenset(),
     ) -> WorkerSession:
-        """Open a session from its authenticated ``open_session`` frame (W§10.4).
+        """Open a session from its authenticated ``open_session`` frame.
 
         Runs steps 1–8 in order and raises the failing step's error; the
         daemon dead-letters with its code. No reply is ever sent. The
@@ -230,7 +231,7 @@ class WorkerSession:
         if not isinstance(key_nonce, bytes) or len(key_nonce) != KEY_NONCE_BYTES:
             raise InvalidKeyNonce()
         if not isinstance(reply_to, str) or not reply_to:
-            # Every reply of the session goes to this queue (W§12.1).
+            # Every reply of the session goes to this queue.
             raise InvalidFrameHeaders()
         bound = message.reply_to
         if reply_to != bound and (bound is not None or reply_to not in allowed_reply_queues):
@@ -292,7 +293,7 @@ class WorkerSession:
         limits: WorkerSessionLimits,
         hooks: WorkerHooks = NO_HOOKS,
     ) -> WorkerSession:
-        """Rebuild a session from its persisted documents (W§10.9–10.10).
+        """Rebuild a session from its persisted documents.
 
         The key is re-derived from ``scope_key`` and the persisted nonce; the
         highest seen scope revision starts at the store's head revision.
@@ -344,13 +345,13 @@ class WorkerSession:
 
     @property
     def highest_revision(self) -> int:
-        """The highest scope revision this session's commits returned (W§10.1)."""
+        """The highest scope revision this session's commits returned."""
         return self._commits.highest_revision
 
     @property
     def commit_failed(self) -> bool:
         """Whether a commit of this session failed since it was opened or restored:
-        its scope is reloaded under a fresh fence (W§10.9 steps 3–5)."""
+        its scope is reloaded under a fresh fence."""
         return self._commits.failures > 0
 
     def calls_for(self, tool: str) -> int:
@@ -367,21 +368,21 @@ class WorkerSession:
         """Note an outbox row whose (re)publish the broker confirmed.
 
         It is deleted inside this session's next commit, never in a commit
-        of its own (PROTOCOL.md §2.4).
+        of its own.
         """
         self._commits.confirm(message_id)
 
     async def release_confirmed(self, store: WorkerSessionStore) -> int:
         """Delete this session's confirmed outbox rows now, in a commit of their own.
 
-        They otherwise go in the session's next commit (PROTOCOL.md §2.4), and
+        They otherwise go in the session's next commit, and
         a closed session never makes one, nor does an idle or abandoned one:
         its last replies would stay in the outbox and be republished at every
-        start, for ever. W§11.4 lets deletions be batched freely; this is one
+        start, for ever. Deletions may be batched freely; this is one
         outbox-only commit (the session state is not written), taken under the
         session lock. The daemon calls it for sessions whose rows it has just
         republished and for closed ones, never for a session poisoned in memory
-        (W§10.9: it commits nothing more; its scope is reloaded).
+        (it commits nothing more; its scope is reloaded).
 
         Returns the number of rows deleted (0, without a commit, when none is
         confirmed). A failed commit is raised; the rows stay noted.
@@ -395,8 +396,8 @@ class WorkerSession:
         return self._state.authenticator.export_state().next_outgoing
 
     async def persist_poisoned(self, store: WorkerSessionStore, *, reserve: int = 0) -> int:
-        """Record this (restored) session as ``poisoned`` (W§10.9 step 4), its outbound
-        counter at least ``reserve`` (W§10.11 rule 2).
+        """Record this (restored) session as ``poisoned``, its outbound counter at least
+        ``reserve`` (so no sequence it may have published is sealed again).
 
         ``reserve``: the next sequence of the session as it was in memory before
         the reload, past every refusal it published best-effort without a commit.
@@ -461,7 +462,7 @@ class WorkerSession:
         run = Handling(delivery=delivery, store=store, log=self._log)
         try:
             if self._state.status == CLOSED:
-                # W§10.11 rule 9: no open(), no state change. The close may still
+                # A closed session opens nothing and changes nothing. The close may still
                 # be in flight: the frame is dropped only once it is durable.
                 run.barrier = self._commits.last_in_flight()
                 await self._finish(DeadLetter(CLOSED_REASON), run)
@@ -689,7 +690,7 @@ async def _publish(run: Handling, frame: bytes, correlation_id: str | None) -> b
 
 
 def _check_lease(lease: object) -> None:
-    # W§10.11 rule 8: only a store-issued lease (token >= 1) is a lease.
+    # Only a store-issued lease (token >= 1) is a lease.
     if not isinstance(lease, WorkerJournalLease) or lease.token < 1:
         raise InvalidJournalLease()
 
