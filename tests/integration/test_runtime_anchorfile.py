@@ -123,6 +123,7 @@ async def test_the_worker_journal_writes_its_anchor_private(
     assert read_anchor(anchor) == {
         StorageRecordKey("worker-journal", "tenant-a"): 1,
         StorageRecordKey("worker-journal-format", "scope-row-digest"): 5,
+        StorageRecordKey("worker-journal-format", "store-head"): 7,
     }
 
 
