@@ -9,8 +9,10 @@ any of them committed. :class:`StoreAnchor` owns it:
 
 * **written** after every transaction that moved the store head (a fence
   reservation, a commit batch) has committed, once per transaction, by the
-  worker that committed it: under an exclusive POSIX lock of ``<path>.lock``
-  (``lockf``, which network file systems honour across machines) it reads
+  worker that committed it: under a lock of its own process (POSIX locks
+  do not exclude the threads of one process) and an exclusive POSIX lock of
+  ``<path>.lock`` (``lockf``, which network file systems honour across
+  machines) it reads
   the file, keeps the larger of what it holds and the revision committed,
   and replaces the file atomically (``anchorfile``). So the value never goes
   down, whichever worker writes last.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from pathlib import Path
 from typing import Final
 
@@ -51,10 +54,13 @@ STORE_ANCHOR_NAMESPACE: Final = "worker-journal-store"
 class StoreAnchor:
     """The anchor file of one shared journal (one database schema); blocking file I/O."""
 
-    __slots__ = ("_key", "_lock_path", "path")
+    __slots__ = ("_key", "_lock_path", "_writing", "path")
 
     def __init__(self, path: str | os.PathLike[str], schema: str) -> None:
         self.path = Path(os.fspath(path))
+        # Two commits' anchor writes may run at once on the threads of one
+        # process, which one POSIX lock does not keep apart.
+        self._writing = threading.Lock()
         self._lock_path = self.path.with_name(self.path.name + ".lock")
         self._key = StorageRecordKey(STORE_ANCHOR_NAMESPACE, schema)
 
@@ -77,6 +83,10 @@ class StoreAnchor:
         self._locked_write(revision, keep_higher=False)
 
     def _locked_write(self, revision: int, *, keep_higher: bool) -> None:
+        with self._writing:
+            self._write_between_processes(revision, keep_higher=keep_higher)
+
+    def _write_between_processes(self, revision: int, *, keep_higher: bool) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self._lock_path, flags, 0o600)
         try:
