@@ -631,7 +631,7 @@ def test_compensation_check_order() -> None:
     assert auth.compensations_for(TOOL) == 1
 
 
-# Header validation comes first; the payload only where its place in the order is ------
+# Header validation comes first; the payload is checked at its own place in the order ----
 
 
 def unvalidated(value: Any, **changes: Any) -> Any:
