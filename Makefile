@@ -18,6 +18,9 @@
 #               boundary (make test runs 1,000 fixed seeds).
 #   make mutate single-line mutants of the lines that enforce the promises, each
 #               against the tests that guard it (tests/mutation/mutate.py).
+#   make test-cluster  three RabbitMQ nodes in network namespaces, a worker and a host
+#               under load, a node killed and a node partitioned (tests/cluster,
+#               docs/verification.md); root only, not part of make test.
 #   make demo   the main job end to end (see README).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -28,7 +31,7 @@ EXAMPLE  := examples/octo-example-tickets
 # workers than the 2 cores of the project's machines still shorten it.
 PYTEST_WORKERS ?= 4
 
-.PHONY: test lint typecheck pytest venv rabbitmq postgres chromium tools java model fuzz simulate mutate demo bench clean
+.PHONY: test-cluster test lint typecheck pytest venv rabbitmq postgres chromium tools java model fuzz simulate mutate demo bench clean
 
 test: venv rabbitmq postgres chromium tools java lint typecheck pytest
 
@@ -84,6 +87,16 @@ typecheck: venv
 
 pytest: venv
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# Not in make test: it needs root and network namespaces, and takes minutes.
+# Without root it says so in one line and succeeds. The trap removes whatever
+# a killed run left (namespaces, their processes, the bridge); the fixture
+# removes its own on every normal exit.
+test-cluster: venv
+	@if [ "$$(id -u)" != 0 ]; then echo "test-cluster: skipped: needs root (network namespaces)"; exit 0; fi; \
+	sh deploy/ensure-cluster-tools.sh && \
+	trap '$(PY) -m tests.cluster.netns --clean' EXIT INT TERM; \
+	$(PY) -m pytest -q -s -p no:cacheprovider tests/cluster
 
 demo: venv rabbitmq
 	$(PY) demo/demo.py
