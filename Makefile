@@ -10,7 +10,8 @@
 #               time, files with a slow test first; PYTEST_WORKERS=0 runs the
 #               suite in this process).
 #   make model  TLC on the model of the worker's and host's promises (docs/model.md);
-#               make test runs it too (tests/model), with Java from deploy/ensure-java.sh.
+#               make test runs it bounded to two requests (tests/model), with Java from
+#               deploy/ensure-java.sh.
 #   make fuzz   atheris on every byte reader, FUZZ_SECONDS each, growing tests/fuzz/corpus
 #               (make test replays the corpus and runs each target briefly).
 #   make simulate  SCHEDULES deterministic schedules of the real session, journal and
