@@ -49,3 +49,12 @@ def test_a_schedule_without_faults_ends_with_every_key_settled() -> None:
     assert sum(sim.external.calls.values()) == KEYS
     assert sim.budget == {}
     assert not sim.boundaries.deaths
+
+
+def test_a_seed_replays_the_same_schedule() -> None:
+    # What `python -m tests.sim.run --seed N` relies on: one seed, one history.
+    first, again = run_one(11), run_one(11)
+    assert first.boundaries.deaths, "seed 11 kills the worker"
+    assert first.history == again.history
+    assert first.boundaries.deaths == again.boundaries.deaths
+    assert first.external.calls == again.external.calls
