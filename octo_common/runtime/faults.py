@@ -28,6 +28,13 @@ host client each hold one :class:`FaultInjector` and call
   next attempt of a step, under its new key) is durable; nothing of it is
   sealed or sent.
 
+Besides, outside the protocol (so not in the model's kill-point table):
+:data:`STORAGE_FAULT_POINTS`, points inside one storage transaction, where
+a kill must leave the store as it was before the transaction:
+
+* ``worker.during_journal_rekey``: a journal row's item rewritten under the
+  active key's hash, the transaction not committed.
+
 Nothing happens when the variable is absent; a malformed value is ignored
 with a warning on stderr (never fatal: production never sets it). It must
 never do anything but kill this process at the chosen point.
@@ -41,7 +48,7 @@ import signal
 import sys
 import time
 
-__all__ = ["FAULT_POINTS", "FaultInjector"]
+__all__ = ["FAULT_POINTS", "STORAGE_FAULT_POINTS", "FaultInjector"]
 
 FAULT_POINTS = frozenset(
     {
@@ -60,6 +67,9 @@ FAULT_POINTS = frozenset(
 )
 
 
+STORAGE_FAULT_POINTS = frozenset({"worker.during_journal_rekey"})
+
+
 class FaultInjector:
     """Kills the process at the configured point; a no-op otherwise."""
 
@@ -70,7 +80,8 @@ class FaultInjector:
         if not spec:
             return
         point, _, count = spec.partition("@")
-        if point not in FAULT_POINTS or (count and not count.isdigit()):
+        known = point in FAULT_POINTS or point in STORAGE_FAULT_POINTS
+        if not known or (count and not count.isdigit()):
             sys.stderr.write(f"octo: ignoring unknown OCTO_FAULT value {spec!r}\n")
             return
         self._point = point

@@ -132,6 +132,10 @@ class OverviewView:
     generated_at: float = field(default_factory=time.time)
 
 
+def _or_now(written: float | None, now: float) -> float:
+    return now if written is None else written
+
+
 async def _scope_view(
     store: JournalStoreBase, name: str, configured: bool, config_path: str, now: float
 ) -> ScopeView:
@@ -152,17 +156,24 @@ async def _scope_view(
     view.compensations = {state: compensations.get(state, 0) for state in STATES}
     stuck = [summary for summary in summaries if _unresolved(summary)]
     view.stuck_total = len(stuck)
+    # When each stuck key's row was last written (its item at rest is a keyed hash).
+    written_at = {
+        summary["operation_key"]: metadata.written(
+            store.journal_items(name, summary["operation_key"])
+        )
+        for summary in stuck
+    }
     oldest: tuple[float, str] | None = None
     for summary in stuck:
-        written = metadata.written_at.get(summary["operation_key"])
+        written = written_at[summary["operation_key"]]
         if written is not None and (oldest is None or written < oldest[0]):
             oldest = (written, summary["operation_key"])
     if oldest is not None:
         view.oldest_pending_seconds = max(0.0, now - oldest[0])
         view.oldest_pending_key = oldest[1]
-    stuck.sort(key=lambda s: metadata.written_at.get(s["operation_key"], now))
+    stuck.sort(key=lambda s: _or_now(written_at[s["operation_key"]], now))
     for summary in stuck[:_LISTED_LIMIT]:
-        written = metadata.written_at.get(summary["operation_key"])
+        written = written_at[summary["operation_key"]]
         view.stuck.append(
             StuckRow(
                 summary["operation_key"],
@@ -329,7 +340,9 @@ async def key_view(
                             view.error = error.message
                             detail = record_detail(name, record, revision)
                     written = (
-                        None if metadata is None else metadata.written_at.get(record.operation_key)
+                        None
+                        if metadata is None
+                        else metadata.written(store.journal_items(name, record.operation_key))
                     )
                     view.rows.append(KeyRow(detail, written, _key_commands(detail, config_path)))
     except CliError as error:

@@ -252,16 +252,17 @@ class ScopeLifecycle:
         the scope's rows per load)."""
         try:
             rows = await self._store.list_records(scope.name)
-            written = (await self._store.scope_metadata(scope.name)).written_at
+            metadata = await self._store.scope_metadata(scope.name)
         except OctoError as exc:
             self._log.warning("unresolved_keys_not_read", scope=scope.name, error=exc.code)
             return
         now = time.time()
-        since = {
-            record.operation_key: written.get(record.operation_key, now)
-            for record, _ in rows
-            if unresolved_record(record)
-        }
+        since: dict[str, float] = {}
+        for record, _ in rows:
+            if unresolved_record(record):
+                key = record.operation_key
+                written = metadata.written(self._store.journal_items(scope.name, key))
+                since[key] = now if written is None else written
         self._hooks.after_unresolved_loaded(scope.name, since)
 
     def superseded(self, scope: ServedScope) -> bool:

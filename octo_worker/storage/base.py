@@ -61,6 +61,7 @@ from octo_worker.storage.documents import (
     NS_SESSION,
     NS_SESSION_OPEN,
     NS_SESSION_REQUEST,
+    journal_row_key,
     pruned_document,
     read_outbox,
     read_session,
@@ -80,6 +81,7 @@ from octo_worker.storage.interface import (
     WorkerJournalLease,
     issue_lease,
 )
+from octo_worker.storage.journal_items import ItemLookups
 from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import ScopeSnapshot, check_snapshot
 from octo_worker.storage.sealing import RowSealer
@@ -105,7 +107,7 @@ Resealed = tuple[int, int, bytes, bytes]
 """(row id, revision, envelope read, envelope sealed again) of one row ``reseal`` rewrites."""
 
 Pruned = tuple[str, int, bytes, bytes]
-"""(operation key, revision, envelope read, the pruned document sealed at that revision)."""
+"""(journal item, revision, envelope read, the pruned document sealed at that revision)."""
 
 
 class JournalStoreBase(abc.ABC):
@@ -136,6 +138,9 @@ class JournalStoreBase(abc.ABC):
         maintenance: bool,
     ) -> None:
         self._sealer = RowSealer(keyring, data_keyring)
+        # How an operation key is named at rest (``journal_items``): a keyed hash.
+        self._lookups = ItemLookups(keyring)
+        self._items = self._lookups.items
         self._keyring = keyring
         self._data_keyring = data_keyring
         self._read_only = read_only
@@ -297,7 +302,36 @@ class JournalStoreBase(abc.ABC):
     async def _checked_snapshot(self, scope: str) -> ScopeSnapshot:
         snapshot = await self._scope_snapshot(scope)
         check_snapshot(snapshot, self._keyring)
+        if snapshot.live is not None:
+            self._lookups.check_key_ids(snapshot.live.journal_key_ids)
         return snapshot
+
+    async def _check_keys_once(self, scope: str) -> None:
+        """Before a lookup: every journal row's item is under a key the keyring still
+        holds, so that a lookup that misses means no row (a row hashed under a key
+        this keyring lacks would look absent). A scope this instance loaded has its
+        key ids in its live index; another one (an operator's read) is read once,
+        its head authenticated (other key material under the same id fails here)."""
+        index = self._live.get(scope)
+        if index is not None:
+            self._lookups.check_key_ids(index.journal_key_ids)
+            return
+        key_ids = self._lookups.checked.get(scope)
+        if key_ids is None:
+            snapshot = await self._scope_snapshot(scope)
+            if snapshot.head is not None:
+                self._sealer.verify_head(snapshot.head)
+            key_ids = self._lookups.remember(
+                scope, snapshot.live.journal_key_ids if snapshot.live else ()
+            )
+        self._lookups.check_key_ids(key_ids)
+
+    def journal_items(self, scope: str, key: str) -> tuple[str, ...]:
+        """Every journal item ``key``'s row may be stored under in ``scope`` (the items
+        ``ScopeMetadata.written_at`` is keyed by)."""
+        check_scope(scope)
+        validate_token("operation key", key)
+        return self._items.candidates(scope, key)
 
     def _live_revision(self, scope: str) -> int | None:
         """The live index's revision, taken before a read that ``_check_live`` checks."""
@@ -339,6 +373,8 @@ class JournalStoreBase(abc.ABC):
         if not isinstance(changes, WorkerCommit):
             raise TypeError("changes must be a WorkerCommit")
         writes, new_sessions = prepare(scope, changes)
+        if changes.journal is not None:
+            writes = self._lookups.stored_writes(scope, writes)
         self._check_committing()
         await self._ensure_open()
         if self._closed:
@@ -357,17 +393,26 @@ class JournalStoreBase(abc.ABC):
     async def load_records(
         self, scope: str, keys: Iterable[str]
     ) -> dict[str, tuple[WorkerOperationRecord, int] | None]:
-        """The rows of ``keys`` (None for a key without a row), the journal view's ``records``."""
+        """The rows of ``keys`` (None for a key without a row), the journal view's ``records``,
+        each looked up under its items at rest (``journal_items``); two rows for one key
+        are ``RollbackDetected``."""
         check_scope(scope)
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             validate_token("operation key", key)
+        await self._check_keys_once(scope)  # opens the store: its items' form is known
+        owners = self._lookups.asked(scope, wanted)
+        items = list(owners)
         started = self._live_revision(scope)
-        rows = await self._rows(scope, NS_JOURNAL, wanted)
+        rows = await self._rows(scope, NS_JOURNAL, items)
         result: dict[str, tuple[WorkerOperationRecord, int] | None] = dict.fromkeys(wanted)
         for row in rows:
-            result[row.item] = (self._record(scope, row), row.revision)
-        self._check_live(scope, NS_JOURNAL, wanted, rows, started)
+            key = owners[row.item]
+            if result[key] is not None:
+                raise RollbackDetected(None, row.revision)
+            result[key] = (self._record(scope, row, key), row.revision)
+            self._lookups.found(scope, key, row.item)
+        self._check_live(scope, NS_JOURNAL, items, rows, started)
         return result
 
     async def list_records(self, scope: str) -> list[tuple[WorkerOperationRecord, int]]:
@@ -378,20 +423,30 @@ class JournalStoreBase(abc.ABC):
         kept = [(self._kept_record(scope, row), row.revision) for row in rows]
         return [(record, revision) for record, revision in kept if record is not None]
 
-    def _record(self, scope: str, row: Row) -> WorkerOperationRecord:
-        """The row's record; a pruned row is ``OperationPruned`` (a stable refusal:
-        the key never runs again)."""
-        record = self._kept_record(scope, row)
+    def _record(self, scope: str, row: Row, key: str) -> WorkerOperationRecord:
+        """The row of ``key``'s record; a pruned row is ``OperationPruned`` (a stable
+        refusal: the key never runs again)."""
+        record = self._kept_record(scope, row, key)
         if record is None:
-            raise OperationPruned(row.item)
+            raise OperationPruned(key)
         return record
 
-    def _kept_record(self, scope: str, row: Row) -> WorkerOperationRecord | None:
-        """The row's record, None for a row ``prune`` left (authenticated either way)."""
+    def _kept_record(
+        self, scope: str, row: Row, key: str | None = None
+    ) -> WorkerOperationRecord | None:
+        """The row's record, None for a row ``prune`` left (authenticated either way).
+
+        ``key``: the operation key the row was looked up by (its item is that key's);
+        None: the key its document names, which must be the one its item hashes.
+        """
         document = self._sealer.open(scope, NS_JOURNAL, row)
-        if document == pruned_document(scope, row.item):
+        if key is None:
+            key = journal_row_key(document)
+            if not self._items.names(scope, row.item, key):
+                raise RecordLocationMismatch("(journal item)", key)
+        if document == pruned_document(scope, key):
             return None
-        return WorkerOperationRecord.from_row_json(document, scope, row.item)
+        return WorkerOperationRecord.from_row_json(document, scope, key)
 
     async def prune(self, scope: str, older_than_seconds: float) -> PruneReport:
         """Forget the outcome of terminal journal rows not written for ``older_than_seconds``.
@@ -423,7 +478,9 @@ class JournalStoreBase(abc.ABC):
             if record.state.kind in TERMINAL_KINDS and (
                 compensation is None or compensation.state.kind in TERMINAL_KINDS
             ):
-                left = RowWrite(NS_JOURNAL, row.item, pruned_document(scope, row.item), None)
+                left = RowWrite(
+                    NS_JOURNAL, row.item, pruned_document(scope, record.operation_key), None
+                )
                 sealed = self._sealer.seal(scope, left, row.revision)
                 victims.append((row.item, row.revision, row.envelope, sealed))
             else:

@@ -249,6 +249,31 @@ def pruned_document(scope: str, operation_key: str) -> bytes:
     ).encode("ascii")
 
 
+class _RecordKey(msgspec.Struct, frozen=True):
+    operation_key: str
+
+
+class _JournalRowKey(msgspec.Struct, frozen=True):
+    """The one field of a journal row document (kept or pruned) that names its key."""
+
+    operation_key: str | None = None
+    record: _RecordKey | None = None
+
+
+def journal_row_key(document: bytes) -> str:
+    """The operation key a journal row's document names (a kept row's record, or what
+    ``prune`` left); ``SerializationError`` when it names none. The caller still
+    checks the whole document against that key."""
+    try:
+        found = msgspec.json.decode(document, type=_JournalRowKey)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise SerializationError("journal row document") from None
+    key = found.record.operation_key if found.record is not None else found.operation_key
+    if key is None or not is_token(key):
+        raise SerializationError("journal row document")
+    return key
+
+
 def request_item(session_id: str, request_id: str) -> str:
     """The item of a request row: ``session_id/request_id`` (``/`` is in no token)."""
     return f"{session_id}/{request_id}"

@@ -272,15 +272,26 @@ class ScopeMetadata(NamedTuple):
     """What a store keeps beside a scope's sealed rows, for operator views.
 
     ``fence``: the head's fence (how many times an owner reserved the scope).
-    ``written_at``: journal item -> when its row was last written (Unix time;
-    empty on a schema-1 journal). ``closed_sessions``: sessions the store
-    marked closed (0 before schema 3). ``written_at`` and ``closed_sessions``
-    are unauthenticated metadata: good for display, never for a decision.
+    ``written_at``: journal item (the operation key's keyed hash, see
+    ``journal_items``) -> when its row was last written (Unix time; empty on a
+    schema-1 journal); :meth:`written` finds a key's by its items.
+    ``closed_sessions``: sessions the store marked closed (0 before schema 3).
+    ``written_at`` and ``closed_sessions`` are unauthenticated metadata: good
+    for display, never for a decision.
     """
 
     fence: int
     written_at: dict[str, float]
     closed_sessions: int
+
+    def written(self, items: Iterable[str]) -> float | None:
+        """When the row stored under one of ``items`` (a store's ``journal_items``
+        of one key) was last written; None without one."""
+        for item in items:
+            found = self.written_at.get(item)
+            if found is not None:
+                return found
+        return None
 
 
 class WorkerSessionStore(Protocol):

@@ -113,12 +113,11 @@ from octo_worker.storage.postgres_batch import (
     write_rows,
 )
 from octo_worker.storage.postgres_heads import (
-    SCHEMA_VERSION,
     StoreHeads,
-    migrations,
     reseal_store_head,
 )
 from octo_worker.storage.postgres_reads import RowReads
+from octo_worker.storage.postgres_rekey import SCHEMA_VERSION, migrate
 from octo_worker.storage.postgres_sql import DEFAULT_SCHEMA, statements
 from octo_worker.storage.scope_head import (
     DigestChanges,
@@ -218,7 +217,7 @@ class PostgresJournalStore(JournalStoreBase):
         )
         self._schema = runtime_postgres.check_schema(schema)
         self._sql = statements(self._schema)
-        self._store = StoreHeads(self._schema, keyring, anchor_path)
+        self._store = StoreHeads(self._schema, keyring, anchor_path, SCHEMA_VERSION)
         # A journal's pool has two connections at least: the writer and a reader.
         timeouts = (connect_timeout, command_timeout, idle_transaction_timeout)
         self._connecting = PoolSettings(
@@ -274,10 +273,8 @@ class PostgresJournalStore(JournalStoreBase):
     async def _open(self) -> asyncpg.Pool:
         async def prepare(connection: Connection) -> None:
             if not self._read_only:
-                lock = f"octo-journal:{self._schema}"
-                await runtime_postgres.migrate_schema(
-                    connection, self._schema, migrations(self._sealer.keyring), lock
-                )
+                keyrings = (self._keyring, self._data_keyring)
+                await migrate(connection, self._schema, keyrings, rotated=not self._maintenance)
                 return
             version = await schema_version(connection, self._schema)
             if version is None:

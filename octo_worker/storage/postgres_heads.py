@@ -140,12 +140,18 @@ class StoreHeads:
     """One journal schema's store head as its store uses it: checked (against the
     anchor file too, when there is one), moved, and anchored after each commit."""
 
-    __slots__ = ("anchor", "keyring", "moved", "schema")
+    __slots__ = ("anchor", "keyring", "moved", "schema", "version")
 
     def __init__(
-        self, schema: str, keyring: StorageKeyring, anchor_path: str | os.PathLike[str] | None
+        self,
+        schema: str,
+        keyring: StorageKeyring,
+        anchor_path: str | os.PathLike[str] | None,
+        version: int = SCHEMA_VERSION,
     ) -> None:
         self.schema = schema
+        # The schema version the store supports (migrations after this one's too).
+        self.version = version
         self.keyring = keyring
         self.anchor = None if anchor_path is None else StoreAnchor(anchor_path, schema)
         # The store head revision the last write transaction moved it to (0: none).
@@ -191,8 +197,8 @@ class StoreHeads:
         per-database integrity pragma: pages are the server's (data checksums,
         ``amcheck``), and every row is still fully opened on each load."""
         version = await schema_version(connection, self.schema)
-        if version != SCHEMA_VERSION:
-            return [f"schema version {version} is not {SCHEMA_VERSION}"]
+        if version != self.version:
+            return [f"schema version {version} is not {self.version}"]
         return ["ok"]
 
     async def initialize_anchor(self, connection: Any) -> int:

@@ -48,6 +48,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
 from octo_common.errors import RollbackDetected, StorageBackendError
+from octo_worker.storage.documents import NS_JOURNAL
 
 __all__ = ["RowIndex"]
 
@@ -65,7 +66,16 @@ def _slot_key(namespace: str, item: str) -> int:
 class RowIndex:
     """``(namespace, key) -> revision`` of every row one loaded scope holds (see the module)."""
 
-    __slots__ = ("_counts", "_keys", "_lock", "_revisions", "_size", "_used", "revision")
+    __slots__ = (
+        "_counts",
+        "_keys",
+        "_lock",
+        "_revisions",
+        "_size",
+        "_used",
+        "journal_key_ids",
+        "revision",
+    )
 
     def __init__(self, rows_hint: int = 0) -> None:
         slots = max(_MIN_SLOTS, int(rows_hint / _BUILD_LOAD) + 1)
@@ -77,6 +87,9 @@ class RowIndex:
         self._lock = threading.Lock()
         # The head revision this index was built at, moved by commits.
         self.revision = 0
+        # The key ids the journal rows' items were hashed under, as built
+        # ("" for an item in clear: ``journal_items``); checked at the load.
+        self.journal_key_ids: set[str] = set()
 
     @classmethod
     def building(
@@ -87,8 +100,12 @@ class RowIndex:
         index = cls(rows_hint)
 
         def passing() -> Iterator[tuple[str, str, int]]:
+            key_ids = index.journal_key_ids
             for row in rows:
                 index._insert_new(*row)
+                if row[0] == NS_JOURNAL:
+                    item = row[1]
+                    key_ids.add(item.partition(":")[0] if ":" in item else "")
                 yield row
 
         return index, passing()
@@ -278,4 +295,6 @@ class RowIndex:
         with self._lock:
             for namespace, item, new in moves:
                 self._set(namespace, item, new)
+                if namespace == NS_JOURNAL and new is not None:
+                    self.journal_key_ids.add(item.partition(":")[0] if ":" in item else "")
             self.revision = max(self.revision, revision)

@@ -68,7 +68,12 @@ from octo_worker.storage.interface import ScopeMetadata
 from octo_worker.storage.scope_head import ScopeSnapshot
 from octo_worker.storage.sqlite_heads import check_store_heads, read_scope_snapshot
 from octo_worker.storage.sqlite_reader import JournalReader
-from octo_worker.storage.sqlite_rows import backend_error, connect_read_only, guarded
+from octo_worker.storage.sqlite_rows import (
+    KEYED_ITEMS_SCHEMA_VERSION,
+    backend_error,
+    connect_read_only,
+    guarded,
+)
 from octo_worker.storage.sqlite_writer import JournalWriter
 
 __all__ = ["SqliteJournalStore", "StoreStats"]
@@ -208,6 +213,8 @@ class SqliteJournalStore(JournalStoreBase):
                 lambda: guarded(lambda: self._writer.open(check_anchor))
             )
             await self._reader_thread.submit(lambda: guarded(self._reader.open))
+            # A read-only look at a journal not migrated yet reads its items in clear.
+            self._items.plain = self._writer.schema_found < KEYED_ITEMS_SCHEMA_VERSION
             self._opened = True
 
     async def _reserve(self, scope: str) -> int:

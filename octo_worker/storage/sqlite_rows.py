@@ -37,6 +37,7 @@ from octo_worker.storage.sqlite_heads import (
     create_store_head,
     seal_existing_heads,
 )
+from octo_worker.storage.sqlite_rekey import rekey_journal_items
 
 T = TypeVar("T")
 
@@ -109,21 +110,34 @@ _REQUEST_ROWS_MIGRATION: Final = (
     f"CREATE INDEX items_request_sessions ON items (name, session) WHERE {REQUEST_ROWS}",
 )
 
-SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 3
+# 7 -> 8: every journal row's item becomes its operation key's keyed hash
+# (``journal_items``), each row sealed again under it and each scope head
+# resealed over its rows so renamed, at its own revision and fence (the store
+# head, over scope heads' revisions and fences, does not move: ``item_rekey``).
+# Before it, items are operation keys in clear.
+
+SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 4
 # The heads carry digests from schema DIGEST_FORMAT (5) on: the anchor's digest mark.
 DIGEST_SCHEMA_VERSION: Final = DIGEST_FORMAT
+# Journal items are keyed hashes from this schema on (a read-only look at an
+# older journal reads them in clear).
+KEYED_ITEMS_SCHEMA_VERSION: Final = 8
 
 
-def migrations(keyring: StorageKeyring) -> tuple[tuple[MigrationStep, ...], ...]:
+def migrations(
+    keyring: StorageKeyring, data_keyring: StorageKeyring | None
+) -> tuple[tuple[MigrationStep, ...], ...]:
     """Every migration; 4 -> 5 adds the scope heads' digests and 6 -> 7 the store head,
-    each built and sealed with ``keyring`` in the migration's transaction."""
+    each built and sealed with ``keyring`` in the migration's transaction; 7 -> 8
+    rekeys the journal items under both keyrings."""
     steps: tuple[tuple[MigrationStep, ...], ...] = (
         *_SQL_MIGRATIONS,
         (*HEAD_COLUMNS, seal_existing_heads(keyring)),
         _REQUEST_ROWS_MIGRATION,
         (create_store_head(keyring),),
+        (rekey_journal_items(keyring, data_keyring),),
     )
-    assert len(steps) == STORE_HEAD_SCHEMA == SCHEMA_VERSION
+    assert len(steps) == KEYED_ITEMS_SCHEMA_VERSION == SCHEMA_VERSION > STORE_HEAD_SCHEMA
     return steps
 
 

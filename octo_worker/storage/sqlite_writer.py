@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,9 @@ from octo_worker.storage.sqlite_heads import (
     reseal_store_head,
     update_head,
 )
+from octo_worker.storage.sqlite_rekey import needs_rekey, rekey_journal_items
 from octo_worker.storage.sqlite_rows import (
+    KEYED_ITEMS_SCHEMA_VERSION,
     SCHEMA_VERSION,
     SQL_CHUNK,
     backend_error,
@@ -114,6 +116,8 @@ class JournalWriter:
         # The anchor as last written; replaced (never mutated), read by the
         # reader thread at the start of each snapshot.
         self.anchor: Mapping[StorageRecordKey, int] = {}
+        # The schema version a read-only open found (a writable open migrates).
+        self.schema_found = SCHEMA_VERSION
 
     def open(self, check_anchor: bool) -> None:
         if self._read_only:
@@ -138,7 +142,23 @@ class JournalWriter:
                 # digests must not get them rebuilt from its rows as they are.
                 found = schema_version(connection)
                 compare_with_anchor(anchor, self._all_heads(connection) if found else {}, found)
-            migrate_schema(connection, migrations(self._sealer.keyring))
+            sealer = self._sealer
+            # What a migration or a rekeying pass replaces (operation keys in
+            # clear, above all) is overwritten, not left in free pages.
+            connection.execute("PRAGMA secure_delete=ON")
+            found = migrate_schema(connection, migrations(sealer.keyring, sealer.data_keyring))
+            rekeyed = found < KEYED_ITEMS_SCHEMA_VERSION
+            if not self._maintenance and needs_rekey(connection, sealer.keyring):
+                # Rows hashed under a key rotated away from (a migration just
+                # rekeyed the others): the same pass, in its own transaction.
+                self._run_in_transaction(
+                    connection, rekey_journal_items(sealer.keyring, sealer.data_keyring)
+                )
+                rekeyed = True
+            connection.execute("PRAGMA secure_delete=OFF")
+            if rekeyed and found:
+                # Nor in the write-ahead log's older frames.
+                connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             # Every scope head against the store head (O(scopes)): a scope
             # deleted or put back whole is refused before anything is served.
             connection.execute("BEGIN")  # one snapshot for the store head and the heads
@@ -202,6 +222,18 @@ class JournalWriter:
                 raise
         return len(found)
 
+    @staticmethod
+    def _run_in_transaction(
+        connection: sqlite3.Connection, step: Callable[[sqlite3.Connection], None]
+    ) -> None:
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            step(connection)
+            connection.execute("COMMIT")
+        except BaseException:
+            roll_back(connection)
+            raise
+
     def _open_checked_read_only(self) -> None:
         """The open checks of a read-only store: schema version and anchor, no writes."""
         if not self._path.exists():
@@ -211,8 +243,10 @@ class JournalWriter:
             connection.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
             connection.execute("PRAGMA query_only=ON")
             version = schema_version(connection)
+            self.schema_found = version
             # Every inspection query reads columns of schema 1, so a journal the
-            # daemon has not migrated yet (just after an upgrade) reads as it is.
+            # daemon has not migrated yet (just after an upgrade) reads as it is
+            # (its journal items in clear before schema 7).
             if version < 1:
                 raise StorageBackendError("not an Octo journal (no schema version)")
             if version > SCHEMA_VERSION:

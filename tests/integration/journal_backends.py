@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from octo_common.ids import is_token
 from octo_common.records import StorageKeyring
 from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.documents import NS_JOURNAL
+from octo_worker.storage.journal_items import JournalItems
 from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.storage.scope_head import ScopeHead
 from octo_worker.storage.store_head import JournalStoreHead, digest_of_heads
@@ -42,6 +45,9 @@ class JournalDatabase:
     kind: str
     path: Path
     place: PostgresSchema | None
+    # Every keyring a store was opened with: a journal row's item at rest is
+    # its operation key's keyed hash under one of them (``journal_items``).
+    keyrings: list[StorageKeyring] = field(default_factory=list)
 
     @property
     def postgres(self) -> bool:
@@ -50,6 +56,7 @@ class JournalDatabase:
     def store(self, keyring: StorageKeyring | None = None, **options: Any) -> JournalStoreBase:
         """A new journal store object on this database."""
         ring = keyring or default_keyring()
+        self.keyrings.append(ring)
         if self.place is None:
             return SqliteJournalStore(self.path, ring, **options)
         return PostgresJournalStore(
@@ -79,6 +86,28 @@ class JournalDatabase:
         finally:
             await pg.close()
 
+    async def _names(self, item: str) -> list[str]:
+        """``item`` and, should it be an operation key, its items at rest in every scope."""
+        names = [item]
+        if is_token(item):
+            scopes = [str(row[0]) for row in await self.sql("SELECT DISTINCT name FROM items")]
+            for ring in self.keyrings or [default_keyring()]:
+                items = JournalItems(ring)
+                for scope in scopes:
+                    names.extend(items.candidates(scope, item))
+        return list(dict.fromkeys(names))
+
+    async def _where_item(self, item: str) -> tuple[str, list[str]]:
+        """``item IN (...)`` over :meth:`_names`, and its parameters."""
+        names = await self._names(item)
+        return f"item IN ({', '.join('?' * len(names))})", names
+
+    async def journal_item(self, scope: str, key: str) -> str:
+        """The item ``key``'s journal row is stored under in ``scope`` (the last keyring's)."""
+        return JournalItems(self.keyrings[-1] if self.keyrings else default_keyring()).item(
+            scope, key
+        )
+
     def _true(self) -> str:
         return "TRUE" if self.postgres else "1"
 
@@ -86,26 +115,36 @@ class JournalDatabase:
         return [bytes(row[0]) for row in await self.sql("SELECT envelope FROM items")]
 
     async def envelope(self, item: str) -> bytes:
-        (row,) = await self.sql("SELECT envelope FROM items WHERE item = ?", item)
+        where, names = await self._where_item(item)
+        (row,) = await self.sql(f"SELECT envelope FROM items WHERE {where}", *names)
         return bytes(row[0])
 
     async def set_envelope(self, item: str, envelope: bytes) -> None:
-        await self.sql("UPDATE items SET envelope = ? WHERE item = ?", envelope, item)
+        where, names = await self._where_item(item)
+        await self.sql(f"UPDATE items SET envelope = ? WHERE {where}", envelope, *names)
 
     async def set_revision(self, item: str, revision: int) -> None:
-        await self.sql("UPDATE items SET revision = ? WHERE item = ?", revision, item)
+        where, names = await self._where_item(item)
+        await self.sql(f"UPDATE items SET revision = ? WHERE {where}", revision, *names)
 
     async def copy_row(self, item: str, scope: str, *, to_scope: str, to_item: str) -> None:
-        """Insert a copy of ``item``'s row of ``scope`` under another scope and key."""
+        """Insert a copy of ``item``'s row of ``scope`` under another scope and key
+        (a journal row under ``to_item``'s item at rest there)."""
+        where, names = await self._where_item(item)
+        ((namespace,),) = await self.sql(
+            f"SELECT namespace FROM items WHERE name = ? AND {where}", scope, *names
+        )
+        if namespace == NS_JOURNAL:
+            to_item = await self.journal_item(to_scope, to_item)
         columns = "namespace, name, item, revision, envelope, written_at"
         await self.sql(
             f"INSERT INTO items ({columns}) "
             "SELECT namespace, ?, ?, revision, envelope, written_at FROM items "
-            "WHERE name = ? AND item = ?",
+            f"WHERE name = ? AND {where}",
             to_scope,
             to_item,
             scope,
-            item,
+            *names,
         )
 
     async def rename_items(self, namespace: str, to_item: str) -> None:
@@ -149,7 +188,8 @@ class JournalDatabase:
 
     async def mark_closed(self, item: str, namespace: str | None = None) -> None:
         if namespace is None:
-            await self.sql(f"UPDATE items SET closed = {self._true()} WHERE item = ?", item)
+            where, names = await self._where_item(item)
+            await self.sql(f"UPDATE items SET closed = {self._true()} WHERE {where}", *names)
         else:
             await self.sql(
                 f"UPDATE items SET closed = {self._true()} WHERE item = ? AND namespace = ?",

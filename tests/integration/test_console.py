@@ -29,6 +29,7 @@ from octo_worker.console import data
 from octo_worker.console.app import _environment
 from octo_worker.console.data import DeadLetter, DeadLetterView, KeyRow, KeyView
 from octo_worker.journal import WorkerCompensationRecord
+from octo_worker.storage.journal_items import JournalItems
 from octo_worker.store import SqliteJournalStore
 from tests.integration.test_worker_cli import (
     PYTHON,
@@ -355,9 +356,10 @@ async def test_the_scope_and_key_views_of_a_journal_with_a_compensation_under_wa
         ],
     )
     await store.close()
+    undoing_item = JournalItems(config.storage_keyring()).item(SCOPE_P, "op-undoing")
     with sqlite3.connect(files.journal) as connection:  # op-undoing is the oldest
         connection.execute(
-            "UPDATE items SET written_at = written_at - 600 WHERE item = 'op-undoing'"
+            "UPDATE items SET written_at = written_at - 600 WHERE item = ?", (undoing_item,)
         )
 
     view = await data.overview(config, "/etc/octo/w.toml")

@@ -25,6 +25,7 @@ from octo_common.states import Succeeded
 from octo_worker.config import load_config
 from octo_worker.daemon.daemon import WorkerDaemon
 from octo_worker.storage.configured import configured_store
+from octo_worker.storage.journal_items import JournalItems
 from octo_worker.store import SqliteJournalStore
 from tests.postgres import PostgresSchema
 
@@ -97,6 +98,7 @@ async def test_a_row_deleted_beside_the_daemon_is_refused_before_the_adapter(
     daemon = await workers.start(adapters=registry(adapter))
     session = await opened(raw_host, daemon)
     key = operation_key()
+    stored = JournalItems(worker_env.config.storage_keyring()).item(raw_host.scope, key)
     await raw_host.publish(
         dispatch_frame(session, "d-1", key),
         headers=raw_host.headers(session, "d-1"),
@@ -106,7 +108,7 @@ async def test_a_row_deleted_beside_the_daemon_is_refused_before_the_adapter(
     assert isinstance(done, OperationResult) and isinstance(done.result.status, Succeeded)
     assert adapter.dispatches == 1
 
-    assert await served_journal.sql("DELETE FROM items WHERE item = ? RETURNING revision", key)
+    assert await served_journal.sql("DELETE FROM items WHERE item = ? RETURNING revision", stored)
     # The host asks again about the key, as after a lost reply.
     await raw_host.publish(
         dispatch_frame(session, "d-2", key),
@@ -130,6 +132,7 @@ async def test_a_row_put_back_beside_the_daemon_accepts_no_second_compensation(
     daemon = await workers.start(adapters=registry(adapter))
     session = await opened(raw_host, daemon)
     key = operation_key()
+    stored = JournalItems(worker_env.config.storage_keyring()).item(raw_host.scope, key)
     scope = raw_host.scope
     await raw_host.publish(
         dispatch_frame(session, "d-1", key),
@@ -139,7 +142,7 @@ async def test_a_row_put_back_beside_the_daemon_accepts_no_second_compensation(
     assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
     # What the attacker keeps: the row before any compensation.
     ((revision, envelope),) = await served_journal.sql(
-        "SELECT revision, envelope FROM items WHERE item = ?", key
+        "SELECT revision, envelope FROM items WHERE item = ?", stored
     )
     await raw_host.publish(
         compensate_frame(session, "c-1", scope, key),
@@ -152,7 +155,7 @@ async def test_a_row_put_back_beside_the_daemon_accepts_no_second_compensation(
     assert adapter.compensations == 1
 
     await served_journal.sql(
-        "UPDATE items SET revision = ?, envelope = ? WHERE item = ?", revision, envelope, key
+        "UPDATE items SET revision = ?, envelope = ? WHERE item = ?", revision, envelope, stored
     )
     # A second compensation of the same operation, under a new compensation
     # key, in a new session (whose budget allows one).
@@ -183,13 +186,14 @@ async def test_a_pruned_key_never_runs_again_whatever_its_write_time_said(
     daemon = await workers.start(adapters=registry(adapter))
     session = await opened(raw_host, daemon)
     key = operation_key()
+    stored = JournalItems(worker_env.config.storage_keyring()).item(raw_host.scope, key)
     await raw_host.publish(
         dispatch_frame(session, "d-1", key),
         headers=raw_host.headers(session, "d-1"),
         correlation_id="d-1",
     )
     assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
-    await served_journal.sql("UPDATE items SET written_at = 0 WHERE item = ?", key)
+    await served_journal.sql("UPDATE items SET written_at = 0 WHERE item = ?", stored)
     pruned = subprocess.run(
         [PYTHON, "-m", "octo_worker", "journal", "prune", "--older-than", "90d", "--config",
          str(worker_env.config_path)],

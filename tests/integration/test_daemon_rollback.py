@@ -31,6 +31,7 @@ from octo_common.payload import ToolPayload
 from octo_common.states import Succeeded
 from octo_worker.adapters.contract import WorkerAdapterRegistry
 from octo_worker.adapters.files import FilesPublishAdapter
+from octo_worker.storage.journal_items import JournalItems
 
 from .conftest import GRANT, TOOL, RawHost, RawSession, WorkerEnv, WorkerRunner
 from .test_daemon_rabbitmq import answer, dispatch_frame, opened, operation_key
@@ -89,6 +90,7 @@ async def test_a_restart_after_a_row_was_deleted_never_runs_the_adapter_again(
     first = await workers.start(adapters=registry(adapter))
     session = await opened(raw_host, first)
     key = operation_key()
+    stored = JournalItems(worker_env.config.storage_keyring()).item(raw_host.scope, key)
     frame = dispatch_frame(session, "d-1", key)
     await raw_host.publish(frame, headers=raw_host.headers(session, "d-1"), correlation_id="d-1")
     done = await answer(raw_host, session, "d-1")
@@ -97,7 +99,7 @@ async def test_a_restart_after_a_row_was_deleted_never_runs_the_adapter_again(
     await workers.stop(first)
 
     journal = worker_env.config.journal_path
-    assert sql(journal, "DELETE FROM items WHERE item = ? RETURNING revision", (key,))
+    assert sql(journal, "DELETE FROM items WHERE item = ? RETURNING revision", (stored,))
     # The host asks again about the key, as after a lost reply.
     retry = dispatch_frame(session, "d-2", key)
     await raw_host.publish(retry, headers=raw_host.headers(session, "d-2"), correlation_id="d-2")
@@ -114,6 +116,7 @@ async def test_a_restart_after_a_compensated_row_was_put_back_accepts_no_second_
     first = await workers.start(adapters=registry(adapter))
     session = await opened(raw_host, first)
     key = operation_key()
+    stored = JournalItems(worker_env.config.storage_keyring()).item(raw_host.scope, key)
     scope = raw_host.scope
     journal = worker_env.config.journal_path
     await raw_host.publish(
@@ -124,7 +127,7 @@ async def test_a_restart_after_a_compensated_row_was_put_back_accepts_no_second_
     assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
     # What the attacker keeps: the row before any compensation.
     ((revision, envelope),) = sql(
-        journal, "SELECT revision, envelope FROM items WHERE item = ?", (key,)
+        journal, "SELECT revision, envelope FROM items WHERE item = ?", (stored,)
     )
     await raw_host.publish(
         compensate_frame(session, "c-1", scope, key),
@@ -140,7 +143,7 @@ async def test_a_restart_after_a_compensated_row_was_put_back_accepts_no_second_
     sql(
         journal,
         "UPDATE items SET revision = ?, envelope = ? WHERE item = ?",
-        (revision, envelope, key),
+        (revision, envelope, stored),
     )
     # A second compensation of the same operation, under a new compensation key.
     await raw_host.publish(

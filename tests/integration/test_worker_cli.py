@@ -64,6 +64,8 @@ from octo_common.transport import (
     reply_queue,
     worker_queue,
 )
+from octo_worker.config import WorkerConfig, load_config
+from octo_worker.storage.configured import configured_store
 from octo_worker.store import SqliteJournalStore
 
 from .test_worker_store_prune import _record as prune_record
@@ -1606,6 +1608,15 @@ def test_output_into_a_closed_pipe_stops_quietly(
     assert failed.stderr.decode().count("\n") == 1 and b"Traceback" not in failed.stderr
 
 
+async def _opened(config: WorkerConfig) -> None:
+    """Open the journal as the daemon's start does (writable), then close it."""
+    store = configured_store(config)
+    try:
+        await store.scopes()
+    finally:
+        await store.close()
+
+
 def test_journal_reseal_lets_an_old_storage_key_be_retired(
     worker: RunningWorker, dispatched: list[str], tmp_path: Path
 ) -> None:
@@ -1636,6 +1647,9 @@ def test_journal_reseal_lets_an_old_storage_key_be_retired(
     )
     before = octo_worker("journal", "verify", config=retired)
     assert before.returncode == 1, before.stdout  # rows still sealed with k1
+    # The worker's start under the rotated keyring (what a rotation restarts it
+    # for) names the journal rows' keys under k2 (their items are keyed hashes).
+    asyncio.run(_opened(load_config(rotated)))
     resealed = octo_worker("journal", "reseal", "--json", config=rotated)
     assert resealed.returncode == 0, resealed.stderr
     report = json_out(resealed)

@@ -28,6 +28,7 @@ from octo_common.errors import (
 from octo_common.records import StorageKeyring
 from octo_common.runtime.anchorfile import read_anchor, write_anchor
 from octo_worker.storage.base import JournalStoreBase
+from octo_worker.storage.journal_items import JournalItems
 from octo_worker.storage.scope_head import DIGEST_ANCHOR_KEY, STORE_HEAD_ANCHOR_KEY
 from octo_worker.storage.sqlite_rows import SCHEMA_VERSION
 from octo_worker.store import SessionDocuments, SqliteJournalStore, WorkerCommit
@@ -151,6 +152,13 @@ async def test_reseal_moves_the_head_onto_the_active_key_so_the_old_one_can_go(
         await store.close()
     rotated = StorageKeyring("storage-v2", bytes([2]) * 32)
     rotated.add_read_key("storage-v1", bytes([1]) * 32)
+    # The worker's start under the rotated keyring rewrites the journal rows'
+    # items (keyed hashes) under the new key; reseal does the rest beside it.
+    started = journal_db.store(rotated)
+    try:
+        await started.scopes()
+    finally:
+        await started.close()
     maintenance = journal_db.store(rotated, maintenance=True)
     try:
         for scope in (SCOPE, OTHER_SCOPE):
@@ -240,7 +248,8 @@ async def test_a_journal_from_before_the_digests_migrates_forward_once(
     assert read_anchor(anchor)[DIGEST_ANCHOR_KEY] == 5
 
     # The digests built by the migration are the ones every load checks.
-    sql(db_path, "DELETE FROM items WHERE name = ? AND item = 'op-2'", (SCOPE,))
+    op_2 = JournalItems(storage_keyring()).item(SCOPE, "op-2")
+    sql(db_path, "DELETE FROM items WHERE name = ? AND item = ?", (SCOPE, op_2))
     tampered = SqliteJournalStore(db_path, storage_keyring(), anchor_path=anchor)
     try:
         with pytest.raises(RollbackDetected):
@@ -262,7 +271,8 @@ async def test_a_journal_edited_back_to_the_older_schema_is_refused_by_its_ancho
     # Digests dropped and the schema version put back, so that a migration
     # would rebuild them from the rows as they are, one of them deleted.
     back_to_schema_4(db_path)
-    sql(db_path, "DELETE FROM items WHERE name = ? AND item = 'op-2'", (SCOPE,))
+    op_2 = JournalItems(storage_keyring()).item(SCOPE, "op-2")
+    sql(db_path, "DELETE FROM items WHERE name = ? AND item = ?", (SCOPE, op_2))
 
     for read_only in (False, True):
         reopened = SqliteJournalStore(

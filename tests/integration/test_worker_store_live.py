@@ -36,13 +36,14 @@ async def test_a_deleted_row_is_refused_when_read_and_when_written_again(
         lease = await store.reserve_fence(SCOPE)
         await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
         await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-2"), None)))
-        await journal_db.sql("DELETE FROM items WHERE item = ?", "op-1")
+        op_1 = await journal_db.journal_item(SCOPE, "op-1")
+        await journal_db.sql("DELETE FROM items WHERE item = ?", op_1)
         with pytest.raises(RollbackDetected):
             await store.load_records(SCOPE, ["op-1"])
         # Written again as new, as an admission that did not look would.
         with pytest.raises(RollbackDetected):
             await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
-        assert await journal_db.sql("SELECT item FROM items WHERE item = ?", "op-1") == []
+        assert await journal_db.sql("SELECT item FROM items WHERE item = ?", op_1) == []
         # The other rows are the head's: read and written as before.
         (found,) = (await store.load_records(SCOPE, ["op-2"])).values()
         assert found is not None
@@ -58,15 +59,16 @@ async def test_a_row_put_back_to_its_older_copy_is_refused_when_read_and_replace
     try:
         lease = await store.reserve_fence(SCOPE)
         await store.commit(SCOPE, lease, rows(SCOPE, (pending("op-1"), None)))
+        op_1 = await journal_db.journal_item(SCOPE, "op-1")
         ((old_revision, old_envelope),) = await journal_db.sql(
-            "SELECT revision, envelope FROM items WHERE item = ?", "op-1"
+            "SELECT revision, envelope FROM items WHERE item = ?", op_1
         )
         await store.commit(SCOPE, lease, rows(SCOPE, (succeeded("op-1"), old_revision)))
         await journal_db.sql(
             "UPDATE items SET revision = ?, envelope = ? WHERE item = ?",
             old_revision,
             old_envelope,
-            "op-1",
+            op_1,
         )
         with pytest.raises(RollbackDetected):
             await store.load_records(SCOPE, ["op-1"])

@@ -219,15 +219,18 @@ async def _metadata_scenario(writer: JournalStoreBase) -> None:
 
 async def test_scope_metadata_reads_the_fence_and_write_times(journal_db: JournalDatabase) -> None:
     await _metadata_scenario(journal_db.store(RING))
-    await journal_db.sql("UPDATE items SET written_at = 1000.0 WHERE item = 'op-a'")
+    op_a = await journal_db.journal_item(SCOPE, "op-a")
+    op_b = await journal_db.journal_item(SCOPE, "op-b")
+    await journal_db.sql("UPDATE items SET written_at = 1000.0 WHERE item = ?", op_a)
     rows = await journal_db.sql("SELECT item, revision, envelope, written_at FROM items")
 
     reader = journal_db.store(RING, read_only=True)
     try:
         metadata = await reader.scope_metadata(SCOPE)
         assert metadata.fence == 4
-        assert metadata.written_at["op-a"] == 1000.0
-        assert set(metadata.written_at) == {"op-a", "op-b"}
+        assert metadata.written_at[op_a] == 1000.0
+        assert metadata.written(reader.journal_items(SCOPE, "op-a")) == 1000.0
+        assert set(metadata.written_at) == {op_a, op_b}
         assert metadata.closed_sessions == 1
         assert (await reader.scope_metadata("tenant-none")).fence == 0
     finally:

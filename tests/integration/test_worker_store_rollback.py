@@ -32,6 +32,7 @@ from octo_common.states import Pending, Succeeded
 from octo_worker.config import WorkerConfig, load_config
 from octo_worker.daemon.daemon import WorkerDaemon
 from octo_worker.journal import JournalChangeset, JournalRowChange, WorkerOperationRecord
+from octo_worker.storage.journal_items import JournalItems
 from octo_worker.store import SqliteJournalStore, WorkerCommit
 
 from .journal_backends import JournalDatabase
@@ -73,6 +74,10 @@ class Journal:
     @property
     def path(self) -> Path:
         return self.config.journal_path
+
+    def item(self, scope: str, key: str) -> str:
+        """The item ``key``'s journal row is stored under (a keyed hash)."""
+        return JournalItems(self.config.storage_keyring()).item(scope, key)
 
     def store(self, *, read_only: bool = False) -> SqliteJournalStore:
         return SqliteJournalStore(
@@ -134,7 +139,11 @@ async def fill(journal: Journal) -> bytes:
         lease = await store.reserve_fence(SCOPE)
         other = await store.reserve_fence(OTHER)
         await store.commit(SCOPE, lease, change(SCOPE, record("op-1"), None))
-        ((older,),) = sql(journal.path, "SELECT envelope FROM items WHERE item = 'op-1'")
+        ((older,),) = sql(
+            journal.path,
+            "SELECT envelope FROM items WHERE item = ?",
+            (journal.item(SCOPE, "op-1"),),
+        )
         await store.commit(SCOPE, lease, change(SCOPE, record("op-2"), None))
         await store.commit(SCOPE, lease, change(SCOPE, record("op-1", done=True), 1))
         await store.commit(OTHER, other, change(OTHER, record("op-9", done=True), None))
@@ -147,14 +156,18 @@ async def fill(journal: Journal) -> bytes:
 
 
 def delete_row(journal: Journal, older: bytes) -> None:
-    sql(journal.path, "DELETE FROM items WHERE name = ? AND item = 'op-1'", (SCOPE,))
+    sql(
+        journal.path,
+        "DELETE FROM items WHERE name = ? AND item = ?",
+        (SCOPE, journal.item(SCOPE, "op-1")),
+    )
 
 
 def put_back_older_self(journal: Journal, older: bytes) -> None:
     sql(
         journal.path,
-        "UPDATE items SET revision = 1, envelope = ? WHERE name = ? AND item = 'op-1'",
-        (older, SCOPE),
+        "UPDATE items SET revision = 1, envelope = ? WHERE name = ? AND item = ?",
+        (older, SCOPE, journal.item(SCOPE, "op-1")),
     )
 
 
@@ -162,9 +175,9 @@ def copy_in_from_other_scope(journal: Journal, older: bytes) -> None:
     sql(
         journal.path,
         "INSERT INTO items (namespace, name, item, revision, envelope, written_at) "
-        "SELECT namespace, ?, item, revision, envelope, written_at FROM items "
-        "WHERE name = ? AND item = 'op-9'",
-        (SCOPE, OTHER),
+        "SELECT namespace, ?, ?, revision, envelope, written_at FROM items "
+        "WHERE name = ? AND item = ?",
+        (SCOPE, journal.item(SCOPE, "op-9"), OTHER, journal.item(OTHER, "op-9")),
     )
 
 
@@ -262,12 +275,14 @@ async def _fill_store(journal_db: JournalDatabase) -> bytes:
 
 async def _tamper(journal_db: JournalDatabase, tampering: str, older: bytes) -> None:
     if tampering == "row deleted":
-        await journal_db.sql("DELETE FROM items WHERE name = ? AND item = 'op-1'", SCOPE)
+        op_1 = await journal_db.journal_item(SCOPE, "op-1")
+        await journal_db.sql("DELETE FROM items WHERE name = ? AND item = ?", SCOPE, op_1)
     elif tampering == "row replaced by its older self":
         await journal_db.sql(
-            "UPDATE items SET revision = 1, envelope = ? WHERE name = ? AND item = 'op-1'",
+            "UPDATE items SET revision = 1, envelope = ? WHERE name = ? AND item = ?",
             older,
             SCOPE,
+            await journal_db.journal_item(SCOPE, "op-1"),
         )
     else:
         await journal_db.copy_row("op-9", OTHER, to_scope=SCOPE, to_item="op-9")
