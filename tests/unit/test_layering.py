@@ -303,6 +303,7 @@ WORKER_PURE = (
     "octo_worker.storage.interface",
     "octo_worker.storage.documents",
     "octo_worker.storage.changesets",
+    "octo_worker.storage.journal_items",
 )
 
 
