@@ -267,6 +267,29 @@ async def test_a_migration_killed_halfway_leaves_the_old_format_and_runs_again(
         await store.close()
 
 
+async def test_an_inspection_reads_a_journal_not_migrated_yet_as_it_is(
+    old_release: Path, tmp_path: Path
+) -> None:
+    """The operator's read-only verbs beside a daemon not restarted after an upgrade:
+    the rows are found by their keys in clear, and nothing is rewritten."""
+    journal_db = JournalDatabase("sqlite", tmp_path / "journal" / "worker.db", None)
+    write_old_journal(old_release, journal_db, tmp_path)
+    before = journal_db.path.read_bytes()
+    version = await journal_db.schema_version()
+    reader = journal_db.store(StorageKeyring("k1", STORAGE_KEY), read_only=True, **keyrings())
+    try:
+        found = await reader.load_records(SCOPE, [KEYS[1], "op-absent"])
+        entry = found[KEYS[1]]
+        assert entry is not None and entry[0].operation_key == KEYS[1]
+        assert found["op-absent"] is None
+        records = await reader.list_records(SCOPE)
+        assert sorted(record.operation_key for record, _ in records) == sorted(KEYS)
+    finally:
+        await reader.close()
+    assert await journal_db.schema_version() == version
+    assert journal_db.path.read_bytes() == before
+
+
 async def test_a_new_journal_holds_no_operation_key_in_clear(
     journal_db: JournalDatabase, tmp_path: Path
 ) -> None:
