@@ -1,10 +1,12 @@
 """The lean AMQP client (octo_common/runtime/amqp) on the real broker: confirms,
 returns, deliveries and their settles, a passive declare of a missing queue,
-a consumer cancelled by the broker, heartbeats, the connection's close."""
+a consumer cancelled by the broker, heartbeats, the connection's close, a
+host name with several addresses."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 from collections.abc import AsyncIterator
 
@@ -216,3 +218,38 @@ async def test_publish_confirmed_on_the_lean_client_raises_each_failure(
     check = await connection.channel()
     state = await check.declare_queue(queue, passive=True)
     assert state.message_count == 2  # ok and after
+
+
+async def test_a_name_with_several_addresses_skips_one_that_never_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster's name resolving to a node that accepts TCP but never speaks AMQP
+    (cut off, or paused without closing its listener) and then a live one: the
+    first costs one timeout, the connection is made to the second (a single
+    timeout over every address left the client on the silent one for good)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the TCP handshake; nobody ever answers
+    addresses = [silent.getsockname(), ("127.0.0.1", 5672)]
+    real = socket.getaddrinfo
+
+    def resolve(host: str, port: object, *args: object, **kwargs: object) -> list[object]:
+        if host != "octo-nodes.test":
+            return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", a) for a in addresses]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    try:
+        link = await amqp.connect(
+            "amqp://guest:guest@octo-nodes.test:5672/", name="octo-test-nodes", timeout=1.0
+        )
+        try:
+            channel = await link.channel()
+            await channel.close()
+        finally:
+            await link.close()
+        with pytest.raises(TimeoutError):
+            addresses.pop()  # the silent node alone: one timeout, then the failure
+            await amqp.connect("amqp://octo-nodes.test:5672/", timeout=0.5)
+    finally:
+        silent.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import platform
+import socket
 import ssl
 import urllib.parse
 from collections.abc import Callable
@@ -415,22 +416,59 @@ async def connect(
 
     ``heartbeat`` is the interval this client uses (seconds; None takes the
     broker's, 0 none). An ``amqps://`` URL connects with ``ssl_context``
-    (None: the system's CAs, the URL's host name checked). Raises
-    ``ValueError`` for a URL this client does not take, ``ConnectionClosed``,
-    ``OSError`` (``ssl.SSLError`` for a refused certificate) or
-    ``TimeoutError``; none of them names the URL.
+    (None: the system's CAs, the URL's host name checked). A host name that
+    resolves to several addresses (the nodes of a cluster) is tried address
+    by address, in the resolver's order, each with the whole ``timeout``:
+    a node that drops packets or never answers the handshake costs one
+    ``timeout`` and the next address is tried. Raises ``ValueError`` for a
+    URL this client does not take, and otherwise the last address's
+    ``ConnectionClosed``, ``OSError`` (``ssl.SSLError`` for a refused
+    certificate) or ``TimeoutError``; none of them names the URL.
     """
     settings = parse_url(url)
     loop = asyncio.get_running_loop()
     context: ssl.SSLContext | None = None
     if settings.tls:
         context = ssl_context if ssl_context is not None else ssl.create_default_context()
+    resolved = await asyncio.wait_for(
+        loop.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM), timeout
+    )
+    addresses = list(dict.fromkeys(info[4][:2] for info in resolved))
+    if not addresses:
+        raise OSError("the broker's host name resolves to no address")
+    failure: BaseException | None = None
+    for host, port in addresses:
+        try:
+            return await _open_at(
+                loop, settings, str(host), int(port), context, name, heartbeat, timeout
+            )
+        except (OSError, TimeoutError, ConnectionClosed) as exc:
+            failure = exc
+    assert failure is not None
+    raise failure
+
+
+async def _open_at(
+    loop: asyncio.AbstractEventLoop,
+    settings: ConnectionSettings,
+    host: str,
+    port: int,
+    context: ssl.SSLContext | None,
+    name: str | None,
+    heartbeat: int | None,
+    timeout: float,
+) -> Connection:
+    """One address: TCP (TLS checked against the URL's host name), then the handshake."""
     connection: Connection | None = None
 
     async def opening() -> Connection:
         nonlocal connection
         _, protocol = await loop.create_connection(
-            lambda: Connection(loop), settings.host, settings.port, ssl=context
+            lambda: Connection(loop),
+            host,
+            port,
+            ssl=context,
+            server_hostname=settings.host if context is not None else None,
         )
         connection = protocol
         await protocol._open(settings, name, heartbeat)
