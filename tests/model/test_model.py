@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 _ROW = re.compile(r"^\| `([a-z_.]+)` \| `(\w+)` \|", re.M)
+_PARSED = re.compile(r"^Parsing file (.+\.tla)$", re.M)
 
 
 def kill_point_table() -> dict[str, str]:
@@ -52,6 +53,19 @@ def test_every_configuration_holds_every_invariant(checked: list[tlc.TlcRun]) ->
         assert run.clean, (run.name, run.violated, run.output[-3000:])
         assert run.distinct > 1000, (run.name, run.distinct)
         print(f"{run.name}: {run.distinct} distinct states in {run.seconds:.1f} s")
+
+
+def test_each_tlc_run_reads_the_standard_modules_from_its_own_directory(
+    checked: list[tlc.TlcRun],
+) -> None:
+    # TLC writes Naturals.tla and the others out to its temporary directory before
+    # parsing them: a directory shared with TLC runs of other processes lets one
+    # run parse another's half-written copy.
+    for run in checked:
+        parsed = [Path(line) for line in _PARSED.findall(run.output)]
+        assert any(path.name == "Naturals.tla" for path in parsed), (run.name, parsed)
+        for path in parsed:
+            assert path.parent.name.startswith("octo-tlc-"), (run.name, str(path))
 
 
 def test_tlc_takes_the_action_of_every_kill_point(checked: list[tlc.TlcRun]) -> None:

@@ -142,6 +142,9 @@ def run(name: str, cfg: str, *, coverage: bool = False, timeout: float = 600.0) 
             java(),
             "-XX:+UseParallelGC",
             "-Xmx1g",
+            # Its own directory for the standard modules TLC writes out before it
+            # parses them: never one shared with another process's TLC run.
+            f"-Djava.io.tmpdir={work}",
             "-cp",
             str(tla2tools()),
             "tlc2.TLC",
