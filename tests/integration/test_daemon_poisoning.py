@@ -263,9 +263,14 @@ async def test_a_reload_waits_for_the_refusal_commit_of_a_stored_poisoned_sessio
     third = asyncio.ensure_future(_ask(raw_host, y, unique("q"), unique("op")))
     assert first.code == (await second).code == "session_poisoned"
     assert (await third).code == "journal_persistence_failed"
-    await _eventually(lambda: _consuming(daemon, scope))
-
     state = daemon._scopes[scope]
+
+    async def reloaded() -> bool:
+        # The refusal may be published before the reload takes its new fence.
+        lease = state.lease
+        return lease is not None and lease.token > fence and await _consuming(daemon, scope)
+
+    await _eventually(reloaded)
     assert state.lease is not None and state.lease.token == fence + 1  # the reload's
     assert rejected == ["y"]  # no commit of the daemon's own met the new fence
     assert not state.superseded and scope not in daemon._supersession.scopes
