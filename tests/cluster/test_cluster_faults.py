@@ -298,6 +298,7 @@ async def run_under_fault(cluster: Cluster, root: Path, fault: str) -> Report:
     started = time.monotonic()
     report = Report(fault)
     strike, heal = FAULTS[fault]
+    RESTARTED.clear()
     env = CrashEnv.create(root, url=cluster.url)
     worker_config(env)
     queue = worker_queue(env.scope)
