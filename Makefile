@@ -16,7 +16,7 @@
 #               (make test replays the corpus and runs each target briefly).
 #   make simulate  SCHEDULES deterministic schedules of the real session, journal and
 #               host engine over a simulated broker, the worker dying at any I/O
-#               boundary (make test runs 1,000 fixed seeds).
+#               boundary (make test runs 2,000 fixed seeds).
 #   make mutate single-line mutants of the lines that enforce the promises, each
 #               against the tests that guard it (tests/mutation/mutate.py).
 #   make test-cluster  three RabbitMQ nodes in network namespaces, a worker and a host
