@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import structlog
@@ -84,7 +84,7 @@ from octo_worker.storage.interface import (
 from octo_worker.storage.journal_items import ItemLookups
 from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import ScopeSnapshot, check_snapshot
-from octo_worker.storage.sealing import RowSealer
+from octo_worker.storage.sealing import RowSealer, check_written, check_written_times
 
 __all__ = ["JournalStoreBase", "StoreStats"]
 
@@ -208,8 +208,8 @@ class JournalStoreBase(abc.ABC):
         with ``keep``, live sessions and those named."""
 
     @abc.abstractmethod
-    async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:
-        """Journal rows last written before ``cutoff`` (Unix time), floor-checked."""
+    async def _prunable_rows(self, scope: str, cutoff: float) -> list[tuple[Row, Any, Any]]:
+        """Journal rows written before ``cutoff``, floor-checked, with (written_at, seal)."""
 
     @abc.abstractmethod
     async def _row_batch(self, scope: str, after: int) -> list[tuple[int, str, Row]]:
@@ -302,6 +302,7 @@ class JournalStoreBase(abc.ABC):
     async def _checked_snapshot(self, scope: str) -> ScopeSnapshot:
         snapshot = await self._scope_snapshot(scope)
         check_snapshot(snapshot, self._keyring)
+        check_written_times(self._keyring, scope, snapshot.written or ())
         if snapshot.live is not None:
             self._lookups.check_key_ids(snapshot.live.journal_key_ids)
         return snapshot
@@ -458,9 +459,8 @@ class JournalStoreBase(abc.ABC):
         not deleted: its document is replaced by :func:`pruned_document`,
         sealed at the row's own revision, so the scope's digest, head and live
         index do not move and a later request for the key is refused with
-        ``OperationPruned`` (the key never runs again, whatever the row's
-        unauthenticated ``written_at`` said). What prune saves is the
-        outcome's size, not the key (see the operations guide).
+        ``OperationPruned``; a row whose ``written_at`` seal does not hold stops the
+        call before anything is pruned. Prune saves the outcome's size, not the key.
         """
         check_scope(scope)
         if not older_than_seconds >= 0:
@@ -470,7 +470,8 @@ class JournalStoreBase(abc.ABC):
         rows = await self._prunable_rows(scope, cutoff)
         victims: list[Pruned] = []
         kept = 0
-        for row in rows:
+        for row, written_at, tag in rows:
+            check_written(self._keyring, scope, row.revision, written_at, tag)
             record = self._kept_record(scope, row)
             if record is None:
                 continue  # pruned before

@@ -117,7 +117,7 @@ from octo_worker.storage.postgres_heads import (
     reseal_store_head,
 )
 from octo_worker.storage.postgres_reads import RowReads
-from octo_worker.storage.postgres_rekey import SCHEMA_VERSION, migrate
+from octo_worker.storage.postgres_rekey import SCHEMA_VERSION, migrate, reseal_written_at
 from octo_worker.storage.postgres_sql import DEFAULT_SCHEMA, statements
 from octo_worker.storage.scope_head import (
     DigestChanges,
@@ -416,6 +416,7 @@ class PostgresJournalStore(JournalStoreBase):
                     sealer.verify_head(head)
                     await self._store_head(connection, sealer.seal_head(head))
                     resealed = True
+            await reseal_written_at(connection, f'"{self._schema}"', sealer.keyring, scope)
             return await reseal_store_head(connection, self._schema, sealer.keyring) or resealed
 
         return await self._write("reseal", body)
@@ -434,19 +435,20 @@ class PostgresJournalStore(JournalStoreBase):
         the digest recomputed off the event loop; the store head checked first."""
         anchored = await self._store.anchored()  # before the snapshot: never newer
 
-        async def body(connection: Connection) -> tuple[ScopeHead | None, list[Any]]:
+        async def body(connection: Connection) -> tuple[ScopeHead | None, list[Any], Any]:
             async with connection.transaction(isolation="repeatable_read", readonly=True):
                 await self._store.check(connection, anchored)
                 row = await connection.fetchrow(self._sql["select_head_row"], scope)
                 rows = await connection.fetch(self._sql["select_scope_rows"], scope)
+                written = await connection.fetch(self._sql["select_written_tags"], scope)
             head = None if row is None else ScopeHead.from_row(scope, tuple(row))
-            return head, [tuple(found) for found in rows]
+            return head, [tuple(found) for found in rows], frozenset(map(tuple, written))
 
-        head, rows = await self._read("verify_scope", body)
+        head, rows, written = await self._read("verify_scope", body)
         computed, index = await asyncio.to_thread(digest_and_index, scope, rows, len(rows))
         revision = 0 if head is None else head.revision
         index.revision = revision
-        return ScopeSnapshot(head, computed, revision, computed.count, 0, index)
+        return ScopeSnapshot(head, computed, revision, computed.count, 0, index, written)
 
     async def _store_check(self) -> int:
         check = functools.partial(self._store.verify, anchored=await self._store.anchored())
@@ -608,6 +610,7 @@ class PostgresJournalStore(JournalStoreBase):
             rows,
             closed_sessions(writes),
             list(pending.outbox_delete),
+            self._sealer.keyring,
         )
         if refused_at is not None:  # step 3: nothing of this change set was written
             write = writes[int(refused_at) - 1]
@@ -672,10 +675,11 @@ class PostgresJournalStore(JournalStoreBase):
 
         return await self._read("load_sessions", body)
 
-    async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:
-        async def body(connection: Connection) -> list[Row]:
+    async def _prunable_rows(self, scope: str, cutoff: float) -> list[tuple[Row, Any, Any]]:
+        async def body(connection: Connection) -> list[tuple[Row, Any, Any]]:
             found = await connection.fetch(self._sql["select_prunable"], scope, cutoff)
-            return _floor_checked([tuple(row) for row in found])
+            checked = _floor_checked([tuple(row)[:4] for row in found])
+            return [(row, r[4], r[5]) for r, row in zip(found, checked, strict=True)]
 
         return await self._read("prune", body)
 

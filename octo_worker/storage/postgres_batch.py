@@ -41,10 +41,11 @@ from typing import Any
 import asyncpg
 
 from octo_common.errors import OctoError, RollbackDetected
+from octo_common.records import StorageKeyring
 from octo_worker.storage.changes import CommitBatch, PendingCommit, RowWrite, closed_sessions
-from octo_worker.storage.documents import NS_OUTBOX
+from octo_worker.storage.documents import NS_JOURNAL, NS_OUTBOX
 from octo_worker.storage.scope_head import DigestChanges, ScopeHead
-from octo_worker.storage.sealing import RowSealer
+from octo_worker.storage.sealing import RowSealer, written_tag
 
 __all__ = [
     "SlowPath",
@@ -114,9 +115,16 @@ async def write_rows(
     rows: list[tuple[RowWrite, int | None, int, bytes]],
     closes: list[str],
     deletes: list[str],
+    keyring: StorageKeyring,
 ) -> tuple[Any, ...]:
     """``write_change_set`` for ``rows`` (each: the write, the base it is checked
-    against, its revision, its sealed envelope); the statement's result row."""
+    against, its revision, its sealed envelope); the statement's result row. Each
+    journal row carries the seal of its ``written_at`` (``now``) at its revision."""
+    tags = {
+        revision: written_tag(keyring, scope, revision, now)
+        for write, _, revision, _ in rows
+        if write.namespace == NS_JOURNAL
+    }
     found = await connection.fetchrow(
         statement,
         scope,
@@ -130,6 +138,10 @@ async def write_rows(
         [write.session for write, _, _, _ in rows],
         closes,
         deletes,
+        [
+            tags.get(revision) if write.namespace == NS_JOURNAL else None
+            for write, _, revision, _ in rows
+        ],
     )
     assert found is not None
     return tuple(found)
@@ -224,6 +236,7 @@ async def write_batch(
         ],
         [],  # no session closes (refused above)
         list(deletes),
+        sealer.keyring,
     )
     refused_at, _, written, _, deleted_items, deleted_revisions = found
     if refused_at is not None or written != len(rows):

@@ -32,6 +32,7 @@ from octo_worker.storage.item_rekey import REKEY_BATCH, ItemRekeying
 from octo_worker.storage.postgres_heads import SCHEMA_VERSION as STORE_HEAD_SCHEMA
 from octo_worker.storage.postgres_heads import migrations as store_head_migrations
 from octo_worker.storage.scope_head import ScopeHead
+from octo_worker.storage.sealing import check_written, written_key_id, written_tag
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -40,12 +41,15 @@ __all__ = [
     "needs_rekey",
     "rekey_journal_items",
     "rekey_rotated",
+    "reseal_written_at",
+    "seal_written_at",
 ]
 
 _log = structlog.get_logger("octo_worker.store")
 
-# The PostgreSQL journal's schema: 3 -> 4 makes the journal items keyed hashes.
-SCHEMA_VERSION: Final = STORE_HEAD_SCHEMA + 1
+# The PostgreSQL journal's schema: 3 -> 4 makes the journal items keyed hashes,
+# 4 -> 5 seals each journal row's ``written_at`` (``sealing.written_tag``).
+SCHEMA_VERSION: Final = STORE_HEAD_SCHEMA + 2
 
 _STALE: Final = (
     "SELECT DISTINCT name FROM {s}.items "
@@ -76,8 +80,13 @@ def migrations(
     keyring: StorageKeyring, data_keyring: StorageKeyring | None
 ) -> tuple[tuple[PostgresMigrationStep, ...], ...]:
     """Every migration of the PostgreSQL journal: the store head's (``postgres_heads``),
-    then 3 -> 4, the journal items rekeyed under both keyrings."""
-    steps = (*store_head_migrations(keyring), (rekey_journal_items(keyring, data_keyring),))
+    then 3 -> 4, the journal items rekeyed under both keyrings, and 4 -> 5, each
+    journal row's ``written_at`` sealed."""
+    steps = (
+        *store_head_migrations(keyring),
+        (rekey_journal_items(keyring, data_keyring),),
+        (seal_written_at(keyring),),
+    )
     assert len(steps) == SCHEMA_VERSION
     return steps
 
@@ -166,3 +175,62 @@ async def _rekey_scope(
     await connection.execute(
         _RESEAL_HEAD.format(s=quoted), scope, revision, fence, count, digest, key_id, tag
     )
+
+
+_SELECT_WRITTEN: Final = """
+    SELECT id, revision, written_at, written_tag FROM {s}.items
+     WHERE name = $1 AND namespace = 'worker-journal'
+"""
+_JOURNAL_SCOPES: Final = "SELECT DISTINCT name FROM {s}.items WHERE namespace = 'worker-journal'"
+_UPDATE_WRITTEN: Final = (
+    "UPDATE {s}.items SET written_tag = $1 WHERE id = $2 AND revision = $3 AND written_at = $4"
+)
+
+
+def seal_written_at(keyring: StorageKeyring) -> Callable[[Connection, str], Awaitable[None]]:
+    """The 4 -> 5 step: the ``written_tag`` column, and each scope's journal rows'
+    ``written_at`` sealed as it stands once the scope's rows match its sealed head
+    (a scope that does not keeps its rows untagged: refused at its load)."""
+
+    async def run(connection: Connection, quoted: str) -> None:
+        await connection.execute(
+            f"ALTER TABLE {quoted}.items ADD COLUMN IF NOT EXISTS written_tag TEXT"
+        )
+        check = ItemRekeying(keyring, None)
+        scopes = await connection.fetch(_JOURNAL_SCOPES.format(s=quoted))
+        for scope in sorted(str(row[0]) for row in scopes):
+            found = await connection.fetchrow(_LOCK_HEAD.format(s=quoted), scope)
+            head = None if found is None else ScopeHead.from_row(scope, tuple(found))
+            try:
+                check.checked_head(scope, head, await _scope_rows(connection, quoted, scope))
+            except OctoError as error:
+                _log.warning("journal_written_at_not_sealed", scope=scope, error=error.code)
+                continue
+            rows = await connection.fetch(_SELECT_WRITTEN.format(s=quoted), scope)
+            await connection.executemany(
+                _UPDATE_WRITTEN.format(s=quoted),
+                [
+                    (written_tag(keyring, scope, revision, when), row_id, revision, when)
+                    for row_id, revision, when, _ in rows
+                ],
+            )
+
+    return run
+
+
+async def reseal_written_at(
+    connection: Connection, quoted: str, keyring: StorageKeyring, scope: str
+) -> int:
+    """Seal again, with the active key, every journal row's ``written_at`` of ``scope``
+    that another key sealed, each checked first (inside the caller's transaction)."""
+    changes = []
+    for row_id, revision, when, tag in await connection.fetch(
+        _SELECT_WRITTEN.format(s=quoted), scope
+    ):
+        if written_key_id(tag) == keyring.active_id:
+            continue
+        check_written(keyring, scope, revision, when, tag)
+        changes.append((written_tag(keyring, scope, revision, when), row_id, revision, when))
+    if changes:
+        await connection.executemany(_UPDATE_WRITTEN.format(s=quoted), changes)
+    return len(changes)

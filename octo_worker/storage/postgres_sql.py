@@ -7,7 +7,7 @@ parameters, never text. The row namespaces are written out as literals
 The tables mirror the SQLite journal's (``sqlite_rows``, ``sqlite_heads``):
 ``heads`` (one row per scope: revision, fence, the digest and count of its
 rows, and the head's seal, ``scope_head``) and ``items`` (every sealed row,
-with the unauthenticated metadata ``written_at``, ``closed`` and
+with the metadata ``written_at`` (sealed in ``written_tag`` from schema 5), ``closed`` and
 ``session``).
 
 This module must never hold behaviour beyond filling in the schema name, or
@@ -150,8 +150,8 @@ _LOCK_HEADS = """
 _WRITE_CHANGE_SET = """
     WITH w AS (
         SELECT * FROM unnest($3::text[], $4::text[], $5::bigint[], $6::bigint[], $7::bytea[],
-                             $8::boolean[], $9::text[])
-          WITH ORDINALITY AS w(namespace, item, base, revision, envelope, closed, session, n)
+                             $8::boolean[], $9::text[], $12::text[])
+          WITH ORDINALITY AS w(namespace, item, base, revision, envelope, closed, session, tag, n)
     ),
     bad AS (
         SELECT w.n, i.revision AS actual
@@ -163,7 +163,8 @@ _WRITE_CHANGE_SET = """
     ),
     upd AS (
         UPDATE {s}.items AS i
-           SET revision = w.revision, envelope = w.envelope, written_at = $2, closed = w.closed
+           SET revision = w.revision, envelope = w.envelope, written_at = $2,
+               written_tag = w.tag, closed = w.closed
           FROM w
          WHERE NOT EXISTS (SELECT 1 FROM bad) AND w.base IS NOT NULL
            AND i.name = $1 AND i.namespace = w.namespace AND i.item = w.item
@@ -171,9 +172,9 @@ _WRITE_CHANGE_SET = """
         RETURNING 1
     ),
     ins AS (
-        INSERT INTO {s}.items (namespace, name, item, revision, envelope, written_at, closed,
-                                 session)
-        SELECT w.namespace, $1, w.item, w.revision, w.envelope, $2, w.closed, w.session
+        INSERT INTO {s}.items (namespace, name, item, revision, envelope, written_at,
+                                 written_tag, closed, session)
+        SELECT w.namespace, $1, w.item, w.revision, w.envelope, $2, w.tag, w.closed, w.session
           FROM w
          WHERE NOT EXISTS (SELECT 1 FROM bad) AND w.base IS NULL
         ON CONFLICT DO NOTHING
@@ -256,7 +257,7 @@ _SELECT_LIVE_SESSIONS = """
                           AND (NOT closed OR item = ANY($2::text[])))
 """
 _SELECT_PRUNABLE = """
-    SELECT {head}, item, revision, envelope FROM {s}.items
+    SELECT {head}, item, revision, envelope, written_at, written_tag FROM {s}.items
      WHERE name = $1 AND namespace = 'worker-journal' AND written_at < $2
      ORDER BY revision, id
 """
@@ -284,6 +285,11 @@ _SELECT_STORED_SCOPES = """
 """
 _SELECT_WRITTEN = """
     SELECT item, written_at FROM {s}.items WHERE name = $1 AND namespace = 'worker-journal'
+"""
+# Every distinct (revision, written_at, seal) of a scope's journal rows, checked at load.
+_SELECT_WRITTEN_TAGS = """
+    SELECT DISTINCT revision, written_at, written_tag FROM {s}.items
+     WHERE name = $1 AND namespace = 'worker-journal'
 """
 _COUNT_CLOSED = """
     SELECT count(*) FROM {s}.items WHERE name = $1 AND namespace = 'worker-session' AND closed
@@ -338,6 +344,7 @@ def statements(schema: str) -> dict[str, str]:
             ("select_sessions", _SELECT_SESSIONS),
             ("select_live_sessions", _SELECT_LIVE_SESSIONS),
             ("select_prunable", _SELECT_PRUNABLE),
+            ("select_written_tags", _SELECT_WRITTEN_TAGS),
             ("select_batch", _SELECT_BATCH),
             ("select_head", _SELECT_HEAD),
             ("select_scopes", _SELECT_SCOPES),

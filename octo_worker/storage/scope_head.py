@@ -54,7 +54,7 @@ set, or put a key or a document in an error.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from octo_common import headseal
 from octo_common.digest import be64, lp
@@ -321,7 +321,10 @@ class ScopeSnapshot(NamedTuple):
     revision (0 without a head); ``rows``: how many rows the scope holds;
     ``anchored``: the head revision the rollback anchor holds (0: none);
     ``live``: the live index of the same rows (None without digests), which
-    a store serving the scope keeps once the snapshot passed its check.
+    a store serving the scope keeps once the snapshot passed its check;
+    ``written``: every distinct (revision, written_at, seal) of the scope's
+    journal rows, each checked by the store (None: a journal older than the
+    seals, read as it is).
     """
 
     head: ScopeHead | None
@@ -330,6 +333,7 @@ class ScopeSnapshot(NamedTuple):
     rows: int
     anchored: int
     live: RowIndex | None = None
+    written: frozenset[tuple[Any, Any, Any]] | None = None
 
 
 def check_snapshot(snapshot: ScopeSnapshot, keyring: StorageKeyring) -> None:

@@ -7,7 +7,13 @@ keyring; a loaded row authenticated and decrypted; a row sealed
 again under the active keys (``reseal``); a scope's head sealed and
 verified with the storage keyring (``scope_head``). Also :func:`checked_rows`, the
 floor rule a backend applies to rows read in the same snapshot as their
-scope head (every revision >= 1 and <= the head).
+scope head (every revision >= 1 and <= the head), and the seal of a journal
+row's ``written_at`` (:func:`written_tag`, :func:`check_written`): a keyed
+BLAKE3 tag over (scope, revision, written_at) under the domain
+``octo-worker-written-at-v1``, stored as ``<key id>:<64 hex>`` beside the row.
+Every row a commit writes carries the commit's revision and time, so the tag
+of (scope, revision) fixes the time of every row at that revision; prune,
+reseal and rekey keep a row's revision and ``written_at``, so its tag.
 
 A backend reads and writes envelopes; everything that needs a key happens
 here, on the event loop. It must never log or raise with a key, a document
@@ -16,10 +22,17 @@ or an envelope, and never return a document it did not authenticate.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
-from octo_common.errors import InvalidRevision, RevisionFloorMismatch
+from octo_common import headseal
+from octo_common.digest import be64, lp
+from octo_common.errors import (
+    InvalidRecordAuthenticationTag,
+    InvalidRevision,
+    RevisionFloorMismatch,
+)
 from octo_common.records import (
     StorageKeyring,
     decrypt_document,
@@ -30,7 +43,57 @@ from octo_common.records import (
 from octo_worker.storage.changesets import Row, RowWrite, record_key
 from octo_worker.storage.scope_head import ScopeHead
 
-__all__ = ["RowSealer", "checked_rows", "data_key_id"]
+__all__ = [
+    "RowSealer",
+    "check_written",
+    "check_written_times",
+    "checked_rows",
+    "data_key_id",
+    "written_key_id",
+    "written_tag",
+]
+
+WRITTEN_DOMAIN: Final = b"octo-worker-written-at-v1"
+
+
+def _written_fields(scope: str, revision: int, written_at: float) -> bytes:
+    return lp(scope.encode("utf-8")) + be64(revision) + struct.pack(">d", written_at)
+
+
+def written_tag(keyring: StorageKeyring, scope: str, revision: int, written_at: float) -> str:
+    """The seal of a row's ``written_at`` at ``revision``: ``<key id>:<64 hex>``."""
+    key_id, tag = headseal.seal_head(
+        keyring, WRITTEN_DOMAIN, _written_fields(scope, revision, float(written_at))
+    )
+    return f"{key_id}:{tag}"
+
+
+def written_key_id(tag: object) -> str | None:
+    """The key id a stored ``written_at`` seal names, if it is readable."""
+    if not isinstance(tag, str) or ":" not in tag:
+        return None
+    return tag.rpartition(":")[0]
+
+
+def check_written_times(
+    keyring: StorageKeyring, scope: str, written: Iterable[tuple[Any, Any, Any]]
+) -> None:
+    """:func:`check_written` of every (revision, written_at, seal) of ``scope``."""
+    for revision, written_at, tag in written:
+        check_written(keyring, scope, revision, written_at, tag)
+
+
+def check_written(
+    keyring: StorageKeyring, scope: str, revision: int, written_at: object, tag: object
+) -> None:
+    """Check a row's ``written_at`` against its seal: none, or one that does not
+    hold, is ``InvalidRecordAuthenticationTag`` (an unknown key: ``UnknownKeyId``)."""
+    if not isinstance(tag, str) or ":" not in tag or not isinstance(written_at, (int, float)):
+        raise InvalidRecordAuthenticationTag()
+    key_id, _, hexed = tag.rpartition(":")
+    headseal.verify_head_seal(
+        keyring, WRITTEN_DOMAIN, key_id, hexed, _written_fields(scope, revision, float(written_at))
+    )
 
 
 def data_key_id(payload: bytes) -> str | None:

@@ -240,7 +240,7 @@ class SqliteJournalStore(JournalStoreBase):
     ) -> tuple[list[Row], list[Row], list[Row]]:
         return await self._read_call(lambda: self._reader.read_sessions(scope, keep))
 
-    async def _prunable_rows(self, scope: str, cutoff: float) -> list[Row]:
+    async def _prunable_rows(self, scope: str, cutoff: float) -> list[tuple[Row, Any, Any]]:
         return await self._read_call(lambda: self._reader.read_prunable(scope, cutoff))
 
     async def _row_batch(self, scope: str, after: int) -> list[tuple[int, str, Row]]:

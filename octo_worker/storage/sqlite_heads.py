@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
-from typing import Final
+from typing import Any, Final
 
 from octo_common.errors import StorageBackendError
 from octo_common.records import StorageKeyring, StorageRecordKey
@@ -267,4 +267,29 @@ def read_scope_snapshot(
     computed, index = digest_and_index(scope, scope_rows(connection, scope), hint)
     revision = 0 if head is None else head.revision
     index.revision = revision
-    return ScopeSnapshot(head, computed, revision, computed.count, anchored, index)
+    written = read_written(connection, scope)
+    return ScopeSnapshot(head, computed, revision, computed.count, anchored, index, written)
+
+
+# The schema (sqlite_rows.WRITTEN_AT_SCHEMA_VERSION) from which journal rows'
+# ``written_at`` is sealed.
+_WRITTEN_SCHEMA: Final = 9
+
+
+def read_written(
+    connection: sqlite3.Connection, scope: str
+) -> frozenset[tuple[Any, Any, Any]] | None:
+    """Every distinct (revision, written_at, written_tag) of the scope's journal rows;
+    None for a journal older than the seals (a read-only look reads it as it is)."""
+    try:
+        rows = connection.execute(
+            "SELECT DISTINCT revision, written_at, written_tag FROM items "
+            "WHERE namespace = ? AND name = ?",
+            (HEAD_NAMESPACE, scope),  # the journal rows' namespace
+        ).fetchall()
+    except sqlite3.OperationalError:
+        row = connection.execute("SELECT version FROM schema_version").fetchone()
+        if row is not None and int(row[0]) < _WRITTEN_SCHEMA:
+            return None
+        raise
+    return frozenset(tuple(row) for row in rows)

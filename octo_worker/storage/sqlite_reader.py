@@ -314,13 +314,14 @@ class JournalReader:
         checked = checked_rows([row[2:] for row in rows], head)
         return [(int(row[0]), str(row[1]), ok) for row, ok in zip(rows, checked, strict=True)]
 
-    def read_prunable(self, scope: str, cutoff: float) -> list[Row]:
+    def read_prunable(self, scope: str, cutoff: float) -> list[tuple[Row, Any, Any]]:
         def select(connection: sqlite3.Connection) -> list[tuple[Any, ...]]:
             return connection.execute(
-                "SELECT item, revision, envelope FROM items "
+                "SELECT item, revision, envelope, written_at, written_tag FROM items "
                 "WHERE namespace = ? AND name = ? AND written_at < ? ORDER BY revision, id",
                 (NS_JOURNAL, scope, cutoff),
             ).fetchall()
 
         head, rows = self._read_transaction(select, scope)
-        return checked_rows(rows, head)
+        checked = checked_rows([row[:3] for row in rows], head)
+        return [(ok, row[3], row[4]) for row, ok in zip(rows, checked, strict=True)]

@@ -8,6 +8,12 @@ a savepoint: a scope that fails its check keeps its rows as they were. The
 scope heads are resealed at their own revision and fence, so the store head
 (over the scope heads' revisions and fences) does not move.
 
+Also the schema 8 -> 9 step (:func:`seal_written_at`): the ``written_tag``
+column, every journal row's ``written_at`` sealed as it stands, per scope
+after the scope's rows were checked against its sealed head (heads do not
+move), and the pass that seals again the tags of rows a retired-soon key
+sealed (:func:`reseal_written_at`, ``reseal``).
+
 It must never decide what a row or a head means (``item_rekey`` does), commit
 or roll back the caller's transaction.
 """
@@ -24,9 +30,10 @@ from octo_common.errors import OctoError
 from octo_common.records import StorageKeyring
 from octo_worker.storage.documents import NS_JOURNAL
 from octo_worker.storage.item_rekey import REKEY_BATCH, ItemRekeying
+from octo_worker.storage.sealing import check_written, written_key_id, written_tag
 from octo_worker.storage.sqlite_heads import read_head, scope_rows, update_head
 
-__all__ = ["needs_rekey", "rekey_journal_items"]
+__all__ = ["needs_rekey", "rekey_journal_items", "reseal_written_at", "seal_written_at"]
 
 _log = structlog.get_logger("octo_worker.store")
 
@@ -94,3 +101,58 @@ def _rekey_rows(connection: sqlite3.Connection, rekey: ItemRekeying, scope: str)
         if changes:
             connection.executemany("UPDATE items SET item = ?, envelope = ? WHERE id = ?", changes)
         rekey.wrote(len(changes))
+
+
+_SELECT_WRITTEN: Final = (
+    "SELECT id, revision, written_at, written_tag FROM items WHERE namespace = ? AND name = ?"
+)
+_UPDATE_WRITTEN: Final = (
+    "UPDATE items SET written_tag = ? WHERE id = ? AND revision = ? AND written_at = ?"
+)
+
+
+def seal_written_at(keyring: StorageKeyring) -> Callable[[sqlite3.Connection], None]:
+    """The schema 8 -> 9 step: the ``written_tag`` column, and each scope's journal rows'
+    ``written_at`` sealed as it stands once the scope's rows match its sealed head
+    (a scope that does not keeps its rows untagged: refused at its load)."""
+
+    def run(connection: sqlite3.Connection) -> None:
+        columns = {str(c[1]) for c in connection.execute("PRAGMA table_info(items)")}
+        if "written_tag" not in columns:  # a journal taken back to schema 8 has it
+            connection.execute("ALTER TABLE items ADD COLUMN written_tag TEXT")
+        check = ItemRekeying(keyring, None)
+        scopes = sorted(
+            str(name)
+            for (name,) in connection.execute(
+                "SELECT DISTINCT name FROM items WHERE namespace = ?", (NS_JOURNAL,)
+            )
+        )
+        for scope in scopes:
+            try:
+                check.checked_head(scope, read_head(connection, scope), _rows(connection, scope))
+            except OctoError as error:
+                _log.warning("journal_written_at_not_sealed", scope=scope, error=error.code)
+                continue
+            rows = connection.execute(_SELECT_WRITTEN, (NS_JOURNAL, scope)).fetchall()
+            connection.executemany(
+                _UPDATE_WRITTEN,
+                [
+                    (written_tag(keyring, scope, revision, when), row_id, revision, when)
+                    for row_id, revision, when, _ in rows
+                ],
+            )
+
+    return run
+
+
+def reseal_written_at(connection: sqlite3.Connection, keyring: StorageKeyring, scope: str) -> int:
+    """Seal again, with the active key, every journal row's ``written_at`` of ``scope``
+    that another key sealed, each checked first (inside the caller's transaction)."""
+    changes = []
+    for row_id, revision, when, tag in connection.execute(_SELECT_WRITTEN, (NS_JOURNAL, scope)):
+        if written_key_id(tag) == keyring.active_id:
+            continue
+        check_written(keyring, scope, revision, when, tag)
+        changes.append((written_tag(keyring, scope, revision, when), row_id, revision, when))
+    connection.executemany(_UPDATE_WRITTEN, changes)
+    return len(changes)

@@ -37,7 +37,7 @@ from octo_worker.storage.sqlite_heads import (
     create_store_head,
     seal_existing_heads,
 )
-from octo_worker.storage.sqlite_rekey import rekey_journal_items
+from octo_worker.storage.sqlite_rekey import rekey_journal_items, seal_written_at
 
 T = TypeVar("T")
 
@@ -115,13 +115,17 @@ _REQUEST_ROWS_MIGRATION: Final = (
 # resealed over its rows so renamed, at its own revision and fence (the store
 # head, over scope heads' revisions and fences, does not move: ``item_rekey``).
 # Before it, items are operation keys in clear.
+# 8 -> 9: each journal row's ``written_at`` sealed in a ``written_tag`` column
+# (``sealing.written_tag``), scope by scope once its rows match its sealed head.
 
-SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 4
+SCHEMA_VERSION: Final = len(_SQL_MIGRATIONS) + 5
 # The heads carry digests from schema DIGEST_FORMAT (5) on: the anchor's digest mark.
 DIGEST_SCHEMA_VERSION: Final = DIGEST_FORMAT
 # Journal items are keyed hashes from this schema on (a read-only look at an
 # older journal reads them in clear).
 KEYED_ITEMS_SCHEMA_VERSION: Final = 8
+# Journal rows' ``written_at`` is sealed from this schema on.
+WRITTEN_AT_SCHEMA_VERSION: Final = 9
 
 
 def migrations(
@@ -129,15 +133,17 @@ def migrations(
 ) -> tuple[tuple[MigrationStep, ...], ...]:
     """Every migration; 4 -> 5 adds the scope heads' digests and 6 -> 7 the store head,
     each built and sealed with ``keyring`` in the migration's transaction; 7 -> 8
-    rekeys the journal items under both keyrings."""
+    rekeys the journal items under both keyrings; 8 -> 9 seals each journal row's
+    ``written_at``."""
     steps: tuple[tuple[MigrationStep, ...], ...] = (
         *_SQL_MIGRATIONS,
         (*HEAD_COLUMNS, seal_existing_heads(keyring)),
         _REQUEST_ROWS_MIGRATION,
         (create_store_head(keyring),),
         (rekey_journal_items(keyring, data_keyring),),
+        (seal_written_at(keyring),),
     )
-    assert len(steps) == KEYED_ITEMS_SCHEMA_VERSION == SCHEMA_VERSION > STORE_HEAD_SCHEMA
+    assert len(steps) == WRITTEN_AT_SCHEMA_VERSION == SCHEMA_VERSION > STORE_HEAD_SCHEMA
     return steps
 
 

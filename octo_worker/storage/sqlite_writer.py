@@ -60,7 +60,7 @@ from octo_worker.storage.documents import (
 from octo_worker.storage.row_index import RowIndex
 from octo_worker.storage.scope_head import DigestChanges, ScopeHead, anchored_with_digests
 from octo_worker.storage.scope_head import check_anchor as compare_with_anchor
-from octo_worker.storage.sealing import RowSealer
+from octo_worker.storage.sealing import RowSealer, written_tag
 from octo_worker.storage.sqlite_heads import (
     check_store_heads,
     insert_head,
@@ -69,7 +69,7 @@ from octo_worker.storage.sqlite_heads import (
     reseal_store_head,
     update_head,
 )
-from octo_worker.storage.sqlite_rekey import needs_rekey, rekey_journal_items
+from octo_worker.storage.sqlite_rekey import needs_rekey, rekey_journal_items, reseal_written_at
 from octo_worker.storage.sqlite_rows import (
     KEYED_ITEMS_SCHEMA_VERSION,
     SCHEMA_VERSION,
@@ -403,6 +403,7 @@ class JournalWriter:
         now = time.time()
         moves = DigestChanges()
         sealed = [(write, self._sealer.seal(scope, write, revision)) for write in writes]
+        tag = written_tag(self._sealer.keyring, scope, revision, now)
         # Step 3 is checked by the writes themselves, one statement per row: an
         # insert meets the UNIQUE key when the row exists, an update names the
         # base revision. A refused change set is undone by the caller (its
@@ -412,7 +413,8 @@ class JournalWriter:
                 try:
                     connection.execute(
                         "INSERT INTO items (namespace, name, item, revision, envelope, "
-                        "written_at, closed, session) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        "written_at, written_tag, closed, session) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (
                             write.namespace,
                             scope,
@@ -420,6 +422,7 @@ class JournalWriter:
                             revision,
                             envelope,
                             now,
+                            tag if write.namespace == NS_JOURNAL else None,
                             write.closed,
                             write.session,
                         ),
@@ -429,12 +432,13 @@ class JournalWriter:
                     raise decisions.conflict(pending, write, actual) from None
             else:
                 updated = connection.execute(
-                    "UPDATE items SET revision = ?, envelope = ?, written_at = ?, closed = ? "
-                    "WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
+                    "UPDATE items SET revision = ?, envelope = ?, written_at = ?, written_tag = ?, "
+                    "closed = ? WHERE namespace = ? AND name = ? AND item = ? AND revision = ?",
                     (
                         revision,
                         envelope,
                         now,
+                        tag if write.namespace == NS_JOURNAL else None,
                         write.closed,
                         write.namespace,
                         scope,
@@ -527,7 +531,8 @@ class JournalWriter:
 
     def reseal_head(self, scope: str) -> bool:
         """Reseal the scope's head with the active key if another key sealed it (its
-        revision, fence and digest unchanged); whether it did."""
+        revision, fence and digest unchanged), and the ``written_at`` seals of its journal
+        rows; whether the head was resealed."""
         connection = self._connection()
         connection.execute("BEGIN IMMEDIATE")
         try:
@@ -537,7 +542,9 @@ class JournalWriter:
                 self._sealer.verify_head(head)
                 update_head(connection, self._sealer.seal_head(head))
                 moved = True
-            connection.execute("COMMIT" if moved else "ROLLBACK")
+            # And the seals of the journal rows' ``written_at`` another key made.
+            tagged = reseal_written_at(connection, self._sealer.keyring, scope)
+            connection.execute("COMMIT" if moved or tagged else "ROLLBACK")
         except BaseException:
             if connection.in_transaction:
                 connection.execute("ROLLBACK")

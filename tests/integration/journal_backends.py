@@ -26,6 +26,7 @@ from octo_worker.storage.documents import NS_JOURNAL
 from octo_worker.storage.journal_items import JournalItems
 from octo_worker.storage.postgres import PostgresJournalStore
 from octo_worker.storage.scope_head import ScopeHead
+from octo_worker.storage.sealing import written_tag
 from octo_worker.storage.store_head import JournalStoreHead, digest_of_heads
 from octo_worker.store import SqliteJournalStore
 from tests.postgres import PostgresSchema
@@ -210,8 +211,18 @@ class JournalDatabase:
         ((version,),) = await self.sql("SELECT version FROM schema_version")
         return int(version)
 
-    async def age_rows(self, seconds: float) -> None:
+    async def age_rows(self, seconds: float, keyring: StorageKeyring | None = None) -> None:
+        """Every row written ``seconds`` earlier, its time sealed again with the key
+        (what a journal that old holds: not a tamper)."""
+        ring = keyring or (self.keyrings[-1] if self.keyrings else default_keyring())
+        rows = await self.sql(
+            "SELECT id, name, revision, written_at FROM items WHERE namespace = ?", NS_JOURNAL
+        )
         await self.sql("UPDATE items SET written_at = written_at - ?", float(seconds))
+        for row_id, name, revision, when in rows:
+            earlier = float(when) - float(seconds)
+            tag = written_tag(ring, str(name), int(revision), earlier)
+            await self.sql("UPDATE items SET written_tag = ? WHERE id = ?", tag, row_id)
 
     async def set_outbox_session(self, old: str, new: str) -> None:
         await self.sql("UPDATE items SET session = ? WHERE session = ?", new, old)

@@ -14,7 +14,6 @@ anchor) or PostgreSQL schema.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -170,54 +169,3 @@ async def test_a_row_put_back_beside_the_daemon_accepts_no_second_compensation(
     assert refused.code == "rollback_detected"
     assert (adapter.dispatches, adapter.compensations) == (1, 1)
     await stopped_tampered(workers, daemon)
-
-
-async def test_a_pruned_key_never_runs_again_whatever_its_write_time_said(
-    workers: WorkerRunner,
-    raw_host: RawHost,
-    worker_env: WorkerEnv,
-    served_journal: JournalDatabase,
-) -> None:
-    """``written_at`` is unauthenticated: set to 0 on a row written seconds ago, a
-    routine ``journal prune --older-than 90d`` (a real process, beside the running
-    daemon) takes the row. The key is refused from then on (``operation_pruned``):
-    prune forgets an outcome, never the key."""
-    adapter = CountingFiles(worker_env)
-    daemon = await workers.start(adapters=registry(adapter))
-    session = await opened(raw_host, daemon)
-    key = operation_key()
-    stored = JournalItems(worker_env.config.storage_keyring()).item(raw_host.scope, key)
-    await raw_host.publish(
-        dispatch_frame(session, "d-1", key),
-        headers=raw_host.headers(session, "d-1"),
-        correlation_id="d-1",
-    )
-    assert isinstance(await answer(raw_host, session, "d-1"), OperationResult)
-    await served_journal.sql("UPDATE items SET written_at = 0 WHERE item = ?", stored)
-    pruned = subprocess.run(
-        [PYTHON, "-m", "octo_worker", "journal", "prune", "--older-than", "90d", "--config",
-         str(worker_env.config_path)],
-        capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
-    )  # fmt: skip
-    assert pruned.returncode == 0, pruned.stderr
-    await raw_host.publish(
-        dispatch_frame(session, "d-2", key),
-        headers=raw_host.headers(session, "d-2"),
-        correlation_id="d-2",
-    )
-    refused = await answer(raw_host, session, "d-2")
-    assert isinstance(refused, RequestRejected), refused
-    assert refused.code == "operation_pruned"
-    assert adapter.dispatches == 1
-    # So does a new daemon on the same journal.
-    await workers.stop(daemon)
-    again = await workers.start(adapters=registry(adapter))
-    fresh = await opened(raw_host, again)
-    await raw_host.publish(
-        dispatch_frame(fresh, "d-3", key),
-        headers=raw_host.headers(fresh, "d-3"),
-        correlation_id="d-3",
-    )
-    refused = await answer(raw_host, fresh, "d-3")
-    assert isinstance(refused, RequestRejected) and refused.code == "operation_pruned"
-    assert adapter.dispatches == 1

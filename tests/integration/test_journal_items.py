@@ -182,7 +182,7 @@ async def test_a_journal_written_before_keyed_items_migrates_and_still_answers(
     try:
         lease = await store.reserve_fence(SCOPE)  # opened: migrated
         await assert_keys_in_clear(journal_db, False)
-        assert await journal_db.schema_version() == (4 if journal_db.postgres else 8)
+        assert await journal_db.schema_version() == (5 if journal_db.postgres else 9)
         files = FilesPublishAdapter(tmp_path / "published", tmp_path / "effects.log")
         adapters = WorkerAdapterRegistry()
         adapters.register(PUBLISH, files)

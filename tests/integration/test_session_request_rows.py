@@ -283,13 +283,13 @@ async def test_the_schema_migrates_forward_to_the_request_rows_index(
         current = await journal_db.schema_version()
     finally:
         await store.close()
-    assert current == (4 if journal_db.postgres else 8)
+    assert current == (5 if journal_db.postgres else 9)
     # Back to before the request rows index (the migrations after it run again:
     # the store head is built anew, and the keyed journal items' finds every
     # item keyed already and rewrites nothing).
     await journal_db.sql("DROP TABLE store_head")
     await journal_db.sql("DROP INDEX items_request_sessions")
-    await journal_db.set_schema_version(current - 3)
+    await journal_db.set_schema_version(current - 4)
     reopened = journal_db.store(KEYRING)
     try:
         lease = await reopened.reserve_fence(SCOPE)
