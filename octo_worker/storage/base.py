@@ -27,6 +27,7 @@ submitted commit's outcome unknown.
 from __future__ import annotations
 
 import abc
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
@@ -302,7 +303,7 @@ class JournalStoreBase(abc.ABC):
     async def _checked_snapshot(self, scope: str) -> ScopeSnapshot:
         snapshot = await self._scope_snapshot(scope)
         check_snapshot(snapshot, self._keyring)
-        check_written_times(self._keyring, scope, snapshot.written or ())
+        await asyncio.to_thread(check_written_times, self._keyring, scope, snapshot.written or ())
         if snapshot.live is not None:
             self._lookups.check_key_ids(snapshot.live.journal_key_ids)
         return snapshot
