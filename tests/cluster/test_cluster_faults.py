@@ -431,6 +431,18 @@ async def run_under_fault(cluster: Cluster, root: Path, fault: str) -> Report:
     return report
 
 
+async def _worker_queue_settled(cluster: Cluster, via: Node, queue: str) -> dict[str, int]:
+    """Every queue's messages once the worker's queue is empty, or as it stands after
+    30 s: a frame the host sent last (a session's close) may still be unacked."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:
+        messages = await asyncio.to_thread(cluster.queue_messages, via)
+        if messages.get(queue) == 0 or loop.time() > deadline:
+            return messages
+        await asyncio.sleep(0.5)
+
+
 async def _check(
     cluster: Cluster,
     env: CrashEnv,
@@ -457,7 +469,7 @@ async def _check(
     missing_effects = sum(1 for key in keys if publishes[key] == 0)
     strangers = set(publishes) - set(keys)
     whole = cluster.nodes[0]
-    messages = await asyncio.to_thread(cluster.queue_messages, whole)
+    messages = await _worker_queue_settled(cluster, whole, worker_queue(env.scope))
     found = await drain_probe(whole.url)
     lost = probe.confirmed - set(found)
     dead = await drain_dead_letters(whole.url)
