@@ -33,7 +33,7 @@ class FakeConnection:
         self.acking.add(channel)
 
     def channel_closed(self, channel: Channel) -> None:
-        pass
+        """The connection's callback for a closed channel: this fake keeps nothing per channel."""
 
     def flush(self) -> list[Any]:
         """What one loop pass would write, decoded by pamqp."""
