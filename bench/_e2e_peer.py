@@ -88,6 +88,7 @@ def instrument_worker(timers: StageTimers) -> None:
     from octo_worker import journal, store
     from octo_worker.daemon import deliveries
     from octo_worker.session import commits, session
+    from octo_worker.transport import delivery
 
     timers.wrap(deliveries.DeliveryPath, "on_message", "delivery_total")
     timers.wrap(session.WorkerSession, "handle", "session_handle")
@@ -105,8 +106,8 @@ def instrument_worker(timers: StageTimers) -> None:
 
     timers.wrap(PostgresJournalStore, "commit", "journal_commit")
     timers.wrap(PostgresJournalStore, "load_records", "journal_load")
-    timers.wrap(deliveries.BrokerDelivery, "ack", "ack")
-    timers.wrap(deliveries.BrokerDelivery, "reply", "reply_publish_confirmed")
+    timers.wrap(delivery.BrokerDelivery, "ack", "ack")
+    timers.wrap(delivery.BrokerDelivery, "reply", "reply_publish_confirmed")
     timers.wrap(session, "call_adapter_reporting", "adapter")
 
 

@@ -1,4 +1,4 @@
-"""The daemon's link to RabbitMQ: connect, set up, consume, publish with confirms, dead-letter.
+"""The daemon's link to RabbitMQ: connect, set up, consume; the publisher's channel.
 
 The link runs on Octo's lean AMQP client (:mod:`octo_common.runtime.amqp`):
 deliveries reach the delivery path in the callback that read them, and
@@ -9,12 +9,12 @@ connection: its reconnect loop (a plain connection, not aio-pika's
 robust one: a delivery is acked only on the channel it came from, and a lost
 channel simply means the broker redelivers what was not acked), the set-up
 of each connection (channels, queues, outbox republish, one consumer per
-scope), the confirmed publish of replies that survives a reconnect, and the
-dead-letter copy with its ``octo-reason``. Every set-up call is
-bounded by the configured timeout.
+scope), and its :class:`~octo_worker.transport.ConfirmedPublisher`, handed
+each connection's publish channel (replies, the outbox republish and
+dead-letter copies go through it). Every set-up call is bounded by the
+configured timeout.
 
-It must never decide what a frame gets, log a URL, a key or a frame, or ack
-a delivery on a channel other than its own.
+It must never decide what a frame gets, or log a URL, a key or a frame.
 """
 
 from __future__ import annotations
@@ -26,20 +26,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from octo_common.errors import OctoError
 from octo_common.runtime import amqp
-from octo_common.runtime.broker import (
-    dead_letter_delivery,
-    publish_envelope,
-    renew_confirm_channel,
-)
 from octo_common.runtime.consumer import InboundMessage
-from octo_common.transport import (
-    PublishChannelClosed,
-    PublishNacked,
-    PublishTimedOut,
-    worker_queue,
-)
+from octo_common.transport import worker_queue
 from octo_worker.daemon.scopes import ServedScope
 from octo_worker.daemon.topology import connect_link, declare_queues
+from octo_worker.transport import ConfirmedPublisher
 
 if TYPE_CHECKING:
     from octo_worker.config import WorkerConfig
@@ -66,8 +57,9 @@ class OutboxOwner(Protocol):
 class BrokerLink:
     """RabbitMQ for ``WorkerDaemon`` (see the module docstring).
 
-    Owns the connection, its channels and whether it is connected; reads the
-    configuration and the served scopes. ``serve`` runs the reconnect loop
+    Owns the connection, its channels, whether it is connected, and the
+    ``publisher`` of its publish channel; reads the configuration and the
+    served scopes. ``serve`` runs the reconnect loop
     and hands each delivery to ``deliver`` and each fresh connection's
     outbox to ``outbox``.
     """
@@ -92,11 +84,14 @@ class BrokerLink:
         self._log = log
         self._connection: amqp.Connection | None = None
         self._consume_channel: amqp.Channel | None = None
-        self._publish_channel: amqp.Channel | None = None
-        # The current connection's channel-close callback (a closed channel ends it).
-        self._on_channel_closed: Callable[..., None] | None = None
-        self._renewing = asyncio.Lock()
         self._connected = asyncio.Event()
+        self.publisher = ConfirmedPublisher(
+            timeout=config.broker.publish_timeout_seconds,
+            connected=self._connected,
+            stopping=stopping,
+            hooks=hooks,
+            log=log,
+        )
         self.ready = asyncio.Event()
         self._consuming_since_connect = False
         self._outbox: OutboxOwner | None = None
@@ -201,7 +196,6 @@ class BrokerLink:
             publish = await connection.channel(publisher_confirms=True)
         consume.close_callbacks.add(on_close)
         publish.close_callbacks.add(on_close)
-        self._on_channel_closed = on_close
 
         def on_consumer_cancelled(tag: str) -> None:
             # The broker cancelled a consumer (its queue was deleted, or the
@@ -215,7 +209,7 @@ class BrokerLink:
 
         consume.on_consumer_cancel_callbacks.add(on_consumer_cancelled)
         self._consume_channel = consume
-        self._publish_channel = publish
+        self.publisher.use(connection, publish, on_close)
         # Queues only: the delivery-limit policy belongs to `octo-worker topology
         # declare` (a sandboxed daemon may not be able to run rabbitmqctl).
         async with asyncio.timeout(bound * (1 + len(self._scopes))):
@@ -255,8 +249,7 @@ class BrokerLink:
         self._set_consumers_gauge()
         connection, self._connection = self._connection, None
         self._consume_channel = None
-        self._publish_channel = None
-        self._on_channel_closed = None
+        self.publisher.use(None, None)
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(connection.close(), timeout=5.0)
@@ -302,90 +295,3 @@ class BrokerLink:
     def _set_consumers_gauge(self) -> None:
         active = sum(1 for s in self._scopes.values() if s.consumer_tag is not None)
         self._hooks.on_consumers_changed(active)
-
-    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None:
-        """A confirmed publish that survives a reconnect (same bytes, current channel).
-
-        A nack or a missing confirm replaces the publish channel
-        (:func:`renew_confirm_channel`: the broker may nack, or never confirm,
-        everything a channel publishes to a quorum queue that changed leader)
-        and the same bytes go again on the new one, until the deadline; then
-        that failure is raised. With ``await_reconnect=False`` a
-        closed channel fails at once (the outbox republish runs on the
-        connection being set up: waiting for a reconnect there would wait for
-        itself).
-        """
-        loop = asyncio.get_running_loop()
-        timeout = self.config.broker.publish_timeout_seconds
-        deadline = loop.time() + 3 * timeout
-        while True:
-            channel = self._publish_channel
-            if channel is None or channel.is_closed:
-                remaining = deadline - loop.time()
-                if (
-                    not await_reconnect
-                    or remaining <= 0
-                    or (self._stopping.is_set() and not self._connected.is_set())
-                ):
-                    raise PublishChannelClosed(envelope.routing_key)
-                if self._connected.is_set():
-                    # The channel died before the connection loop noticed:
-                    # wait for it to clear the flag (never spin on a set event).
-                    await asyncio.sleep(min(remaining, 0.1))
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._connected.wait(), timeout=min(remaining, 1.0))
-                continue
-            try:
-                await publish_envelope(channel, envelope, timeout=timeout)
-                return
-            except PublishChannelClosed:
-                if loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(0.1)
-            except (PublishNacked, PublishTimedOut):
-                if loop.time() >= deadline:
-                    raise
-                await self._renew_publish_channel(channel)
-                await asyncio.sleep(0.1)
-
-    async def _renew_publish_channel(self, nacked: amqp.Channel) -> None:
-        """Put a new confirm channel in place of ``nacked`` if it is still the current
-        one (concurrent nacks renew it once); a failure to open one is left to
-        the next publish (a closed connection reconnects)."""
-        async with self._renewing:
-            connection, closed = self._connection, self._on_channel_closed
-            if nacked is not self._publish_channel or connection is None or connection.is_closed:
-                return
-            try:
-                fresh = await renew_confirm_channel(
-                    connection, nacked, timeout=self.config.broker.publish_timeout_seconds
-                )
-            except (amqp.AmqpError, TimeoutError, OSError) as exc:
-                self._log.warning("publish_channel_renew_failed", error=type(exc).__name__)
-                return
-            if closed is not None:
-                nacked.close_callbacks.discard(closed)
-                fresh.close_callbacks.add(closed)
-            self._publish_channel = fresh
-            self._log.warning("publish_channel_renewed")
-
-    async def dead_letter(
-        self,
-        scope: ServedScope,
-        message: InboundMessage,
-        channel: amqp.Channel,
-        reason: str,
-    ) -> None:
-        """A confirmed copy to ``octo.v5.dead`` with ``octo-reason``, then ack."""
-        self._hooks.on_dead_letter(scope.name, reason)
-        self._log.info("frame_dead_lettered", scope=scope.name, reason=reason)
-        await dead_letter_delivery(
-            message,
-            self._publish_channel,
-            reason,
-            timeout=self.config.broker.publish_timeout_seconds,
-            log=self._log,
-            consume_channel=channel,
-            routing_key=worker_queue(scope.name),
-        )

@@ -81,7 +81,8 @@ class WorkerDaemon:
 
     Owns its parts, each built with what it needs and called through its
     own methods: the broker link (:mod:`octo_worker.daemon.broker_link`:
-    connection, consumers, confirmed publish, dead-letter), the scopes'
+    connection, consumers, and the confirmed publisher replies and
+    dead-letters go through, :mod:`octo_worker.transport`), the scopes'
     lifecycle (:mod:`octo_worker.daemon.scopes`) and the delivery path
     (:mod:`octo_worker.daemon.deliveries`), the last two built once the
     store and the adapters are ready. It starts, stops and watches the
@@ -211,6 +212,7 @@ class WorkerDaemon:
             hooks=self.hooks,
             supersession=self._supersession,
             broker=self._broker,
+            publisher=self._broker.publisher,
             spawn=self._spawn,
             request_stop=self.request_stop,
             shared=self._shared,
@@ -222,7 +224,7 @@ class WorkerDaemon:
             limits=self._limits,
             hooks=self.hooks,
             scopes=lifecycle,
-            broker=self._broker,
+            publisher=self._broker.publisher,
             stopping=self._stopping,
             log=self._log,
         )

@@ -1,9 +1,9 @@
 """The path of one delivery through the daemon: gate, status route, session, after.
 
-Owns :class:`BrokerDelivery` (an AMQP delivery as the ``Delivery`` a session
-settles: ack on its own channel, reply through the daemon's confirmed
-publish, dead-letter, requeue) and :class:`DeliveryPath`, the part of
-``WorkerDaemon`` that takes one delivery of a scope's queue:
+Owns :class:`DeliveryPath`, the part of ``WorkerDaemon`` that takes one
+delivery of a scope's queue, as a ``BrokerDelivery``
+(:mod:`octo_worker.transport`: what the session acks, replies and
+dead-letters through, without coming back here):
 
 1. the scope's concurrency bound and pause gate;
 2. the inbound gate (``octo_common.inbound.gate``): size, headers, session;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from octo_common.errors import OctoError, SessionReplay
 from octo_common.framecipher import is_envelope
@@ -31,12 +31,7 @@ from octo_common.inbound import Refused, Routed, Unrouted, gate
 from octo_common.messages import OpenSession
 from octo_common.runtime import amqp
 from octo_common.runtime.consumer import InboundMessage
-from octo_common.transport import (
-    PublishChannelClosed,
-    build_worker_reply,
-    delivery_session_id,
-    host_id_of_reply_queue,
-)
+from octo_common.transport import delivery_session_id, host_id_of_reply_queue
 from octo_worker.daemon.routes import (
     AfterHandling,
     Route,
@@ -45,6 +40,7 @@ from octo_worker.daemon.routes import (
 )
 from octo_worker.daemon.scopes import ScopeLifecycle, ServedScope, remember_closed
 from octo_worker.session.session import Handled, WorkerSession
+from octo_worker.transport import BrokerDelivery, ConfirmedPublisher
 
 if TYPE_CHECKING:
     from octo_worker.adapters.contract import WorkerAdapterRegistry
@@ -52,76 +48,10 @@ if TYPE_CHECKING:
     from octo_worker.session.session import WorkerSessionLimits
     from octo_worker.storage.base import JournalStoreBase
 
-__all__ = ["BrokerDelivery", "DeliveryPath"]
+__all__ = ["DeliveryPath"]
 
-
-class _Broker(Protocol):
-    """What a delivery settles through: the broker link's confirmed publish and dead-letter."""
-
-    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
-
-    async def dead_letter(
-        self,
-        scope: ServedScope,
-        message: InboundMessage,
-        channel: amqp.Channel,
-        reason: str,
-    ) -> None: ...
-
-
-class BrokerDelivery:
-    """The ``Delivery`` a session acts through; remembers how it was settled."""
-
-    def __init__(
-        self,
-        broker: _Broker,
-        scope: ServedScope,
-        message: InboundMessage,
-        channel: amqp.Channel,
-    ) -> None:
-        self._broker = broker
-        self._scope = scope
-        self._message = message
-        self._channel = channel
-        self.session: WorkerSession | None = None
-        self.outcome = "unsettled"
-
-    async def ack(self) -> None:
-        if self._channel.is_closed:
-            # Never ack on a dead channel: the broker redelivers instead.
-            raise PublishChannelClosed(self._scope.name)
-        await self._message.ack()
-        self.outcome = "acked"
-
-    async def reply(self, frame: bytes, correlation_id: str | None) -> None:
-        session = self.session
-        if session is None or self._scope.standby or self._scope.superseded:
-            # A scope this worker may no longer own publishes nothing: the
-            # reply stays in the outbox, for the owner's republish.
-            raise PublishChannelClosed(self._scope.name)
-        envelope = build_worker_reply(
-            self._scope.name,
-            session.session_id,
-            session.key_nonce,
-            frame,
-            reply_to=session.reply_to,
-            correlation_id=correlation_id,
-        )
-        await self._broker.publish(envelope)
-
-    async def dead_letter(self, reason: str) -> None:
-        await self._broker.dead_letter(self._scope, self._message, self._channel, reason)
-        self.outcome = "dead_lettered"
-
-    async def requeue(self) -> None:
-        """Put back a delivery whose handling failed: ``reject``, which a quorum queue
-        counts toward its delivery limit (a frame that keeps failing is
-        dead-lettered by the broker). A delivery this worker only hands back
-        unhandled is nacked instead (``DeliveryPath.on_message``)."""
-        if self._channel.is_closed:
-            return
-        await self._message.reject(requeue=True)
-        self.outcome = "requeued"
+# A delivery as the path hands it to a session (``session`` is the one it went to).
+Handing = BrokerDelivery[WorkerSession]
 
 
 class DeliveryPath:
@@ -129,7 +59,7 @@ class DeliveryPath:
 
     Built by the daemon once its store and adapters are ready; what happens
     to a scope after a handling is the scopes' lifecycle's, and every
-    publish and dead-letter goes through the broker link.
+    reply and dead-letter goes through the broker link's publisher.
     """
 
     def __init__(
@@ -140,7 +70,7 @@ class DeliveryPath:
         limits: WorkerSessionLimits,
         hooks: WorkerHooks,
         scopes: ScopeLifecycle,
-        broker: _Broker,
+        publisher: ConfirmedPublisher,
         stopping: asyncio.Event,
         log: Any,
     ) -> None:
@@ -149,7 +79,7 @@ class DeliveryPath:
         self._limits = limits
         self._hooks = hooks
         self._scopes = scopes
-        self._broker = broker
+        self._publisher = publisher
         self._stopping = stopping
         self._log = log
 
@@ -202,7 +132,7 @@ class DeliveryPath:
                 with contextlib.suppress(Exception):
                     await message.nack(requeue=True)
                 return
-            delivery = BrokerDelivery(self._broker, scope, message, channel)
+            delivery: Handing = BrokerDelivery(self._publisher, scope, message, channel)
             facts: Handled | None = None
             current = asyncio.current_task()
             if current is not None:
@@ -244,7 +174,7 @@ class DeliveryPath:
         self,
         scope: ServedScope,
         message: InboundMessage,
-        delivery: BrokerDelivery,
+        delivery: Handing,
     ) -> Handled | None:
         """Route one delivery and hand it to its session; what the session was once it
         handled it (None when no session handled it)."""
@@ -312,7 +242,7 @@ class DeliveryPath:
         self,
         scope: ServedScope,
         message: InboundMessage,
-        delivery: BrokerDelivery,
+        delivery: Handing,
         session_id: str,
         key_nonce: bytes,
     ) -> None:
@@ -369,13 +299,13 @@ class DeliveryPath:
             self._log.warning("delivery_ack_failed", scope=scope.name, error=type(exc).__name__)
 
     @staticmethod
-    def _attach(scope: ServedScope, delivery: BrokerDelivery, session: WorkerSession) -> None:
+    def _attach(scope: ServedScope, delivery: Handing, session: WorkerSession) -> None:
         delivery.session = session
         sid = session.session_id
         scope.handling[sid] = scope.handling.get(sid, 0) + 1
 
     @staticmethod
-    def _detach(scope: ServedScope, delivery: BrokerDelivery) -> None:
+    def _detach(scope: ServedScope, delivery: Handing) -> None:
         session = delivery.session
         if session is None:
             return
@@ -387,7 +317,7 @@ class DeliveryPath:
             scope.handling.pop(sid, None)
 
     async def _after_delivery(
-        self, scope: ServedScope, delivery: BrokerDelivery, facts: Handled | None
+        self, scope: ServedScope, delivery: Handing, facts: Handled | None
     ) -> None:
         if scope.fence_refused:
             await self._scopes.give_up(scope)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLOSED_REMEMBERED",
+    "OutboxPublisher",
     "ScopeBroker",
     "ScopeLifecycle",
     "ServedScope",
@@ -150,19 +151,23 @@ class ScopeBroker(Protocol):
     @property
     def consume_channel(self) -> amqp.Channel | None: ...
 
-    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
-
     async def start_consuming(self, scope: ServedScope) -> None: ...
 
     async def stop_consuming(self, scope: ServedScope | None = None) -> None: ...
+
+
+class OutboxPublisher(Protocol):
+    """What a scope's lifecycle republishes its outbox through (the broker link's publisher)."""
+
+    async def publish(self, envelope: Any, *, await_reconnect: bool = True) -> None: ...
 
 
 class ScopeLifecycle:
     """Each served scope's lifecycle for ``WorkerDaemon`` (see the module docstring).
 
     Built by the daemon once its store and adapters are ready, with the
-    scopes it serves, the broker link (publish, consume) and the daemon's
-    ``spawn`` and ``request_stop``.
+    scopes it serves, the broker link (consume), its publisher and the
+    daemon's ``spawn`` and ``request_stop``.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class ScopeLifecycle:
         hooks: WorkerHooks,
         supersession: Supersession,
         broker: ScopeBroker,
+        publisher: OutboxPublisher,
         spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
         request_stop: Callable[[OctoError | None], None],
         shared: bool,
@@ -187,6 +193,7 @@ class ScopeLifecycle:
         self._hooks = hooks
         self._supersession = supersession
         self._broker = broker
+        self._publisher = publisher
         self._spawn = spawn
         self._request_stop = request_stop
         # The journal is shared (PostgreSQL): scopes start as standby.
@@ -301,7 +308,7 @@ class ScopeLifecycle:
                 correlation_id=entry.correlation_id,
             )
             try:
-                await self._broker.publish(envelope, await_reconnect=False)
+                await self._publisher.publish(envelope, await_reconnect=False)
             except PublishChannelClosed:
                 self._log.warning(
                     "outbox_republish_failed", scope=scope.name, error=PublishChannelClosed.code

@@ -246,19 +246,20 @@ async def test_a_publish_on_a_dead_channel_waits_without_spinning(
     dead = await broker.channel()
     await dead.close()
     # The channel died and the connection loop has not noticed yet.
-    daemon._broker._publish_channel = dead
+    publisher = daemon._broker.publisher
+    publisher.use(None, dead)
     daemon._broker._connected.set()
     envelope = FrameEnvelope(b"{}", "m-1", None, None, {}, "octo.v5.reply.nobody")
 
     # The outbox republish fails at once: it runs on the connection being set up.
     with pytest.raises(PublishChannelClosed):
-        await asyncio.wait_for(daemon._broker.publish(envelope, await_reconnect=False), 1.0)
+        await asyncio.wait_for(publisher.publish(envelope, await_reconnect=False), 1.0)
 
     # A live reply waits for a reconnect up to 3 publish timeouts, sleeping.
     cpu = time.process_time()
     wall = time.monotonic()
     with pytest.raises(PublishChannelClosed):
-        await asyncio.wait_for(daemon._broker.publish(envelope), 5.0)
+        await asyncio.wait_for(publisher.publish(envelope), 5.0)
     assert time.monotonic() - wall >= 1.0
     assert time.process_time() - cpu < 0.5  # it slept; it did not spin for 1.2 s
 

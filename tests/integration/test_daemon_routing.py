@@ -93,8 +93,8 @@ class Routing:
         self.dead: list[tuple[str, str]] = []  # (session id, reason)
         self.replies: list[tuple[str, str | None]] = []  # (session id, correlation id)
         self.channel = FakeChannel()
-        daemon._broker.dead_letter = self._dead_letter  # type: ignore[method-assign]
-        daemon._broker.publish = self._publish  # type: ignore[method-assign]
+        daemon._broker.publisher.dead_letter = self._dead_letter  # type: ignore[method-assign]
+        daemon._broker.publisher.publish = self._publish  # type: ignore[method-assign]
 
     async def _dead_letter(self, scope: Any, message: Any, channel: Any, reason: str) -> None:
         self.dead.append((message.headers[HEADER_SESSION], reason))
@@ -281,10 +281,10 @@ async def test_dead_letters_count_by_reason(routing: Routing) -> None:
     for index in range(3):
         await _settle([routing.deliver(routing.dispatch_message(stray, f"req-{index}"))])
     # The routing stand-in replaces the broker copy, so count through the real method.
-    broker = routing.daemon._broker
-    await broker.__class__.dead_letter(
-        broker,
-        routing.daemon._scopes[SCOPE],
+    publisher = routing.daemon._broker.publisher
+    await publisher.__class__.dead_letter(
+        publisher,
+        SCOPE,
         routing.dispatch_message(stray, "req-x"),  # type: ignore[arg-type]
         routing.channel,  # type: ignore[arg-type]
         "unknown_session",
@@ -346,7 +346,7 @@ async def test_a_delivery_whose_handling_failed_is_rejected_back_into_the_queue(
     async def failing(scope: Any, message: Any, channel: Any, reason: str) -> None:
         raise RuntimeError("the dead-letter copy failed")
 
-    routing.daemon._broker.dead_letter = failing  # type: ignore[method-assign]
+    routing.daemon._broker.publisher.dead_letter = failing  # type: ignore[method-assign]
     message = routing.dispatch_message(routing.session(1), "req-1")  # unknown session
     await _settle([routing.deliver(message)])
     assert message.settled == ["requeue"]

@@ -28,8 +28,9 @@ from octo_common.transport import PublishNacked, PublishTimedOut, build_host_pub
 from octo_host.client import broker as host_broker
 from octo_host.client.broker import HostBroker
 from octo_host.client.settings import ClientSettings
-from octo_worker.daemon import broker_link
-from octo_worker.daemon.broker_link import BrokerLink
+from octo_worker.hooks import NO_HOOKS
+from octo_worker.transport import ConfirmedPublisher
+from octo_worker.transport import delivery as worker_delivery
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -97,24 +98,21 @@ async def _check_renewed(fake: StuckChannel, current: amqp.Channel | None) -> No
 async def test_worker_publish_renews_a_failing_channel(
     connection: amqp.Connection, fake: StuckChannel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(broker_link, "publish_envelope", fake)
-    config = SimpleNamespace(broker=SimpleNamespace(publish_timeout_seconds=PUBLISH_TIMEOUT))
-    link = BrokerLink(
-        config,  # type: ignore[arg-type]
-        {},
-        hooks=None,  # type: ignore[arg-type]
-        notifier=None,  # type: ignore[arg-type]
+    monkeypatch.setattr(worker_delivery, "publish_envelope", fake)
+    connected = asyncio.Event()
+    connected.set()
+    publisher = ConfirmedPublisher(
+        timeout=PUBLISH_TIMEOUT,
+        connected=connected,
         stopping=asyncio.Event(),
-        shared=False,
+        hooks=NO_HOOKS,
         log=structlog.get_logger("test"),
     )
-    link._connection = connection
-    link._publish_channel = fake.stuck
-    link._connected.set()
+    publisher.use(connection, fake.stuck)
 
-    await link.publish(_envelope())
+    await publisher.publish(_envelope())
 
-    await _check_renewed(fake, link._publish_channel)
+    await _check_renewed(fake, publisher._channel)
     assert not connection.is_closed
 
 

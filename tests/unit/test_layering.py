@@ -358,6 +358,14 @@ def test_the_worker_folders_import_each_other_without_a_cycle() -> None:
     assert cycles(graph) == []
 
 
+def test_what_a_session_settles_a_delivery_through_imports_neither_daemon_nor_session() -> None:
+    # The session's driver acks and replies through the transport: were it to import the
+    # daemon, the session would reach back into the daemon on every handling.
+    graph = worker_folder_graph()
+    assert graph["transport"] <= {"hooks"}, graph["transport"]
+    assert "transport" in graph["daemon"]
+
+
 def test_at_most_eight_modules_sit_at_the_top_of_the_worker() -> None:
     top_level = sorted(path.name for path in (ROOT / "octo_worker").glob("*.py"))
     assert len(top_level) <= 8, top_level
