@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,8 +80,7 @@ HOST_LOAD: Final = HERE / "_host_load.py"
 OCTO_WORKER: Final = Path(sys.executable).parent / "octo-worker"
 PROBE_QUEUE: Final = "octo-cluster-probe"
 LANES: Final = 3
-KEYS_PER_RUN: Final = 40
-RUNS_PER_LANE: Final = 10  # at most 1,200 operations in a test
+KEYS_PER_RUN: Final = 40  # a lane's runs follow one another until the test stops the load
 PACE: Final = 0.25  # seconds a lane waits between two operations (about 10 a second)
 BEFORE_FAULT: Final = 20  # effects logged before the fault
 AFTER_FAILOVER: Final = 20  # effects logged through another node before the heal
@@ -310,6 +310,7 @@ async def run_under_fault(cluster: Cluster, root: Path, fault: str) -> Report:
         stdin=False,
     )
     host: Runner | None = None
+    lanes_up = False  # the host's lanes run (it answers SIGUSR1 with their state)
     stop_probe = asyncio.Event()
     probe_task: asyncio.Task[None] | None = None
     try:
@@ -346,7 +347,6 @@ async def run_under_fault(cluster: Cluster, root: Path, fault: str) -> Report:
                     "key": env.host_storage_key.hex(),
                     "lanes": LANES,
                     "keys_per_run": KEYS_PER_RUN,
-                    "runs_per_lane": RUNS_PER_LANE,
                     "pace": PACE,
                     "tag": fault,
                     "reply_timeout": 3.0,
@@ -356,6 +356,7 @@ async def run_under_fault(cluster: Cluster, root: Path, fault: str) -> Report:
             )
         )
         await host.expect("started", timeout=WAIT)
+        lanes_up = True
 
         def effects() -> int:
             return len(read_effect_log(env.effect_log))
@@ -417,6 +418,10 @@ async def run_under_fault(cluster: Cluster, root: Path, fault: str) -> Report:
         report.figures["struck_after"] = struck - started
         await _check(cluster, env, result, probe, report, host_id)
     except BaseException:
+        trace(f"effects logged: {len(read_effect_log(env.effect_log))}")
+        if lanes_up and host is not None and host.process.poll() is None:
+            host.process.send_signal(signal.SIGUSR1)  # the lanes' state, on its stderr
+            await asyncio.sleep(1.0)
         await asyncio.to_thread(diagnose, cluster, [worker, host])
         raise
     finally:
