@@ -7,16 +7,21 @@ the protocol prescribes. msgspec builds decoded structs without
 calling the class, so putting both rules in the metaclass's ``__call__``
 separates the two cases cleanly; the same hook gives constructor-only
 defaults to structs that are not validated at construction.
+
+A field declared ``= leading_keyword(default=..., kw_only=True)`` is one the
+wire always carries (decoding requires it) that a constructor call passes by
+keyword or leaves out: the protocol version, first on the wire but never
+positional. The metaclass removes the marker before msgspec sees the class,
+so decoding still requires the field, and a type checker reads the same
+declaration as a keyword-only parameter with a default.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, dataclass_transform
 
 import msgspec
-
-from octo_common.limits import PROTOCOL_VERSION
 
 # Structs validated since they were built. They are immutable, so a validated
 # struct stays valid: sealing it again need not repeat the work. Keyed by
@@ -32,6 +37,26 @@ def mark_validated(obj: Any) -> None:
 def is_validated(obj: Any) -> bool:
     """True when ``obj`` itself passed ``validate()`` since it was built."""
     return _VALIDATED.get(id(obj)) is obj
+
+
+class _LeadingKeyword:
+    """The marker ``leading_keyword()`` leaves in a class body."""
+
+    __slots__ = ("default",)
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+
+
+def leading_keyword(*, default: Any, kw_only: bool) -> Any:
+    """Declare a leading wire field that constructors take by keyword only.
+
+    Decoding requires the field; a constructor call that leaves it out gets
+    ``default``. ``kw_only`` must be True: it is what a type checker reads.
+    """
+    if kw_only is not True:
+        raise TypeError("a leading keyword field is keyword-only")
+    return _LeadingKeyword(default)
 
 
 class BuildArgumentsMeta(msgspec.StructMeta):
@@ -50,21 +75,38 @@ class BuildArgumentsMeta(msgspec.StructMeta):
 
 
 class ProtocolStructMeta(msgspec.StructMeta):
-    """Metaclass: optional version injection, then ``validate()`` on construction."""
+    """Metaclass: leading keyword fields, then ``validate()`` on construction."""
+
+    def __new__(
+        mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **options: Any
+    ) -> Any:
+        leading: list[tuple[str, Any]] = []
+        for base in bases:
+            leading += getattr(base, "__leading_keywords__", ())
+        for key, value in list(namespace.items()):
+            if isinstance(value, _LeadingKeyword):
+                leading.append((key, namespace.pop(key).default))
+        namespace["__leading_keywords__"] = tuple(leading)
+        cls = super().__new__(mcls, name, bases, namespace, **options)
+        names = tuple(key for key, _ in leading)
+        if cls.__struct_fields__[: len(names)] != names:
+            raise TypeError(f"{name}: leading keyword fields must come first on the wire")
+        return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         build = getattr(cls, "_build_arguments", None)
         if build is not None:
             args, kwargs = build(args, kwargs)
-        if getattr(cls, "__versioned__", False):
-            # The version is the first field on the wire but never positional.
-            args = (kwargs.pop("protocol_version", PROTOCOL_VERSION), *args)
+        leading: tuple[tuple[str, Any], ...] = cls.__leading_keywords__  # type: ignore[attr-defined]
+        for key, default in reversed(leading):
+            args = (kwargs.pop(key, default), *args)
         obj = super().__call__(*args, **kwargs)
         obj.validate()
         mark_validated(obj)
         return obj
 
 
+@dataclass_transform(field_specifiers=(msgspec.field, leading_keyword))
 class ProtocolStruct(msgspec.Struct, frozen=True, weakref=True, metaclass=ProtocolStructMeta):
     """Base of the validating protocol structs."""
 

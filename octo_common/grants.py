@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
-from octo_common._struct import BuildArgumentsMeta, ProtocolStruct
+from octo_common._struct import BuildArgumentsMeta, ProtocolStruct, leading_keyword
 from octo_common.codec import encode_struct
 from octo_common.digest import grant_fingerprint_of_encoding
 from octo_common.errors import (
@@ -269,9 +269,7 @@ class GrantAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
 class CapabilityManifest(ProtocolStruct, frozen=True):
     """The grants of one session; version 5, validated at construction."""
 
-    __versioned__ = True
-
-    protocol_version: U16
+    protocol_version: U16 = leading_keyword(default=PROTOCOL_VERSION, kw_only=True)
     session_id: str
     grants: tuple[CapabilityGrant, ...]
 

@@ -9,9 +9,9 @@ and fingerprints are computed over.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from octo_common._struct import ProtocolStruct
+from octo_common._struct import ProtocolStruct, leading_keyword
 from octo_common.codec import convert_tree, decode_fast, encode_struct, parse_tree
 from octo_common.errors import (
     SerializationError,
@@ -205,16 +205,8 @@ class CancellationResult(_Message, frozen=True, tag="cancellation_result"):
 
 
 class CloseSession(_Message, frozen=True, tag="close_session"):
-    __versioned__ = True
-
-    protocol_version: U16
+    protocol_version: U16 = leading_keyword(default=PROTOCOL_VERSION, kw_only=True)
     session_id: str
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self, session_id: str, *, protocol_version: int = PROTOCOL_VERSION
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)
@@ -226,27 +218,12 @@ class RequestRejected(
 ):
     """A refused authenticated request; carries a code, never error text."""
 
-    __versioned__ = True
-
-    protocol_version: U16
+    protocol_version: U16 = leading_keyword(default=PROTOCOL_VERSION, kw_only=True)
     session_id: str
     request_id: str
     code: str
     operation_key: str | None = None
     compensation_key: str | None = None
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            code: str,
-            operation_key: str | None = None,
-            compensation_key: str | None = None,
-            *,
-            protocol_version: int = PROTOCOL_VERSION,
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)

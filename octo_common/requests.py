@@ -9,11 +9,11 @@ which carries them in its messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
-from octo_common._struct import ProtocolStruct
+from octo_common._struct import ProtocolStruct, leading_keyword
 from octo_common.errors import (
     CancellationIdMatchesRequest,
     InvalidCompensationGrantFingerprint,
@@ -32,7 +32,6 @@ from octo_common.payload import ToolPayload
 from octo_common.states import Cancelled, Failed, FailureCode, OperationStatus, Running, Succeeded
 
 U16 = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-_V: Final = PROTOCOL_VERSION
 
 
 def check_version(version: int) -> None:
@@ -53,30 +52,19 @@ def _check_fingerprint(value: str) -> None:
 
 
 class _Versioned(ProtocolStruct, frozen=True):
-    __versioned__ = True
+    """A struct whose first wire field is the protocol version (5 unless given)."""
+
+    protocol_version: U16 = leading_keyword(default=PROTOCOL_VERSION, kw_only=True)
 
 
 # Requests and results -----------------------------------------------
 
 
 class ToolInvocation(_Versioned, frozen=True):
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
     payload: ToolPayload
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            tool: str,
-            payload: ToolPayload,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         """Header only: an invocation's payload is checked by the authorizer."""
@@ -89,21 +77,9 @@ class ToolInvocation(_Versioned, frozen=True):
 
 
 class ToolResult(_Versioned, frozen=True):
-    protocol_version: U16
     session_id: str
     request_id: str
     payload: ToolPayload
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            payload: ToolPayload,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)
@@ -114,23 +90,10 @@ class ToolResult(_Versioned, frozen=True):
 class WorkerCancellationRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
     """Reserved: decodes and validates; a worker refuses it."""
 
-    protocol_version: U16
     session_id: str
     cancellation_id: str
     request_id: str
     tool: str
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            cancellation_id: str,
-            request_id: str,
-            tool: str,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)
@@ -145,25 +108,11 @@ class WorkerCancellationRequest(_Versioned, frozen=True, forbid_unknown_fields=T
 class WorkerCancellationResult(_Versioned, frozen=True, forbid_unknown_fields=True):
     """Reserved."""
 
-    protocol_version: U16
     session_id: str
     cancellation_id: str
     request_id: str
     tool: str
     outcome: Literal["acknowledged", "too_late", "unsupported"]
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            cancellation_id: str,
-            request_id: str,
-            tool: str,
-            outcome: str,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)
@@ -176,25 +125,11 @@ class WorkerCancellationResult(_Versioned, frozen=True, forbid_unknown_fields=Tr
 
 
 class OperationDispatchRequest(_Versioned, frozen=True, forbid_unknown_fields=True):
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
     operation_key: str
     payload: ToolPayload
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            tool: str,
-            operation_key: str,
-            payload: ToolPayload,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate_header(self) -> None:
         check_version(self.protocol_version)
@@ -263,25 +198,11 @@ class OperationReconcileRequest(_Versioned, frozen=True, omit_defaults=True):
     """``reconcile_operation``: the adapter's status lookup of a key, or, with a
     ``resolution`` (omitted from the encoding when None), an operator's decision."""
 
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
     operation_key: str
     resolution: Resolution | None = None
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            tool: str,
-            operation_key: str,
-            *,
-            resolution: Resolution | None = None,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)
@@ -297,25 +218,11 @@ class OperationReconcileRequest(_Versioned, frozen=True, omit_defaults=True):
 class OperationReconcileResult(_Versioned, frozen=True):
     """The result of a dispatch (``operation_result``) or a reconciliation."""
 
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
     operation_key: str
     status: OperationStatus
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            tool: str,
-            operation_key: str,
-            status: OperationStatus,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         check_version(self.protocol_version)
@@ -382,13 +289,12 @@ def _binding_arguments(
         grant_fingerprint=binding.grant_fingerprint,
     )
     kwargs[last] = values.get(last)
-    kwargs.setdefault("protocol_version", PROTOCOL_VERSION)
     return (), kwargs
 
 
 class _CompensationFields(_Versioned, frozen=True):
     def _validate_header(self) -> None:
-        check_version(self.protocol_version)  # type: ignore[attr-defined]
+        check_version(self.protocol_version)
         if all_tokens(
             self.session_id,  # type: ignore[attr-defined]
             self.request_id,  # type: ignore[attr-defined]
@@ -422,7 +328,6 @@ class _CompensationFields(_Versioned, frozen=True):
 
 
 class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
@@ -457,7 +362,6 @@ class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unkn
 
 
 class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
@@ -515,7 +419,6 @@ class CompensationReconcileRequest(
     instead (see :class:`Resolution`).
     """
 
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
@@ -524,22 +427,6 @@ class CompensationReconcileRequest(
     tenant_scope: str
     grant_fingerprint: str
     resolution: Resolution | None = None
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            tool: str,
-            operation_key: str,
-            compensation_key: str,
-            tenant_scope: str,
-            grant_fingerprint: str,
-            *,
-            resolution: Resolution | None = None,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         self._validate_header()
@@ -550,7 +437,6 @@ class CompensationReconcileRequest(
 class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
     """The status a compensation lookup observed (``reconciled_compensation``)."""
 
-    protocol_version: U16
     session_id: str
     request_id: str
     tool: str
@@ -559,22 +445,6 @@ class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unkno
     tenant_scope: str
     grant_fingerprint: str
     status: OperationStatus
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            tool: str,
-            operation_key: str,
-            compensation_key: str,
-            tenant_scope: str,
-            grant_fingerprint: str,
-            status: OperationStatus,
-            *,
-            protocol_version: int = _V,
-        ) -> None: ...
 
     def validate(self) -> None:
         self._validate_header()

@@ -401,3 +401,38 @@ def test_no_worker_module_declares_methods_under_type_checking() -> None:
     # A check of the checker.
     sample = "if TYPE_CHECKING:\n    class A:\n        async def part(self) -> None: ...\n"
     assert type_checking_defs(sample) == ["part"]
+
+
+def classes_declaring_a_signature(source: str) -> set[str]:
+    """The classes of ``source`` whose body holds an ``if TYPE_CHECKING:`` declaration."""
+    return {
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+        and any(type_checking_defs(ast.unparse(item)) for item in node.body)
+    }
+
+
+# A protocol struct's constructor signature is read from its fields (the version
+# is a leading keyword field). Only a constructor that converts its arguments
+# declares its own: a kind from a string, an iterable into a sorted tuple or a set,
+# a binding into its five fields.
+CONVERTING_CONSTRUCTORS = {
+    "ResourceSelector",
+    "CapabilityGrant",
+    "GrantAttenuation",
+    "CapabilityManifest",
+    "ManifestAttenuation",
+    "OperationCompensationRequest",
+    "OperationCompensationResult",
+}
+
+
+def test_only_a_converting_constructor_declares_its_own_signature() -> None:
+    declaring: set[str] = set()
+    for path in modules("octo_common"):
+        declaring |= classes_declaring_a_signature(path.read_text(encoding="utf-8"))
+    assert declaring == CONVERTING_CONSTRUCTORS
+    # A check of the checker.
+    sample = "class A:\n    if TYPE_CHECKING:\n        def __init__(self) -> None: ...\n"
+    assert classes_declaring_a_signature(sample) == {"A"}

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from octo_common._struct import ProtocolStruct, leading_keyword
 from octo_common.errors import (
     CancellationIdMatchesRequest,
     InvalidCompensationGrantFingerprint,
@@ -163,6 +164,31 @@ def test_constructors_set_protocol_version_5() -> None:
     assert CloseSession("s").protocol_version == 5
     assert RequestRejected("s", "r", "code").protocol_version == 5
     assert COMPENSATE.protocol_version == 5
+
+
+def test_the_constructors_version_default_is_not_a_decoding_default() -> None:
+    # Every message whose encoding carries a version: without it, it does not decode.
+    versioned = 0
+    for name, message in ALL_MESSAGES.items():
+        data = encode_message(message)
+        if b'"protocol_version":5,' not in data:
+            continue
+        versioned += 1
+        with pytest.raises(SerializationError):
+            decode_message(data.replace(b'"protocol_version":5,', b"", 1))
+        assert decode_message(data) == message, name
+    assert versioned == len(ALL_MESSAGES)
+
+
+def test_a_leading_keyword_field_must_come_first_on_the_wire() -> None:
+    with pytest.raises(TypeError, match="first on the wire"):
+
+        class Late(ProtocolStruct, frozen=True):
+            session_id: str
+            protocol_version: int = leading_keyword(default=5, kw_only=True)
+
+    with pytest.raises(TypeError, match="keyword-only"):
+        leading_keyword(default=5, kw_only=False)
 
 
 def test_binding_validates_key_tenant_and_fingerprint() -> None:
