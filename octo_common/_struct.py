@@ -80,26 +80,24 @@ class ProtocolStructMeta(msgspec.StructMeta):
     def __new__(
         mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **options: Any
     ) -> Any:
-        leading: list[tuple[str, Any]] = []
-        for base in bases:
-            leading += getattr(base, "__leading_keywords__", ())
-        for key, value in list(namespace.items()):
-            if isinstance(value, _LeadingKeyword):
-                leading.append((key, namespace.pop(key).default))
-        namespace["__leading_keywords__"] = tuple(leading)
+        marked = [key for key, value in namespace.items() if isinstance(value, _LeadingKeyword)]
+        if len(marked) > 1:
+            raise TypeError(f"{name}: one leading keyword field at most")
+        if marked:
+            namespace["__leading_keyword__"] = (marked[0], namespace.pop(marked[0]).default)
         cls = super().__new__(mcls, name, bases, namespace, **options)
-        names = tuple(key for key, _ in leading)
-        if cls.__struct_fields__[: len(names)] != names:
-            raise TypeError(f"{name}: leading keyword fields must come first on the wire")
+        leading = getattr(cls, "__leading_keyword__", None)
+        if leading is not None and cls.__struct_fields__[0] != leading[0]:
+            raise TypeError(f"{name}: a leading keyword field must come first on the wire")
         return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         build = getattr(cls, "_build_arguments", None)
         if build is not None:
             args, kwargs = build(args, kwargs)
-        leading: tuple[tuple[str, Any], ...] = cls.__leading_keywords__  # type: ignore[attr-defined]
-        for key, default in reversed(leading):
-            args = (kwargs.pop(key, default), *args)
+        leading = getattr(cls, "__leading_keyword__", None)
+        if leading is not None:
+            args = (kwargs.pop(leading[0], leading[1]), *args)
         obj = super().__call__(*args, **kwargs)
         obj.validate()
         mark_validated(obj)

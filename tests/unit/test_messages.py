@@ -187,6 +187,12 @@ def test_a_leading_keyword_field_must_come_first_on_the_wire() -> None:
             session_id: str
             protocol_version: int = leading_keyword(default=5, kw_only=True)
 
+    with pytest.raises(TypeError, match="one leading keyword field"):
+
+        class Twice(ProtocolStruct, frozen=True):
+            protocol_version: int = leading_keyword(default=5, kw_only=True)
+            revision: int = leading_keyword(default=1, kw_only=True)
+
     with pytest.raises(TypeError, match="keyword-only"):
         leading_keyword(default=5, kw_only=False)
 
