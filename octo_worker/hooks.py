@@ -57,8 +57,15 @@ class WorkerHooks:
     def on_commit_failed(self, scope: str, error: OctoError) -> None:
         """The store refused or failed a commit with ``error``."""
 
-    def before_reply(self, scope: str, kind: str) -> None:
-        """A reply is committed to the outbox; not yet published."""
+    def before_reply(
+        self, scope: str, kind: str, operation_key: str | None, unresolved: bool | None
+    ) -> None:
+        """A reply is decided (and committed to the outbox with the journal rows it
+        reports); not yet published, so the host cannot have seen it.
+
+        ``unresolved``: what it says of ``operation_key`` (True: still pending
+        or running, False: terminal, None: nothing).
+        """
 
     def after_reply(
         self,
@@ -66,15 +73,13 @@ class WorkerHooks:
         kind: str,
         operation_key: str | None,
         refused: bool,
-        unresolved: bool | None,
         acked: bool,
     ) -> None:
         """The broker confirmed a reply; its outbox row is not yet marked published.
 
-        ``refused``: the reply is a ``request_rejected``. ``unresolved``: what
-        it says of ``operation_key`` (True: still pending or running, False:
-        terminal, None: nothing). ``acked``: the delivery was acked before
-        this reply (an admission), else it is acked after it.
+        ``refused``: the reply is a ``request_rejected``. ``acked``: the
+        delivery was acked before this reply (an admission), else it is acked
+        after it.
         """
 
     def on_reply_failed(self, scope: str, kind: str) -> None:

@@ -49,7 +49,9 @@ class FaultHooks(WorkerHooks):
         if method == _COMPENSATE:
             self._reach("worker.after_compensation_effect")
 
-    def before_reply(self, scope: str, kind: str) -> None:
+    def before_reply(
+        self, scope: str, kind: str, operation_key: str | None, unresolved: bool | None
+    ) -> None:
         self._reach("worker.before_reply")
 
     def after_reply(
@@ -58,7 +60,6 @@ class FaultHooks(WorkerHooks):
         kind: str,
         operation_key: str | None,
         refused: bool,
-        unresolved: bool | None,
         acked: bool,
     ) -> None:
         self._reach("worker.after_reply")

@@ -220,9 +220,10 @@ class WorkerMetrics(WorkerHooks):
     def note_pending(self, scope: str, key: str, pending: bool) -> None:
         """Track a key acked (admitted) and not yet answered until it is resolved.
 
-        Resolved: a reply other than a refusal to its dispatch or compensation,
-        or a reconciliation that found it terminal. The scope's gauge is read
-        at scrape time, so it keeps growing while a key stays unresolved.
+        Resolved: a reply about to be published that reports it terminal (a
+        result, or a reconciliation or lookup that found it so). The scope's
+        gauge is read at scrape time, so it keeps growing while a key stays
+        unresolved.
         """
         slots = self._pending_since.get(scope)
         if pending:
@@ -289,21 +290,27 @@ class WorkerMetrics(WorkerHooks):
         if not isinstance(error, SessionReplay):
             self.commit_failures.labels(error.code).inc()
 
+    def before_reply(
+        self, scope: str, kind: str, operation_key: str | None, unresolved: bool | None
+    ) -> None:
+        # Before the publish: once the host can see a terminal answer, the key no
+        # longer counts, and it stops counting even if the broker never confirms
+        # the reply (the journal holds it terminal, as a restart would find it).
+        if kind in _KEYED_KINDS and operation_key is not None and unresolved is not None:
+            self.note_pending(scope, operation_key, unresolved)
+
     def after_reply(
         self,
         scope: str,
         kind: str,
         operation_key: str | None,
         refused: bool,
-        unresolved: bool | None,
         acked: bool,
     ) -> None:
         self._replies(scope, "confirmed").inc()
         if kind in _ADMITTED_KINDS and not acked:
             # Answered before any ack: an existing record or a refusal.
             self._admissions(scope, _short(kind), "refused" if refused else "existing").inc()
-        if kind in _KEYED_KINDS and operation_key is not None and unresolved is not None:
-            self.note_pending(scope, operation_key, unresolved)
 
     def on_reply_failed(self, scope: str, kind: str) -> None:
         self._replies(scope, "failed").inc()

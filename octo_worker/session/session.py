@@ -552,16 +552,11 @@ class WorkerSession:
     async def _finish(self, step: FinalStep, run: Handling) -> None:
         if isinstance(step, Reply):
             hooks = self._hooks
-            hooks.before_reply(self._state.scope, run.kind)
+            hooks.before_reply(self._state.scope, run.kind, run.operation_key, step.unresolved)
             published = await _publish(run, step.frame, step.correlation_id)
             if published:
                 hooks.after_reply(
-                    self._state.scope,
-                    run.kind,
-                    run.operation_key,
-                    step.refused,
-                    step.unresolved,
-                    run.acked,
+                    self._state.scope, run.kind, run.operation_key, step.refused, run.acked
                 )
                 if step.outbox_id is not None:
                     self.confirm_published(step.outbox_id)

@@ -76,6 +76,8 @@ from octo_worker.adapters.contract import (
     adapter_deadline,
 )
 from octo_worker.adapters.files import FilesPublishAdapter, read_effect_log
+from octo_worker.daemon.metrics import WorkerMetrics
+from octo_worker.hooks import NO_HOOKS, WorkerHooks
 from octo_worker.journal import WorkerOperationRecord
 from octo_worker.session import WorkerSession, WorkerSessionLimits
 from octo_worker.session import session as session_module
@@ -386,6 +388,7 @@ async def open_world(
     store_path: Path | None = None,
     extra: dict[str, Any] | None = None,
     database: JournalDatabase | None = None,
+    hooks: WorkerHooks = NO_HOOKS,
 ) -> World:
     real_store: JournalStoreBase = (
         new_store(store_path or tmp_path / "journal.db")
@@ -417,6 +420,7 @@ async def open_world(
         lease=lease,
         adapters=adapters,
         limits=limits or WorkerSessionLimits(),
+        hooks=hooks,
     )
     return World(
         tmp_path,
@@ -733,6 +737,54 @@ async def test_example_17_indeterminate_then_pending_operation(world: World) -> 
     assert world.scripted.calls == ["dispatch", "dispatch"]
     assert world.session.calls_for(SCRIPTED) == 3  # the replay spent a call again
     assert replay.kinds == ["reply", "ack"]
+
+
+class ScrapedAtReply(RecordingDelivery):
+    """Reads the scope's oldest-unresolved gauge as each reply is published: what a
+    scrape shows once the host can see the answer."""
+
+    def __init__(self, metrics: WorkerMetrics, *, fail_reply: bool = False) -> None:
+        super().__init__(fail_reply=fail_reply)
+        self.metrics = metrics
+        self.ages: list[float] = []
+
+    async def reply(self, frame: bytes, correlation_id: str | None) -> None:
+        self.ages.append(self.metrics.oldest_pending_age_of(SCOPE))
+        await super().reply(frame, correlation_id)
+
+
+async def test_a_key_answered_terminal_is_off_the_unresolved_gauge_before_its_reply_leaves(
+    tmp_path: Path,
+) -> None:
+    metrics = WorkerMetrics()
+    w = await open_world(tmp_path, hooks=metrics)
+    try:
+        for key, confirmed in (("op-seen", True), ("op-unconfirmed", False)):
+            w.scripted.dispatch_outcome = AdapterIndeterminate("lost")
+            lost = await w.send(w.dispatch(key, ToolPayload.json({"x": 1}), tool=SCRIPTED))
+            assert rejection_code(w.answer(lost)) == "indeterminate_operation"
+            assert metrics.oldest_pending_age_of(SCOPE) > 0
+
+            w.scripted.reconcile_outcome = Running()
+            still = ScrapedAtReply(metrics)
+            await w.deliver(w.host.seal(w.reconcile(key, tool=SCRIPTED)), still)
+            assert still.kinds == ["reply", "ack"] and still.ages[0] > 0
+
+            w.scripted.reconcile_outcome = Failed("never published")
+            settled = ScrapedAtReply(metrics, fail_reply=not confirmed)
+            await w.deliver(w.host.seal(w.reconcile(key, tool=SCRIPTED)), settled)
+            record = await w.record(key)
+            assert record is not None and isinstance(record.state, Failed)
+            # The journal holds the key terminal: the gauge says so before the reply
+            # is published (the host cannot see the answer while the key still
+            # counts), and whether or not the broker confirms it, as a restart would.
+            expected = ["reply", "ack"] if confirmed else ["reply_failed", "requeue"]
+            assert settled.kinds == expected
+            assert settled.ages == [0.0]
+            assert metrics.oldest_pending_age_of(SCOPE) == 0.0
+    finally:
+        w.files.close()
+        await w.real_store.close()
 
 
 async def test_pending_duplicate_frame_answers_pending_operation(world: World) -> None:

@@ -47,7 +47,7 @@ def test_combined_hooks_run_in_the_order_given() -> None:
     hooks = combine_hooks(Recorder("first", log), Recorder("second", log), OnlyDeadLetters(log))
     hooks.after_ack("s", "dispatch_operation", "op-1")
     hooks.on_dead_letter("s", "scope_mismatch")
-    hooks.after_reply("s", "dispatch_operation", "op-1", False, None, True)  # nobody's
+    hooks.after_reply("s", "dispatch_operation", "op-1", False, True)  # nobody's
     assert log == [
         ("first", "after_ack"),
         ("second", "after_ack"),
@@ -99,7 +99,7 @@ def test_a_confirmed_reply_counts_what_answered_before_any_ack(
     kind: str, refused: bool, acked: bool, admission: tuple[str, str] | None
 ) -> None:
     m = WorkerMetrics()
-    m.after_reply("s1", kind, "op-1", refused, None, acked)
+    m.after_reply("s1", kind, "op-1", refused, acked)
     assert sample(m, "octo_replies_total", {"scope": "s1", "outcome": "confirmed"}) == 1.0
     counted = {
         (sample_.labels["kind"], sample_.labels["result"])
@@ -111,16 +111,18 @@ def test_a_confirmed_reply_counts_what_answered_before_any_ack(
     assert counted == ({admission} if admission else set())
 
 
-def test_a_reply_resolves_or_keeps_its_key_pending() -> None:
+def test_a_reply_about_to_leave_resolves_or_keeps_its_key_pending() -> None:
     m = WorkerMetrics()
     m.after_ack("s1", "dispatch_operation", "op-1")
-    m.after_reply("s1", "dispatch_operation", "op-1", False, True, True)  # running
+    m.before_reply("s1", "dispatch_operation", "op-1", True)  # running
     assert "op-1" in m._pending_since["s1"]
-    m.after_reply("s1", "dispatch_operation", "op-1", True, None, True)  # says nothing
+    m.before_reply("s1", "dispatch_operation", "op-1", None)  # says nothing
     assert "op-1" in m._pending_since["s1"]
-    m.after_reply("s1", "invoke", "op-1", False, False, True)  # not a keyed request
+    m.before_reply("s1", "invoke", "op-1", False)  # not a keyed request
     assert "op-1" in m._pending_since["s1"]
-    m.after_reply("s1", "reconcile_operation", "op-1", False, False, False)  # terminal
+    m.after_reply("s1", "reconcile_operation", "op-1", False, False)  # the confirm: no change
+    assert "op-1" in m._pending_since["s1"]
+    m.before_reply("s1", "reconcile_operation", "op-1", False)  # terminal
     assert "s1" not in m._pending_since
     assert pending_age(m, "s1") == 0.0
 
@@ -129,9 +131,9 @@ def test_a_compensation_lookup_resolves_or_keeps_its_key_pending() -> None:
     # A compensation admitted and cut by a crash is found by its lookup.
     m = WorkerMetrics()
     m.after_ack("s1", "compensate_operation", "op-1")
-    m.after_reply("s1", "reconcile_compensation", "op-1", True, True, False)  # pending
+    m.before_reply("s1", "reconcile_compensation", "op-1", True)  # pending
     assert "op-1" in m._pending_since["s1"]
-    m.after_reply("s1", "reconcile_compensation", "op-1", False, False, False)  # terminal
+    m.before_reply("s1", "reconcile_compensation", "op-1", False)  # terminal
     assert "s1" not in m._pending_since
 
 
@@ -188,8 +190,8 @@ def test_fault_hooks_reach_each_worker_point_at_its_hook() -> None:
     hooks.after_admission_commit("s1", "dispatch_operation", "op-1")
     hooks.after_ack("s1", "dispatch_operation", "op-1")
     hooks.after_effect("s1", "t.op", "dispatch_operation")
-    hooks.before_reply("s1", "dispatch_operation")
-    hooks.after_reply("s1", "dispatch_operation", "op-1", False, False, True)
+    hooks.before_reply("s1", "dispatch_operation", "op-1", None)
+    hooks.after_reply("s1", "dispatch_operation", "op-1", False, True)
     hooks.after_commit("s1", 0.001)  # no kill point
     hooks.on_dead_letter("s1", "scope_mismatch")  # no kill point
     assert injector.reached[:5] == [
