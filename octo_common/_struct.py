@@ -5,15 +5,24 @@ is validated before it is returned; a struct produced by the decoder is not
 validated at construction, so that decoding can validate in the exact order
 the protocol prescribes. msgspec builds decoded structs without
 calling the class, so putting both rules in the metaclass's ``__call__``
-separates the two cases cleanly; the same hook gives constructor-only
-defaults to structs that are not validated at construction.
+separates the two cases cleanly.
 
-A field declared ``= leading_keyword(default=..., kw_only=True)`` is one the
-wire always carries (decoding requires it) that a constructor call passes by
-keyword or leaves out: the protocol version, first on the wire but never
-positional. The metaclass removes the marker before msgspec sees the class,
-so decoding still requires the field, and a type checker reads the same
-declaration as a keyword-only parameter with a default.
+Field specifiers shape a constructor without changing what decoding
+requires. The metaclass removes each one from the class body before msgspec
+sees the class, and a type checker reads the same declarations (through
+``dataclass_transform``), so the constructor's signature is never written
+twice:
+
+* ``= leading_keyword(default=..., kw_only=True)``: a field the wire always
+  carries first that a constructor call passes by keyword or leaves out
+  (the protocol version).
+* ``= constructor_default(default=...)``: a field the wire always carries
+  whose constructor parameter has a default (a grant's limits).
+* ``= laid_flat()``: a constructor parameter that is not a field, a part
+  whose fields the struct carries flat on the wire; each of those is
+  declared ``= part_field(init=False)`` and the constructor takes it from
+  the part's attribute of the same name (a compensation's binding). Passed
+  by keyword, the flat fields themselves are accepted too.
 """
 
 from __future__ import annotations
@@ -39,13 +48,29 @@ def is_validated(obj: Any) -> bool:
     return _VALIDATED.get(id(obj)) is obj
 
 
-class _LeadingKeyword:
-    """The marker ``leading_keyword()`` leaves in a class body."""
+class _Marker:
+    """What a field specifier leaves in a class body, until the metaclass reads it."""
 
     __slots__ = ("default",)
 
-    def __init__(self, default: Any) -> None:
+    def __init__(self, default: Any = None) -> None:
         self.default = default
+
+
+class _LeadingKeyword(_Marker):
+    __slots__ = ()
+
+
+class _ConstructorDefault(_Marker):
+    __slots__ = ()
+
+
+class _PartField(_Marker):
+    __slots__ = ()
+
+
+class _LaidFlat(_Marker):
+    __slots__ = ()
 
 
 def leading_keyword(*, default: Any, kw_only: bool) -> Any:
@@ -59,52 +84,170 @@ def leading_keyword(*, default: Any, kw_only: bool) -> Any:
     return _LeadingKeyword(default)
 
 
-class BuildArgumentsMeta(msgspec.StructMeta):
-    """Metaclass: a class's ``_build_arguments(args, kwargs)`` shapes constructor calls.
+def constructor_default(*, default: Any) -> Any:
+    """Declare a wire field whose constructor parameter defaults to ``default``.
 
-    It runs only when user code calls the class, never when the decoder builds
-    a struct: constructor defaults set there are never decoding
-    defaults, so a field the wire must carry stays required.
+    Decoding still requires the field.
     """
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        build = getattr(cls, "_build_arguments", None)
-        if build is not None:
-            args, kwargs = build(args, kwargs)
-        return super().__call__(*args, **kwargs)
+    return _ConstructorDefault(default)
 
 
-class ProtocolStructMeta(msgspec.StructMeta):
-    """Metaclass: leading keyword fields, then ``validate()`` on construction."""
+def part_field(*, init: bool) -> Any:
+    """Declare a wire field the constructor takes from the ``laid_flat()`` part.
+
+    ``init`` must be False: it is what a type checker reads.
+    """
+    if init is not False:
+        raise TypeError("a part field is filled from its part: init=False")
+    return _PartField()
+
+
+def laid_flat() -> Any:
+    """Declare a constructor parameter that fills the ``part_field()`` fields."""
+    return _LaidFlat()
+
+
+class _Constructor:
+    """How a shaped constructor call's arguments become the struct's fields."""
+
+    __slots__ = ("defaults", "filled", "name", "params", "part")
+
+    def __init__(
+        self,
+        name: str,
+        params: tuple[str, ...],
+        defaults: tuple[tuple[str, Any], ...],
+        part: str | None,
+        filled: tuple[str, ...],
+    ) -> None:
+        self.name = name
+        self.params = params
+        self.defaults = defaults
+        self.part = part
+        self.filled = filled
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        params = self.params
+        if len(args) > len(params):
+            raise TypeError(
+                f"{self.name}() takes {len(params)} positional arguments but {len(args)} were given"
+            )
+        values = dict(zip(params, args, strict=False))
+        for key, value in kwargs.items():
+            if key in values:
+                raise TypeError(f"{self.name}() got multiple values for argument {key!r}")
+            values[key] = value
+        for key, default in self.defaults:
+            values.setdefault(key, default)
+        part = self.part
+        if part is not None and part in values:
+            whole = values.pop(part)
+            for key in self.filled:
+                try:
+                    values[key] = getattr(whole, key)
+                except AttributeError:
+                    raise TypeError(f"{self.name}(): {part} has no {key!r}") from None
+        return values
+
+
+def _shape(
+    cls: Any, declared: list[str], markers: dict[str, _Marker], leading: str | None
+) -> _Constructor:
+    """The constructor of ``cls``: its fields in wire order less the leading
+    keyword and the part fields, with the part where the class body declares it
+    (before the first field declared after it)."""
+    name = cls.__name__
+    parts = [key for key in declared if isinstance(markers.get(key), _LaidFlat)]
+    filled = tuple(key for key, m in markers.items() if isinstance(m, _PartField))
+    if len(parts) > 1:
+        raise TypeError(f"{name}: one laid-flat part at most")
+    if bool(parts) != bool(filled):
+        raise TypeError(f"{name}: a laid-flat part and its part fields come together")
+    params = [key for key in cls.__struct_fields__ if key != leading and key not in filled]
+    part = parts[0] if parts else None
+    if part is not None:
+        after = declared[declared.index(part) + 1 :]
+        following = [key for key in params if key in after]
+        params.insert(params.index(following[0]) if following else len(params), part)
+    defaults = tuple(
+        (key, m.default) for key, m in markers.items() if isinstance(m, _ConstructorDefault)
+    )
+    return _Constructor(name, tuple(params), defaults, part, filled)
+
+
+class ShapedStructMeta(msgspec.StructMeta):
+    """Metaclass: the field specifiers above shape the constructor (see the module
+    docstring). It runs only when user code calls the class, never when the
+    decoder builds a struct: constructor defaults are never decoding defaults."""
+
+    # Set on a class whose body declares them; read through the class.
+    __leading_keyword__: tuple[str, Any] | None = None
+    __constructor__: _Constructor | None = None
 
     def __new__(
         mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **options: Any
     ) -> Any:
-        marked = [key for key, value in namespace.items() if isinstance(value, _LeadingKeyword)]
-        if len(marked) > 1:
+        declared = list(namespace.get("__annotations__", {}))
+        markers = {
+            key: namespace.pop(key)
+            for key, value in list(namespace.items())
+            if isinstance(value, _Marker)
+        }
+        leading = [key for key, m in markers.items() if isinstance(m, _LeadingKeyword)]
+        if len(leading) > 1:
             raise TypeError(f"{name}: one leading keyword field at most")
-        if marked:
-            namespace["__leading_keyword__"] = (marked[0], namespace.pop(marked[0]).default)
+        if leading:
+            namespace["__leading_keyword__"] = (leading[0], markers.pop(leading[0]).default)
+        parts = {key for key, m in markers.items() if isinstance(m, _LaidFlat)}
+        if parts:
+            annotations = namespace["__annotations__"]
+            namespace["__annotations__"] = {
+                key: value for key, value in annotations.items() if key not in parts
+            }
         cls = super().__new__(mcls, name, bases, namespace, **options)
-        leading = getattr(cls, "__leading_keyword__", None)
-        if leading is not None and cls.__struct_fields__[0] != leading[0]:
+        first = cls.__leading_keyword__
+        if first is not None and cls.__struct_fields__[0] != first[0]:
             raise TypeError(f"{name}: a leading keyword field must come first on the wire")
+        inherited = cls.__constructor__
+        if markers:
+            leading_name = None if first is None else first[0]
+            cls.__constructor__ = _shape(cls, declared, markers, leading_name)
+        elif inherited is not None and declared:
+            raise TypeError(f"{name}: a struct with a shaped constructor declares no fields")
         return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        build = getattr(cls, "_build_arguments", None)
-        if build is not None:
-            args, kwargs = build(args, kwargs)
-        leading = getattr(cls, "__leading_keyword__", None)
+        shape = cls.__constructor__
+        if shape is not None:
+            kwargs = shape.bind(args, kwargs)
+            args = ()
+        leading = cls.__leading_keyword__
         if leading is not None:
             args = (kwargs.pop(leading[0], leading[1]), *args)
+        return super().__call__(*args, **kwargs)
+
+
+class ProtocolStructMeta(ShapedStructMeta):
+    """Metaclass: a shaped constructor, then ``validate()`` on construction."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         obj = super().__call__(*args, **kwargs)
         obj.validate()
         mark_validated(obj)
         return obj
 
 
-@dataclass_transform(field_specifiers=(msgspec.field, leading_keyword))
+@dataclass_transform(
+    field_specifiers=(msgspec.field, leading_keyword, constructor_default, part_field, laid_flat)
+)
+class ShapedStruct(msgspec.Struct, frozen=True, metaclass=ShapedStructMeta):
+    """Base of the structs with a shaped constructor that are not validated at
+    construction."""
+
+
+@dataclass_transform(
+    field_specifiers=(msgspec.field, leading_keyword, constructor_default, part_field, laid_flat)
+)
 class ProtocolStruct(msgspec.Struct, frozen=True, weakref=True, metaclass=ProtocolStructMeta):
     """Base of the validating protocol structs."""
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from octo_common._struct import BuildArgumentsMeta, ProtocolStruct, leading_keyword
+from octo_common._struct import ProtocolStruct, ShapedStruct, constructor_default, leading_keyword
 from octo_common.codec import encode_struct
 from octo_common.digest import grant_fingerprint_of_encoding
 from octo_common.errors import (
@@ -69,24 +69,19 @@ _KIND_ORDER = {kind: index for index, kind in enumerate(ResourceKind)}
 
 
 class ResourceSelector(ProtocolStruct, frozen=True):
-    """One member of a grant's resource set; ``id`` is validated at construction."""
+    """One member of a grant's resource set; ``id`` is validated at construction.
+
+    A ``kind`` given as its wire spelling becomes the ``ResourceKind`` (an
+    unknown spelling is a ``ValueError``).
+    """
 
     kind: ResourceKind
     id: str
 
-    if TYPE_CHECKING:
-
-        def __init__(self, kind: ResourceKind | str, id: str) -> None: ...
-
-    @classmethod
-    def _build_arguments(
-        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if args:
-            args = (ResourceKind(args[0]), *args[1:])
-        if "kind" in kwargs:
-            kwargs["kind"] = ResourceKind(kwargs["kind"])
-        return args, kwargs
+    def __post_init__(self) -> None:
+        kind: Any = self.kind
+        if type(kind) is not ResourceKind:
+            msgspec.structs.force_setattr(self, "kind", ResourceKind(kind))
 
     def validate(self) -> None:
         validate_token("resource selector", self.id)
@@ -100,54 +95,24 @@ def _normalise_resources(resources: Iterable[ResourceSelector]) -> tuple[Resourc
     return tuple(sorted(unique, key=ResourceSelector.sort_key))
 
 
-# Constructor defaults for the three limits the wire must always carry.
-_CONSTRUCTOR_DEFAULTS: tuple[tuple[str, int], ...] = (
-    ("max_calls", DEFAULT_MAX_CALLS),
-    ("max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
-    ("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES),
-)
-
-
-class CapabilityGrant(msgspec.Struct, frozen=True, metaclass=BuildArgumentsMeta):
+class CapabilityGrant(ShapedStruct, frozen=True):
     """A grant for one tool. Immutable; validated by ``validate()``.
 
     Decoding requires ``tool``, ``format``, ``max_calls``, ``max_input_bytes``
     and ``max_output_bytes`` (the wire has no default for them; a grant
     without one is a ``SerializationError``); only ``max_compensations`` (0)
     and ``resources`` (empty) may be absent. The constructor keeps the
-    defaults for all five limits.
+    defaults for all five limits. ``resources`` is kept as a tuple, sorted and
+    without repeats.
     """
 
     tool: str
     format: Format
-    max_calls: U32
-    max_input_bytes: U32
-    max_output_bytes: U32
+    max_calls: U32 = constructor_default(default=DEFAULT_MAX_CALLS)
+    max_input_bytes: U32 = constructor_default(default=DEFAULT_MAX_INPUT_BYTES)
+    max_output_bytes: U32 = constructor_default(default=DEFAULT_MAX_OUTPUT_BYTES)
     max_compensations: U32 = DEFAULT_MAX_COMPENSATIONS
     resources: tuple[ResourceSelector, ...] = ()
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            tool: str,
-            format: Format,
-            max_calls: int = DEFAULT_MAX_CALLS,
-            max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
-            max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
-            max_compensations: int = DEFAULT_MAX_COMPENSATIONS,
-            resources: Iterable[ResourceSelector] = (),
-        ) -> None: ...
-
-    @classmethod
-    def _build_arguments(
-        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        # Positions 2..4 are the three limits; fill the ones the caller left out.
-        for position, (name, default) in enumerate(_CONSTRUCTOR_DEFAULTS, start=2):
-            if len(args) <= position and name not in kwargs:
-                kwargs[name] = default
-        return args, kwargs
 
     def __post_init__(self) -> None:
         if self.format not in ("text", "json"):
@@ -241,24 +206,16 @@ class CapabilityGrant(msgspec.Struct, frozen=True, metaclass=BuildArgumentsMeta)
 
 
 class GrantAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Optional new limits and resources for one grant (None keeps the parent's)."""
+    """Optional new limits and resources for one grant (None keeps the parent's).
+
+    ``resources`` is kept as a frozenset.
+    """
 
     max_calls: U32 | None = None
     max_input_bytes: U32 | None = None
     max_output_bytes: U32 | None = None
     max_compensations: U32 | None = None
-    resources: frozenset[ResourceSelector] | None = None
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            max_calls: int | None = None,
-            max_input_bytes: int | None = None,
-            max_output_bytes: int | None = None,
-            max_compensations: int | None = None,
-            resources: Iterable[ResourceSelector] | None = None,
-        ) -> None: ...
+    resources: AbstractSet[ResourceSelector] | None = None
 
     def __post_init__(self) -> None:
         resources: Any = self.resources
@@ -267,31 +224,19 @@ class GrantAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class CapabilityManifest(ProtocolStruct, frozen=True):
-    """The grants of one session; version 5, validated at construction."""
+    """The grants of one session; version 5, validated at construction.
+
+    ``grants`` is kept as a tuple.
+    """
 
     protocol_version: U16 = leading_keyword(default=PROTOCOL_VERSION, kw_only=True)
     session_id: str
     grants: tuple[CapabilityGrant, ...]
 
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            grants: Iterable[CapabilityGrant],
-            *,
-            protocol_version: int = PROTOCOL_VERSION,
-        ) -> None: ...
-
-    @classmethod
-    def _build_arguments(
-        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if len(args) >= 2:
-            args = (args[0], tuple(args[1]), *args[2:])
-        if "grants" in kwargs:
-            kwargs["grants"] = tuple(kwargs["grants"])
-        return args, kwargs
+    def __post_init__(self) -> None:
+        grants: Any = self.grants
+        if not isinstance(grants, tuple):
+            msgspec.structs.force_setattr(self, "grants", tuple(grants))
 
     def validate(self) -> None:
         if self.protocol_version != PROTOCOL_VERSION:
@@ -335,22 +280,17 @@ class CapabilityManifest(ProtocolStruct, frozen=True):
                 continue
             restriction = attenuation.grants.get(grant.tool)
             kept.append(grant if restriction is None else grant.attenuate(restriction))
-        return CapabilityManifest(self.session_id, kept)
+        return CapabilityManifest(self.session_id, tuple(kept))
 
 
 class ManifestAttenuation(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Tools to keep (None keeps all) and per-tool grant attenuations."""
+    """Tools to keep (None keeps all) and per-tool grant attenuations.
 
-    allowed_tools: frozenset[str] | None = None
+    ``allowed_tools`` is kept as a frozenset and ``grants`` as a dict.
+    """
+
+    allowed_tools: AbstractSet[str] | None = None
     grants: Mapping[str, GrantAttenuation] = msgspec.field(default_factory=dict)
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            allowed_tools: AbstractSet[str] | Iterable[str] | None = None,
-            grants: Mapping[str, GrantAttenuation] | None = None,
-        ) -> None: ...
 
     def __post_init__(self) -> None:
         allowed: Any = self.allowed_tools

@@ -9,11 +9,11 @@ which carries them in its messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from octo_common._struct import ProtocolStruct, leading_keyword
+from octo_common._struct import ProtocolStruct, laid_flat, leading_keyword, part_field
 from octo_common.errors import (
     CancellationIdMatchesRequest,
     InvalidCompensationGrantFingerprint,
@@ -264,70 +264,9 @@ class OperationCompensationBinding(ProtocolStruct, frozen=True):
         _check_fingerprint(self.grant_fingerprint)
 
 
-def _binding_arguments(
-    args: tuple[Any, ...], kwargs: dict[str, Any], last: str
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Turn ``(session_id, request_id, binding, <last>)`` into the flat fields."""
-    names = ("session_id", "request_id", "binding", last)
-    flat_names = ("tool", "operation_key", "compensation_key", "tenant_scope")
-    if "binding" not in kwargs and len(args) < 3 and all(n in kwargs for n in flat_names):
-        return args, kwargs  # already flat (keyword form)
-    values = dict(zip(names, args, strict=False))
-    for name in names:
-        if name in kwargs:
-            values[name] = kwargs.pop(name)
-    binding = values.get("binding")
-    if not isinstance(binding, OperationCompensationBinding):
-        raise TypeError("binding must be an OperationCompensationBinding")
-    kwargs.update(
-        session_id=values.get("session_id"),
-        request_id=values.get("request_id"),
-        tool=binding.tool,
-        operation_key=binding.operation_key,
-        compensation_key=binding.compensation_key,
-        tenant_scope=binding.tenant_scope,
-        grant_fingerprint=binding.grant_fingerprint,
-    )
-    kwargs[last] = values.get(last)
-    return (), kwargs
-
-
 class _CompensationFields(_Versioned, frozen=True):
-    def _validate_header(self) -> None:
-        check_version(self.protocol_version)
-        if all_tokens(
-            self.session_id,  # type: ignore[attr-defined]
-            self.request_id,  # type: ignore[attr-defined]
-            self.tool,  # type: ignore[attr-defined]
-            self.operation_key,  # type: ignore[attr-defined]
-            self.compensation_key,  # type: ignore[attr-defined]
-            self.tenant_scope,  # type: ignore[attr-defined]
-        ):
-            # Every token passes, so only the cmp- prefix and the fingerprint remain.
-            if not self.compensation_key.startswith("cmp-"):  # type: ignore[attr-defined]
-                raise InvalidCompensationKey(self.compensation_key)  # type: ignore[attr-defined]
-            _check_fingerprint(self.grant_fingerprint)  # type: ignore[attr-defined]
-            return
-        validate_token("session id", self.session_id)  # type: ignore[attr-defined]
-        validate_token("request id", self.request_id)  # type: ignore[attr-defined]
-        validate_token("tool", self.tool)  # type: ignore[attr-defined]
-        validate_token("operation key", self.operation_key)  # type: ignore[attr-defined]
-        validate_compensation_key(self.compensation_key)  # type: ignore[attr-defined]
-        validate_token("tenant scope", self.tenant_scope)  # type: ignore[attr-defined]
-        _check_fingerprint(self.grant_fingerprint)  # type: ignore[attr-defined]
+    """The identity of a compensation: its request, then its binding laid flat."""
 
-    @property
-    def binding(self) -> OperationCompensationBinding:
-        return OperationCompensationBinding(
-            self.tool,  # type: ignore[attr-defined]
-            self.operation_key,  # type: ignore[attr-defined]
-            self.compensation_key,  # type: ignore[attr-defined]
-            self.tenant_scope,  # type: ignore[attr-defined]
-            self.grant_fingerprint,  # type: ignore[attr-defined]
-        )
-
-
-class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
     session_id: str
     request_id: str
     tool: str
@@ -335,23 +274,50 @@ class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unkn
     compensation_key: str
     tenant_scope: str
     grant_fingerprint: str
+
+    def _validate_header(self) -> None:
+        check_version(self.protocol_version)
+        if all_tokens(
+            self.session_id,
+            self.request_id,
+            self.tool,
+            self.operation_key,
+            self.compensation_key,
+            self.tenant_scope,
+        ):
+            # Every token passes, so only the cmp- prefix and the fingerprint remain.
+            if not self.compensation_key.startswith("cmp-"):
+                raise InvalidCompensationKey(self.compensation_key)
+            _check_fingerprint(self.grant_fingerprint)
+            return
+        validate_token("session id", self.session_id)
+        validate_token("request id", self.request_id)
+        validate_token("tool", self.tool)
+        validate_token("operation key", self.operation_key)
+        validate_compensation_key(self.compensation_key)
+        validate_token("tenant scope", self.tenant_scope)
+        _check_fingerprint(self.grant_fingerprint)
+
+    @property
+    def binding(self) -> OperationCompensationBinding:
+        return OperationCompensationBinding(
+            self.tool,
+            self.operation_key,
+            self.compensation_key,
+            self.tenant_scope,
+            self.grant_fingerprint,
+        )
+
+
+class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
+    # The constructor takes the binding; the wire carries its five fields flat.
+    tool: str = part_field(init=False)
+    operation_key: str = part_field(init=False)
+    compensation_key: str = part_field(init=False)
+    tenant_scope: str = part_field(init=False)
+    grant_fingerprint: str = part_field(init=False)
+    binding: OperationCompensationBinding = laid_flat()
     payload: ToolPayload
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            binding: OperationCompensationBinding,
-            payload: ToolPayload,
-        ) -> None: ...
-
-    @classmethod
-    def _build_arguments(
-        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return _binding_arguments(args, kwargs, "payload")
 
     def validate_header(self) -> None:
         self._validate_header()
@@ -362,30 +328,14 @@ class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unkn
 
 
 class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
-    session_id: str
-    request_id: str
-    tool: str
-    operation_key: str
-    compensation_key: str
-    tenant_scope: str
-    grant_fingerprint: str
+    # The constructor takes the binding; the wire carries its five fields flat.
+    tool: str = part_field(init=False)
+    operation_key: str = part_field(init=False)
+    compensation_key: str = part_field(init=False)
+    tenant_scope: str = part_field(init=False)
+    grant_fingerprint: str = part_field(init=False)
+    binding: OperationCompensationBinding = laid_flat()
     status: OperationStatus
-
-    if TYPE_CHECKING:
-
-        def __init__(
-            self,
-            session_id: str,
-            request_id: str,
-            binding: OperationCompensationBinding,
-            status: OperationStatus,
-        ) -> None: ...
-
-    @classmethod
-    def _build_arguments(
-        cls, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return _binding_arguments(args, kwargs, "status")
 
     def validate(self) -> None:
         self._validate_header()
@@ -419,13 +369,6 @@ class CompensationReconcileRequest(
     instead (see :class:`Resolution`).
     """
 
-    session_id: str
-    request_id: str
-    tool: str
-    operation_key: str
-    compensation_key: str
-    tenant_scope: str
-    grant_fingerprint: str
     resolution: Resolution | None = None
 
     def validate(self) -> None:
@@ -437,13 +380,6 @@ class CompensationReconcileRequest(
 class CompensationReconcileResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
     """The status a compensation lookup observed (``reconciled_compensation``)."""
 
-    session_id: str
-    request_id: str
-    tool: str
-    operation_key: str
-    compensation_key: str
-    tenant_scope: str
-    grant_fingerprint: str
     status: OperationStatus
 
     def validate(self) -> None:

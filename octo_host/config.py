@@ -228,7 +228,7 @@ class GrantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             self.max_input_bytes,
             self.max_output_bytes,
             self.max_compensations,
-            [ResourceSelector(ResourceKind(r.kind), r.id) for r in self.resources],
+            tuple(ResourceSelector(ResourceKind(r.kind), r.id) for r in self.resources),
         )
 
 

@@ -276,7 +276,7 @@ class AdapterKit:
         self._host = SessionAuthenticator(session_id, key, SessionRole.HOST)
         worker = SessionAuthenticator(session_id, key, SessionRole.WORKER)
         opening = self._host.seal(
-            messages.OpenSession(CapabilityManifest(session_id, [self.grant]), reply_to=_REPLY_TO)
+            messages.OpenSession(CapabilityManifest(session_id, (self.grant,)), reply_to=_REPLY_TO)
         )
         self._session = await WorkerSession.open(
             worker,
