@@ -149,6 +149,14 @@ class _Constructor:
                     raise TypeError(f"{self.name}(): {part} has no {key!r}") from None
         return values
 
+    def extended(self, cls: Any, leading: str | None) -> _Constructor:
+        """This constructor for a subclass: the fields it adds come last."""
+        taken = {*self.params, *self.filled, leading}
+        added = tuple(key for key in cls.__struct_fields__ if key not in taken)
+        return _Constructor(
+            cls.__name__, self.params + added, self.defaults, self.part, self.filled
+        )
+
 
 def _shape(
     cls: Any, declared: list[str], markers: dict[str, _Marker], leading: str | None
@@ -193,6 +201,8 @@ class ShapedStructMeta(msgspec.StructMeta):
             for key, value in list(namespace.items())
             if isinstance(value, _Marker)
         }
+        if markers and any(getattr(base, "__constructor__", None) for base in bases):
+            raise TypeError(f"{name}: a subclass of a shaped struct adds plain fields only")
         leading = [key for key, m in markers.items() if isinstance(m, _LeadingKeyword)]
         if len(leading) > 1:
             raise TypeError(f"{name}: one leading keyword field at most")
@@ -209,11 +219,11 @@ class ShapedStructMeta(msgspec.StructMeta):
         if first is not None and cls.__struct_fields__[0] != first[0]:
             raise TypeError(f"{name}: a leading keyword field must come first on the wire")
         inherited = cls.__constructor__
+        leading_name = None if first is None else first[0]
         if markers:
-            leading_name = None if first is None else first[0]
             cls.__constructor__ = _shape(cls, declared, markers, leading_name)
-        elif inherited is not None and declared:
-            raise TypeError(f"{name}: a struct with a shaped constructor declares no fields")
+        elif inherited is not None:
+            cls.__constructor__ = inherited.extended(cls, leading_name)
         return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:

@@ -309,14 +309,19 @@ class _CompensationFields(_Versioned, frozen=True):
         )
 
 
-class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unknown_fields=True):
-    # The constructor takes the binding; the wire carries its five fields flat.
+class _BoundCompensation(_CompensationFields, frozen=True):
+    """A compensation built from its binding: the constructor takes the binding,
+    the wire carries its five fields flat."""
+
     tool: str = part_field(init=False)
     operation_key: str = part_field(init=False)
     compensation_key: str = part_field(init=False)
     tenant_scope: str = part_field(init=False)
     grant_fingerprint: str = part_field(init=False)
     binding: OperationCompensationBinding = laid_flat()
+
+
+class OperationCompensationRequest(_BoundCompensation, frozen=True, forbid_unknown_fields=True):
     payload: ToolPayload
 
     def validate_header(self) -> None:
@@ -327,14 +332,7 @@ class OperationCompensationRequest(_CompensationFields, frozen=True, forbid_unkn
         self.payload.validate_for(self.payload.format)
 
 
-class OperationCompensationResult(_CompensationFields, frozen=True, forbid_unknown_fields=True):
-    # The constructor takes the binding; the wire carries its five fields flat.
-    tool: str = part_field(init=False)
-    operation_key: str = part_field(init=False)
-    compensation_key: str = part_field(init=False)
-    tenant_scope: str = part_field(init=False)
-    grant_fingerprint: str = part_field(init=False)
-    binding: OperationCompensationBinding = laid_flat()
+class OperationCompensationResult(_BoundCompensation, frozen=True, forbid_unknown_fields=True):
     status: OperationStatus
 
     def validate(self) -> None:

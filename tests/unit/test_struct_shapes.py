@@ -86,10 +86,27 @@ def test_the_metaclass_refuses_a_shape_it_cannot_read() -> None:
             here: Place = laid_flat()
             there: Place = laid_flat()
 
-    with pytest.raises(TypeError, match="declares no fields"):
+    with pytest.raises(TypeError, match="adds plain fields only"):
 
-        class Heavier(Parcel, frozen=True):
-            extra: int = 0
+        class Reshaped(Parcel, frozen=True):
+            extra: int = constructor_default(default=0)
+
+
+class Labelled(Parcel, frozen=True):
+    label: str = "-"
+
+
+def test_a_subclass_of_a_shaped_struct_takes_its_added_fields_last() -> None:
+    here = Place("oslo", "n")
+    labelled = Labelled("p", here, 2, "fragile", "red")
+    assert (labelled.city, labelled.weight, labelled.note, labelled.label) == (
+        "oslo",
+        2,
+        "fragile",
+        "red",
+    )
+    assert Labelled("p", here).label == "-"
+    assert Labelled("p", here, label="x").weight == 1
 
 
 def test_a_compensation_request_takes_its_binding_positionally_or_by_keyword() -> None:
